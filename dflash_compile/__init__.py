@@ -1,0 +1,26 @@
+"""dflash-compile: compiler-style speed-ups for Hugging Face Mixture-of-Experts models.
+
+    compiled = torch.compile(model, backend="dflash")     # every MoE layer's experts -> dflash::moe_dispatch
+    report = dflash_compile.explain(model, input_ids)      # pass matches, graph breaks, the graphs
+"""
+
+from . import ops, seam
+from .backend import dflash_backend
+from .expert_store import ExpertStore
+from .explain import ExplainReport, explain
+from .families import FAMILIES, FamilySpec, UnsupportedFamilyError, supported_families
+
+seam.install()
+
+__all__ = [
+    "FAMILIES",
+    "ExpertStore",
+    "ExplainReport",
+    "FamilySpec",
+    "UnsupportedFamilyError",
+    "dflash_backend",
+    "explain",
+    "ops",
+    "supported_families",
+]
+__version__ = "0.1.0"

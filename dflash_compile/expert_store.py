@@ -1,0 +1,143 @@
+"""The expert store: owner of a model's routed-expert weights, looked up by integer handles from the graph.
+
+After `expert_dispatch`, a compiled graph holds `dflash::moe_dispatch(hidden, top_k_index, top_k_weights, store,
+layer)` nodes and no expert weights. The two integers name an `ExpertStore` (one per compiled root module) and a
+layer inside it. Where a layer's weights live (the model's own parameters for now; pinned host blobs and a GPU slot
+pool with offload) is the store's business, never the graph's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .families import ExpertLayout, FamilySpec
+
+_store_ids = itertools.count()
+_STORES_BY_ID: weakref.WeakValueDictionary[int, ExpertStore] = weakref.WeakValueDictionary()
+_STORES_BY_ROOT: weakref.WeakKeyDictionary[torch.nn.Module, ExpertStore] = weakref.WeakKeyDictionary()
+
+# The flags `@use_experts_implementation` puts on every experts module, and the registry's answer for each.
+_DECLARED_FLAGS = {
+    "is_concatenated": lambda layout: layout.gate_up == "concatenated",
+    "is_transposed": lambda layout: layout.transposed,
+    "has_bias": lambda layout: layout.bias,
+    "has_gate": lambda layout: True,
+}
+
+
+def _check_layout(module: torch.nn.Module, spec: FamilySpec) -> None:
+    """Fail loudly when transformers' own declaration of the experts disagrees with the family registry."""
+    for flag, expected in _DECLARED_FLAGS.items():
+        declared = getattr(module, flag, None)
+        if declared is not None and declared != expected(spec.layout):
+            raise ValueError(
+                f"{type(module).__name__}.{flag} is {declared}, but the family registry's layout for "
+                f"{spec.name!r} implies {expected(spec.layout)}; update FAMILIES in dflash_compile/families.py."
+            )
+
+
+def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    if transposed:
+        out = x @ weight
+        return out + bias if bias is not None else out
+    return F.linear(x, weight, bias)
+
+
+@dataclass
+class ResidentExperts:
+    """One MoE layer's routed experts, read from the live module (so `.to()` and weight reloads are seen)."""
+
+    module_ref: weakref.ReferenceType
+    layout: ExpertLayout
+    name: str
+
+    @property
+    def module(self) -> torch.nn.Module:
+        module = self.module_ref()
+        if module is None:
+            raise RuntimeError(f"the experts module {self.name} was freed while a compiled graph still uses it")
+        return module
+
+    @property
+    def num_experts(self) -> int:
+        return self.module.gate_up_proj.shape[0]
+
+    def _gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.layout.gate_up == "interleaved":
+            gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+        if self.layout.activation == "clamped_swiglu":
+            limit, alpha = self.module.limit, self.module.alpha
+            gate = gate.clamp(max=limit)
+            up = up.clamp(min=-limit, max=limit)
+            return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+        return self.module.act_fn(gate) * up
+
+    def expert_mlp(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """One expert's MLP on the tokens routed to it, in the module's dtype."""
+        module, layout = self.module, self.layout
+        gate_up_bias = module.gate_up_proj_bias[expert] if layout.bias else None
+        down_bias = module.down_proj_bias[expert] if layout.bias else None
+        hidden = self._gate(_project(x, module.gate_up_proj[expert], gate_up_bias, layout.transposed))
+        return _project(hidden, module.down_proj[expert], down_bias, layout.transposed)
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """Reference routed-experts math: every family's Experts forward, accumulated in fp32."""
+        out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        for expert in top_k_index.unique().tolist():
+            if expert >= self.num_experts:  # expert-parallel sentinel: not a local expert
+                continue
+            token, slot = torch.where(top_k_index == expert)
+            contribution = self.expert_mlp(expert, hidden[token]) * top_k_weights[token, slot, None]
+            out.index_add_(0, token, contribution.float())
+        return out.to(hidden.dtype)
+
+
+class ExpertStore:
+    """The routed experts of one compiled root module, one entry per MoE layer, addressed by handle."""
+
+    def __init__(self) -> None:
+        self.id = next(_store_ids)
+        self._layers: list[ResidentExperts] = []
+        self._handles: dict[int, int] = {}  # id(experts module) -> handle
+        _STORES_BY_ID[self.id] = self
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+    def add_layer(self, module: torch.nn.Module, spec: FamilySpec, name: str) -> int:
+        """The handle of `module`'s experts, registering them the first time."""
+        handle = self._handles.get(id(module))
+        if handle is None or self._layers[handle].module_ref() is not module:
+            _check_layout(module, spec)
+            handle = len(self._layers)
+            self._layers.append(ResidentExperts(weakref.ref(module), spec.layout, name))
+            self._handles[id(module)] = handle
+        return handle
+
+    def layer(self, handle: int) -> ResidentExperts:
+        return self._layers[handle]
+
+    def dispatch(self, handle: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        return self._layers[handle].forward(hidden, top_k_index, top_k_weights)
+
+
+def store_for(root: torch.nn.Module) -> ExpertStore:
+    """The store of a root module, created on first use and freed with the module."""
+    store = _STORES_BY_ROOT.get(root)
+    if store is None:
+        store = _STORES_BY_ROOT[root] = ExpertStore()
+    return store
+
+
+def get_store(store_id: int) -> ExpertStore:
+    store = _STORES_BY_ID.get(store_id)
+    if store is None:
+        raise RuntimeError(f"expert store {store_id} no longer exists: its model was freed; compile the model again")
+    return store

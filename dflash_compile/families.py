@@ -1,0 +1,191 @@
+"""The family registry: the only place in dflash-compile that knows how a model family is built.
+
+Each supported family gets one `FamilySpec`, keyed by `config.model_type`. Passes, the expert store and the
+generation code ask the registry; they never look for a module name pattern such as ".mlp.experts." (Mixtral-style
+models name their MoE block `block_sparse_moe` in older checkpoints, Qwen3.5 nests experts beside a gated shared
+expert, DeepSeek-V3 keeps its first layers dense). Routed-expert modules are recognised by their class.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+GateUpLayout = Literal["concatenated", "interleaved"]
+Activation = Literal["act_fn", "clamped_swiglu"]
+AttentionKind = Literal["full_attention", "sliding_attention", "linear_attention"]
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How one family stores and applies its routed experts (transformers' 3-D `gate_up_proj` / `down_proj`)."""
+
+    gate_up: GateUpLayout  # "concatenated": [gate; up] rows; "interleaved": gate = rows 0::2, up = rows 1::2
+    transposed: bool  # weights stored [E, in, out] instead of [E, out, in]
+    bias: bool  # `gate_up_proj_bias` [E, 2I] and `down_proj_bias` [E, H]
+    activation: Activation  # "act_fn": act(gate) * up with the module's `act_fn`;
+    # "clamped_swiglu": gate <= limit, |up| <= limit, (up + 1) * gate * sigmoid(alpha * gate), from `alpha`/`limit`
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """What the router computes before the experts see `top_k_index` / `top_k_weights`."""
+
+    scoring: Literal["softmax", "sigmoid", "top_k_then_softmax"]
+    correction_bias: bool = False  # `e_score_correction_bias` added to the scores used for the choice only
+    grouped_top_k: bool = False  # experts chosen inside the best `topk_group` of `n_group` groups
+    routed_scaling_factor: bool = False  # weights multiplied by `config.routed_scaling_factor`
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    name: str
+    model_types: tuple[str, ...]
+    experts_class: str  # the `@use_experts_implementation` module class holding the routed experts
+    layout: ExpertLayout
+    router: RouterSpec
+    shared_experts: str | None  # attribute of the MoE block with always-resident shared experts
+    moe_layers: Callable[[object], list[int]]  # config -> indices of decoder layers with routed experts
+
+    attention_kinds: Callable[[object], list[AttentionKind]]  # config -> attention kind of every decoder layer
+
+
+def _all_layers(config) -> list[int]:
+    return list(range(config.num_hidden_layers))
+
+
+def _after_first_k_dense(config) -> list[int]:
+    return list(range(config.first_k_dense_replace, config.num_hidden_layers))
+
+
+def _qwen3_sparse_layers(config) -> list[int]:
+    return [
+        i
+        for i in range(config.num_hidden_layers)
+        if i not in config.mlp_only_layers and config.num_experts > 0 and (i + 1) % config.decoder_sparse_step == 0
+    ]
+
+
+def _declared_layer_types(config) -> list[AttentionKind]:
+    return list(config.layer_types)
+
+
+def _full_attention(config) -> list[AttentionKind]:
+    return ["full_attention"] * config.num_hidden_layers
+
+
+def _window_everywhere(config) -> list[AttentionKind]:
+    """Mixtral and Qwen3-MoE: one `sliding_window` (Qwen3 only with `use_sliding_window`) for every layer."""
+    slides = config.sliding_window and getattr(config, "use_sliding_window", True)
+    return ["sliding_attention" if slides else "full_attention"] * config.num_hidden_layers
+
+
+_SWIGLU = ExpertLayout(gate_up="concatenated", transposed=False, bias=False, activation="act_fn")
+_SOFTMAX = RouterSpec(scoring="softmax")
+_DEEPSEEK_ROUTER = RouterSpec(scoring="sigmoid", correction_bias=True, grouped_top_k=True, routed_scaling_factor=True)
+
+FAMILIES: dict[str, FamilySpec] = {
+    spec.name: spec
+    for spec in (
+        FamilySpec("mixtral", ("mixtral",), "MixtralExperts", _SWIGLU, _SOFTMAX, None, _all_layers, _window_everywhere),
+        FamilySpec(
+            "qwen3_moe", ("qwen3_moe",), "Qwen3MoeExperts", _SWIGLU, _SOFTMAX, None, _qwen3_sparse_layers,
+            _window_everywhere,
+        ),
+        FamilySpec(
+            "qwen3_5_moe",
+            ("qwen3_5_moe", "qwen3_5_moe_text"),
+            "Qwen3_5MoeExperts",
+            _SWIGLU,
+            _SOFTMAX,
+            "shared_expert",
+            _all_layers,
+            _declared_layer_types,  # GatedDeltaNet "linear_attention" layers between "full_attention" ones
+        ),
+        FamilySpec(
+            "gpt_oss",
+            ("gpt_oss",),
+            "GptOssExperts",
+            ExpertLayout(gate_up="interleaved", transposed=True, bias=True, activation="clamped_swiglu"),
+            RouterSpec(scoring="top_k_then_softmax"),
+            None,
+            _all_layers,
+            _declared_layer_types,  # alternating 128-token "sliding_attention" and "full_attention", with sinks
+        ),
+        FamilySpec(
+            "glm4_moe", ("glm4_moe",), "Glm4MoeExperts", _SWIGLU, _DEEPSEEK_ROUTER, "shared_experts",
+            _after_first_k_dense, _full_attention,
+        ),
+        FamilySpec(
+            "deepseek_v3", ("deepseek_v3",), "DeepseekV3Experts", _SWIGLU, _DEEPSEEK_ROUTER, "shared_experts",
+            _after_first_k_dense, _full_attention,  # multi-head latent attention: one latent K/V per token
+        ),
+        FamilySpec("olmoe", ("olmoe",), "OlmoeExperts", _SWIGLU, _SOFTMAX, None, _all_layers, _full_attention),
+    )
+}
+
+_BY_MODEL_TYPE = {model_type: spec for spec in FAMILIES.values() for model_type in spec.model_types}
+_BY_EXPERTS_CLASS = {spec.experts_class: spec for spec in FAMILIES.values()}
+_EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+class UnsupportedFamilyError(ValueError):
+    pass
+
+
+def supported_families() -> list[str]:
+    return sorted(FAMILIES)
+
+
+def _unsupported(what: str) -> UnsupportedFamilyError:
+    return UnsupportedFamilyError(
+        f"{what} is a Mixture-of-Experts model that dflash-compile does not support yet. "
+        f"Supported families (config.model_type): {', '.join(supported_families())}. "
+        "Compile it with another backend, or add a FamilySpec to dflash_compile/families.py."
+    )
+
+
+def is_experts_module_class(cls: type) -> bool:
+    """True for any transformers routed-experts class (decorated with `@use_experts_implementation`)."""
+    forward = getattr(cls, "forward", None)
+    return hasattr(cls, "_apply_gate") and hasattr(forward, "__wrapped__")
+
+
+def spec_for_experts_class(cls: type) -> FamilySpec | None:
+    """The family whose routed experts are `cls`; None for a module that is not routed experts.
+
+    Raises UnsupportedFamilyError for routed experts of a family the registry does not know.
+    """
+    spec = _BY_EXPERTS_CLASS.get(cls.__name__)
+    if spec is None and is_experts_module_class(cls):
+        raise _unsupported(f"{cls.__name__} (from {cls.__module__})")
+    return spec
+
+
+def spec_for_config(config) -> FamilySpec | None:
+    """The family of a model config; None for a dense model; UnsupportedFamilyError for an unknown MoE family."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for cfg in (config, text_config):
+        spec = _BY_MODEL_TYPE.get(getattr(cfg, "model_type", None))
+        if spec is not None:
+            return spec
+    if any((getattr(text_config, key, 0) or 0) > 0 for key in _EXPERT_COUNT_KEYS):
+        raise _unsupported(f"model_type {config.model_type!r}")
+    return None
+
+
+def spec_for_model(model: torch.nn.Module) -> FamilySpec | None:
+    config = getattr(model, "config", None)
+    return spec_for_config(config) if config is not None else None
+
+
+def warn_dense(what: str) -> None:
+    warnings.warn(
+        f"{what} has no routed experts: dflash-compile compiled it with 0 expert_dispatch matches. "
+        f"Expert dispatch and offload apply to these families: {', '.join(supported_families())}.",
+        stacklevel=3,
+    )

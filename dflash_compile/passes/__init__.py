@@ -1,0 +1,35 @@
+"""The pass pipeline, in order. Each pass takes (GraphModule, PassContext) and returns how many places it rewrote.
+
+1. expert_dispatch  routed-expert regions -> one dflash::moe_dispatch node per MoE layer
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from torch.fx import GraphModule
+
+from .context import PassContext
+from .expert_dispatch import expert_dispatch
+
+GraphPass = Callable[[GraphModule, PassContext], int]
+
+PIPELINE: dict[str, GraphPass] = {
+    "expert_dispatch": expert_dispatch,
+}
+
+
+def check_pass_names(names: Sequence[str]) -> None:
+    unknown = [name for name in names if name not in PIPELINE]
+    if unknown:
+        raise ValueError(f"unknown dflash pass(es) {unknown}; available passes, in pipeline order: {list(PIPELINE)}")
+
+
+def run_pipeline(gm: GraphModule, ctx: PassContext, enabled: Sequence[str] | None = None) -> dict[str, int]:
+    """Run the enabled passes (all by default) in pipeline order; returns {pass name: match count}."""
+    enabled = list(PIPELINE) if enabled is None else list(enabled)
+    check_pass_names(enabled)
+    return {name: pass_fn(gm, ctx) for name, pass_fn in PIPELINE.items() if name in enabled}
+
+
+__all__ = ["PIPELINE", "PassContext", "run_pipeline", "check_pass_names"]

@@ -1,0 +1,50 @@
+"""What a pass may know besides the graph: the modules the graph was traced from, and the expert store."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from ..expert_store import ExpertStore, store_for
+
+# Dynamo names modules by the frame variable they were reached from: "L['self'].model.layers.0.mlp.experts".
+_MODULE_PATH = re.compile(r"^(?P<scope>[LG])\['(?P<name>[^']+)'\]\.?(?P<rest>.*)$")
+
+
+@dataclass
+class PassContext:
+    frame_locals: dict
+    frame_globals: dict
+    example_inputs: list = field(default_factory=list)
+
+    @classmethod
+    def from_dynamo(cls, example_inputs) -> PassContext:
+        """The context of the frame Dynamo is compiling right now (backends run inside that trace)."""
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        if tx is None:
+            return cls({}, {}, list(example_inputs))
+        return cls(tx.f_locals, tx.f_globals, list(example_inputs))
+
+    def resolve(self, path: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+        """(root module, submodule) for a Dynamo module path; the root owns the expert store."""
+        match = _MODULE_PATH.match(path)
+        scope = self.frame_locals if match and match["scope"] == "L" else self.frame_globals
+        root = scope.get(match["name"]) if match else None
+        if not isinstance(root, torch.nn.Module):
+            raise RuntimeError(
+                f"cannot find the module {path!r} that the graph was traced from; dflash passes run inside "
+                "torch.compile(..., backend='dflash'), not on a detached graph"
+            )
+        return root, root.get_submodule(match["rest"]) if match["rest"] else root
+
+    def store(self, root: torch.nn.Module) -> ExpertStore:
+        return store_for(root)
+
+    def input_value(self, node: torch.fx.Node):
+        """The real value behind a placeholder (a parameter, a buffer or a user input)."""
+        placeholders = [n for n in node.graph.nodes if n.op == "placeholder"]
+        return self.example_inputs[placeholders.index(node)]

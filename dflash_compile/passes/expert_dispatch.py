@@ -1,0 +1,115 @@
+"""Pass `expert_dispatch`: every routed-expert region becomes one `dflash::moe_dispatch` node.
+
+Before (one MoE layer as Dynamo traces transformers' grouped_mm experts; ~35 nodes):
+
+    %top_k_weights ... %top_k_index ... %hidden          <- from the router and the MoE block
+    %sample_weights = .reshape(%top_k_weights, -1)
+    %sort = torch.sort(%expert_ids) ... torch.histc ... torch.cumsum
+    %out = torch.ops.transformers.grouped_mm_fallback(%hidden_g, %experts.gate_up_proj, %offsets)
+    ... act(gate) * up ... grouped_mm(%experts.down_proj) ... * weights ... scatter back ... .sum(dim=1)
+
+After:
+
+    %moe_dispatch = torch.ops.dflash.moe_dispatch.default(%hidden, %top_k_index, %top_k_weights, store, layer)
+
+A region is the set of nodes whose `nn_module_stack` passes through a routed-experts module that the family
+registry recognises by class. Its activation inputs are the hidden states, the integer expert ids and the routing
+weights (the ids' shape); its parameter inputs (`gate_up_proj`, `down_proj`, biases) become unused placeholders,
+since the weights now belong to the expert store. Router, shared experts and dense MLPs are left as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx import GraphModule, Node
+
+from ..families import FamilySpec, spec_for_experts_class
+from .context import PassContext
+
+
+@dataclass
+class ExpertRegion:
+    path: str  # Dynamo's module path, e.g. "L['self'].model.layers.1.mlp.experts"
+    spec: FamilySpec
+    nodes: list[Node] = field(default_factory=list)
+
+
+def find_expert_regions(graph: torch.fx.Graph) -> list[ExpertRegion]:
+    """Routed-expert regions in graph order, keyed by the outermost experts module on each node's stack."""
+    regions: dict[str, ExpertRegion] = {}
+    for node in graph.nodes:
+        if node.op != "call_function" and node.op != "call_method":
+            continue  # placeholders carry a module stack too, but stay: the caller still passes them
+        for path, module_class in (node.meta.get("nn_module_stack") or {}).values():
+            spec = spec_for_experts_class(module_class)
+            if spec is not None:
+                regions.setdefault(path, ExpertRegion(path, spec)).nodes.append(node)
+                break
+    return list(regions.values())
+
+
+def _value(node: Node, ctx: PassContext):
+    if node.op == "placeholder":
+        return ctx.input_value(node)
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def _activation_inputs(region: ExpertRegion, experts: torch.nn.Module, ctx: PassContext) -> tuple[Node, Node, Node]:
+    """(hidden, top_k_index, top_k_weights) among the region's inputs; the experts' own tensors are dropped."""
+    members = set(region.nodes)
+    owned = {id(t) for t in (*experts.parameters(), *experts.buffers())}
+    inputs: dict[Node, None] = {}
+    for node in region.nodes:
+        for arg in node.all_input_nodes:
+            if arg not in members and id(_value(arg, ctx)) not in owned:
+                inputs[arg] = None
+    index = [n for n in inputs if not _value(n, ctx).is_floating_point()]
+    floats = [n for n in inputs if _value(n, ctx).is_floating_point()]
+    weights = [n for n in floats if index and _value(n, ctx).shape == _value(index[0], ctx).shape]
+    hidden = [n for n in floats if n not in weights]
+    if (len(index), len(weights), len(hidden)) != (1, 1, 1):
+        raise RuntimeError(
+            f"expert_dispatch: expected the experts at {region.path} to take (hidden, top_k_index, top_k_weights), "
+            f"found inputs {[n.name for n in inputs]}"
+        )
+    return hidden[0], index[0], weights[0]
+
+
+def _region_output(region: ExpertRegion) -> Node:
+    members = set(region.nodes)
+    escaping = [n for n in region.nodes if any(user not in members for user in n.users)]
+    if len(escaping) != 1:
+        raise RuntimeError(f"expert_dispatch: the experts at {region.path} have {len(escaping)} outputs, expected 1")
+    return escaping[0]
+
+
+def _replace(gm: GraphModule, region: ExpertRegion, ctx: PassContext) -> None:
+    root, experts = ctx.resolve(region.path)
+    hidden, top_k_index, top_k_weights = _activation_inputs(region, experts, ctx)
+    output = _region_output(region)
+    store = ctx.store(root)
+    layer = store.add_layer(experts, region.spec, region.path)
+    with gm.graph.inserting_before(output):
+        dispatch = gm.graph.call_function(
+            torch.ops.dflash.moe_dispatch.default, (hidden, top_k_index, top_k_weights, store.id, layer)
+        )
+    dispatch.meta.update({k: v for k, v in output.meta.items() if k in ("example_value", "val", "stack_trace")})
+    stack = output.meta.get("nn_module_stack", {})
+    keys = list(stack)
+    outer = [k for k in keys if stack[k][0] == region.path]
+    dispatch.meta["nn_module_stack"] = {k: stack[k] for k in keys[: keys.index(outer[0]) + 1]} if outer else stack
+    output.replace_all_uses_with(dispatch)
+    for node in reversed(region.nodes):
+        gm.graph.erase_node(node)
+
+
+def expert_dispatch(gm: GraphModule, ctx: PassContext) -> int:
+    regions = find_expert_regions(gm.graph)
+    for region in regions:
+        _replace(gm, region, ctx)
+    if regions:
+        gm.graph.lint()
+        gm.recompile()
+    return len(regions)
