@@ -71,10 +71,13 @@ def _lower(gm: GraphModule, example_inputs, options: BackendOptions, mode: str |
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 
-def _is_dense_model(ctx: PassContext) -> bool:
-    """True for a transformers model without routed experts; raises for a MoE model of an unsupported family."""
-    root = ctx.frame_locals.get("self")
-    return isinstance(root, torch.nn.Module) and hasattr(root, "config") and spec_for_model(root) is None
+def _dense_model(gm: GraphModule, ctx: PassContext) -> torch.nn.Module | None:
+    """The traced model when it is a transformers model without routed experts. Raises UnsupportedFamilyError for
+    a MoE model of a family the registry does not know."""
+    root = ctx.traced_root(gm.graph)
+    if root is not None and hasattr(root, "config") and spec_for_model(root) is None:
+        return root
+    return None
 
 
 def compile_graph(
@@ -87,12 +90,12 @@ def compile_graph(
     """Passes then lowering for one Dynamo graph; `on_graph` receives the report (used by `explain`)."""
     parsed = BackendOptions.parse(options)
     ctx = PassContext.from_dynamo(example_inputs)
-    dense = _is_dense_model(ctx)  # before any pass: an unsupported family must fail with nothing changed
+    dense = _dense_model(gm, ctx)  # before any pass: an unsupported family must fail with nothing changed
     before = graph_text(gm) if on_graph else ""
     matches = run_pipeline(gm, ctx, parsed.passes)
     log.info("dflash passes matched %s", matches)
     if dense and matches.get("expert_dispatch") == 0:
-        warn_dense(type(ctx.frame_locals["self"]).__name__)
+        warn_dense(type(dense).__name__)
     if on_graph:
         on_graph(GraphReport(matches, before, graph_text(gm)))
     return _lower(gm, example_inputs, parsed, mode)

@@ -48,6 +48,13 @@ def _format_arg(arg, names: dict[Node, str]) -> str:
     return str(arg)
 
 
+def _args(node: Node, names: dict[Node, str]) -> list[str]:
+    args = [_format_arg(a, names) for a in node.args]
+    if node.target is torch.ops.dflash.moe_dispatch.default:
+        args[3] = "store"  # the expert store's id depends on how many models this process compiled before
+    return args + [f"{k}={_format_arg(v, names)}" for k, v in node.kwargs.items()]
+
+
 def _target(node: Node) -> str:
     if node.op == "call_method":
         return "." + node.target
@@ -70,7 +77,5 @@ def graph_text(gm: torch.fx.GraphModule) -> str:
         elif node.op == "get_attr":
             lines.append(f"{head} = self.{node.target}")
         else:
-            args = [_format_arg(a, names) for a in node.args]
-            args += [f"{k}={_format_arg(v, names)}" for k, v in node.kwargs.items()]
-            lines.append(f"{head} = {_target(node)}({', '.join(args)})")
+            lines.append(f"{head} = {_target(node)}({', '.join(_args(node, names))})")
     return "\n".join(lines) + "\n"

@@ -9,8 +9,9 @@ import torch
 
 from ..expert_store import ExpertStore, store_for
 
-# Dynamo names modules by the frame variable they were reached from: "L['self'].model.layers.0.mlp.experts".
-_MODULE_PATH = re.compile(r"^(?P<scope>[LG])\['(?P<name>[^']+)'\]\.?(?P<rest>.*)$")
+# Dynamo names modules by the frame variable they were reached from: "L['self'].model.layers.0.mlp.experts", or
+# "L['args'][0].model.layers.0.mlp.experts" when the traced frame is a decorator's wrapper.
+_MODULE_PATH = re.compile(r"^(?P<scope>[LG])\['(?P<name>[^']+)'\](?P<indices>(\[\d+\])*)\.?(?P<rest>.*)$")
 
 
 @dataclass
@@ -34,12 +35,22 @@ class PassContext:
         match = _MODULE_PATH.match(path)
         scope = self.frame_locals if match and match["scope"] == "L" else self.frame_globals
         root = scope.get(match["name"]) if match else None
+        for index in re.findall(r"\d+", match["indices"]) if match else ():
+            root = root[int(index)] if isinstance(root, (list, tuple)) else None
         if not isinstance(root, torch.nn.Module):
             raise RuntimeError(
                 f"cannot find the module {path!r} that the graph was traced from; dflash passes run inside "
                 "torch.compile(..., backend='dflash'), not on a detached graph"
             )
         return root, root.get_submodule(match["rest"]) if match["rest"] else root
+
+    def traced_root(self, graph: torch.fx.Graph) -> torch.nn.Module | None:
+        """The outermost module the graph was traced from (the model, for torch.compile(model))."""
+        for node in graph.nodes:
+            stack = node.meta.get("nn_module_stack")
+            if stack:
+                return self.resolve(next(iter(stack.values()))[0])[0]
+        return None
 
     def store(self, root: torch.nn.Module) -> ExpertStore:
         return store_for(root)

@@ -1,0 +1,39 @@
+import pytest
+import torch
+
+from dflash_compile.testing import TINY_CONFIGS, load_tiny_model, save_tiny_model
+
+FAMILIES = sorted(TINY_CONFIGS)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Every test compiles from scratch: Dynamo's caches are per code object and shared by all tiny models."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """One saved checkpoint per family, written once per session and loaded with from_pretrained by the tests."""
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            cache[family] = save_tiny_model(family, tmp_path_factory.mktemp(family))
+        return cache[family]
+
+    return get
+
+
+@pytest.fixture
+def tiny(tiny_dirs):
+    def load(family, dtype=torch.float32, **kwargs):
+        return load_tiny_model(family, dtype, tiny_dirs(family), **kwargs)
+
+    return load
+
+
+def token_ids(batch=2, length=9, vocab=128, seed=1):
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))

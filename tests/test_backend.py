@@ -1,0 +1,115 @@
+"""torch.compile(model, backend="dflash") on tiny models of every family, loaded through from_pretrained."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import dflash_compile
+from dflash_compile.expert_store import ExpertStore
+from dflash_compile.families import FAMILIES
+from tests.conftest import FAMILIES as FAMILY_NAMES
+from tests.conftest import token_ids
+
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture
+def dispatch_calls(monkeypatch):
+    """Counts the expert-store dispatches the compiled code makes: proof that moe_dispatch runs, not the region."""
+    calls = []
+    original = ExpertStore.dispatch
+
+    def counting(self, handle, *args):
+        calls.append(handle)
+        return original(self, handle, *args)
+
+    monkeypatch.setattr(ExpertStore, "dispatch", counting)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_compiled_logits_match_eager(tiny, family, dtype, dispatch_calls):
+    model = tiny(family, dtype)
+    moe_layers = FAMILIES[family].moe_layers(model.config)
+    ids = token_ids()
+    with torch.no_grad():
+        expected = model(ids).logits
+        compiled = torch.compile(model, backend="dflash", fullgraph=True)
+        actual = compiled(ids).logits
+    assert (actual.float() - expected.float()).abs().max().item() <= TOLERANCE[dtype]
+    assert dispatch_calls == list(range(len(moe_layers)))  # one dispatch per MoE layer, in layer order
+
+
+@pytest.mark.parametrize("implementation", ["eager", "batched_mm", "grouped_mm"])
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_one_dispatch_node_per_moe_layer_whatever_experts_implementation(tiny, family, implementation):
+    model = tiny(family, experts_implementation=implementation)
+    ids = token_ids()
+    report = dflash_compile.explain(model, ids)
+    moe_layers = FAMILIES[family].moe_layers(model.config)
+    assert report.graph_break_count == 0
+    assert len(report.graphs) == 1
+    assert report.matches == {"expert_dispatch": len(moe_layers)}
+    after = report.graphs[0].after
+    assert after.count("torch.ops.dflash.moe_dispatch.default(") == len(moe_layers)
+    assert "grouped_mm" not in after and "gate_up_proj[" not in after  # no expert math left in the graph
+    with torch.no_grad():
+        compiled = torch.compile(model, backend="dflash", fullgraph=True, options={"lowering": "aot_eager"})
+        torch.testing.assert_close(compiled(ids).logits, model(ids).logits, atol=1e-4, rtol=0)
+
+
+def test_shared_experts_and_dense_layers_stay(tiny):
+    model = tiny("deepseek_v3")
+    after = dflash_compile.explain(model, token_ids()).graphs[0].after
+    # layer 0 is a dense MLP, layers 1-2 keep their shared experts next to the dispatched routed experts
+    assert "layers.0.mlp.gate_proj.weight" in after
+    for layer in (1, 2):
+        assert f"layers.{layer}.mlp.shared_experts.gate_proj.weight" in after
+        assert f"layers.{layer}.mlp.gate.weight" in after  # the router stays in the graph
+
+
+def test_passes_option_selects_the_pipeline(tiny):
+    model = tiny("mixtral")
+    report = dflash_compile.explain(model, token_ids(), options={"passes": []})
+    assert report.matches == {}
+    assert "moe_dispatch" not in report.graphs[0].after
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"passes": ["fuse_everything"]}, r"unknown dflash pass\(es\) \['fuse_everything'\]; available passes"),
+        ({"lowering": "tvm"}, r"unknown lowering 'tvm'; choose one of \('inductor', 'aot_eager', 'eager'\)"),
+        ({"speed": "max"}, r"unknown dflash backend option\(s\) \['speed'\]"),
+    ],
+)
+def test_bad_options_are_clear_errors(tiny, options, message):
+    with pytest.raises(Exception, match=message):
+        with torch.no_grad():
+            torch.compile(tiny("olmoe"), backend="dflash", options=options)(token_ids())
+
+
+def test_backend_found_without_importing_dflash_compile(tiny_dirs):
+    """The entry point makes backend="dflash" available in an interpreter that never imported the package."""
+    script = textwrap.dedent(
+        f"""
+        import sys, torch, transformers
+        model = transformers.AutoModelForCausalLM.from_pretrained({str(tiny_dirs("gpt_oss"))!r}).eval()
+        assert "dflash_compile" not in sys.modules
+        ids = torch.randint(0, 128, (1, 6))
+        with torch.no_grad():
+            out = torch.compile(model, backend="dflash", fullgraph=True)(ids).logits
+            assert (out - model(ids).logits).abs().max() <= 1e-4
+        assert "dflash_compile" in sys.modules
+        print("dispatch ok", len(sys.modules["dflash_compile.expert_store"]._STORES_BY_ROOT[model]))
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": ""}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd="/")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "dispatch ok 2" in result.stdout

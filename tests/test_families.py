@@ -1,0 +1,85 @@
+import pytest
+import torch
+import transformers
+from torch._dynamo.exc import BackendCompilerFailed
+
+import dflash_compile
+from dflash_compile.expert_store import _STORES_BY_ROOT
+from dflash_compile.families import FAMILIES, UnsupportedFamilyError, spec_for_config, spec_for_experts_class
+from tests.conftest import token_ids
+
+
+def test_registry_covers_the_seven_families():
+    assert dflash_compile.supported_families() == sorted(
+        ["mixtral", "qwen3_moe", "qwen3_5_moe", "gpt_oss", "glm4_moe", "deepseek_v3", "olmoe"]
+    )
+
+
+@pytest.mark.parametrize(
+    "family, moe_layers, attention",
+    [
+        ("mixtral", [0, 1], ["full_attention"] * 2),
+        ("qwen3_moe", [1, 2], ["full_attention"] * 3),  # mlp_only_layers=[0]
+        ("qwen3_5_moe", [0, 1], ["linear_attention", "full_attention"]),
+        ("gpt_oss", [0, 1], ["sliding_attention", "full_attention"]),
+        ("glm4_moe", [1, 2], ["full_attention"] * 3),  # first_k_dense_replace=1
+        ("deepseek_v3", [1, 2], ["full_attention"] * 3),
+        ("olmoe", [0, 1], ["full_attention"] * 2),
+    ],
+)
+def test_spec_of_each_tiny_model(tiny, family, moe_layers, attention):
+    model = tiny(family)
+    spec = spec_for_config(model.config)
+    assert spec is FAMILIES[family]
+    assert spec.moe_layers(model.config) == moe_layers
+    assert spec.attention_kinds(model.config) == attention
+    experts = {i: type(layer.mlp.experts) for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")}
+    assert sorted(experts) == moe_layers
+    assert all(spec_for_experts_class(cls) is spec for cls in experts.values())
+
+
+def test_qwen3_sparse_step_and_mixtral_window():
+    qwen = transformers.Qwen3MoeConfig(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3])
+    assert FAMILIES["qwen3_moe"].moe_layers(qwen) == [1]
+    mixtral = transformers.MixtralConfig(num_hidden_layers=2, sliding_window=16)
+    assert FAMILIES["mixtral"].attention_kinds(mixtral) == ["sliding_attention"] * 2
+
+
+def _tiny_qwen2_moe():
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
+    )
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_unsupported_moe_family_is_a_clear_error_before_any_state():
+    model = _tiny_qwen2_moe()
+    # Dynamo wraps whatever a backend raises in BackendCompilerFailed; ours is the inner exception.
+    with pytest.raises(BackendCompilerFailed, match=r"model_type 'qwen2_moe' is a Mixture-of-Experts model") as err:
+        with torch.no_grad():
+            torch.compile(model, backend="dflash", options={"lowering": "eager"})(token_ids(1, 4))
+    assert isinstance(err.value.inner_exception, UnsupportedFamilyError)
+    assert "deepseek_v3, glm4_moe, gpt_oss, mixtral, olmoe, qwen3_5_moe, qwen3_moe" in str(err.value)
+    assert model not in _STORES_BY_ROOT  # nothing registered before the error
+
+
+def test_unsupported_experts_class_is_recognised_without_a_config():
+    experts = _tiny_qwen2_moe().model.layers[0].mlp.experts
+    with pytest.raises(UnsupportedFamilyError, match=r"Qwen2MoeExperts .* does not support yet"):
+        spec_for_experts_class(type(experts))
+
+
+def test_dense_model_compiles_with_zero_matches_and_a_warning():
+    config = transformers.Qwen3Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids = token_ids(1, 5)
+    with pytest.warns(UserWarning, match="has no routed experts: dflash-compile compiled it with 0 expert_dispatch"):
+        report = dflash_compile.explain(model, ids)
+    assert report.matches == {"expert_dispatch": 0}
+    with torch.no_grad(), pytest.warns(UserWarning, match="no routed experts"):
+        out = torch.compile(model, backend="dflash", options={"lowering": "aot_eager"})(ids).logits
+        torch.testing.assert_close(out, model(ids).logits)
