@@ -2,7 +2,7 @@
 
 One line per node: `%name: dtype[shape] = target(args)`. Targets get qualified names (no object addresses) and
 Dynamo's placeholder names are shortened to the module path they come from
-(`l_self_modules_experts_parameters_gate_up_proj_` -> `experts.gate_up_proj`).
+(`l_self_modules_experts_parameters_gate_up_proj_` -> `experts.gate_up_proj`, `l_input_ids_` -> `arg.input_ids`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,12 @@ _DTYPES = {
     torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
     torch.int64: "i64", torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8", torch.bool: "b8",
 }
-_PLACEHOLDER_PARTS = ((r"^l_", ""), (r"^self_modules_", ""), (r"_(modules|parameters|buffers)_", "."), (r"_$", ""))
+_PLACEHOLDER_PARTS = (
+    (r"^l_self_modules_", ""),  # the module's own parameters and buffers: a module path
+    (r"_(modules|parameters|buffers)_", "."),
+    (r"^l_", "arg."),  # a frame input (hidden states, input ids)
+    (r"_$", ""),
+)
 
 
 def _placeholder_name(name: str) -> str:

@@ -1,0 +1,77 @@
+"""dflash::moe_dispatch: schema/fake/autograd checks and exactness against each family's own Experts module."""
+
+import pytest
+import torch
+
+from dflash_compile.expert_store import ExpertStore, get_store
+from dflash_compile.families import FAMILIES
+from tests.conftest import FAMILIES as FAMILY_NAMES
+
+
+def _routed(model, family):
+    layer = FAMILIES[family].moe_layers(model.config)[0]
+    return model.model.layers[layer].mlp.experts
+
+
+def _routing(experts, tokens=11, top_k=3, dtype=torch.float32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(tokens, experts.gate_up_proj.shape[1 if experts.is_transposed else 2], generator=generator)
+    scores = torch.rand(tokens, experts.gate_up_proj.shape[0], generator=generator)
+    weights, index = scores.topk(top_k, dim=-1)
+    return hidden.to(dtype), index, (weights / weights.sum(-1, keepdim=True)).to(dtype)
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_reference_equals_the_family_experts_module(tiny, family):
+    """The store's math against transformers' eager experts loop (the family's own definition) in fp32."""
+    experts = _routed(tiny(family, experts_implementation="eager"), family)
+    store = ExpertStore()
+    layer = store.add_layer(experts, FAMILIES[family], "experts")
+    hidden, index, weights = _routing(experts)
+    with torch.no_grad():
+        expected = experts(hidden, index, weights)
+        actual = torch.ops.dflash.moe_dispatch(hidden, index, weights, store.id, layer)
+    torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
+def test_opcheck_moe_dispatch(tiny, family):
+    experts = _routed(tiny(family), family)
+    store = ExpertStore()
+    layer = store.add_layer(experts, FAMILIES[family], "experts")
+    for tokens in (1, 5):
+        hidden, index, weights = _routing(experts, tokens=tokens)
+        torch.library.opcheck(torch.ops.dflash.moe_dispatch.default, (hidden, index, weights, store.id, layer))
+
+
+def test_fake_checks_routing_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(), pytest.raises(RuntimeError, match="top_k_index and top_k_weights differ in shape"):
+        torch.ops.dflash.moe_dispatch(torch.empty(4, 8), torch.empty(4, 2, dtype=torch.long), torch.empty(4, 3), 0, 0)
+
+
+def test_store_reads_live_weights_and_reports_freed_models(tiny):
+    model = tiny("olmoe")
+    experts = _routed(model, "olmoe")
+    store = ExpertStore()
+    layer = store.add_layer(experts, FAMILIES["olmoe"], "layers.0.mlp.experts")
+    assert store.add_layer(experts, FAMILIES["olmoe"], "again") == layer  # one handle per module
+    hidden, index, weights = _routing(experts)
+    with torch.no_grad():
+        before = store.dispatch(layer, hidden, index, weights)
+        experts.down_proj.mul_(2)  # weights changed in place are seen: the store does not copy them
+        torch.testing.assert_close(store.dispatch(layer, hidden, index, weights), 2 * before)
+    del model, experts
+    with pytest.raises(RuntimeError, match=r"layers.0.mlp.experts was freed while a compiled graph still uses it"):
+        store.dispatch(layer, hidden, index, weights)
+    store_id = store.id
+    del store
+    with pytest.raises(RuntimeError, match=rf"expert store {store_id} no longer exists"):
+        get_store(store_id)
+
+
+def test_layout_mismatch_with_the_registry_is_reported(tiny):
+    experts = _routed(tiny("gpt_oss"), "gpt_oss")
+    with pytest.raises(ValueError, match=r"GptOssExperts.is_concatenated is False, but the family registry's layout"):
+        ExpertStore().add_layer(experts, FAMILIES["mixtral"], "experts")
