@@ -2,10 +2,13 @@
 
     compiled = torch.compile(model, backend="dflash")     # every MoE layer's experts -> dflash::moe_dispatch
     report = dflash_compile.explain(model, input_ids)      # pass matches, graph breaks, the graphs
+    fast = dflash_compile.optimize(model, drafter=path)    # DFlash speculative decoding, same tokens as generate
 """
 
 from . import ops, seam
+from .api import OptimizedModel, optimize
 from .backend import dflash_backend
+from .drafter import DFlashDrafter, DrafterConfig, DrafterPairingError
 from .expert_store import ExpertStore
 from .explain import ExplainReport, explain
 from .families import FAMILIES, FamilySpec, UnsupportedFamilyError, supported_families
@@ -13,6 +16,11 @@ from .families import FAMILIES, FamilySpec, UnsupportedFamilyError, supported_fa
 seam.install()
 
 __all__ = [
+    "DFlashDrafter",
+    "DrafterConfig",
+    "DrafterPairingError",
+    "OptimizedModel",
+    "optimize",
     "FAMILIES",
     "ExpertStore",
     "ExplainReport",

@@ -27,3 +27,46 @@ def _moe_dispatch_fake(hidden, top_k_index, top_k_weights, store, layer):
     torch._check(top_k_index.shape == top_k_weights.shape, lambda: "top_k_index and top_k_weights differ in shape")
     torch._check(top_k_index.shape[0] == hidden.shape[0], lambda: "one routing row per token expected")
     return torch.empty_like(hidden)
+
+
+@torch.library.custom_op("dflash::kv_write", mutates_args=("cache",))
+def kv_write(cache: torch.Tensor, new: torch.Tensor, lengths: torch.Tensor) -> None:
+    """cache[b, :, lengths[b] + i] = new[b, :, i] for every row b and i < new.shape[2] (cache [B, H, S, D])."""
+    slots = lengths[:, None] + torch.arange(new.shape[2], device=new.device)  # [B, n]
+    index = slots[:, None, :, None].expand(-1, new.shape[1], -1, new.shape[3])
+    cache.scatter_(2, index, new.to(cache.dtype))
+
+
+@kv_write.register_fake
+def _kv_write_fake(cache, new, lengths):
+    torch._check(new.shape[0] == cache.shape[0] and new.shape[1] == cache.shape[1], lambda: "batch/heads differ")
+    torch._check(new.shape[3] == cache.shape[3], lambda: "head_dim differs")
+
+
+@torch.library.custom_op("dflash::kv_commit", mutates_args=("lengths",))
+def kv_commit(lengths: torch.Tensor, counts: torch.Tensor) -> None:
+    """Advance each row's committed length by counts[b]: the tokens it keeps. Everything past it is rolled back."""
+    lengths.add_(counts.to(lengths.dtype))
+
+
+@kv_commit.register_fake
+def _kv_commit_fake(lengths, counts):
+    torch._check(lengths.shape == counts.shape, lambda: "one count per row expected")
+
+
+@torch.library.custom_op("dflash::greedy_accept", mutates_args=())
+def greedy_accept(block: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy acceptance over a verify block, per row.
+
+    block [B, T] = [anchor, d1 .. d_{T-1}], logits [B, T, V] of the target over the block. Returns
+    (accepted [B]: how many drafts match the target's argmax before the first miss, target [B, T]: the argmax).
+    The row commits target[:, :accepted + 1]: the accepted drafts and the bonus token.
+    """
+    target = logits.argmax(dim=-1)
+    accepted = (block[:, 1:] == target[:, :-1]).long().cumprod(dim=-1).sum(dim=-1)
+    return accepted, target
+
+
+@greedy_accept.register_fake
+def _greedy_accept_fake(block, logits):
+    return block.new_empty(block.shape[0]), block.new_empty(block.shape)

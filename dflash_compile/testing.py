@@ -39,7 +39,7 @@ TINY_CONFIGS = {
         num_hidden_layers=3, head_dim=16, **_DEEPSEEK_ROUTING, **_ROUTED, **_COMMON),
     "deepseek_v3": lambda: transformers.DeepseekV3Config(
         num_hidden_layers=3, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
-        v_head_dim=16, **_DEEPSEEK_ROUTING, **_ROUTED, **_COMMON),
+        v_head_dim=16, **_DEEPSEEK_ROUTING, **_ROUTED, **{**_COMMON, "num_key_value_heads": 4}),  # MLA: kv heads = heads
     "olmoe": lambda: transformers.OlmoeConfig(
         num_hidden_layers=2, intermediate_size=32, num_experts=8, **_ROUTED, **_COMMON),
 }
@@ -80,3 +80,103 @@ def load_tiny_model(
             return load_tiny_model(family, dtype, save_tiny_model(family, tmp), **load_kwargs)
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **load_kwargs)
     return model.eval()
+
+
+def tiny_drafter_config(target_config, block_size: int = 4, layer_types=("full_attention",) * 2,
+                        target_layer_ids=None, nested: bool = True, **extra) -> dict:
+    """A z-lab-format drafter config.json for `target_config` (DFlash keys nested in `dflash_config` or not)."""
+    target = target_config.get_text_config()
+    ids = list(target_layer_ids) if target_layer_ids is not None else [0, target.num_hidden_layers - 1]
+    dflash = {"block_size": block_size, "mask_token_id": target.vocab_size - 1, "target_layer_ids": ids}
+    config = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": target.hidden_size,
+        "intermediate_size": 2 * target.hidden_size, "num_hidden_layers": len(layer_types),
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "vocab_size": target.vocab_size, "max_position_embeddings": 512,
+        "layer_types": list(layer_types), "sliding_window": 8 if "sliding_attention" in layer_types else None,
+        "num_target_layers": target.num_hidden_layers, **extra,
+    }
+    if nested:
+        config["dflash_config"] = dflash
+    else:
+        config.update(block_size=block_size, dflash_config={"mask_token_id": dflash["mask_token_id"],
+                                                            "target_layer_ids": ids})
+    return config
+
+
+def random_drafter_weights(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights in z-lab names for a drafter config (a drafter whose drafts the target mostly rejects)."""
+    from .drafter import DFlashDrafter, DrafterConfig
+
+    parsed = DrafterConfig.from_dict(config)
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(parsed, len(parsed.target_layer_ids))
+    with torch.no_grad():
+        for name, tensor in drafter.named_parameters():
+            if "norm" in name:
+                tensor.uniform_(0.5, 1.5)
+            else:
+                tensor.normal_(0, 0.2)
+    return drafter.state_dict()
+
+
+def save_drafter(directory: str | Path, config: dict, weights: dict[str, torch.Tensor],
+                 transformers_format: bool = False) -> Path:
+    """Write a drafter checkpoint: z-lab names, or transformers' assistant names (`encoder.fc`, ...)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    if transformers_format:
+        renames = {"fc.": "encoder.fc.", "hidden_norm.": "encoder.output_norm_enc."}
+        weights = {next((new + k[len(old):] for old, new in renames.items() if k.startswith(old)), k): v
+                   for k, v in weights.items()}
+        dflash = config.get("dflash_config", {})
+        config = {k: v for k, v in config.items() if k != "dflash_config"} | {
+            "model_type": "muse_glimmer_assistant", "architectures": ["MuseGlimmerAssistantModel"],
+            "block_size": dflash.get("block_size", config.get("block_size")),
+            "mask_token_id": dflash["mask_token_id"], "target_layer_ids": dflash["target_layer_ids"]}
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / "model.safetensors"))
+    return directory
+
+
+class OracleDrafter:
+    """Proposes the target's own greedy continuation (from a reference `generate` output), each proposed token
+    replaced by a random one with probability `corruption`: acceptance from all-accepted (0) down to about none.
+
+    `reference` is [batch, prompt + new] as `model.generate` returns it, `attention_mask` the prompt's mask.
+    """
+
+    def __init__(self, reference: torch.Tensor, attention_mask: torch.Tensor | None, block_size: int,
+                 corruption: float = 0.0, vocab_size: int | None = None, seed: int = 0):
+        from types import SimpleNamespace
+
+        from .cache import RowCache
+
+        pad = (attention_mask == 0).sum(dim=1) if attention_mask is not None else torch.zeros(len(reference))
+        self.rows = [reference[b, int(pad[b]):] for b in range(reference.shape[0])]  # real tokens per row
+        self.config = SimpleNamespace(block_size=block_size)
+        self.corruption, self.vocab_size = corruption, vocab_size
+        self.generator = torch.Generator().manual_seed(seed)
+        self._cache_class = RowCache
+
+    def new_cache(self, batch, max_len, dtype, device):
+        return self._cache_class(batch, max_len, dtype, device)  # only its lengths are used
+
+    def add_context(self, cache, features, counts) -> None:
+        cache.commit(counts)
+
+    def propose(self, anchor, cache, embed, lm_head) -> torch.Tensor:
+        width = self.config.block_size - 1
+        drafts = torch.zeros(len(self.rows), width, dtype=torch.long)
+        for b, (row, anchor_position) in enumerate(zip(self.rows, cache.lengths.tolist())):
+            future = row[anchor_position + 1: anchor_position + 1 + width]
+            drafts[b, : len(future)] = future
+        if self.corruption:
+            corrupt = torch.rand(drafts.shape, generator=self.generator) < self.corruption
+            noise = torch.randint(0, self.vocab_size, drafts.shape, generator=self.generator)
+            drafts = torch.where(corrupt, noise, drafts)
+        return drafts.to(anchor.device)

@@ -31,18 +31,22 @@ class PassContext:
         return cls(tx.f_locals, tx.f_globals, list(example_inputs))
 
     def resolve(self, path: str) -> tuple[torch.nn.Module, torch.nn.Module]:
-        """(root module, submodule) for a Dynamo module path; the root owns the expert store."""
+        """(root module, submodule) for a Dynamo module path. The root is the outermost nn.Module on the path
+        (the model, also when the traced frame is a method of an object holding it); it owns the expert store."""
         match = _MODULE_PATH.match(path)
         scope = self.frame_locals if match and match["scope"] == "L" else self.frame_globals
         root = scope.get(match["name"]) if match else None
         for index in re.findall(r"\d+", match["indices"]) if match else ():
             root = root[int(index)] if isinstance(root, (list, tuple)) else None
+        rest = match["rest"].split(".") if match and match["rest"] else []
+        while root is not None and not isinstance(root, torch.nn.Module) and rest:
+            root = getattr(root, rest.pop(0), None)
         if not isinstance(root, torch.nn.Module):
             raise RuntimeError(
                 f"cannot find the module {path!r} that the graph was traced from; dflash passes run inside "
                 "torch.compile(..., backend='dflash'), not on a detached graph"
             )
-        return root, root.get_submodule(match["rest"]) if match["rest"] else root
+        return root, root.get_submodule(".".join(rest))
 
     def traced_root(self, graph: torch.fx.Graph) -> torch.nn.Module | None:
         """The outermost module the graph was traced from (the model, for torch.compile(model))."""

@@ -1,0 +1,48 @@
+"""`optimize(model, drafter=...)`: the one call that gives a model the dflash passes and speculative generation."""
+
+from __future__ import annotations
+
+import torch
+
+from .drafter import load_drafter
+from .families import spec_for_model, supported_families
+from .speculative import GenerationStats, SpeculativeDecoder
+
+
+class OptimizedModel:
+    """A model with a dflash-compiled forward and greedy (optionally speculative) `generate`."""
+
+    def __init__(self, model: torch.nn.Module, decoder: SpeculativeDecoder, compile: bool):
+        self.model = model
+        self.decoder = decoder
+        self.forward = torch.compile(model, backend="dflash") if compile else model
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    @property
+    def last_stats(self) -> GenerationStats:
+        return self.decoder.last_stats
+
+    def generate(self, input_ids, attention_mask=None, max_new_tokens: int = 20, eos_token_id=None,
+                 pad_token_id=None, do_sample: bool = False) -> torch.Tensor:
+        """The tokens `model.generate(input_ids, attention_mask=..., do_sample=False, ...)` returns."""
+        if do_sample:
+            raise NotImplementedError("do_sample=True is not supported yet; dflash-compile generates greedily")
+        return self.decoder.generate(input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id)
+
+
+def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True) -> OptimizedModel:
+    """Compile `model` with the dflash backend and set up DFlash speculative decoding with `drafter`
+    (a z-lab or transformers checkpoint directory, or a drafter module). Every check runs before any state is
+    built: an unsupported family or a drafter made for another target raises with nothing changed."""
+    if spec_for_model(model) is None:
+        raise ValueError(
+            f"{type(model).__name__} is not a Mixture-of-Experts model of a supported family "
+            f"({', '.join(supported_families())}); dflash_compile.optimize needs one"
+        )
+    layer_ids: tuple[int, ...] = ()
+    if drafter is not None:
+        drafter, layer_ids = load_drafter(drafter, model)
+    decoder = SpeculativeDecoder(model, drafter, layer_ids, compile=compile)
+    return OptimizedModel(model, decoder, compile)

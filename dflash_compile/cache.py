@@ -1,0 +1,93 @@
+"""Caches with fixed buffers and per-row lengths, for batched speculative decoding.
+
+A row's tokens sit in consecutive slots of a [batch, heads, max_len, head_dim] buffer. A forward writes its new
+keys/values at `lengths[b], lengths[b] + 1, ...` (`dflash::kv_write`) without moving `lengths`; afterwards
+`dflash::kv_commit` advances each row by the number of tokens it keeps. Anything written past a row's length is
+dead: masked out of attention and overwritten by the next write. That is the whole rollback for full attention and
+for sliding windows kept at full length, and it needs no host sync: lengths stay on the device.
+
+`RowCache` is the storage (the drafter uses it directly for its context K/V); `TargetCache` plugs it into
+transformers models through their `Cache.update` interface, with masks built here and passed in as 4-D tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[b, q, k] booleans -> [b, 1, q, k] additive mask. finfo.min, not -inf: a row with nothing visible (a padding
+    query) gets a finite uniform softmax instead of NaNs that would leak through zero attention weights."""
+    zero = torch.zeros((), dtype=dtype, device=visible.device)
+    return torch.where(visible, zero, torch.finfo(dtype).min)[:, None]
+
+
+class RowCache:
+    """Per-layer key/value buffers with one committed length per row."""
+
+    def __init__(self, batch: int, max_len: int, dtype: torch.dtype, device) -> None:
+        self.batch, self.max_len, self.dtype = batch, max_len, dtype
+        self.lengths = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+
+    def _buffer(self, store: dict, layer: int, like: torch.Tensor) -> torch.Tensor:
+        if layer not in store:
+            shape = (self.batch, like.shape[1], self.max_len, like.shape[3])
+            store[layer] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        return store[layer]
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Write [b, heads, n, d] keys/values at each row's length (not committed)."""
+        torch.ops.dflash.kv_write(self._buffer(self.keys, layer, key), key, self.lengths)
+        torch.ops.dflash.kv_write(self._buffer(self.values, layer, value), value, self.lengths)
+
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[layer], self.values[layer]
+
+    def commit(self, counts: torch.Tensor) -> None:
+        torch.ops.dflash.kv_commit(self.lengths, counts)
+
+    def reset(self) -> None:
+        self.lengths.zero_()
+
+
+class TargetCache(Cache):
+    """The target model's cache during speculative decoding: a RowCache behind transformers' Cache interface.
+
+    `pad` holds each row's left-padding width: slots before it are never attended to.
+    """
+
+    def __init__(self, batch: int, max_len: int, dtype: torch.dtype, device) -> None:
+        super().__init__(layers=[])
+        self.rows = RowCache(batch, max_len, dtype, device)
+        self.pad = torch.zeros(batch, dtype=torch.int64, device=device)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.rows.lengths
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.rows.write(layer_idx, key_states, value_states)
+        return self.rows.kv(layer_idx)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        raise RuntimeError("TargetCache lengths are per row and on the device; pass position_ids explicitly")
+
+    def positions(self, width: int) -> torch.Tensor:
+        """Position ids [b, width] of the next `width` tokens: slot minus left padding."""
+        return self.lengths[:, None] - self.pad[:, None] + torch.arange(width, device=self.lengths.device)
+
+    def masks(self, width: int, windows: dict[str, int | None]) -> dict[str, torch.Tensor]:
+        """Additive [b, 1, width, max_len] masks for the next `width` tokens, one per attention kind:
+        causal over the row's own slots, and inside the window for sliding kinds."""
+        device = self.lengths.device
+        query = self.lengths[:, None] + torch.arange(width, device=device)  # slots of the new tokens
+        slots = torch.arange(self.rows.max_len, device=device)[None, None, :]
+        visible = (slots <= query[:, :, None]) & (slots >= self.pad[:, None, None])
+        masks = {}
+        for kind, window in windows.items():
+            ok = visible & (query[:, :, None] - slots < window) if window else visible
+            masks[kind] = additive_mask(ok, self.rows.dtype)
+        return masks

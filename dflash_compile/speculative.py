@@ -1,0 +1,194 @@
+"""DFlash speculative decoding: prefill, then draft a block -> verify-commit -> repeat.
+
+The verify-commit step is one compiled graph per (batch, block size): the target runs over
+`[anchor, d1 .. d_{B-1}]`, `dflash::greedy_accept` finds each row's accepted drafts, `dflash::kv_commit` keeps
+`accepted + 1` tokens per active row and so rolls the rest back, and the captured hidden states at the drafter's
+target layers come out as graph outputs. Lengths and positions are device tensors; the only host sync per step is
+reading the accepted lengths afterwards to assemble the output and decide when to stop.
+
+Without a drafter the same step runs with a block of one token: plain greedy decoding on the compiled step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import RowCache, TargetCache
+from .drafter import DFlashDrafter
+from .families import spec_for_model
+
+
+@dataclass
+class GenerationStats:
+    """Statistics of the last `generate` call. `accepted[s][b]` is row b's accepted drafts at verify step s
+    (None once the row has finished)."""
+
+    accepted: list[list[int | None]] = field(default_factory=list)
+    new_tokens: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+    block_size: int = 1
+
+    @property
+    def steps(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def tau(self) -> float:
+        """Mean accepted length: tokens committed per verify step (accepted drafts + the bonus token)."""
+        committed = [a + 1 for step in self.accepted for a in step if a is not None]
+        return sum(committed) / len(committed) if committed else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return sum(self.new_tokens) / self.seconds if self.seconds else 0.0
+
+
+def _left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    if attention_mask is None:
+        return torch.zeros(input_ids.shape[0], dtype=torch.int64, device=input_ids.device)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask shape {list(attention_mask.shape)} differs from input_ids "
+                         f"{list(input_ids.shape)}")
+    mask = attention_mask.bool()
+    pad = (~mask).sum(dim=1)
+    left_aligned = torch.arange(mask.shape[1], device=mask.device)[None, :] >= pad[:, None]
+    if not torch.equal(mask, left_aligned):
+        raise ValueError("attention_mask must be left padding (zeros then ones per row); set "
+                         "tokenizer.padding_side = 'left'")
+    if bool((pad == mask.shape[1]).any()):
+        raise ValueError("a row of attention_mask is all zeros: every prompt needs at least one token")
+    return pad.to(torch.int64)
+
+
+def _eos_ids(eos_token_id) -> set[int]:
+    if eos_token_id is None:
+        return set()
+    return {int(t) for t in (eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id])}
+
+
+class SpeculativeDecoder:
+    def __init__(self, model, drafter: DFlashDrafter | None, layer_ids: tuple[int, ...], compile: bool = True):
+        self.model = model
+        self.drafter = drafter
+        self.layer_ids = layer_ids
+        self.block_size = drafter.config.block_size if drafter is not None else 1
+        config = model.config.get_text_config()
+        kinds = spec_for_model(model).attention_kinds(config)
+        if "linear_attention" in kinds:
+            raise NotImplementedError(
+                f"{config.model_type}: rolling back linear-attention (GatedDeltaNet) state is not implemented yet, "
+                "so speculative decoding on this model would change its outputs; use model.generate for now."
+            )
+        window = getattr(config, "sliding_window", None)
+        self.windows = {kind: window if kind == "sliding_attention" else None for kind in dict.fromkeys(kinds)}
+        self.per_kind_masks = getattr(config, "layer_types", None) is not None  # the model takes {kind: mask}
+        self.max_positions = getattr(config, "max_position_embeddings", None)
+        self.verify_step = (
+            torch.compile(self._verify_step, backend="dflash", fullgraph=True, dynamic=False)
+            if compile else self._verify_step
+        )
+        self.last_stats = GenerationStats(block_size=self.block_size)
+
+    def _target_forward(self, ids: torch.Tensor, cache: TargetCache):
+        width = ids.shape[1]
+        masks = cache.masks(width, self.windows)
+        out = self.model(
+            input_ids=ids,
+            position_ids=cache.positions(width),
+            attention_mask=masks if self.per_kind_masks else next(iter(masks.values())),
+            cache=cache,
+            use_cache=True,
+            output_hidden_states=bool(self.layer_ids),
+        )
+        # hidden_states[i + 1] is layer i's output (after the final norm for the last layer), as drafters expect
+        features = torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1) if self.layer_ids else None
+        return out.logits, features
+
+    def _verify_step(self, block: torch.Tensor, cache: TargetCache, active: torch.Tensor):
+        logits, features = self._target_forward(block, cache)
+        accepted, target = torch.ops.dflash.greedy_accept(block, logits)
+        torch.ops.dflash.kv_commit(cache.lengths, (accepted + 1) * active)
+        return accepted, target, features
+
+    def _draft(self, anchor: torch.Tensor, drafter_cache: RowCache) -> torch.Tensor:
+        """[b, block] = [anchor, d1 .. d_{B-1}] with the drafter's proposals."""
+        if self.drafter is None:
+            return anchor[:, None]
+        embed, lm_head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
+        return torch.cat([anchor[:, None], self.drafter.propose(anchor, drafter_cache, embed, lm_head)], dim=1)
+
+    def _check_lengths(self, prompt: int, max_new_tokens: int) -> None:
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        if self.max_positions and prompt + max_new_tokens > self.max_positions:
+            raise ValueError(
+                f"prompt of {prompt} tokens + max_new_tokens {max_new_tokens} exceeds the model's "
+                f"max_position_embeddings {self.max_positions}; shorten the prompt or generate fewer tokens"
+            )
+
+    @torch.no_grad()
+    def generate(self, input_ids, attention_mask=None, max_new_tokens: int = 20, eos_token_id=None,
+                 pad_token_id=None) -> torch.Tensor:
+        """Greedy generation; returns the same tensor as `model.generate(..., do_sample=False)`."""
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [batch, length], got shape {list(input_ids.shape)}")
+        generation_config = self.model.generation_config
+        eos = _eos_ids(eos_token_id if eos_token_id is not None else generation_config.eos_token_id)
+        pad_token_id = pad_token_id if pad_token_id is not None else generation_config.pad_token_id
+        if pad_token_id is None:
+            pad_token_id = min(eos) if eos else 0
+        batch, prompt = input_ids.shape
+        self._check_lengths(prompt, max_new_tokens)
+        pad = _left_padding(input_ids, attention_mask)
+
+        start = time.perf_counter()
+        device, dtype = input_ids.device, self.model.dtype
+        max_len = prompt + max_new_tokens + self.block_size
+        cache = TargetCache(batch, max_len, dtype, device)
+        cache.pad.copy_(pad)
+        logits, features = self._target_forward(input_ids, cache)
+        cache.rows.commit(torch.full((batch,), prompt, device=device))
+        anchor = logits[:, -1].argmax(dim=-1)
+
+        drafter_cache = None
+        if self.drafter is not None:
+            drafter_cache = self.drafter.new_cache(batch, max_len, dtype, device)
+            context = None
+            if features is not None:  # each row's real prompt tokens, left-aligned
+                index = (pad[:, None] + torch.arange(prompt, device=device)).clamp(max=prompt - 1)
+                context = features.gather(1, index[:, :, None].expand(-1, -1, features.shape[-1]))
+            self.drafter.add_context(drafter_cache, context, prompt - pad)
+
+        outputs = [[int(t)] for t in anchor.tolist()]
+        done = [len(row) >= max_new_tokens or row[-1] in eos for row in outputs]
+        stats = GenerationStats(block_size=self.block_size)
+        while not all(done):
+            active = torch.tensor([not d for d in done], device=device, dtype=torch.int64)
+            block = self._draft(anchor, drafter_cache)
+            accepted, target, features = self.verify_step(block, cache, active)
+            accepted_list = accepted.tolist()  # the step's one host sync
+            stats.accepted.append([None if done[b] else a for b, a in enumerate(accepted_list)])
+            committed = target.tolist()
+            for b, a in enumerate(accepted_list):
+                if done[b]:
+                    continue
+                for token in committed[b][: a + 1]:
+                    outputs[b].append(token)
+                    if token in eos or len(outputs[b]) >= max_new_tokens:
+                        done[b] = True
+                        break
+            anchor = target.gather(1, accepted[:, None]).squeeze(1)
+            if self.drafter is not None:
+                self.drafter.add_context(drafter_cache, features, (accepted + 1) * active)
+
+        stats.seconds = time.perf_counter() - start
+        stats.new_tokens = [len(row) for row in outputs]
+        self.last_stats = stats
+        width = max(stats.new_tokens)
+        generated = torch.full((batch, width), pad_token_id, dtype=input_ids.dtype, device=device)
+        for b, row in enumerate(outputs):
+            generated[b, : len(row)] = torch.tensor(row, dtype=input_ids.dtype)
+        return torch.cat([input_ids, generated], dim=1)
