@@ -75,3 +75,41 @@ def test_layout_mismatch_with_the_registry_is_reported(tiny):
     experts = _routed(tiny("gpt_oss"), "gpt_oss")
     with pytest.raises(ValueError, match=r"GptOssExperts.is_concatenated is False, but the family registry's layout"):
         ExpertStore().add_layer(experts, FAMILIES["mixtral"], "experts")
+
+
+def test_opcheck_kv_ops():
+    cache = torch.randn(2, 3, 16, 4)
+    new = torch.randn(2, 3, 5, 4)
+    lengths = torch.tensor([0, 7])
+    torch.library.opcheck(torch.ops.dflash.kv_write.default, (cache, new, lengths))
+    torch.library.opcheck(torch.ops.dflash.kv_commit.default, (lengths.clone(), torch.tensor([2, 0])))
+
+
+def test_kv_write_writes_each_row_at_its_length_and_commit_moves_only_lengths():
+    cache = torch.zeros(2, 1, 8, 1)
+    new = torch.arange(1.0, 4.0).view(1, 1, 3, 1).repeat(2, 1, 1, 1)
+    lengths = torch.tensor([0, 4])
+    torch.ops.dflash.kv_write(cache, new, lengths)
+    assert cache[0, 0, :, 0].tolist() == [1, 2, 3, 0, 0, 0, 0, 0]
+    assert cache[1, 0, :, 0].tolist() == [0, 0, 0, 0, 1, 2, 3, 0]
+    torch.ops.dflash.kv_commit(lengths, torch.tensor([1, 3]))
+    assert lengths.tolist() == [1, 7]
+
+
+def test_greedy_accept_by_exhaustive_enumeration():
+    """Every draft of length 3 over a 3-token vocabulary against fixed target logits: the accepted count is the
+    longest prefix of drafts equal to the target argmax, and the committed tokens are the argmax up to it."""
+    import itertools
+
+    logits = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))[None]  # positions 0..3
+    target = logits.argmax(-1)[0].tolist()
+    for drafts in itertools.product(range(3), repeat=3):
+        block = torch.tensor([[1, *drafts]])
+        accepted, argmax = torch.ops.dflash.greedy_accept(block, logits)
+        expected = 0
+        while expected < 3 and drafts[expected] == target[expected]:
+            expected += 1
+        assert accepted.item() == expected and argmax[0].tolist() == target
+    batch = torch.tensor([[1, target[0], 0 if target[1] else 1, target[2]], [1, *target[:3]]])
+    torch.library.opcheck(torch.ops.dflash.greedy_accept.default, (batch, logits.repeat(2, 1, 1)))
+    assert torch.ops.dflash.greedy_accept(batch, logits.repeat(2, 1, 1))[0].tolist() == [1, 3]

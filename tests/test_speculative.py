@@ -1,0 +1,117 @@
+"""optimize(model, drafter=...).generate is token-identical to model.generate(do_sample=False)."""
+
+import pytest
+import torch
+
+import dflash_compile
+from dflash_compile.testing import OracleDrafter, random_drafter_weights, save_drafter, tiny_drafter_config
+
+SPECULATIVE_FAMILIES = ["mixtral", "qwen3_moe", "gpt_oss", "glm4_moe", "deepseek_v3", "olmoe"]
+NEW_TOKENS = 48  # crosses the gpt_oss test model's 8-token sliding window several times
+
+
+def prompts(batch: int, seed: int = 3):
+    """Left-padded prompts of different lengths (row b has 2b pad tokens)."""
+    ids = torch.randint(3, 127, (batch, 9), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    for b in range(batch):
+        mask[b, : 2 * b] = 0
+    return ids * mask, mask
+
+
+@pytest.fixture
+def random_drafter(tmp_path):
+    def make(model, block_size=4, **kwargs):
+        config = tiny_drafter_config(model.config, block_size=block_size, **kwargs)
+        return save_drafter(tmp_path / "drafter", config, random_drafter_weights(config))
+
+    return make
+
+
+def reference(model, ids, mask, **kwargs):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW_TOKENS, **kwargs)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("family", SPECULATIVE_FAMILIES)
+def test_greedy_identity_random_and_oracle_drafter(tiny, family, batch, random_drafter):
+    model = tiny(family)
+    ids, mask = prompts(batch)
+    expected = reference(model, ids, mask)
+
+    fast = dflash_compile.optimize(model, drafter=random_drafter(model))
+    assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
+    assert fast.last_stats.tau < 1.5  # drafts almost always rejected: the all-rejected path ran
+
+    oracle = dflash_compile.optimize(model, drafter=OracleDrafter(expected, mask, block_size=6))
+    assert torch.equal(oracle.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
+    assert oracle.last_stats.tau > 5  # nearly every block fully accepted: the all-accepted path ran
+
+
+def test_rows_stop_at_their_own_eos(tiny, random_drafter):
+    model = tiny("gpt_oss")
+    ids, mask = prompts(3)
+    free_run = reference(model, ids, mask)
+    eos = int(free_run[0, ids.shape[1] + 5])  # a token row 0 emits early; other rows may never emit it
+    expected = reference(model, ids, mask, eos_token_id=eos, pad_token_id=0)
+    assert expected.shape[1] < free_run.shape[1] or (expected == 0).any()
+    for drafter in (random_drafter(model), OracleDrafter(free_run, mask, block_size=4)):
+        fast = dflash_compile.optimize(model, drafter=drafter)
+        out = fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=0)
+        assert torch.equal(out, expected)
+
+
+def test_plain_decoding_without_drafter(tiny):
+    model = tiny("olmoe")
+    ids, mask = prompts(2)
+    fast = dflash_compile.optimize(model)
+    assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), reference(model, ids, mask))
+    assert fast.last_stats.tau == 1.0 and fast.last_stats.block_size == 1
+
+
+def test_tau_counts_tokens_committed_per_verify_step(tiny):
+    model = tiny("mixtral")
+    ids, mask = prompts(1)
+    expected = reference(model, ids, mask)
+    fast = dflash_compile.optimize(model, drafter=OracleDrafter(expected, mask, 4, corruption=0.3, vocab_size=128))
+    assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
+    stats = fast.last_stats
+    per_step = [step[0] + 1 for step in stats.accepted]
+    assert stats.tau == pytest.approx(sum(per_step) / len(per_step))
+    assert 1 + sum(per_step) >= NEW_TOKENS > sum(per_step[:-1])  # the prefill token, then the verify steps
+    assert stats.new_tokens == [NEW_TOKENS] and stats.tokens_per_second > 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens must be at least 1, got 0"),
+        ({"max_new_tokens": 250}, r"prompt of 9 tokens \+ max_new_tokens 250 exceeds the model's max_position_emb"),
+        ({"do_sample": True}, "do_sample=True is not supported yet"),
+    ],
+)
+def test_generate_argument_errors(tiny, kwargs, message):
+    fast = dflash_compile.optimize(tiny("olmoe"), compile=False)
+    with pytest.raises((ValueError, NotImplementedError), match=message):
+        fast.generate(prompts(1)[0], **kwargs)
+
+
+def test_right_padding_is_rejected(tiny):
+    ids, mask = prompts(2)
+    with pytest.raises(ValueError, match="attention_mask must be left padding"):
+        dflash_compile.optimize(tiny("olmoe"), compile=False).generate(ids, attention_mask=mask.flip(1))
+
+
+def test_linear_attention_model_is_refused_rather_than_wrong(tiny):
+    with pytest.raises(NotImplementedError, match="rolling back linear-attention .* not implemented yet"):
+        dflash_compile.optimize(tiny("qwen3_5_moe"))
+
+
+def test_dense_model_is_refused(tiny):
+    import transformers
+
+    config = transformers.Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM is not a Mixture-of-Experts model of a supported family"):
+        dflash_compile.optimize(transformers.AutoModelForCausalLM.from_config(config))
