@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .backend import dflash_backend
 from .drafter import load_drafter
 from .families import spec_for_model, supported_families
 from .speculative import GenerationStats, SpeculativeDecoder
@@ -15,7 +16,7 @@ class OptimizedModel:
     def __init__(self, model: torch.nn.Module, decoder: SpeculativeDecoder, compile: bool):
         self.model = model
         self.decoder = decoder
-        self.forward = torch.compile(model, backend="dflash") if compile else model
+        self.forward = torch.compile(model, backend=dflash_backend) if compile else model
 
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)

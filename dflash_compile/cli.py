@@ -37,7 +37,7 @@ def _timed(fn, repeats: int) -> tuple[torch.Tensor, float]:
 
 
 def explain_command(args) -> int:
-    from . import explain
+    from . import dflash_backend, explain
 
     model = _load(args)
     ids = torch.randint(0, model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0))
@@ -48,7 +48,7 @@ def explain_command(args) -> int:
             print(f"\n--- graph {i} after the passes ---\n{graph.after}")
     with torch.no_grad():
         expected, eager_s = _timed(lambda: model(ids).logits, args.repeats)
-        compiled = torch.compile(model, backend="dflash", fullgraph=report.graph_break_count == 0)
+        compiled = torch.compile(model, backend=dflash_backend, fullgraph=report.graph_break_count == 0)
         actual, compiled_s = _timed(lambda: compiled(ids).logits, args.repeats)
     difference = (actual.float() - expected.float()).abs().max().item()
     print(f"max |compiled - eager| logits: {difference:.3g}")

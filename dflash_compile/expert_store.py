@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers.integrations.moe import grouped_mm_experts_forward
 
 from .families import ExpertLayout, FamilySpec
 
@@ -88,6 +89,11 @@ class ResidentExperts:
         return _project(hidden, module.down_proj[expert], down_bias, layout.transposed)
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        if hidden.is_cuda:  # transformers' grouped GEMM: no host sync, one kernel per projection
+            return grouped_mm_experts_forward(self.module, hidden, top_k_index, top_k_weights)
+        return self.reference(hidden, top_k_index, top_k_weights)
+
+    def reference(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """Reference routed-experts math: every family's Experts forward, accumulated in fp32."""
         out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         for expert in top_k_index.unique().tolist():

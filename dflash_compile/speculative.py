@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .backend import dflash_backend
 from .cache import RowCache, TargetCache
 from .drafter import DFlashDrafter
 from .families import spec_for_model
@@ -87,7 +88,7 @@ class SpeculativeDecoder:
         self.per_kind_masks = getattr(config, "layer_types", None) is not None  # the model takes {kind: mask}
         self.max_positions = getattr(config, "max_position_embeddings", None)
         self.verify_step = (
-            torch.compile(self._verify_step, backend="dflash", fullgraph=True, dynamic=False)
+            torch.compile(self._verify_step, backend=dflash_backend, fullgraph=True, dynamic=False)
             if compile else self._verify_step
         )
         self.last_stats = GenerationStats(block_size=self.block_size)

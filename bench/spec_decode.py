@@ -1,0 +1,230 @@
+"""Speculative decoding benchmark: optimize(...).generate vs model.generate vs transformers' native DFlash.
+
+    python bench/spec_decode.py --model tiny-gpt_oss                  # CPU, tiny model (seconds)
+    python bench/spec_decode.py --model gpt-oss-20b --device cuda      # H200, random bf16 weights at real shape
+
+Side by side in one run, batch 1, greedy, medians of --repeats:
+  * plain `model.generate` (eager, the library default users run);
+  * ours without a drafter (the compiled step with a 1-token block);
+  * ours with an oracle drafter proposing the target's own greedy tokens, each corrupted with probability p, so
+    the mean accepted length tau is controlled (block --block);
+  * transformers' native DFlash (`assistant_model=`, `speculation_type="dflash"`) with a random drafter (its
+    acceptance is about 1: this row shows the cost of its machinery);
+  * step times (CUDA only) of one decode step and of 8- and 16-token verify steps with uniform random routing,
+    next to each step's memory-bandwidth floor: every weight the step reads once (attention, router, shared
+    parameters, lm_head, the KV cache) plus the experts the block actually touched, at the device-to-device copy
+    bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+import transformers
+
+import dflash_compile
+from dflash_compile.cache import TargetCache
+from dflash_compile.families import FAMILIES, spec_for_model
+from dflash_compile.testing import (
+    OracleDrafter, load_tiny_model, random_drafter_weights, save_drafter, tiny_drafter_config)
+
+REAL_SHAPES = {
+    "gpt-oss-20b": lambda: transformers.GptOssConfig(
+        hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4, vocab_size=201088,
+        sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 12, max_position_embeddings=4096),
+    "qwen3-30b-a3b": lambda: transformers.Qwen3MoeConfig(
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        vocab_size=151936, norm_topk_prob=True, max_position_embeddings=4096),
+}
+
+
+def build_model(name: str, device: str) -> transformers.PreTrainedModel:
+    if name.startswith("tiny-"):
+        return load_tiny_model(name.removeprefix("tiny-")).to(device)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(REAL_SHAPES[name](), dtype=torch.bfloat16)
+    with torch.no_grad():  # transformers initialises biases and sinks to zero; small random values are realistic
+        for tensor in model.parameters():
+            if not tensor.any():
+                tensor.normal_(0, 0.02)
+    return model.eval()
+
+
+def timed(fn, repeats: int, device: str):
+    """(last result, median seconds) over `repeats` calls after one warm-up call."""
+    result = fn()
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        result = fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return result, statistics.median(times)
+
+
+def first_mismatch(expected: torch.Tensor, actual: torch.Tensor) -> str:
+    if expected.shape == actual.shape and torch.equal(expected, actual):
+        return "identical"
+    width = min(expected.shape[1], actual.shape[1])
+    differ = (expected[:, :width] != actual[:, :width]).nonzero()
+    return f"differs at token {int(differ[0, 1]) if len(differ) else width}"
+
+
+class UniformRouting:
+    """Keeps each router's computation but replaces its top-k choice by uniform random experts (random-weight
+    routers collapse onto a few experts; real ones spread). Records distinct experts per call when asked."""
+
+    def __init__(self, model):
+        self.handles, self.distinct = [], []
+        self.record = False
+        for module in model.modules():
+            if type(module).__name__.endswith(("TopKRouter", "TopkRouter")):
+                self.handles.append(module.register_forward_hook(self._hook))
+
+    def _hook(self, module, args, output):
+        logits, weights, indices = output
+        picks = torch.rand(indices.shape[0], logits.shape[-1], device=indices.device).topk(indices.shape[-1]).indices
+        if self.record:
+            self.distinct.append(picks.unique().numel())
+        return logits, weights, picks
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second of a large device-to-device copy (read + write)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    _, seconds = timed(lambda: dst.copy_(src), 5, device)
+    return 2 * src.numel() / seconds
+
+
+def floor_bytes(model, tokens: int, distinct_experts: float, context: int) -> float:
+    """Bytes a step over `tokens` new tokens must read: everything but routed experts and the embedding table,
+    the embedding rows used, the KV cache, and `distinct_experts` experts per MoE layer."""
+    expert_bytes, other = 0, 0
+    layers = FAMILIES[spec_for_model(model).name].moe_layers(model.config)
+    for name, param in model.named_parameters():
+        size = param.numel() * param.element_size()
+        if ".experts." in name and "shared" not in name:
+            expert_bytes += size
+        elif "embed_tokens" not in name:
+            other += size
+    experts_per_layer = model.model.layers[layers[0]].mlp.experts.gate_up_proj.shape[0]
+    per_expert = expert_bytes / (len(layers) * experts_per_layer)
+    config = model.config
+    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * context * 2
+    rows = tokens * config.hidden_size * 2
+    return other + rows + kv + distinct_experts * per_expert * len(layers)
+
+
+def step_times(model, decoder, args, bandwidth):
+    """Decode and verify step times with uniform routing, next to their memory floors."""
+    routing = UniformRouting(model)
+    rows = []
+    prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt), device=args.device)
+    for block in (1, 8, 16):
+        cache = TargetCache(1, args.prompt + 64, model.dtype, args.device)
+        with torch.no_grad():
+            decoder._target_forward(prompt, cache)
+        cache.rows.commit(torch.full((1,), args.prompt, device=args.device))
+        tokens = torch.randint(0, model.config.vocab_size, (1, block), device=args.device)
+        active = torch.zeros(1, dtype=torch.int64, device=args.device)  # commit nothing: every call is the same
+        routing.record, routing.distinct = True, []
+        with torch.no_grad():
+            decoder._target_forward(tokens, cache)  # eager pass to count the experts a block touches
+        routing.record = False
+        distinct = statistics.mean(routing.distinct)
+        _, seconds = timed(lambda: decoder.verify_step(tokens, cache, active), args.repeats * 3, args.device)
+        floor = floor_bytes(model, block, distinct, args.prompt) / bandwidth
+        experts = model.model.layers[-1].mlp.experts.gate_up_proj.shape[0]
+        top_k = model.config.num_experts_per_tok
+        expected = experts * (1 - (1 - top_k / experts) ** block)
+        rows.append((block, seconds, floor, distinct, expected))
+    routing.remove()
+    return rows
+
+
+def native_dflash(model, args, ids):
+    """transformers' own DFlash path with a random drafter in its format (batch 1)."""
+    config = tiny_drafter_config(model.config, block_size=args.block, sliding_window=4096)
+    config.update(hidden_size=model.config.hidden_size, intermediate_size=2 * model.config.hidden_size,
+                  num_attention_heads=8, num_key_value_heads=2, head_dim=128)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = save_drafter(tmp, config, random_drafter_weights(config), transformers_format=True)
+        assistant = transformers.AutoModel.from_pretrained(path, dtype=model.dtype).to(args.device).eval()
+    return lambda: model.generate(ids, do_sample=False, max_new_tokens=args.new, assistant_model=assistant,
+                                  speculation_type="dflash")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-gpt_oss", help=f"tiny-<family> or one of {sorted(REAL_SHAPES)}")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--block", type=int, default=8)
+    parser.add_argument("--corruption", type=float, nargs="+", default=[0.45, 0.1],
+                        help="oracle corruption probabilities (about tau 3 and 6 at block 8)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-native", action="store_true")
+    args = parser.parse_args()
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+
+    model = build_model(args.model, args.device)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (1, args.prompt), device=args.device)
+    print(f"# {args.model} on {args.device}, prompt {args.prompt}, {args.new} new tokens, batch 1, "
+          f"{torch.__version__}, transformers {transformers.__version__}")
+    rows = []
+    with torch.no_grad():
+        expected, base = timed(lambda: model.generate(ids, do_sample=False, max_new_tokens=args.new), args.repeats,
+                               args.device)
+    new = expected.shape[1] - args.prompt
+    rows.append(("model.generate (eager)", new / base, 1.0, "-", "reference"))
+
+    plain = dflash_compile.optimize(model)
+    out, seconds = timed(lambda: plain.generate(ids, max_new_tokens=args.new), args.repeats, args.device)
+    rows.append(("dflash, no drafter", new / seconds, 1.0, "-", first_mismatch(expected, out)))
+    for corruption in args.corruption:
+        drafter = OracleDrafter(expected.cpu(), None, args.block, corruption, vocab)
+        fast = dflash_compile.optimize(model, drafter=drafter)
+        out, seconds = timed(lambda: fast.generate(ids, max_new_tokens=args.new), args.repeats, args.device)
+        rows.append((f"dflash, oracle p={corruption} block {args.block}", new / seconds, fast.last_stats.tau,
+                     f"{fast.last_stats.steps}", first_mismatch(expected, out)))
+    if not args.skip_native:
+        with torch.no_grad():
+            out, seconds = timed(native_dflash(model, args, ids), args.repeats, args.device)
+        rows.append((f"transformers native DFlash, random drafter, block {args.block}", out.shape[1] and
+                     (out.shape[1] - args.prompt) / seconds, float("nan"), "-", first_mismatch(expected, out)))
+
+    print("\n| run | tokens/s | vs model.generate | tau | verify steps | tokens |")
+    print("|---|---|---|---|---|---|")
+    for name, rate, tau, steps, same in rows:
+        print(f"| {name} | {rate:.1f} | {rate * base / new:.2f}x | {tau:.2f} | {steps} | {same} |")
+
+    if args.device == "cuda":
+        bandwidth = copy_bandwidth(args.device)
+        print(f"\ndevice-to-device copy: {bandwidth / 1e9:.0f} GB/s")
+        print("\n| step (uniform routing) | ms | memory floor ms | floor / measured | experts/layer | expected |")
+        print("|---|---|---|---|---|---|")
+        for block, seconds, floor, distinct, expected_experts in step_times(model, plain.decoder, args, bandwidth):
+            name = "decode (1 token)" if block == 1 else f"verify {block}"
+            print(f"| {name} | {seconds * 1e3:.2f} | {floor * 1e3:.2f} | {floor / seconds:.2f} | "
+                  f"{distinct:.1f} | {expected_experts:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
