@@ -33,9 +33,10 @@ class OptimizedModel:
         return self.decoder.generate(input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id)
 
 
-def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True) -> OptimizedModel:
+def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode: str | None = None) -> OptimizedModel:
     """Compile `model` with the dflash backend and set up DFlash speculative decoding with `drafter`
-    (a z-lab or transformers checkpoint directory, or a drafter module). Every check runs before any state is
+    (a z-lab or transformers checkpoint directory, or a drafter module). `mode` is torch.compile's mode for the
+    verify-commit step ("reduce-overhead" captures it in a CUDA graph). Every check runs before any state is
     built: an unsupported family or a drafter made for another target raises with nothing changed."""
     if spec_for_model(model) is None:
         raise ValueError(
@@ -45,5 +46,5 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True) -> O
     layer_ids: tuple[int, ...] = ()
     if drafter is not None:
         drafter, layer_ids = load_drafter(drafter, model)
-    decoder = SpeculativeDecoder(model, drafter, layer_ids, compile=compile)
+    decoder = SpeculativeDecoder(model, drafter, layer_ids, compile=compile, mode=mode)
     return OptimizedModel(model, decoder, compile)

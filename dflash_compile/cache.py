@@ -23,19 +23,25 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(visible, zero, torch.finfo(dtype).min)[:, None]
 
 
+def _static(buffer: torch.Tensor) -> torch.Tensor:
+    """Buffers the compiled step mutates keep their address: CUDA graphs may then capture the step."""
+    torch._dynamo.mark_static_address(buffer)
+    return buffer
+
+
 class RowCache:
     """Per-layer key/value buffers with one committed length per row."""
 
     def __init__(self, batch: int, max_len: int, dtype: torch.dtype, device) -> None:
         self.batch, self.max_len, self.dtype = batch, max_len, dtype
-        self.lengths = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.lengths = _static(torch.zeros(batch, dtype=torch.int64, device=device))
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
 
     def _buffer(self, store: dict, layer: int, like: torch.Tensor) -> torch.Tensor:
         if layer not in store:
             shape = (self.batch, like.shape[1], self.max_len, like.shape[3])
-            store[layer] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+            store[layer] = _static(torch.zeros(shape, dtype=like.dtype, device=like.device))
         return store[layer]
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -62,7 +68,7 @@ class TargetCache(Cache):
     def __init__(self, batch: int, max_len: int, dtype: torch.dtype, device) -> None:
         super().__init__(layers=[])
         self.rows = RowCache(batch, max_len, dtype, device)
-        self.pad = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.pad = _static(torch.zeros(batch, dtype=torch.int64, device=device))
 
     @property
     def lengths(self) -> torch.Tensor:

@@ -71,7 +71,8 @@ def _eos_ids(eos_token_id) -> set[int]:
 
 
 class SpeculativeDecoder:
-    def __init__(self, model, drafter: DFlashDrafter | None, layer_ids: tuple[int, ...], compile: bool = True):
+    def __init__(self, model, drafter: DFlashDrafter | None, layer_ids: tuple[int, ...], compile: bool = True,
+                 mode: str | None = None):
         self.model = model
         self.drafter = drafter
         self.layer_ids = layer_ids
@@ -88,7 +89,7 @@ class SpeculativeDecoder:
         self.per_kind_masks = getattr(config, "layer_types", None) is not None  # the model takes {kind: mask}
         self.max_positions = getattr(config, "max_position_embeddings", None)
         self.verify_step = (
-            torch.compile(self._verify_step, backend=dflash_backend, fullgraph=True, dynamic=False)
+            torch.compile(self._verify_step, backend=dflash_backend, fullgraph=True, dynamic=False, mode=mode)
             if compile else self._verify_step
         )
         self.last_stats = GenerationStats(block_size=self.block_size)
