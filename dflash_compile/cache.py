@@ -8,6 +8,12 @@ for sliding windows kept at full length, and it needs no host sync: lengths stay
 
 `RowCache` is the storage (the drafter uses it directly for its context K/V); `TargetCache` plugs it into
 transformers models through their `Cache.update` interface, with masks built here and passed in as 4-D tensors.
+
+Linear-attention layers (GatedDeltaNet) keep a conv window and a recurrent state that cannot be cut back. A
+forward leaves its candidates pending; `commit_linear` then takes, per row, the conv window ending at the row's
+last kept token (`dflash::conv_window_commit`) and the recurrent state after the whole block where the row kept
+all of it (`dflash::state_select`). Rows that kept part of the block get their pending state replaced first by a
+replay of the kept tokens from the committed state (the decoder's job: it owns the model).
 """
 
 from __future__ import annotations
@@ -69,6 +75,11 @@ class TargetCache(Cache):
         super().__init__(layers=[])
         self.rows = RowCache(batch, max_len, dtype, device)
         self.pad = _static(torch.zeros(batch, dtype=torch.int64, device=device))
+        self.conv: dict[int, torch.Tensor] = {}  # committed linear-attention state, per layer
+        self.recurrent: dict[int, torch.Tensor] = {}
+        self.pending_conv: dict[int, torch.Tensor] = {}  # what the last forward would leave
+        self.pending_recurrent: dict[int, torch.Tensor] = {}
+        self.conv_width: dict[int, int] = {}
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -77,6 +88,46 @@ class TargetCache(Cache):
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         self.rows.write(layer_idx, key_states, value_states)
         return self.rows.kv(layer_idx)
+
+    # transformers' linear-attention cache interface (Qwen3.5 GatedDeltaNet)
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0):
+        return self.conv.get(layer_idx)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
+        return self.recurrent.get(layer_idx)
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def update_conv_state(self, conv_input, layer_idx: int, conv_kernel_size: int | None = None, **kwargs):
+        """The conv input with the committed window in front; kept pending until `commit_linear`."""
+        old = self.conv.get(layer_idx)
+        if old is None:  # prefill: left-pad to the kernel width
+            width = conv_kernel_size or conv_input.shape[-1]
+            self.conv_width[layer_idx] = width
+            full = torch.nn.functional.pad(conv_input, (max(width - conv_input.shape[-1], 0), 0))
+        else:
+            full = torch.cat([old, conv_input], dim=-1)
+        self.pending_conv[layer_idx] = full
+        return full
+
+    def update_recurrent_state(self, state, layer_idx: int, **kwargs):
+        self.pending_recurrent[layer_idx] = state
+        return state
+
+    def commit_linear(self, kept: torch.Tensor, width: int) -> None:
+        """Commit linear-attention states after a forward over `width` tokens of which row b keeps kept[b].
+        Rows that kept part of the block must have had their pending recurrent state replaced by a replay."""
+        for layer, full in self.pending_conv.items():
+            if layer not in self.conv:
+                self.conv[layer] = _static(full.new_zeros(*full.shape[:2], self.conv_width[layer]))
+            end = full.shape[-1] - width + kept
+            torch.ops.dflash.conv_window_commit(self.conv[layer], full, end)
+        for layer, state in self.pending_recurrent.items():
+            if layer not in self.recurrent:
+                self.recurrent[layer] = _static(torch.zeros_like(state))
+            torch.ops.dflash.state_select(self.recurrent[layer], state, kept > 0)
+        self.pending_conv, self.pending_recurrent = {}, {}
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         raise RuntimeError("TargetCache lengths are per row and on the device; pass position_ids explicitly")
@@ -94,6 +145,9 @@ class TargetCache(Cache):
         visible = (slots <= query[:, :, None]) & (slots >= self.pad[:, None, None])
         masks = {}
         for kind, window in windows.items():
+            if kind == "linear_attention":  # linear layers take a 2-D padding mask of the new tokens
+                masks[kind] = query >= self.pad[:, None]
+                continue
             ok = visible & (query[:, :, None] - slots < window) if window else visible
             masks[kind] = additive_mask(ok, self.rows.dtype)
         return masks

@@ -52,6 +52,8 @@ class FamilySpec:
     moe_layers: Callable[[object], list[int]]  # config -> indices of decoder layers with routed experts
 
     attention_kinds: Callable[[object], list[AttentionKind]]  # config -> attention kind of every decoder layer
+    # (norm, mixer) attribute names of a linear-attention decoder layer, for replaying its recurrence
+    linear_attention: tuple[str, str] | None = None
 
 
 def _all_layers(config) -> list[int]:
@@ -105,6 +107,7 @@ FAMILIES: dict[str, FamilySpec] = {
             "shared_expert",
             _all_layers,
             _declared_layer_types,  # GatedDeltaNet "linear_attention" layers between "full_attention" ones
+            ("input_layernorm", "linear_attn"),
         ),
         FamilySpec(
             "gpt_oss",

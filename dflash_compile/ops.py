@@ -70,3 +70,31 @@ def greedy_accept(block: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tens
 @greedy_accept.register_fake
 def _greedy_accept_fake(block, logits):
     return block.new_empty(block.shape[0]), block.new_empty(block.shape)
+
+
+@torch.library.custom_op("dflash::conv_window_commit", mutates_args=("state",))
+def conv_window_commit(state: torch.Tensor, full: torch.Tensor, end: torch.Tensor) -> None:
+    """Linear-attention conv state after each row's kept tokens: state[b] = full[b, :, end[b] - K : end[b]].
+
+    `full` is the conv input the forward saw (the old K-column state, then the new tokens); `end[b]` is K plus the
+    row's kept tokens, so a row that keeps nothing gets its old state back."""
+    width = state.shape[-1]
+    index = end[:, None] - width + torch.arange(width, device=end.device)
+    state.copy_(full.gather(2, index[:, None, :].expand(-1, full.shape[1], -1)))
+
+
+@conv_window_commit.register_fake
+def _conv_window_commit_fake(state, full, end):
+    torch._check(full.shape[:2] == state.shape[:2], lambda: "conv state and conv input differ in batch/channels")
+
+
+@torch.library.custom_op("dflash::state_select", mutates_args=("state",))
+def state_select(state: torch.Tensor, candidate: torch.Tensor, take: torch.Tensor) -> None:
+    """Recurrent state commit: state[b] = candidate[b] where take[b] (the row kept the whole block)."""
+    keep = take.view(-1, *([1] * (state.ndim - 1))).bool()
+    state.copy_(torch.where(keep, candidate.to(state.dtype), state))
+
+
+@state_select.register_fake
+def _state_select_fake(state, candidate, take):
+    torch._check(candidate.shape == state.shape, lambda: "candidate state differs in shape")

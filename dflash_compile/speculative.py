@@ -78,12 +78,10 @@ class SpeculativeDecoder:
         self.layer_ids = layer_ids
         self.block_size = drafter.config.block_size if drafter is not None else 1
         config = model.config.get_text_config()
-        kinds = spec_for_model(model).attention_kinds(config)
-        if "linear_attention" in kinds:
-            raise NotImplementedError(
-                f"{config.model_type}: rolling back linear-attention (GatedDeltaNet) state is not implemented yet, "
-                "so speculative decoding on this model would change its outputs; use model.generate for now."
-            )
+        spec = spec_for_model(model)
+        kinds = spec.attention_kinds(config)
+        self.linear_layers = [i for i, kind in enumerate(kinds) if kind == "linear_attention"]
+        self.linear_modules = spec.linear_attention
         window = getattr(config, "sliding_window", None)
         self.windows = {kind: window if kind == "sliding_attention" else None for kind in dict.fromkeys(kinds)}
         self.per_kind_masks = getattr(config, "layer_types", None) is not None  # the model takes {kind: mask}
@@ -103,17 +101,37 @@ class SpeculativeDecoder:
             attention_mask=masks if self.per_kind_masks else next(iter(masks.values())),
             cache=cache,
             use_cache=True,
-            output_hidden_states=bool(self.layer_ids),
+            output_hidden_states=bool(self.layer_ids or self.linear_layers),
         )
         # hidden_states[i + 1] is layer i's output (after the final norm for the last layer), as drafters expect
         features = torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1) if self.layer_ids else None
-        return out.logits, features
+        linear_inputs = {i: out.hidden_states[i] for i in self.linear_layers}  # what each linear layer was fed
+        return out.logits, features, linear_inputs
 
     def _verify_step(self, block: torch.Tensor, cache: TargetCache, active: torch.Tensor):
-        logits, features = self._target_forward(block, cache)
+        logits, features, linear_inputs = self._target_forward(block, cache)
         accepted, target = torch.ops.dflash.greedy_accept(block, logits)
         torch.ops.dflash.kv_commit(cache.lengths, (accepted + 1) * active)
-        return accepted, target, features
+        return accepted, target, features, linear_inputs
+
+    def _commit_linear(self, cache: TargetCache, kept: torch.Tensor, width: int, linear_inputs) -> None:
+        """Linear-attention states after each row's kept tokens. Rows that kept part of the block replay those
+        tokens through the linear layers from their committed state (the recurrence cannot be cut back)."""
+        if not self.linear_layers:
+            return
+        partial = (kept > 0) & (kept < width)
+        for n in sorted(set(kept[partial].tolist())):
+            rows = ((kept == n) & partial).nonzero().squeeze(1)
+            replay = TargetCache(len(rows), 1, cache.rows.dtype, kept.device)
+            for layer in self.linear_layers:
+                replay.conv[layer] = cache.conv[layer][rows].clone()
+                replay.recurrent[layer] = cache.recurrent[layer][rows].clone()
+                decoder_layer = self.model.model.layers[layer]
+                norm, mixer = (getattr(decoder_layer, name) for name in self.linear_modules)
+                mixer(norm(linear_inputs[layer][rows, :n]), cache=replay, attention_mask=None)
+                pending = cache.pending_recurrent[layer] = cache.pending_recurrent[layer].clone()
+                pending[rows] = replay.pending_recurrent[layer].to(pending.dtype)
+        cache.commit_linear(kept, width)
 
     def _draft(self, anchor: torch.Tensor, drafter_cache: RowCache) -> torch.Tensor:
         """[b, block] = [anchor, d1 .. d_{B-1}] with the drafter's proposals."""
@@ -151,8 +169,10 @@ class SpeculativeDecoder:
         max_len = prompt + max_new_tokens + self.block_size
         cache = TargetCache(batch, max_len, dtype, device)
         cache.pad.copy_(pad)
-        logits, features = self._target_forward(input_ids, cache)
-        cache.rows.commit(torch.full((batch,), prompt, device=device))
+        logits, features, _ = self._target_forward(input_ids, cache)
+        prompt_kept = torch.full((batch,), prompt, device=device)
+        cache.rows.commit(prompt_kept)
+        cache.commit_linear(prompt_kept, prompt)
         anchor = logits[:, -1].argmax(dim=-1)
 
         drafter_cache = None
@@ -170,8 +190,9 @@ class SpeculativeDecoder:
         while not all(done):
             active = torch.tensor([not d for d in done], device=device, dtype=torch.int64)
             block = self._draft(anchor, drafter_cache)
-            accepted, target, features = self.verify_step(block, cache, active)
+            accepted, target, features, linear_inputs = self.verify_step(block, cache, active)
             accepted_list = accepted.tolist()  # the step's one host sync
+            self._commit_linear(cache, (accepted + 1) * active, block.shape[1], linear_inputs)
             stats.accepted.append([None if done[b] else a for b, a in enumerate(accepted_list)])
             committed = target.tolist()
             for b, a in enumerate(accepted_list):

@@ -113,3 +113,15 @@ def test_greedy_accept_by_exhaustive_enumeration():
     batch = torch.tensor([[1, target[0], 0 if target[1] else 1, target[2]], [1, *target[:3]]])
     torch.library.opcheck(torch.ops.dflash.greedy_accept.default, (batch, logits.repeat(2, 1, 1)))
     assert torch.ops.dflash.greedy_accept(batch, logits.repeat(2, 1, 1))[0].tolist() == [1, 3]
+
+
+def test_linear_state_commit_ops():
+    state = torch.zeros(2, 3, 4)
+    full = torch.arange(2 * 3 * 10, dtype=torch.float32).view(2, 3, 10)  # old window (4) + a 6-token block
+    torch.library.opcheck(torch.ops.dflash.conv_window_commit.default, (state.clone(), full, torch.tensor([7, 4])))
+    torch.ops.dflash.conv_window_commit(state, full, torch.tensor([7, 4]))  # row 0 keeps 3 tokens, row 1 none
+    assert torch.equal(state[0], full[0, :, 3:7]) and torch.equal(state[1], full[1, :, 0:4])
+    recurrent, candidate = torch.zeros(2, 2, 2), torch.ones(2, 2, 2)
+    torch.library.opcheck(torch.ops.dflash.state_select.default, (recurrent.clone(), candidate, torch.tensor([1, 0])))
+    torch.ops.dflash.state_select(recurrent, candidate, torch.tensor([True, False]))
+    assert recurrent[0].eq(1).all() and recurrent[1].eq(0).all()

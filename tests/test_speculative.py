@@ -6,7 +6,7 @@ import torch
 import dflash_compile
 from dflash_compile.testing import OracleDrafter, random_drafter_weights, save_drafter, tiny_drafter_config
 
-SPECULATIVE_FAMILIES = ["mixtral", "qwen3_moe", "gpt_oss", "glm4_moe", "deepseek_v3", "olmoe"]
+SPECULATIVE_FAMILIES = ["mixtral", "qwen3_moe", "qwen3_5_moe", "gpt_oss", "glm4_moe", "deepseek_v3", "olmoe"]
 NEW_TOKENS = 48  # crosses the gpt_oss test model's 8-token sliding window several times
 
 
@@ -103,9 +103,24 @@ def test_right_padding_is_rejected(tiny):
         dflash_compile.optimize(tiny("olmoe"), compile=False).generate(ids, attention_mask=mask.flip(1))
 
 
-def test_linear_attention_model_is_refused_rather_than_wrong(tiny):
-    with pytest.raises(NotImplementedError, match="rolling back linear-attention .* not implemented yet"):
-        dflash_compile.optimize(tiny("qwen3_5_moe"))
+@pytest.mark.parametrize("drafter", ["none", "partial"])
+def test_linear_attention_state_rolls_back_exactly(tiny, drafter, monkeypatch):
+    """Qwen3.5-MoE's GatedDeltaNet state cannot be cropped: rows that keep part of a block replay the kept tokens.
+    Plain decoding (1-token blocks) and partly accepted blocks must both reproduce generate."""
+    model = tiny("qwen3_5_moe")
+    ids, mask = prompts(3)
+    expected = reference(model, ids, mask)
+    from dflash_compile.speculative import SpeculativeDecoder
+
+    replays = []
+    original = SpeculativeDecoder._commit_linear
+    monkeypatch.setattr(SpeculativeDecoder, "_commit_linear",
+                        lambda self, cache, kept, width, inputs: (replays.append(((kept > 0) & (kept < width)).any()),
+                                                                  original(self, cache, kept, width, inputs)))
+    oracle = OracleDrafter(expected, mask, 6, corruption=0.3, vocab_size=128) if drafter == "partial" else None
+    fast = dflash_compile.optimize(model, drafter=oracle)
+    assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
+    assert any(replays) == (drafter == "partial")
 
 
 def test_dense_model_is_refused(tiny):
