@@ -33,11 +33,14 @@ class OptimizedModel:
         return self.decoder.generate(input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id)
 
 
-def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode: str | None = None) -> OptimizedModel:
+def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode: str | None = None,
+             prefill_chunk: int = 256) -> OptimizedModel:
     """Compile `model` with the dflash backend and set up DFlash speculative decoding with `drafter`
     (a z-lab or transformers checkpoint directory, or a drafter module). `mode` is torch.compile's mode for the
-    verify-commit step ("reduce-overhead" captures it in a CUDA graph). Every check runs before any state is
-    built: an unsupported family or a drafter made for another target raises with nothing changed."""
+    verify-commit step ("reduce-overhead" captures it in a CUDA graph). Models with sliding-window layers prefill
+    in chunks of `prefill_chunk` tokens, and their sliding layers keep window - 1 + max(block, prefill_chunk)
+    slots. Every check runs before any state is built: an unsupported family or a drafter made for another target
+    raises with nothing changed."""
     if spec_for_model(model) is None:
         raise ValueError(
             f"{type(model).__name__} is not a Mixture-of-Experts model of a supported family "
@@ -46,5 +49,7 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
     layer_ids: tuple[int, ...] = ()
     if drafter is not None:
         drafter, layer_ids = load_drafter(drafter, model)
-    decoder = SpeculativeDecoder(model, drafter, layer_ids, compile=compile, mode=mode)
+    if prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
+    decoder = SpeculativeDecoder(model, drafter, layer_ids, compile=compile, mode=mode, prefill_chunk=prefill_chunk)
     return OptimizedModel(model, decoder, compile)

@@ -3,8 +3,14 @@
 A row's tokens sit in consecutive slots of a [batch, heads, max_len, head_dim] buffer. A forward writes its new
 keys/values at `lengths[b], lengths[b] + 1, ...` (`dflash::kv_write`) without moving `lengths`; afterwards
 `dflash::kv_commit` advances each row by the number of tokens it keeps. Anything written past a row's length is
-dead: masked out of attention and overwritten by the next write. That is the whole rollback for full attention and
-for sliding windows kept at full length, and it needs no host sync: lengths stay on the device.
+dead: masked out of attention and overwritten by the next write. That is the whole rollback for full attention,
+and it needs no host sync: lengths stay on the device.
+
+Sliding-window layers keep a ring of W - 1 + C slots (C: the most tokens one forward writes, the block or a prefill
+chunk); token slot p lives at ring slot p mod (W - 1 + C). A forward's writes then never overwrite a key that any
+of its queries, or any later query, still needs, and a rolled-back tail is overwritten by the tokens that replace
+it: a key inside a query's window was written at most W - 1 slots before it and the block reaches at most C - 1
+slots past it.
 
 `RowCache` is the storage (the drafter uses it directly for its context K/V); `TargetCache` plugs it into
 transformers models through their `Cache.update` interface, with masks built here and passed in as 4-D tensors.
@@ -38,15 +44,16 @@ def _static(buffer: torch.Tensor) -> torch.Tensor:
 class RowCache:
     """Per-layer key/value buffers with one committed length per row."""
 
-    def __init__(self, batch: int, max_len: int, dtype: torch.dtype, device) -> None:
+    def __init__(self, batch: int, max_len: int, dtype: torch.dtype, device, sizes: dict[int, int] | None = None):
         self.batch, self.max_len, self.dtype = batch, max_len, dtype
+        self.sizes = sizes or {}  # layer -> ring size, for layers that keep fewer than max_len slots
         self.lengths = _static(torch.zeros(batch, dtype=torch.int64, device=device))
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
 
     def _buffer(self, store: dict, layer: int, like: torch.Tensor) -> torch.Tensor:
         if layer not in store:
-            shape = (self.batch, like.shape[1], self.max_len, like.shape[3])
+            shape = (self.batch, like.shape[1], self.sizes.get(layer, self.max_len), like.shape[3])
             store[layer] = _static(torch.zeros(shape, dtype=like.dtype, device=like.device))
         return store[layer]
 
@@ -71,9 +78,10 @@ class TargetCache(Cache):
     `pad` holds each row's left-padding width: slots before it are never attended to.
     """
 
-    def __init__(self, batch: int, max_len: int, dtype: torch.dtype, device) -> None:
+    def __init__(self, batch: int, max_len: int, dtype: torch.dtype, device, ring_layers=(), ring_size: int = 0):
         super().__init__(layers=[])
-        self.rows = RowCache(batch, max_len, dtype, device)
+        self.ring_size = ring_size
+        self.rows = RowCache(batch, max_len, dtype, device, {layer: ring_size for layer in ring_layers})
         self.pad = _static(torch.zeros(batch, dtype=torch.int64, device=device))
         self.conv: dict[int, torch.Tensor] = {}  # committed linear-attention state, per layer
         self.recurrent: dict[int, torch.Tensor] = {}
@@ -137,17 +145,23 @@ class TargetCache(Cache):
         return self.lengths[:, None] - self.pad[:, None] + torch.arange(width, device=self.lengths.device)
 
     def masks(self, width: int, windows: dict[str, int | None]) -> dict[str, torch.Tensor]:
-        """Additive [b, 1, width, max_len] masks for the next `width` tokens, one per attention kind:
-        causal over the row's own slots, and inside the window for sliding kinds."""
+        """Masks for the next `width` tokens, one per attention kind: additive [b, 1, width, slots], causal over
+        the row's own tokens (and inside the window, over the ring, for sliding kinds); a 2-D padding mask of the
+        new tokens for linear attention."""
         device = self.lengths.device
-        query = self.lengths[:, None] + torch.arange(width, device=device)  # slots of the new tokens
-        slots = torch.arange(self.rows.max_len, device=device)[None, None, :]
-        visible = (slots <= query[:, :, None]) & (slots >= self.pad[:, None, None])
+        query = (self.lengths[:, None] + torch.arange(width, device=device))[:, :, None]  # slots of the new tokens
+        pad = self.pad[:, None, None]
         masks = {}
         for kind, window in windows.items():
-            if kind == "linear_attention":  # linear layers take a 2-D padding mask of the new tokens
-                masks[kind] = query >= self.pad[:, None]
+            if kind == "linear_attention":
+                masks[kind] = query[:, :, 0] >= self.pad[:, None]
                 continue
-            ok = visible & (query[:, :, None] - slots < window) if window else visible
+            if window:  # ring slot j holds the newest token slot congruent to j that is not after the query
+                ring = torch.arange(self.ring_size, device=device)[None, None, :]
+                key = query - (query - ring).remainder(self.ring_size)
+                ok = (key >= pad) & (query - key < window)
+            else:
+                key = torch.arange(self.rows.max_len, device=device)[None, None, :]
+                ok = (key <= query) & (key >= pad)
             masks[kind] = additive_mask(ok, self.rows.dtype)
         return masks

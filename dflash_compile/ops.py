@@ -31,8 +31,10 @@ def _moe_dispatch_fake(hidden, top_k_index, top_k_weights, store, layer):
 
 @torch.library.custom_op("dflash::kv_write", mutates_args=("cache",))
 def kv_write(cache: torch.Tensor, new: torch.Tensor, lengths: torch.Tensor) -> None:
-    """cache[b, :, lengths[b] + i] = new[b, :, i] for every row b and i < new.shape[2] (cache [B, H, S, D])."""
-    slots = lengths[:, None] + torch.arange(new.shape[2], device=new.device)  # [B, n]
+    """cache[b, :, (lengths[b] + i) % S] = new[b, :, i] for every row b and i < new.shape[2] (cache [B, H, S, D]).
+
+    Full-attention buffers are long enough that the modulo never wraps; sliding-window rings wrap."""
+    slots = (lengths[:, None] + torch.arange(new.shape[2], device=new.device)).remainder(cache.shape[2])
     index = slots[:, None, :, None].expand(-1, new.shape[1], -1, new.shape[3])
     cache.scatter_(2, index, new.to(cache.dtype))
 

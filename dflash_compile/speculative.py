@@ -72,7 +72,7 @@ def _eos_ids(eos_token_id) -> set[int]:
 
 class SpeculativeDecoder:
     def __init__(self, model, drafter: DFlashDrafter | None, layer_ids: tuple[int, ...], compile: bool = True,
-                 mode: str | None = None):
+                 mode: str | None = None, prefill_chunk: int = 256):
         self.model = model
         self.drafter = drafter
         self.layer_ids = layer_ids
@@ -82,7 +82,10 @@ class SpeculativeDecoder:
         kinds = spec.attention_kinds(config)
         self.linear_layers = [i for i, kind in enumerate(kinds) if kind == "linear_attention"]
         self.linear_modules = spec.linear_attention
+        self.sliding_layers = [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
+        self.prefill_chunk = prefill_chunk
         window = getattr(config, "sliding_window", None)
+        self.window = window
         self.windows = {kind: window if kind == "sliding_attention" else None for kind in dict.fromkeys(kinds)}
         self.per_kind_masks = getattr(config, "layer_types", None) is not None  # the model takes {kind: mask}
         self.max_positions = getattr(config, "max_position_embeddings", None)
@@ -107,6 +110,27 @@ class SpeculativeDecoder:
         features = torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1) if self.layer_ids else None
         linear_inputs = {i: out.hidden_states[i] for i in self.linear_layers}  # what each linear layer was fed
         return out.logits, features, linear_inputs
+
+    def _new_cache(self, batch: int, max_len: int, dtype, device) -> TargetCache:
+        """Sliding layers keep a ring of window - 1 + (the most tokens one forward writes) slots."""
+        ring = self.window - 1 + max(self.block_size, self.prefill_chunk) if self.sliding_layers else 0
+        ring_layers = self.sliding_layers if 0 < ring < max_len else ()
+        return TargetCache(batch, max_len, dtype, device, ring_layers, ring)
+
+    def _prefill(self, input_ids: torch.Tensor, cache: TargetCache):
+        """The prompt through the target, in chunks that fit the sliding rings. Returns the last position's
+        logits and the captured features of every prompt position."""
+        prompt = input_ids.shape[1]
+        chunk = self.prefill_chunk if cache.ring_size else prompt
+        features = []
+        for start in range(0, prompt, chunk):
+            ids = input_ids[:, start: start + chunk]
+            logits, chunk_features, _ = self._target_forward(ids, cache)
+            kept = torch.full((ids.shape[0],), ids.shape[1], device=ids.device)
+            cache.rows.commit(kept)
+            cache.commit_linear(kept, ids.shape[1])
+            features.append(chunk_features)
+        return logits[:, -1], torch.cat(features, dim=1) if self.layer_ids else None
 
     def _verify_step(self, block: torch.Tensor, cache: TargetCache, active: torch.Tensor):
         logits, features, linear_inputs = self._target_forward(block, cache)
@@ -167,13 +191,10 @@ class SpeculativeDecoder:
         start = time.perf_counter()
         device, dtype = input_ids.device, self.model.dtype
         max_len = prompt + max_new_tokens + self.block_size
-        cache = TargetCache(batch, max_len, dtype, device)
+        cache = self._new_cache(batch, max_len, dtype, device)
         cache.pad.copy_(pad)
-        logits, features, _ = self._target_forward(input_ids, cache)
-        prompt_kept = torch.full((batch,), prompt, device=device)
-        cache.rows.commit(prompt_kept)
-        cache.commit_linear(prompt_kept, prompt)
-        anchor = logits[:, -1].argmax(dim=-1)
+        logits, features = self._prefill(input_ids, cache)
+        anchor = logits.argmax(dim=-1)
 
         drafter_cache = None
         if self.drafter is not None:

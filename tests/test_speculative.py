@@ -130,3 +130,28 @@ def test_dense_model_is_refused(tiny):
                                       num_attention_heads=2, num_key_value_heads=1, head_dim=16)
     with pytest.raises(ValueError, match="Qwen3ForCausalLM is not a Mixture-of-Experts model of a supported family"):
         dflash_compile.optimize(transformers.AutoModelForCausalLM.from_config(config))
+
+
+@pytest.mark.parametrize("ring_slack", [0, -1])
+def test_sliding_layers_keep_a_ring_of_window_minus_one_plus_block(tiny, monkeypatch, ring_slack):
+    """gpt-oss sliding layers (window 8) keep W - 1 + max(block, prefill chunk) = 13 slots while 57 tokens pass:
+    the ring wraps several times and rolled-back tails are overwritten, yet generate's tokens come out. One slot
+    fewer loses a key a query still needs, and the output changes: the bound is tight."""
+    from dflash_compile.cache import TargetCache
+
+    model = tiny("gpt_oss")
+    ids, mask = prompts(3)
+    expected = reference(model, ids, mask)
+    sizes = []
+    original_init = TargetCache.__init__
+
+    def sized(self, batch, max_len, dtype, device, ring_layers=(), ring_size=0):
+        sizes.append((tuple(ring_layers), ring_size))
+        original_init(self, batch, max_len, dtype, device, ring_layers, ring_size + ring_slack if ring_layers else 0)
+
+    monkeypatch.setattr(TargetCache, "__init__", sized)
+    fast = dflash_compile.optimize(model, drafter=OracleDrafter(expected, mask, 6, corruption=0.3, vocab_size=128),
+                                   prefill_chunk=4)
+    out = fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
+    assert sizes[0] == ((0,), 8 - 1 + 6)  # layer 0 slides; layer 1 is full attention
+    assert torch.equal(out, expected) == (ring_slack == 0)
