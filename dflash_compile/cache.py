@@ -156,12 +156,13 @@ class TargetCache(Cache):
             if kind == "linear_attention":
                 masks[kind] = query[:, :, 0] >= self.pad[:, None]
                 continue
-            if window:  # ring slot j holds the newest token slot congruent to j that is not after the query
+            if window and self.ring_size:  # ring slot j holds the newest token slot = j (mod ring) up to the query
                 ring = torch.arange(self.ring_size, device=device)[None, None, :]
                 key = query - (query - ring).remainder(self.ring_size)
-                ok = (key >= pad) & (query - key < window)
             else:
                 key = torch.arange(self.rows.max_len, device=device)[None, None, :]
-                ok = (key <= query) & (key >= pad)
+            ok = (key <= query) & (key >= pad)
+            if window:
+                ok &= query - key < window
             masks[kind] = additive_mask(ok, self.rows.dtype)
         return masks

@@ -114,8 +114,9 @@ class SpeculativeDecoder:
     def _new_cache(self, batch: int, max_len: int, dtype, device) -> TargetCache:
         """Sliding layers keep a ring of window - 1 + (the most tokens one forward writes) slots."""
         ring = self.window - 1 + max(self.block_size, self.prefill_chunk) if self.sliding_layers else 0
-        ring_layers = self.sliding_layers if 0 < ring < max_len else ()
-        return TargetCache(batch, max_len, dtype, device, ring_layers, ring)
+        if not 0 < ring < max_len:  # a ring no shorter than the whole sequence saves nothing
+            return TargetCache(batch, max_len, dtype, device)
+        return TargetCache(batch, max_len, dtype, device, self.sliding_layers, ring)
 
     def _prefill(self, input_ids: torch.Tensor, cache: TargetCache):
         """The prompt through the target, in chunks that fit the sliding rings. Returns the last position's

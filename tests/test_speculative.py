@@ -147,7 +147,7 @@ def test_sliding_layers_keep_a_ring_of_window_minus_one_plus_block(tiny, monkeyp
 
     def sized(self, batch, max_len, dtype, device, ring_layers=(), ring_size=0):
         sizes.append((tuple(ring_layers), ring_size))
-        original_init(self, batch, max_len, dtype, device, ring_layers, ring_size + ring_slack if ring_layers else 0)
+        original_init(self, batch, max_len, dtype, device, ring_layers, ring_size + ring_slack)
 
     monkeypatch.setattr(TargetCache, "__init__", sized)
     fast = dflash_compile.optimize(model, drafter=OracleDrafter(expected, mask, 6, corruption=0.3, vocab_size=128),
