@@ -178,3 +178,25 @@ def test_drafter_module_is_validated_too(tiny, tmp_path):
     config = DrafterConfig.from_dict(tiny_drafter_config(model.config) | {"vocab_size": 64})
     with pytest.raises(DrafterPairingError, match="vocab_size: drafter has 64, target has 128"):
         load_drafter(DFlashDrafter(config, 2), model)
+
+
+def test_yarn_rope_and_output_options_are_applied(tiny, tmp_path):
+    model = tiny("gpt_oss")
+    config = tiny_drafter_config(model.config, block_size=4, input_embedding_scale=2.0, output_multiplier=0.5,
+                                 final_logit_softcapping=3.0)
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                              "rope_theta": 10000.0}
+    drafter, _ = load_drafter(save_drafter(tmp_path / "d", config, random_drafter_weights(config)), model)
+    assert drafter.rotary_emb.rope_type == "yarn" and drafter.rotary_emb.attention_scaling > 1
+    cache = RowCache(1, 32, torch.float32, "cpu")
+    drafter.add_context(cache, features(model, 5), torch.tensor([5]))
+    embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+    block = torch.tensor([[7, *[drafter.config.mask_token_id] * 3]])
+    with torch.no_grad():
+        hidden = drafter(embed(block) * 2.0, cache)  # the block is embedded with input_embedding_scale
+        expected = torch.tanh(lm_head(hidden[:, 1:]) * 0.5 / 3.0) * 3.0
+        logits = drafter.draft_logits(embed(block) * 2.0, cache, lm_head)
+        drafts = drafter.propose(torch.tensor([7]), cache, embed, lm_head)
+    torch.testing.assert_close(logits, expected)
+    assert logits.abs().max() <= 3.0
+    assert torch.equal(drafts, expected.argmax(-1))
