@@ -100,3 +100,45 @@ def state_select(state: torch.Tensor, candidate: torch.Tensor, take: torch.Tenso
 @state_select.register_fake
 def _state_select_fake(state, candidate, take):
     torch._check(candidate.shape == state.shape, lambda: "candidate state differs in shape")
+
+
+@torch.library.custom_op("dflash::sampled_accept", mutates_args=())
+def sampled_accept(
+    block: torch.Tensor, target_probs: torch.Tensor, draft_probs: torch.Tensor, uniforms: torch.Tensor,
+    one_hot_drafts: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative rejection sampling over a verify block, per row (lossless: committed tokens follow the target).
+
+    block [B, T] = [anchor, d1 .. d_{T-1}]; target_probs [B, T, V]: the processed target distribution of the token
+    at block position i + 1; draft_probs [B, T-1, V]: the processed distribution d_{i+1} was drawn from (ignored
+    when `one_hot_drafts`: the drafts were argmax, q = 1 at the draft). uniforms [B, T]: one U(0,1) per draft for
+    its accept test (accept d_i when u < min(1, p(d_i) / q(d_i))), and the last for sampling the final token by
+    inverse CDF: from normalize(max(p - q, 0)) at the first rejection (p without d_i's mass for one-hot drafts), or
+    from p at the last position when every draft passed.
+
+    Returns (accepted [B], tokens [B, T]): the row commits tokens[:, :accepted + 1].
+    """
+    drafts = block[:, 1:]
+    p_draft = target_probs[:, :-1].gather(2, drafts[..., None]).squeeze(-1)
+    q_draft = torch.ones_like(p_draft) if one_hot_drafts else draft_probs.gather(2, drafts[..., None]).squeeze(-1)
+    ratio = (p_draft / q_draft.clamp_min(torch.finfo(q_draft.dtype).tiny)).clamp(max=1.0)
+    passed = (uniforms[:, :-1] < ratio).long().cumprod(dim=-1)
+    accepted = passed.sum(dim=-1)
+
+    at = accepted[:, None, None]
+    p = target_probs.gather(1, at.expand(-1, 1, target_probs.shape[-1])).squeeze(1)
+    if one_hot_drafts:
+        q = torch.nn.functional.one_hot(drafts, p.shape[-1]).to(p.dtype)
+    else:
+        q = draft_probs
+    q = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)  # no draft after the last position: the bonus is p
+    final = (p - q.gather(1, at.expand(-1, 1, q.shape[-1])).squeeze(1)).clamp_min(0)
+    cdf = final.cumsum(dim=-1)
+    sampled = torch.searchsorted(cdf, uniforms[:, -1:] * cdf[:, -1:], right=True).clamp(max=p.shape[-1] - 1)
+    tokens = torch.cat([drafts, drafts[:, :1]], dim=1).scatter(1, accepted[:, None], sampled)
+    return accepted, tokens
+
+
+@sampled_accept.register_fake
+def _sampled_accept_fake(block, target_probs, draft_probs, uniforms, one_hot_drafts):
+    return block.new_empty(block.shape[0]), block.new_empty(block.shape)

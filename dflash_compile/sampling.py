@@ -1,0 +1,38 @@
+"""Sampling settings, applied to target and draft logits alike, in transformers' generate order
+(temperature, then top-k, then top-p), using transformers' own logits warpers."""
+
+from __future__ import annotations
+
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """Reject settings generate would reject, before any state changes."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 with do_sample=True, got {temperature}; use do_sample=False for "
+                         "greedy decoding")
+    if top_k is not None and top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 disables it), got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def warpers(temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None) -> LogitsProcessorList:
+    check_sampling(temperature, top_k, top_p)
+    chain = LogitsProcessorList()
+    if temperature != 1.0:
+        chain.append(TemperatureLogitsWarper(temperature))
+    if top_k:
+        chain.append(TopKLogitsWarper(top_k))
+    if top_p is not None and top_p < 1.0:
+        chain.append(TopPLogitsWarper(top_p))
+    return chain
+
+
+def processed_probs(logits: torch.Tensor, chain: LogitsProcessorList) -> torch.Tensor:
+    """[..., V] logits -> the probabilities generate would sample from under `chain`."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    flat = flat.to(torch.promote_types(flat.dtype, torch.float32))  # at least fp32; fp64 stays fp64
+    return torch.softmax(chain(None, flat), dim=-1).view(logits.shape)

@@ -1,0 +1,144 @@
+"""Lossless sampled acceptance: exact integration over drafts and uniforms of dflash::sampled_accept."""
+
+import itertools
+
+import pytest
+import torch
+
+from dflash_compile.sampling import check_sampling, processed_probs, warpers
+
+VOCAB, BLOCK = 4, 3  # two drafts and the bonus position
+
+
+def bisect(predicate, lo=0.0, hi=1.0, steps=60):
+    """sup{u in [lo, hi]: predicate(u)} for a predicate true below a threshold and false above."""
+    if not predicate(lo):
+        return lo
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if predicate(mid) else (lo, mid)
+    return lo
+
+
+def run(block, target, draft, uniforms, one_hot):
+    accepted, tokens = torch.ops.dflash.sampled_accept(
+        torch.tensor([block]), target[None], draft[None], torch.tensor([uniforms], dtype=torch.float64), one_hot)
+    return int(accepted), tokens[0].tolist()
+
+
+def outcome_measure(block, target, draft, one_hot):
+    """{committed tokens: probability} over the uniforms, integrated exactly: each accept test is a threshold in
+    its own uniform (found by bisection on the op), and the final token is a monotone step function of the last
+    uniform (its steps found by bisection too)."""
+    measure = {}
+    drafts = BLOCK - 1
+
+    def final_tokens(us, weight, accepted):
+        # F(v) = token sampled at position `accepted`; nondecreasing in v
+        def token_at(v):
+            return run(block, target, draft, [*us, v], one_hot)[1][accepted]
+
+        starts = [0.0] + [bisect(lambda v, j=j: token_at(v) < j) for j in range(1, VOCAB)] + [1.0]
+        for j in range(VOCAB):
+            mass = max(starts[j + 1] - starts[j], 0.0)
+            if mass > 0:
+                key = tuple(block[1: accepted + 1]) + (j,)
+                measure[key] = measure.get(key, 0.0) + weight * mass
+
+    def descend(us, weight):
+        i = len(us)
+        if i == drafts:  # every draft passed
+            return final_tokens(us, weight, drafts)
+        threshold = bisect(lambda u: run(block, target, draft, [*us, u, *[0.0] * (BLOCK - i - 1)], one_hot)[0] > i)
+        if threshold > 0:
+            descend([*us, threshold / 2], weight * threshold)
+        if threshold < 1:
+            final_tokens([*us, (1 + threshold) / 2, *[0.0] * (drafts - i - 1)], weight * (1 - threshold), i)
+
+    descend([], 1.0)
+    return measure
+
+
+def distributions(seed, settings):
+    """A target and a draft model over prefixes of length < BLOCK: processed probabilities per prefix."""
+    generator = torch.Generator().manual_seed(seed)
+    chain = warpers(**settings)
+    prefixes = [p for n in range(BLOCK) for p in itertools.product(range(VOCAB), repeat=n)]
+    target = {p: processed_probs(torch.randn(VOCAB, generator=generator, dtype=torch.float64) * 2, chain)
+              for p in prefixes}
+    draft = {p: processed_probs(torch.randn(VOCAB, generator=generator, dtype=torch.float64) * 2, chain)
+             for p in prefixes}
+    return target, draft
+
+
+def max_deviation(settings, one_hot, rule_one_hot=None):
+    """Largest gap between the exact distribution of each committed token (given the ones before it) and the
+    target's. `rule_one_hot` lets a test run the op with the wrong rule for how the drafts were made."""
+    rule_one_hot = one_hot if rule_one_hot is None else rule_one_hot
+    target, draft = distributions(0, settings)
+    joint = {}
+    sequences = ([_argmax_path(draft)] if one_hot else itertools.product(range(VOCAB), repeat=BLOCK - 1))
+    for drafts in sequences:
+        q = 1.0 if one_hot else float(draft[()][drafts[0]] * draft[drafts[:1]][drafts[1]])
+        if q == 0:
+            continue
+        block = [0, *drafts]
+        target_probs = torch.stack([target[()], target[drafts[:1]], target[drafts]])
+        draft_probs = torch.stack([draft[()], draft[drafts[:1]]])
+        for tokens, mass in outcome_measure(block, target_probs, draft_probs, rule_one_hot).items():
+            joint[tokens] = joint.get(tokens, 0.0) + q * mass
+    assert sum(joint.values()) == pytest.approx(1.0, abs=1e-9)
+    deviation = 0.0
+    # token k of a step, given the k - 1 before it were committed, must follow the target given them
+    for k in range(1, BLOCK + 1):
+        for prefix in itertools.product(range(VOCAB), repeat=k - 1):
+            mass = [sum(m for t, m in joint.items() if len(t) >= k and t[: k - 1] == prefix and t[k - 1] == j)
+                    for j in range(VOCAB)]
+            if sum(mass) > 1e-12:
+                deviation = max(deviation, max(abs(m / sum(mass) - float(target[prefix][j]))
+                                               for j, m in enumerate(mass)))
+    return deviation
+
+
+@pytest.mark.parametrize("one_hot", [False, True], ids=["sampled-drafts", "argmax-drafts"])
+@pytest.mark.parametrize(
+    "settings",
+    [dict(), dict(temperature=0.7), dict(temperature=1.3, top_k=3), dict(temperature=0.9, top_p=0.8),
+     dict(top_k=2, top_p=0.9)],
+)
+def test_committed_tokens_follow_the_target_exactly(settings, one_hot):
+    assert max_deviation(settings, one_hot) <= 1e-6
+
+
+def test_the_check_catches_a_wrong_rule():
+    """Argmax drafts judged as if they had been sampled from q (min(1, p/q), residual max(p - q, 0)) are biased,
+    and the check says so. (The converse, the one-hot rule on sampled drafts, is lossless, only less efficient.)"""
+    assert max_deviation(dict(temperature=0.7), one_hot=True, rule_one_hot=False) > 1e-2
+
+
+def _argmax_path(draft):
+    first = int(draft[()].argmax())
+    return first, int(draft[(first,)].argmax())
+
+
+def test_opcheck_sampled_accept():
+    block = torch.tensor([[0, 1, 2], [3, 0, 0]])
+    target = torch.softmax(torch.randn(2, 3, 5), -1)
+    draft = torch.softmax(torch.randn(2, 2, 5), -1)
+    uniforms = torch.rand(2, 3)
+    for one_hot in (False, True):
+        torch.library.opcheck(torch.ops.dflash.sampled_accept.default, (block, target, draft, uniforms, one_hot))
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(temperature=0.0), r"temperature must be > 0 with do_sample=True, got 0.0"),
+        (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
+        (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
+        (dict(top_k=-1), "top_k must be >= 0"),
+    ],
+)
+def test_bad_sampling_settings(settings, message):
+    with pytest.raises(ValueError, match=message):
+        check_sampling(**{"temperature": 1.0, "top_k": None, "top_p": None, **settings})
