@@ -25,12 +25,11 @@ class OptimizedModel:
     def last_stats(self) -> GenerationStats:
         return self.decoder.last_stats
 
-    def generate(self, input_ids, attention_mask=None, max_new_tokens: int = 20, eos_token_id=None,
-                 pad_token_id=None, do_sample: bool = False) -> torch.Tensor:
-        """The tokens `model.generate(input_ids, attention_mask=..., do_sample=False, ...)` returns."""
-        if do_sample:
-            raise NotImplementedError("do_sample=True is not supported yet; dflash-compile generates greedily")
-        return self.decoder.generate(input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id)
+    def generate(self, input_ids, attention_mask=None, max_new_tokens: int = 20, **kwargs) -> torch.Tensor:
+        """Greedy: the tokens `model.generate(input_ids, attention_mask=..., do_sample=False, ...)` returns.
+        With do_sample=True (temperature, top_k, top_p, generator, argmax_drafts): samples distributed exactly as
+        the target's own `generate(do_sample=True, ...)`."""
+        return self.decoder.generate(input_ids, attention_mask, max_new_tokens, **kwargs)
 
 
 def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode: str | None = None,

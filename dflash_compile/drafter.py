@@ -27,6 +27,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
 from .cache import RowCache, additive_mask
+from .sampling import processed_probs
 
 # transformers' MuseGlimmerAssistantModel names the context projection differently from z-lab checkpoints.
 _TRANSFORMERS_NAMES = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}
@@ -253,12 +254,17 @@ class DFlashDrafter(nn.Module):
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return self.norm(hidden)
 
-    def propose(self, anchor: torch.Tensor, cache: RowCache, embed: nn.Module, lm_head: nn.Module) -> torch.Tensor:
-        """Greedy drafts [b, block_size - 1] for the tokens after each row's anchor."""
+    def propose(self, anchor: torch.Tensor, cache: RowCache, embed: nn.Module, lm_head: nn.Module, sampler=None):
+        """Drafts [b, block_size - 1] for the tokens after each row's anchor, and the processed distribution q they
+        were drawn from (None for argmax drafts)."""
         config = self.config
         block = torch.full((anchor.shape[0], config.block_size), config.mask_token_id, device=anchor.device)
         block[:, 0] = anchor
-        return self.draft_logits(embed(block) * config.input_embedding_scale, cache, lm_head).argmax(dim=-1)
+        logits = self.draft_logits(embed(block) * config.input_embedding_scale, cache, lm_head)
+        if sampler is None or sampler.argmax_drafts:
+            return logits.argmax(dim=-1), None
+        q = processed_probs(logits, sampler.chain)
+        return sampler.draw(q), q
 
     def draft_logits(self, block_embeds: torch.Tensor, cache: RowCache, lm_head: nn.Module) -> torch.Tensor:
         """Logits for block positions 1..B-1: position j predicts the token at start + j."""

@@ -131,11 +131,11 @@ def sampled_accept(
         q = torch.nn.functional.one_hot(drafts, p.shape[-1]).to(p.dtype)
     else:
         q = draft_probs
-    q = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)  # no draft after the last position: the bonus is p
+    q = torch.cat([q, q.new_zeros(q.shape[0], 1, q.shape[2])], dim=1)  # no draft at the last position: bonus from p
     final = (p - q.gather(1, at.expand(-1, 1, q.shape[-1])).squeeze(1)).clamp_min(0)
     cdf = final.cumsum(dim=-1)
     sampled = torch.searchsorted(cdf, uniforms[:, -1:] * cdf[:, -1:], right=True).clamp(max=p.shape[-1] - 1)
-    tokens = torch.cat([drafts, drafts[:, :1]], dim=1).scatter(1, accepted[:, None], sampled)
+    tokens = torch.cat([drafts, block[:, :1]], dim=1).scatter(1, accepted[:, None], sampled)
     return accepted, tokens
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers.generation.logits_process import (
     LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
@@ -19,7 +21,9 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
-def warpers(temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None) -> LogitsProcessorList:
+def warpers(temperature: float | None = 1.0, top_k: int | None = None, top_p: float | None = None):
+    """The warper chain generate builds for these settings (None: not applied)."""
+    temperature = 1.0 if temperature is None else temperature
     check_sampling(temperature, top_k, top_p)
     chain = LogitsProcessorList()
     if temperature != 1.0:
@@ -36,3 +40,21 @@ def processed_probs(logits: torch.Tensor, chain: LogitsProcessorList) -> torch.T
     flat = logits.reshape(-1, logits.shape[-1])
     flat = flat.to(torch.promote_types(flat.dtype, torch.float32))  # at least fp32; fp64 stays fp64
     return torch.softmax(chain(None, flat), dim=-1).view(logits.shape)
+
+
+@dataclass
+class Sampler:
+    """How one sampled `generate` call draws: the warpers, the random generator, and whether drafts are argmax
+    (judged by the one-hot rule) or drawn from the drafter's processed distribution q."""
+
+    chain: LogitsProcessorList
+    generator: torch.Generator | None = None
+    argmax_drafts: bool = False
+
+    def draw(self, probs: torch.Tensor) -> torch.Tensor:
+        """One token per distribution: [..., V] -> [...]."""
+        flat = probs.reshape(-1, probs.shape[-1])
+        return torch.multinomial(flat, 1, generator=self.generator).view(probs.shape[:-1])
+
+    def uniforms(self, shape, device) -> torch.Tensor:
+        return torch.rand(shape, generator=self.generator, device=device)

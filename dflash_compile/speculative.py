@@ -20,6 +20,7 @@ from .backend import dflash_backend
 from .cache import RowCache, TargetCache
 from .drafter import DFlashDrafter
 from .families import spec_for_model
+from .sampling import Sampler, processed_probs, warpers
 
 
 @dataclass
@@ -94,6 +95,7 @@ class SpeculativeDecoder:
             if compile else self._verify_step
         )
         self.last_stats = GenerationStats(block_size=self.block_size)
+        self.sampler: Sampler | None = None  # the running generate call's sampling settings
 
     def _target_forward(self, ids: torch.Tensor, cache: TargetCache):
         width = ids.shape[1]
@@ -133,11 +135,19 @@ class SpeculativeDecoder:
             features.append(chunk_features)
         return logits[:, -1], torch.cat(features, dim=1) if self.layer_ids else None
 
-    def _verify_step(self, block: torch.Tensor, cache: TargetCache, active: torch.Tensor):
+    def _verify_step(self, block: torch.Tensor, cache: TargetCache, active: torch.Tensor, draft_probs=None,
+                     uniforms=None):
+        """Target over the block, acceptance (greedy, or rejection sampling when `uniforms` are given), commit."""
         logits, features, linear_inputs = self._target_forward(block, cache)
-        accepted, target = torch.ops.dflash.greedy_accept(block, logits)
+        if uniforms is None:
+            accepted, tokens = torch.ops.dflash.greedy_accept(block, logits)
+        else:
+            probs = processed_probs(logits, self.sampler.chain)
+            one_hot = draft_probs is None  # argmax or otherwise deterministic drafts
+            accepted, tokens = torch.ops.dflash.sampled_accept(
+                block, probs, probs[:, :-1] if one_hot else draft_probs, uniforms, one_hot)
         torch.ops.dflash.kv_commit(cache.lengths, (accepted + 1) * active)
-        return accepted, target, features, linear_inputs
+        return accepted, tokens, features, linear_inputs
 
     def _commit_linear(self, cache: TargetCache, kept: torch.Tensor, width: int, linear_inputs) -> None:
         """Linear-attention states after each row's kept tokens. Rows that kept part of the block replay those
@@ -158,12 +168,14 @@ class SpeculativeDecoder:
                 pending[rows] = replay.pending_recurrent[layer].to(pending.dtype)
         cache.commit_linear(kept, width)
 
-    def _draft(self, anchor: torch.Tensor, drafter_cache: RowCache) -> torch.Tensor:
-        """[b, block] = [anchor, d1 .. d_{B-1}] with the drafter's proposals."""
+    def _draft(self, anchor: torch.Tensor, drafter_cache: RowCache):
+        """[b, block] = [anchor, d1 .. d_{B-1}] with the drafter's proposals, and their distribution q (None for
+        deterministic drafts)."""
         if self.drafter is None:
-            return anchor[:, None]
+            return anchor[:, None], None
         embed, lm_head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
-        return torch.cat([anchor[:, None], self.drafter.propose(anchor, drafter_cache, embed, lm_head)], dim=1)
+        drafts, q = self.drafter.propose(anchor, drafter_cache, embed, lm_head, self.sampler)
+        return torch.cat([anchor[:, None], drafts], dim=1), q
 
     def _check_lengths(self, prompt: int, max_new_tokens: int) -> None:
         if max_new_tokens < 1:
@@ -174,12 +186,32 @@ class SpeculativeDecoder:
                 f"max_position_embeddings {self.max_positions}; shorten the prompt or generate fewer tokens"
             )
 
+    def _sampler(self, do_sample, temperature, top_k, top_p, generator, argmax_drafts) -> Sampler | None:
+        """None for greedy; otherwise the settings, defaulting to the model's generation_config like generate."""
+        if not do_sample:
+            return None
+        config = self.model.generation_config
+        defaults = config._get_default_generation_params()  # what generate falls back to (top_k 50, ...)
+
+        def setting(name, value):
+            for candidate in (value, getattr(config, name, None), defaults.get(name)):
+                if candidate is not None:
+                    return candidate
+            return None
+
+        chain = warpers(setting("temperature", temperature), setting("top_k", top_k), setting("top_p", top_p))
+        return Sampler(chain, generator, argmax_drafts)
+
     @torch.no_grad()
     def generate(self, input_ids, attention_mask=None, max_new_tokens: int = 20, eos_token_id=None,
-                 pad_token_id=None) -> torch.Tensor:
-        """Greedy generation; returns the same tensor as `model.generate(..., do_sample=False)`."""
+                 pad_token_id=None, do_sample: bool = False, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, generator: torch.Generator | None = None,
+                 argmax_drafts: bool = False) -> torch.Tensor:
+        """Greedy: the same tensor as `model.generate(..., do_sample=False)`. Sampled (`do_sample=True`): tokens
+        distributed exactly as the target's own sampling with the same temperature / top-k / top-p."""
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, length], got shape {list(input_ids.shape)}")
+        sampler = self._sampler(do_sample, temperature, top_k, top_p, generator, argmax_drafts)
         generation_config = self.model.generation_config
         eos = _eos_ids(eos_token_id if eos_token_id is not None else generation_config.eos_token_id)
         pad_token_id = pad_token_id if pad_token_id is not None else generation_config.pad_token_id
@@ -189,13 +221,14 @@ class SpeculativeDecoder:
         self._check_lengths(prompt, max_new_tokens)
         pad = _left_padding(input_ids, attention_mask)
 
+        self.sampler = sampler
         start = time.perf_counter()
         device, dtype = input_ids.device, self.model.dtype
         max_len = prompt + max_new_tokens + self.block_size
         cache = self._new_cache(batch, max_len, dtype, device)
         cache.pad.copy_(pad)
         logits, features = self._prefill(input_ids, cache)
-        anchor = logits.argmax(dim=-1)
+        anchor = sampler.draw(processed_probs(logits, sampler.chain)) if sampler else logits.argmax(dim=-1)
 
         drafter_cache = None
         if self.drafter is not None:
@@ -211,8 +244,9 @@ class SpeculativeDecoder:
         stats = GenerationStats(block_size=self.block_size)
         while not all(done):
             active = torch.tensor([not d for d in done], device=device, dtype=torch.int64)
-            block = self._draft(anchor, drafter_cache)
-            accepted, target, features, linear_inputs = self.verify_step(block, cache, active)
+            block, draft_probs = self._draft(anchor, drafter_cache)
+            uniforms = sampler.uniforms(block.shape, device) if sampler else None
+            accepted, target, features, linear_inputs = self.verify_step(block, cache, active, draft_probs, uniforms)
             accepted_list = accepted.tolist()  # the step's one host sync
             self._commit_linear(cache, (accepted + 1) * active, block.shape[1], linear_inputs)
             stats.accepted.append([None if done[b] else a for b, a in enumerate(accepted_list)])

@@ -169,7 +169,8 @@ class OracleDrafter:
     def add_context(self, cache, features, counts) -> None:
         cache.commit(counts)
 
-    def propose(self, anchor, cache, embed, lm_head) -> torch.Tensor:
+    def propose(self, anchor, cache, embed, lm_head, sampler=None):
+        """The reference's next tokens (deterministic given the prefix: judged by the one-hot rule)."""
         width = self.config.block_size - 1
         drafts = torch.zeros(len(self.rows), width, dtype=torch.long)
         for b, (row, anchor_position) in enumerate(zip(self.rows, cache.lengths.tolist())):
@@ -179,4 +180,4 @@ class OracleDrafter:
             corrupt = torch.rand(drafts.shape, generator=self.generator) < self.corruption
             noise = torch.randint(0, self.vocab_size, drafts.shape, generator=self.generator)
             drafts = torch.where(corrupt, noise, drafts)
-        return drafts.to(anchor.device)
+        return drafts.to(anchor.device), None

@@ -50,7 +50,7 @@ def test_same_draft_from_z_lab_and_transformers_format(tiny, tmp_path):
         cache = RowCache(1, 64, torch.float32, "cpu")
         drafter.add_context(cache, context, torch.tensor([7]))
         with torch.no_grad():
-            drafts.append(drafter.propose(torch.tensor([5]), cache, model.get_input_embeddings(), lm_head))
+            drafts.append(drafter.propose(torch.tensor([5]), cache, model.get_input_embeddings(), lm_head)[0])
     assert drafts[0].shape == (1, 4)
     assert torch.equal(drafts[0], drafts[1]) and torch.equal(drafts[0], drafts[2])
 
@@ -196,7 +196,7 @@ def test_yarn_rope_and_output_options_are_applied(tiny, tmp_path):
         hidden = drafter(embed(block) * 2.0, cache)  # the block is embedded with input_embedding_scale
         expected = torch.tanh(lm_head(hidden[:, 1:]) * 0.5 / 3.0) * 3.0
         logits = drafter.draft_logits(embed(block) * 2.0, cache, lm_head)
-        drafts = drafter.propose(torch.tensor([7]), cache, embed, lm_head)
+        drafts, q = drafter.propose(torch.tensor([7]), cache, embed, lm_head)
     torch.testing.assert_close(logits, expected)
     assert logits.abs().max() <= 3.0
-    assert torch.equal(drafts, expected.argmax(-1))
+    assert torch.equal(drafts, expected.argmax(-1)) and q is None

@@ -128,6 +128,9 @@ def test_opcheck_sampled_accept():
     uniforms = torch.rand(2, 3)
     for one_hot in (False, True):
         torch.library.opcheck(torch.ops.dflash.sampled_accept.default, (block, target, draft, uniforms, one_hot))
+    # a block of one token (no drafter): the token is sampled from p
+    accepted, tokens = torch.ops.dflash.sampled_accept(block[:, :1], target[:, :1], draft[:, :0], uniforms[:, :1], True)
+    assert accepted.tolist() == [0, 0] and tokens.shape == (2, 1)
 
 
 @pytest.mark.parametrize(

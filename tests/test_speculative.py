@@ -88,7 +88,8 @@ def test_tau_counts_tokens_committed_per_verify_step(tiny):
     [
         ({"max_new_tokens": 0}, "max_new_tokens must be at least 1, got 0"),
         ({"max_new_tokens": 250}, r"prompt of 9 tokens \+ max_new_tokens 250 exceeds the model's max_position_emb"),
-        ({"do_sample": True}, "do_sample=True is not supported yet"),
+        ({"do_sample": True, "temperature": 0.0}, "temperature must be > 0 with do_sample=True, got 0.0"),
+        ({"do_sample": True, "top_p": 0.0}, r"top_p must be in \(0, 1\], got 0.0"),
     ],
 )
 def test_generate_argument_errors(tiny, kwargs, message):

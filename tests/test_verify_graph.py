@@ -37,5 +37,5 @@ class TestVerifyStepGraph(TestCase):
 %moe_dispatch_default_1: f32[8, 64] = torch.ops.dflash.moe_dispatch.default(%hidden_states_22, %router_indices_1, %router_scores_1, store, 1)
 %greedy_accept: (i64[2], i64[2, 4]) = torch.ops.dflash.greedy_accept(%arg.block, %logits)
 %kv_commit = torch.ops.dflash.kv_commit(%arg.cache_rows_lengths, %mul_39)
-return (%accepted, %target, %features)
+return (%accepted, %tokens, %features)
 """)
