@@ -203,6 +203,8 @@ def main():
     parser.add_argument("--corruption", type=float, nargs="+", default=[0.45, 0.1],
                         help="oracle corruption probabilities (about tau 3 and 6 at block 8)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--temperatures", type=float, nargs="*", default=[0.7, 1.0],
+                        help="sampled runs (top-k 50, top-p 0.9) with the oracle proposing the greedy path")
     parser.add_argument("--skip-native", action="store_true")
     parser.add_argument("--mode", default=None, help='torch.compile mode of the verify step ("reduce-overhead")')
     parser.add_argument("--profile", action="store_true", help="print where a decode step spends its time")
@@ -233,6 +235,18 @@ def main():
         out, seconds = timed(lambda: fast.generate(ids, max_new_tokens=args.new), args.repeats, args.device)
         rows.append((f"dflash, oracle p={corruption} block {args.block}", new / seconds, fast.last_stats.tau,
                      f"{fast.last_stats.steps}", first_mismatch(expected, out)))
+    for temperature in args.temperatures:  # sampled decoding, the oracle proposing the greedy path
+        sampling = dict(do_sample=True, temperature=temperature, top_k=50, top_p=0.9, eos_token_id=-1)
+        seed = torch.Generator(device=args.device).manual_seed(0)
+        with torch.no_grad():
+            sampled, base_t = timed(lambda: model.generate(ids, max_new_tokens=args.new, pad_token_id=0, **sampling),
+                                    args.repeats, args.device)
+        fast = dflash_compile.optimize(model, drafter=OracleDrafter(expected.cpu(), None, args.block), mode=args.mode)
+        _, seconds = timed(lambda: fast.generate(ids, max_new_tokens=args.new, generator=seed, **sampling),
+                           args.repeats, args.device)
+        rows.append((f"model.generate, sampled T={temperature}", new / base_t, 1.0, "-", "sampled"))
+        rows.append((f"dflash, oracle (greedy path) block {args.block}, sampled T={temperature}", new / seconds,
+                     fast.last_stats.tau, f"{fast.last_stats.steps}", "sampled"))
     if not args.skip_native:
         with torch.no_grad():
             out, seconds = timed(native_dflash(model, args, ids), args.repeats, args.device)
