@@ -97,3 +97,19 @@ def test_a_two_percent_bias_fails_the_test(model_and_joint, monkeypatch):
     monkeypatch.setattr(dflash_compile.speculative, "processed_probs", biased)
     fast = dflash_compile.optimize(model, drafter=None, compile=False)
     assert p_value(sample(fast, seed=2), joint) < 1e-3
+
+
+def test_a_seeded_generator_reproduces_samples(model_and_joint, tmp_path):
+    model, _ = model_and_joint
+    config = tiny_drafter_config(model.config, block_size=4)
+    fast = dflash_compile.optimize(model, drafter=save_drafter(tmp_path / "d", config, random_drafter_weights(config)),
+                                   compile=False)
+    ids = PROMPT.repeat(4, 1)
+
+    def run(seed):
+        return fast.generate(ids, max_new_tokens=12, do_sample=True, temperature=1.0,
+                             generator=torch.Generator().manual_seed(seed))
+
+    first, again, other = run(7), run(7), run(8)
+    assert torch.equal(first, again) and not torch.equal(first, other)
+    assert len({tuple(row) for row in first[:, PROMPT.shape[1]:].tolist()}) > 1  # rows draw independently
