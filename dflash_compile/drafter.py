@@ -30,7 +30,7 @@ from .cache import RowCache, additive_mask
 from .sampling import processed_probs
 
 # transformers' MuseGlimmerAssistantModel names the context projection differently from z-lab checkpoints.
-_TRANSFORMERS_NAMES = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}
+TRANSFORMERS_NAMES = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}
 
 
 class DrafterPairingError(ValueError):
@@ -293,7 +293,7 @@ def _z_lab_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     renamed = {}
     for name, tensor in weights.items():
         name = name.removeprefix("model.")
-        for old, new in _TRANSFORMERS_NAMES.items():
+        for old, new in TRANSFORMERS_NAMES.items():
             if name.startswith(old):
                 name = new + name[len(old):]
         renamed[name] = tensor

@@ -130,7 +130,9 @@ def save_drafter(directory: str | Path, config: dict, weights: dict[str, torch.T
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     if transformers_format:
-        renames = {"fc.": "encoder.fc.", "hidden_norm.": "encoder.output_norm_enc."}
+        from .drafter import TRANSFORMERS_NAMES
+
+        renames = {z_lab: hf for hf, z_lab in TRANSFORMERS_NAMES.items()}
         weights = {next((new + k[len(old):] for old, new in renames.items() if k.startswith(old)), k): v
                    for k, v in weights.items()}
         dflash = config.get("dflash_config", {})
@@ -154,17 +156,16 @@ class OracleDrafter:
                  corruption: float = 0.0, vocab_size: int | None = None, seed: int = 0):
         from types import SimpleNamespace
 
-        from .cache import RowCache
-
         pad = (attention_mask == 0).sum(dim=1) if attention_mask is not None else torch.zeros(len(reference))
         self.rows = [reference[b, int(pad[b]):] for b in range(reference.shape[0])]  # real tokens per row
         self.config = SimpleNamespace(block_size=block_size)
         self.corruption, self.vocab_size = corruption, vocab_size
         self.generator = torch.Generator().manual_seed(seed)
-        self._cache_class = RowCache
 
     def new_cache(self, batch, max_len, dtype, device):
-        return self._cache_class(batch, max_len, dtype, device)  # only its lengths are used
+        from .cache import RowCache
+
+        return RowCache(batch, max_len, dtype, device)  # only its lengths are used
 
     def add_context(self, cache, features, counts) -> None:
         cache.commit(counts)
