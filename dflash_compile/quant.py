@@ -1,0 +1,88 @@
+"""Reference quantizers and dequantizers for the checkpoint formats dflash-compile keeps packed (FORMATS.md).
+
+MXFP4 (OCP microscaling, gpt-oss): E2M1 codes, two per byte (low nibble = even element), one E8M0 scale per 32
+elements along the last axis: value = 2^(scale - 127) * e2m1.
+FP8 block-scaled (DeepSeek-V3 style): float8_e4m3fn weights [N, K] with one fp32 `weight_scale_inv` per
+128 x 128 block (the last block row / column may be partial): value = q * scale_inv.
+
+These are the pure-PyTorch definitions the fused kernels are tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+MXFP4_GROUP = 32
+E2M1_MAX_EXPONENT = 2  # 6 = 1.5 * 2^2
+E4M3_MAX = 448.0
+
+
+def _e2m1_table(device, dtype=torch.float32) -> torch.Tensor:
+    magnitudes = torch.tensor(E2M1_VALUES, dtype=dtype, device=device)
+    return torch.cat([magnitudes, -magnitudes])  # codes 0x0-0x7, then the same negated
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """blocks uint8 [..., G, 16], scales uint8 [..., G] -> [..., G * 32]. A 0xFF scale is NaN."""
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != MXFP4_GROUP // 2:
+        raise ValueError(f"MXFP4 blocks {list(blocks.shape)} and scales {list(scales.shape)} do not match: expected "
+                         f"blocks [..., G, {MXFP4_GROUP // 2}] and scales [..., G]")
+    table = _e2m1_table(blocks.device)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # low nibble first
+    exponent = scales.to(torch.int32) - 127
+    values = torch.ldexp(table[codes], exponent[..., None].float())
+    values = torch.where((scales == 0xFF)[..., None], torch.nan, values)
+    return values.flatten(-2).to(dtype)
+
+
+def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., K] (K a multiple of 32) -> (blocks uint8 [..., K/32, 16], scales uint8 [..., K/32]).
+
+    Scale: 2^(floor(log2(amax)) - 2), the OCP choice (the group's largest magnitude lands in [4, 8), saturating to
+    6). Elements: the nearest E2M1 value, ties to the even code."""
+    if x.shape[-1] % MXFP4_GROUP:
+        raise ValueError(f"MXFP4 groups of {MXFP4_GROUP} need the last dimension divisible by {MXFP4_GROUP}, got "
+                         f"{x.shape[-1]}")
+    groups = x.float().reshape(*x.shape[:-1], -1, MXFP4_GROUP)
+    amax = groups.abs().amax(dim=-1)
+    exponent = torch.where(amax > 0, torch.floor(torch.log2(amax)) - E2M1_MAX_EXPONENT, torch.zeros_like(amax))
+    exponent = exponent.clamp(-127, 127)
+    scaled = groups / torch.ldexp(torch.ones_like(exponent), exponent)[..., None]
+    table = _e2m1_table(x.device)
+    distance = (scaled[..., None] - table).abs()
+    odd_code = (torch.arange(16, device=x.device) % 2).float()
+    codes = (distance + odd_code * 1e-6).argmin(dim=-1)  # ties between neighbours go to the even code
+    codes = torch.where((codes == 8), torch.zeros_like(codes), codes)  # -0 -> +0
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return packed, (exponent + 127).to(torch.uint8)
+
+
+def _block_grid(weight_shape, block: tuple[int, int]) -> tuple[int, int]:
+    return (-(-weight_shape[0] // block[0]), -(-weight_shape[1] // block[1]))
+
+
+def _expand_blocks(scale: torch.Tensor, shape, block: tuple[int, int]) -> torch.Tensor:
+    """Per-block values [ceil(N/bn), ceil(K/bk)] -> per-element [N, K] (partial last blocks included)."""
+    return scale.repeat_interleave(block[0], dim=0)[: shape[0]].repeat_interleave(block[1], dim=1)[:, : shape[1]]
+
+
+def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """float8 weight [N, K] and fp32 (or e8m0) scale_inv [ceil(N/bn), ceil(K/bk)] -> weight * scale_inv."""
+    expected = _block_grid(weight.shape, block)
+    if tuple(scale_inv.shape) != expected:
+        raise ValueError(f"FP8 weight {list(weight.shape)} with block {list(block)} needs a scale grid "
+                         f"{list(expected)}, got weight_scale_inv {list(scale_inv.shape)}")
+    return (weight.float() * _expand_blocks(scale_inv.float(), weight.shape, block)).to(dtype)
+
+
+def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (float8_e4m3fn [N, K], fp32 scale_inv grid): scale = block amax / 448, values saturate."""
+    rows, cols = _block_grid(weight.shape, block)
+    padded = torch.zeros(rows * block[0], cols * block[1], dtype=torch.float32, device=weight.device)
+    padded[: weight.shape[0], : weight.shape[1]] = weight.float()
+    amax = padded.view(rows, block[0], cols, block[1]).abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    scaled = weight.float() / _expand_blocks(scale, weight.shape, block)
+    return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale

@@ -1,0 +1,77 @@
+"""Reference MXFP4 / FP8-block quantizers against transformers' own dequantizers and the formats' rules."""
+
+import pytest
+import torch
+from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+from transformers.integrations.mxfp4 import FP4_VALUES, _convert_moe_packed_tensors
+
+from dflash_compile.quant import dequantize_fp8_block, dequantize_mxfp4, quantize_fp8_block, quantize_mxfp4
+
+
+def random_mxfp4(shape, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (*shape, 16), generator=generator, dtype=torch.uint8)
+    scales = torch.randint(110, 140, shape, generator=generator, dtype=torch.uint8)
+    return blocks, scales
+
+
+def test_mxfp4_dequantize_matches_transformers():
+    blocks, scales = random_mxfp4((3, 10, 90))  # E=3 experts, 10 rows, K = 90 * 32 = 2880
+    expected = _convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2)
+    assert torch.equal(dequantize_mxfp4(blocks, scales), expected)
+    assert torch.tensor(FP4_VALUES)[8:].neg().tolist() == list(FP4_VALUES[:8])  # codes 8-15 are 0-7 negated
+
+
+def test_mxfp4_rules():
+    blocks = torch.tensor([[[0x21] + [0x00] * 15]], dtype=torch.uint8)  # element 0 = code 1, element 1 = code 2
+    values = dequantize_mxfp4(blocks, torch.tensor([[128]], dtype=torch.uint8))
+    assert values[0, :2].tolist() == [1.0, 2.0]  # 2^(128-127) * (0.5, 1.0): low nibble is the even element
+    assert dequantize_mxfp4(blocks, torch.tensor([[0xFF]], dtype=torch.uint8)).isnan().all()
+    with pytest.raises(ValueError, match=r"MXFP4 blocks \[1, 1, 16\] and scales \[2\] do not match"):
+        dequantize_mxfp4(blocks, torch.zeros(2, dtype=torch.uint8))
+
+
+def test_mxfp4_round_trip():
+    x = torch.randn(6, 2880, generator=torch.Generator().manual_seed(1)) * 3
+    blocks, scales = quantize_mxfp4(x)
+    assert blocks.shape == (6, 90, 16) and scales.shape == (6, 90)
+    y = dequantize_mxfp4(blocks, scales)
+    # the OCP scale puts each group's largest magnitude in [4, 8) * scale: values up to 6 are off by at most half
+    # the widest E2M1 gap (1), values in (6, 8) saturate to 6 (off by < 2); re-quantizing the output is exact
+    group_scale = torch.ldexp(torch.ones(6, 90), scales.int() - 127).repeat_interleave(32, dim=1)
+    error = (x - y).abs() / group_scale
+    assert (error <= 1.0 + 1e-6).logical_or(x.abs() / group_scale > 6).all() and error.max() < 2
+    assert all(torch.equal(a, b) for a, b in zip(quantize_mxfp4(y), (blocks, scales)))
+    ties = torch.tensor([[0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 4.0] * 4])  # halfway points, amax 5 -> scale 1
+    assert dequantize_mxfp4(*quantize_mxfp4(ties))[0, :8].tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 4.0]
+    with pytest.raises(ValueError, match="divisible by 32, got 30"):
+        quantize_mxfp4(torch.zeros(2, 30))
+
+
+def test_fp8_block_dequantize_matches_transformers_on_full_blocks():
+    weight = (torch.randn(256, 384) * 100).to(torch.float8_e4m3fn)
+    scale_inv = torch.rand(2, 3) + 0.5
+    expected = _dequantize_fp8_weight(weight, scale_inv, [128, 128], torch.float32)
+    torch.testing.assert_close(dequantize_fp8_block(weight, scale_inv), expected)
+
+
+def test_fp8_block_partial_blocks():
+    """DeepSeek-V3's kv_a_proj_with_mqa is [576, 7168] with a [5, 56] grid: the last block row is partial."""
+    weight = (torch.randn(200, 300) * 50).to(torch.float8_e4m3fn)
+    scale_inv = torch.rand(2, 3) + 0.5
+    out = dequantize_fp8_block(weight, scale_inv)
+    for (r, c) in [(0, 0), (127, 127), (128, 128), (199, 299), (150, 260)]:
+        assert out[r, c] == weight[r, c].float() * scale_inv[r // 128, c // 128]
+    with pytest.raises(ValueError, match=r"FP8 weight \[200, 300\] with block \[128, 128\] needs a scale grid \[2, 3\]"):
+        dequantize_fp8_block(weight, torch.ones(1, 3))
+
+
+def test_fp8_block_round_trip_saturates_and_bounds_error():
+    w = torch.randn(300, 260, generator=torch.Generator().manual_seed(2))
+    w[5, 7] = 1e6  # one huge value: its block's scale follows it, nothing overflows
+    q, scale_inv = quantize_fp8_block(w)
+    assert q.dtype == torch.float8_e4m3fn and scale_inv.shape == (3, 3)
+    y = dequantize_fp8_block(q, scale_inv)
+    assert torch.isfinite(y).all() and y[5, 7] == pytest.approx(1e6, rel=0.07)
+    relative = (w - y).abs() / (scale_inv.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :260] * 448)
+    assert relative.max() <= 2 ** -4  # e4m3: 3 mantissa bits, error <= half an ULP of the block's range
