@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .expert_store import get_store
+from .quant import dequantize_fp8_block, dequantize_mxfp4
 
 
 @torch.library.custom_op("dflash::moe_dispatch", mutates_args=())
@@ -142,3 +143,32 @@ def sampled_accept(
 @sampled_accept.register_fake
 def _sampled_accept_fake(block, target_probs, draft_probs, uniforms, one_hot_drafts):
     return block.new_empty(block.shape[0]), block.new_empty(block.shape)
+
+
+@torch.library.custom_op("dflash::mxfp4_dequantize", mutates_args=())
+def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """MXFP4 blocks uint8 [..., G, 16] and E8M0 scales uint8 [..., G] -> [..., G * 32] in `dtype` (reference)."""
+    return dequantize_mxfp4(blocks, scales, dtype)
+
+
+@mxfp4_dequantize.register_fake
+def _mxfp4_dequantize_fake(blocks, scales, dtype):
+    torch._check(blocks.shape[:-1] == scales.shape and blocks.shape[-1] == 16, lambda: "bad MXFP4 block shapes")
+    return blocks.new_empty((*scales.shape[:-1], scales.shape[-1] * 32), dtype=dtype)
+
+
+@torch.library.custom_op("dflash::fp8_block_dequantize", mutates_args=())
+def fp8_block_dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block_n: int, block_k: int,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """float8_e4m3fn weight [N, K] (or its bytes as uint8, as packed stores hold it) times its per-block
+    scale_inv [ceil(N/bn), ceil(K/bk)] -> [N, K] in `dtype`."""
+    if weight.dtype == torch.uint8:
+        weight = weight.view(torch.float8_e4m3fn)
+    return dequantize_fp8_block(weight, scale_inv, (block_n, block_k), dtype)
+
+
+@fp8_block_dequantize.register_fake
+def _fp8_block_dequantize_fake(weight, scale_inv, block_n, block_k, dtype):
+    grid = (-(-weight.shape[0] // block_n), -(-weight.shape[1] // block_k))
+    torch._check(tuple(scale_inv.shape) == grid, lambda: f"scale grid {list(scale_inv.shape)} != {list(grid)}")
+    return weight.new_empty(weight.shape, dtype=dtype)

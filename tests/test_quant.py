@@ -75,3 +75,17 @@ def test_fp8_block_round_trip_saturates_and_bounds_error():
     assert torch.isfinite(y).all() and y[5, 7] == pytest.approx(1e6, rel=0.07)
     relative = (w - y).abs() / (scale_inv.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :260] * 448)
     assert relative.max() <= 2 ** -4  # e4m3: 3 mantissa bits, error <= half an ULP of the block's range
+
+
+def test_dequantize_ops_match_the_reference_and_pass_opcheck():
+    blocks, scales = random_mxfp4((4, 3))
+    out = torch.ops.dflash.mxfp4_dequantize(blocks, scales, torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, dequantize_mxfp4(blocks, scales, torch.bfloat16))
+    torch.library.opcheck(torch.ops.dflash.mxfp4_dequantize.default, (blocks, scales, torch.float32))
+    weight = (torch.randn(200, 300) * 50).to(torch.float8_e4m3fn)
+    scale_inv = torch.rand(2, 3) + 0.5
+    out = torch.ops.dflash.fp8_block_dequantize(weight, scale_inv, 128, 128, torch.float32)
+    assert torch.equal(out, dequantize_fp8_block(weight, scale_inv))
+    as_bytes = weight.view(torch.uint8)  # opcheck's schema test cannot do arithmetic on float8 tensors
+    assert torch.equal(torch.ops.dflash.fp8_block_dequantize(as_bytes, scale_inv, 128, 128, torch.float32), out)
+    torch.library.opcheck(torch.ops.dflash.fp8_block_dequantize.default, (as_bytes, scale_inv, 128, 128, torch.float32))
