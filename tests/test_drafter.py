@@ -43,7 +43,7 @@ def test_same_draft_from_z_lab_and_transformers_format(tiny, tmp_path):
     hf_dir = save_drafter(tmp_path / "hf", config, weights, transformers_format=True)
     hf, _ = load_drafter(hf_dir, model)
     hf_module, _ = load_drafter(transformers.AutoModel.from_pretrained(hf_dir), model)  # an in-memory module
-    context, embeds = features(model, 7), block_embeds(model, z_lab)
+    context = features(model, 7)
     lm_head = model.get_output_embeddings()
     drafts = []
     for drafter in (z_lab, hf, hf_module):

@@ -1,7 +1,5 @@
 """optimize(...).generate(do_sample=True) samples the target's own distribution (statistical, end to end)."""
 
-import itertools
-
 import pytest
 import torch
 
