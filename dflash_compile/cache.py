@@ -68,9 +68,6 @@ class RowCache:
     def commit(self, counts: torch.Tensor) -> None:
         torch.ops.dflash.kv_commit(self.lengths, counts)
 
-    def reset(self) -> None:
-        self.lengths.zero_()
-
 
 class TargetCache(Cache):
     """The target model's cache during speculative decoding: a RowCache behind transformers' Cache interface.

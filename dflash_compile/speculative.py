@@ -85,8 +85,7 @@ class SpeculativeDecoder:
         self.linear_modules = spec.linear_attention
         self.sliding_layers = [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
         self.prefill_chunk = prefill_chunk
-        window = getattr(config, "sliding_window", None)
-        self.window = window
+        self.window = window = getattr(config, "sliding_window", None)
         self.windows = {kind: window if kind == "sliding_attention" else None for kind in dict.fromkeys(kinds)}
         self.per_kind_masks = getattr(config, "layer_types", None) is not None  # the model takes {kind: mask}
         self.max_positions = getattr(config, "max_position_embeddings", None)
@@ -146,7 +145,7 @@ class SpeculativeDecoder:
             one_hot = draft_probs is None  # argmax or otherwise deterministic drafts
             accepted, tokens = torch.ops.dflash.sampled_accept(
                 block, probs, probs[:, :-1] if one_hot else draft_probs, uniforms, one_hot)
-        torch.ops.dflash.kv_commit(cache.lengths, (accepted + 1) * active)
+        cache.rows.commit((accepted + 1) * active)
         return accepted, tokens, features, linear_inputs
 
     def _commit_linear(self, cache: TargetCache, kept: torch.Tensor, width: int, linear_inputs) -> None:
