@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
@@ -226,33 +226,68 @@ class DFlashDrafter(nn.Module):
 
     def _masks(self, cache: RowCache, block: int) -> dict[str, torch.Tensor]:
         """[b, 1, block, max_len + block] additive masks: committed context, then the block."""
-        config, device = self.config, cache.lengths.device
+        device = cache.lengths.device
         query = cache.lengths[:, None] + torch.arange(block, device=device)  # absolute positions of the block
-        slots = torch.arange(cache.max_len, device=device)
-        context_ok = (slots[None, None, :] < cache.lengths[:, None, None]).expand(-1, block, -1)
+        slots = torch.arange(cache.max_len, device=device).expand(cache.batch, -1)
+        context_ok = (slots[:, None, :] < cache.lengths[:, None, None]).expand(-1, block, -1)
         block_ok = torch.ones(cache.batch, block, block, dtype=torch.bool, device=device)
-        masks = {"full_attention": torch.cat([context_ok, block_ok], dim=-1)}
+        visible = torch.cat([context_ok, block_ok], dim=-1)
+        return self._kind_masks(query, torch.cat([slots, query], dim=-1), visible, cache.dtype)
+
+    def _kind_masks(self, query: torch.Tensor, key: torch.Tensor, visible: torch.Tensor, dtype: torch.dtype):
+        """Additive masks per layer kind from query / key positions [b, q] / [b, k] and what each query may see
+        [b, q, k]: full layers see all of it, sliding layers only their window (and causally unless is_causal)."""
+        config = self.config
+        masks = {"full_attention": visible}
         if "sliding_attention" in config.layer_types:
-            window = config.sliding_window
-            key = torch.cat([slots.expand(cache.batch, -1), query], dim=-1)[:, None, :]
-            in_window = query[:, :, None] - key < window
-            causal = query[:, :, None] >= key if config.is_causal in (None, True) else True
-            masks["sliding_attention"] = masks["full_attention"] & in_window & causal
-        return {kind: additive_mask(ok, cache.dtype) for kind, ok in masks.items()}
+            distance = query[:, :, None] - key[:, None, :]
+            causal = distance >= 0 if config.is_causal in (None, True) else True
+            masks["sliding_attention"] = visible & (distance < config.sliding_window) & causal
+        return {kind: additive_mask(ok, dtype) for kind, ok in masks.items()}
+
+    def _layers(self, hidden: torch.Tensor, positions: torch.Tensor, context_kv, masks) -> torch.Tensor:
+        """The block through every layer; `context_kv(i)` gives layer i's context keys/values."""
+        cos, sin = self.rotary_emb(hidden, positions)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn(layer.input_layernorm(hidden), cos, sin, context_kv(i),
+                                   masks[self.config.layer_types[i]])
+            hidden = hidden + attn
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return self.norm(hidden)
 
     def forward(self, block_embeds: torch.Tensor, cache: RowCache) -> torch.Tensor:
         """Block hidden states after the final norm, [b, block, H]; the block starts at the cache's length."""
         block = block_embeds.shape[1]
         positions = cache.lengths[:, None] + torch.arange(block, device=block_embeds.device)
-        cos, sin = self.rotary_emb(block_embeds, positions)
-        masks = self._masks(cache, block)
-        hidden = block_embeds
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn(layer.input_layernorm(hidden), cos, sin, cache.kv(i),
-                                   masks[self.config.layer_types[i]])
-            hidden = hidden + attn
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return self.norm(hidden)
+        return self._layers(block_embeds, positions, cache.kv, self._masks(cache, block))
+
+    def packed_logits(self, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
+                      embed: nn.Module, lm_head: nn.Module) -> torch.Tensor:
+        """Training forward: logits [b, n, B - 1, V] of n blocks per sequence at once. Block i starts with the
+        token at position anchors[:, i] of `tokens` [b, T] and sees the context features [b, T, F] before that
+        position only: the same computation as `add_context(features[:, :anchor])` then `draft_logits` (tested),
+        with the blocks packed into one forward and kept apart by the mask."""
+        config, device = self.config, tokens.device
+        batch, length = tokens.shape
+        count, size = anchors.shape[1], config.block_size
+        starts = anchors.repeat_interleave(size, dim=1)  # [b, n * B]: each query's anchor position
+        query = starts + torch.arange(size, device=device).repeat(count)
+        block = torch.full((batch, count, size), config.mask_token_id, device=device)
+        block[:, :, 0] = tokens.gather(1, anchors)
+
+        context = self.hidden_norm(self.fc(features))
+        context_positions = torch.arange(length, device=device).expand(batch, -1)
+        cos, sin = self.rotary_emb(context, context_positions)
+        context_kv = [layer.self_attn.context_kv(context, cos, sin) for layer in self.layers]
+
+        context_ok = context_positions[:, None, :] < starts[:, :, None]
+        block_of = torch.arange(count, device=device).repeat_interleave(size)
+        block_ok = (block_of[:, None] == block_of[None, :]).expand(batch, -1, -1)
+        masks = self._kind_masks(query, torch.cat([context_positions, query], dim=-1),
+                                 torch.cat([context_ok, block_ok], dim=-1), context.dtype)
+        embeds = embed(block.view(batch, -1)) * config.input_embedding_scale
+        hidden = self._layers(embeds, query, context_kv.__getitem__, masks)
+        return self._logits(hidden.view(batch, count, size, -1)[:, :, 1:], lm_head)
 
     def propose(self, anchor: torch.Tensor, cache: RowCache, embed: nn.Module, lm_head: nn.Module, sampler=None):
         """Drafts [b, block_size - 1] for the tokens after each row's anchor, and the processed distribution q they
@@ -268,12 +303,57 @@ class DFlashDrafter(nn.Module):
 
     def draft_logits(self, block_embeds: torch.Tensor, cache: RowCache, lm_head: nn.Module) -> torch.Tensor:
         """Logits for block positions 1..B-1: position j predicts the token at start + j."""
+        return self._logits(self(block_embeds, cache)[:, 1:], lm_head)
+
+    def _logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         config = self.config
-        logits = lm_head(self(block_embeds, cache)[:, 1:]) * config.output_multiplier
+        logits = lm_head(hidden) * config.output_multiplier
         if config.final_logit_softcapping:
             cap = config.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+def drafter_config(target_config, *, block_size: int, mask_token_id: int, target_layer_ids, layer_types,
+                   num_attention_heads: int, num_key_value_heads: int, head_dim: int, intermediate_size=None,
+                   nested: bool = True, **extra) -> dict:
+    """A z-lab-format drafter config.json for `target_config`, with the DFlash keys nested in `dflash_config`
+    (or at the top level, the other layout z-lab checkpoints use)."""
+    target = target_config.get_text_config()
+    config = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": target.hidden_size,
+        "intermediate_size": intermediate_size or 2 * target.hidden_size, "num_hidden_layers": len(layer_types),
+        "num_attention_heads": num_attention_heads, "num_key_value_heads": num_key_value_heads,
+        "head_dim": head_dim, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "vocab_size": target.vocab_size,
+        "max_position_embeddings": getattr(target, "max_position_embeddings", 2048),
+        "layer_types": list(layer_types), "num_target_layers": target.num_hidden_layers, **extra,
+    }
+    dflash = {"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)}
+    if nested:
+        config["dflash_config"] = dflash | {"block_size": block_size}
+    else:
+        config.update(block_size=block_size, dflash_config=dflash)
+    return config
+
+
+def save_drafter(directory: str | Path, config: dict, weights: dict[str, torch.Tensor],
+                 transformers_format: bool = False) -> Path:
+    """Write a drafter checkpoint (config.json + model.safetensors): z-lab names, or transformers' assistant names
+    (`encoder.fc`, ...)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    if transformers_format:
+        renames = {z_lab: hf for hf, z_lab in TRANSFORMERS_NAMES.items()}
+        weights = {next((new + k[len(old):] for old, new in renames.items() if k.startswith(old)), k): v
+                   for k, v in weights.items()}
+        dflash = config.get("dflash_config", {})
+        config = {k: v for k, v in config.items() if k != "dflash_config"} | {
+            "model_type": "muse_glimmer_assistant", "architectures": ["MuseGlimmerAssistantModel"],
+            "block_size": dflash.get("block_size", config.get("block_size")),
+            "mask_token_id": dflash["mask_token_id"], "target_layer_ids": dflash["target_layer_ids"]}
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / "model.safetensors"))
+    return directory
 
 
 def _read_checkpoint(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 import transformers
 
+from .drafter import drafter_config, save_drafter  # noqa: F401  (save_drafter: the tests' writer too)
+
 _COMMON = dict(
     vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
     tie_word_embeddings=False,
@@ -86,22 +88,11 @@ def tiny_drafter_config(target_config, block_size: int = 4, layer_types=("full_a
                         target_layer_ids=None, nested: bool = True, **extra) -> dict:
     """A z-lab-format drafter config.json for `target_config` (DFlash keys nested in `dflash_config` or not)."""
     target = target_config.get_text_config()
-    ids = list(target_layer_ids) if target_layer_ids is not None else [0, target.num_hidden_layers - 1]
-    dflash = {"block_size": block_size, "mask_token_id": target.vocab_size - 1, "target_layer_ids": ids}
-    config = {
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": target.hidden_size,
-        "intermediate_size": 2 * target.hidden_size, "num_hidden_layers": len(layer_types),
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0, "vocab_size": target.vocab_size, "max_position_embeddings": 512,
-        "layer_types": list(layer_types), "sliding_window": 8 if "sliding_attention" in layer_types else None,
-        "num_target_layers": target.num_hidden_layers, **extra,
-    }
-    if nested:
-        config["dflash_config"] = dflash
-    else:
-        config.update(block_size=block_size, dflash_config={"mask_token_id": dflash["mask_token_id"],
-                                                            "target_layer_ids": ids})
-    return config
+    ids = target_layer_ids if target_layer_ids is not None else [0, target.num_hidden_layers - 1]
+    extra = {"sliding_window": 8 if "sliding_attention" in layer_types else None} | extra
+    return drafter_config(target_config, block_size=block_size, mask_token_id=target.vocab_size - 1,
+                          target_layer_ids=ids, layer_types=layer_types, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, nested=nested, **extra)
 
 
 def random_drafter_weights(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -118,31 +109,6 @@ def random_drafter_weights(config: dict, seed: int = 0) -> dict[str, torch.Tenso
             else:
                 tensor.normal_(0, 0.2)
     return drafter.state_dict()
-
-
-def save_drafter(directory: str | Path, config: dict, weights: dict[str, torch.Tensor],
-                 transformers_format: bool = False) -> Path:
-    """Write a drafter checkpoint: z-lab names, or transformers' assistant names (`encoder.fc`, ...)."""
-    import json
-
-    from safetensors.torch import save_file
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    if transformers_format:
-        from .drafter import TRANSFORMERS_NAMES
-
-        renames = {z_lab: hf for hf, z_lab in TRANSFORMERS_NAMES.items()}
-        weights = {next((new + k[len(old):] for old, new in renames.items() if k.startswith(old)), k): v
-                   for k, v in weights.items()}
-        dflash = config.get("dflash_config", {})
-        config = {k: v for k, v in config.items() if k != "dflash_config"} | {
-            "model_type": "muse_glimmer_assistant", "architectures": ["MuseGlimmerAssistantModel"],
-            "block_size": dflash.get("block_size", config.get("block_size")),
-            "mask_token_id": dflash["mask_token_id"], "target_layer_ids": dflash["target_layer_ids"]}
-    (directory / "config.json").write_text(json.dumps(config, indent=2))
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / "model.safetensors"))
-    return directory
 
 
 class OracleDrafter:
