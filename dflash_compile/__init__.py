@@ -3,6 +3,7 @@
     compiled = torch.compile(model, backend="dflash")     # every MoE layer's experts -> dflash::moe_dispatch
     report = dflash_compile.explain(model, input_ids)      # pass matches, graph breaks, the graphs
     fast = dflash_compile.optimize(model, drafter=path)    # DFlash speculative decoding, same tokens as generate
+    dflash_compile.train_drafter(model, texts, "drafter/", tokenizer=tokenizer)   # a drafter for any target
 """
 
 from . import ops, seam
@@ -12,6 +13,7 @@ from .drafter import DFlashDrafter, DrafterConfig, DrafterPairingError
 from .expert_store import ExpertStore
 from .explain import ExplainReport, explain
 from .families import FAMILIES, FamilySpec, UnsupportedFamilyError, supported_families
+from .training import DrafterTraining, train_drafter
 
 seam.install()
 
@@ -19,6 +21,7 @@ __all__ = [
     "DFlashDrafter",
     "DrafterConfig",
     "DrafterPairingError",
+    "DrafterTraining",
     "OptimizedModel",
     "optimize",
     "FAMILIES",
@@ -30,5 +33,6 @@ __all__ = [
     "explain",
     "ops",
     "supported_families",
+    "train_drafter",
 ]
 __version__ = "0.1.0"

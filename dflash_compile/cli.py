@@ -1,14 +1,19 @@
 """The `dflash-compile` command line.
 
-    dflash-compile explain                       # the built-in default: a tiny random gpt-oss model
-    dflash-compile explain --model PATH --graphs # any supported checkpoint directory, graphs printed
+    dflash-compile generate --prompt "def fibonacci(n):"   # the bundled tiny target + drafter pair
+    dflash-compile generate --model PATH --drafter PATH --prompt "..." --stream
+    dflash-compile train-drafter --target PATH --data texts.jsonl --out drafter/ [--block-size 16 --layers 2]
+    dflash-compile explain                                 # passes on a tiny random gpt-oss model
+    dflash-compile explain --model PATH --graphs           # any supported checkpoint directory, graphs printed
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -57,8 +62,79 @@ def explain_command(args) -> int:
     return 0
 
 
+def _device(name: str | None) -> str:
+    return name or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def generate_command(args) -> int:
+    """Speculative greedy generation of one prompt, then plain decoding of the same prompt for the speedup."""
+    from transformers import TextStreamer
+
+    from . import optimize
+    from .pair import load_target, pair_paths
+
+    if (args.model is None) != (args.drafter is None):
+        raise SystemExit("give both --model and --drafter, or neither for the bundled pair")
+    target_dir, drafter_dir = (args.model, args.drafter) if args.model else pair_paths()
+    device = _device(args.device)
+    model, tokenizer = load_target(target_dir, device, DTYPES[args.dtype])
+    compile = args.compile if args.compile is not None else device.startswith("cuda")
+    fast = optimize(model, drafter=drafter_dir, compile=compile)
+    ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(device)
+    streamer = TextStreamer(tokenizer) if args.stream else None
+    output = fast.generate(ids, max_new_tokens=args.max_new_tokens, streamer=streamer)  # also compiles
+    stats = fast.last_stats
+    if not args.stream:
+        print(tokenizer.decode(output[0]))
+    new_tokens = output.shape[1] - ids.shape[1]
+    plain, plain_seconds = _timed(lambda: model.generate(ids, max_new_tokens=args.max_new_tokens,
+                                                         do_sample=False), args.repeats)
+    _, ours_seconds = _timed(lambda: fast.generate(ids, max_new_tokens=args.max_new_tokens), args.repeats)
+    print(f"\n--- {new_tokens} new tokens, block {stats.block_size}, {stats.steps} verify steps, "
+          f"mean accepted length {stats.tau:.2f}")
+    print(f"median of {args.repeats}: dflash {new_tokens / ours_seconds:.1f} tok/s, plain decoding (transformers "
+          f"generate) {new_tokens / plain_seconds:.1f} tok/s: {plain_seconds / ours_seconds:.2f}x; "
+          f"same tokens: {torch.equal(output, plain)}")
+    return 0
+
+
+def _read_texts(path: Path) -> list[str]:
+    """One text per line of a .jsonl file: {"text": ...} objects or JSON strings."""
+    texts = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        item = json.loads(line)
+        if isinstance(item, dict) and isinstance(item.get("text"), str):
+            texts.append(item["text"])
+        elif isinstance(item, str):
+            texts.append(item)
+        else:
+            raise SystemExit(f"{path}:{number}: expected a JSON string or an object with a \"text\" string")
+    if not texts:
+        raise SystemExit(f"{path} has no texts")
+    return texts
+
+
+def train_drafter_command(args) -> int:
+    from .pair import load_target
+    from .training import DrafterTraining, train_drafter
+
+    texts = _read_texts(Path(args.data))
+    model, tokenizer = load_target(args.target, _device(args.device))
+    settings = DrafterTraining(block_size=args.block_size, layers=args.layers, steps=args.steps,
+                               batch_size=args.batch_size, sequences=args.sequences,
+                               prompt_length=args.prompt_length, continuation_length=args.continuation_length,
+                               learning_rate=args.learning_rate)
+    out = train_drafter(model, texts, args.out, tokenizer=tokenizer, settings=settings,
+                        mask_token_id=args.mask_token_id)
+    print(f"drafter written to {out} (training log: {out / 'training' / 'log.jsonl'})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .testing import TINY_CONFIGS
+    from .training import DrafterTraining
 
     parser = argparse.ArgumentParser(prog="dflash-compile", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -71,6 +147,38 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--repeats", type=int, default=5, help="timed forwards per side")
     explain.add_argument("--graphs", action="store_true", help="print every graph after the passes")
     explain.set_defaults(run=explain_command)
+
+    generate = commands.add_parser("generate", help="speculative generation of a prompt, with the speedup")
+    generate.add_argument("--prompt", default="def fibonacci(n):\n")
+    generate.add_argument("--model", help="target checkpoint directory (default: the bundled tiny pair)")
+    generate.add_argument("--drafter", help="drafter checkpoint directory (with --model)")
+    generate.add_argument("--max-new-tokens", type=int, default=128)
+    generate.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    generate.add_argument("--device", help="default: cuda when available")
+    generate.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                          help="compile the verify step (default: on CUDA only; on a CPU compiling takes longer "
+                               "than a short generation saves)")
+    generate.add_argument("--stream", action="store_true", help="print tokens as each verify step commits them")
+    generate.add_argument("--repeats", type=int, default=3, help="timed generations per side")
+    generate.set_defaults(run=generate_command)
+
+    train = commands.add_parser("train-drafter", help="train a DFlash drafter for a target on its own outputs")
+    train.add_argument("--target", required=True, help="target checkpoint directory (with its tokenizer)")
+    train.add_argument("--data", required=True, help=".jsonl file: one {\"text\": ...} object or string per line")
+    train.add_argument("--out", required=True, help="drafter directory to write (resumes if it has a state)")
+    defaults = DrafterTraining()
+    train.add_argument("--block-size", type=int, default=defaults.block_size)
+    train.add_argument("--layers", type=int, default=defaults.layers)
+    train.add_argument("--steps", type=int, default=defaults.steps)
+    train.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    train.add_argument("--sequences", type=int, default=defaults.sequences,
+                       help="prompts the target continues to make the training data")
+    train.add_argument("--prompt-length", type=int, default=defaults.prompt_length)
+    train.add_argument("--continuation-length", type=int, default=defaults.continuation_length)
+    train.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
+    train.add_argument("--mask-token-id", type=int, help="default: the tokenizer's mask token")
+    train.add_argument("--device", help="default: cuda when available")
+    train.set_defaults(run=train_drafter_command)
     return parser
 
 

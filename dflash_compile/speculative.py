@@ -205,11 +205,14 @@ class SpeculativeDecoder:
     def generate(self, input_ids, attention_mask=None, max_new_tokens: int = 20, eos_token_id=None,
                  pad_token_id=None, do_sample: bool = False, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, generator: torch.Generator | None = None,
-                 argmax_drafts: bool = False) -> torch.Tensor:
+                 argmax_drafts: bool = False, streamer=None) -> torch.Tensor:
         """Greedy: the same tensor as `model.generate(..., do_sample=False)`. Sampled (`do_sample=True`): tokens
-        distributed exactly as the target's own sampling with the same temperature / top-k / top-p."""
+        distributed exactly as the target's own sampling with the same temperature / top-k / top-p.
+        `streamer` (transformers' TextStreamer interface, batch 1) gets the prompt, then each step's new tokens."""
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, length], got shape {list(input_ids.shape)}")
+        if streamer is not None and input_ids.shape[0] != 1:
+            raise ValueError(f"a streamer takes one row, got a batch of {input_ids.shape[0]}; stream one prompt")
         sampler = self._sampler(do_sample, temperature, top_k, top_p, generator, argmax_drafts)
         generation_config = self.model.generation_config
         eos = _eos_ids(eos_token_id if eos_token_id is not None else generation_config.eos_token_id)
@@ -221,6 +224,8 @@ class SpeculativeDecoder:
         pad = _left_padding(input_ids, attention_mask)
 
         self.sampler = sampler
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
         start = time.perf_counter()
         device, dtype = input_ids.device, self.model.dtype
         max_len = prompt + max_new_tokens + self.block_size
@@ -239,6 +244,8 @@ class SpeculativeDecoder:
             self.drafter.add_context(drafter_cache, context, prompt - pad)
 
         outputs = [[int(t)] for t in anchor.tolist()]
+        if streamer is not None:
+            streamer.put(anchor.cpu())
         done = [len(row) >= max_new_tokens or row[-1] in eos for row in outputs]
         stats = GenerationStats(block_size=self.block_size)
         while not all(done):
@@ -253,15 +260,20 @@ class SpeculativeDecoder:
             for b, a in enumerate(accepted_list):
                 if done[b]:
                     continue
+                before = len(outputs[b])
                 for token in committed[b][: a + 1]:
                     outputs[b].append(token)
                     if token in eos or len(outputs[b]) >= max_new_tokens:
                         done[b] = True
                         break
+                if streamer is not None:
+                    streamer.put(torch.tensor(outputs[b][before:]))
             anchor = target.gather(1, accepted[:, None]).squeeze(1)
             if self.drafter is not None:
                 self.drafter.add_context(drafter_cache, features, (accepted + 1) * active)
 
+        if streamer is not None:
+            streamer.end()
         stats.seconds = time.perf_counter() - start
         stats.new_tokens = [len(row) for row in outputs]
         self.last_stats = stats

@@ -24,3 +24,51 @@ def test_argument_errors(capsys):
     with pytest.raises(SystemExit):
         main(["explain", "--family", "llama"])
     assert "invalid choice: 'llama'" in capsys.readouterr().err
+
+
+def test_generate_on_the_bundled_pair(capsys):
+    assert main(["generate", "--max-new-tokens", "24", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("def fibonacci(n):\n")
+    assert "24 new tokens, block 8" in out and "same tokens: True" in out
+    tau = float(out.split("mean accepted length ")[1].split()[0])
+    speedup = float(out.split("tok/s: ")[1].split("x")[0])
+    assert 1.0 <= tau <= 8.0 and speedup > 0
+
+
+def test_generate_streams_the_tokens(capsys):
+    assert main(["generate", "--prompt", "import os\n", "--max-new-tokens", "12", "--repeats", "1", "--stream"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("import os\n") and "12 new tokens" in out
+
+
+def test_generate_argument_errors():
+    with pytest.raises(SystemExit, match="give both --model and --drafter"):
+        main(["generate", "--model", "somewhere"])
+
+
+def test_train_drafter_writes_a_loadable_checkpoint(tmp_path, capsys):
+    import json
+
+    import dflash_compile
+    from dflash_compile.pair import DEFAULT_PAIR, load_target
+
+    data = tmp_path / "texts.jsonl"
+    data.write_text("\n".join(json.dumps(text) for text in [
+        {"text": "def add(a, b):\n    return a + b\n" * 8}, "class A:\n    pass\n" * 10]))
+    out = tmp_path / "drafter"
+    assert main(["train-drafter", "--target", str(DEFAULT_PAIR / "target"), "--data", str(data), "--out", str(out),
+                 "--steps", "3", "--batch-size", "2", "--sequences", "4", "--prompt-length", "16",
+                 "--continuation-length", "8", "--block-size", "4", "--layers", "1", "--device", "cpu"]) == 0
+    assert f"drafter written to {out}" in capsys.readouterr().out
+    assert len((out / "training" / "log.jsonl").read_text().splitlines()) == 3
+    model, _ = load_target(DEFAULT_PAIR / "target")
+    fast = dflash_compile.optimize(model, drafter=out, compile=False)
+    assert fast.decoder.block_size == 4
+
+
+def test_train_drafter_rejects_bad_data(tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"text": "fine"}\n[1, 2]\n')
+    with pytest.raises(SystemExit, match=r"bad.jsonl:2: expected a JSON string or an object with a \"text\" string"):
+        main(["train-drafter", "--target", "x", "--data", str(data), "--out", str(tmp_path / "d")])
