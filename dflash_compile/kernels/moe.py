@@ -1,0 +1,217 @@
+"""Fused routed-expert MoE in Triton, for decode and verify sizes (M = 1..64 tokens): the weights stay packed
+(MXFP4, FP8 block-scaled, or dense) and are dequantized tile by tile inside the GEMM's K loop.
+
+Two launches per MoE layer, both over blocks of BLOCK_M (token, expert) pairs of one expert:
+
+    gate_up: h[p]   = act(x[token(p)] @ W1[e(p)]^T + b1[e(p)])     gate/up rows concatenated or interleaved
+    down:    y[p]   = (h[p] @ W2[e(p)]^T + b2[e(p)]) * weight(p)
+    out[t]          = sum over the token's top-k pairs of y
+
+Each expert's weight tile is read once per block of pairs routed to it, so a decode step reads each routed expert
+once. The pair -> block assignment (`align_routing`) is computed on the device without a host sync, with the grid
+sized by its upper bound: blocks past the real count exit at once (CUDA-graph friendly).
+
+`COMPUTE_FP32` makes every product and sum fp32 (the path the CPU tests run under TRITON_INTERPRET=1, whose bf16
+arithmetic is wrong); otherwise tiles are bf16 into fp32 accumulators. Codes are decoded arithmetically (no fp8
+casts inside the kernel, which the interpreter gets wrong).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..packed import PackedWeight
+
+FORMATS = {"dense": 0, "mxfp4": 1, "fp8_block": 2}
+ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
+
+
+def align_routing(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group the flattened (token, expert) pairs by expert into blocks of `block_m`, each block one expert.
+
+    Returns pair ids [blocks * block_m] (the pair count P marks padding) and each block's expert [blocks] (-1 for
+    blocks past the real count). `blocks` is an upper bound from shapes only, so nothing is read on the host.
+    """
+    flat = top_k_index.flatten().long()
+    pairs = flat.numel()
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)
+    sorted_experts = flat[order]
+    rank = torch.arange(pairs, device=flat.device) - (counts.cumsum(0) - counts)[sorted_experts]
+    blocks = -(-(pairs + min(pairs, num_experts) * (block_m - 1)) // block_m)
+    pair_ids = torch.full((blocks * block_m,), pairs, dtype=torch.int32, device=flat.device)
+    pair_ids[(ends - padded)[sorted_experts] + rank] = order.to(torch.int32)
+    starts = torch.arange(blocks, device=flat.device) * block_m
+    block_expert = torch.searchsorted(ends, starts, right=True)
+    return pair_ids, torch.where(starts < ends[-1], block_expert, -1).to(torch.int32)
+
+
+@triton.jit
+def _e2m1(code):
+    """E2M1 code (int32, 0..15) -> value: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and the same negated for 8..15."""
+    exponent = (code >> 1) & 3
+    mantissa = (code & 1).to(tl.float32)
+    scale = tl.exp2((tl.maximum(exponent, 1) - 1).to(tl.float32))
+    magnitude = tl.where(exponent == 0, mantissa * 0.5, (1.0 + mantissa * 0.5) * scale)
+    return tl.where((code & 8) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def _e4m3(byte):
+    """float8_e4m3fn bits (int32, 0..255) -> value (the quantizers never write the NaN code)."""
+    exponent = (byte >> 3) & 15
+    mantissa = (byte & 7).to(tl.float32)
+    magnitude = tl.where(exponent == 0, mantissa * 0.001953125,  # subnormal: m * 2^-9
+                         (1.0 + mantissa * 0.125) * tl.exp2((exponent - 7).to(tl.float32)))
+    return tl.where((byte & 128) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def _weight_tile(data, scales, expert, rows, row_ok, k, N, K, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 [BLOCK_N, BLOCK_K] tile of expert `expert`'s weight at `rows` x [k, k + BLOCK_K)."""
+    columns = k + tl.arange(0, BLOCK_K)
+    if FORMAT == 1:  # MXFP4: one byte holds columns 2j (low nibble) and 2j + 1 (high nibble)
+        pair_columns = k // 2 + tl.arange(0, BLOCK_K // 2)
+        byte_ok = row_ok[:, None] & (pair_columns[None, :] < K // 2)
+        base = data + expert.to(tl.int64) * N * (K // 2)
+        packed = tl.load(base + rows[:, None] * (K // 2) + pair_columns[None, :], mask=byte_ok, other=0).to(tl.int32)
+        values = tl.interleave(_e2m1(packed & 15), _e2m1(packed >> 4))
+        groups = k // 32 + tl.arange(0, BLOCK_K // 32)
+        group_ok = row_ok[:, None] & (groups[None, :] < K // 32)
+        exponent = tl.load(scales + expert.to(tl.int64) * N * (K // 32) + rows[:, None] * (K // 32) + groups[None, :],
+                           mask=group_ok, other=127).to(tl.float32)
+        grouped = tl.reshape(values, (values.shape[0], BLOCK_K // 32, 32)) * tl.exp2(exponent - 127.0)[:, :, None]
+        return tl.reshape(grouped, (values.shape[0], BLOCK_K))
+    ok = row_ok[:, None] & (columns[None, :] < K)
+    if FORMAT == 2:  # FP8 block-scaled: one fp32 scale per 128 x 128 block
+        base = data + expert.to(tl.int64) * N * K
+        byte = tl.load(base + rows[:, None] * K + columns[None, :], mask=ok, other=0).to(tl.int32)
+        grid_rows, grid_columns = (N + 127) // 128, (K + 127) // 128
+        scale = tl.load(scales + expert.to(tl.int64) * grid_rows * grid_columns + (rows // 128) * grid_columns
+                        + k // 128, mask=row_ok, other=0.0)
+        return _e4m3(byte) * scale[:, None]
+    base = data + expert.to(tl.int64) * N * K
+    return tl.load(base + rows[:, None] * K + columns[None, :], mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _project(x, data, scales, expert, rows, row_ok, pair_rows, pair_ok, N, K, k_loop,
+             FORMAT: tl.constexpr, COMPUTE_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] fp32 = x[pair_rows] @ W[expert, rows]^T over all of K."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, k_loop, BLOCK_K):
+        columns = k + tl.arange(0, BLOCK_K)
+        x_tile = tl.load(x + pair_rows[:, None].to(tl.int64) * K + columns[None, :],
+                         mask=pair_ok[:, None] & (columns[None, :] < K), other=0.0)
+        w_tile = _weight_tile(data, scales, expert, rows, row_ok, k, N, K, FORMAT, BLOCK_K)
+        if COMPUTE_FP32:
+            acc += tl.dot(x_tile.to(tl.float32), tl.trans(w_tile), input_precision="ieee")
+        else:
+            acc += tl.dot(x_tile.to(tl.bfloat16), tl.trans(w_tile.to(tl.bfloat16)))
+    return acc
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    x, data, scales, bias, out, pair_ids, block_expert, pair_weights,
+    P, N, K, N_OUT, ROW_DIV, alpha, limit,
+    FORMAT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, APPLY_WEIGHT: tl.constexpr, COMPUTE_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    block = tl.program_id(0)
+    expert = tl.load(block_expert + block)
+    if expert < 0:
+        return
+    pairs = tl.load(pair_ids + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    pair_ok = pairs < P
+    pair_rows = tl.where(pair_ok, pairs // ROW_DIV, 0)
+    columns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    column_ok = columns < N_OUT
+    k_loop = tl.cdiv(K, BLOCK_K) * BLOCK_K
+    if GATED:  # output column j needs weight rows gate(j) and up(j)
+        if INTERLEAVED:
+            gate_rows = tl.where(column_ok, 2 * columns, 0)
+            up_rows = tl.where(column_ok, 2 * columns + 1, 0)
+        else:
+            gate_rows = tl.where(column_ok, columns, 0)
+            up_rows = tl.where(column_ok, columns + N_OUT, 0)
+        gate = _project(x, data, scales, expert, gate_rows, column_ok, pair_rows, pair_ok, N, K, k_loop,
+                        FORMAT, COMPUTE_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+        up = _project(x, data, scales, expert, up_rows, column_ok, pair_rows, pair_ok, N, K, k_loop,
+                      FORMAT, COMPUTE_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+        if HAS_BIAS:
+            gate += tl.load(bias + expert * N + gate_rows, mask=column_ok, other=0.0).to(tl.float32)[None, :]
+            up += tl.load(bias + expert * N + up_rows, mask=column_ok, other=0.0).to(tl.float32)[None, :]
+        if ACTIVATION == 1:  # gpt-oss: clamped SwiGLU
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            result = (up + 1.0) * gate * tl.sigmoid(gate * alpha)
+        else:  # SiLU(gate) * up
+            result = gate * tl.sigmoid(gate) * up
+    else:
+        rows = tl.where(column_ok, columns, 0)
+        result = _project(x, data, scales, expert, rows, column_ok, pair_rows, pair_ok, N, K, k_loop,
+                          FORMAT, COMPUTE_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+        if HAS_BIAS:
+            result += tl.load(bias + expert * N + rows, mask=column_ok, other=0.0).to(tl.float32)[None, :]
+    if APPLY_WEIGHT:
+        result *= tl.load(pair_weights + pairs, mask=pair_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(out + pairs[:, None].to(tl.int64) * N_OUT + columns[None, :], result,
+             mask=pair_ok[:, None] & column_ok[None, :])
+
+
+def _launch(x, weight: PackedWeight, pair_ids, block_expert, pair_weights, rows_out, n_out, row_div, *, gated,
+            interleaved, activation, alpha, limit, compute_fp32, block_m, block_n, block_k):
+    experts, n, k = weight.shape
+    out = torch.empty(rows_out, n_out, dtype=torch.float32 if compute_fp32 or not gated else x.dtype,
+                      device=x.device)
+    grid = (block_expert.numel(), triton.cdiv(n_out, block_n))
+    placeholder = pair_ids  # any tensor stands in for an absent pointer
+    _moe_gemm_kernel[grid](
+        x, weight.data, weight.scales if weight.scales is not None else placeholder,
+        weight.bias if weight.bias is not None else placeholder, out, pair_ids, block_expert,
+        pair_weights if pair_weights is not None else placeholder,
+        rows_out, n, k, n_out, row_div, float(alpha), float(limit),
+        FORMAT=FORMATS[weight.format], GATED=gated, INTERLEAVED=interleaved, ACTIVATION=ACTIVATIONS[activation],
+        HAS_BIAS=weight.bias is not None, APPLY_WEIGHT=pair_weights is not None, COMPUTE_FP32=compute_fp32,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    )
+    return out
+
+
+def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up: PackedWeight,
+              down: PackedWeight, *, interleaved: bool = False, activation: str = "silu", alpha: float = 1.702,
+              limit: float = 7.0, compute_fp32: bool | None = None, block_m: int = 16, block_n: int = 64,
+              block_k: int = 64) -> torch.Tensor:
+    """Routed experts of one MoE layer: hidden [M, H], top_k_index / top_k_weights [M, k] -> [M, H] in
+    hidden's dtype. gate_up is [E, 2I, H], down [E, H, I] (output-major), each packed in any format."""
+    experts, two_i, h = gate_up.shape
+    if down.shape != (experts, h, two_i // 2):
+        raise ValueError(f"down weight {list(down.shape)} does not match gate_up {list(gate_up.shape)}: expected "
+                         f"[E, H, I] = {[experts, h, two_i // 2]}")
+    if hidden.shape[-1] != h:
+        raise ValueError(f"hidden size {hidden.shape[-1]} differs from the experts' {h}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation {activation!r} has no fused kernel; choose one of {sorted(ACTIVATIONS)}")
+    if 128 % block_k or block_k % 32:
+        raise ValueError(f"block_k must divide 128 (one FP8 scale block) and be a multiple of 32 (one MXFP4 "
+                         f"group), got {block_k}")
+    compute_fp32 = hidden.dtype == torch.float32 if compute_fp32 is None else compute_fp32
+    tokens, top_k = top_k_index.shape
+    pair_ids, block_expert = align_routing(top_k_index, experts, block_m)
+    settings = dict(alpha=alpha, limit=limit, compute_fp32=compute_fp32, block_m=block_m, block_n=block_n,
+                    block_k=block_k)
+    x = hidden.contiguous()
+    intermediate = _launch(x, gate_up, pair_ids, block_expert, None, tokens * top_k, two_i // 2, top_k,
+                           gated=True, interleaved=interleaved, activation=activation, **settings)
+    weights = top_k_weights.reshape(-1).contiguous()
+    per_pair = _launch(intermediate, down, pair_ids, block_expert, weights, tokens * top_k, h, 1,
+                       gated=False, interleaved=False, activation="silu", **settings)
+    return per_pair.view(tokens, top_k, h).sum(dim=1).to(hidden.dtype)

@@ -1,0 +1,73 @@
+"""Packed expert weights: one 3-D expert weight [E, N, K] (output-major, like nn.Linear and both checkpoint formats)
+kept in its stored format. The layout is data; the kernels in `kernels/moe.py` read it.
+
+    mxfp4      data uint8 [E, N, K/32, 16] (two E2M1 codes per byte, low nibble first), scales uint8 [E, N, K/32]
+    fp8_block  data uint8 [E, N, K] (float8_e4m3fn bytes), scales fp32 [E, ceil(N/128), ceil(K/128)]
+    dense      data [E, N, K] in bf16 / fp16 / fp32, no scales
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from .quant import MXFP4_GROUP, dequantize_fp8_block, dequantize_mxfp4, quantize_fp8_block, quantize_mxfp4
+
+Format = Literal["mxfp4", "fp8_block", "dense"]
+FP8_BLOCK = (128, 128)
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    format: Format
+    data: torch.Tensor
+    scales: torch.Tensor | None = None
+    bias: torch.Tensor | None = None  # [E, N], kept in its own dtype
+
+    def __post_init__(self):
+        experts, rows = self.data.shape[:2]
+        expected = {
+            "mxfp4": lambda: [experts, rows, self.data.shape[2]],
+            "fp8_block": lambda: [experts, *(-(-n // b) for n, b in zip(self.data.shape[1:], FP8_BLOCK))],
+            "dense": lambda: None,
+        }[self.format]()
+        actual = list(self.scales.shape) if self.scales is not None else None
+        if actual != expected:
+            raise ValueError(f"{self.format} expert weight {list(self.data.shape)} needs scales {expected}, got "
+                             f"{actual}")
+        if self.format == "mxfp4" and (self.data.ndim != 4 or self.data.shape[3] != MXFP4_GROUP // 2):
+            raise ValueError(f"mxfp4 expert blocks must be uint8 [E, N, K/32, 16], got {list(self.data.shape)}")
+        if self.bias is not None and list(self.bias.shape) != [experts, rows]:
+            raise ValueError(f"expert bias must be [E, N] = {[experts, rows]}, got {list(self.bias.shape)}")
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(experts, N out, K in)."""
+        experts, rows = self.data.shape[:2]
+        columns = self.data.shape[2] * MXFP4_GROUP if self.format == "mxfp4" else self.data.shape[2]
+        return experts, rows, columns
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scales, self.bias) if t is not None)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The reference [E, N, K] weight (pure PyTorch, the definition the kernels are tested against)."""
+        if self.format == "mxfp4":
+            return dequantize_mxfp4(self.data, self.scales, dtype)
+        if self.format == "fp8_block":
+            weight = self.data.view(torch.float8_e4m3fn)
+            return torch.stack([dequantize_fp8_block(w, s, FP8_BLOCK, dtype) for w, s in zip(weight, self.scales)])
+        return self.data.to(dtype)
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, format: Format, bias: torch.Tensor | None = None) -> PackedWeight:
+        """Pack an [E, N, K] weight with the format's own rounding rules."""
+        if format == "mxfp4":
+            return cls("mxfp4", *quantize_mxfp4(weight), bias)
+        if format == "fp8_block":
+            pairs = [quantize_fp8_block(w, FP8_BLOCK) for w in weight]
+            data = torch.stack([q.view(torch.uint8) for q, _ in pairs])
+            return cls("fp8_block", data, torch.stack([s for _, s in pairs]), bias)
+        return cls("dense", weight, None, bias)
