@@ -28,27 +28,51 @@ FORMATS = {"dense": 0, "mxfp4": 1, "fp8_block": 2}
 ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
 
 
+@triton.jit
+def _align_routing_kernel(experts_of_pairs, pair_ids, block_expert, P, E, BLOCKS,
+                          BLOCK_M: tl.constexpr, P_POW2: tl.constexpr, E_POW2: tl.constexpr,
+                          BLOCKS_POW2: tl.constexpr):
+    """One program: pairs sorted by expert (stable) into slots padded to BLOCK_M per expert, by comparisons (P and E
+    are small at decode and verify sizes, so [P, P] and [E, P] tiles are cheap and need no sort)."""
+    pair = tl.arange(0, P_POW2)
+    pair_ok = pair < P
+    expert = tl.load(experts_of_pairs + pair, mask=pair_ok, other=-1)
+    other = tl.arange(0, P_POW2)
+    same_before = (expert[:, None] == expert[None, :]) & (other[None, :] < pair[:, None])
+    rank = tl.sum(same_before.to(tl.int32), axis=1)  # earlier pairs of the same expert
+    ids = tl.arange(0, E_POW2)
+    counts = tl.sum((ids[:, None] == expert[None, :]).to(tl.int32), axis=1)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    start_of_pair = tl.sum(tl.where(ids[None, :] == expert[:, None], starts[None, :], 0), axis=1)
+    slots = tl.arange(0, BLOCKS_POW2 * BLOCK_M)
+    tl.store(pair_ids + slots, tl.full(slots.shape, 0, tl.int32) + P, mask=slots < BLOCKS * BLOCK_M)
+    tl.debug_barrier()  # the padding fill lands before the pairs overwrite their slots
+    tl.store(pair_ids + start_of_pair + rank, pair, mask=pair_ok)
+    block_start = tl.arange(0, BLOCKS_POW2) * BLOCK_M
+    owner = tl.sum((ends[None, :] <= block_start[:, None]).to(tl.int32), axis=1)
+    total = tl.sum(padded, axis=0)
+    tl.store(block_expert + tl.arange(0, BLOCKS_POW2), tl.where(block_start < total, owner, -1),
+             mask=tl.arange(0, BLOCKS_POW2) < BLOCKS)
+
+
 def align_routing(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Group the flattened (token, expert) pairs by expert into blocks of `block_m`, each block one expert.
 
     Returns pair ids [blocks * block_m] (the pair count P marks padding) and each block's expert [blocks] (-1 for
-    blocks past the real count). `blocks` is an upper bound from shapes only, so nothing is read on the host.
+    blocks past the real count). `blocks` is an upper bound from shapes only, so nothing is read on the host, and
+    the whole grouping is one small kernel launch.
     """
-    flat = top_k_index.flatten().long()
+    flat = top_k_index.reshape(-1).to(torch.int32)
     pairs = flat.numel()
-    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(
-        0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = padded.cumsum(0)
-    order = torch.argsort(flat, stable=True)
-    sorted_experts = flat[order]
-    rank = torch.arange(pairs, device=flat.device) - (counts.cumsum(0) - counts)[sorted_experts]
     blocks = -(-(pairs + min(pairs, num_experts) * (block_m - 1)) // block_m)
-    pair_ids = torch.full((blocks * block_m,), pairs, dtype=torch.int32, device=flat.device)
-    pair_ids[(ends - padded)[sorted_experts] + rank] = order.to(torch.int32)
-    starts = torch.arange(blocks, device=flat.device) * block_m
-    block_expert = torch.searchsorted(ends, starts, right=True)
-    return pair_ids, torch.where(starts < ends[-1], block_expert, -1).to(torch.int32)
+    pair_ids = torch.empty(blocks * block_m, dtype=torch.int32, device=flat.device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=flat.device)
+    _align_routing_kernel[(1,)](flat, pair_ids, block_expert, pairs, num_experts, blocks, BLOCK_M=block_m,
+                                P_POW2=triton.next_power_of_2(pairs), E_POW2=triton.next_power_of_2(num_experts),
+                                BLOCKS_POW2=triton.next_power_of_2(blocks))
+    return pair_ids, block_expert
 
 
 @triton.jit

@@ -1,0 +1,216 @@
+"""Routed-expert MoE kernels on real layer shapes (H200): the fused packed kernel against (a) dequantize-to-bf16 then
+torch matmuls and (b) bf16 weights with transformers' grouped_mm experts, for M tokens with random routing.
+
+    python bench/kernels.py                     # all shapes, M in 1 4 8 16 64; prints a table, writes --json
+    python bench/kernels.py --shapes gpt-oss-20b --tokens 1 16
+
+Weights rotate over several layers so that L2 does not serve them. "bytes" are the routed experts' packed bytes
+(weights, scales, biases) that one call must read; GB/s is bytes / time, next to the device-to-device copy bandwidth
+measured in the same run ((read + write) / time of a 2 GiB copy). Fused and grouped_mm times are CUDA-graph replays
+of all rotated layers divided by the layer count (how a compiled decode step runs them); (a) syncs on the host, so it
+is timed plainly. Numerics: fused (bf16 activations) against reference dequantization + fp64 math.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dflash_compile.kernels.moe import fused_moe  # noqa: E402
+from dflash_compile.packed import PackedWeight  # noqa: E402
+
+SHAPES = {  # experts, top-k, hidden, intermediate, format, gpt-oss layout
+    "gpt-oss-20b": (32, 4, 2880, 2880, "mxfp4", True),
+    "gpt-oss-120b": (128, 4, 2880, 2880, "mxfp4", True),
+    "qwen3-30b-a3b-fp8": (128, 8, 2048, 768, "fp8_block", False),
+}
+
+
+def random_packed(format: str, experts: int, rows: int, columns: int, bias: bool) -> PackedWeight:
+    """Random packed bytes directly on the GPU (quantizing 100s of MB would only cost time)."""
+    device = "cuda"
+    b = torch.randn(experts, rows, device=device, dtype=torch.bfloat16) * 0.1 if bias else None
+    if format == "mxfp4":
+        data = torch.randint(0, 256, (experts, rows, columns // 32, 16), dtype=torch.uint8, device=device)
+        scales = torch.randint(118, 124, (experts, rows, columns // 32), dtype=torch.uint8, device=device)
+        return PackedWeight("mxfp4", data, scales, b)
+    data = (torch.randn(experts, rows, columns, device=device) * 100).to(torch.float8_e4m3fn).view(torch.uint8)
+    scales = torch.rand(experts, -(-rows // 128), -(-columns // 128), device=device) * 1e-3 + 1e-4
+    return PackedWeight("fp8_block", data, scales, b)
+
+
+def subset(weight: PackedWeight, experts: torch.Tensor) -> PackedWeight:
+    pick = lambda t: None if t is None else t[experts]  # noqa: E731
+    return PackedWeight(weight.format, weight.data[experts], pick(weight.scales), pick(weight.bias))
+
+
+def expert_bytes(weight: PackedWeight) -> int:
+    return weight.nbytes() // weight.shape[0]
+
+
+def reference(x, index, weights, gate_up, down, interleaved, activation):
+    """fp64 math on the dequantized routed experts (the kernels' definition)."""
+    used = index.unique()
+    w1, w2 = subset(gate_up, used).dequantize(torch.float64), subset(down, used).dequantize(torch.float64)
+    b1 = None if gate_up.bias is None else gate_up.bias[used].double()
+    b2 = None if down.bias is None else down.bias[used].double()
+    position = {int(e): i for i, e in enumerate(used.tolist())}
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    for t in range(x.shape[0]):
+        for slot in range(index.shape[1]):
+            e = position[int(index[t, slot])]
+            h = x[t].double() @ w1[e].T + (b1[e] if b1 is not None else 0)
+            gate, up = (h[0::2], h[1::2]) if interleaved else h.chunk(2)
+            if activation == "clamped_swiglu":
+                gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+                act = (up + 1) * gate * torch.sigmoid(gate * 1.702)
+            else:
+                act = torch.nn.functional.silu(gate) * up
+            out[t] += weights[t, slot].double() * (act @ w2[e].T + (b2[e] if b2 is not None else 0))
+    return out
+
+
+def dequantize_then_matmul(x, index, weights, gate_up, down, interleaved, activation):
+    """Baseline (a): each routed expert dequantized to bf16 (reference dequantizer), then torch matmuls."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for expert in index.unique().tolist():
+        token, slot = torch.where(index == expert)
+        w1 = subset(gate_up, torch.tensor([expert], device=x.device)).dequantize(torch.bfloat16)[0]
+        w2 = subset(down, torch.tensor([expert], device=x.device)).dequantize(torch.bfloat16)[0]
+        h = x[token] @ w1.T + (gate_up.bias[expert] if gate_up.bias is not None else 0)
+        gate, up = (h[:, 0::2], h[:, 1::2]) if interleaved else h.chunk(2, dim=-1)
+        if activation == "clamped_swiglu":
+            gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+            act = (up + 1) * gate * torch.sigmoid(gate * 1.702)
+        else:
+            act = torch.nn.functional.silu(gate) * up
+        y = act @ w2.T + (down.bias[expert] if down.bias is not None else 0)
+        out.index_add_(0, token, (y * weights[token, slot, None]).float())
+    return out.to(x.dtype)
+
+
+def grouped_mm_experts(name: str, experts: int, hidden: int, inter: int):
+    """Baseline (b): transformers' own experts module, bf16 weights, experts_implementation='grouped_mm'."""
+    import transformers
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    if name.startswith("gpt-oss"):
+        config = transformers.GptOssConfig(num_local_experts=experts, hidden_size=hidden, intermediate_size=inter)
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts as Experts
+    else:
+        config = transformers.Qwen3MoeConfig(num_experts=experts, hidden_size=hidden, moe_intermediate_size=inter)
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts as Experts
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        module = Experts(config)
+    torch.set_default_dtype(torch.float32)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.normal_(0, 0.02)
+    return lambda x, index, weights: grouped_mm_experts_forward(module, x, index, weights)
+
+
+def graph_time_us(calls) -> float:
+    """Median CUDA-graph replay time of all `calls` in sequence, divided by their count."""
+    return triton.testing.do_bench_cudagraph(lambda: [call() for call in calls]) * 1e3 / len(calls)
+
+
+def copy_bandwidth() -> float:
+    source = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    return 2 * source.numel() / (triton.testing.do_bench(lambda: target.copy_(source)) * 1e-3)
+
+
+def run_shape(name, tokens_list, layers, tuning, copy_gbs, rows):
+    experts, top_k, hidden, inter, format, gpt_oss = SHAPES[name]
+    activation = "clamped_swiglu" if gpt_oss else "silu"
+    packed = [(random_packed(format, experts, 2 * inter, hidden, gpt_oss),
+               random_packed(format, experts, hidden, inter, gpt_oss)) for _ in range(layers)]
+    per_expert = expert_bytes(packed[0][0]) + expert_bytes(packed[0][1])
+    baseline_b = [grouped_mm_experts(name, experts, hidden, inter) for _ in range(min(layers, 2))]
+    for tokens in tokens_list:
+        generator = torch.Generator(device="cuda").manual_seed(tokens)
+        index = torch.rand(tokens, experts, device="cuda", generator=generator).argsort(dim=1)[:, :top_k]
+        weights = torch.softmax(torch.randn(tokens, top_k, device="cuda", generator=generator), dim=-1)
+        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=generator)
+        fused = lambda g, d: fused_moe(x, index, weights, g, d, interleaved=gpt_oss, activation=activation,  # noqa: E731
+                                       **tuning)
+        check_tokens = slice(0, min(tokens, 4))
+        expected = reference(x[check_tokens], index[check_tokens], weights[check_tokens], *packed[0], gpt_oss,
+                             activation)
+        actual = fused(*packed[0])[check_tokens].double()
+        error = ((actual - expected).norm() / expected.norm()).item()
+        touched = index.unique().numel()
+        moved = touched * per_expert
+        fused_us = graph_time_us([lambda g=g, d=d: fused(g, d) for g, d in packed])
+        eager_us = triton.testing.do_bench(lambda: fused(*packed[tokens % layers])) * 1e3
+        dequant_us = triton.testing.do_bench(
+            lambda: dequantize_then_matmul(x, index, weights, *packed[0], gpt_oss, activation)) * 1e3
+        try:
+            grouped_us = graph_time_us([lambda b=b: b(x, index, weights) for b in baseline_b])
+        except Exception as error:  # not capturable in this transformers version: time it plainly
+            print(f"grouped_mm not capturable ({type(error).__name__}); timed without a graph", flush=True)
+            grouped_us = triton.testing.do_bench(lambda: baseline_b[0](x, index, weights)) * 1e3
+        row = {"shape": name, "format": format, "tokens": tokens, "experts_touched": touched, "mbytes": moved / 1e6,
+               "fused_us": fused_us, "fused_no_graph_us": eager_us, "fused_gbs": moved / fused_us / 1e3,
+               "fraction_of_copy": moved / fused_us / 1e3 / copy_gbs, "dequant_matmul_us": dequant_us,
+               "speedup_vs_dequant": dequant_us / fused_us, "grouped_mm_bf16_us": grouped_us,
+               "speedup_vs_grouped_mm": grouped_us / fused_us, "rel_error": error}
+        rows.append(row)
+        print(f"{name:18s} M={tokens:3d} experts={touched:3d} {moved / 1e6:8.1f} MB  fused {fused_us:8.1f} us "
+              f"({row['fused_gbs']:6.0f} GB/s, {row['fraction_of_copy']:.0%} of copy; no graph {eager_us:7.1f})  "
+              f"(a) {dequant_us:8.1f} us ({row['speedup_vs_dequant']:.1f}x)  (b) {grouped_us:8.1f} us "
+              f"({row['speedup_vs_grouped_mm']:.2f}x)  err {error:.1e}", flush=True)
+
+
+def tune(tokens_list) -> dict:
+    """Pick tile sizes on the gpt-oss-20b shape (one config per call: no autotuner, it fails in the interpreter)."""
+    experts, top_k, hidden, inter, format, _ = SHAPES["gpt-oss-20b"]
+    packed = [(random_packed(format, experts, 2 * inter, hidden, True), random_packed(format, experts, hidden, inter,
+                                                                                       True)) for _ in range(4)]
+    best = {}
+    for tokens in tokens_list:
+        index = torch.rand(tokens, experts, device="cuda").argsort(dim=1)[:, :top_k]
+        weights = torch.softmax(torch.randn(tokens, top_k, device="cuda"), dim=-1)
+        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+        for block_n in (32, 64, 128):
+            for block_k in (64, 128):
+                settings = {"block_n": block_n, "block_k": block_k}
+                us = graph_time_us([lambda g=g, d=d: fused_moe(x, index, weights, g, d, interleaved=True,
+                                                                activation="clamped_swiglu", **settings)
+                                    for g, d in packed])
+                best[(block_n, block_k)] = best.get((block_n, block_k), 0.0) + us
+                print(f"tune M={tokens} block_n={block_n} block_k={block_k}: {us:.1f} us", flush=True)
+    choice = min(best, key=best.get)
+    return {"block_n": choice[0], "block_k": choice[1]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 8, 16, 64])
+    parser.add_argument("--layers", type=int, default=4, help="layers rotated so L2 cannot serve the weights")
+    parser.add_argument("--json", type=Path, help="write the rows here")
+    args = parser.parse_args()
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
+    copy_gbs = copy_bandwidth() / 1e9
+    print(f"device-to-device copy: {copy_gbs:.0f} GB/s")
+    tuning = tune([1, 16])
+    print("tiles:", tuning)
+    rows = []
+    for name in args.shapes:
+        run_shape(name, args.tokens, args.layers if name != "gpt-oss-120b" else 2, tuning, copy_gbs, rows)
+        torch.cuda.empty_cache()  # the shape's weights are gone with run_shape's frame
+    if args.json:
+        args.json.write_text(json.dumps({"copy_gbs": copy_gbs, "tiles": tuning, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
