@@ -41,7 +41,8 @@ def random_packed(format: str, experts: int, rows: int, columns: int, bias: bool
         data = torch.randint(0, 256, (experts, rows, columns // 32, 16), dtype=torch.uint8, device=device)
         scales = torch.randint(118, 124, (experts, rows, columns // 32), dtype=torch.uint8, device=device)
         return PackedWeight("mxfp4", data, scales, b)
-    data = (torch.randn(experts, rows, columns, device=device) * 100).to(torch.float8_e4m3fn).view(torch.uint8)
+    values = (torch.randn(experts, rows, columns, device=device) * 100).clamp(-448, 448)  # no NaN codes
+    data = values.to(torch.float8_e4m3fn).view(torch.uint8)
     scales = torch.rand(experts, -(-rows // 128), -(-columns // 128), device=device) * 1e-3 + 1e-4
     return PackedWeight("fp8_block", data, scales, b)
 
@@ -170,26 +171,29 @@ def run_shape(name, tokens_list, layers, tuning, copy_gbs, rows):
               f"({row['speedup_vs_grouped_mm']:.2f}x)  err {error:.1e}", flush=True)
 
 
-def tune(tokens_list) -> dict:
-    """Pick tile sizes on the gpt-oss-20b shape (one config per call: no autotuner, it fails in the interpreter)."""
-    experts, top_k, hidden, inter, format, _ = SHAPES["gpt-oss-20b"]
-    packed = [(random_packed(format, experts, 2 * inter, hidden, True), random_packed(format, experts, hidden, inter,
-                                                                                       True)) for _ in range(4)]
-    best = {}
+def tune(name: str, tokens_list, layers: int) -> dict:
+    """Pick tile sizes and warps for a shape's format (one config per call: no autotuner, which fails in the
+    interpreter): the best sum of CUDA-graph times over `tokens_list`."""
+    experts, top_k, hidden, inter, format, gpt_oss = SHAPES[name]
+    activation = "clamped_swiglu" if gpt_oss else "silu"
+    packed = [(random_packed(format, experts, 2 * inter, hidden, gpt_oss),
+               random_packed(format, experts, hidden, inter, gpt_oss)) for _ in range(layers)]
+    totals = {}
     for tokens in tokens_list:
         index = torch.rand(tokens, experts, device="cuda").argsort(dim=1)[:, :top_k]
         weights = torch.softmax(torch.randn(tokens, top_k, device="cuda"), dim=-1)
         x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-        for block_n in (32, 64, 128):
-            for block_k in (64, 128):
-                settings = {"block_n": block_n, "block_k": block_k}
-                us = graph_time_us([lambda g=g, d=d: fused_moe(x, index, weights, g, d, interleaved=True,
-                                                                activation="clamped_swiglu", **settings)
-                                    for g, d in packed])
-                best[(block_n, block_k)] = best.get((block_n, block_k), 0.0) + us
-                print(f"tune M={tokens} block_n={block_n} block_k={block_k}: {us:.1f} us", flush=True)
-    choice = min(best, key=best.get)
-    return {"block_n": choice[0], "block_k": choice[1]}
+        for block_n in (16, 32, 64):
+            for block_k in (128, 256):
+                for num_warps in (4, 8):
+                    settings = {"block_n": block_n, "block_k": block_k, "num_warps": num_warps}
+                    us = graph_time_us([lambda g=g, d=d: fused_moe(x, index, weights, g, d, interleaved=gpt_oss,
+                                                                    activation=activation, **settings)
+                                        for g, d in packed])
+                    key = tuple(settings.items())
+                    totals[key] = totals.get(key, 0.0) + us
+                    print(f"tune {name} M={tokens} {settings}: {us:.1f} us", flush=True)
+    return dict(min(totals, key=totals.get))
 
 
 def main() -> None:
@@ -202,14 +206,15 @@ def main() -> None:
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     copy_gbs = copy_bandwidth() / 1e9
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s")
-    tuning = tune([1, 16])
-    print("tiles:", tuning)
+    tiles = {"mxfp4": tune("gpt-oss-20b", [1, 16], 2), "fp8_block": tune("qwen3-30b-a3b-fp8", [1, 16], 2)}
+    print("tiles:", tiles)
     rows = []
     for name in args.shapes:
-        run_shape(name, args.tokens, args.layers if name != "gpt-oss-120b" else 2, tuning, copy_gbs, rows)
+        layers = args.layers if name != "gpt-oss-120b" else 2
+        run_shape(name, args.tokens, layers, tiles[SHAPES[name][4]], copy_gbs, rows)
         torch.cuda.empty_cache()  # the shape's weights are gone with run_shape's frame
-    if args.json:
-        args.json.write_text(json.dumps({"copy_gbs": copy_gbs, "tiles": tuning, "rows": rows}, indent=1))
+        if args.json:  # after every shape: a run cut short keeps what it measured
+            args.json.write_text(json.dumps({"copy_gbs": copy_gbs, "tiles": tiles, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -96,31 +96,39 @@ def _e4m3(byte):
 
 
 @triton.jit
+def _mxfp4_halves(data, scales, expert, rows, row_ok, k, N, K, BLOCK_K: tl.constexpr):
+    """Expert `expert`'s MXFP4 weight at `rows` x [k, k + BLOCK_K) as two fp32 [BLOCK_N, BLOCK_K / 2] tiles: the
+    even columns (low nibbles) and the odd columns (high nibbles), each byte's group scale applied."""
+    byte_columns = k // 2 + tl.arange(0, BLOCK_K // 2)
+    ok = row_ok[:, None] & (byte_columns[None, :] < K // 2)
+    offset = expert.to(tl.int64) * N + rows[:, None]
+    packed = tl.load(data + offset * (K // 2) + byte_columns[None, :], mask=ok, other=0).to(tl.int32)
+    exponent = tl.load(scales + offset * (K // 32) + byte_columns[None, :] // 16, mask=ok, other=127)
+    scale = tl.exp2(exponent.to(tl.float32) - 127.0)
+    return _e2m1(packed & 15) * scale, _e2m1(packed >> 4) * scale
+
+
+@triton.jit
 def _weight_tile(data, scales, expert, rows, row_ok, k, N, K, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
-    """fp32 [BLOCK_N, BLOCK_K] tile of expert `expert`'s weight at `rows` x [k, k + BLOCK_K)."""
+    """fp32 [BLOCK_N, BLOCK_K] tile of a dense or FP8 block-scaled weight at `rows` x [k, k + BLOCK_K)."""
     columns = k + tl.arange(0, BLOCK_K)
-    if FORMAT == 1:  # MXFP4: one byte holds columns 2j (low nibble) and 2j + 1 (high nibble)
-        pair_columns = k // 2 + tl.arange(0, BLOCK_K // 2)
-        byte_ok = row_ok[:, None] & (pair_columns[None, :] < K // 2)
-        base = data + expert.to(tl.int64) * N * (K // 2)
-        packed = tl.load(base + rows[:, None] * (K // 2) + pair_columns[None, :], mask=byte_ok, other=0).to(tl.int32)
-        values = tl.interleave(_e2m1(packed & 15), _e2m1(packed >> 4))
-        groups = k // 32 + tl.arange(0, BLOCK_K // 32)
-        group_ok = row_ok[:, None] & (groups[None, :] < K // 32)
-        exponent = tl.load(scales + expert.to(tl.int64) * N * (K // 32) + rows[:, None] * (K // 32) + groups[None, :],
-                           mask=group_ok, other=127).to(tl.float32)
-        grouped = tl.reshape(values, (values.shape[0], BLOCK_K // 32, 32)) * tl.exp2(exponent - 127.0)[:, :, None]
-        return tl.reshape(grouped, (values.shape[0], BLOCK_K))
     ok = row_ok[:, None] & (columns[None, :] < K)
+    offset = expert.to(tl.int64) * N + rows[:, None]
     if FORMAT == 2:  # FP8 block-scaled: one fp32 scale per 128 x 128 block
-        base = data + expert.to(tl.int64) * N * K
-        byte = tl.load(base + rows[:, None] * K + columns[None, :], mask=ok, other=0).to(tl.int32)
-        grid_rows, grid_columns = (N + 127) // 128, (K + 127) // 128
-        scale = tl.load(scales + expert.to(tl.int64) * grid_rows * grid_columns + (rows // 128) * grid_columns
-                        + k // 128, mask=row_ok, other=0.0)
-        return _e4m3(byte) * scale[:, None]
-    base = data + expert.to(tl.int64) * N * K
-    return tl.load(base + rows[:, None] * K + columns[None, :], mask=ok, other=0.0).to(tl.float32)
+        byte = tl.load(data + offset * K + columns[None, :], mask=ok, other=0).to(tl.int32)
+        grid_columns = (K + 127) // 128
+        grid_offset = (expert.to(tl.int64) * ((N + 127) // 128) + rows[:, None] // 128) * grid_columns
+        scale = tl.load(scales + grid_offset + columns[None, :] // 128, mask=ok, other=0.0)
+        return _e4m3(byte) * scale
+    return tl.load(data + offset * K + columns[None, :], mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _dot(x_tile, w_tile, COMPUTE_FP32: tl.constexpr):
+    """x [BLOCK_M, k] @ w [BLOCK_N, k]^T in fp32, or bf16 into an fp32 result."""
+    if COMPUTE_FP32:
+        return tl.dot(x_tile.to(tl.float32), tl.trans(w_tile), input_precision="ieee")
+    return tl.dot(x_tile.to(tl.bfloat16), tl.trans(w_tile.to(tl.bfloat16)))
 
 
 @triton.jit
@@ -129,15 +137,19 @@ def _project(x, data, scales, expert, rows, row_ok, pair_rows, pair_ok, N, K, k_
              BLOCK_K: tl.constexpr):
     """[BLOCK_M, BLOCK_N] fp32 = x[pair_rows] @ W[expert, rows]^T over all of K."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    x_rows = x + pair_rows[:, None].to(tl.int64) * K
     for k in range(0, k_loop, BLOCK_K):
-        columns = k + tl.arange(0, BLOCK_K)
-        x_tile = tl.load(x + pair_rows[:, None].to(tl.int64) * K + columns[None, :],
-                         mask=pair_ok[:, None] & (columns[None, :] < K), other=0.0)
-        w_tile = _weight_tile(data, scales, expert, rows, row_ok, k, N, K, FORMAT, BLOCK_K)
-        if COMPUTE_FP32:
-            acc += tl.dot(x_tile.to(tl.float32), tl.trans(w_tile), input_precision="ieee")
+        if FORMAT == 1:  # MXFP4: even and odd columns as two products, no interleaving of the nibbles
+            even = k + 2 * tl.arange(0, BLOCK_K // 2)
+            x_ok = pair_ok[:, None] & (even[None, :] < K)
+            low, high = _mxfp4_halves(data, scales, expert, rows, row_ok, k, N, K, BLOCK_K)
+            acc += _dot(tl.load(x_rows + even[None, :], mask=x_ok, other=0.0), low, COMPUTE_FP32)
+            acc += _dot(tl.load(x_rows + even[None, :] + 1, mask=x_ok, other=0.0), high, COMPUTE_FP32)
         else:
-            acc += tl.dot(x_tile.to(tl.bfloat16), tl.trans(w_tile.to(tl.bfloat16)))
+            columns = k + tl.arange(0, BLOCK_K)
+            x_tile = tl.load(x_rows + columns[None, :], mask=pair_ok[:, None] & (columns[None, :] < K), other=0.0)
+            acc += _dot(x_tile, _weight_tile(data, scales, expert, rows, row_ok, k, N, K, FORMAT, BLOCK_K),
+                        COMPUTE_FP32)
     return acc
 
 
@@ -192,7 +204,7 @@ def _moe_gemm_kernel(
 
 
 def _launch(x, weight: PackedWeight, pair_ids, block_expert, pair_weights, rows_out, n_out, row_div, *, gated,
-            interleaved, activation, alpha, limit, compute_fp32, block_m, block_n, block_k):
+            interleaved, activation, alpha, limit, compute_fp32, block_m, block_n, block_k, num_warps):
     experts, n, k = weight.shape
     out = torch.empty(rows_out, n_out, dtype=torch.float32 if compute_fp32 or not gated else x.dtype,
                       device=x.device)
@@ -205,15 +217,15 @@ def _launch(x, weight: PackedWeight, pair_ids, block_expert, pair_weights, rows_
         rows_out, n, k, n_out, row_div, float(alpha), float(limit),
         FORMAT=FORMATS[weight.format], GATED=gated, INTERLEAVED=interleaved, ACTIVATION=ACTIVATIONS[activation],
         HAS_BIAS=weight.bias is not None, APPLY_WEIGHT=pair_weights is not None, COMPUTE_FP32=compute_fp32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
     )
     return out
 
 
 def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up: PackedWeight,
               down: PackedWeight, *, interleaved: bool = False, activation: str = "silu", alpha: float = 1.702,
-              limit: float = 7.0, compute_fp32: bool | None = None, block_m: int = 16, block_n: int = 64,
-              block_k: int = 64) -> torch.Tensor:
+              limit: float = 7.0, compute_fp32: bool | None = None, block_m: int = 16, block_n: int = 32,
+              block_k: int = 128, num_warps: int = 4) -> torch.Tensor:
     """Routed experts of one MoE layer: hidden [M, H], top_k_index / top_k_weights [M, k] -> [M, H] in
     hidden's dtype. gate_up is [E, 2I, H], down [E, H, I] (output-major), each packed in any format."""
     experts, two_i, h = gate_up.shape
@@ -224,14 +236,13 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
         raise ValueError(f"hidden size {hidden.shape[-1]} differs from the experts' {h}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation!r} has no fused kernel; choose one of {sorted(ACTIVATIONS)}")
-    if 128 % block_k or block_k % 32:
-        raise ValueError(f"block_k must divide 128 (one FP8 scale block) and be a multiple of 32 (one MXFP4 "
-                         f"group), got {block_k}")
+    if block_k % 32 or block_k & (block_k - 1):
+        raise ValueError(f"block_k must be a power of two and a multiple of 32 (one MXFP4 group), got {block_k}")
     compute_fp32 = hidden.dtype == torch.float32 if compute_fp32 is None else compute_fp32
     tokens, top_k = top_k_index.shape
     pair_ids, block_expert = align_routing(top_k_index, experts, block_m)
     settings = dict(alpha=alpha, limit=limit, compute_fp32=compute_fp32, block_m=block_m, block_n=block_n,
-                    block_k=block_k)
+                    block_k=block_k, num_warps=num_warps)
     x = hidden.contiguous()
     intermediate = _launch(x, gate_up, pair_ids, block_expert, None, tokens * top_k, two_i // 2, top_k,
                            gated=True, interleaved=interleaved, activation=activation, **settings)

@@ -95,3 +95,16 @@ def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match="activation 'gelu' has no fused kernel"):
         fused_moe(torch.zeros(1, 64), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1), gate_up, down,
                   activation="gelu")
+
+
+@pytest.mark.parametrize("format", ["mxfp4", "fp8_block"])
+@pytest.mark.parametrize("block_n, block_k", [(16, 256), (64, 32)])
+def test_tile_sizes_do_not_change_the_result(format, block_n, block_k):
+    """A K tile spanning two FP8 scale blocks (256), one MXFP4 group (32), narrow and wide N tiles."""
+    gate_up, down = _experts(format, 3, 320, 96, bias=True, seed=2)
+    index, weights = _routing(5, 3, 2, seed=3)
+    x = torch.randn(5, 320, generator=torch.Generator().manual_seed(4))
+    expected = reference_moe(x, index, weights, gate_up, down, False, "silu")
+    actual = fused_moe(x.to(DEVICE), index.to(DEVICE), weights.to(DEVICE), gate_up, down, compute_fp32=True,
+                       block_n=block_n, block_k=block_k)
+    assert (actual.cpu().double() - expected).norm() / expected.norm() <= 1e-4
