@@ -47,11 +47,6 @@ def random_packed(format: str, experts: int, rows: int, columns: int, bias: bool
     return PackedWeight("fp8_block", data, scales, b)
 
 
-def subset(weight: PackedWeight, experts: torch.Tensor) -> PackedWeight:
-    pick = lambda t: None if t is None else t[experts]  # noqa: E731
-    return PackedWeight(weight.format, weight.data[experts], pick(weight.scales), pick(weight.bias))
-
-
 def expert_bytes(weight: PackedWeight) -> int:
     return weight.nbytes() // weight.shape[0]
 
@@ -59,7 +54,7 @@ def expert_bytes(weight: PackedWeight) -> int:
 def reference(x, index, weights, gate_up, down, interleaved, activation):
     """fp64 math on the dequantized routed experts (the kernels' definition)."""
     used = index.unique()
-    w1, w2 = subset(gate_up, used).dequantize(torch.float64), subset(down, used).dequantize(torch.float64)
+    w1, w2 = gate_up.select(used).dequantize(torch.float64), down.select(used).dequantize(torch.float64)
     b1 = None if gate_up.bias is None else gate_up.bias[used].double()
     b2 = None if down.bias is None else down.bias[used].double()
     position = {int(e): i for i, e in enumerate(used.tolist())}
@@ -83,8 +78,8 @@ def dequantize_then_matmul(x, index, weights, gate_up, down, interleaved, activa
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for expert in index.unique().tolist():
         token, slot = torch.where(index == expert)
-        w1 = subset(gate_up, torch.tensor([expert], device=x.device)).dequantize(torch.bfloat16)[0]
-        w2 = subset(down, torch.tensor([expert], device=x.device)).dequantize(torch.bfloat16)[0]
+        w1 = gate_up.select([expert]).dequantize(torch.bfloat16)[0]
+        w2 = down.select([expert]).dequantize(torch.bfloat16)[0]
         h = x[token] @ w1.T + (gate_up.bias[expert] if gate_up.bias is not None else 0)
         gate, up = (h[:, 0::2], h[:, 1::2]) if interleaved else h.chunk(2, dim=-1)
         if activation == "clamped_swiglu":

@@ -4,11 +4,14 @@
     report = dflash_compile.explain(model, input_ids)      # pass matches, graph breaks, the graphs
     fast = dflash_compile.optimize(model, drafter=path)    # DFlash speculative decoding, same tokens as generate
     dflash_compile.train_drafter(model, texts, "drafter/", tokenizer=tokenizer)   # a drafter for any target
+    dflash_compile.quantize(model, "out/", "mxfp4")       # MXFP4 (gpt-oss) / FP8 block checkpoint, public layout
+    model = dflash_compile.load_packed("out/")             # experts stay packed; fused kernels run them on CUDA
 """
 
 from . import ops, seam
 from .api import OptimizedModel, optimize
 from .backend import dflash_backend
+from .checkpoint import load_packed, quantize
 from .drafter import DFlashDrafter, DrafterConfig, DrafterPairingError
 from .expert_store import ExpertStore
 from .explain import ExplainReport, explain
@@ -24,6 +27,7 @@ __all__ = [
     "DrafterTraining",
     "OptimizedModel",
     "optimize",
+    "quantize",
     "FAMILIES",
     "ExpertStore",
     "ExplainReport",
@@ -31,6 +35,7 @@ __all__ = [
     "UnsupportedFamilyError",
     "dflash_backend",
     "explain",
+    "load_packed",
     "ops",
     "supported_families",
     "train_drafter",

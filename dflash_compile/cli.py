@@ -3,6 +3,7 @@
     dflash-compile generate --prompt "def fibonacci(n):"   # the bundled tiny target + drafter pair
     dflash-compile generate --model PATH --drafter PATH --prompt "..." --stream
     dflash-compile train-drafter --target PATH --data texts.jsonl --out drafter/ [--block-size 16 --layers 2]
+    dflash-compile quantize --model PATH --out DIR --format mxfp4|fp8_block
     dflash-compile explain                                 # passes on a tiny random gpt-oss model
     dflash-compile explain --model PATH --graphs           # any supported checkpoint directory, graphs printed
 """
@@ -132,7 +133,21 @@ def train_drafter_command(args) -> int:
     return 0
 
 
+def quantize_command(args) -> int:
+    from .checkpoint import expert_bytes, load_packed, quantize
+    from .pair import load_target
+
+    model, tokenizer = load_target(args.model, "cpu", DTYPES[args.dtype])
+    out = quantize(model, args.out, args.format)
+    tokenizer.save_pretrained(out)
+    weight_bytes, weights = expert_bytes(load_packed(out))
+    print(f"{args.format} checkpoint written to {out}: routed experts {weight_bytes / 2**20:.1f} MiB, "
+          f"{weight_bytes * 8 / weights:.2f} bits per weight")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from .checkpoint import FORMATS
     from .testing import TINY_CONFIGS
     from .training import DrafterTraining
 
@@ -179,6 +194,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--mask-token-id", type=int, help="default: the tokenizer's mask token")
     train.add_argument("--device", help="default: cuda when available")
     train.set_defaults(run=train_drafter_command)
+
+    quantize = commands.add_parser("quantize", help="write a model as an MXFP4 (gpt-oss) or FP8 block checkpoint")
+    quantize.add_argument("--model", required=True, help="checkpoint directory (bf16 / fp32)")
+    quantize.add_argument("--out", required=True, help="directory for the quantized checkpoint")
+    quantize.add_argument("--format", required=True, choices=FORMATS)
+    quantize.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="dtype to read the model in")
+    quantize.set_defaults(run=quantize_command)
     return parser
 
 

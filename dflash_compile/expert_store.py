@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from transformers.integrations.moe import grouped_mm_experts_forward
 
 from .families import ExpertLayout, FamilySpec
+from .packed import PackedWeight, packed_weights
 
 _store_ids = itertools.count()
 _STORES_BY_ID: weakref.WeakValueDictionary[int, ExpertStore] = weakref.WeakValueDictionary()
@@ -49,6 +50,62 @@ def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t
     return F.linear(x, weight, bias)
 
 
+def _expert_count(module: torch.nn.Module) -> int:
+    weight = module.packed_gate_up_data if getattr(module, "packed_format", None) else module.gate_up_proj
+    return weight.shape[0]
+
+
+@dataclass(frozen=True)
+class Gate:
+    """The gated activation of a family's experts: gate/up split (interleaved or concatenated) and the activation,
+    SiLU(gate) * up or gpt-oss's clamped SwiGLU with `alpha` / `limit`. The fused kernels take the same fields."""
+
+    interleaved: bool
+    activation: str  # "silu" | "clamped_swiglu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    @classmethod
+    def of(cls, layout: ExpertLayout, module: torch.nn.Module) -> Gate:
+        interleaved = layout.gate_up == "interleaved"
+        if layout.activation == "clamped_swiglu":
+            return cls(interleaved, "clamped_swiglu", float(module.alpha), float(module.limit))
+        act = getattr(module.config, "hidden_act", None)
+        if act != "silu":
+            raise ValueError(f"{type(module).__name__} uses hidden_act {act!r}; dflash-compile's experts support "
+                             "'silu' (and gpt-oss's clamped SwiGLU)")
+        return cls(interleaved, "silu")
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[..., 2I] gate/up projection -> [..., I]."""
+        gate, up = (gate_up[..., ::2], gate_up[..., 1::2]) if self.interleaved else gate_up.chunk(2, dim=-1)
+        if self.activation == "clamped_swiglu":
+            gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
+            return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        return F.silu(gate) * up
+
+
+def run_packed(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up: PackedWeight,
+               down: PackedWeight, gate: Gate) -> torch.Tensor:
+    """Routed experts on packed weights: the fused Triton kernel on CUDA; on a CPU each routed expert dequantized
+    to fp32 (the reference definition) and its MLP in fp32."""
+    if hidden.is_cuda:
+        from .kernels.moe import fused_moe
+
+        return fused_moe(hidden, top_k_index, top_k_weights, gate_up, down, interleaved=gate.interleaved,
+                         activation=gate.activation, alpha=gate.alpha, limit=gate.limit)
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    for expert in top_k_index.unique().tolist():
+        if expert >= gate_up.shape[0]:  # expert-parallel sentinel: not a local expert
+            continue
+        token, slot = torch.where(top_k_index == expert)
+        w1, w2 = gate_up.select([expert]), down.select([expert])
+        h = F.linear(hidden[token].float(), w1.dequantize()[0], None if w1.bias is None else w1.bias[0].float())
+        y = F.linear(gate(h), w2.dequantize()[0], None if w2.bias is None else w2.bias[0].float())
+        out.index_add_(0, token, y * top_k_weights[token, slot, None].float())
+    return out.to(hidden.dtype)
+
+
 @dataclass
 class ResidentExperts:
     """One MoE layer's routed experts, read from the live module (so `.to()` and weight reloads are seen)."""
@@ -66,31 +123,22 @@ class ResidentExperts:
 
     @property
     def num_experts(self) -> int:
-        return self.module.gate_up_proj.shape[0]
-
-    def _gate(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self.layout.gate_up == "interleaved":
-            gate, up = gate_up[..., ::2], gate_up[..., 1::2]
-        else:
-            gate, up = gate_up.chunk(2, dim=-1)
-        if self.layout.activation == "clamped_swiglu":
-            limit, alpha = self.module.limit, self.module.alpha
-            gate = gate.clamp(max=limit)
-            up = up.clamp(min=-limit, max=limit)
-            return (up + 1) * (gate * torch.sigmoid(gate * alpha))
-        return self.module.act_fn(gate) * up
+        return _expert_count(self.module)
 
     def expert_mlp(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """One expert's MLP on the tokens routed to it, in the module's dtype."""
         module, layout = self.module, self.layout
         gate_up_bias = module.gate_up_proj_bias[expert] if layout.bias else None
         down_bias = module.down_proj_bias[expert] if layout.bias else None
-        hidden = self._gate(_project(x, module.gate_up_proj[expert], gate_up_bias, layout.transposed))
+        hidden = Gate.of(layout, module)(_project(x, module.gate_up_proj[expert], gate_up_bias, layout.transposed))
         return _project(hidden, module.down_proj[expert], down_bias, layout.transposed)
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        module = self.module
+        if getattr(module, "packed_format", None):  # MXFP4 / FP8 weights kept packed (dflash_compile.packed)
+            return run_packed(hidden, top_k_index, top_k_weights, *packed_weights(module), Gate.of(self.layout, module))
         if hidden.is_cuda:  # transformers' grouped GEMM: no host sync, one kernel per projection
-            return grouped_mm_experts_forward(self.module, hidden, top_k_index, top_k_weights)
+            return grouped_mm_experts_forward(module, hidden, top_k_index, top_k_weights)
         return self.reference(hidden, top_k_index, top_k_weights)
 
     def reference(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .expert_store import get_store
+from .expert_store import Gate, get_store, run_packed
+from .packed import PackedWeight
 from .quant import dequantize_fp8_block, dequantize_mxfp4
 
 
@@ -27,6 +28,27 @@ def moe_dispatch(
 def _moe_dispatch_fake(hidden, top_k_index, top_k_weights, store, layer):
     torch._check(top_k_index.shape == top_k_weights.shape, lambda: "top_k_index and top_k_weights differ in shape")
     torch._check(top_k_index.shape[0] == hidden.shape[0], lambda: "one routing row per token expected")
+    return torch.empty_like(hidden)
+
+
+@torch.library.custom_op("dflash::packed_moe", mutates_args=())
+def packed_moe(
+    hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, format: str,
+    gate_up_data: torch.Tensor, gate_up_scales: torch.Tensor | None, gate_up_bias: torch.Tensor | None,
+    down_data: torch.Tensor, down_scales: torch.Tensor | None, down_bias: torch.Tensor | None,
+    interleaved: bool, activation: str, alpha: float, limit: float,
+) -> torch.Tensor:
+    """Routed experts on packed weights (`dflash_compile.packed` layouts): what a packed experts module runs when it
+    is not compiled with the dflash backend (which turns it into `moe_dispatch` on the same weights)."""
+    gate_up = PackedWeight(format, gate_up_data, gate_up_scales, gate_up_bias)
+    down = PackedWeight(format, down_data, down_scales, down_bias)
+    return run_packed(hidden, top_k_index, top_k_weights, gate_up, down, Gate(interleaved, activation, alpha, limit))
+
+
+@packed_moe.register_fake
+def _packed_moe_fake(hidden, top_k_index, top_k_weights, format, gate_up_data, gate_up_scales, gate_up_bias,
+                     down_data, down_scales, down_bias, interleaved, activation, alpha, limit):
+    torch._check(top_k_index.shape == top_k_weights.shape, lambda: "top_k_index and top_k_weights differ in shape")
     return torch.empty_like(hidden)
 
 
@@ -172,3 +194,23 @@ def _fp8_block_dequantize_fake(weight, scale_inv, block_n, block_k, dtype):
     grid = (-(-weight.shape[0] // block_n), -(-weight.shape[1] // block_k))
     torch._check(tuple(scale_inv.shape) == grid, lambda: f"scale grid {list(scale_inv.shape)} != {list(grid)}")
     return weight.new_empty(weight.shape, dtype=dtype)
+
+
+@torch.library.custom_op("dflash::fp8_block_linear", mutates_args=())
+def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """linear(x, weight * scale_inv per 128 x 128 block, bias) without materialising the weight: on CUDA the fused
+    Triton kernel reads the FP8 bytes tile by tile; elsewhere the reference dequantizes then multiplies."""
+    packed = PackedWeight("fp8_block", weight.view(torch.uint8)[None], scale_inv.float()[None],
+                          None if bias is None else bias[None])
+    if x.is_cuda:
+        from .kernels.moe import packed_linear
+
+        return packed_linear(x, packed)
+    return torch.nn.functional.linear(x, packed.dequantize(x.dtype)[0], bias)
+
+
+@fp8_block_linear.register_fake
+def _fp8_block_linear_fake(x, weight, scale_inv, bias):
+    torch._check(x.shape[-1] == weight.shape[1], lambda: f"x has {x.shape[-1]} features, weight takes {weight.shape[1]}")
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))

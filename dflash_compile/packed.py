@@ -49,6 +49,12 @@ class PackedWeight:
         columns = self.data.shape[2] * MXFP4_GROUP if self.format == "mxfp4" else self.data.shape[2]
         return experts, rows, columns
 
+    def select(self, experts) -> PackedWeight:
+        """The same weight restricted to `experts` (a list or index tensor), in that order."""
+        index = torch.as_tensor(experts, device=self.data.device)
+        pick = lambda t: None if t is None else t[index]  # noqa: E731
+        return PackedWeight(self.format, self.data[index], pick(self.scales), pick(self.bias))
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.data, self.scales, self.bias) if t is not None)
 
@@ -71,3 +77,30 @@ class PackedWeight:
             data = torch.stack([q.view(torch.uint8) for q, _ in pairs])
             return cls("fp8_block", data, torch.stack([s for _, s in pairs]), bias)
         return cls("dense", weight, None, bias)
+
+
+PACKED_IMPLEMENTATION = "dflash_packed"  # transformers experts_implementation that runs packed weights
+_PARTS = ("data", "scales", "bias")
+
+
+def attach_packed(module: torch.nn.Module, gate_up: PackedWeight, down: PackedWeight) -> None:
+    """Give a transformers experts module packed weights in place of its 3-D parameters.
+
+    The packed tensors become buffers (so `.to()` moves them and `expert_dispatch` drops them from the graph) and the
+    shared config's experts implementation becomes `dflash_packed`, whose forward runs `dflash::packed_moe`.
+    """
+    if gate_up.format != down.format:
+        raise ValueError(f"gate_up is {gate_up.format} but down is {down.format}: one format per experts module")
+    for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+        module._parameters.pop(name, None)
+    for prefix, weight in (("gate_up", gate_up), ("down", down)):
+        for part in _PARTS:
+            module.register_buffer(f"packed_{prefix}_{part}", getattr(weight, part))
+    module.packed_format = gate_up.format
+    module.config._experts_implementation = PACKED_IMPLEMENTATION
+
+
+def packed_weights(module: torch.nn.Module) -> tuple[PackedWeight, PackedWeight]:
+    """The (gate_up, down) packed weights of a module prepared by `attach_packed`, as its buffers are now."""
+    return tuple(PackedWeight(module.packed_format, *(getattr(module, f"packed_{prefix}_{part}") for part in _PARTS))
+                 for prefix in ("gate_up", "down"))

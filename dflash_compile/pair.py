@@ -32,10 +32,17 @@ def heldout_prompts(directory: str | Path | None = None) -> list[str]:
 
 
 def load_target(path: str | Path, device="cpu", dtype: torch.dtype = torch.float32):
-    """(model, tokenizer) from a checkpoint directory, the tokenizer padding on the left as batched decoding needs."""
+    """(model, tokenizer) from a checkpoint directory, the tokenizer padding on the left as batched decoding needs.
+    MXFP4 and FP8 block-scaled checkpoints load with their experts packed (`load_packed`)."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    from .checkpoint import load_packed
+
+    quantization = getattr(transformers.AutoConfig.from_pretrained(path), "quantization_config", None)
+    if quantization:
+        model = load_packed(path, dtype, device)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, padding_side="left")
     return model, tokenizer
 

@@ -6,12 +6,17 @@ break, so `expert_dispatch` would never see the region. When dflash_compile is i
 code outside compilation and traces transformers' `grouped_mm` formulation of the same math inside it.
 `expert_dispatch` then replaces the region with `dflash::moe_dispatch`. Other backends also stop breaking the
 graph there; the outputs agree to rounding.
+
+It also registers `"dflash_packed"`: the implementation of experts modules whose weights `load_packed` kept as
+MXFP4 / FP8 (`dflash_compile.packed.attach_packed`); it runs `dflash::packed_moe` on them.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
+
+from .packed import PACKED_IMPLEMENTATION
 
 
 def _eager_experts_forward(self, *args, **kwargs):
@@ -20,6 +25,21 @@ def _eager_experts_forward(self, *args, **kwargs):
     return type(self).forward.__wrapped__(self, *args, **kwargs)  # the class's own (undecorated) forward
 
 
+def _packed_experts_forward(self, hidden, top_k_index, top_k_weights):
+    """Experts whose weights `attach_packed` replaced by MXFP4 / FP8 ones: one `dflash::packed_moe` call."""
+    from .expert_store import Gate
+    from .families import spec_for_experts_class
+
+    gate = Gate.of(spec_for_experts_class(type(self)).layout, self)
+    return torch.ops.dflash.packed_moe(
+        hidden, top_k_index, top_k_weights, self.packed_format,
+        self.packed_gate_up_data, self.packed_gate_up_scales, self.packed_gate_up_bias,
+        self.packed_down_data, self.packed_down_scales, self.packed_down_bias,
+        gate.interleaved, gate.activation, gate.alpha, gate.limit)
+
+
 def install() -> None:
     if "eager" not in ExpertsInterface._global_mapping:
         ExpertsInterface.register("eager", _eager_experts_forward)
+    if PACKED_IMPLEMENTATION not in ExpertsInterface._global_mapping:
+        ExpertsInterface.register(PACKED_IMPLEMENTATION, _packed_experts_forward)

@@ -72,3 +72,16 @@ def test_train_drafter_rejects_bad_data(tmp_path):
     data.write_text('{"text": "fine"}\n[1, 2]\n')
     with pytest.raises(SystemExit, match=r"bad.jsonl:2: expected a JSON string or an object with a \"text\" string"):
         main(["train-drafter", "--target", "x", "--data", str(data), "--out", str(tmp_path / "d")])
+
+
+def test_quantize_writes_a_packed_checkpoint_that_generates(tmp_path, capsys):
+    """The bundled Qwen3-MoE target as FP8: 8 bits per expert weight, loadable by `generate --model`."""
+    from dflash_compile.pair import DEFAULT_PAIR
+
+    out = tmp_path / "fp8"
+    assert main(["quantize", "--model", str(DEFAULT_PAIR / "target"), "--out", str(out), "--format", "fp8_block",
+                 "--dtype", "float32"]) == 0
+    assert "fp8_block checkpoint written to" in capsys.readouterr().out
+    assert main(["generate", "--model", str(out), "--drafter", str(DEFAULT_PAIR / "drafter"), "--max-new-tokens",
+                 "16", "--repeats", "1"]) == 0
+    assert "same tokens: True" in capsys.readouterr().out

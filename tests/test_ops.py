@@ -125,3 +125,41 @@ def test_linear_state_commit_ops():
     torch.library.opcheck(torch.ops.dflash.state_select.default, (recurrent.clone(), candidate, torch.tensor([1, 0])))
     torch.ops.dflash.state_select(recurrent, candidate, torch.tensor([True, False]))
     assert recurrent[0].eq(1).all() and recurrent[1].eq(0).all()
+
+
+@pytest.mark.parametrize("format", ["mxfp4", "fp8_block"])
+def test_opcheck_packed_moe(format):
+    """The op a packed experts module runs: its result equals the dequantized reference, and opcheck passes."""
+    from dflash_compile.expert_store import Gate, run_packed
+    from dflash_compile.packed import PackedWeight
+
+    generator = torch.Generator().manual_seed(0)
+    gate_up = PackedWeight.quantize(torch.randn(3, 64, 32, generator=generator), format,
+                                    torch.randn(3, 64, generator=generator))
+    down = PackedWeight.quantize(torch.randn(3, 32, 32, generator=generator), format, None)
+    hidden, index = torch.randn(4, 32, generator=generator), torch.tensor([[0, 2], [1, 2], [2, 0], [1, 0]])
+    weights = torch.rand(4, 2, generator=generator)
+    args = (hidden, index, weights, format, gate_up.data, gate_up.scales, gate_up.bias, down.data, down.scales,
+            None, True, "clamped_swiglu", 1.702, 7.0)
+    torch.library.opcheck(torch.ops.dflash.packed_moe.default, args)
+    gate = Gate(True, "clamped_swiglu")
+    expected = torch.zeros(4, 32)
+    for t in range(4):
+        for slot in range(2):
+            e = int(index[t, slot])
+            h = gate(hidden[t] @ gate_up.dequantize()[e].T + gate_up.bias[e])
+            expected[t] += weights[t, slot] * (h @ down.dequantize()[e].T)
+    torch.testing.assert_close(torch.ops.dflash.packed_moe(*args), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(run_packed(hidden, index, weights, gate_up, down, gate), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_opcheck_fp8_block_linear():
+    from dflash_compile.quant import dequantize_fp8_block, quantize_fp8_block
+
+    generator = torch.Generator().manual_seed(0)
+    weight, scale = quantize_fp8_block(torch.randn(130, 70, generator=generator))
+    x, bias = torch.randn(4, 70, generator=generator), torch.randn(130, generator=generator)
+    args = (x, weight.view(torch.uint8), scale, bias)
+    torch.library.opcheck(torch.ops.dflash.fp8_block_linear.default, args)
+    expected = torch.nn.functional.linear(x, dequantize_fp8_block(weight, scale), bias)
+    torch.testing.assert_close(torch.ops.dflash.fp8_block_linear(*args), expected)

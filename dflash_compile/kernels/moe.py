@@ -250,3 +250,16 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     per_pair = _launch(intermediate, down, pair_ids, block_expert, weights, tokens * top_k, h, 1,
                        gated=False, interleaved=False, activation="silu", **settings)
     return per_pair.view(tokens, top_k, h).sum(dim=1).to(hidden.dtype)
+
+
+def packed_linear(x: torch.Tensor, weight: PackedWeight, **tiles) -> torch.Tensor:
+    """A dense linear layer over a packed [1, N, K] weight (FP8 block-scaled or MXFP4): the MoE kernel with every
+    token routed to the one expert. x [..., K] -> [..., N] in x's dtype."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    settings = {"block_m": 16, "block_n": 32, "block_k": 128, "num_warps": 4} | tiles
+    pair_ids, block_expert = align_routing(torch.zeros(rows.shape[0], 1, dtype=torch.int32, device=x.device), 1,
+                                           settings["block_m"])
+    out = _launch(rows, weight, pair_ids, block_expert, None, rows.shape[0], weight.shape[1], 1, gated=False,
+                  interleaved=False, activation="silu", alpha=0.0, limit=0.0,
+                  compute_fp32=x.dtype == torch.float32, **settings)
+    return out.to(x.dtype).view(*x.shape[:-1], weight.shape[1])

@@ -1,6 +1,7 @@
 """The pass pipeline, in order. Each pass takes (GraphModule, PassContext) and returns how many places it rewrote.
 
 1. expert_dispatch  routed-expert regions -> one dflash::moe_dispatch node per MoE layer
+2. dequant_fusion   linear(x, fp8_block_dequantize(w, s)) -> one dflash::fp8_block_linear node
 """
 
 from __future__ import annotations
@@ -10,12 +11,14 @@ from collections.abc import Callable, Sequence
 from torch.fx import GraphModule
 
 from .context import PassContext
+from .dequant_fusion import dequant_fusion
 from .expert_dispatch import expert_dispatch
 
 GraphPass = Callable[[GraphModule, PassContext], int]
 
 PIPELINE: dict[str, GraphPass] = {
     "expert_dispatch": expert_dispatch,
+    "dequant_fusion": dequant_fusion,
 }
 
 

@@ -108,3 +108,19 @@ def test_tile_sizes_do_not_change_the_result(format, block_n, block_k):
     actual = fused_moe(x.to(DEVICE), index.to(DEVICE), weights.to(DEVICE), gate_up, down, compute_fp32=True,
                        block_n=block_n, block_k=block_k)
     assert (actual.cpu().double() - expected).norm() / expected.norm() <= 1e-4
+
+
+@pytest.mark.parametrize("format", ["fp8_block", "mxfp4"])
+def test_packed_linear_matches_dequantize_then_matmul(format):
+    """The dense-layer use of the kernel (every token to one expert): N and K with partial 128-blocks."""
+    from dflash_compile.kernels.moe import packed_linear
+
+    generator = torch.Generator().manual_seed(5)
+    weight = PackedWeight.quantize(torch.randn(1, 200, 352, generator=generator), format,
+                                   torch.randn(1, 200, generator=generator))
+    weight = PackedWeight(weight.format, weight.data.to(DEVICE), weight.scales.to(DEVICE), weight.bias.to(DEVICE))
+    x = torch.randn(2, 3, 352, generator=generator)
+    expected = x.double() @ weight.dequantize(torch.float64)[0].cpu().T + weight.bias[0].cpu().double()
+    actual = packed_linear(x.to(DEVICE), weight)
+    assert actual.shape == (2, 3, 200)
+    assert (actual.cpu().double() - expected).norm() / expected.norm() <= 1e-4

@@ -1,0 +1,244 @@
+"""Quantized checkpoints in the public layouts, written (`quantize`) and loaded with the experts kept packed
+(`load_packed`).
+
+    mxfp4      gpt-oss: `{experts}.gate_up_proj_blocks` uint8 [E, 2I, H/32, 16], `..._scales` uint8 [E, 2I, H/32],
+               `down_proj_blocks` / `down_proj_scales` [E, H, I/32, ...], biases bf16; everything else unquantized;
+               config `quantization_config = {"quant_method": "mxfp4", ...}`
+    fp8_block  DeepSeek-V3 / GLM-4.x-FP8 / Qwen3-FP8: every nn.Linear but lm_head as float8_e4m3fn `weight` plus fp32
+               `weight_scale_inv` per 128 x 128 block; routed experts per expert in 2-D
+               (`{experts}.{j}.gate_proj.weight`, `up_proj`, `down_proj`); config `quantization_config =
+               {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}`
+
+transformers dequantizes such checkpoints at load on a CPU; `load_packed` instead builds the model on the meta
+device, attaches the routed experts as packed buffers (`packed.attach_packed`), keeps FP8 linear layers as
+`FP8Linear` and loads only the rest in the model dtype, so expert memory stays at 4.25 / 8 bits per parameter.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import transformers
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .families import spec_for_experts_class, spec_for_model
+from .packed import FP8_BLOCK, PackedWeight, attach_packed, packed_weights
+from .quant import quantize_fp8_block
+
+FORMATS = ("mxfp4", "fp8_block")
+_FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+_MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
+class FP8Linear(torch.nn.Module):
+    """A linear layer kept as float8_e4m3fn bytes + per-128x128-block scales. Its forward dequantizes then multiplies
+    (the pattern the `dequant_fusion` pass turns into one fused op)."""
+
+    def __init__(self, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.register_buffer("weight", weight)  # uint8 bytes of float8_e4m3fn [out, in]
+        self.register_buffer("weight_scale_inv", scale_inv)
+        self.register_buffer("bias", bias)
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = torch.ops.dflash.fp8_block_dequantize(self.weight, self.weight_scale_inv, *FP8_BLOCK, x.dtype)
+        return F.linear(x, weight, self.bias)
+
+
+def _experts_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    return {name: module for name, module in model.named_modules() if spec_for_experts_class(type(module))}
+
+
+def _output_major(module: torch.nn.Module, name: str) -> torch.Tensor:
+    """An experts module's 3-D weight as [E, out, in] whatever its family stores."""
+    weight = getattr(module, name).detach()
+    return weight.transpose(1, 2) if getattr(module, "is_transposed", False) else weight
+
+
+def _quantized_tensors(model: torch.nn.Module, format: str) -> dict[str, torch.Tensor]:
+    spec = spec_for_model(model)
+    if spec is None:
+        raise ValueError(f"{type(model).__name__} has no routed experts of a supported family to quantize")
+    if (format == "mxfp4") != (spec.name == "gpt_oss"):
+        raise ValueError(f"{spec.name} has no public {format} checkpoint layout: use "
+                         f"{'mxfp4' if spec.name == 'gpt_oss' else 'fp8_block'} for it")
+    tensors = {k: v.detach() for k, v in model.state_dict().items()}
+    for path, experts in _experts_modules(model).items():
+        for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+            tensors.pop(f"{path}.{name}", None)
+        gate_up, down = _output_major(experts, "gate_up_proj"), _output_major(experts, "down_proj")
+        if format == "mxfp4":
+            for name, weight in (("gate_up_proj", gate_up), ("down_proj", down)):
+                packed = PackedWeight.quantize(weight, "mxfp4")
+                tensors[f"{path}.{name}_blocks"], tensors[f"{path}.{name}_scales"] = packed.data, packed.scales
+                tensors[f"{path}.{name}_bias"] = getattr(experts, f"{name}_bias").detach()
+            continue
+        for j in range(gate_up.shape[0]):
+            gate, up = gate_up[j].chunk(2, dim=0)
+            for name, weight in (("gate_proj", gate), ("up_proj", up), ("down_proj", down[j])):
+                quantized, scale = quantize_fp8_block(weight, FP8_BLOCK)
+                tensors[f"{path}.{j}.{name}.weight"] = quantized
+                tensors[f"{path}.{j}.{name}.weight_scale_inv"] = scale
+    if format == "fp8_block":
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and module is not model.get_output_embeddings():
+                quantized, scale = quantize_fp8_block(module.weight.detach(), FP8_BLOCK)
+                tensors[f"{name}.weight"], tensors[f"{name}.weight_scale_inv"] = quantized, scale
+    return tensors
+
+
+def quantize(model: torch.nn.Module, directory: str | Path, format: str) -> Path:
+    """Write `model` as a quantized checkpoint in the public layout of `format` ("mxfp4" for gpt-oss,
+    "fp8_block" for the other families), with its config and generation config. Returns the directory."""
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    tensors = _quantized_tensors(model, format)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    if model.config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / "model.safetensors"))
+    config = model.config.to_dict()
+    config["quantization_config"] = _MXFP4_CONFIG if format == "mxfp4" else _FP8_CONFIG
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    model.generation_config.save_pretrained(directory)
+    return directory
+
+
+class _Checkpoint:
+    """Every tensor of a checkpoint directory, read lazily by name."""
+
+    def __init__(self, directory: Path):
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{directory} has no *.safetensors weights")
+        self.handles = [safe_open(str(f), framework="pt") for f in files]
+        self.where = {key: handle for handle in self.handles for key in handle.keys()}
+        self.used: set[str] = set()
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.where
+
+    def get(self, key: str) -> torch.Tensor:
+        if key not in self.where:
+            raise KeyError(f"the checkpoint has no tensor {key!r}")
+        self.used.add(key)
+        return self.where[key].get_tensor(key)
+
+
+def _checkpoint_format(config) -> str:
+    quantization = getattr(config, "quantization_config", None) or {}
+    if not isinstance(quantization, dict):
+        quantization = quantization.to_dict()
+    method = quantization.get("quant_method")
+    if method == "mxfp4":
+        return "mxfp4"
+    if method == "fp8":
+        if list(quantization.get("weight_block_size") or []) != list(FP8_BLOCK):
+            raise ValueError(f"FP8 checkpoint with weight_block_size {quantization.get('weight_block_size')}: "
+                             f"only {list(FP8_BLOCK)} blocks are supported")
+        return "fp8_block"
+    raise ValueError(f"quantization_config quant_method {method!r} is not a packed format dflash-compile loads "
+                     f"({FORMATS}); load the model with transformers instead")
+
+
+def _packed_experts(checkpoint: _Checkpoint, path: str, format: str, experts: int, device) -> tuple[PackedWeight, ...]:
+    if format == "mxfp4":
+        return tuple(PackedWeight("mxfp4", checkpoint.get(f"{path}.{name}_blocks").to(device),
+                                  checkpoint.get(f"{path}.{name}_scales").to(device),
+                                  checkpoint.get(f"{path}.{name}_bias").to(device) if f"{path}.{name}_bias"
+                                  in checkpoint else None) for name in ("gate_up_proj", "down_proj"))
+    parts = {name: [(checkpoint.get(f"{path}.{j}.{name}.weight"), checkpoint.get(f"{path}.{j}.{name}.weight_scale_inv"))
+                    for j in range(experts)] for name in ("gate_proj", "up_proj", "down_proj")}
+    inter = parts["gate_proj"][0][0].shape[0]
+    if inter % FP8_BLOCK[0]:
+        raise ValueError(f"{path}: expert intermediate size {inter} is not a multiple of {FP8_BLOCK[0]}, so gate and "
+                         "up scale blocks cannot be stacked into one [2I, H] weight")
+
+    def stack(names):
+        data = torch.stack([torch.cat([parts[n][j][0].view(torch.uint8) for n in names]) for j in range(experts)])
+        scales = torch.stack([torch.cat([parts[n][j][1].float() for n in names]) for j in range(experts)])
+        return PackedWeight("fp8_block", data.to(device), scales.to(device))
+
+    return stack(("gate_proj", "up_proj")), stack(("down_proj",))
+
+
+def _set(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def load_packed(path: str | Path, dtype: torch.dtype = torch.bfloat16, device="cpu") -> transformers.PreTrainedModel:
+    """A quantized checkpoint (gpt-oss MXFP4 or FP8 block-scaled) with routed experts kept packed: MXFP4 at 4.25
+    bits and FP8 at 8 bits per parameter. FP8 linear layers stay FP8 (`FP8Linear`); the rest is loaded in `dtype`."""
+    path = Path(path)
+    config = transformers.AutoConfig.from_pretrained(path)
+    format = _checkpoint_format(config)
+    del config.quantization_config
+    checkpoint = _Checkpoint(path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    for name, experts in _experts_modules(model).items():
+        count = experts.gate_up_proj.shape[0]
+        attach_packed(experts, *_packed_experts(checkpoint, name, format, count, device))
+    if format == "fp8_block":
+        for name, module in list(model.named_modules()):
+            if isinstance(module, torch.nn.Linear) and f"{name}.weight_scale_inv" in checkpoint:
+                bias = checkpoint.get(f"{name}.bias").to(device, dtype) if module.bias is not None else None
+                _set(model, name, FP8Linear(checkpoint.get(f"{name}.weight").view(torch.uint8).to(device),
+                                            checkpoint.get(f"{name}.weight_scale_inv").float().to(device), bias))
+    _load_remaining(model, checkpoint, dtype, device)
+    unused = sorted(set(checkpoint.where) - checkpoint.used)
+    if unused:
+        raise ValueError(f"{path} has tensors the model does not use: {unused[:5]} ({len(unused)} in all); is it a "
+                         f"{config.model_type} checkpoint in the {format} layout?")
+    model.generation_config = transformers.GenerationConfig.from_model_config(config)
+    if (path / "generation_config.json").is_file():
+        model.generation_config = transformers.GenerationConfig.from_pretrained(path)
+    return model.eval()
+
+
+def _load_remaining(model: torch.nn.Module, checkpoint: _Checkpoint, dtype, device) -> None:
+    """Every parameter and buffer still on the meta device from the checkpoint, except buffers the checkpoint does
+    not hold (rotary tables), which the model's own initialisation computes; tied weights tied again."""
+    output = model.get_output_embeddings()
+    tied = model.config.tie_word_embeddings and output is not None
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        if any(b.is_meta and prefix + n not in checkpoint for n, b in module.named_buffers(recurse=False)):
+            module.to_empty(device=device, recurse=False)  # then the checkpoint overwrites what it holds
+            model._init_weights(module)
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                key = prefix + name
+                if tensor is None or key not in checkpoint or key in checkpoint.used or (tied and module is output):
+                    continue  # absent, or already taken (packed experts, FP8 layers)
+                value = checkpoint.get(key)
+                value = value.to(device, dtype if value.is_floating_point() else value.dtype)
+                table[name] = torch.nn.Parameter(value, requires_grad=False) if table is module._parameters else value
+    if tied:
+        model.tie_weights()
+    left = [name for name, tensor in (*model.named_parameters(), *model.named_buffers()) if tensor.is_meta]
+    if left:
+        raise ValueError(f"the checkpoint left {left[:5]} uninitialised ({len(left)} in all)")
+
+
+def expert_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes of the routed experts' packed weights and scales, their weight count); biases not counted."""
+    total, parameters = 0, 0
+    for experts in _experts_modules(model).values():
+        for weight in packed_weights(experts):
+            total += weight.nbytes() - (weight.bias.numel() * weight.bias.element_size() if weight.bias is not None
+                                        else 0)
+            experts_count, rows, columns = weight.shape
+            parameters += experts_count * rows * columns
+    return total, parameters

@@ -1,0 +1,98 @@
+"""Quantized checkpoints in the public layouts: written by `quantize`, loaded packed by `load_packed`."""
+
+import pytest
+import torch
+import transformers
+
+import dflash_compile
+from dflash_compile.checkpoint import FP8Linear, expert_bytes, load_packed, quantize
+from dflash_compile.packed import packed_weights
+from dflash_compile.testing import load_tiny_model, save_tiny_model
+from tests.conftest import token_ids
+
+# Expert sizes the formats can hold: MXFP4 groups of 32, FP8 gate/up stacked in whole 128-row blocks.
+SIZES = {"gpt_oss": {"intermediate_size": 64}, "deepseek_v3": {"moe_intermediate_size": 128},
+         "glm4_moe": {"moe_intermediate_size": 128}, "qwen3_moe": {"moe_intermediate_size": 128}}
+
+
+def _quantized(family, format, tmp_path):
+    model = load_tiny_model(family, directory=save_tiny_model(family, tmp_path / "bf16", **SIZES[family]))
+    return model, quantize(model, tmp_path / format, format)
+
+
+def test_mxfp4_gpt_oss_loads_packed_and_matches_transformers_dequantized_load(tmp_path):
+    _, directory = _quantized("gpt_oss", "mxfp4", tmp_path)
+    packed = load_packed(directory, dtype=torch.float32)
+    weight_bytes, weights = expert_bytes(packed)
+    assert weight_bytes * 8 / weights == 4.25
+    assert packed_weights(packed.model.layers[0].mlp.experts)[0].data.dtype == torch.uint8
+    assert not hasattr(packed.model.layers[0].mlp.experts, "gate_up_proj")  # never expanded
+    # transformers dequantizes MXFP4 at load on a CPU: an independent reading of the same checkpoint
+    reference = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    ids = token_ids()
+    with torch.no_grad():
+        torch.testing.assert_close(packed(ids).logits, reference(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def _dequantized_reference(original, packed):
+    """The original model with every packed tensor replaced by its reference dequantization."""
+    reference = load_tiny_model(original.config.model_type, directory=original.name_or_path)
+    for (name, module), (_, source) in zip(reference.named_modules(), packed.named_modules()):
+        if isinstance(source, FP8Linear):
+            weight = torch.ops.dflash.fp8_block_dequantize(source.weight, source.weight_scale_inv, 128, 128,
+                                                           torch.float32)
+            module.weight.data.copy_(weight)
+        elif hasattr(source, "packed_format"):
+            gate_up, down = packed_weights(source)
+            module.gate_up_proj.data.copy_(gate_up.dequantize())
+            module.down_proj.data.copy_(down.dequantize())
+    return reference
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "qwen3_moe"])
+def test_fp8_block_checkpoint_loads_packed_and_matches_the_dequantized_model(family, tmp_path):
+    original, directory = _quantized(family, "fp8_block", tmp_path)
+    packed = load_packed(directory, dtype=torch.float32)
+    weight_bytes, weights = expert_bytes(packed)
+    assert 8.0 <= weight_bytes * 8 / weights <= 8.01  # one fp32 scale per 128 x 128 block
+    assert any(isinstance(m, FP8Linear) for m in packed.modules())
+    assert not any(isinstance(m, torch.nn.Linear) and m is not packed.lm_head for m in packed.modules())
+    reference = _dequantized_reference(original, packed)
+    ids = token_ids()
+    with torch.no_grad():
+        torch.testing.assert_close(packed(ids).logits, reference(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family, format", [("gpt_oss", "mxfp4"), ("deepseek_v3", "fp8_block")])
+def test_packed_models_compile_and_generate(family, format, tmp_path):
+    _, directory = _quantized(family, format, tmp_path)
+    packed = load_packed(directory, dtype=torch.float32)
+    ids = token_ids()
+    report = dflash_compile.explain(packed, ids)
+    assert report.graph_break_count == 0
+    assert report.matches["expert_dispatch"] == len(dflash_compile.FAMILIES[family].moe_layers(packed.config))
+    assert report.matches["dequant_fusion"] == sum(isinstance(m, FP8Linear) for m in packed.modules())
+    after = "\n".join(graph.after for graph in report.graphs)
+    assert "dflash.moe_dispatch" in after and "packed_moe" not in after and "fp8_block_dequantize" not in after
+    # the packed buffers stay graph inputs (the caller passes them) but nothing reads them: the store owns them
+    assert all(line.endswith("= input") for line in after.splitlines() if "packed_gate_up_data" in line)
+    with torch.no_grad():
+        expected = packed(ids).logits
+        actual = torch.compile(packed, backend="dflash")(ids).logits
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+    fast = dflash_compile.optimize(packed)
+    assert torch.equal(fast.generate(ids[:1], max_new_tokens=6),
+                       packed.generate(ids[:1], max_new_tokens=6, do_sample=False))
+
+
+def test_format_errors_name_the_fix(tmp_path):
+    model = load_tiny_model("gpt_oss", directory=save_tiny_model("gpt_oss", tmp_path / "m", **SIZES["gpt_oss"]))
+    with pytest.raises(ValueError, match="gpt_oss has no public fp8_block checkpoint layout: use mxfp4"):
+        quantize(model, tmp_path / "q", "fp8_block")
+    with pytest.raises(ValueError, match=r"format must be one of \('mxfp4', 'fp8_block'\)"):
+        quantize(model, tmp_path / "q", "int4")
+    with pytest.raises(ValueError, match="quant_method None is not a packed format"):
+        load_packed(tmp_path / "m")
+    odd = load_tiny_model("gpt_oss", directory=save_tiny_model("gpt_oss", tmp_path / "odd"))  # I = 48
+    with pytest.raises(ValueError, match="MXFP4 groups of 32 need the last dimension divisible by 32, got 48"):
+        quantize(odd, tmp_path / "q2", "mxfp4")
