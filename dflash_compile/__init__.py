@@ -6,6 +6,7 @@
     dflash_compile.train_drafter(model, texts, "drafter/", tokenizer=tokenizer)   # a drafter for any target
     dflash_compile.quantize(model, "out/", "mxfp4")       # MXFP4 (gpt-oss) / FP8 block checkpoint, public layout
     model = dflash_compile.load_packed("out/")             # experts stay packed; fused kernels run them on CUDA
+    fast = dflash_compile.optimize(model, gpu_memory="20GiB")   # experts in host memory, a slot pool on the GPU
 """
 
 from . import ops, seam
@@ -16,6 +17,7 @@ from .drafter import DFlashDrafter, DrafterConfig, DrafterPairingError
 from .expert_store import ExpertStore
 from .explain import ExplainReport, explain
 from .families import FAMILIES, FamilySpec, UnsupportedFamilyError, supported_families
+from .offload import offload_experts
 from .training import DrafterTraining, train_drafter
 
 seam.install()
@@ -36,6 +38,7 @@ __all__ = [
     "dflash_backend",
     "explain",
     "load_packed",
+    "offload_experts",
     "ops",
     "supported_families",
     "train_drafter",

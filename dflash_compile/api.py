@@ -7,6 +7,7 @@ import torch
 from .backend import dflash_backend
 from .drafter import load_drafter
 from .families import spec_for_model, supported_families
+from .offload import offload_experts
 from .speculative import GenerationStats, SpeculativeDecoder
 
 
@@ -33,13 +34,15 @@ class OptimizedModel:
 
 
 def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode: str | None = None,
-             prefill_chunk: int = 256) -> OptimizedModel:
+             prefill_chunk: int = 256, gpu_memory=None, device=None, offload_policy: str = "lru") -> OptimizedModel:
     """Compile `model` with the dflash backend and set up DFlash speculative decoding with `drafter`
     (a z-lab or transformers checkpoint directory, or a drafter module). `mode` is torch.compile's mode for the
     verify-commit step ("reduce-overhead" captures it in a CUDA graph). Models with sliding-window layers prefill
     in chunks of `prefill_chunk` tokens, and their sliding layers keep window - 1 + max(block, prefill_chunk)
-    slots. Every check runs before any state is built: an unsupported family or a drafter made for another target
-    raises with nothing changed."""
+    slots. With `gpu_memory` ("20GiB", bytes or an accelerate max_memory dict) the routed experts are offloaded to
+    host memory behind a slot pool on `device` (default: cuda when available) that fits the budget with the dense
+    weights (`offload_experts`). Every check runs before any state is built: an unsupported family, a drafter made
+    for another target or a budget too small raises with nothing changed."""
     if spec_for_model(model) is None:
         raise ValueError(
             f"{type(model).__name__} is not a Mixture-of-Experts model of a supported family "
@@ -50,5 +53,10 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
         drafter, layer_ids = load_drafter(drafter, model)
     if prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
+    if gpu_memory is not None:
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        model = offload_experts(model, gpu_memory, device=device, policy=offload_policy)
+        if isinstance(drafter, torch.nn.Module):
+            drafter.to(device)
     decoder = SpeculativeDecoder(model, drafter, layer_ids, compile=compile, mode=mode, prefill_chunk=prefill_chunk)
     return OptimizedModel(model, decoder, compile)

@@ -135,6 +135,10 @@ class ResidentExperts:
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         module = self.module
+        offload = getattr(module, "dflash_offload", None)
+        if offload is not None:  # host blobs behind a device slot pool (dflash_compile.offload)
+            offloaded, layer = offload
+            return offloaded.run(layer, hidden, top_k_index, top_k_weights, Gate.of(self.layout, module))
         if getattr(module, "packed_format", None):  # MXFP4 / FP8 weights kept packed (dflash_compile.packed)
             return run_packed(hidden, top_k_index, top_k_weights, *packed_weights(module), Gate.of(self.layout, module))
         if hidden.is_cuda:  # transformers' grouped GEMM: no host sync, one kernel per projection

@@ -8,7 +8,8 @@ code outside compilation and traces transformers' `grouped_mm` formulation of th
 graph there; the outputs agree to rounding.
 
 It also registers `"dflash_packed"`: the implementation of experts modules whose weights `load_packed` kept as
-MXFP4 / FP8 (`dflash_compile.packed.attach_packed`); it runs `dflash::packed_moe` on them.
+MXFP4 / FP8 (`dflash_compile.packed.attach_packed`); it runs `dflash::packed_moe` on them. And `"dflash_offload"`
+for experts that `offload_experts` moved to host memory: `dflash::moe_dispatch` on the model's offload store.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
 
+from .offload import OFFLOAD_IMPLEMENTATION
 from .packed import PACKED_IMPLEMENTATION
 
 
@@ -38,8 +40,17 @@ def _packed_experts_forward(self, hidden, top_k_index, top_k_weights):
         gate.interleaved, gate.activation, gate.alpha, gate.limit)
 
 
+def _offloaded_experts_forward(self, hidden, top_k_index, top_k_weights):
+    """Experts whose weights `offload_experts` moved to host blobs: `dflash::moe_dispatch` on the model's offload
+    store, which fetches them into the slot pool (compiled with the dflash backend, the same node remains)."""
+    store, layer = self.dflash_dispatch
+    return torch.ops.dflash.moe_dispatch(hidden, top_k_index, top_k_weights, store, layer)
+
+
 def install() -> None:
     if "eager" not in ExpertsInterface._global_mapping:
         ExpertsInterface.register("eager", _eager_experts_forward)
     if PACKED_IMPLEMENTATION not in ExpertsInterface._global_mapping:
         ExpertsInterface.register(PACKED_IMPLEMENTATION, _packed_experts_forward)
+    if OFFLOAD_IMPLEMENTATION not in ExpertsInterface._global_mapping:
+        ExpertsInterface.register(OFFLOAD_IMPLEMENTATION, _offloaded_experts_forward)

@@ -96,31 +96,29 @@ def _e4m3(byte):
 
 
 @triton.jit
-def _mxfp4_halves(data, scales, expert, rows, row_ok, k, N, K, BLOCK_K: tl.constexpr):
-    """Expert `expert`'s MXFP4 weight at `rows` x [k, k + BLOCK_K) as two fp32 [BLOCK_N, BLOCK_K / 2] tiles: the
-    even columns (low nibbles) and the odd columns (high nibbles), each byte's group scale applied."""
+def _mxfp4_halves(data, scales, rows, row_ok, k, K, BLOCK_K: tl.constexpr):
+    """One expert's MXFP4 weight (`data` / `scales` at that expert) at `rows` x [k, k + BLOCK_K) as two fp32
+    [BLOCK_N, BLOCK_K / 2] tiles: the even columns (low nibbles) and the odd columns (high nibbles), each byte's
+    group scale applied."""
     byte_columns = k // 2 + tl.arange(0, BLOCK_K // 2)
     ok = row_ok[:, None] & (byte_columns[None, :] < K // 2)
-    offset = expert.to(tl.int64) * N + rows[:, None]
-    packed = tl.load(data + offset * (K // 2) + byte_columns[None, :], mask=ok, other=0).to(tl.int32)
-    exponent = tl.load(scales + offset * (K // 32) + byte_columns[None, :] // 16, mask=ok, other=127)
+    packed = tl.load(data + rows[:, None] * (K // 2) + byte_columns[None, :], mask=ok, other=0).to(tl.int32)
+    exponent = tl.load(scales + rows[:, None] * (K // 32) + byte_columns[None, :] // 16, mask=ok, other=127)
     scale = tl.exp2(exponent.to(tl.float32) - 127.0)
     return _e2m1(packed & 15) * scale, _e2m1(packed >> 4) * scale
 
 
 @triton.jit
-def _weight_tile(data, scales, expert, rows, row_ok, k, N, K, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
-    """fp32 [BLOCK_N, BLOCK_K] tile of a dense or FP8 block-scaled weight at `rows` x [k, k + BLOCK_K)."""
+def _weight_tile(data, scales, rows, row_ok, k, K, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 [BLOCK_N, BLOCK_K] tile of one expert's dense or FP8 block-scaled weight at `rows` x [k, k + BLOCK_K)."""
     columns = k + tl.arange(0, BLOCK_K)
     ok = row_ok[:, None] & (columns[None, :] < K)
-    offset = expert.to(tl.int64) * N + rows[:, None]
     if FORMAT == 2:  # FP8 block-scaled: one fp32 scale per 128 x 128 block
-        byte = tl.load(data + offset * K + columns[None, :], mask=ok, other=0).to(tl.int32)
+        byte = tl.load(data + rows[:, None] * K + columns[None, :], mask=ok, other=0).to(tl.int32)
         grid_columns = (K + 127) // 128
-        grid_offset = (expert.to(tl.int64) * ((N + 127) // 128) + rows[:, None] // 128) * grid_columns
-        scale = tl.load(scales + grid_offset + columns[None, :] // 128, mask=ok, other=0.0)
+        scale = tl.load(scales + (rows[:, None] // 128) * grid_columns + columns[None, :] // 128, mask=ok, other=0.0)
         return _e4m3(byte) * scale
-    return tl.load(data + offset * K + columns[None, :], mask=ok, other=0.0).to(tl.float32)
+    return tl.load(data + rows[:, None] * K + columns[None, :], mask=ok, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -132,23 +130,23 @@ def _dot(x_tile, w_tile, COMPUTE_FP32: tl.constexpr):
 
 
 @triton.jit
-def _project(x, data, scales, expert, rows, row_ok, pair_rows, pair_ok, N, K, k_loop,
+def _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_loop,
              FORMAT: tl.constexpr, COMPUTE_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              BLOCK_K: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] fp32 = x[pair_rows] @ W[expert, rows]^T over all of K."""
+    """[BLOCK_M, BLOCK_N] fp32 = x[pair_rows] @ W[rows]^T over all of K, W the expert at `data` / `scales`."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     x_rows = x + pair_rows[:, None].to(tl.int64) * K
     for k in range(0, k_loop, BLOCK_K):
         if FORMAT == 1:  # MXFP4: even and odd columns as two products, no interleaving of the nibbles
             even = k + 2 * tl.arange(0, BLOCK_K // 2)
             x_ok = pair_ok[:, None] & (even[None, :] < K)
-            low, high = _mxfp4_halves(data, scales, expert, rows, row_ok, k, N, K, BLOCK_K)
+            low, high = _mxfp4_halves(data, scales, rows, row_ok, k, K, BLOCK_K)
             acc += _dot(tl.load(x_rows + even[None, :], mask=x_ok, other=0.0), low, COMPUTE_FP32)
             acc += _dot(tl.load(x_rows + even[None, :] + 1, mask=x_ok, other=0.0), high, COMPUTE_FP32)
         else:
             columns = k + tl.arange(0, BLOCK_K)
             x_tile = tl.load(x_rows + columns[None, :], mask=pair_ok[:, None] & (columns[None, :] < K), other=0.0)
-            acc += _dot(x_tile, _weight_tile(data, scales, expert, rows, row_ok, k, N, K, FORMAT, BLOCK_K),
+            acc += _dot(x_tile, _weight_tile(data, scales, rows, row_ok, k, K, FORMAT, BLOCK_K),
                         COMPUTE_FP32)
     return acc
 
@@ -156,7 +154,7 @@ def _project(x, data, scales, expert, rows, row_ok, pair_rows, pair_ok, N, K, k_
 @triton.jit
 def _moe_gemm_kernel(
     x, data, scales, bias, out, pair_ids, block_expert, pair_weights,
-    P, N, K, N_OUT, ROW_DIV, alpha, limit,
+    P, N, K, N_OUT, ROW_DIV, alpha, limit, data_stride, scales_stride, bias_stride,
     FORMAT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr, APPLY_WEIGHT: tl.constexpr, COMPUTE_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -165,6 +163,10 @@ def _moe_gemm_kernel(
     expert = tl.load(block_expert + block)
     if expert < 0:
         return
+    expert = expert.to(tl.int64)  # the expert's weights: strided, so slot pools (offload) serve as well
+    data += expert * data_stride
+    scales += expert * scales_stride
+    bias += expert * bias_stride
     pairs = tl.load(pair_ids + block * BLOCK_M + tl.arange(0, BLOCK_M))
     pair_ok = pairs < P
     pair_rows = tl.where(pair_ok, pairs // ROW_DIV, 0)
@@ -178,13 +180,13 @@ def _moe_gemm_kernel(
         else:
             gate_rows = tl.where(column_ok, columns, 0)
             up_rows = tl.where(column_ok, columns + N_OUT, 0)
-        gate = _project(x, data, scales, expert, gate_rows, column_ok, pair_rows, pair_ok, N, K, k_loop,
+        gate = _project(x, data, scales, gate_rows, column_ok, pair_rows, pair_ok, K, k_loop,
                         FORMAT, COMPUTE_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
-        up = _project(x, data, scales, expert, up_rows, column_ok, pair_rows, pair_ok, N, K, k_loop,
+        up = _project(x, data, scales, up_rows, column_ok, pair_rows, pair_ok, K, k_loop,
                       FORMAT, COMPUTE_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
         if HAS_BIAS:
-            gate += tl.load(bias + expert * N + gate_rows, mask=column_ok, other=0.0).to(tl.float32)[None, :]
-            up += tl.load(bias + expert * N + up_rows, mask=column_ok, other=0.0).to(tl.float32)[None, :]
+            gate += tl.load(bias + gate_rows, mask=column_ok, other=0.0).to(tl.float32)[None, :]
+            up += tl.load(bias + up_rows, mask=column_ok, other=0.0).to(tl.float32)[None, :]
         if ACTIVATION == 1:  # gpt-oss: clamped SwiGLU
             gate = tl.minimum(gate, limit)
             up = tl.minimum(tl.maximum(up, -limit), limit)
@@ -193,14 +195,19 @@ def _moe_gemm_kernel(
             result = gate * tl.sigmoid(gate) * up
     else:
         rows = tl.where(column_ok, columns, 0)
-        result = _project(x, data, scales, expert, rows, column_ok, pair_rows, pair_ok, N, K, k_loop,
+        result = _project(x, data, scales, rows, column_ok, pair_rows, pair_ok, K, k_loop,
                           FORMAT, COMPUTE_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
         if HAS_BIAS:
-            result += tl.load(bias + expert * N + rows, mask=column_ok, other=0.0).to(tl.float32)[None, :]
+            result += tl.load(bias + rows, mask=column_ok, other=0.0).to(tl.float32)[None, :]
     if APPLY_WEIGHT:
         result *= tl.load(pair_weights + pairs, mask=pair_ok, other=0.0).to(tl.float32)[:, None]
     tl.store(out + pairs[:, None].to(tl.int64) * N_OUT + columns[None, :], result,
              mask=pair_ok[:, None] & column_ok[None, :])
+
+
+def _expert_strides(weight: PackedWeight) -> tuple[int, int, int]:
+    """Elements between consecutive experts of data, scales and bias (any expert-major layout, e.g. slot pools)."""
+    return tuple(t.stride(0) if t is not None else 0 for t in (weight.data, weight.scales, weight.bias))
 
 
 def _launch(x, weight: PackedWeight, pair_ids, block_expert, pair_weights, rows_out, n_out, row_div, *, gated,
@@ -214,7 +221,7 @@ def _launch(x, weight: PackedWeight, pair_ids, block_expert, pair_weights, rows_
         x, weight.data, weight.scales if weight.scales is not None else placeholder,
         weight.bias if weight.bias is not None else placeholder, out, pair_ids, block_expert,
         pair_weights if pair_weights is not None else placeholder,
-        rows_out, n, k, n_out, row_div, float(alpha), float(limit),
+        rows_out, n, k, n_out, row_div, float(alpha), float(limit), *_expert_strides(weight),
         FORMAT=FORMATS[weight.format], GATED=gated, INTERLEAVED=interleaved, ACTIVATION=ACTIVATIONS[activation],
         HAS_BIAS=weight.bias is not None, APPLY_WEIGHT=pair_weights is not None, COMPUTE_FP32=compute_fp32,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,

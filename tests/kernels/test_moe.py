@@ -124,3 +124,26 @@ def test_packed_linear_matches_dequantize_then_matmul(format):
     actual = packed_linear(x.to(DEVICE), weight)
     assert actual.shape == (2, 3, 200)
     assert (actual.cpu().double() - expected).norm() / expected.norm() <= 1e-4
+
+
+@pytest.mark.parametrize("format", ["mxfp4", "fp8_block", "dense"])
+def test_fused_moe_reads_experts_from_a_slot_pool(format):
+    """Offload's layout: every expert one byte blob in a pool row, each tensor a strided view over the slots."""
+    from dflash_compile.offload import BlobLayout
+
+    gate_up, down = _experts(format, 4, 256, 64, bias=True, seed=6)
+    parts = {f"{p}_{k}": getattr(w, k) for p, w in (("gate_up", gate_up), ("down", down))
+             for k in ("data", "scales", "bias")}
+    layout = BlobLayout.of(parts)
+    slot_of = torch.tensor([2, 0, 3, 1])  # expert e sits in slot slot_of[e]
+    pool = torch.zeros(4, layout.nbytes, dtype=torch.uint8, device=DEVICE)
+    for name, view in layout.views(pool).items():
+        view[slot_of.to(DEVICE)] = parts[name]
+    views = layout.views(pool)
+    pooled = [PackedWeight(format, views[f"{p}_data"], views.get(f"{p}_scales"), views.get(f"{p}_bias"))
+              for p in ("gate_up", "down")]
+    index, weights = _routing(3, 4, 2, seed=7)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(8))
+    expected = reference_moe(x, index, weights, gate_up, down, False, "silu")
+    actual = fused_moe(x.to(DEVICE), slot_of[index].to(DEVICE), weights.to(DEVICE), *pooled, compute_fp32=True)
+    assert (actual.cpu().double() - expected).norm() / expected.norm() <= 1e-4

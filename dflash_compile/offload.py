@@ -1,0 +1,292 @@
+"""Expert offload: routed experts live in host memory, one contiguous blob per expert in its stored format (bf16,
+MXFP4, FP8), and a fixed pool of device slots caches them under a memory budget.
+
+    model = dflash_compile.offload_experts(model, gpu_memory="20GiB")     # dense weights on the GPU, experts on host
+    fast = dflash_compile.optimize(model, drafter=...)                    # generation as usual, same tokens
+
+Per MoE layer call: the routed experts are read on the host (the one host sync per MoE layer; the expert ids
+decide which copies to issue), misses are copied host -> slot on a side stream ordered by events, and the layer
+runs the fused kernel on the slot pool with expert ids remapped to slots. A slot a call needs is never evicted by
+the same call. Policies: "lru" (least recently used) and "lfu" (least frequently used, ties to the oldest).
+Hooks (`add_hook`) see every fetch and hit. With `device="cpu"` the same logic runs with plain copies, which is how
+the CPU tests check it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .families import spec_for_experts_class
+from .packed import PackedWeight, packed_weights
+
+OFFLOAD_IMPLEMENTATION = "dflash_offload"
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
+          "GIB": 2**30, "TIB": 2**40}
+_ALIGN = 64  # bytes: every component of a blob starts aligned for any dtype and vector loads
+
+
+def parse_size(value) -> int:
+    """Bytes from an int, a size string ("20GiB", "500MB", "1.5 GB") or an accelerate-style max_memory dict (its
+    GPU entry: key 0, "cuda" or "cuda:0")."""
+    if isinstance(value, dict):
+        entry = next((value[k] for k in (0, "0", "cuda", "cuda:0") if k in value), None)
+        if entry is None:
+            raise ValueError(f"max_memory {value} has no GPU entry (key 0 or 'cuda')")
+        return parse_size(entry)
+    if isinstance(value, (int, float)) and value > 0:
+        return int(value)
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).upper() not in _UNITS:
+        raise ValueError(f"cannot read {value!r} as a memory size; write e.g. '20GiB', '500MB' or a byte count")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+@dataclass(frozen=True)
+class BlobLayout:
+    """Where each tensor of one expert sits inside its byte blob: (part, dtype, shape, byte offset)."""
+
+    parts: tuple[tuple[str, torch.dtype, tuple[int, ...], int], ...]
+    nbytes: int
+
+    @classmethod
+    def of(cls, weights: dict[str, torch.Tensor | None]) -> BlobLayout:
+        """From one layer's [E, ...] tensors: each expert's slice of each becomes a part of its blob."""
+        parts, offset = [], 0
+        for name, tensor in weights.items():
+            if tensor is None:
+                continue
+            parts.append((name, tensor.dtype, tuple(tensor.shape[1:]), offset))
+            offset += -(-tensor[0].numel() * tensor.element_size() // _ALIGN) * _ALIGN
+        return cls(tuple(parts), offset)
+
+    def views(self, blobs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """[S, nbytes] uint8 blobs -> {part: [S, *shape] view in its dtype} (strided over S, no copy)."""
+        out = {}
+        for name, dtype, shape, offset in self.parts:
+            size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            out[name] = blobs[:, offset: offset + size].view(dtype).view(blobs.shape[0], *shape)
+        return out
+
+
+def _weights_of(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    """An experts module's routed weights as output-major [E, ...] tensors, packed or not."""
+    if getattr(module, "packed_format", None):
+        gate_up, down = packed_weights(module)
+    else:
+        def output_major(name):
+            weight = getattr(module, name).detach()
+            return weight.transpose(1, 2) if module.is_transposed else weight
+
+        bias = (lambda name: getattr(module, name).detach()) if module.has_bias else (lambda name: None)
+        gate_up = PackedWeight("dense", output_major("gate_up_proj"), None, bias("gate_up_proj_bias"))
+        down = PackedWeight("dense", output_major("down_proj"), None, bias("down_proj_bias"))
+    return {f"{prefix}_{part}": getattr(weight, part) for prefix, weight in (("gate_up", gate_up), ("down", down))
+            for part in ("data", "scales", "bias")} | {"format": gate_up.format}
+
+
+class ExpertCache:
+    """Which (layer, expert) sits in which slot, and which slot to give up next."""
+
+    def __init__(self, slots: int, policy: str):
+        if policy not in ("lru", "lfu"):
+            raise ValueError(f"cache policy must be 'lru' or 'lfu', got {policy!r}")
+        self.policy, self.free = policy, list(range(slots - 1, -1, -1))
+        self.where: OrderedDict[tuple[int, int], int] = OrderedDict()  # least recently used first
+        self.uses: dict[tuple[int, int], int] = {}
+
+    def lookup(self, key: tuple[int, int]) -> int | None:
+        slot = self.where.get(key)
+        if slot is not None:
+            self.where.move_to_end(key)
+            self.uses[key] += 1
+        return slot
+
+    def assign(self, key: tuple[int, int], keep: set[tuple[int, int]]) -> tuple[int, tuple[int, int] | None]:
+        """A slot for `key` and the entry it evicted (None when a slot was free); never one of `keep`."""
+        evicted = None
+        if self.free:
+            slot = self.free.pop()
+        else:
+            candidates = [k for k in self.where if k not in keep]
+            if not candidates:
+                raise RuntimeError("every cache slot holds an expert this call needs; the budget is too small")
+            evicted = min(candidates, key=self.uses.get) if self.policy == "lfu" else candidates[0]
+            slot = self.where.pop(evicted)
+            del self.uses[evicted]
+        self.where[key], self.uses[key] = slot, 1
+        return slot, evicted
+
+
+@dataclass
+class OffloadStats:
+    hits: int = 0
+    misses: int = 0
+    bytes_fetched: int = 0
+    per_layer_calls: int = 0
+
+
+@dataclass
+class _Layer:
+    host: torch.Tensor  # [E, blob bytes] uint8, pinned on CUDA machines
+    layout: BlobLayout
+    format: str
+
+
+@dataclass
+class OffloadedExperts:
+    """The offloaded routed experts of one model: host blobs per MoE layer, one slot pool, the cache."""
+
+    device: torch.device
+    slots: int
+    policy: str = "lru"
+    layers: list[_Layer] = field(default_factory=list)
+    hooks: list[Callable[[str, int, int, int], None]] = field(default_factory=list)
+    stats: OffloadStats = field(default_factory=OffloadStats)
+
+    def __post_init__(self):
+        self.cache = ExpertCache(self.slots, self.policy)
+        self.pool: torch.Tensor | None = None
+        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    def add_layer(self, module: torch.nn.Module) -> int:
+        weights = _weights_of(module)
+        format = weights.pop("format")
+        layout = BlobLayout.of(weights)
+        experts = weights["gate_up_data"].shape[0]
+        pin = self.device.type == "cuda"
+        host = torch.zeros(experts, layout.nbytes, dtype=torch.uint8, pin_memory=pin)
+        for name, tensor in layout.views(host).items():
+            tensor.copy_(weights[name])
+        if self.layers and layout.nbytes != self.layers[0].layout.nbytes:
+            raise ValueError("MoE layers with different expert sizes cannot share one slot pool")
+        self.layers.append(_Layer(host, layout, format))
+        if self.pool is None:
+            self.pool = torch.empty(self.slots, layout.nbytes, dtype=torch.uint8, device=self.device)
+        return len(self.layers) - 1
+
+    def add_hook(self, hook: Callable[[str, int, int, int], None]) -> None:
+        """`hook(event, layer, expert, slot)` with event "fetch" or "hit", called as the cache decides."""
+        self.hooks.append(hook)
+
+    def _fetch(self, layer: int, experts: list[int]) -> list[int]:
+        """Slots holding `experts` of `layer`, copying the missing ones in; the compute stream waits for them."""
+        keep = {(layer, e) for e in experts}
+        slots, copies = [], []
+        for expert in experts:
+            key = (layer, expert)
+            slot = self.cache.lookup(key)
+            event = "hit"
+            if slot is None:
+                slot, _ = self.cache.assign(key, keep)
+                copies.append((slot, expert))
+                event = "fetch"
+            slots.append(slot)
+            for hook in self.hooks:
+                hook(event, layer, expert, slot)
+        self.stats.hits += len(experts) - len(copies)
+        self.stats.misses += len(copies)
+        host = self.layers[layer].host
+        self.stats.bytes_fetched += len(copies) * host.shape[1]
+        if self.copy_stream is None:
+            for slot, expert in copies:
+                self.pool[slot].copy_(host[expert])
+        elif copies:
+            compute = torch.cuda.current_stream(self.device)
+            self.copy_stream.wait_stream(compute)  # a slot being overwritten is no longer read by earlier work
+            with torch.cuda.stream(self.copy_stream):
+                for slot, expert in copies:
+                    self.pool[slot].copy_(host[expert], non_blocking=True)
+            compute.wait_stream(self.copy_stream)
+        return slots
+
+    def run(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate):
+        from .expert_store import run_packed
+
+        self.stats.per_layer_calls += 1
+        experts = top_k_index.unique().tolist()  # the host sync: which copies to issue
+        slots = self._fetch(layer, experts)
+        table = torch.full((max(experts) + 1,), -1, dtype=top_k_index.dtype)
+        table[experts] = torch.tensor(slots, dtype=top_k_index.dtype)
+        slot_index = table.to(hidden.device, non_blocking=True)[top_k_index]
+        entry = self.layers[layer]
+        views = entry.layout.views(self.pool)
+        gate_up, down = (PackedWeight(entry.format, views[f"{p}_data"], views.get(f"{p}_scales"), views.get(f"{p}_bias"))
+                         for p in ("gate_up", "down"))
+        return run_packed(hidden, slot_index, top_k_weights, gate_up, down, gate)
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.pool.numel() if self.pool is not None else 0
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """What offloading a model needs: device bytes of everything but the routed experts, bytes per expert blob."""
+
+    dense_bytes: int
+    blob_bytes: int
+    experts_per_layer: int
+    layers: int
+
+    @property
+    def minimum_budget(self) -> int:
+        """Dense weights plus one MoE layer of experts: a smaller budget could not run a layer."""
+        return self.dense_bytes + self.experts_per_layer * self.blob_bytes
+
+    def slots(self, budget: int) -> int:
+        if budget < self.minimum_budget:
+            raise ValueError(
+                f"gpu_memory {budget / 2**20:.2f} MiB is too small: the dense weights take "
+                f"{self.dense_bytes / 2**20:.2f} MiB and one MoE layer's {self.experts_per_layer} experts "
+                f"{self.experts_per_layer * self.blob_bytes / 2**20:.2f} MiB ({self.blob_bytes} bytes each); give at "
+                f"least {self.minimum_budget / 2**20:.2f} MiB")
+        return min((budget - self.dense_bytes) // self.blob_bytes, self.experts_per_layer * self.layers)
+
+
+def _experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    modules = [m for m in model.modules() if spec_for_experts_class(type(m))]
+    if not modules:
+        raise ValueError(f"{type(model).__name__} has no routed experts to offload")
+    return modules
+
+
+def plan_offload(model: torch.nn.Module) -> OffloadPlan:
+    modules = _experts_modules(model)
+    expert_tensors = {id(t) for m in modules for t in (*m.parameters(), *m.buffers())}
+    dense = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())
+                if id(t) not in expert_tensors)
+    weights = {k: v for k, v in _weights_of(modules[0]).items() if k != "format"}
+    return OffloadPlan(dense, BlobLayout.of(weights).nbytes, weights["gate_up_data"].shape[0], len(modules))
+
+
+def offload_experts(model: torch.nn.Module, gpu_memory, device="cuda", policy: str = "lru") -> torch.nn.Module:
+    """Move `model` to `device` except its routed experts, which go to host blobs behind a slot pool that, with the
+    dense weights, fits `gpu_memory` (bytes, "20GiB", or an accelerate max_memory dict). Checked before anything
+    moves: the budget must hold the dense weights plus one MoE layer's experts. (Activations and the KV cache come
+    on top, as with accelerate's max_memory.)"""
+    from .expert_store import ExpertStore
+
+    device = torch.device(device)
+    slots = plan_offload(model).slots(parse_size(gpu_memory))
+    offloaded = OffloadedExperts(device, int(slots), policy)
+    store = ExpertStore()  # what the eager forward dispatches to; compiled graphs get their own entries
+    modules = _experts_modules(model)
+    spec = spec_for_experts_class(type(modules[0]))
+    for module in modules:
+        layer = offloaded.add_layer(module)
+        for name in list(module._parameters) + list(module._buffers):
+            if name.startswith(("gate_up_proj", "down_proj", "packed_")):
+                module._parameters.pop(name, None)
+                module._buffers.pop(name, None)
+        module.packed_format = None
+        module.dflash_offload = (offloaded, layer)
+        module.dflash_dispatch = (store.id, store.add_layer(module, spec, f"offloaded layer {layer}"))
+        module.config._experts_implementation = OFFLOAD_IMPLEMENTATION
+    model.to(device)
+    model.dflash_offload, model.dflash_offload_store = offloaded, store  # the store lives as long as the model
+    return model
