@@ -4,6 +4,8 @@
     dflash-compile generate --model PATH --drafter PATH --prompt "..." --stream
     dflash-compile train-drafter --target PATH --data texts.jsonl --out drafter/ [--block-size 16 --layers 2]
     dflash-compile quantize --model PATH --out DIR --format mxfp4|fp8_block
+    dflash-compile roofline --model gpt-oss-20b --device h200 --csv out.csv
+    dflash-compile calibrate --out hardware.json           # this machine's bandwidths and FLOP/s
     dflash-compile explain                                 # passes on a tiny random gpt-oss model
     dflash-compile explain --model PATH --graphs           # any supported checkpoint directory, graphs printed
 """
@@ -146,8 +148,49 @@ def quantize_command(args) -> int:
     return 0
 
 
+def roofline_command(args) -> int:
+    from .cost_model import BITS_PER_WEIGHT, HARDWARE, Hardware, ModelSizes, StepCost, reference_config, write_csv
+    from .pair import DEFAULT_PAIR
+
+    hardware = Hardware.load(args.hardware) if args.hardware else HARDWARE[args.device]
+    model = args.model or str(DEFAULT_PAIR / "target")
+    config = reference_config(model)
+    quantization = getattr(config, "quantization_config", None) or {}
+    expert_format = args.expert_format or {"mxfp4": "mxfp4", "fp8": "fp8_block"}.get(
+        quantization.get("quant_method") if isinstance(quantization, dict) else None, "bf16")
+    weight_format = "fp8_block" if expert_format == "fp8_block" else "bf16"
+    cost = StepCost(ModelSizes.of(config), hardware, weight_bits=BITS_PER_WEIGHT[weight_format],
+                    expert_bits=BITS_PER_WEIGHT[expert_format])
+    rows = []
+    for block in args.blocks:
+        tau = (1 - args.acceptance**block) / (1 - args.acceptance) if args.acceptance < 1 else float(block)
+        rows.append({"model": model, "hardware": hardware.name} | cost.evaluate(block, args.context, args.hit_rate, tau))
+    print(f"{model} on {hardware.name} ({expert_format} experts), context {args.context}, per-token acceptance "
+          f"{args.acceptance}, expert-cache hit rate {args.hit_rate}")
+    print(f"{'block':>5} {'experts/layer':>13} {'MB':>9} {'step us':>9} {'fetch us':>9} {'tau':>5} {'tok/s':>8}")
+    for row in rows:
+        print(f"{row['block']:5d} {row['distinct_experts_per_layer']:13.1f} {row['bytes'] / 1e6:9.1f} "
+              f"{row['t_step_us']:9.1f} {row['t_fetch_us']:9.1f} {row['tau']:5.2f} {row['tokens_per_s']:8.1f}")
+    best = max(rows, key=lambda row: row["tokens_per_s"])
+    print(f"best block: {best['block']} ({best['tokens_per_s']:.1f} tok/s predicted)")
+    if args.csv:
+        print(f"wrote {write_csv(rows, args.csv)}")
+    return 0
+
+
+def calibrate_command(args) -> int:
+    from .cost_model import calibrate
+
+    hardware = calibrate(args.device)
+    print(f"{hardware.name}: memory {hardware.hbm / 1e9:.1f} GB/s, host-to-device {hardware.pcie / 1e9:.1f} GB/s, "
+          f"matmul {hardware.flops / 1e12:.2f} TFLOP/s")
+    print(f"wrote {hardware.save(args.out)} (use with: dflash-compile roofline --hardware {args.out})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .checkpoint import FORMATS
+    from .cost_model import BITS_PER_WEIGHT, HARDWARE
     from .testing import TINY_CONFIGS
     from .training import DrafterTraining
 
@@ -201,6 +244,26 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.add_argument("--format", required=True, choices=FORMATS)
     quantize.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="dtype to read the model in")
     quantize.set_defaults(run=quantize_command)
+
+    roofline = commands.add_parser("roofline", help="predicted step times and tokens/s per block size (cost model)")
+    roofline.add_argument("--model", help="checkpoint directory or a reference name (gpt-oss-20b, gpt-oss-120b, "
+                                          "qwen3-30b-a3b); default: the bundled pair's target")
+    roofline.add_argument("--device", default="h200", choices=sorted(HARDWARE))
+    roofline.add_argument("--hardware", help="a profile written by `dflash-compile calibrate` (overrides --device)")
+    roofline.add_argument("--expert-format", choices=sorted(BITS_PER_WEIGHT),
+                          help="default: from the checkpoint's quantization_config, else bf16")
+    roofline.add_argument("--context", type=int, default=2048)
+    roofline.add_argument("--blocks", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    roofline.add_argument("--acceptance", type=float, default=0.8,
+                          help="per-draft acceptance rate: tau(B) = (1 - a^B) / (1 - a)")
+    roofline.add_argument("--hit-rate", type=float, default=1.0, help="expert-cache hit rate when offloading")
+    roofline.add_argument("--csv", help="write the rows here")
+    roofline.set_defaults(run=roofline_command)
+
+    calibrate = commands.add_parser("calibrate", help="measure this machine's bandwidths and FLOP/s for the model")
+    calibrate.add_argument("--out", default="hardware.json")
+    calibrate.add_argument("--device", help="default: cuda when available")
+    calibrate.set_defaults(run=calibrate_command)
     return parser
 
 

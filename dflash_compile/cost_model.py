@@ -1,0 +1,233 @@
+"""Cost model: bytes, FLOPs and time of a target step over B tokens (decode: B = 1; verify: B = block size) from a
+model config and a hardware profile, as sympy expressions in B, the context length C and the expert-cache hit rate h.
+
+    bytes(B, C)  = dense + B * embedding row + moe_layers * U(B) * expert + kv_full * C + kv_sliding * min(C, W)
+    U(B)         = E * (1 - (1 - k / E) ** B)          expected distinct experts per MoE layer, independent routing
+    flops(B, C)  = 2 * B * (dense params + moe_layers * k * expert params) + 4 * B * C * attention width
+    t(B, C)      = max(bytes / HBM, flops / FLOP/s) + step overhead
+    fetch(B, h)  = moe_layers * U(B) * (1 - h) * expert / PCIe            offloaded experts that miss the cache
+    tokens/s     = tau / (t(B, C) + t_draft)                              at a mean accepted length tau
+
+Sizes come from the model itself (built on the meta device from its config, no weights) and the family registry
+(which parameters are routed experts); expert bytes follow their stored format (bf16, MXFP4 4.25 bits, FP8 8 bits
+plus one fp32 scale per 128 x 128 block). `calibrate()` measures the current machine.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import sympy
+import torch
+import transformers
+
+from .families import spec_for_experts_class, spec_for_model
+
+B, C, H = sympy.symbols("B C h", positive=True)  # tokens per step, context length, expert-cache hit rate
+
+BITS_PER_WEIGHT = {"bf16": 16.0, "fp16": 16.0, "fp32": 32.0, "mxfp4": 4.25, "fp8_block": 8.0 + 32 / 128**2}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    hbm: float  # device memory bytes/s (a large device-to-device copy, read + write)
+    pcie: float  # pinned host-to-device bytes/s
+    flops: float  # dense bf16 FLOP/s
+    step_overhead: float  # seconds per step that no byte or FLOP explains (launches, syncs); 0 = pure roofline
+
+    @classmethod
+    def load(cls, path: str | Path) -> Hardware:
+        return cls(**json.loads(Path(path).read_text()))
+
+    def save(self, path: str | Path) -> Path:
+        Path(path).write_text(json.dumps(asdict(self), indent=1))
+        return Path(path)
+
+
+HARDWARE = {
+    # measured on this project's H200 (docs/benchmarks.md, 2026-11-30): copy 4243 GB/s, pinned H2D 55 GB/s
+    "h200": Hardware("h200", hbm=4.243e12, pcie=55e9, flops=989e12, step_overhead=0.0),
+    # H100 SXM datasheet bandwidth scaled by the H200's measured/datasheet ratio (0.88); PCIe 5 like the H200
+    "h100": Hardware("h100", hbm=2.95e12, pcie=55e9, flops=989e12, step_overhead=0.0),
+}
+
+REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
+    "gpt-oss-20b": lambda: transformers.GptOssConfig(
+        hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4, vocab_size=201088,
+        sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 12, max_position_embeddings=4096),
+    "gpt-oss-120b": lambda: transformers.GptOssConfig(
+        hidden_size=2880, intermediate_size=2880, num_hidden_layers=36, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, num_local_experts=128, num_experts_per_tok=4, vocab_size=201088,
+        sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 18, max_position_embeddings=4096),
+    "qwen3-30b-a3b": lambda: transformers.Qwen3MoeConfig(
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        vocab_size=151936, norm_topk_prob=True, max_position_embeddings=4096),
+}
+
+
+def reference_config(name_or_path: str):
+    """A config by reference name (REFERENCE_CONFIGS) or from a checkpoint directory."""
+    if name_or_path in REFERENCE_CONFIGS:
+        return REFERENCE_CONFIGS[name_or_path]()
+    return transformers.AutoConfig.from_pretrained(name_or_path)
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """What a step reads, from the model's own parameters (meta device: no memory)."""
+
+    dense_params: int  # read every step: attention, norms, routers, shared experts, dense MLPs, lm_head
+    embedding_row_params: int  # hidden size: one embedding row per token
+    expert_params: int  # one routed expert
+    experts: int
+    top_k: int
+    moe_layers: int
+    kv_elements_per_token: int  # K and V elements cached per context token, full-attention layers
+    sliding_kv_elements_per_token: int  # the same for sliding-window layers, which read at most `window` tokens
+    window: int
+    attention_width: int  # query heads x head dim, summed over attention layers (for attention FLOPs)
+
+    @classmethod
+    def of(cls, config) -> ModelSizes:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        spec = spec_for_model(model)
+        if spec is None:
+            raise ValueError(f"{config.model_type} is not a MoE model of a supported family")
+        text = config.get_text_config()
+        experts_modules = [m for m in model.modules() if spec_for_experts_class(type(m))]
+        expert_ids = {id(p) for m in experts_modules for p in m.parameters()}
+        embedding = model.get_input_embeddings().weight
+        tied = model.get_output_embeddings().weight is embedding
+        dense = sum(p.numel() for p in model.parameters() if id(p) not in expert_ids and p is not embedding)
+        experts = experts_modules[0].gate_up_proj.shape[0]
+        per_expert = sum(p.numel() for p in experts_modules[0].parameters()) // experts
+        kinds = spec.attention_kinds(text)
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        k_dim = getattr(text, "qk_nope_head_dim", 0) + getattr(text, "qk_rope_head_dim", 0) or head_dim
+        v_dim = getattr(text, "v_head_dim", None) or head_dim
+        kv_heads = text.num_attention_heads if hasattr(text, "kv_lora_rank") else text.num_key_value_heads
+        per_layer = kv_heads * (k_dim + v_dim)
+        return cls(
+            dense_params=dense + (embedding.numel() if tied else 0),
+            embedding_row_params=embedding.shape[1],
+            expert_params=per_expert,
+            experts=experts,
+            top_k=text.num_experts_per_tok,
+            moe_layers=len(experts_modules),
+            kv_elements_per_token=kinds.count("full_attention") * per_layer,
+            sliding_kv_elements_per_token=kinds.count("sliding_attention") * per_layer,
+            window=getattr(text, "sliding_window", None) or 0,
+            attention_width=sum(kind != "linear_attention" for kind in kinds) * text.num_attention_heads * head_dim,
+        )
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Symbolic costs of one target step; `evaluate` gives numbers."""
+
+    sizes: ModelSizes
+    hardware: Hardware
+    weight_bits: float = 16.0
+    expert_bits: float = 16.0
+    kv_bits: float = 16.0
+    draft_seconds: float = 0.0  # one drafter forward (measured, or from its own StepCost)
+
+    @property
+    def distinct_experts(self) -> sympy.Expr:
+        e, k = self.sizes.experts, self.sizes.top_k
+        return e * (1 - (1 - sympy.Rational(k, e)) ** B)
+
+    @property
+    def expert_bytes(self) -> float:
+        return self.sizes.expert_params * self.expert_bits / 8
+
+    @property
+    def bytes(self) -> sympy.Expr:
+        s = self.sizes
+        return (s.dense_params * self.weight_bits / 8 + B * s.embedding_row_params * self.weight_bits / 8
+                + s.moe_layers * self.distinct_experts * self.expert_bytes + self.kv_bits / 8 * (
+                    s.kv_elements_per_token * C + s.sliding_kv_elements_per_token * sympy.Min(C, s.window)))
+
+    @property
+    def flops(self) -> sympy.Expr:
+        s = self.sizes
+        active = s.dense_params + s.moe_layers * s.top_k * s.expert_params
+        return 2 * B * active + 4 * B * C * s.attention_width
+
+    @property
+    def seconds(self) -> sympy.Expr:
+        hw = self.hardware
+        return sympy.Max(self.bytes / hw.hbm, self.flops / hw.flops) + hw.step_overhead
+
+    @property
+    def fetch_bytes(self) -> sympy.Expr:
+        return self.sizes.moe_layers * self.distinct_experts * (1 - H) * self.expert_bytes
+
+    def tokens_per_second(self, tau: float) -> sympy.Expr:
+        return tau / (self.seconds + self.draft_seconds)
+
+    def evaluate(self, block: int, context: int, hit_rate: float = 1.0, tau: float = 1.0) -> dict:
+        values = {B: block, C: context, H: hit_rate}
+        number = lambda expr: float(sympy.sympify(expr).subs(values))  # noqa: E731
+        hw = self.hardware
+        return {
+            "block": block, "context": context, "distinct_experts_per_layer": number(self.distinct_experts),
+            "bytes": number(self.bytes), "flops": number(self.flops),
+            "t_memory_us": number(self.bytes) / hw.hbm * 1e6, "t_compute_us": number(self.flops) / hw.flops * 1e6,
+            "t_step_us": number(self.seconds) * 1e6, "hit_rate": hit_rate, "fetch_bytes": number(self.fetch_bytes),
+            "t_fetch_us": number(self.fetch_bytes) / hw.pcie * 1e6, "tau": tau,
+            "tokens_per_s": number(self.tokens_per_second(tau)),
+        }
+
+
+CSV_COLUMNS = ("model", "hardware", "block", "context", "distinct_experts_per_layer", "bytes", "flops", "t_memory_us",
+               "t_compute_us", "t_step_us", "hit_rate", "fetch_bytes", "t_fetch_us", "tau", "tokens_per_s")
+
+
+def write_csv(rows: list[dict], path: str | Path) -> Path:
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    return Path(path)
+
+
+def calibrate(device: str | None = None, size_mib: int = 256, repeats: int = 5) -> Hardware:
+    """Measure this machine: device copy bandwidth, pinned host-to-device bandwidth (CUDA), matmul FLOP/s."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.startswith("cuda")
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    source = torch.empty(size_mib << 20, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    hbm = 2 * source.numel() / best(lambda: target.copy_(source))
+    pcie = hbm  # without a GPU, "host to device" copies are host memory copies
+    if cuda:
+        host = torch.empty(size_mib << 20, dtype=torch.uint8, pin_memory=True)
+        pcie = host.numel() / best(lambda: source.copy_(host, non_blocking=True))
+    n = 4096 if cuda else 512
+    dtype = torch.bfloat16 if cuda else torch.float32
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    flops = 2 * n**3 / best(lambda: a @ b)
+    name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    return Hardware(name, hbm=hbm, pcie=pcie, flops=flops, step_overhead=0.0)

@@ -1,0 +1,82 @@
+"""The cost model against the numbers FORMATS.md and the H200 floors quote, and its command line."""
+
+import csv
+import json
+
+import pytest
+import sympy
+
+from dflash_compile.cli import main
+from dflash_compile.cost_model import (
+    B, CSV_COLUMNS, HARDWARE, Hardware, ModelSizes, StepCost, calibrate, reference_config)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_20b():
+    return ModelSizes.of(reference_config("gpt-oss-20b"))
+
+
+def test_expected_distinct_experts(gpt_oss_20b):
+    cost = StepCost(gpt_oss_20b, HARDWARE["h200"])
+    assert sympy.simplify(cost.distinct_experts.subs(B, 1)) == 4
+    assert round(float(cost.distinct_experts.subs(B, 16)), 1) == 28.2  # "about 28 of 32 experts"
+    assert float(cost.distinct_experts.subs(B, 10_000)) == pytest.approx(32)
+
+
+def test_one_gpt_oss_layer_matches_the_documented_floors(gpt_oss_20b):
+    """FORMATS.md: 13.2 MB per MXFP4 expert; M=1 reads 4 experts (>= 11 us), 16 tokens >= 78 us at 4.8 TB/s."""
+    datasheet = Hardware("h200-datasheet", hbm=4.8e12, pcie=55e9, flops=989e12, step_overhead=0.0)
+    cost = StepCost(gpt_oss_20b, datasheet, expert_bits=4.25)
+    assert cost.expert_bytes / 1e6 == pytest.approx(13.2, abs=0.05)
+    for tokens, floor_us in ((1, 11), (16, 78)):
+        layer_us = float(cost.distinct_experts.subs(B, tokens)) * cost.expert_bytes / datasheet.hbm * 1e6
+        assert layer_us == pytest.approx(floor_us, rel=0.02)
+
+
+def test_bf16_step_floors_match_the_measured_benchmark_floors(gpt_oss_20b):
+    """bench/spec_decode.py's floors on the H200 (docs/benchmarks.md): 1.83 / 7.10 / 9.03 ms at blocks 1 / 8 / 16
+    with a 512-token context, counted from the built model with measured routing."""
+    cost = StepCost(gpt_oss_20b, HARDWARE["h200"])
+    for block, measured_floor_ms in ((1, 1.83), (8, 7.10), (16, 9.03)):
+        assert cost.evaluate(block, 512)["t_step_us"] / 1e3 == pytest.approx(measured_floor_ms, rel=0.1)
+
+
+def test_offload_fetch_and_tokens_per_second(gpt_oss_20b):
+    cost = StepCost(gpt_oss_20b, HARDWARE["h200"], expert_bits=4.25)
+    row = cost.evaluate(8, 1024, hit_rate=0.75, tau=4.0)
+    assert row["fetch_bytes"] == pytest.approx(24 * row["distinct_experts_per_layer"] * 0.25 * cost.expert_bytes)
+    assert row["t_fetch_us"] == pytest.approx(row["fetch_bytes"] / 55e9 * 1e6)
+    assert row["tokens_per_s"] == pytest.approx(4.0 / (row["t_step_us"] * 1e-6))
+    assert cost.evaluate(8, 1024, hit_rate=1.0)["fetch_bytes"] == 0
+
+
+def test_sliding_layers_read_at_most_their_window(gpt_oss_20b):
+    cost = StepCost(gpt_oss_20b, HARDWARE["h200"])
+    growth = cost.evaluate(1, 4096)["bytes"] - cost.evaluate(1, 2048)["bytes"]
+    assert growth == pytest.approx(2048 * gpt_oss_20b.kv_elements_per_token * 2)  # full layers only
+
+
+def test_roofline_command_writes_the_documented_csv(tmp_path, capsys):
+    out = tmp_path / "roofline.csv"
+    assert main(["roofline", "--model", "qwen3-30b-a3b", "--device", "h100", "--csv", str(out), "--blocks", "1",
+                 "8", "--acceptance", "0.5"]) == 0
+    assert "best block:" in capsys.readouterr().out
+    rows = list(csv.DictReader(out.open()))
+    assert tuple(rows[0]) == CSV_COLUMNS and [r["block"] for r in rows] == ["1", "8"]
+    assert float(rows[1]["tau"]) == pytest.approx((1 - 0.5**8) / 0.5)
+
+
+def test_roofline_on_the_built_in_default_and_a_calibrated_profile(tmp_path, capsys):
+    profile = tmp_path / "cpu.json"
+    assert main(["calibrate", "--out", str(profile), "--device", "cpu"]) == 0
+    measured = json.loads(profile.read_text())
+    assert measured["hbm"] > 1e9 and measured["flops"] > 1e9
+    assert main(["roofline", "--hardware", str(profile)]) == 0
+    assert "on cpu (bf16 experts)" in capsys.readouterr().out
+    assert isinstance(calibrate("cpu", size_mib=8, repeats=1), Hardware)
+
+
+def test_roofline_argument_errors(capsys):
+    with pytest.raises(SystemExit):
+        main(["roofline", "--device", "a100"])
+    assert "invalid choice: 'a100'" in capsys.readouterr().err
