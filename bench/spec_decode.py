@@ -230,18 +230,21 @@ def main():
     out, seconds = timed(lambda: plain.generate(ids, max_new_tokens=args.new), args.repeats, args.device)
     rows.append(("dflash, no drafter", new / seconds, 1.0, "-", first_mismatch(expected, out)))
     for corruption in args.corruption:
-        drafter = OracleDrafter(expected.cpu(), None, args.block, corruption, vocab)
-        fast = dflash_compile.optimize(model, drafter=drafter, mode=args.mode)
-        out, seconds = timed(lambda: fast.generate(ids, max_new_tokens=args.new), args.repeats, args.device)
-        rows.append((f"dflash, oracle p={corruption} block {args.block}", new / seconds, fast.last_stats.tau,
-                     f"{fast.last_stats.steps}", first_mismatch(expected, out)))
+        for adaptive in (False, True):  # fixed block, then the adaptive verify width
+            drafter = OracleDrafter(expected.cpu(), None, args.block, corruption, vocab)
+            fast = dflash_compile.optimize(model, drafter=drafter, mode=args.mode, adaptive=adaptive)
+            out, seconds = timed(lambda: fast.generate(ids, max_new_tokens=args.new), args.repeats, args.device)
+            name = f"dflash, oracle p={corruption} " + ("adaptive width" if adaptive else f"block {args.block}")
+            rows.append((name, new / seconds, fast.last_stats.tau, f"{fast.last_stats.steps}",
+                         first_mismatch(expected, out)))
     for temperature in args.temperatures:  # sampled decoding, the oracle proposing the greedy path
         sampling = dict(do_sample=True, temperature=temperature, top_k=50, top_p=0.9, eos_token_id=-1)
         seed = torch.Generator(device=args.device).manual_seed(0)
         with torch.no_grad():
             sampled, base_t = timed(lambda: model.generate(ids, max_new_tokens=args.new, pad_token_id=0, **sampling),
                                     args.repeats, args.device)
-        fast = dflash_compile.optimize(model, drafter=OracleDrafter(expected.cpu(), None, args.block), mode=args.mode)
+        fast = dflash_compile.optimize(model, drafter=OracleDrafter(expected.cpu(), None, args.block), mode=args.mode,
+                                       adaptive=False)
         _, seconds = timed(lambda: fast.generate(ids, max_new_tokens=args.new, generator=seed, **sampling),
                            args.repeats, args.device)
         rows.append((f"model.generate, sampled T={temperature}", new / base_t, 1.0, "-", "sampled"))

@@ -34,7 +34,8 @@ class OptimizedModel:
 
 
 def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode: str | None = None,
-             prefill_chunk: int = 256, gpu_memory=None, device=None, offload_policy: str = "lru") -> OptimizedModel:
+             prefill_chunk: int = 256, gpu_memory=None, device=None, offload_policy: str = "lru",
+             adaptive=True) -> OptimizedModel:
     """Compile `model` with the dflash backend and set up DFlash speculative decoding with `drafter`
     (a z-lab or transformers checkpoint directory, or a drafter module). `mode` is torch.compile's mode for the
     verify-commit step ("reduce-overhead" captures it in a CUDA graph). Models with sliding-window layers prefill
@@ -42,7 +43,9 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
     slots. With `gpu_memory` ("20GiB", bytes or an accelerate max_memory dict) the routed experts are offloaded to
     host memory behind a slot pool on `device` (default: cuda when available) that fits the budget with the dense
     weights (`offload_experts`). Every check runs before any state is built: an unsupported family, a drafter made
-    for another target or a budget too small raises with nothing changed."""
+    for another target or a budget too small raises with nothing changed. With `adaptive` (the default) each step
+    verifies as many drafts as measured step times and acceptance say pay best, none when the drafter does not pay
+    (`dflash_compile.adaptive`; the choices are in `last_stats.widths`); pass a `WidthChooser` to set its options."""
     if spec_for_model(model) is None:
         raise ValueError(
             f"{type(model).__name__} is not a Mixture-of-Experts model of a supported family "
@@ -58,5 +61,6 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
         model = offload_experts(model, gpu_memory, device=device, policy=offload_policy)
         if isinstance(drafter, torch.nn.Module):
             drafter.to(device)
-    decoder = SpeculativeDecoder(model, drafter, layer_ids, compile=compile, mode=mode, prefill_chunk=prefill_chunk)
+    decoder = SpeculativeDecoder(model, drafter, layer_ids, compile=compile, mode=mode, prefill_chunk=prefill_chunk,
+                                 adaptive=adaptive)
     return OptimizedModel(model, decoder, compile)

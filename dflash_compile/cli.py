@@ -93,7 +93,8 @@ def generate_command(args) -> int:
     plain, plain_seconds = _timed(lambda: model.generate(ids, max_new_tokens=args.max_new_tokens,
                                                          do_sample=False), args.repeats)
     _, ours_seconds = _timed(lambda: fast.generate(ids, max_new_tokens=args.max_new_tokens), args.repeats)
-    print(f"\n--- {new_tokens} new tokens, block {stats.block_size}, {stats.steps} verify steps, "
+    widths = ", ".join(f"{w} tokens x {stats.widths.count(w)}" for w in sorted(set(stats.widths), reverse=True))
+    print(f"\n--- {new_tokens} new tokens, block {stats.block_size}, {stats.steps} verify steps ({widths}), "
           f"mean accepted length {stats.tau:.2f}")
     print(f"median of {args.repeats}: dflash {new_tokens / ours_seconds:.1f} tok/s, plain decoding (transformers "
           f"generate) {new_tokens / plain_seconds:.1f} tok/s: {plain_seconds / ours_seconds:.2f}x; "

@@ -55,7 +55,7 @@ def acceptance_on_prompts(directory: str | Path | None, prompts: list[str], devi
 
     target_dir, drafter_dir = pair_paths(directory)
     model, tokenizer = load_target(target_dir, device)
-    fast = optimize(model, drafter=drafter_dir, compile=compile)
+    fast = optimize(model, drafter=drafter_dir, compile=compile, adaptive=False)  # the drafter's block, every step
     committed, steps, identical = 0, 0, []
     for prompt in prompts:
         ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .adaptive import WidthChooser
 from .backend import dflash_backend
 from .cache import RowCache, TargetCache
 from .drafter import DFlashDrafter
@@ -32,6 +33,7 @@ class GenerationStats:
     new_tokens: list[int] = field(default_factory=list)
     seconds: float = 0.0
     block_size: int = 1
+    widths: list[int] = field(default_factory=list)  # tokens verified at each step (adaptive width; 1 = no drafts)
 
     @property
     def steps(self) -> int:
@@ -73,11 +75,20 @@ def _eos_ids(eos_token_id) -> set[int]:
 
 class SpeculativeDecoder:
     def __init__(self, model, drafter: DFlashDrafter | None, layer_ids: tuple[int, ...], compile: bool = True,
-                 mode: str | None = None, prefill_chunk: int = 256):
+                 mode: str | None = None, prefill_chunk: int = 256, adaptive: bool | WidthChooser = True):
         self.model = model
         self.drafter = drafter
         self.layer_ids = layer_ids
         self.block_size = drafter.config.block_size if drafter is not None else 1
+        # how many drafts each step verifies, from measured step times and acceptance (dflash_compile.adaptive)
+        self.chooser = None
+        if isinstance(adaptive, WidthChooser):
+            if adaptive.block_size != self.block_size:
+                raise ValueError(f"the WidthChooser is for block size {adaptive.block_size}, the drafter's is "
+                                 f"{self.block_size}")
+            self.chooser = adaptive
+        elif adaptive and self.block_size > 1:
+            self.chooser = WidthChooser(self.block_size)
         config = model.config.get_text_config()
         spec = spec_for_model(model)
         kinds = spec.attention_kinds(config)
@@ -167,14 +178,14 @@ class SpeculativeDecoder:
                 pending[rows] = replay.pending_recurrent[layer].to(pending.dtype)
         cache.commit_linear(kept, width)
 
-    def _draft(self, anchor: torch.Tensor, drafter_cache: RowCache):
-        """[b, block] = [anchor, d1 .. d_{B-1}] with the drafter's proposals, and their distribution q (None for
-        deterministic drafts)."""
-        if self.drafter is None:
+    def _draft(self, anchor: torch.Tensor, drafter_cache: RowCache, width: int):
+        """[b, width] = [anchor, d1 .. d_{width-1}]: the first of the drafter's proposals, and the distribution q
+        they were drawn from (None for deterministic drafts). Width 1 runs no drafter."""
+        if self.drafter is None or width == 1:
             return anchor[:, None], None
         embed, lm_head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
         drafts, q = self.drafter.propose(anchor, drafter_cache, embed, lm_head, self.sampler)
-        return torch.cat([anchor[:, None], drafts], dim=1), q
+        return torch.cat([anchor[:, None], drafts[:, : width - 1]], dim=1), None if q is None else q[:, : width - 1]
 
     def _check_lengths(self, prompt: int, max_new_tokens: int) -> None:
         if max_new_tokens < 1:
@@ -249,8 +260,11 @@ class SpeculativeDecoder:
         done = [len(row) >= max_new_tokens or row[-1] in eos for row in outputs]
         stats = GenerationStats(block_size=self.block_size)
         while not all(done):
+            step_start = time.perf_counter()
+            width = self.chooser.choose() if self.chooser else self.block_size
+            stats.widths.append(width)
             active = torch.tensor([not d for d in done], device=device, dtype=torch.int64)
-            block, draft_probs = self._draft(anchor, drafter_cache)
+            block, draft_probs = self._draft(anchor, drafter_cache, width)
             uniforms = sampler.uniforms(block.shape, device) if sampler else None
             accepted, target, features, linear_inputs = self.verify_step(block, cache, active, draft_probs, uniforms)
             accepted_list = accepted.tolist()  # the step's one host sync
@@ -271,6 +285,9 @@ class SpeculativeDecoder:
             anchor = target.gather(1, accepted[:, None]).squeeze(1)
             if self.drafter is not None:
                 self.drafter.add_context(drafter_cache, features, (accepted + 1) * active)
+            if self.chooser:
+                rows = [a for b, a in enumerate(accepted_list) if stats.accepted[-1][b] is not None]
+                self.chooser.observe(width, rows, time.perf_counter() - step_start)
 
         if streamer is not None:
             streamer.end()

@@ -74,7 +74,7 @@ def test_speculative_sampling_matches_the_target(model_and_joint, drafts, tmp_pa
     else:
         config = tiny_drafter_config(model.config, block_size=4)
         drafter = save_drafter(tmp_path / "d", config, random_drafter_weights(config))
-    fast = dflash_compile.optimize(model, drafter=drafter)
+    fast = dflash_compile.optimize(model, adaptive=False, drafter=drafter)
     samples = sample(fast, seed=1) if drafts != "argmax" else fast.generate(
         PROMPT.repeat(ROWS, 1), max_new_tokens=NEW, do_sample=True, argmax_drafts=True, eos_token_id=-1,
         generator=torch.Generator().manual_seed(1), **SETTINGS)[:, PROMPT.shape[1]:]
@@ -93,14 +93,14 @@ def test_a_two_percent_bias_fails_the_test(model_and_joint, monkeypatch):
         return 0.98 * probs + 0.02 * top
 
     monkeypatch.setattr(dflash_compile.speculative, "processed_probs", biased)
-    fast = dflash_compile.optimize(model, drafter=None, compile=False)
+    fast = dflash_compile.optimize(model, adaptive=False, drafter=None, compile=False)
     assert p_value(sample(fast, seed=2), joint) < 1e-3
 
 
 def test_a_seeded_generator_reproduces_samples(model_and_joint, tmp_path):
     model, _ = model_and_joint
     config = tiny_drafter_config(model.config, block_size=4)
-    fast = dflash_compile.optimize(model, drafter=save_drafter(tmp_path / "d", config, random_drafter_weights(config)),
+    fast = dflash_compile.optimize(model, adaptive=False, drafter=save_drafter(tmp_path / "d", config, random_drafter_weights(config)),
                                    compile=False)
     ids = PROMPT.repeat(4, 1)
 

@@ -40,11 +40,11 @@ def test_greedy_identity_random_and_oracle_drafter(tiny, family, batch, random_d
     ids, mask = prompts(batch)
     expected = reference(model, ids, mask)
 
-    fast = dflash_compile.optimize(model, drafter=random_drafter(model))
+    fast = dflash_compile.optimize(model, adaptive=False, drafter=random_drafter(model))
     assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
     assert fast.last_stats.tau < 1.5  # drafts almost always rejected: the all-rejected path ran
 
-    oracle = dflash_compile.optimize(model, drafter=OracleDrafter(expected, mask, block_size=6))
+    oracle = dflash_compile.optimize(model, adaptive=False, drafter=OracleDrafter(expected, mask, block_size=6))
     assert torch.equal(oracle.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
     assert oracle.last_stats.tau > 5  # nearly every block fully accepted: the all-accepted path ran
 
@@ -57,7 +57,7 @@ def test_rows_stop_at_their_own_eos(tiny, random_drafter):
     expected = reference(model, ids, mask, eos_token_id=eos, pad_token_id=0)
     assert expected.shape[1] < free_run.shape[1] or (expected == 0).any()
     for drafter in (random_drafter(model), OracleDrafter(free_run, mask, block_size=4)):
-        fast = dflash_compile.optimize(model, drafter=drafter)
+        fast = dflash_compile.optimize(model, adaptive=False, drafter=drafter)
         out = fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=0)
         assert torch.equal(out, expected)
 
@@ -65,7 +65,7 @@ def test_rows_stop_at_their_own_eos(tiny, random_drafter):
 def test_plain_decoding_without_drafter(tiny):
     model = tiny("olmoe")
     ids, mask = prompts(2)
-    fast = dflash_compile.optimize(model)
+    fast = dflash_compile.optimize(model, adaptive=False)
     assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), reference(model, ids, mask))
     assert fast.last_stats.tau == 1.0 and fast.last_stats.block_size == 1
 
@@ -74,7 +74,7 @@ def test_tau_counts_tokens_committed_per_verify_step(tiny):
     model = tiny("mixtral")
     ids, mask = prompts(1)
     expected = reference(model, ids, mask)
-    fast = dflash_compile.optimize(model, drafter=OracleDrafter(expected, mask, 4, corruption=0.3, vocab_size=128))
+    fast = dflash_compile.optimize(model, adaptive=False, drafter=OracleDrafter(expected, mask, 4, corruption=0.3, vocab_size=128))
     assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
     stats = fast.last_stats
     per_step = [step[0] + 1 for step in stats.accepted]
@@ -93,7 +93,7 @@ def test_tau_counts_tokens_committed_per_verify_step(tiny):
     ],
 )
 def test_generate_argument_errors(tiny, kwargs, message):
-    fast = dflash_compile.optimize(tiny("olmoe"), compile=False)
+    fast = dflash_compile.optimize(tiny("olmoe"), adaptive=False, compile=False)
     with pytest.raises((ValueError, NotImplementedError), match=message):
         fast.generate(prompts(1)[0], **kwargs)
 
@@ -101,7 +101,7 @@ def test_generate_argument_errors(tiny, kwargs, message):
 def test_right_padding_is_rejected(tiny):
     ids, mask = prompts(2)
     with pytest.raises(ValueError, match="attention_mask must be left padding"):
-        dflash_compile.optimize(tiny("olmoe"), compile=False).generate(ids, attention_mask=mask.flip(1))
+        dflash_compile.optimize(tiny("olmoe"), adaptive=False, compile=False).generate(ids, attention_mask=mask.flip(1))
 
 
 @pytest.mark.parametrize("drafter", ["none", "partial"])
@@ -119,7 +119,7 @@ def test_linear_attention_state_rolls_back_exactly(tiny, drafter, monkeypatch):
                         lambda self, cache, kept, width, inputs: (replays.append(((kept > 0) & (kept < width)).any()),
                                                                   original(self, cache, kept, width, inputs)))
     oracle = OracleDrafter(expected, mask, 6, corruption=0.3, vocab_size=128) if drafter == "partial" else None
-    fast = dflash_compile.optimize(model, drafter=oracle)
+    fast = dflash_compile.optimize(model, adaptive=False, drafter=oracle)
     assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
     assert any(replays) == (drafter == "partial")
 
@@ -130,7 +130,7 @@ def test_dense_model_is_refused(tiny):
     config = transformers.Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=1, head_dim=16)
     with pytest.raises(ValueError, match="Qwen3ForCausalLM is not a Mixture-of-Experts model of a supported family"):
-        dflash_compile.optimize(transformers.AutoModelForCausalLM.from_config(config))
+        dflash_compile.optimize(transformers.AutoModelForCausalLM.from_config(config), adaptive=False)
 
 
 @pytest.mark.parametrize("ring_slack", [0, -1])
@@ -151,7 +151,7 @@ def test_sliding_layers_keep_a_ring_of_window_minus_one_plus_block(tiny, monkeyp
         original_init(self, batch, max_len, dtype, device, ring_layers, ring_size + ring_slack)
 
     monkeypatch.setattr(TargetCache, "__init__", sized)
-    fast = dflash_compile.optimize(model, drafter=OracleDrafter(expected, mask, 6, corruption=0.3, vocab_size=128),
+    fast = dflash_compile.optimize(model, adaptive=False, drafter=OracleDrafter(expected, mask, 6, corruption=0.3, vocab_size=128),
                                    prefill_chunk=4)
     out = fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
     assert sizes[0] == ((0,), 8 - 1 + 6)  # layer 0 slides; layer 1 is full attention

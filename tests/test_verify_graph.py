@@ -11,7 +11,7 @@ from dflash_compile.testing import OracleDrafter, load_tiny_model
 
 def verify_step_ops(family: str, batch: int = 2, block: int = 4) -> str:
     model = load_tiny_model(family)
-    decoder = dflash_compile.optimize(model, drafter=OracleDrafter(torch.zeros(batch, 1), None, block),
+    decoder = dflash_compile.optimize(model, adaptive=False, drafter=OracleDrafter(torch.zeros(batch, 1), None, block),
                                       compile=False).decoder
     decoder.layer_ids = (0, 1)  # capture two layers' hidden states, as a DFlash drafter would ask
     cache = TargetCache(batch, 32, torch.float32, "cpu")

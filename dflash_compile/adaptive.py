@@ -1,0 +1,76 @@
+"""Adaptive verify width: how many of the drafter's tokens to verify each step, none included (plain decoding).
+
+The drafter always proposes its full block; the step verifies the first `width - 1` drafts (width 1 = the anchor
+only, and the drafter is not even run). For each candidate width the controller keeps
+
+    alpha_j      acceptance of draft j given drafts 1 .. j-1 were accepted (counts from the steps that verified j)
+    tau(w)       = 1 + sum_{j < w} prod_{i <= j} alpha_i      expected tokens committed by a step of width w
+    t(w)         measured wall time of a step of width w: the least of the recent ones (other work on the machine
+                 only ever adds time), the first, compiling one skipped
+
+and picks the width with the most expected tokens per second. Until a width has timings it is tried; every
+`probe_every` steps the width tried longest ago runs once, so neither its timings nor (when speculation is off)
+the acceptance estimates go stale.
+Greedy and sampled outputs do not depend on the width: every committed token is verified by the target.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+
+class WidthChooser:
+    def __init__(self, block_size: int, widths: tuple[int, ...] | None = None, probe_every: int = 16,
+                 window: int = 8, step_time: Callable[[int], float] | None = None):
+        """`step_time(width)`, when given, replaces measured times (e.g. the cost model's predictions)."""
+        self.block_size = block_size
+        self.widths = tuple(sorted(set(widths or (1, block_size))))
+        if not all(1 <= w <= block_size for w in self.widths):
+            raise ValueError(f"verify widths {self.widths} must lie in 1 .. block_size {block_size}")
+        self.probe_every = probe_every
+        self.accepted = [0] * block_size  # accepted[j]: steps in which draft j was verified and accepted
+        self.tried = [0] * block_size  # tried[j]: steps in which draft j was verified after 1 .. j-1 were accepted
+        self.times = {w: deque(maxlen=window) for w in self.widths}
+        self.seen = dict.fromkeys(self.widths, 0)
+        self.last_used = dict.fromkeys(self.widths, 0)
+        self.step = 0
+        self.step_time = step_time
+
+    def alpha(self, j: int) -> float:
+        """Acceptance of draft j given the earlier ones, with one prior success and failure (a fresh width is
+        neither hopeless nor certain)."""
+        return (self.accepted[j] + 1) / (self.tried[j] + 2)
+
+    def expected_tokens(self, width: int) -> float:
+        tau, survive = 1.0, 1.0
+        for j in range(1, width):
+            survive *= self.alpha(j)
+            tau += survive
+        return tau
+
+    def seconds(self, width: int) -> float:
+        return self.step_time(width) if self.step_time else min(self.times[width])
+
+    def choose(self) -> int:
+        untimed = [w for w in self.widths if not self.step_time and len(self.times[w]) == 0]
+        if untimed:
+            return untimed[-1]  # widest first: it is the one that teaches the acceptance estimates
+        self.step += 1
+        if self.step % self.probe_every == 0:
+            return min(self.widths, key=self.last_used.get)
+        return max(self.widths, key=lambda w: self.expected_tokens(w) / self.seconds(w))
+
+    def observe(self, width: int, accepted: list[int], seconds: float) -> None:
+        """One step's result: accepted drafts of each active row, and the step's wall time."""
+        for count in accepted:
+            for j in range(1, width):
+                self.tried[j] += 1
+                if count >= j:
+                    self.accepted[j] += 1
+                else:
+                    break
+        self.seen[width] += 1
+        self.last_used[width] = self.step
+        if self.seen[width] > 1:  # the first step of a width compiles it
+            self.times[width].append(seconds)

@@ -1,0 +1,75 @@
+"""Adaptive verify width: a drafter that does not pay is switched off, one that does keeps its full block, and the
+tokens never change."""
+
+import pytest
+import torch
+
+import dflash_compile
+from dflash_compile.adaptive import WidthChooser
+from dflash_compile.testing import OracleDrafter, random_drafter_weights, save_drafter, tiny_drafter_config
+from tests.conftest import token_ids
+
+GPU_LIKE = {1: 1.0, 4: 1.3}.__getitem__
+
+
+def test_chooser_prefers_the_width_with_the_most_tokens_per_second():
+    chooser = WidthChooser(4)
+    assert chooser.choose() == 4  # untimed widths first, widest first
+    for _ in range(3):
+        chooser.observe(4, [3, 3], seconds=2.0)  # every draft accepted: 4 tokens per 2 s
+        chooser.observe(1, [0, 0], seconds=1.0)  # 1 token per 1 s
+    assert chooser.expected_tokens(4) > 3 and chooser.choose() == 4
+    for _ in range(40):
+        chooser.observe(4, [0, 0], seconds=2.0)  # now nothing is accepted
+    assert chooser.expected_tokens(4) < 1.5
+    widths = []
+    for _ in range(32):
+        widths.append(chooser.choose())
+        chooser.observe(widths[-1], [0, 0], seconds=2.0 if widths[-1] == 4 else 1.0)
+    assert widths.count(1) == 30 and widths.count(4) == 2  # off, with a full-width probe every 16 steps
+
+
+def test_first_step_of_a_width_is_not_timed():
+    chooser = WidthChooser(4)
+    chooser.observe(4, [1], seconds=100.0)  # compiling
+    assert len(chooser.times[4]) == 0
+    chooser.observe(4, [1], seconds=1.0)
+    assert list(chooser.times[4]) == [1.0]
+    with pytest.raises(ValueError, match="must lie in 1 .. block_size 4"):
+        WidthChooser(4, widths=(1, 8))
+
+
+def test_random_drafter_is_switched_off_with_the_same_tokens(tiny, tmp_path):
+    model = tiny("qwen3_moe")
+    ids = token_ids(batch=1)
+    expected = model.generate(ids, max_new_tokens=60, do_sample=False)
+    config = tiny_drafter_config(model.config, block_size=4)
+    drafter = save_drafter(tmp_path / "d", config, random_drafter_weights(config))
+    # GPU-like costs (a 4-token verify step 1.3x a decode step) instead of this machine's noisy timings
+    fast = dflash_compile.optimize(model, drafter=drafter, compile=False, adaptive=WidthChooser(4, step_time=GPU_LIKE))
+    assert torch.equal(fast.generate(ids, max_new_tokens=60), expected)
+    widths = fast.last_stats.widths
+    assert widths[0] == 4 and widths.count(1) > 0.8 * len(widths)  # plain decoding after the first steps
+    measured = dflash_compile.optimize(model, drafter=drafter, compile=False)  # measured times: same tokens
+    assert torch.equal(measured.generate(ids, max_new_tokens=60), expected)
+    fixed = dflash_compile.optimize(model, drafter=drafter, compile=False, adaptive=False)
+    assert torch.equal(fixed.generate(ids, max_new_tokens=60), expected)
+    assert set(fixed.last_stats.widths) == {4}
+
+
+def test_an_accurate_drafter_keeps_its_full_block(tiny):
+    model = tiny("mixtral")
+    ids = token_ids(batch=1)
+    expected = model.generate(ids, max_new_tokens=60, do_sample=False)
+    fast = dflash_compile.optimize(model, drafter=OracleDrafter(expected, None, block_size=4), compile=False,
+                                   adaptive=WidthChooser(4, step_time=GPU_LIKE))
+    assert torch.equal(fast.generate(ids, max_new_tokens=60), expected)
+    assert fast.last_stats.widths.count(4) > 0.8 * len(fast.last_stats.widths)
+    assert fast.last_stats.tau > 3
+
+
+def test_chooser_must_match_the_drafter(tiny):
+    model = tiny("olmoe")
+    with pytest.raises(ValueError, match="WidthChooser is for block size 8, the drafter's is 4"):
+        dflash_compile.optimize(model, drafter=OracleDrafter(torch.zeros(1, 4, dtype=torch.long), None, 4),
+                                compile=False, adaptive=WidthChooser(8))
