@@ -8,9 +8,10 @@ only, and the drafter is not even run). For each candidate width the controller 
     t(w)         measured wall time of a step of width w: the least of the recent ones (other work on the machine
                  only ever adds time), the first, compiling one skipped
 
-and picks the width with the most expected tokens per second. Until a width has timings it is tried; every
-`probe_every` steps the width tried longest ago runs once, so neither its timings nor (when speculation is off)
-the acceptance estimates go stale.
+and picks the width with the most expected tokens per second. Until a width has timings it is tried; then the width
+tried longest ago runs once after `probe_every` steps, and after twice as many steps each time the best width stays
+the same (back to `probe_every` when it changes), so neither its timings nor (when speculation is off) the
+acceptance estimates go stale, and a drafter that never pays costs few probes.
 Greedy and sampled outputs do not depend on the width: every committed token is verified by the target.
 """
 
@@ -36,6 +37,8 @@ class WidthChooser:
         self.last_used = dict.fromkeys(self.widths, 0)
         self.step = 0
         self.step_time = step_time
+        self.best: int | None = None
+        self.interval = self.next_probe = probe_every
 
     def alpha(self, j: int) -> float:
         """Acceptance of draft j given the earlier ones, with one prior success and failure (a fresh width is
@@ -57,9 +60,14 @@ class WidthChooser:
         if untimed:
             return untimed[-1]  # widest first: it is the one that teaches the acceptance estimates
         self.step += 1
-        if self.step % self.probe_every == 0:
+        best = max(self.widths, key=lambda w: self.expected_tokens(w) / self.seconds(w))
+        if best != self.best:  # the picture changed: look at the other widths sooner again
+            self.best, self.interval = best, self.probe_every
+        if self.step >= self.next_probe:
+            self.next_probe = self.step + self.interval
+            self.interval = min(2 * self.interval, 256)
             return min(self.widths, key=self.last_used.get)
-        return max(self.widths, key=lambda w: self.expected_tokens(w) / self.seconds(w))
+        return best
 
     def observe(self, width: int, accepted: list[int], seconds: float) -> None:
         """One step's result: accepted drafts of each active row, and the step's wall time."""

@@ -67,6 +67,20 @@ def _left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) 
     return pad.to(torch.int64)
 
 
+def _left_aligned(chunks: list[tuple[torch.Tensor | None, torch.Tensor]]):
+    """Several steps' (features [b, w, F], kept [b]) as one left-aligned (features, kept): each row's kept tokens in
+    order, as if each step had been added to the drafter's context on its own."""
+    if len(chunks) == 1:
+        return chunks[0]
+    kept = torch.stack([k for _, k in chunks]).sum(dim=0)
+    if chunks[0][0] is None:  # a drafter that takes no target features
+        return None, kept
+    features = torch.cat([f for f, _ in chunks], dim=1)
+    valid = torch.cat([torch.arange(f.shape[1], device=k.device)[None, :] < k[:, None] for f, k in chunks], dim=1)
+    order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices  # valid tokens first, in order
+    return features.gather(1, order[:, :, None].expand(-1, -1, features.shape[-1])), kept
+
+
 def _eos_ids(eos_token_id) -> set[int]:
     if eos_token_id is None:
         return set()
@@ -178,11 +192,15 @@ class SpeculativeDecoder:
                 pending[rows] = replay.pending_recurrent[layer].to(pending.dtype)
         cache.commit_linear(kept, width)
 
-    def _draft(self, anchor: torch.Tensor, drafter_cache: RowCache, width: int):
+    def _draft(self, anchor: torch.Tensor, drafter_cache: RowCache, width: int, pending: list):
         """[b, width] = [anchor, d1 .. d_{width-1}]: the first of the drafter's proposals, and the distribution q
-        they were drawn from (None for deterministic drafts). Width 1 runs no drafter."""
+        they were drawn from (None for deterministic drafts). Width 1 runs no drafter and leaves the committed
+        tokens' features in `pending`; the next drafting step adds them to the drafter's context in one call."""
         if self.drafter is None or width == 1:
             return anchor[:, None], None
+        if pending:
+            self.drafter.add_context(drafter_cache, *_left_aligned(pending))
+            pending.clear()
         embed, lm_head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
         drafts, q = self.drafter.propose(anchor, drafter_cache, embed, lm_head, self.sampler)
         return torch.cat([anchor[:, None], drafts[:, : width - 1]], dim=1), None if q is None else q[:, : width - 1]
@@ -259,12 +277,13 @@ class SpeculativeDecoder:
             streamer.put(anchor.cpu())
         done = [len(row) >= max_new_tokens or row[-1] in eos for row in outputs]
         stats = GenerationStats(block_size=self.block_size)
+        pending = []  # (features, kept tokens per row) of steps not yet in the drafter's context
         while not all(done):
             step_start = time.perf_counter()
             width = self.chooser.choose() if self.chooser else self.block_size
             stats.widths.append(width)
             active = torch.tensor([not d for d in done], device=device, dtype=torch.int64)
-            block, draft_probs = self._draft(anchor, drafter_cache, width)
+            block, draft_probs = self._draft(anchor, drafter_cache, width, pending)
             uniforms = sampler.uniforms(block.shape, device) if sampler else None
             accepted, target, features, linear_inputs = self.verify_step(block, cache, active, draft_probs, uniforms)
             accepted_list = accepted.tolist()  # the step's one host sync
@@ -284,7 +303,7 @@ class SpeculativeDecoder:
                     streamer.put(torch.tensor(outputs[b][before:]))
             anchor = target.gather(1, accepted[:, None]).squeeze(1)
             if self.drafter is not None:
-                self.drafter.add_context(drafter_cache, features, (accepted + 1) * active)
+                pending.append((features, (accepted + 1) * active))
             if self.chooser:
                 rows = [a for b, a in enumerate(accepted_list) if stats.accepted[-1][b] is not None]
                 self.chooser.observe(width, rows, time.perf_counter() - step_start)
