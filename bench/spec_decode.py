@@ -28,27 +28,15 @@ import transformers
 
 import dflash_compile
 from dflash_compile.cache import TargetCache
-from dflash_compile.families import FAMILIES, spec_for_model
+from dflash_compile.cost_model import REFERENCE_CONFIGS, B, C, Hardware, ModelSizes, StepCost
 from dflash_compile.testing import (
     OracleDrafter, load_tiny_model, random_drafter_weights, save_drafter, tiny_drafter_config)
-
-REAL_SHAPES = {
-    "gpt-oss-20b": lambda: transformers.GptOssConfig(
-        hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
-        num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4, vocab_size=201088,
-        sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 12, max_position_embeddings=4096),
-    "qwen3-30b-a3b": lambda: transformers.Qwen3MoeConfig(
-        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
-        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
-        vocab_size=151936, norm_topk_prob=True, max_position_embeddings=4096),
-}
-
 
 def build_model(name: str, device: str) -> transformers.PreTrainedModel:
     if name.startswith("tiny-"):
         return load_tiny_model(name.removeprefix("tiny-")).to(device)
     with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(REAL_SHAPES[name](), dtype=torch.bfloat16)
+        model = transformers.AutoModelForCausalLM.from_config(REFERENCE_CONFIGS[name](), dtype=torch.bfloat16)
     with torch.no_grad():  # transformers initialises biases and sinks to zero; small random values are realistic
         for tensor in model.parameters():
             if not tensor.any():
@@ -123,23 +111,11 @@ def copy_bandwidth(device: str) -> float:
     return 2 * src.numel() / seconds
 
 
-def floor_bytes(model, tokens: int, distinct_experts: float, context: int) -> float:
-    """Bytes a step over `tokens` new tokens must read: everything but routed experts and the embedding table,
-    the embedding rows used, the KV cache, and `distinct_experts` experts per MoE layer."""
-    expert_bytes, other = 0, 0
-    layers = FAMILIES[spec_for_model(model).name].moe_layers(model.config)
-    for name, param in model.named_parameters():
-        size = param.numel() * param.element_size()
-        if ".experts." in name and "shared" not in name:
-            expert_bytes += size
-        elif "embed_tokens" not in name:
-            other += size
-    experts_per_layer = model.model.layers[layers[0]].mlp.experts.gate_up_proj.shape[0]
-    per_expert = expert_bytes / (len(layers) * experts_per_layer)
-    config = model.config
-    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * context * 2
-    rows = tokens * config.hidden_size * 2
-    return other + rows + kv + distinct_experts * per_expert * len(layers)
+def floor_seconds(model, tokens: int, context: int, bandwidth: float) -> float:
+    """The cost model's memory floor of a step over `tokens` tokens at `context`, at the measured bandwidth."""
+    sizes = ModelSizes.of(model.config)
+    measured = Hardware("measured", hbm=bandwidth, pcie=55e9, flops=float("inf"), step_overhead=0.0)
+    return float(StepCost(sizes, measured).bytes.subs({B: tokens, C: context})) / bandwidth
 
 
 def step_times(model, decoder, args, bandwidth):
@@ -160,7 +136,7 @@ def step_times(model, decoder, args, bandwidth):
         routing.record = False
         distinct = statistics.mean(routing.distinct)
         _, seconds = timed(lambda: decoder.verify_step(tokens, cache, active), args.repeats * 3, args.device)
-        floor = floor_bytes(model, block, distinct, args.prompt) / bandwidth
+        floor = floor_seconds(model, block, args.prompt, bandwidth)
         experts = model.model.layers[-1].mlp.experts.gate_up_proj.shape[0]
         top_k = model.config.num_experts_per_tok
         expected = experts * (1 - (1 - top_k / experts) ** block)
@@ -195,7 +171,7 @@ def native_dflash(model, args, ids):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tiny-gpt_oss", help=f"tiny-<family> or one of {sorted(REAL_SHAPES)}")
+    parser.add_argument("--model", default="tiny-gpt_oss", help=f"tiny-<family> or one of {sorted(REFERENCE_CONFIGS)}")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new", type=int, default=64)
