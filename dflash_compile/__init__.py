@@ -10,7 +10,7 @@
 """
 
 from . import ops, seam
-from .api import OptimizedModel, optimize
+from .api import OptimizedModel, from_pretrained, optimize
 from .backend import dflash_backend
 from .checkpoint import load_packed, quantize
 from .drafter import DFlashDrafter, DrafterConfig, DrafterPairingError
@@ -37,6 +37,7 @@ __all__ = [
     "UnsupportedFamilyError",
     "dflash_backend",
     "explain",
+    "from_pretrained",
     "load_packed",
     "offload_experts",
     "ops",

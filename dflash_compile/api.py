@@ -64,3 +64,15 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
     decoder = SpeculativeDecoder(model, drafter, layer_ids, compile=compile, mode=mode, prefill_chunk=prefill_chunk,
                                  adaptive=adaptive)
     return OptimizedModel(model, decoder, compile)
+
+
+def from_pretrained(path, drafter=None, *, gpu_memory=None, dtype: torch.dtype = torch.bfloat16, device=None,
+                    **options) -> OptimizedModel:
+    """Load a checkpoint directory and `optimize` it: quantized (MXFP4 / FP8) checkpoints keep their experts packed
+    (`load_packed`); with `gpu_memory` the routed experts stay in host memory, layer by layer, behind a GPU slot pool
+    that fits the budget, and only the dense weights go to the GPU."""
+    from .pair import load_model
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_model(path, "cpu" if gpu_memory is not None else device, dtype)
+    return optimize(model, drafter, gpu_memory=gpu_memory, device=device, **options)

@@ -80,9 +80,9 @@ def generate_command(args) -> int:
         raise SystemExit("give both --model and --drafter, or neither for the bundled pair")
     target_dir, drafter_dir = (args.model, args.drafter) if args.model else pair_paths()
     device = _device(args.device)
-    model, tokenizer = load_target(target_dir, device, DTYPES[args.dtype])
+    model, tokenizer = load_target(target_dir, "cpu" if args.gpu_memory else device, DTYPES[args.dtype])
     compile = args.compile if args.compile is not None else device.startswith("cuda")
-    fast = optimize(model, drafter=drafter_dir, compile=compile)
+    fast = optimize(model, drafter=drafter_dir, compile=compile, gpu_memory=args.gpu_memory, device=device)
     ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(device)
     streamer = TextStreamer(tokenizer) if args.stream else None
     output = fast.generate(ids, max_new_tokens=args.max_new_tokens, streamer=streamer)  # also compiles
@@ -219,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "than a short generation saves)")
     generate.add_argument("--stream", action="store_true", help="print tokens as each verify step commits them")
     generate.add_argument("--repeats", type=int, default=3, help="timed generations per side")
+    generate.add_argument("--gpu-memory", help="offload routed experts to host memory under this budget, e.g. 20GiB")
     generate.set_defaults(run=generate_command)
 
     train = commands.add_parser("train-drafter", help="train a DFlash drafter for a target on its own outputs")

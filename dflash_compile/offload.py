@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from tqdm.auto import tqdm
 
 from .families import spec_for_experts_class
 from .packed import PackedWeight, packed_weights
@@ -277,7 +278,7 @@ def offload_experts(model: torch.nn.Module, gpu_memory, device="cuda", policy: s
     store = ExpertStore()  # what the eager forward dispatches to; compiled graphs get their own entries
     modules = _experts_modules(model)
     spec = spec_for_experts_class(type(modules[0]))
-    for module in modules:
+    for module in tqdm(modules, desc="offloading experts", unit="layer", disable=len(modules) < 8):
         layer = offloaded.add_layer(module)
         for name in list(module._parameters) + list(module._buffers):
             if name.startswith(("gate_up_proj", "down_proj", "packed_")):

@@ -31,20 +31,23 @@ def heldout_prompts(directory: str | Path | None = None) -> list[str]:
     return json.loads((root / "heldout_prompts.json").read_text())
 
 
-def load_target(path: str | Path, device="cpu", dtype: torch.dtype = torch.float32):
-    """(model, tokenizer) from a checkpoint directory, the tokenizer padding on the left as batched decoding needs.
-    MXFP4 and FP8 block-scaled checkpoints load with their experts packed (`load_packed`)."""
+def load_model(path: str | Path, device="cpu", dtype: torch.dtype = torch.float32):
+    """A causal LM from a checkpoint directory; MXFP4 and FP8 block-scaled checkpoints load with their experts
+    packed (`load_packed`)."""
     import transformers
 
     from .checkpoint import load_packed
 
-    quantization = getattr(transformers.AutoConfig.from_pretrained(path), "quantization_config", None)
-    if quantization:
-        model = load_packed(path, dtype, device)
-    else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path, padding_side="left")
-    return model, tokenizer
+    if getattr(transformers.AutoConfig.from_pretrained(path), "quantization_config", None):
+        return load_packed(path, dtype, device)
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+
+
+def load_target(path: str | Path, device="cpu", dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) from a checkpoint directory, the tokenizer padding on the left as batched decoding needs."""
+    import transformers
+
+    return load_model(path, device, dtype), transformers.AutoTokenizer.from_pretrained(path, padding_side="left")
 
 
 def acceptance_on_prompts(directory: str | Path | None, prompts: list[str], device="cpu",

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import dflash_compile
+import dflash_compile.testing
 from dflash_compile.offload import BlobLayout, ExpertCache, offload_experts, parse_size, plan_offload
 from dflash_compile.testing import TINY_CONFIGS, random_drafter_weights, save_drafter, tiny_drafter_config
 from tests.conftest import token_ids
@@ -124,3 +125,23 @@ def test_optimize_offloads_under_a_budget(tiny):
     fast = dflash_compile.optimize(model, gpu_memory=budget, device="cpu")
     assert torch.equal(fast.generate(ids, max_new_tokens=8), expected)
     assert model.dflash_offload.stats.misses > 0
+
+
+def test_from_pretrained_offloads_and_generates_the_same_tokens(tiny_dirs, tmp_path):
+    directory = tiny_dirs("deepseek_v3")
+    reference = dflash_compile.testing.load_tiny_model("deepseek_v3", directory=directory)
+    ids = token_ids(batch=1)
+    expected = reference.generate(ids, max_new_tokens=10, do_sample=False)
+    config = tiny_drafter_config(reference.config, block_size=4)
+    drafter = save_drafter(tmp_path / "d", config, random_drafter_weights(config))
+    budget = plan_offload(reference).minimum_budget
+    fast = dflash_compile.from_pretrained(directory, drafter, gpu_memory=budget, dtype=torch.float32, device="cpu")
+    assert fast.model.dflash_offload.slots == plan_offload(reference).experts_per_layer
+    assert torch.equal(fast.generate(ids, max_new_tokens=10), expected)
+
+
+def test_generate_command_with_a_gpu_memory_budget(capsys):
+    from dflash_compile.cli import main
+
+    assert main(["generate", "--max-new-tokens", "16", "--repeats", "1", "--gpu-memory", "12MB"]) == 0
+    assert "same tokens: True" in capsys.readouterr().out
