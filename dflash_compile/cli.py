@@ -4,6 +4,7 @@
     dflash-compile generate --model PATH --drafter PATH --prompt "..." --stream
     dflash-compile train-drafter --target PATH --data texts.jsonl --out drafter/ [--block-size 16 --layers 2]
     dflash-compile quantize --model PATH --out DIR --format mxfp4|fp8_block
+    dflash-compile bench [--model PATH --drafter PATH] --out DIR   # table + acceptance / step-time plots
     dflash-compile roofline --model gpt-oss-20b --device h200 --csv out.csv
     dflash-compile calibrate --out hardware.json           # this machine's bandwidths and FLOP/s
     dflash-compile explain                                 # passes on a tiny random gpt-oss model
@@ -179,6 +180,42 @@ def roofline_command(args) -> int:
     return 0
 
 
+def bench_command(args) -> int:
+    """Side-by-side table (markdown) and plots for a target + drafter pair, the bundled one by default."""
+    from .benchmark import compare, markdown, plots
+    from .cost_model import HARDWARE, Hardware, ModelSizes, StepCost, calibrate
+    from .pair import heldout_prompts, load_target, pair_paths
+
+    if (args.model is None) != (args.drafter is None):
+        raise SystemExit("give both --model and --drafter, or neither for the bundled pair")
+    target_dir, drafter_dir = (args.model, args.drafter) if args.model else pair_paths()
+    device = _device(args.device)
+    model, tokenizer = load_target(target_dir, device)
+    texts = Path(args.prompts).read_text().split("\n\n\n") if args.prompts else heldout_prompts()
+    ids = [tokenizer(t, return_tensors="pt").input_ids.to(device) for t in texts]
+    ids = [i for i in ids if model.generate(i, max_new_tokens=16, do_sample=False).shape[1] - i.shape[1] == 16]
+    if not ids:
+        raise SystemExit("every prompt ends within 16 tokens; give prompts the model continues")
+    compile = args.compile if args.compile is not None else device.startswith("cuda")
+    rows = compare(model, ids[: args.count], Path(drafter_dir), args.max_new_tokens, args.repeats, compile)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    title = (f"{Path(target_dir).name} + {Path(drafter_dir).name} on {device}, {min(len(ids), args.count)} prompts x "
+             f"{args.max_new_tokens} tokens, median of {args.repeats}, {time.strftime('%Y-%m-%d')}")
+    table = markdown(rows, title)
+    (out / "report.md").write_text(table)
+    hardware = Hardware.load(args.hardware) if args.hardware else (
+        HARDWARE["h200"] if device.startswith("cuda") else calibrate("cpu", size_mib=64, repeats=3))
+    cost = StepCost(ModelSizes.of(model.config), hardware)
+    block = json.loads((Path(drafter_dir) / "config.json").read_text())
+    block = (block.get("dflash_config") or {}).get("block_size") or block["block_size"]
+    predicted = {w: cost.evaluate(w, 128)["t_step_us"] * 1e-6 for w in (1, block)}
+    print(table)
+    for path in [out / "report.md", *plots(rows, block, predicted, out)]:
+        print(f"wrote {path}")
+    return 0
+
+
 def calibrate_command(args) -> int:
     from .cost_model import calibrate
 
@@ -261,6 +298,19 @@ def build_parser() -> argparse.ArgumentParser:
     roofline.add_argument("--hit-rate", type=float, default=1.0, help="expert-cache hit rate when offloading")
     roofline.add_argument("--csv", help="write the rows here")
     roofline.set_defaults(run=roofline_command)
+
+    bench = commands.add_parser("bench", help="side-by-side tokens/s table and plots (bundled pair by default)")
+    bench.add_argument("--model", help="target checkpoint directory (with --drafter)")
+    bench.add_argument("--drafter", help="drafter checkpoint directory")
+    bench.add_argument("--prompts", help="text file, prompts separated by two empty lines (default: held-out ones)")
+    bench.add_argument("--count", type=int, default=4, help="prompts to run")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--device", help="default: cuda when available")
+    bench.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
+    bench.add_argument("--hardware", help="profile from `dflash-compile calibrate` for the predicted step times")
+    bench.add_argument("--out", default="dflash-bench", help="directory for report.md and the PNG plots")
+    bench.set_defaults(run=bench_command)
 
     calibrate = commands.add_parser("calibrate", help="measure this machine's bandwidths and FLOP/s for the model")
     calibrate.add_argument("--out", default="hardware.json")

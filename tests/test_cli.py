@@ -85,3 +85,15 @@ def test_quantize_writes_a_packed_checkpoint_that_generates(tmp_path, capsys):
     assert main(["generate", "--model", str(out), "--drafter", str(DEFAULT_PAIR / "drafter"), "--max-new-tokens",
                  "16", "--repeats", "1"]) == 0
     assert "same tokens: True" in capsys.readouterr().out
+
+
+def test_bench_writes_a_report_and_plots(tmp_path, capsys):
+    out = tmp_path / "bench"
+    assert main(["bench", "--count", "1", "--max-new-tokens", "12", "--repeats", "1", "--out", str(out)]) == 0
+    report = (out / "report.md").read_text()
+    assert report.count("\n| dflash") == 5 and "| transformers generate |" in report
+    for plot in ("acceptance.png", "step_time.png"):
+        data = (out / plot).read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 5000
+    with pytest.raises(SystemExit, match="give both --model and --drafter"):
+        main(["bench", "--drafter", "x"])
