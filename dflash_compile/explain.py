@@ -16,6 +16,7 @@ class ExplainReport:
     graphs: list[GraphReport] = field(default_factory=list)
     graph_break_count: int = 0
     break_reasons: list[str] = field(default_factory=list)
+    expert_placement: str = ""
 
     @property
     def matches(self) -> dict[str, int]:
@@ -32,7 +33,29 @@ class ExplainReport:
             "pass matches: " + ", ".join(f"{name}={count}" for name, count in self.matches.items()),
         ]
         lines += [f"  break: {reason}" for reason in self.break_reasons]
+        if self.expert_placement:
+            lines.append(f"routed experts: {self.expert_placement}")
         return "\n".join(lines)
+
+
+def expert_placement(model: torch.nn.Module) -> str:
+    """Where the routed experts live and in which format: resident, packed, or offloaded behind a slot pool."""
+    from .families import spec_for_experts_class
+
+    modules = [m for m in model.modules() if spec_for_experts_class(type(m))]
+    if not modules:
+        return ""
+    offload = getattr(model, "dflash_offload", None)
+    if offload is not None:
+        layer = offload.layers[0]
+        return (f"{len(modules)} layers offloaded to host memory ({layer.format}, {layer.host.shape[1]} bytes per "
+                f"expert), {offload.slots} slots on {offload.device} ({offload.pool_bytes / 2**20:.1f} MiB)")
+    first = modules[0]
+    packed = getattr(first, "packed_format", None)
+    tensor = first.packed_gate_up_data if packed else first.gate_up_proj
+    size = sum(t.numel() * t.element_size() for m in modules for t in (*m.parameters(), *m.buffers()))
+    return (f"{len(modules)} layers resident on {tensor.device}, {packed or str(tensor.dtype).removeprefix('torch.')}"
+            f", {size / 2**20:.1f} MiB")
 
 
 def explain(model: torch.nn.Module, *example_inputs, options: dict | None = None, **example_kwargs) -> ExplainReport:
@@ -44,6 +67,7 @@ def explain(model: torch.nn.Module, *example_inputs, options: dict | None = None
     breaks_before = dict(counters["graph_break"])
     with torch.no_grad():
         torch.compile(model, backend=backend, dynamic=False)(*example_inputs, **example_kwargs)
+    report.expert_placement = expert_placement(model)
     for reason, count in counters["graph_break"].items():
         new = count - breaks_before.get(reason, 0)
         if new > 0:

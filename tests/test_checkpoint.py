@@ -70,6 +70,7 @@ def test_packed_models_compile_and_generate(family, format, tmp_path):
     ids = token_ids()
     report = dflash_compile.explain(packed, ids)
     assert report.graph_break_count == 0
+    assert f"resident on cpu, {format}" in report.expert_placement
     assert report.matches["expert_dispatch"] == len(dflash_compile.FAMILIES[family].moe_layers(packed.config))
     assert report.matches["dequant_fusion"] == sum(isinstance(m, FP8Linear) for m in packed.modules())
     after = "\n".join(graph.after for graph in report.graphs)

@@ -9,6 +9,7 @@ def test_explain_on_the_built_in_default(capsys):
     assert "graphs: 1, graph breaks: 0" in out
     assert "pass matches: expert_dispatch=2" in out
     assert out.count("torch.ops.dflash.moe_dispatch.default(") == 2
+    assert "routed experts: 2 layers resident on cpu, float32" in out
     difference = float(out.split("max |compiled - eager| logits: ")[1].split()[0])
     assert difference <= 1e-4
 

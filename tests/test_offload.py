@@ -65,6 +65,8 @@ def test_hooks_see_every_fetch_and_hit(tiny):
     model(token_ids())
     stats = model.dflash_offload.stats
     assert events.count("fetch") == stats.misses and events.count("hit") == stats.hits and events
+    placement = dflash_compile.explain(model, token_ids()).expert_placement
+    assert placement.startswith("2 layers offloaded to host memory (dense") and "8 slots on cpu" in placement
 
 
 def test_cache_policies():
