@@ -42,6 +42,8 @@ def expert_placement(model: torch.nn.Module) -> str:
     """Where the routed experts live and in which format: resident, packed, or offloaded behind a slot pool."""
     from .families import spec_for_experts_class
 
+    if not isinstance(model, torch.nn.Module):  # explain() also takes functions, e.g. the verify step
+        return ""
     modules = [m for m in model.modules() if spec_for_experts_class(type(m))]
     if not modules:
         return ""
