@@ -23,6 +23,7 @@ import triton
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dflash_compile.expert_store import Gate, expert_sum  # noqa: E402
 from dflash_compile.kernels.moe import fused_moe  # noqa: E402
 from dflash_compile.packed import PackedWeight  # noqa: E402
 
@@ -58,38 +59,26 @@ def reference(x, index, weights, gate_up, down, interleaved, activation):
     b1 = None if gate_up.bias is None else gate_up.bias[used].double()
     b2 = None if down.bias is None else down.bias[used].double()
     position = {int(e): i for i, e in enumerate(used.tolist())}
+    gate = Gate(interleaved, activation)
     out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
     for t in range(x.shape[0]):
         for slot in range(index.shape[1]):
             e = position[int(index[t, slot])]
-            h = x[t].double() @ w1[e].T + (b1[e] if b1 is not None else 0)
-            gate, up = (h[0::2], h[1::2]) if interleaved else h.chunk(2)
-            if activation == "clamped_swiglu":
-                gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
-                act = (up + 1) * gate * torch.sigmoid(gate * 1.702)
-            else:
-                act = torch.nn.functional.silu(gate) * up
+            act = gate(x[t].double() @ w1[e].T + (b1[e] if b1 is not None else 0))
             out[t] += weights[t, slot].double() * (act @ w2[e].T + (b2[e] if b2 is not None else 0))
     return out
 
 
 def dequantize_then_matmul(x, index, weights, gate_up, down, interleaved, activation):
     """Baseline (a): each routed expert dequantized to bf16 (reference dequantizer), then torch matmuls."""
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for expert in index.unique().tolist():
-        token, slot = torch.where(index == expert)
-        w1 = gate_up.select([expert]).dequantize(torch.bfloat16)[0]
-        w2 = down.select([expert]).dequantize(torch.bfloat16)[0]
-        h = x[token] @ w1.T + (gate_up.bias[expert] if gate_up.bias is not None else 0)
-        gate, up = (h[:, 0::2], h[:, 1::2]) if interleaved else h.chunk(2, dim=-1)
-        if activation == "clamped_swiglu":
-            gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
-            act = (up + 1) * gate * torch.sigmoid(gate * 1.702)
-        else:
-            act = torch.nn.functional.silu(gate) * up
-        y = act @ w2.T + (down.bias[expert] if down.bias is not None else 0)
-        out.index_add_(0, token, (y * weights[token, slot, None]).float())
-    return out.to(x.dtype)
+    gate = Gate(interleaved, activation)
+
+    def expert_mlp(expert, tokens):
+        w1, w2 = gate_up.select([expert]), down.select([expert])
+        h = tokens @ w1.dequantize(torch.bfloat16)[0].T + (w1.bias[0] if w1.bias is not None else 0)
+        return gate(h) @ w2.dequantize(torch.bfloat16)[0].T + (w2.bias[0] if w2.bias is not None else 0)
+
+    return expert_sum(x, index, weights, gate_up.shape[0], expert_mlp)
 
 
 def grouped_mm_experts(name: str, experts: int, hidden: int, inter: int):

@@ -25,8 +25,8 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .families import spec_for_experts_class, spec_for_model
-from .packed import FP8_BLOCK, PackedWeight, attach_packed, packed_weights
+from .families import experts_modules, spec_for_model
+from .packed import FP8_BLOCK, PackedWeight, attach_packed, expert_weights, packed_weights
 from .quant import quantize_fp8_block
 
 FORMATS = ("mxfp4", "fp8_block")
@@ -54,16 +54,6 @@ class FP8Linear(torch.nn.Module):
         return F.linear(x, weight, self.bias)
 
 
-def _experts_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    return {name: module for name, module in model.named_modules() if spec_for_experts_class(type(module))}
-
-
-def _output_major(module: torch.nn.Module, name: str) -> torch.Tensor:
-    """An experts module's 3-D weight as [E, out, in] whatever its family stores."""
-    weight = getattr(module, name).detach()
-    return weight.transpose(1, 2) if getattr(module, "is_transposed", False) else weight
-
-
 def _quantized_tensors(model: torch.nn.Module, format: str) -> dict[str, torch.Tensor]:
     spec = spec_for_model(model)
     if spec is None:
@@ -72,19 +62,19 @@ def _quantized_tensors(model: torch.nn.Module, format: str) -> dict[str, torch.T
         raise ValueError(f"{spec.name} has no public {format} checkpoint layout: use "
                          f"{'mxfp4' if spec.name == 'gpt_oss' else 'fp8_block'} for it")
     tensors = {k: v.detach() for k, v in model.state_dict().items()}
-    for path, experts in _experts_modules(model).items():
+    for path, experts in experts_modules(model).items():
         for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
             tensors.pop(f"{path}.{name}", None)
-        gate_up, down = _output_major(experts, "gate_up_proj"), _output_major(experts, "down_proj")
+        gate_up, down = expert_weights(experts)
         if format == "mxfp4":
             for name, weight in (("gate_up_proj", gate_up), ("down_proj", down)):
-                packed = PackedWeight.quantize(weight, "mxfp4")
+                packed = PackedWeight.quantize(weight.data, "mxfp4")
                 tensors[f"{path}.{name}_blocks"], tensors[f"{path}.{name}_scales"] = packed.data, packed.scales
-                tensors[f"{path}.{name}_bias"] = getattr(experts, f"{name}_bias").detach()
+                tensors[f"{path}.{name}_bias"] = weight.bias
             continue
         for j in range(gate_up.shape[0]):
-            gate, up = gate_up[j].chunk(2, dim=0)
-            for name, weight in (("gate_proj", gate), ("up_proj", up), ("down_proj", down[j])):
+            gate, up = gate_up.data[j].chunk(2, dim=0)
+            for name, weight in (("gate_proj", gate), ("up_proj", up), ("down_proj", down.data[j])):
                 quantized, scale = quantize_fp8_block(weight, FP8_BLOCK)
                 tensors[f"{path}.{j}.{name}.weight"] = quantized
                 tensors[f"{path}.{j}.{name}.weight_scale_inv"] = scale
@@ -187,7 +177,7 @@ def load_packed(path: str | Path, dtype: torch.dtype = torch.bfloat16, device="c
     checkpoint = _Checkpoint(path)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    for name, experts in _experts_modules(model).items():
+    for name, experts in experts_modules(model).items():
         count = experts.gate_up_proj.shape[0]
         attach_packed(experts, *_packed_experts(checkpoint, name, format, count, device))
     if format == "fp8_block":
@@ -235,7 +225,7 @@ def _load_remaining(model: torch.nn.Module, checkpoint: _Checkpoint, dtype, devi
 def expert_bytes(model: torch.nn.Module) -> tuple[int, int]:
     """(bytes of the routed experts' packed weights and scales, their weight count); biases not counted."""
     total, parameters = 0, 0
-    for experts in _experts_modules(model).values():
+    for experts in experts_modules(model).values():
         for weight in packed_weights(experts):
             total += weight.nbytes() - (weight.bias.numel() * weight.bias.element_size() if weight.bias is not None
                                         else 0)

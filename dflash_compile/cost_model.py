@@ -25,7 +25,7 @@ import sympy
 import torch
 import transformers
 
-from .families import spec_for_experts_class, spec_for_model
+from .families import experts_modules, spec_for_model
 
 B, C, H = sympy.symbols("B C h", positive=True)  # tokens per step, context length, expert-cache hit rate
 
@@ -102,13 +102,13 @@ class ModelSizes:
         if spec is None:
             raise ValueError(f"{config.model_type} is not a MoE model of a supported family")
         text = config.get_text_config()
-        experts_modules = [m for m in model.modules() if spec_for_experts_class(type(m))]
-        expert_ids = {id(p) for m in experts_modules for p in m.parameters()}
+        modules = list(experts_modules(model).values())
+        expert_ids = {id(p) for m in modules for p in m.parameters()}
         embedding = model.get_input_embeddings().weight
         tied = model.get_output_embeddings().weight is embedding
         dense = sum(p.numel() for p in model.parameters() if id(p) not in expert_ids and p is not embedding)
-        experts = experts_modules[0].gate_up_proj.shape[0]
-        per_expert = sum(p.numel() for p in experts_modules[0].parameters()) // experts
+        experts = modules[0].gate_up_proj.shape[0]
+        per_expert = sum(p.numel() for p in modules[0].parameters()) // experts
         kinds = spec.attention_kinds(text)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         k_dim = getattr(text, "qk_nope_head_dim", 0) + getattr(text, "qk_rope_head_dim", 0) or head_dim
@@ -121,7 +121,7 @@ class ModelSizes:
             expert_params=per_expert,
             experts=experts,
             top_k=text.num_experts_per_tok,
-            moe_layers=len(experts_modules),
+            moe_layers=len(modules),
             kv_elements_per_token=kinds.count("full_attention") * per_layer,
             sliding_kv_elements_per_token=kinds.count("sliding_attention") * per_layer,
             window=getattr(text, "sliding_window", None) or 0,

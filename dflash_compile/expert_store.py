@@ -50,9 +50,17 @@ def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t
     return F.linear(x, weight, bias)
 
 
-def _expert_count(module: torch.nn.Module) -> int:
-    weight = module.packed_gate_up_data if getattr(module, "packed_format", None) else module.gate_up_proj
-    return weight.shape[0]
+def expert_sum(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int,
+               expert_mlp) -> torch.Tensor:
+    """The reference routed-experts loop: each routed expert's `expert_mlp(expert, its tokens)` times the routing
+    weight, accumulated in fp32. Ids >= num_experts (expert-parallel sentinels) are not local experts."""
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    for expert in top_k_index.unique().tolist():
+        if expert >= num_experts:
+            continue
+        token, slot = torch.where(top_k_index == expert)
+        out.index_add_(0, token, (expert_mlp(expert, hidden[token]) * top_k_weights[token, slot, None]).float())
+    return out.to(hidden.dtype)
 
 
 @dataclass(frozen=True)
@@ -94,16 +102,13 @@ def run_packed(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
 
         return fused_moe(hidden, top_k_index, top_k_weights, gate_up, down, interleaved=gate.interleaved,
                          activation=gate.activation, alpha=gate.alpha, limit=gate.limit)
-    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-    for expert in top_k_index.unique().tolist():
-        if expert >= gate_up.shape[0]:  # expert-parallel sentinel: not a local expert
-            continue
-        token, slot = torch.where(top_k_index == expert)
+
+    def expert_mlp(expert: int, x: torch.Tensor) -> torch.Tensor:
         w1, w2 = gate_up.select([expert]), down.select([expert])
-        h = F.linear(hidden[token].float(), w1.dequantize()[0], None if w1.bias is None else w1.bias[0].float())
-        y = F.linear(gate(h), w2.dequantize()[0], None if w2.bias is None else w2.bias[0].float())
-        out.index_add_(0, token, y * top_k_weights[token, slot, None].float())
-    return out.to(hidden.dtype)
+        h = F.linear(x.float(), w1.dequantize()[0], None if w1.bias is None else w1.bias[0].float())
+        return F.linear(gate(h), w2.dequantize()[0], None if w2.bias is None else w2.bias[0].float())
+
+    return expert_sum(hidden, top_k_index, top_k_weights, gate_up.shape[0], expert_mlp)
 
 
 @dataclass
@@ -120,10 +125,6 @@ class ResidentExperts:
         if module is None:
             raise RuntimeError(f"the experts module {self.name} was freed while a compiled graph still uses it")
         return module
-
-    @property
-    def num_experts(self) -> int:
-        return _expert_count(self.module)
 
     def expert_mlp(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """One expert's MLP on the tokens routed to it, in the module's dtype."""
@@ -147,14 +148,8 @@ class ResidentExperts:
 
     def reference(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """Reference routed-experts math: every family's Experts forward, accumulated in fp32."""
-        out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-        for expert in top_k_index.unique().tolist():
-            if expert >= self.num_experts:  # expert-parallel sentinel: not a local expert
-                continue
-            token, slot = torch.where(top_k_index == expert)
-            contribution = self.expert_mlp(expert, hidden[token]) * top_k_weights[token, slot, None]
-            out.index_add_(0, token, contribution.float())
-        return out.to(hidden.dtype)
+        experts = self.module.gate_up_proj.shape[0]
+        return expert_sum(hidden, top_k_index, top_k_weights, experts, self.expert_mlp)
 
 
 class ExpertStore:

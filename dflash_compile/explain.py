@@ -40,11 +40,11 @@ class ExplainReport:
 
 def expert_placement(model: torch.nn.Module) -> str:
     """Where the routed experts live and in which format: resident, packed, or offloaded behind a slot pool."""
-    from .families import spec_for_experts_class
+    from .families import experts_modules
 
     if not isinstance(model, torch.nn.Module):  # explain() also takes functions, e.g. the verify step
         return ""
-    modules = [m for m in model.modules() if spec_for_experts_class(type(m))]
+    modules = list(experts_modules(model).values())
     if not modules:
         return ""
     offload = getattr(model, "dflash_offload", None)

@@ -169,6 +169,11 @@ def spec_for_experts_class(cls: type) -> FamilySpec | None:
     return spec
 
 
+def experts_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The routed-experts modules of a model by name, as the registry recognises them (by class)."""
+    return {name: module for name, module in model.named_modules() if spec_for_experts_class(type(module))}
+
+
 def spec_for_config(config) -> FamilySpec | None:
     """The family of a model config; None for a dense model; UnsupportedFamilyError for an unknown MoE family."""
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config

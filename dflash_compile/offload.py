@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from .families import spec_for_experts_class
-from .packed import PackedWeight, packed_weights
+from .families import experts_modules, spec_for_experts_class
+from .packed import PackedWeight, expert_weights
 
 OFFLOAD_IMPLEMENTATION = "dflash_offload"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
@@ -73,19 +73,16 @@ class BlobLayout:
             out[name] = blobs[:, offset: offset + size].view(dtype).view(blobs.shape[0], *shape)
         return out
 
+    def weights(self, blobs: torch.Tensor, format: str) -> tuple[PackedWeight, PackedWeight]:
+        """(gate_up, down) read through `views(blobs)`: expert i is blob row i."""
+        views = self.views(blobs)
+        return tuple(PackedWeight(format, views[f"{p}_data"], views.get(f"{p}_scales"), views.get(f"{p}_bias"))
+                     for p in ("gate_up", "down"))
+
 
 def _weights_of(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     """An experts module's routed weights as output-major [E, ...] tensors, packed or not."""
-    if getattr(module, "packed_format", None):
-        gate_up, down = packed_weights(module)
-    else:
-        def output_major(name):
-            weight = getattr(module, name).detach()
-            return weight.transpose(1, 2) if module.is_transposed else weight
-
-        bias = (lambda name: getattr(module, name).detach()) if module.has_bias else (lambda name: None)
-        gate_up = PackedWeight("dense", output_major("gate_up_proj"), None, bias("gate_up_proj_bias"))
-        down = PackedWeight("dense", output_major("down_proj"), None, bias("down_proj_bias"))
+    gate_up, down = expert_weights(module)
     return {f"{prefix}_{part}": getattr(weight, part) for prefix, weight in (("gate_up", gate_up), ("down", down))
             for part in ("data", "scales", "bias")} | {"format": gate_up.format}
 
@@ -136,6 +133,7 @@ class _Layer:
     host: torch.Tensor  # [E, blob bytes] uint8, pinned on CUDA machines
     layout: BlobLayout
     format: str
+    pooled: tuple[PackedWeight, PackedWeight]  # (gate_up, down) as views over the slot pool, indexed by slot
 
 
 @dataclass
@@ -165,9 +163,9 @@ class OffloadedExperts:
             tensor.copy_(weights[name])
         if self.layers and layout.nbytes != self.layers[0].layout.nbytes:
             raise ValueError("MoE layers with different expert sizes cannot share one slot pool")
-        self.layers.append(_Layer(host, layout, format))
         if self.pool is None:
             self.pool = torch.empty(self.slots, layout.nbytes, dtype=torch.uint8, device=self.device)
+        self.layers.append(_Layer(host, layout, format, layout.weights(self.pool, format)))
         return len(self.layers) - 1
 
     def add_hook(self, hook: Callable[[str, int, int, int], None]) -> None:
@@ -214,11 +212,7 @@ class OffloadedExperts:
         table = torch.full((max(experts) + 1,), -1, dtype=top_k_index.dtype)
         table[experts] = torch.tensor(slots, dtype=top_k_index.dtype)
         slot_index = table.to(hidden.device, non_blocking=True)[top_k_index]
-        entry = self.layers[layer]
-        views = entry.layout.views(self.pool)
-        gate_up, down = (PackedWeight(entry.format, views[f"{p}_data"], views.get(f"{p}_scales"), views.get(f"{p}_bias"))
-                         for p in ("gate_up", "down"))
-        return run_packed(hidden, slot_index, top_k_weights, gate_up, down, gate)
+        return run_packed(hidden, slot_index, top_k_weights, *self.layers[layer].pooled, gate)
 
     @property
     def pool_bytes(self) -> int:
@@ -250,7 +244,7 @@ class OffloadPlan:
 
 
 def _experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    modules = [m for m in model.modules() if spec_for_experts_class(type(m))]
+    modules = list(experts_modules(model).values())
     if not modules:
         raise ValueError(f"{type(model).__name__} has no routed experts to offload")
     return modules

@@ -104,3 +104,17 @@ def packed_weights(module: torch.nn.Module) -> tuple[PackedWeight, PackedWeight]
     """The (gate_up, down) packed weights of a module prepared by `attach_packed`, as its buffers are now."""
     return tuple(PackedWeight(module.packed_format, *(getattr(module, f"packed_{prefix}_{part}") for part in _PARTS))
                  for prefix in ("gate_up", "down"))
+
+
+def expert_weights(module: torch.nn.Module) -> tuple[PackedWeight, PackedWeight]:
+    """(gate_up, down) of an experts module as output-major PackedWeights: its packed buffers, or its 3-D
+    parameters (transposed back where the family stores [E, in, out]) as "dense" ones with their biases."""
+    if getattr(module, "packed_format", None):
+        return packed_weights(module)
+
+    def dense(name: str) -> PackedWeight:
+        weight = getattr(module, name).detach()
+        bias = getattr(module, f"{name}_bias").detach() if module.has_bias else None
+        return PackedWeight("dense", weight.transpose(1, 2) if module.is_transposed else weight, None, bias)
+
+    return dense("gate_up_proj"), dense("down_proj")

@@ -139,9 +139,7 @@ def test_fused_moe_reads_experts_from_a_slot_pool(format):
     pool = torch.zeros(4, layout.nbytes, dtype=torch.uint8, device=DEVICE)
     for name, view in layout.views(pool).items():
         view[slot_of.to(DEVICE)] = parts[name]
-    views = layout.views(pool)
-    pooled = [PackedWeight(format, views[f"{p}_data"], views.get(f"{p}_scales"), views.get(f"{p}_bias"))
-              for p in ("gate_up", "down")]
+    pooled = layout.weights(pool, format)
     index, weights = _routing(3, 4, 2, seed=7)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(8))
     expected = reference_moe(x, index, weights, gate_up, down, False, "silu")
