@@ -24,9 +24,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from spec_decode import build_model, first_mismatch, timed  # noqa: E402
+from spec_decode import build_model, first_mismatch  # noqa: E402
 
 import dflash_compile  # noqa: E402
+from dflash_compile.benchmark import timed  # noqa: E402
 from dflash_compile.offload import plan_offload  # noqa: E402
 from dflash_compile.testing import OracleDrafter  # noqa: E402
 

@@ -21,12 +21,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 
 import torch
 import transformers
 
 import dflash_compile
+from dflash_compile.benchmark import timed
 from dflash_compile.cache import TargetCache
 from dflash_compile.cost_model import REFERENCE_CONFIGS, B, C, Hardware, ModelSizes, StepCost
 from dflash_compile.testing import (
@@ -55,21 +55,6 @@ def make_confident(model) -> None:
     embed.mul_(5000)
     permutation = torch.randperm(embed.shape[0], generator=torch.Generator().manual_seed(0)).to(embed.device)
     model.get_output_embeddings().weight.copy_(embed[permutation] / 5000)
-
-
-def timed(fn, repeats: int, device: str):
-    """(last result, median seconds) over `repeats` calls after one warm-up call."""
-    result = fn()
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        result = fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return result, statistics.median(times)
 
 
 def first_mismatch(expected: torch.Tensor, actual: torch.Tensor) -> str:

@@ -31,19 +31,26 @@ class Row:
         return statistics.median(self.tokens_per_second)
 
 
-def _timed(generate, ids, repeats: int, cuda: bool) -> tuple[float, torch.Tensor, float]:
-    """(generated tokens / median seconds, output, median seconds) after a warm-up call."""
-    out = generate(ids)
+def timed(fn, repeats: int, device="cpu"):
+    """(last result, median seconds) of `repeats` calls after one warm-up call (compilation, caches); CUDA work is
+    synchronised around every call."""
+    cuda = str(device).startswith("cuda")
+    result = fn()
     times = []
     for _ in range(repeats):
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        out = generate(ids)
+        result = fn()
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    seconds = statistics.median(times)
+    return result, statistics.median(times)
+
+
+def _generated_per_second(generate, ids, repeats: int, device) -> tuple[float, torch.Tensor, float]:
+    """(generated tokens / median seconds, output, median seconds)."""
+    out, seconds = timed(lambda: generate(ids), repeats, device)
     return (out.shape[1] - ids.shape[1]) / seconds, out, seconds
 
 
@@ -58,7 +65,7 @@ def shuffled_drafter(model, drafter_dir: Path, directory: Path) -> Path:
 
 def compare(model, prompt_ids: list[torch.Tensor], drafter_dir: Path, new_tokens: int, repeats: int,
             compile: bool) -> list[Row]:
-    cuda = model.device.type == "cuda"
+    device = model.device
     with tempfile.TemporaryDirectory() as tmp:
         setups = {
             "transformers generate": None,
@@ -73,15 +80,15 @@ def compare(model, prompt_ids: list[torch.Tensor], drafter_dir: Path, new_tokens
                                                         "adaptive": True}
         rows = {name: Row(name) for name in setups}
         for ids in prompt_ids:
-            speed, expected, _ = _timed(lambda i: model.generate(i, max_new_tokens=new_tokens, do_sample=False),
-                                        ids, repeats, cuda)
+            speed, expected, _ = _generated_per_second(
+                lambda i: model.generate(i, max_new_tokens=new_tokens, do_sample=False), ids, repeats, device)
             rows["transformers generate"].tokens_per_second.append(speed)
             for name, options in setups.items():
                 if options is None:
                     continue
                 fast = optimize(model, compile=compile, **options)
-                speed, out, seconds = _timed(lambda i: fast.generate(i, max_new_tokens=new_tokens), ids, repeats,
-                                             cuda)
+                speed, out, seconds = _generated_per_second(lambda i: fast.generate(i, max_new_tokens=new_tokens), ids,
+                                                             repeats, device)
                 if not torch.equal(out, expected):
                     raise AssertionError(f"{name}: the output differs from transformers' generate")
                 stats, row = fast.last_stats, rows[name]

@@ -34,19 +34,9 @@ def _load(args) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=DTYPES[args.dtype]).eval()
 
 
-def _timed(fn, repeats: int) -> tuple[torch.Tensor, float]:
-    """Result and median seconds of `repeats` calls after one warm-up."""
-    result = fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return result, sorted(times)[len(times) // 2]
-
-
 def explain_command(args) -> int:
     from . import dflash_backend, explain
+    from .benchmark import timed
 
     model = _load(args)
     ids = torch.randint(0, model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0))
@@ -56,9 +46,9 @@ def explain_command(args) -> int:
         for i, graph in enumerate(report.graphs):
             print(f"\n--- graph {i} after the passes ---\n{graph.after}")
     with torch.no_grad():
-        expected, eager_s = _timed(lambda: model(ids).logits, args.repeats)
+        expected, eager_s = timed(lambda: model(ids).logits, args.repeats, ids.device)
         compiled = torch.compile(model, backend=dflash_backend, fullgraph=report.graph_break_count == 0)
-        actual, compiled_s = _timed(lambda: compiled(ids).logits, args.repeats)
+        actual, compiled_s = timed(lambda: compiled(ids).logits, args.repeats, ids.device)
     difference = (actual.float() - expected.float()).abs().max().item()
     print(f"max |compiled - eager| logits: {difference:.3g}")
     print(f"forward over {args.tokens} tokens, median of {args.repeats}: eager {eager_s * 1e3:.2f} ms, "
@@ -75,6 +65,7 @@ def generate_command(args) -> int:
     from transformers import TextStreamer
 
     from . import optimize
+    from .benchmark import timed
     from .pair import load_target, pair_paths
 
     if (args.model is None) != (args.drafter is None):
@@ -91,9 +82,9 @@ def generate_command(args) -> int:
     if not args.stream:
         print(tokenizer.decode(output[0]))
     new_tokens = output.shape[1] - ids.shape[1]
-    plain, plain_seconds = _timed(lambda: model.generate(ids, max_new_tokens=args.max_new_tokens,
-                                                         do_sample=False), args.repeats)
-    _, ours_seconds = _timed(lambda: fast.generate(ids, max_new_tokens=args.max_new_tokens), args.repeats)
+    plain, plain_seconds = timed(lambda: model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False),
+                                 args.repeats, device)
+    _, ours_seconds = timed(lambda: fast.generate(ids, max_new_tokens=args.max_new_tokens), args.repeats, device)
     widths = ", ".join(f"{w} tokens x {stats.widths.count(w)}" for w in sorted(set(stats.widths), reverse=True))
     print(f"\n--- {new_tokens} new tokens, block {stats.block_size}, {stats.steps} verify steps ({widths}), "
           f"mean accepted length {stats.tau:.2f}")

@@ -112,6 +112,13 @@ def default_layer_ids(num_target_layers: int, count: int) -> tuple[int, ...]:
     return tuple(round(1 + i * (num_target_layers - 4) / max(count - 1, 1)) for i in range(count))
 
 
+def context_features(hidden_states, layer_ids: tuple[int, ...]) -> torch.Tensor:
+    """What a drafter is conditioned on: the target's hidden states after each of `layer_ids`, concatenated on the
+    feature axis. `hidden_states[i + 1]` is layer i's output (transformers' output_hidden_states; the last one is
+    after the final norm), as the reference drafters were trained."""
+    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
 def validate_pairing(config: DrafterConfig, fc_shape: tuple[int, ...], target_config) -> tuple[int, ...]:
     """Check everything a drafter must share with its target; return the target layer ids to capture.
 

@@ -19,7 +19,7 @@ import torch
 from .adaptive import WidthChooser
 from .backend import dflash_backend
 from .cache import RowCache, TargetCache
-from .drafter import DFlashDrafter
+from .drafter import DFlashDrafter, context_features
 from .families import spec_for_model
 from .sampling import Sampler, processed_probs, warpers
 
@@ -132,8 +132,7 @@ class SpeculativeDecoder:
             use_cache=True,
             output_hidden_states=bool(self.layer_ids or self.linear_layers),
         )
-        # hidden_states[i + 1] is layer i's output (after the final norm for the last layer), as drafters expect
-        features = torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1) if self.layer_ids else None
+        features = context_features(out.hidden_states, self.layer_ids) if self.layer_ids else None
         linear_inputs = {i: out.hidden_states[i] for i in self.linear_layers}  # what each linear layer was fed
         return out.logits, features, linear_inputs
 

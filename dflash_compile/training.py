@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .drafter import DFlashDrafter, DrafterConfig, drafter_config, save_drafter, validate_pairing
+from .drafter import (
+    DFlashDrafter, DrafterConfig, context_features, drafter_config, save_drafter, validate_pairing)
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ def _features(target, tokens: torch.Tensor, layer_ids: tuple[int, ...]) -> torch
     """The target's hidden states at the drafter's layers, concatenated: what inference feeds the drafter."""
     with torch.no_grad():
         hidden = target(input_ids=tokens, output_hidden_states=True, use_cache=False).hidden_states
-    return torch.cat([hidden[i + 1] for i in layer_ids], dim=-1)
+    return context_features(hidden, layer_ids)
 
 
 def block_loss(logits: torch.Tensor, labels: torch.Tensor, gamma: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -101,7 +101,8 @@ def train_target(tokenizer, stream: torch.Tensor, steps: int, batch: int, length
     return model.eval()
 
 
-def heldout_prompts(texts: list[str], tokenizer, count: int, max_tokens: int = 96, max_lines: int = 8) -> list[str]:
+def select_heldout_prompts(texts: list[str], tokenizer, count: int, max_tokens: int = 96,
+                           max_lines: int = 8) -> list[str]:
     """Code-completion prompts from held-out files: a function's `def` line after as many of the lines before it
     (at most `max_lines`) as fit in `max_tokens`, so that prompt + 128 new tokens stay in the target's context."""
     prompts = []
@@ -123,7 +124,7 @@ def prepare(out: Path, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     train, heldout = stdlib_sources()
     tokenizer = train_tokenizer(train, vocab)
     tokenizer.save_pretrained(out / "target")
-    (out / "heldout_prompts.json").write_text(json.dumps(heldout_prompts(heldout, tokenizer, 24), indent=1))
+    (out / "heldout_prompts.json").write_text(json.dumps(select_heldout_prompts(heldout, tokenizer, 24), indent=1))
     stream = token_stream(tokenizer, train)
     print(f"{len(train)} training files, {len(heldout)} held out, {stream.numel()} training tokens")
     return stream, token_stream(tokenizer, heldout)

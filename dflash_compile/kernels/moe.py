@@ -212,7 +212,7 @@ def _expert_strides(weight: PackedWeight) -> tuple[int, int, int]:
 
 def _launch(x, weight: PackedWeight, pair_ids, block_expert, pair_weights, rows_out, n_out, row_div, *, gated,
             interleaved, activation, alpha, limit, compute_fp32, block_m, block_n, block_k, num_warps):
-    experts, n, k = weight.shape
+    _, n, k = weight.shape
     out = torch.empty(rows_out, n_out, dtype=torch.float32 if compute_fp32 or not gated else x.dtype,
                       device=x.device)
     grid = (block_expert.numel(), triton.cdiv(n_out, block_n))

@@ -1,8 +1,8 @@
 """Routed-expert MoE kernels on real layer shapes (H200): the fused packed kernel against (a) dequantize-to-bf16 then
 torch matmuls and (b) bf16 weights with transformers' grouped_mm experts, for M tokens with random routing.
 
-    python bench/kernels.py                     # all shapes, M in 1 4 8 16 64; prints a table, writes --json
-    python bench/kernels.py --shapes gpt-oss-20b --tokens 1 16
+    python bench/moe_kernels.py                     # all shapes, M in 1 4 8 16 64; prints a table, writes --json
+    python bench/moe_kernels.py --shapes gpt-oss-20b --tokens 1 16
 
 Weights rotate over several layers so that L2 does not serve them. "bytes" are the routed experts' packed bytes
 (weights, scales, biases) that one call must read; GB/s is bytes / time, next to the device-to-device copy bandwidth
