@@ -80,11 +80,12 @@ class BlobLayout:
                      for p in ("gate_up", "down"))
 
 
-def _weights_of(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
-    """An experts module's routed weights as output-major [E, ...] tensors, packed or not."""
+def _blob_parts(module: torch.nn.Module) -> tuple[str, dict[str, torch.Tensor | None]]:
+    """An experts module's format and routed weights as the named [E, ...] parts of its blobs, packed or not."""
     gate_up, down = expert_weights(module)
-    return {f"{prefix}_{part}": getattr(weight, part) for prefix, weight in (("gate_up", gate_up), ("down", down))
-            for part in ("data", "scales", "bias")} | {"format": gate_up.format}
+    return gate_up.format, {f"{prefix}_{part}": getattr(weight, part)
+                            for prefix, weight in (("gate_up", gate_up), ("down", down))
+                            for part in ("data", "scales", "bias")}
 
 
 class ExpertCache:
@@ -153,8 +154,7 @@ class OffloadedExperts:
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     def add_layer(self, module: torch.nn.Module) -> int:
-        weights = _weights_of(module)
-        format = weights.pop("format")
+        format, weights = _blob_parts(module)
         layout = BlobLayout.of(weights)
         experts = weights["gate_up_data"].shape[0]
         pin = self.device.type == "cuda"
@@ -255,7 +255,7 @@ def plan_offload(model: torch.nn.Module) -> OffloadPlan:
     expert_tensors = {id(t) for m in modules for t in (*m.parameters(), *m.buffers())}
     dense = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())
                 if id(t) not in expert_tensors)
-    weights = {k: v for k, v in _weights_of(modules[0]).items() if k != "format"}
+    _, weights = _blob_parts(modules[0])
     return OffloadPlan(dense, BlobLayout.of(weights).nbytes, weights["gate_up_data"].shape[0], len(modules))
 
 
