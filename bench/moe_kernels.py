@@ -155,6 +155,15 @@ def run_shape(name, tokens_list, layers, tuning, copy_gbs, rows):
               f"({row['speedup_vs_grouped_mm']:.2f}x)  err {error:.1e}", flush=True)
 
 
+def tile_candidates(format: str):
+    """The sweep: output tiles, K steps (FP8 up to its 128-column scale block), warps and K steps in flight."""
+    for block_n in (16, 32, 64):
+        for block_k in (64, 128) if format == "fp8_block" else (128, 256):
+            for num_stages in (2, 4):
+                yield {"block_n": block_n, "block_k": block_k, "num_warps": 4, "num_stages": num_stages}
+    yield {"block_n": 64, "block_k": 128, "num_warps": 8, "num_stages": 3}
+
+
 def tune(name: str, tokens_list, layers: int) -> dict:
     """Pick tile sizes and warps for a shape's format (one config per call: no autotuner, which fails in the
     interpreter): the best sum of CUDA-graph times over `tokens_list`."""
@@ -167,16 +176,17 @@ def tune(name: str, tokens_list, layers: int) -> dict:
         index = torch.rand(tokens, experts, device="cuda").argsort(dim=1)[:, :top_k]
         weights = torch.softmax(torch.randn(tokens, top_k, device="cuda"), dim=-1)
         x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-        for block_n in (16, 32, 64):
-            for block_k in (128, 256):
-                for num_warps in (4, 8):
-                    settings = {"block_n": block_n, "block_k": block_k, "num_warps": num_warps}
-                    us = graph_time_us([lambda g=g, d=d: fused_moe(x, index, weights, g, d, interleaved=gpt_oss,
-                                                                    activation=activation, **settings)
-                                        for g, d in packed])
-                    key = tuple(settings.items())
-                    totals[key] = totals.get(key, 0.0) + us
-                    print(f"tune {name} M={tokens} {settings}: {us:.1f} us", flush=True)
+        for settings in tile_candidates(format):
+            try:
+                us = graph_time_us([lambda g=g, d=d: fused_moe(x, index, weights, g, d, interleaved=gpt_oss,
+                                                                activation=activation, **settings)
+                                    for g, d in packed])
+            except Exception as error:  # e.g. out of shared memory: not a candidate
+                print(f"tune {name} {settings}: {type(error).__name__}", flush=True)
+                us = float("inf")
+            key = tuple(settings.items())
+            totals[key] = totals.get(key, 0.0) + us
+            print(f"tune {name} M={tokens} {settings}: {us:.1f} us", flush=True)
     return dict(min(totals, key=totals.get))
 
 

@@ -97,9 +97,9 @@ def _e4m3(byte):
 
 @triton.jit
 def _mxfp4_halves(data, scales, rows, row_ok, k, K, BLOCK_K: tl.constexpr):
-    """One expert's MXFP4 weight (`data` / `scales` at that expert) at `rows` x [k, k + BLOCK_K) as two fp32
-    [BLOCK_N, BLOCK_K / 2] tiles: the even columns (low nibbles) and the odd columns (high nibbles), each byte's
-    group scale applied."""
+    """Interpreter path: one expert's MXFP4 weight (`data` / `scales` at that expert) at `rows` x [k, k + BLOCK_K) as
+    two fp32 [BLOCK_ROWS, BLOCK_K / 2] tiles, the even columns (low nibbles) and the odd columns (high nibbles), each
+    byte's group scale applied (the interpreter has no dot_scaled it computes exactly)."""
     byte_columns = k // 2 + tl.arange(0, BLOCK_K // 2)
     ok = row_ok[:, None] & (byte_columns[None, :] < K // 2)
     packed = tl.load(data + rows[:, None] * (K // 2) + byte_columns[None, :], mask=ok, other=0).to(tl.int32)
@@ -109,45 +109,69 @@ def _mxfp4_halves(data, scales, rows, row_ok, k, K, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _weight_tile(data, scales, rows, row_ok, k, K, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
-    """fp32 [BLOCK_N, BLOCK_K] tile of one expert's dense or FP8 block-scaled weight at `rows` x [k, k + BLOCK_K)."""
+def _mxfp4_dot(acc, x_rows, pair_ok, data, scales, rows, row_ok, k, K, COMPUTE_FP32: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """acc + x[:, k:k+BLOCK_K] @ W[rows, k:k+BLOCK_K]^T for an MXFP4 weight. On the GPU this is `tl.dot_scaled`
+    (packed codes and E8M0 scales go to the compiler's own upcast, no per-element arithmetic here); the fp32 path
+    multiplies even and odd columns separately."""
+    if COMPUTE_FP32:
+        even = k + 2 * tl.arange(0, BLOCK_K // 2)
+        x_ok = pair_ok[:, None] & (even[None, :] < K)
+        low, high = _mxfp4_halves(data, scales, rows, row_ok, k, K, BLOCK_K)
+        acc += _dot(tl.load(x_rows + even[None, :], mask=x_ok, other=0.0), low, COMPUTE_FP32)
+        acc += _dot(tl.load(x_rows + even[None, :] + 1, mask=x_ok, other=0.0), high, COMPUTE_FP32)
+        return acc
     columns = k + tl.arange(0, BLOCK_K)
-    ok = row_ok[:, None] & (columns[None, :] < K)
-    if FORMAT == 2:  # FP8 block-scaled: one fp32 scale per 128 x 128 block
-        byte = tl.load(data + rows[:, None] * K + columns[None, :], mask=ok, other=0).to(tl.int32)
-        grid_columns = (K + 127) // 128
-        scale = tl.load(scales + (rows[:, None] // 128) * grid_columns + columns[None, :] // 128, mask=ok, other=0.0)
-        return _e4m3(byte) * scale
-    return tl.load(data + rows[:, None] * K + columns[None, :], mask=ok, other=0.0).to(tl.float32)
+    x_tile = tl.load(x_rows + columns[None, :], mask=pair_ok[:, None] & (columns[None, :] < K), other=0.0)
+    byte_columns = k // 2 + tl.arange(0, BLOCK_K // 2)
+    packed = tl.load(data + rows[:, None] * (K // 2) + byte_columns[None, :],
+                     mask=row_ok[:, None] & (byte_columns[None, :] < K // 2), other=0)
+    groups = k // 32 + tl.arange(0, BLOCK_K // 32)
+    exponent = tl.load(scales + rows[:, None] * (K // 32) + groups[None, :],
+                       mask=row_ok[:, None] & (groups[None, :] < K // 32), other=127)
+    return tl.dot_scaled(x_tile.to(tl.bfloat16), None, "bf16", tl.trans(packed), exponent, "e2m1", acc)
+
+
+@triton.jit
+def _fp8_tile(data, rows, row_ok, columns, K, COMPUTE_FP32: tl.constexpr):
+    """[BLOCK_ROWS, BLOCK_K] float8_e4m3fn weight values, unscaled: the hardware conversion on the GPU, arithmetic
+    decoding in the fp32 path (the interpreter's fp8 casts are unreliable)."""
+    byte = tl.load(data + rows[:, None] * K + columns[None, :], mask=row_ok[:, None] & (columns[None, :] < K),
+                   other=0)
+    if COMPUTE_FP32:
+        return _e4m3(byte.to(tl.int32))
+    return byte.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
 
 
 @triton.jit
 def _dot(x_tile, w_tile, COMPUTE_FP32: tl.constexpr):
-    """x [BLOCK_M, k] @ w [BLOCK_N, k]^T in fp32, or bf16 into an fp32 result."""
+    """x [BLOCK_M, k] @ w [BLOCK_ROWS, k]^T in fp32, or bf16 into an fp32 result."""
     if COMPUTE_FP32:
-        return tl.dot(x_tile.to(tl.float32), tl.trans(w_tile), input_precision="ieee")
+        return tl.dot(x_tile.to(tl.float32), tl.trans(w_tile.to(tl.float32)), input_precision="ieee")
     return tl.dot(x_tile.to(tl.bfloat16), tl.trans(w_tile.to(tl.bfloat16)))
 
 
 @triton.jit
 def _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_loop,
-             FORMAT: tl.constexpr, COMPUTE_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] fp32 = x[pair_rows] @ W[rows]^T over all of K, W the expert at `data` / `scales`."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+             FORMAT: tl.constexpr, COMPUTE_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+             BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """[BLOCK_M, BLOCK_ROWS] fp32 = x[pair_rows] @ W[rows]^T over all of K, W the expert at `data` / `scales`."""
+    acc = tl.zeros((BLOCK_M, BLOCK_ROWS), dtype=tl.float32)
     x_rows = x + pair_rows[:, None].to(tl.int64) * K
-    for k in range(0, k_loop, BLOCK_K):
-        if FORMAT == 1:  # MXFP4: even and odd columns as two products, no interleaving of the nibbles
-            even = k + 2 * tl.arange(0, BLOCK_K // 2)
-            x_ok = pair_ok[:, None] & (even[None, :] < K)
-            low, high = _mxfp4_halves(data, scales, rows, row_ok, k, K, BLOCK_K)
-            acc += _dot(tl.load(x_rows + even[None, :], mask=x_ok, other=0.0), low, COMPUTE_FP32)
-            acc += _dot(tl.load(x_rows + even[None, :] + 1, mask=x_ok, other=0.0), high, COMPUTE_FP32)
+    for k in tl.range(0, k_loop, BLOCK_K, num_stages=NUM_STAGES):
+        if FORMAT == 1:
+            acc = _mxfp4_dot(acc, x_rows, pair_ok, data, scales, rows, row_ok, k, K, COMPUTE_FP32, BLOCK_K)
         else:
             columns = k + tl.arange(0, BLOCK_K)
             x_tile = tl.load(x_rows + columns[None, :], mask=pair_ok[:, None] & (columns[None, :] < K), other=0.0)
-            acc += _dot(x_tile, _weight_tile(data, scales, rows, row_ok, k, K, FORMAT, BLOCK_K),
-                        COMPUTE_FP32)
+            if FORMAT == 2:  # BLOCK_K divides 128, so the tile lies in one 128-column scale block: scale per row
+                row_scale = tl.load(scales + (rows // 128) * ((K + 127) // 128) + k // 128, mask=row_ok, other=0.0)
+                acc += _dot(x_tile, _fp8_tile(data, rows, row_ok, columns, K, COMPUTE_FP32),
+                            COMPUTE_FP32) * row_scale[None, :]
+            else:
+                w_tile = tl.load(data + rows[:, None] * K + columns[None, :],
+                                 mask=row_ok[:, None] & (columns[None, :] < K), other=0.0)
+                acc += _dot(x_tile, w_tile, COMPUTE_FP32)
     return acc
 
 
@@ -157,7 +181,7 @@ def _moe_gemm_kernel(
     P, N, K, N_OUT, ROW_DIV, alpha, limit, data_stride, scales_stride, bias_stride,
     FORMAT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr, APPLY_WEIGHT: tl.constexpr, COMPUTE_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     block = tl.program_id(0)
     expert = tl.load(block_expert + block)
@@ -173,20 +197,22 @@ def _moe_gemm_kernel(
     columns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     column_ok = columns < N_OUT
     k_loop = tl.cdiv(K, BLOCK_K) * BLOCK_K
-    if GATED:  # output column j needs weight rows gate(j) and up(j)
+    if GATED:
+        # Output column j needs weight rows gate(j) and up(j): one tile of 2 * BLOCK_N rows ordered gate, up, gate,
+        # up, ... (contiguous when the checkpoint interleaves them), so one K loop has both in flight.
+        r = tl.arange(0, 2 * BLOCK_N)
+        column = tl.program_id(1) * BLOCK_N + r // 2
         if INTERLEAVED:
-            gate_rows = tl.where(column_ok, 2 * columns, 0)
-            up_rows = tl.where(column_ok, 2 * columns + 1, 0)
+            rows = 2 * column + r % 2
         else:
-            gate_rows = tl.where(column_ok, columns, 0)
-            up_rows = tl.where(column_ok, columns + N_OUT, 0)
-        gate = _project(x, data, scales, gate_rows, column_ok, pair_rows, pair_ok, K, k_loop,
-                        FORMAT, COMPUTE_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
-        up = _project(x, data, scales, up_rows, column_ok, pair_rows, pair_ok, K, k_loop,
-                      FORMAT, COMPUTE_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+            rows = column + (r % 2) * N_OUT
+        row_ok = column < N_OUT
+        rows = tl.where(row_ok, rows, 0)
+        both = _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_loop,
+                        FORMAT, COMPUTE_FP32, BLOCK_M, 2 * BLOCK_N, BLOCK_K, NUM_STAGES)
         if HAS_BIAS:
-            gate += tl.load(bias + gate_rows, mask=column_ok, other=0.0).to(tl.float32)[None, :]
-            up += tl.load(bias + up_rows, mask=column_ok, other=0.0).to(tl.float32)[None, :]
+            both += tl.load(bias + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+        gate, up = tl.split(tl.reshape(both, (BLOCK_M, BLOCK_N, 2)))
         if ACTIVATION == 1:  # gpt-oss: clamped SwiGLU
             gate = tl.minimum(gate, limit)
             up = tl.minimum(tl.maximum(up, -limit), limit)
@@ -196,7 +222,7 @@ def _moe_gemm_kernel(
     else:
         rows = tl.where(column_ok, columns, 0)
         result = _project(x, data, scales, rows, column_ok, pair_rows, pair_ok, K, k_loop,
-                          FORMAT, COMPUTE_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+                          FORMAT, COMPUTE_FP32, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)
         if HAS_BIAS:
             result += tl.load(bias + rows, mask=column_ok, other=0.0).to(tl.float32)[None, :]
     if APPLY_WEIGHT:
@@ -211,7 +237,7 @@ def _expert_strides(weight: PackedWeight) -> tuple[int, int, int]:
 
 
 def _launch(x, weight: PackedWeight, pair_ids, block_expert, pair_weights, rows_out, n_out, row_div, *, gated,
-            interleaved, activation, alpha, limit, compute_fp32, block_m, block_n, block_k, num_warps):
+            interleaved, activation, alpha, limit, compute_fp32, block_m, block_n, block_k, num_warps, num_stages):
     _, n, k = weight.shape
     out = torch.empty(rows_out, n_out, dtype=torch.float32 if compute_fp32 or not gated else x.dtype,
                       device=x.device)
@@ -224,17 +250,41 @@ def _launch(x, weight: PackedWeight, pair_ids, block_expert, pair_weights, rows_
         rows_out, n, k, n_out, row_div, float(alpha), float(limit), *_expert_strides(weight),
         FORMAT=FORMATS[weight.format], GATED=gated, INTERLEAVED=interleaved, ACTIVATION=ACTIVATIONS[activation],
         HAS_BIAS=weight.bias is not None, APPLY_WEIGHT=pair_weights is not None, COMPUTE_FP32=compute_fp32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, num_warps=num_warps,
     )
     return out
 
 
+# Tiles per weight format (one config each: the interpreter cannot autotune), from `bench/moe_kernels.py`'s sweep on
+# the H200 (docs/benchmarks.md). block_m: pairs per block; block_n: output columns per program; block_k: K per step
+# (FP8: a divisor of its 128-column scale block); num_stages: K steps in flight.
+TILES = {
+    "mxfp4": {"block_m": 16, "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 3},
+    "fp8_block": {"block_m": 16, "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 3},
+    "dense": {"block_m": 16, "block_n": 32, "block_k": 64, "num_warps": 4, "num_stages": 3},
+}
+
+
+def tiles_for(format: str, overrides: dict) -> dict:
+    """The format's tiles with `overrides` applied, checked against what the kernel can run."""
+    unknown = set(overrides) - set(TILES[format])
+    if unknown:
+        raise ValueError(f"unknown tile settings {sorted(unknown)}; the kernel takes {sorted(TILES[format])}")
+    tiles = TILES[format] | overrides
+    block_k = tiles["block_k"]
+    if block_k % 32 or block_k & (block_k - 1):
+        raise ValueError(f"block_k must be a power of two and a multiple of 32 (one MXFP4 group), got {block_k}")
+    if format == "fp8_block" and block_k > 128:
+        raise ValueError(f"fp8_block needs block_k <= 128 (one scale per 128 columns), got {block_k}")
+    return tiles
+
+
 def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up: PackedWeight,
               down: PackedWeight, *, interleaved: bool = False, activation: str = "silu", alpha: float = 1.702,
-              limit: float = 7.0, compute_fp32: bool | None = None, block_m: int = 16, block_n: int = 32,
-              block_k: int = 128, num_warps: int = 4) -> torch.Tensor:
+              limit: float = 7.0, compute_fp32: bool | None = None, **tiles) -> torch.Tensor:
     """Routed experts of one MoE layer: hidden [M, H], top_k_index / top_k_weights [M, k] -> [M, H] in
-    hidden's dtype. gate_up is [E, 2I, H], down [E, H, I] (output-major), each packed in any format."""
+    hidden's dtype. gate_up is [E, 2I, H], down [E, H, I] (output-major), each packed in any format; `tiles`
+    override the format's `TILES`."""
     experts, two_i, h = gate_up.shape
     if down.shape != (experts, h, two_i // 2):
         raise ValueError(f"down weight {list(down.shape)} does not match gate_up {list(gate_up.shape)}: expected "
@@ -243,13 +293,11 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
         raise ValueError(f"hidden size {hidden.shape[-1]} differs from the experts' {h}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation!r} has no fused kernel; choose one of {sorted(ACTIVATIONS)}")
-    if block_k % 32 or block_k & (block_k - 1):
-        raise ValueError(f"block_k must be a power of two and a multiple of 32 (one MXFP4 group), got {block_k}")
+    settings = tiles_for(gate_up.format, tiles)
     compute_fp32 = hidden.dtype == torch.float32 if compute_fp32 is None else compute_fp32
     tokens, top_k = top_k_index.shape
-    pair_ids, block_expert = align_routing(top_k_index, experts, block_m)
-    settings = dict(alpha=alpha, limit=limit, compute_fp32=compute_fp32, block_m=block_m, block_n=block_n,
-                    block_k=block_k, num_warps=num_warps)
+    pair_ids, block_expert = align_routing(top_k_index, experts, settings["block_m"])
+    settings |= dict(alpha=alpha, limit=limit, compute_fp32=compute_fp32)
     x = hidden.contiguous()
     intermediate = _launch(x, gate_up, pair_ids, block_expert, None, tokens * top_k, two_i // 2, top_k,
                            gated=True, interleaved=interleaved, activation=activation, **settings)
@@ -263,7 +311,7 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, **tiles) -> torch.Tenso
     """A dense linear layer over a packed [1, N, K] weight (FP8 block-scaled or MXFP4): the MoE kernel with every
     token routed to the one expert. x [..., K] -> [..., N] in x's dtype."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    settings = {"block_m": 16, "block_n": 32, "block_k": 128, "num_warps": 4} | tiles
+    settings = tiles_for(weight.format, tiles)
     pair_ids, block_expert = align_routing(torch.zeros(rows.shape[0], 1, dtype=torch.int32, device=x.device), 1,
                                            settings["block_m"])
     out = _launch(rows, weight, pair_ids, block_expert, None, rows.shape[0], weight.shape[1], 1, gated=False,

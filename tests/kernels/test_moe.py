@@ -97,10 +97,11 @@ def test_bad_shapes_are_named():
                   activation="gelu")
 
 
-@pytest.mark.parametrize("format", ["mxfp4", "fp8_block"])
-@pytest.mark.parametrize("block_n, block_k", [(16, 256), (64, 32)])
+@pytest.mark.parametrize("format, block_n, block_k", [("mxfp4", 16, 256), ("mxfp4", 64, 32), ("fp8_block", 16, 128),
+                                                      ("fp8_block", 64, 32), ("dense", 16, 256)])
 def test_tile_sizes_do_not_change_the_result(format, block_n, block_k):
-    """A K tile spanning two FP8 scale blocks (256), one MXFP4 group (32), narrow and wide N tiles."""
+    """K tiles of one MXFP4 group (32) up to 256, FP8 tiles inside a 128-column scale block, narrow and wide N
+    tiles (the gate/up tile holds 2 * block_n rows)."""
     gate_up, down = _experts(format, 3, 320, 96, bias=True, seed=2)
     index, weights = _routing(5, 3, 2, seed=3)
     x = torch.randn(5, 320, generator=torch.Generator().manual_seed(4))
@@ -108,6 +109,19 @@ def test_tile_sizes_do_not_change_the_result(format, block_n, block_k):
     actual = fused_moe(x.to(DEVICE), index.to(DEVICE), weights.to(DEVICE), gate_up, down, compute_fp32=True,
                        block_n=block_n, block_k=block_k)
     assert (actual.cpu().double() - expected).norm() / expected.norm() <= 1e-4
+
+
+def test_tiles_the_kernel_cannot_run_are_refused():
+    gate_up, down = _experts("fp8_block", 2, 128, 64, bias=False)
+    index, weights = _routing(1, 2, 1)
+    call = lambda **tiles: fused_moe(torch.zeros(1, 128, device=DEVICE), index.to(DEVICE), weights.to(DEVICE),  # noqa: E731
+                                     gate_up, down, **tiles)
+    with pytest.raises(ValueError, match="fp8_block needs block_k <= 128"):
+        call(block_k=256)
+    with pytest.raises(ValueError, match="block_k must be a power of two"):
+        call(block_k=96)
+    with pytest.raises(ValueError, match=r"unknown tile settings \['block_z'\]"):
+        call(block_z=8)
 
 
 @pytest.mark.parametrize("format", ["fp8_block", "mxfp4"])
