@@ -32,11 +32,17 @@ from dflash_compile.cost_model import REFERENCE_CONFIGS, B, C, Hardware, ModelSi
 from dflash_compile.testing import (
     OracleDrafter, load_tiny_model, random_drafter_weights, save_drafter, tiny_drafter_config)
 
-def build_model(name: str, device: str) -> transformers.PreTrainedModel:
+def build_model(name: str, device: str, layers: int | None = None) -> transformers.PreTrainedModel:
+    """A tiny test model, or a reference shape with random bf16 weights (its first `layers` layers when given)."""
     if name.startswith("tiny-"):
         return load_tiny_model(name.removeprefix("tiny-")).to(device)
+    config = REFERENCE_CONFIGS[name]()
+    if layers:
+        config.num_hidden_layers = layers
+        if getattr(config, "layer_types", None):
+            config.layer_types = config.layer_types[:layers]
     with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(REFERENCE_CONFIGS[name](), dtype=torch.bfloat16)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     with torch.no_grad():  # transformers initialises biases and sinks to zero; small random values are realistic
         for tensor in model.parameters():
             if not tensor.any():
