@@ -69,37 +69,43 @@ def run(args) -> list[dict]:
     for fraction in args.resident:
         all_experts = plan.experts_per_layer * plan.layers
         budget = plan.dense_bytes + max(int(fraction * all_experts), plan.experts_per_layer) * plan.blob_bytes
-        for name, drafter in (("decode", None),
-                              (f"DFlash block {args.block}, oracle p={args.corruption}",
-                               OracleDrafter(expected.cpu(), None, args.block, args.corruption,
-                                             host_model.config.vocab_size))):
+        setups = [(f"{policy}, {name}", policy, drafter) for policy in args.policy
+                  for name, drafter in (("decode", None),
+                                        (f"DFlash block {args.block}, oracle p={args.corruption}",
+                                         OracleDrafter(expected.cpu(), None, args.block, args.corruption,
+                                                       host_model.config.vocab_size)))]
+        for name, policy, drafter in setups:
             fast = dflash_compile.optimize(copy.deepcopy(host_model), drafter, gpu_memory=budget, device=args.device,
-                                           adaptive=False)
+                                           adaptive=False, offload_policy=policy,
+                                           offload_prefetch=not args.no_prefetch)
             offloaded = fast.model.dflash_offload
             out, seconds = timed(lambda: fast.generate(ids.to(args.device), max_new_tokens=args.new), args.repeats,
                                  args.device)
-            before = (offloaded.stats.bytes_fetched, offloaded.stats.hits, offloaded.stats.misses)
+            before = copy.copy(offloaded.stats)
             start = time.perf_counter()
             fast.generate(ids.to(args.device), max_new_tokens=args.new)
             if args.device == "cuda":
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - start
-            fetched = offloaded.stats.bytes_fetched - before[0]
-            hits, misses = offloaded.stats.hits - before[1], offloaded.stats.misses - before[2]
+            run_stats = {key: value - getattr(before, key) for key, value in vars(offloaded.stats).items()}
+            fetched, hits, misses = run_stats["bytes_fetched"], run_stats["hits"], run_stats["misses"]
             rows.append({
                 "setup": f"dflash offload {fraction:.0%} resident, {name}", "tokens_per_s": args.new / seconds,
                 "bytes_per_token": fetched / args.new, "h2d_gb_s": fetched / elapsed / 1e9,
                 "hit_rate": hits / max(hits + misses, 1), "tau": fast.last_stats.tau,
+                "coverage": run_stats["prefetch_hits"] / max(run_stats["prefetch_hits"] + misses, 1),
+                "waste": run_stats["prefetch_wasted"] / max(run_stats["prefetched"], 1),
                 "floor_ratio": (seconds / args.new) / (fetched / args.new / pcie),
                 "slots": offloaded.slots, "check": first_mismatch(expected, out)})
             print(rows[-1], flush=True)
             fast = None
         accelerated = accelerate_offloaded(copy.deepcopy(host_model), budget, args.device)
+        new = args.accelerate_new or args.new  # accelerate is slow: fewer tokens give the same rate
         with torch.no_grad():
-            out, seconds = timed(lambda: accelerated.generate(ids.to(args.device), max_new_tokens=args.new,
+            out, seconds = timed(lambda: accelerated.generate(ids.to(args.device), max_new_tokens=new,
                                                               do_sample=False), args.repeats, args.device)
         rows.append({"setup": f"accelerate offload, same budget ({fraction:.0%} of experts)",
-                     "tokens_per_s": args.new / seconds, "check": first_mismatch(expected, out)})
+                     "tokens_per_s": new / seconds, "check": first_mismatch(expected[:, :ids.shape[1] + new], out)})
         print(rows[-1], flush=True)
         accelerated = None
     return rows
@@ -116,16 +122,20 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=8)
     parser.add_argument("--corruption", type=float, default=0.1)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--policy", nargs="+", default=["lru"], choices=["lru", "lfu"])
+    parser.add_argument("--no-prefetch", action="store_true", help="offload without next-layer prefetch")
+    parser.add_argument("--accelerate-new", type=int, help="new tokens for the accelerate rows (default --new)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     rows = run(args)
     print(f"# {args.model} ({args.layers or 'all'} layers) on {args.device}, prompt {args.prompt}, {args.new} new "
           f"tokens, median of {args.repeats}")
-    print("| setup | tok/s | bytes/token | H2D GB/s | time / PCIe floor | hit rate | tau | check |\n"
-          "|---|---|---|---|---|---|---|---|")
+    print("| setup | tok/s | bytes/token | H2D GB/s | time / PCIe floor | hit rate | coverage | waste | tau | check |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         cells = [f"{row.get(k):.3g}" if isinstance(row.get(k), float) else str(row.get(k, "-"))
-                 for k in ("tokens_per_s", "bytes_per_token", "h2d_gb_s", "floor_ratio", "hit_rate", "tau")]
+                 for k in ("tokens_per_s", "bytes_per_token", "h2d_gb_s", "floor_ratio", "hit_rate", "coverage",
+                           "waste", "tau")]
         print(f"| {row['setup']} | " + " | ".join(cells) + f" | {row.get('check', 'reference')} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

@@ -39,6 +39,7 @@ class RouterSpec:
     correction_bias: bool = False  # `e_score_correction_bias` added to the scores used for the choice only
     grouped_top_k: bool = False  # experts chosen inside the best `topk_group` of `n_group` groups
     routed_scaling_factor: bool = False  # weights multiplied by `config.routed_scaling_factor`
+    module: str = "gate"  # the router's attribute on the MoE block, beside the experts module
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ FAMILIES: dict[str, FamilySpec] = {
             ("gpt_oss",),
             "GptOssExperts",
             ExpertLayout(gate_up="interleaved", transposed=True, bias=True, activation="clamped_swiglu"),
-            RouterSpec(scoring="top_k_then_softmax"),
+            RouterSpec(scoring="top_k_then_softmax", module="router"),
             None,
             _all_layers,
             _declared_layer_types,  # alternating 128-token "sliding_attention" and "full_attention", with sinks
@@ -172,6 +173,14 @@ def spec_for_experts_class(cls: type) -> FamilySpec | None:
 def experts_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """The routed-experts modules of a model by name, as the registry recognises them (by class)."""
     return {name: module for name, module in model.named_modules() if spec_for_experts_class(type(module))}
+
+
+def router_of(model: torch.nn.Module, experts_name: str) -> torch.nn.Module:
+    """The router module that picks the experts of the routed-experts module `experts_name` (its MoE block's
+    registry-named sibling)."""
+    spec = spec_for_experts_class(type(model.get_submodule(experts_name)))
+    block = model.get_submodule(experts_name.rpartition(".")[0])
+    return getattr(block, spec.router.module)
 
 
 def spec_for_config(config) -> FamilySpec | None:

@@ -8,8 +8,13 @@ Per MoE layer call: the routed experts are read on the host (the one host sync p
 decide which copies to issue), misses are copied host -> slot on a side stream ordered by events, and the layer
 runs the fused kernel on the slot pool with expert ids remapped to slots. A slot a call needs is never evicted by
 the same call. Policies: "lru" (least recently used) and "lfu" (least frequently used, ties to the oldest).
-Hooks (`add_hook`) see every fetch and hit. With `device="cpu"` the same logic runs with plain copies, which is how
-the CPU tests check it.
+
+Prefetch (on by default): in the same host read, the next MoE layer's router is applied to this layer's input,
+and the experts it picks for the call's tokens (one token in decode, the whole block in a DFlash verify step: the
+route-ahead union) are copied on the side stream while this layer computes; the next layer waits only for the
+copies it uses. `stats` counts coverage (needed experts a prefetch brought in) and waste (prefetched experts
+evicted unused). Hooks (`add_hook`) see every fetch, hit and prefetch. With `device="cpu"` the same logic runs
+with plain copies, which is how the CPU tests check it.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from .families import experts_modules, spec_for_experts_class
+from .families import experts_modules, router_of, spec_for_experts_class
 from .packed import PackedWeight, expert_weights
 
 OFFLOAD_IMPLEMENTATION = "dflash_offload"
@@ -123,10 +128,27 @@ class ExpertCache:
 
 @dataclass
 class OffloadStats:
-    hits: int = 0
-    misses: int = 0
-    bytes_fetched: int = 0
+    hits: int = 0  # needed experts found in a slot (prefetched ones included)
+    misses: int = 0  # needed experts copied in while their layer waited
+    bytes_fetched: int = 0  # all host -> device bytes, prefetches included
     per_layer_calls: int = 0
+    prefetched: int = 0  # experts copied ahead of their layer
+    prefetch_hits: int = 0  # needed experts that were there because of a prefetch
+    prefetch_wasted: int = 0  # prefetched experts evicted before any layer used them
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / max(self.hits + self.misses, 1)
+
+    @property
+    def coverage(self) -> float:
+        """Of the needed experts that were not cached before their layer was predicted, the share prefetch
+        brought in time."""
+        return self.prefetch_hits / max(self.prefetch_hits + self.misses, 1)
+
+    @property
+    def waste(self) -> float:
+        return self.prefetch_wasted / max(self.prefetched, 1)
 
 
 @dataclass
@@ -135,6 +157,14 @@ class _Layer:
     layout: BlobLayout
     format: str
     pooled: tuple[PackedWeight, PackedWeight]  # (gate_up, down) as views over the slot pool, indexed by slot
+    router: torch.nn.Module | None = None  # picks this layer's experts; read by the previous layer's prefetch
+
+
+def predict_experts(router: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """[T, top_k] experts `router` picks for `hidden`: a guess when `hidden` is another layer's input. The
+    router module itself runs (every transformers router returns its expert indices last), so each family's own
+    scoring, biases and group limits apply."""
+    return router(hidden)[-1]
 
 
 @dataclass
@@ -145,6 +175,7 @@ class OffloadedExperts:
     slots: int
     policy: str = "lru"
     layers: list[_Layer] = field(default_factory=list)
+    prefetch: bool = True
     hooks: list[Callable[[str, int, int, int], None]] = field(default_factory=list)
     stats: OffloadStats = field(default_factory=OffloadStats)
 
@@ -152,8 +183,10 @@ class OffloadedExperts:
         self.cache = ExpertCache(self.slots, self.policy)
         self.pool: torch.Tensor | None = None
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.in_flight: dict[int, torch.cuda.Event] = {}  # slot -> the event its prefetch copy records
+        self.unused_prefetches: set[tuple[int, int]] = set()
 
-    def add_layer(self, module: torch.nn.Module) -> int:
+    def add_layer(self, module: torch.nn.Module, router: torch.nn.Module | None = None) -> int:
         format, weights = _blob_parts(module)
         layout = BlobLayout.of(weights)
         experts = weights["gate_up_data"].shape[0]
@@ -165,50 +198,101 @@ class OffloadedExperts:
             raise ValueError("MoE layers with different expert sizes cannot share one slot pool")
         if self.pool is None:
             self.pool = torch.empty(self.slots, layout.nbytes, dtype=torch.uint8, device=self.device)
-        self.layers.append(_Layer(host, layout, format, layout.weights(self.pool, format)))
+        self.layers.append(_Layer(host, layout, format, layout.weights(self.pool, format), router))
         return len(self.layers) - 1
 
     def add_hook(self, hook: Callable[[str, int, int, int], None]) -> None:
         """`hook(event, layer, expert, slot)` with event "fetch" or "hit", called as the cache decides."""
         self.hooks.append(hook)
 
-    def _fetch(self, layer: int, experts: list[int]) -> list[int]:
-        """Slots holding `experts` of `layer`, copying the missing ones in; the compute stream waits for them."""
-        keep = {(layer, e) for e in experts}
+    def _assign(self, layer: int, experts: list[int], keep: set[tuple[int, int]], event: str):
+        """Slots for `experts` of `layer` (never evicting `keep`) and the (slot, expert) copies the misses need."""
         slots, copies = [], []
         for expert in experts:
             key = (layer, expert)
             slot = self.cache.lookup(key)
-            event = "hit"
             if slot is None:
-                slot, _ = self.cache.assign(key, keep)
+                slot, evicted = self.cache.assign(key, keep)
+                if evicted in self.unused_prefetches:
+                    self.unused_prefetches.discard(evicted)
+                    self.stats.prefetch_wasted += 1
                 copies.append((slot, expert))
-                event = "fetch"
+                kind = event
+            else:
+                kind = "hit"
             slots.append(slot)
             for hook in self.hooks:
-                hook(event, layer, expert, slot)
-        self.stats.hits += len(experts) - len(copies)
-        self.stats.misses += len(copies)
+                hook(kind, layer, expert, slot)
+        self.stats.bytes_fetched += len(copies) * self.layers[layer].host.shape[1]
+        return slots, copies
+
+    def _copy(self, layer: int, copies: list[tuple[int, int]], compute_waits: bool) -> None:
+        """Host -> slot copies on the side stream, after all work queued so far on the compute stream (the slots'
+        previous experts are no longer read). The compute stream waits now (misses) or per slot at its next use
+        (prefetches)."""
         host = self.layers[layer].host
-        self.stats.bytes_fetched += len(copies) * host.shape[1]
         if self.copy_stream is None:
             for slot, expert in copies:
                 self.pool[slot].copy_(host[expert])
-        elif copies:
-            compute = torch.cuda.current_stream(self.device)
-            self.copy_stream.wait_stream(compute)  # a slot being overwritten is no longer read by earlier work
-            with torch.cuda.stream(self.copy_stream):
-                for slot, expert in copies:
-                    self.pool[slot].copy_(host[expert], non_blocking=True)
-            compute.wait_stream(self.copy_stream)
+            return
+        if not copies:
+            return
+        compute = torch.cuda.current_stream(self.device)
+        self.copy_stream.wait_stream(compute)
+        with torch.cuda.stream(self.copy_stream):
+            for slot, expert in copies:
+                self.pool[slot].copy_(host[expert], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        if compute_waits:
+            compute.wait_event(done)
+        else:
+            self.in_flight.update((slot, done) for slot, _ in copies)
+
+    def _fetch(self, layer: int, experts: list[int]) -> list[int]:
+        """Slots holding `experts` of `layer`, copying the missing ones in; the compute stream waits for them and
+        for any prefetch copy still in flight into a slot it reads."""
+        slots, copies = self._assign(layer, experts, {(layer, e) for e in experts}, "fetch")
+        for expert in experts:
+            if (layer, expert) in self.unused_prefetches:
+                self.unused_prefetches.discard((layer, expert))
+                self.stats.prefetch_hits += 1
+        self.stats.hits += len(experts) - len(copies)
+        self.stats.misses += len(copies)
+        compute = torch.cuda.current_stream(self.device) if self.copy_stream is not None else None
+        for slot in {*slots} & self.in_flight.keys():
+            compute.wait_event(self.in_flight.pop(slot))
+        self._copy(layer, copies, compute_waits=True)
         return slots
+
+    def _prefetch(self, layer: int, experts: list[int], keep: set[tuple[int, int]]) -> None:
+        """Start copying `layer`'s predicted `experts` (those not cached) without making anything wait yet."""
+        predicted = [e for e in experts if (layer, e) not in self.cache.where]
+        if not predicted or len(keep) + len(predicted) > self.slots:
+            return  # no room without evicting what this call uses
+        _, copies = self._assign(layer, predicted, keep | {(layer, e) for e in predicted}, "prefetch")
+        self.stats.prefetched += len(copies)
+        self.unused_prefetches.update((layer, e) for e in predicted)
+        self._copy(layer, copies, compute_waits=False)
+
+    def _routed_experts(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor):
+        """(this layer's experts, the next layer's predicted experts), both read in ONE host transfer."""
+        following = self.layers[layer + 1].router if self.prefetch and layer + 1 < len(self.layers) else None
+        flat = top_k_index.reshape(-1)
+        if following is not None:
+            flat = torch.cat([flat, predict_experts(following, hidden).reshape(-1).to(flat.dtype)])
+        ids = flat.tolist()  # the host sync
+        now = sorted(set(ids[:top_k_index.numel()]))
+        return now, sorted(set(ids[top_k_index.numel():]))
 
     def run(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate):
         from .expert_store import run_packed
 
         self.stats.per_layer_calls += 1
-        experts = top_k_index.unique().tolist()  # the host sync: which copies to issue
+        experts, predicted = self._routed_experts(layer, hidden, top_k_index)
         slots = self._fetch(layer, experts)
+        if predicted:
+            self._prefetch(layer + 1, predicted, {(layer, e) for e in experts})
         table = torch.full((max(experts) + 1,), -1, dtype=top_k_index.dtype)
         table[experts] = torch.tensor(slots, dtype=top_k_index.dtype)
         slot_index = table.to(hidden.device, non_blocking=True)[top_k_index]
@@ -259,21 +343,23 @@ def plan_offload(model: torch.nn.Module) -> OffloadPlan:
     return OffloadPlan(dense, BlobLayout.of(weights).nbytes, weights["gate_up_data"].shape[0], len(modules))
 
 
-def offload_experts(model: torch.nn.Module, gpu_memory, device="cuda", policy: str = "lru") -> torch.nn.Module:
+def offload_experts(model: torch.nn.Module, gpu_memory, device="cuda", policy: str = "lru",
+                    prefetch: bool = True) -> torch.nn.Module:
     """Move `model` to `device` except its routed experts, which go to host blobs behind a slot pool that, with the
     dense weights, fits `gpu_memory` (bytes, "20GiB", or an accelerate max_memory dict). Checked before anything
     moves: the budget must hold the dense weights plus one MoE layer's experts. (Activations and the KV cache come
-    on top, as with accelerate's max_memory.)"""
+    on top, as with accelerate's max_memory.) `prefetch`: copy each next layer's predicted experts ahead."""
     from .expert_store import ExpertStore
 
     device = torch.device(device)
     slots = plan_offload(model).slots(parse_size(gpu_memory))
-    offloaded = OffloadedExperts(device, int(slots), policy)
+    offloaded = OffloadedExperts(device, int(slots), policy, prefetch=prefetch)
     store = ExpertStore()  # what the eager forward dispatches to; compiled graphs get their own entries
+    named = experts_modules(model)
     modules = _experts_modules(model)
     spec = spec_for_experts_class(type(modules[0]))
-    for module in tqdm(modules, desc="offloading experts", unit="layer", disable=len(modules) < 8):
-        layer = offloaded.add_layer(module)
+    for name, module in tqdm(named.items(), desc="offloading experts", unit="layer", disable=len(modules) < 8):
+        layer = offloaded.add_layer(module, router_of(model, name))
         for name in list(module._parameters) + list(module._buffers):
             if name.startswith(("gate_up_proj", "down_proj", "packed_")):
                 module._parameters.pop(name, None)

@@ -5,7 +5,9 @@ import torch
 
 import dflash_compile
 import dflash_compile.testing
-from dflash_compile.offload import BlobLayout, ExpertCache, offload_experts, parse_size, plan_offload
+from dflash_compile.families import experts_modules, router_of
+from dflash_compile.offload import (BlobLayout, ExpertCache, offload_experts, parse_size, plan_offload,
+                                    predict_experts)
 from dflash_compile.testing import TINY_CONFIGS, random_drafter_weights, save_drafter, tiny_drafter_config
 from tests.conftest import token_ids
 
@@ -65,6 +67,7 @@ def test_hooks_see_every_fetch_and_hit(tiny):
     model(token_ids())
     stats = model.dflash_offload.stats
     assert events.count("fetch") == stats.misses and events.count("hit") == stats.hits and events
+    assert events.count("prefetch") == stats.prefetched
     placement = dflash_compile.explain(model, token_ids()).expert_placement
     assert placement.startswith("2 layers offloaded to host memory (dense") and "8 slots on cpu" in placement
 
@@ -147,3 +150,93 @@ def test_generate_command_with_a_gpu_memory_budget(capsys):
 
     assert main(["generate", "--max-new-tokens", "16", "--repeats", "1", "--gpu-memory", "12MB"]) == 0
     assert "same tokens: True" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_predicted_experts_are_the_routers_own_choice_on_its_own_input(tiny, family):
+    """Prefetch applies a layer's router to another layer's input; on the router's own input the guess must be
+    exactly its choice (DeepSeek's group-limited routing included)."""
+    model = tiny(family)
+    name = next(iter(experts_modules(model)))
+    router = router_of(model, name)
+    block = model.get_submodule(name.rpartition(".")[0])
+    captured = []
+    block.register_forward_hook(lambda module, args, output: captured.append(args[0]))
+    experts = model.get_submodule(name)
+    chosen = []
+    experts.register_forward_hook(lambda module, args, output: chosen.append(args[1]))
+    model(token_ids(batch=1))
+    hidden = captured[0].reshape(-1, model.config.hidden_size)
+    assert torch.equal(predict_experts(router, hidden), chosen[0].reshape(hidden.shape[0], -1))
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+def test_prefetch_accounting_and_identity(tiny, family):
+    """With room beyond one layer, each layer's call copies the next layer's predicted experts ahead: every
+    needed expert is a hit (a prefetched one counted in coverage) or a miss, every prefetched expert is used or
+    wasted or still waiting, and tokens do not change. prefetch=False copies nothing ahead."""
+    ids = token_ids()
+    expected = tiny(family).generate(ids, max_new_tokens=10, do_sample=False)
+    model = _offloaded(tiny, family, extra_slots=plan_offload(tiny(family)).experts_per_layer)
+    offloaded = model.dflash_offload
+    assert torch.equal(model.generate(ids, max_new_tokens=10, do_sample=False), expected)
+    stats = offloaded.stats
+    assert stats.prefetched > 0 and stats.prefetch_hits > 0
+    assert stats.prefetched == stats.prefetch_hits + stats.prefetch_wasted + len(offloaded.unused_prefetches)
+    assert stats.prefetch_hits <= stats.hits and 0 < stats.coverage <= 1 and 0 <= stats.waste < 1
+    plain = offload_experts(tiny(family), offloaded.pool_bytes + plan_offload(tiny(family)).dense_bytes,
+                            device="cpu", prefetch=False)
+    assert torch.equal(plain.generate(ids, max_new_tokens=10, do_sample=False), expected)
+    assert plain.dflash_offload.stats.prefetched == 0
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _cuda_model(tmp_path):
+    """gpt-oss with experts large next to its activations (3 MiB blobs): a budget breach would show."""
+    from dflash_compile.testing import load_tiny_model, save_tiny_model
+
+    directory = save_tiny_model("gpt_oss", tmp_path / "m", hidden_size=512, intermediate_size=512,
+                                num_local_experts=16, num_hidden_layers=4, layer_types=["full_attention"] * 4)
+    return load_tiny_model("gpt_oss", torch.bfloat16, directory=directory)
+
+
+@cuda
+def test_gpu_memory_never_exceeds_the_budget(tmp_path):
+    """Allocator statistics over loading, prefill and decoding: dense weights + slot pool + activations and KV
+    cache stay under the budget (slack of half a blob between the pool and the budget)."""
+    ids = token_ids(batch=1)
+    expected = _cuda_model(tmp_path).generate(ids, max_new_tokens=16, do_sample=False)
+    model = _cuda_model(tmp_path)
+    plan = plan_offload(model)
+    budget = plan.minimum_budget + int(2.5 * plan.blob_bytes)
+    torch.cuda.empty_cache()
+    baseline = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    offload_experts(model, budget, device="cuda")
+    out = model.generate(ids.cuda(), max_new_tokens=16, do_sample=False)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - baseline <= budget
+    assert torch.equal(out.cpu(), expected)
+
+
+@cuda
+def test_expert_copies_overlap_compute(tmp_path):
+    """Profiler trace of an offloaded decode: prefetch copies (host -> device, on the side stream) run while
+    kernels run on the compute stream."""
+    model = _cuda_model(tmp_path)
+    plan = plan_offload(model)
+    offload_experts(model, plan.minimum_budget + 2 * plan.experts_per_layer * plan.blob_bytes, device="cuda")
+    ids = token_ids(batch=1).cuda()
+    model.generate(ids, max_new_tokens=4, do_sample=False)  # warm-up
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        model.generate(ids, max_new_tokens=8, do_sample=False)
+        torch.cuda.synchronize()
+    events = [e for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    copies = [e for e in events if "HtoD" in e.name and e.time_range.elapsed_us() > 0]
+    kernels = [e for e in events if "Memcpy" not in e.name and "Memset" not in e.name]
+    overlapping = [c for c in copies if any(k.time_range.start < c.time_range.end and
+                                            c.time_range.start < k.time_range.end for k in kernels)]
+    assert model.dflash_offload.stats.prefetched > 0 and copies
+    assert overlapping, f"none of {len(copies)} host-to-device copies overlapped a kernel"
