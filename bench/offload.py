@@ -99,7 +99,9 @@ def run(args) -> list[dict]:
                 "slots": offloaded.slots, "check": first_mismatch(expected, out)})
             print(rows[-1], flush=True)
             fast = None
+        print(time.strftime("%X"), "accelerate: dispatching", flush=True)
         accelerated = accelerate_offloaded(copy.deepcopy(host_model), budget, args.device)
+        print(time.strftime("%X"), "accelerate: generating", flush=True)
         new = args.accelerate_new or args.new  # accelerate is slow: fewer tokens give the same rate
         with torch.no_grad():
             out, seconds = timed(lambda: accelerated.generate(ids.to(args.device), max_new_tokens=new,
