@@ -204,8 +204,9 @@ def _cuda_model(tmp_path):
 
 @cuda
 def test_gpu_memory_never_exceeds_the_budget(tmp_path):
-    """Allocator statistics over loading, prefill and decoding: dense weights + slot pool + activations and KV
-    cache stay under the budget (slack of half a blob between the pool and the budget)."""
+    """Allocator statistics over offloading, the prefill and decoding: dense weights + slot pool + activations and
+    KV cache stay under the budget (slack of half a blob between the pool and the budget). Peaks per phase, so a
+    breach names where it happened."""
     ids = token_ids(batch=1)
     expected = _cuda_model(tmp_path).generate(ids, max_new_tokens=16, do_sample=False)
     model = _cuda_model(tmp_path)
@@ -214,29 +215,34 @@ def test_gpu_memory_never_exceeds_the_budget(tmp_path):
     torch.cuda.empty_cache()
     baseline = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
+    peaks = {}
     offload_experts(model, budget, device="cuda")
+    peaks["offload_experts"] = torch.cuda.max_memory_allocated() - baseline
+    model(ids.cuda())
+    peaks["prefill forward"] = torch.cuda.max_memory_allocated() - baseline
     out = model.generate(ids.cuda(), max_new_tokens=16, do_sample=False)
     torch.cuda.synchronize()
-    assert torch.cuda.max_memory_allocated() - baseline <= budget
+    peaks["generate"] = torch.cuda.max_memory_allocated() - baseline
+    assert all(peak <= budget for peak in peaks.values()), f"budget {budget} bytes, peaks {peaks}"
     assert torch.equal(out.cpu(), expected)
 
 
 @cuda
 def test_expert_copies_overlap_compute(tmp_path):
-    """Profiler trace of an offloaded decode: prefetch copies (host -> device, on the side stream) run while
-    kernels run on the compute stream."""
+    """Profiler trace of an offloaded decode whose budget is one layer of experts (every layer misses): expert
+    copies (pinned host -> device, on the side stream) run while kernels run on the compute stream, which only
+    happens when a layer's prefetch is in flight during the previous layer's work."""
     model = _cuda_model(tmp_path)
-    plan = plan_offload(model)
-    offload_experts(model, plan.minimum_budget + 2 * plan.experts_per_layer * plan.blob_bytes, device="cuda")
+    offload_experts(model, plan_offload(model).minimum_budget, device="cuda")
     ids = token_ids(batch=1).cuda()
     model.generate(ids, max_new_tokens=4, do_sample=False)  # warm-up
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
         model.generate(ids, max_new_tokens=8, do_sample=False)
         torch.cuda.synchronize()
     events = [e for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    copies = [e for e in events if "HtoD" in e.name and e.time_range.elapsed_us() > 0]
+    copies = [e for e in events if "HtoD" in e.name and "Pinned" in e.name]
     kernels = [e for e in events if "Memcpy" not in e.name and "Memset" not in e.name]
     overlapping = [c for c in copies if any(k.time_range.start < c.time_range.end and
                                             c.time_range.start < k.time_range.end for k in kernels)]
-    assert model.dflash_offload.stats.prefetched > 0 and copies
-    assert overlapping, f"none of {len(copies)} host-to-device copies overlapped a kernel"
+    assert model.dflash_offload.stats.prefetched > 0 and copies, model.dflash_offload.stats
+    assert overlapping, f"none of {len(copies)} expert copies overlapped a kernel"
