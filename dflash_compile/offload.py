@@ -182,7 +182,10 @@ class OffloadedExperts:
     def __post_init__(self):
         self.cache = ExpertCache(self.slots, self.policy)
         self.pool: torch.Tensor | None = None
-        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        cuda = self.device.type == "cuda"  # misses (and their slot tables) and prefetches get their own streams, so
+        # a layer never waits behind another layer's prefetch
+        self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        self.prefetch_stream = torch.cuda.Stream(self.device) if cuda else None
         self.in_flight: dict[int, torch.cuda.Event] = {}  # slot -> the event its prefetch copy records
         self.unused_prefetches: set[tuple[int, int]] = set()
 
@@ -226,32 +229,40 @@ class OffloadedExperts:
         self.stats.bytes_fetched += len(copies) * self.layers[layer].host.shape[1]
         return slots, copies
 
-    def _copy(self, layer: int, copies: list[tuple[int, int]], compute_waits: bool) -> None:
-        """Host -> slot copies on the side stream, after all work queued so far on the compute stream (the slots'
-        previous experts are no longer read). The compute stream waits now (misses) or per slot at its next use
-        (prefetches)."""
+    def _copy(self, layer: int, copies: list[tuple[int, int]], table: torch.Tensor | None = None):
+        """Host -> slot copies on a side stream, after all work queued so far on the compute stream (the slots'
+        previous experts are no longer read) and after any prefetch still landing in those slots. With `table` (a
+        layer's expert -> slot map; the call's misses) the copies and then the table go on the miss stream, the
+        compute stream waits for both now and the device table is returned; without (prefetches) they go on the
+        prefetch stream and the compute stream waits per slot at the slot's next use. Nothing is copied on the
+        compute stream, so a layer never queues behind another layer's prefetch."""
         host = self.layers[layer].host
         if self.copy_stream is None:
             for slot, expert in copies:
                 self.pool[slot].copy_(host[expert])
-            return
-        if not copies:
-            return
+            return None if table is None else table.to(self.device)
         compute = torch.cuda.current_stream(self.device)
-        self.copy_stream.wait_stream(compute)
-        with torch.cuda.stream(self.copy_stream):
+        stream = self.copy_stream if table is not None else self.prefetch_stream
+        stream.wait_stream(compute)
+        for slot, _ in copies:
+            if slot in self.in_flight:
+                stream.wait_event(self.in_flight.pop(slot))
+        with torch.cuda.stream(stream):
             for slot, expert in copies:
                 self.pool[slot].copy_(host[expert], non_blocking=True)
+            device_table = None if table is None else table.pin_memory().to(self.device, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-        if compute_waits:
-            compute.wait_event(done)
-        else:
+        if table is None:
             self.in_flight.update((slot, done) for slot, _ in copies)
+            return None
+        compute.wait_event(done)
+        device_table.record_stream(compute)
+        return device_table
 
-    def _fetch(self, layer: int, experts: list[int]) -> list[int]:
-        """Slots holding `experts` of `layer`, copying the missing ones in; the compute stream waits for them and
-        for any prefetch copy still in flight into a slot it reads."""
+    def _fetch(self, layer: int, experts: list[int]) -> torch.Tensor:
+        """The device table expert -> slot of `layer` with `experts` in slots, copying the missing ones in; the
+        compute stream waits for them and for any prefetch copy still in flight into a slot it reads."""
         slots, copies = self._assign(layer, experts, {(layer, e) for e in experts}, "fetch")
         for expert in experts:
             if (layer, expert) in self.unused_prefetches:
@@ -262,8 +273,9 @@ class OffloadedExperts:
         compute = torch.cuda.current_stream(self.device) if self.copy_stream is not None else None
         for slot in {*slots} & self.in_flight.keys():
             compute.wait_event(self.in_flight.pop(slot))
-        self._copy(layer, copies, compute_waits=True)
-        return slots
+        table = torch.full((max(experts) + 1,), -1, dtype=torch.int64)
+        table[experts] = torch.tensor(slots, dtype=torch.int64)
+        return self._copy(layer, copies, table)
 
     def _prefetch(self, layer: int, experts: list[int], keep: set[tuple[int, int]]) -> None:
         """Start copying `layer`'s predicted `experts` (those not cached) without making anything wait yet."""
@@ -273,7 +285,7 @@ class OffloadedExperts:
         _, copies = self._assign(layer, predicted, keep | {(layer, e) for e in predicted}, "prefetch")
         self.stats.prefetched += len(copies)
         self.unused_prefetches.update((layer, e) for e in predicted)
-        self._copy(layer, copies, compute_waits=False)
+        self._copy(layer, copies)
 
     def _routed_experts(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor):
         """(this layer's experts, the next layer's predicted experts), both read in ONE host transfer."""
@@ -290,12 +302,10 @@ class OffloadedExperts:
 
         self.stats.per_layer_calls += 1
         experts, predicted = self._routed_experts(layer, hidden, top_k_index)
-        slots = self._fetch(layer, experts)
+        table = self._fetch(layer, experts)
         if predicted:
             self._prefetch(layer + 1, predicted, {(layer, e) for e in experts})
-        table = torch.full((max(experts) + 1,), -1, dtype=top_k_index.dtype)
-        table[experts] = torch.tensor(slots, dtype=top_k_index.dtype)
-        slot_index = table.to(hidden.device, non_blocking=True)[top_k_index]
+        slot_index = table[top_k_index].to(top_k_index.dtype)
         return run_packed(hidden, slot_index, top_k_weights, *self.layers[layer].pooled, gate)
 
     @property
