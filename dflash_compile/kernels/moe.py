@@ -259,8 +259,8 @@ def _launch(x, weight: PackedWeight, pair_ids, block_expert, pair_weights, rows_
 # the H200 (docs/benchmarks.md). block_m: pairs per block; block_n: output columns per program; block_k: K per step
 # (FP8: a divisor of its 128-column scale block); num_stages: K steps in flight.
 TILES = {
-    "mxfp4": {"block_m": 16, "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 3},
-    "fp8_block": {"block_m": 16, "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 3},
+    "mxfp4": {"block_m": 16, "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 4},
+    "fp8_block": {"block_m": 16, "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 4},
     "dense": {"block_m": 16, "block_n": 32, "block_k": 64, "num_warps": 4, "num_stages": 3},
 }
 
