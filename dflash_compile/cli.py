@@ -217,6 +217,15 @@ def calibrate_command(args) -> int:
     return 0
 
 
+def build_kernels_command(args) -> int:
+    """Part of the set-up commands: a machine without a compiler still works (the reference runs), so the status
+    is reported, not turned into a failure."""
+    from .kernels import cpu
+
+    print(cpu.status())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .checkpoint import FORMATS
     from .cost_model import BITS_PER_WEIGHT, HARDWARE
@@ -307,6 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--out", default="hardware.json")
     calibrate.add_argument("--device", help="default: cuda when available")
     calibrate.set_defaults(run=calibrate_command)
+
+    build = commands.add_parser("build-kernels", help="compile the C++ CPU kernels now (else on their first use)")
+    build.set_defaults(run=build_kernels_command)
     return parser
 
 

@@ -95,13 +95,25 @@ class Gate:
 
 def run_packed(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up: PackedWeight,
                down: PackedWeight, gate: Gate) -> torch.Tensor:
-    """Routed experts on packed weights: the fused Triton kernel on CUDA; on a CPU each routed expert dequantized
-    to fp32 (the reference definition) and its MLP in fp32."""
+    """Routed experts on packed weights: the fused Triton kernel on CUDA; on a CPU the C++ kernel of
+    `dflash::packed_moe` (csrc/) or, where it cannot be built, `reference_packed`."""
     if hidden.is_cuda:
         from .kernels.moe import fused_moe
 
         return fused_moe(hidden, top_k_index, top_k_weights, gate_up, down, interleaved=gate.interleaved,
                          activation=gate.activation, alpha=gate.alpha, limit=gate.limit)
+    from .kernels import cpu
+
+    if cpu.load():
+        return torch.ops.dflash.packed_moe(hidden, top_k_index, top_k_weights, gate_up.format, gate_up.data,
+                                           gate_up.scales, gate_up.bias, down.data, down.scales, down.bias,
+                                           gate.interleaved, gate.activation, gate.alpha, gate.limit)
+    return reference_packed(hidden, top_k_index, top_k_weights, gate_up, down, gate)
+
+
+def reference_packed(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                     gate_up: PackedWeight, down: PackedWeight, gate: Gate) -> torch.Tensor:
+    """The definition: each routed expert dequantized to fp32 (reference dequantizers) and its MLP in fp32."""
 
     def expert_mlp(expert: int, x: torch.Tensor) -> torch.Tensor:
         w1, w2 = gate_up.select([expert]), down.select([expert])

@@ -98,3 +98,8 @@ def test_bench_writes_a_report_and_plots(tmp_path, capsys):
         assert data.startswith(b"\x89PNG") and len(data) > 5000
     with pytest.raises(SystemExit, match="give both --model and --drafter"):
         main(["bench", "--drafter", "x"])
+
+
+def test_build_kernels_command(capsys):
+    assert main(["build-kernels"]) == 0
+    assert capsys.readouterr().out.strip() == "C++ CPU kernels loaded"

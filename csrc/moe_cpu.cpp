@@ -1,0 +1,247 @@
+// Routed experts on packed weights for the CPU: the CPU kernels of `dflash::packed_moe` and
+// `dflash::fp8_block_linear` (the ops are defined in dflash_compile/ops.py; this file registers their CPU dispatch
+// key).
+//
+// The same contract as the Triton kernel (dflash_compile/kernels/moe.py) and the reference (expert_store.run_packed):
+//   out[t] = sum over the token's top-k (expert e, weight w) of  w * (act(x[t] @ W1[e]^T + b1[e]) @ W2[e]^T + b2[e])
+// with W1 = gate_up [E, 2I, H] and W2 = down [E, H, I] in one of the packed layouts of dflash_compile/packed.py:
+//   format 0 dense      data [E, N, K] fp32 / bf16 / fp16
+//   format 1 mxfp4      data uint8 [E, N, K/32, 16] (low nibble first), scales uint8 [E, N, K/32] (E8M0)
+//   format 2 fp8_block  data uint8 [E, N, K] (float8_e4m3fn bits), scales fp32 [E, ceil(N/128), ceil(K/128)]
+// Experts and rows may be strided (slot pools, views); each row's elements must be contiguous. All arithmetic is
+// fp32.
+//
+// Work: experts one after another (so two experts never write the same output row at once); inside an expert the
+// output rows are split over threads (at::parallel_for), each thread decoding one weight row at a time into a
+// K-float buffer and dotting it with every token routed to that expert. A decode-sized call touches each routed
+// weight byte once.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+enum Format { kDense, kMxfp4, kFp8Block };
+constexpr int64_t kFp8BlockSize = 128;
+
+std::array<float, 16> e2m1_table() {
+  const float magnitudes[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
+  std::array<float, 16> table{};
+  for (int i = 0; i < 8; ++i) {
+    table[i] = magnitudes[i];
+    table[i + 8] = -magnitudes[i];
+  }
+  return table;
+}
+
+std::array<float, 256> e4m3_table() {  // float8_e4m3fn: no infinities, 0x7F / 0xFF are NaN
+  std::array<float, 256> table{};
+  for (int byte = 0; byte < 256; ++byte) {
+    const int exponent = (byte >> 3) & 15, mantissa = byte & 7;
+    float magnitude = exponent == 0 ? std::ldexp(static_cast<float>(mantissa), -9)
+                                    : std::ldexp(1.f + mantissa / 8.f, exponent - 7);
+    if ((byte & 127) == 127) magnitude = NAN;
+    table[byte] = (byte & 128) ? -magnitude : magnitude;
+  }
+  return table;
+}
+
+const std::array<float, 16> kE2m1 = e2m1_table();
+const std::array<float, 256> kE4m3 = e4m3_table();
+
+// One expert's packed [N, K] weight: decodes a row into fp32.
+struct PackedMatrix {
+  Format format;
+  int64_t rows, columns;
+  const uint8_t* data;  // at this expert
+  const void* scales;   // at this expert, or null
+  int64_t row_bytes, scale_row_bytes;  // byte strides between rows of data / scales (FP8: between 128-row blocks)
+  at::ScalarType dtype;  // element type of dense data
+
+  void decode_row(int64_t row, float* out) const {
+    if (format == kMxfp4) {
+      const int64_t groups = columns / 32;
+      const uint8_t* bytes = data + row * row_bytes;
+      const uint8_t* exponents = static_cast<const uint8_t*>(scales) + row * scale_row_bytes;
+      for (int64_t g = 0; g < groups; ++g) {
+        const float scale = exponents[g] == 0xFF ? NAN : std::ldexp(1.f, static_cast<int>(exponents[g]) - 127);
+        for (int64_t i = 0; i < 16; ++i) {
+          const uint8_t byte = bytes[g * 16 + i];
+          out[g * 32 + 2 * i] = kE2m1[byte & 15] * scale;
+          out[g * 32 + 2 * i + 1] = kE2m1[byte >> 4] * scale;
+        }
+      }
+    } else if (format == kFp8Block) {
+      const auto* scale_row = reinterpret_cast<const float*>(static_cast<const uint8_t*>(scales) +
+                                                             (row / kFp8BlockSize) * scale_row_bytes);
+      const uint8_t* bytes = data + row * row_bytes;
+      for (int64_t k = 0; k < columns; ++k) out[k] = kE4m3[bytes[k]] * scale_row[k / kFp8BlockSize];
+    } else {
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "decode_row", [&] {
+        const auto* values = reinterpret_cast<const scalar_t*>(data + row * row_bytes);
+        for (int64_t k = 0; k < columns; ++k) out[k] = static_cast<float>(values[k]);
+      });
+    }
+  }
+};
+
+PackedMatrix expert_matrix(Format format, const at::Tensor& data, const std::optional<at::Tensor>& scales,
+                           int64_t expert, int64_t rows, int64_t columns) {
+  // mxfp4 data [E, N, G, 16] and scales [E, N, G]; fp8 data [E, N, K] and scales [E, N/128, K/128]; dense [E, N, K]
+  TORCH_CHECK(data.stride(-1) == 1 && (data.dim() < 4 || data.stride(2) == 16) &&
+                  (!scales.has_value() || scales->stride(-1) == 1),
+              "packed expert rows must be contiguous (strides ", data.strides(), ")");
+  const auto* base = static_cast<const uint8_t*>(data.data_ptr()) + expert * data.stride(0) * data.element_size();
+  const void* scale_base = nullptr;
+  int64_t scale_row_bytes = 0;
+  if (scales.has_value()) {
+    scale_base = static_cast<const uint8_t*>(scales->data_ptr()) + expert * scales->stride(0) * scales->element_size();
+    scale_row_bytes = scales->stride(1) * scales->element_size();
+  }
+  return {format, rows, columns, base, scale_base, data.stride(1) * data.element_size(), scale_row_bytes,
+          data.scalar_type()};
+}
+
+float dot(const float* a, const float* b, int64_t n) {
+  constexpr int64_t kLanes = 16;  // independent partial sums: the compiler vectorizes them without reassociating
+  float partial[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int64_t j = 0; j < kLanes; ++j) partial[j] += a[i + j] * b[i + j];
+  }
+  float sum = 0.f;
+  for (; i < n; ++i) sum += a[i] * b[i];
+  for (float value : partial) sum += value;
+  return sum;
+}
+
+// out[p, n] = W[rows n] . in[p] (+ bias) for every pair p of one expert, rows split over threads.
+void project(const PackedMatrix& weight, const std::vector<float>& in, int64_t pairs, const float* bias,
+             std::vector<float>& out) {
+  at::parallel_for(0, weight.rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(weight.columns);
+    for (int64_t n = begin; n < end; ++n) {
+      weight.decode_row(n, row.data());
+      for (int64_t p = 0; p < pairs; ++p) {
+        out[p * weight.rows + n] = dot(row.data(), in.data() + p * weight.columns, weight.columns) +
+                                   (bias ? bias[n] : 0.f);
+      }
+    }
+  });
+}
+
+std::vector<float> expert_bias(const std::optional<at::Tensor>& bias, int64_t expert) {
+  if (!bias.has_value()) return {};
+  at::Tensor row = (*bias)[expert].to(at::kFloat).contiguous();
+  return std::vector<float>(row.data_ptr<float>(), row.data_ptr<float>() + row.numel());
+}
+
+Format parse_format(c10::string_view name) {
+  if (name == "dense") return kDense;
+  if (name == "mxfp4") return kMxfp4;
+  TORCH_CHECK(name == "fp8_block", "unknown packed format '", name, "': expected dense, mxfp4 or fp8_block");
+  return kFp8Block;
+}
+
+at::Tensor packed_moe_cpu(const at::Tensor& hidden, const at::Tensor& top_k_index, const at::Tensor& top_k_weights,
+                          c10::string_view format_name, const at::Tensor& gate_up_data,
+                          const std::optional<at::Tensor>& gate_up_scales,
+                          const std::optional<at::Tensor>& gate_up_bias, const at::Tensor& down_data,
+                          const std::optional<at::Tensor>& down_scales, const std::optional<at::Tensor>& down_bias,
+                          bool interleaved, c10::string_view activation, double alpha, double limit) {
+  const Format format = parse_format(format_name);
+  TORCH_CHECK(activation == "silu" || activation == "clamped_swiglu", "activation '", activation,
+              "' has no CPU kernel: expected silu or clamped_swiglu");
+  const bool clamped_swiglu = activation == "clamped_swiglu";
+  TORCH_CHECK(hidden.dim() == 2 && top_k_index.dim() == 2 && top_k_index.sizes() == top_k_weights.sizes(),
+              "hidden must be [T, H] and top_k_index / top_k_weights [T, k]");
+  const int64_t tokens = hidden.size(0), hidden_size = hidden.size(1), top_k = top_k_index.size(1);
+  const int64_t experts = gate_up_data.size(0), two_i = gate_up_data.size(1), inter = two_i / 2;
+  TORCH_CHECK(down_data.size(0) == experts && down_data.size(1) == hidden_size,
+              "down weight must be [E, H, I] with the gate_up weight's E and the hidden size H");
+  const at::Tensor x = hidden.to(at::kFloat).contiguous();
+  const at::Tensor index = top_k_index.to(at::kLong).contiguous();
+  const at::Tensor weights = top_k_weights.to(at::kFloat).contiguous();
+  at::Tensor out = at::zeros({tokens, hidden_size}, x.options());
+  const int64_t* index_data = index.data_ptr<int64_t>();
+  const float* weight_data = weights.data_ptr<float>();
+  const float* x_data = x.data_ptr<float>();
+  float* out_data = out.data_ptr<float>();
+
+  std::vector<std::vector<int64_t>> pairs_of(experts);  // (token, slot) pairs routed to each expert
+  for (int64_t p = 0; p < tokens * top_k; ++p) {
+    const int64_t e = index_data[p];
+    TORCH_CHECK(e >= 0 && e < experts, "expert index ", e, " out of range [0, ", experts, ")");
+    pairs_of[e].push_back(p);
+  }
+  for (int64_t e = 0; e < experts; ++e) {
+    const auto& pairs = pairs_of[e];
+    const int64_t count = static_cast<int64_t>(pairs.size());
+    if (count == 0) continue;
+    std::vector<float> in(count * hidden_size);
+    for (int64_t i = 0; i < count; ++i) {
+      std::copy_n(x_data + (pairs[i] / top_k) * hidden_size, hidden_size, in.data() + i * hidden_size);
+    }
+    const std::vector<float> b1 = expert_bias(gate_up_bias, e), b2 = expert_bias(down_bias, e);
+    std::vector<float> gate_up(count * two_i), act(count * inter), y(count * hidden_size);
+    project(expert_matrix(format, gate_up_data, gate_up_scales, e, two_i, hidden_size), in, count,
+            b1.empty() ? nullptr : b1.data(), gate_up);
+    for (int64_t i = 0; i < count; ++i) {
+      for (int64_t j = 0; j < inter; ++j) {
+        const float* h = gate_up.data() + i * two_i;
+        float gate = interleaved ? h[2 * j] : h[j];
+        float up = interleaved ? h[2 * j + 1] : h[j + inter];
+        float value;
+        if (clamped_swiglu) {
+          gate = std::min(gate, static_cast<float>(limit));
+          up = std::max(std::min(up, static_cast<float>(limit)), -static_cast<float>(limit));
+          value = (up + 1.f) * gate / (1.f + std::exp(-gate * static_cast<float>(alpha)));
+        } else {  // SiLU(gate) * up
+          value = gate / (1.f + std::exp(-gate)) * up;
+        }
+        act[i * inter + j] = value;
+      }
+    }
+    project(expert_matrix(format, down_data, down_scales, e, hidden_size, inter), act, count,
+            b2.empty() ? nullptr : b2.data(), y);
+    for (int64_t i = 0; i < count; ++i) {
+      const float w = weight_data[pairs[i]];
+      float* target = out_data + (pairs[i] / top_k) * hidden_size;
+      for (int64_t n = 0; n < hidden_size; ++n) target[n] += w * y[i * hidden_size + n];
+    }
+  }
+  return out.to(hidden.scalar_type());
+}
+
+// linear(x, weight * scale_inv per 128 x 128 block, bias) for float8_e4m3fn weight [N, K]: a dense layer is one
+// "expert" that every token is routed to.
+at::Tensor fp8_block_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale_inv,
+                                const std::optional<at::Tensor>& bias) {
+  const int64_t rows = weight.size(0), columns = weight.size(1);
+  TORCH_CHECK(x.size(-1) == columns, "x has ", x.size(-1), " features, the weight takes ", columns);
+  const at::Tensor flat = x.reshape({-1, columns}).to(at::kFloat).contiguous();
+  const at::Tensor data = weight.contiguous().view(at::kByte).unsqueeze(0);
+  const at::Tensor scales = scale_inv.to(at::kFloat).contiguous().unsqueeze(0);
+  const std::vector<float> in(flat.data_ptr<float>(), flat.data_ptr<float>() + flat.numel());
+  const std::vector<float> b = expert_bias(bias.has_value() ? std::optional<at::Tensor>(bias->unsqueeze(0))
+                                                            : std::nullopt, 0);
+  std::vector<float> out(flat.size(0) * rows);
+  project(expert_matrix(kFp8Block, data, scales, 0, rows, columns), in, flat.size(0), b.empty() ? nullptr : b.data(),
+          out);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = rows;
+  return at::from_blob(out.data(), {flat.size(0), rows}, at::kFloat).clone().reshape(shape).to(x.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dflash, CPU, m) {
+  m.impl("packed_moe", &packed_moe_cpu);
+  m.impl("fp8_block_linear", &fp8_block_linear_cpu);
+}

@@ -1,0 +1,119 @@
+"""The C++ CPU kernel of `dflash::packed_moe` (csrc/moe_cpu.cpp) against reference dequantization + fp64 math."""
+
+import pytest
+import torch
+
+from dflash_compile.expert_store import Gate, reference_packed, run_packed
+from dflash_compile.kernels import cpu
+from dflash_compile.packed import PackedWeight
+from tests.kernels.test_moe import _experts, _routing, reference_moe
+
+LAYOUTS = {  # experts, hidden, intermediate, top-k, tokens, interleaved, activation, bias
+    "gpt_oss": (4, 2880, 32, 2, 3, True, "clamped_swiglu", True),  # K = 2880: not a multiple of 128
+    "silu_concatenated": (3, 96, 160, 2, 5, False, "silu", False),
+}
+
+
+def _packed_moe(x, index, weights, gate_up, down, interleaved, activation):
+    return torch.ops.dflash.packed_moe(x, index, weights, gate_up.format, gate_up.data, gate_up.scales, gate_up.bias,
+                                       down.data, down.scales, down.bias, interleaved, activation, 1.702, 7.0)
+
+
+def test_the_kernel_is_registered_for_the_cpu_dispatch_key():
+    assert cpu.load(), cpu.status()
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("dflash::packed_moe", "CPU")
+    assert cpu.status() == "C++ CPU kernels loaded"
+
+
+@pytest.mark.parametrize("format", ["mxfp4", "fp8_block", "dense"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_cpu_kernel_matches_the_reference(format, layout):
+    experts, hidden, inter, top_k, tokens, interleaved, activation, bias = LAYOUTS[layout]
+    gate_up, down = _experts(format, experts, hidden, inter, bias)
+    index, weights = _routing(tokens, experts, top_k)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1))
+    expected = reference_moe(x, index, weights, gate_up, down, interleaved, activation)
+    actual = _packed_moe(x, index, weights, gate_up, down, interleaved, activation)
+    assert actual.dtype == x.dtype
+    error = (actual.double() - expected).norm() / expected.norm()
+    assert error <= 1e-4, f"relative error {error:.2e}"
+
+
+def test_bf16_activations_and_bf16_dense_weights():
+    gate_up, down = _experts("dense", 3, 64, 32, bias=True)
+    gate_up, down = (PackedWeight("dense", w.data.bfloat16(), None, w.bias.bfloat16()) for w in (gate_up, down))
+    index, weights = _routing(4, 3, 2)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    gate = Gate(False, "silu")
+    actual = run_packed(x, index, weights, gate_up, down, gate)
+    expected = reference_packed(x, index, weights, gate_up, down, gate)
+    assert actual.dtype == torch.bfloat16
+    torch.testing.assert_close(actual, expected.to(torch.bfloat16), atol=1e-2, rtol=1e-2)
+
+
+def test_strided_slot_pool_views():
+    """Experts read through a pool with more bytes per slot than the weight (offload's blob views)."""
+    gate_up, down = _experts("mxfp4", 3, 64, 32, bias=True)
+
+    def pooled(weight: PackedWeight) -> PackedWeight:
+        def widen(t):
+            wide = torch.zeros(t.shape[0], t[0].numel() + 40, dtype=t.dtype)
+            wide[:, :t[0].numel()] = t.reshape(t.shape[0], -1)
+            return wide[:, :t[0].numel()].view(t.shape)
+
+        return PackedWeight(weight.format, widen(weight.data), widen(weight.scales), widen(weight.bias))
+
+    index, weights = _routing(4, 3, 2)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+    expected = _packed_moe(x, index, weights, gate_up, down, False, "silu")
+    torch.testing.assert_close(_packed_moe(x, index, weights, pooled(gate_up), pooled(down), False, "silu"),
+                               expected, atol=0, rtol=0)
+
+
+def test_bad_input_is_named():
+    gate_up, down = _experts("fp8_block", 2, 128, 64, bias=False)
+    index, weights = _routing(1, 2, 1)
+    x = torch.zeros(1, 128)
+    with pytest.raises(RuntimeError, match="activation 'gelu' has no CPU kernel"):
+        _packed_moe(x, index, weights, gate_up, down, False, "gelu")
+    with pytest.raises(RuntimeError, match=r"expert index 5 out of range \[0, 2\)"):
+        _packed_moe(x, torch.tensor([[5]]), weights, gate_up, down, False, "silu")
+    transposed = PackedWeight("dense", torch.zeros(2, 64, 128).transpose(1, 2), None)  # [E, H, I], columns strided
+    with pytest.raises(RuntimeError, match="packed expert rows must be contiguous"):
+        _packed_moe(x, index, weights, PackedWeight("dense", torch.zeros(2, 128, 128), None), transposed, False,
+                    "silu")
+
+
+def test_without_the_kernels_the_reference_runs(monkeypatch):
+    """No sources (or no compiler): a warning that says why, and run_packed falls back to the reference."""
+    monkeypatch.setattr(cpu, "SOURCES", [cpu.SOURCES[0].with_name("missing.cpp")])
+    cpu.load.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match=r"C\+\+ CPU kernels unavailable \(sources not found"):
+            assert not cpu.load()
+        assert cpu.status().startswith("C++ CPU kernels unavailable: sources not found")
+        gate_up, down = _experts("mxfp4", 3, 64, 32, bias=False)
+        index, weights = _routing(2, 3, 2)
+        x = torch.randn(2, 64)
+        gate = Gate(False, "silu")
+        assert torch.equal(run_packed(x, index, weights, gate_up, down, gate),
+                           reference_packed(x, index, weights, gate_up, down, gate))
+    finally:
+        cpu.load.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_block_linear_cpu_kernel(dtype):
+    """A dense FP8 layer with partial 128-blocks in both directions, [B, T, K] activations, a bias."""
+    from dflash_compile.quant import dequantize_fp8_block, quantize_fp8_block
+
+    assert cpu.load() and torch._C._dispatch_has_kernel_for_dispatch_key("dflash::fp8_block_linear", "CPU")
+    generator = torch.Generator().manual_seed(0)
+    weight, scale = quantize_fp8_block(torch.randn(300, 200, generator=generator))
+    x = torch.randn(2, 3, 200, generator=generator)
+    bias = torch.randn(300, generator=generator)
+    expected = x.double() @ dequantize_fp8_block(weight, scale).double().T + bias.double()
+    actual = torch.ops.dflash.fp8_block_linear(x.to(dtype), weight, scale, bias.to(dtype))
+    assert actual.shape == (2, 3, 300) and actual.dtype == dtype
+    error = (actual.double() - expected).norm() / expected.norm()
+    assert error <= (1e-4 if dtype == torch.float32 else 1e-2), f"relative error {error:.2e}"
