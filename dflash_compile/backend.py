@@ -67,7 +67,9 @@ def _lower(gm: GraphModule, example_inputs, options: BackendOptions, mode: str |
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
-    patches = {**(list_mode_options(mode) if mode else {}), **options.inductor}
+    # graph_partition: CUDA graphs (mode="reduce-overhead") capture everything but the ops tagged cudagraph_unsafe
+    # (offloaded experts), instead of giving up on the whole graph.
+    patches = {"graph_partition": True, **(list_mode_options(mode) if mode else {}), **options.inductor}
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 

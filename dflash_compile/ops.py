@@ -13,8 +13,7 @@ from .packed import PackedWeight
 from .quant import dequantize_fp8_block, dequantize_mxfp4
 
 
-@torch.library.custom_op("dflash::moe_dispatch", mutates_args=())
-def moe_dispatch(
+def _dispatch(
     hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, store: int, layer: int
 ) -> torch.Tensor:
     """Routed experts of one MoE layer: hidden [T, H], top_k_index [T, K], top_k_weights [T, K] -> [T, H].
@@ -24,11 +23,19 @@ def moe_dispatch(
     return get_store(store).dispatch(layer, hidden, top_k_index, top_k_weights)
 
 
-@moe_dispatch.register_fake
-def _moe_dispatch_fake(hidden, top_k_index, top_k_weights, store, layer):
+def _dispatch_fake(hidden, top_k_index, top_k_weights, store, layer):
     torch._check(top_k_index.shape == top_k_weights.shape, lambda: "top_k_index and top_k_weights differ in shape")
     torch._check(top_k_index.shape[0] == hidden.shape[0], lambda: "one routing row per token expected")
     return torch.empty_like(hidden)
+
+
+moe_dispatch = torch.library.custom_op("dflash::moe_dispatch", _dispatch, mutates_args=())
+moe_dispatch.register_fake(_dispatch_fake)
+# The same for offloaded experts, whose dispatch reads the routing on the host and copies weights: tagged so that
+# Inductor's graph partitioning keeps it out of CUDA graphs while the rest of the step is captured.
+moe_dispatch_offloaded = torch.library.custom_op("dflash::moe_dispatch_offloaded", _dispatch, mutates_args=(),
+                                                 tags=(torch.Tag.cudagraph_unsafe,))
+moe_dispatch_offloaded.register_fake(_dispatch_fake)
 
 
 @torch.library.custom_op("dflash::packed_moe", mutates_args=())

@@ -9,7 +9,8 @@ graph there; the outputs agree to rounding.
 
 It also registers `"dflash_packed"`: the implementation of experts modules whose weights `load_packed` kept as
 MXFP4 / FP8 (`dflash_compile.packed.attach_packed`); it runs `dflash::packed_moe` on them. And `"dflash_offload"`
-for experts that `offload_experts` moved to host memory: `dflash::moe_dispatch` on the model's offload store.
+for experts that `offload_experts` moved to host memory: `dflash::moe_dispatch_offloaded` on the model's
+offload store.
 """
 
 from __future__ import annotations
@@ -41,10 +42,11 @@ def _packed_experts_forward(self, hidden, top_k_index, top_k_weights):
 
 
 def _offloaded_experts_forward(self, hidden, top_k_index, top_k_weights):
-    """Experts whose weights `offload_experts` moved to host blobs: `dflash::moe_dispatch` on the model's offload
-    store, which fetches them into the slot pool (compiled with the dflash backend, the same node remains)."""
+    """Experts whose weights `offload_experts` moved to host blobs: `dflash::moe_dispatch_offloaded` on the
+    model's offload store, which fetches them into the slot pool (compiled with the dflash backend, the same node
+    remains, outside CUDA graphs)."""
     store, layer = self.dflash_dispatch
-    return torch.ops.dflash.moe_dispatch(hidden, top_k_index, top_k_weights, store, layer)
+    return torch.ops.dflash.moe_dispatch_offloaded(hidden, top_k_index, top_k_weights, store, layer)
 
 
 def install() -> None:

@@ -41,7 +41,12 @@ def test_offload_with_compiled_dflash_speculative_decoding(tiny, family, tmp_pat
     expected = reference.generate(ids, max_new_tokens=12, do_sample=False)
     config = tiny_drafter_config(reference.config, block_size=4)
     drafter = save_drafter(tmp_path / "d", config, random_drafter_weights(config))
-    fast = dflash_compile.optimize(_offloaded(tiny, family, extra_slots=2), drafter=drafter)
+    model = _offloaded(tiny, family, extra_slots=2)
+    after = dflash_compile.explain(model, ids).graphs[0].after
+    layers = len(model.dflash_offload.layers)
+    assert after.count("torch.ops.dflash.moe_dispatch_offloaded.default(") == layers  # kept out of CUDA graphs
+    assert "torch.ops.dflash.moe_dispatch.default(" not in after
+    fast = dflash_compile.optimize(model, drafter=drafter)
     assert torch.equal(fast.generate(ids, max_new_tokens=12), expected)
 
 
@@ -246,3 +251,16 @@ def test_expert_copies_overlap_compute(tmp_path):
                                             c.time_range.start < k.time_range.end for k in kernels)]
     assert model.dflash_offload.stats.prefetched > 0 and copies, model.dflash_offload.stats
     assert overlapping, f"none of {len(copies)} expert copies overlapped a kernel"
+
+
+@cuda
+def test_offloaded_step_captures_cuda_graphs_around_the_offload_ops(tmp_path):
+    """mode="reduce-overhead": the verify step is captured except the offloaded dispatches (graph partitioning
+    around the cudagraph_unsafe op), and tokens stay those of the resident model."""
+    ids = token_ids(batch=1)
+    expected = _cuda_model(tmp_path).generate(ids, max_new_tokens=12, do_sample=False)
+    model = _cuda_model(tmp_path)
+    plan = plan_offload(model)
+    fast = dflash_compile.optimize(model, gpu_memory=plan.minimum_budget + 8 * plan.blob_bytes, device="cuda",
+                                   mode="reduce-overhead")
+    assert torch.equal(fast.generate(ids.cuda(), max_new_tokens=12).cpu(), expected)

@@ -34,6 +34,11 @@ def test_reference_equals_the_family_experts_module(tiny, family):
     torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-5)
 
 
+def test_offloaded_dispatch_is_kept_out_of_cuda_graphs():
+    assert torch.Tag.cudagraph_unsafe in torch.ops.dflash.moe_dispatch_offloaded.default.tags
+    assert torch.Tag.cudagraph_unsafe not in torch.ops.dflash.moe_dispatch.default.tags
+
+
 @pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
 def test_opcheck_moe_dispatch(tiny, family):
     experts = _routed(tiny(family), family)
@@ -42,6 +47,8 @@ def test_opcheck_moe_dispatch(tiny, family):
     for tokens in (1, 5):
         hidden, index, weights = _routing(experts, tokens=tokens)
         torch.library.opcheck(torch.ops.dflash.moe_dispatch.default, (hidden, index, weights, store.id, layer))
+        torch.library.opcheck(torch.ops.dflash.moe_dispatch_offloaded.default,
+                              (hidden, index, weights, store.id, layer))
 
 
 def test_fake_checks_routing_shapes():

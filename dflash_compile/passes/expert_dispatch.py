@@ -12,6 +12,9 @@ After:
 
     %moe_dispatch = torch.ops.dflash.moe_dispatch.default(%hidden, %top_k_index, %top_k_weights, store, layer)
 
+(`dflash::moe_dispatch_offloaded`, tagged cudagraph_unsafe, for experts that `offload_experts` moved to host
+memory: Inductor's graph partitioning then captures everything around it in CUDA graphs.)
+
 A region is the set of nodes whose `nn_module_stack` passes through a routed-experts module that the family
 registry recognises by class. Its activation inputs are the hidden states, the integer expert ids and the routing
 weights (the ids' shape); its parameter inputs (`gate_up_proj`, `down_proj`, biases) become unused placeholders,
@@ -91,10 +94,10 @@ def _replace(gm: GraphModule, region: ExpertRegion, ctx: PassContext) -> None:
     output = _region_output(region)
     store = ctx.store(root)
     layer = store.add_layer(experts, region.spec, region.path)
+    # Offloaded experts sync on the routing and copy weights: their op is tagged to stay out of CUDA graphs.
+    op = torch.ops.dflash.moe_dispatch_offloaded if hasattr(experts, "dflash_offload") else torch.ops.dflash.moe_dispatch
     with gm.graph.inserting_before(output):
-        dispatch = gm.graph.call_function(
-            torch.ops.dflash.moe_dispatch.default, (hidden, top_k_index, top_k_weights, store.id, layer)
-        )
+        dispatch = gm.graph.call_function(op.default, (hidden, top_k_index, top_k_weights, store.id, layer))
     dispatch.meta.update({k: v for k, v in output.meta.items() if k in ("example_value", "val", "stack_trace")})
     stack = output.meta.get("nn_module_stack", {})
     keys = list(stack)
