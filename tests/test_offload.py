@@ -1,5 +1,7 @@
 """Expert offload on the CPU ("device" and host both CPU memory): the cache logic, budgets, and token identity."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -264,3 +266,48 @@ def test_offloaded_step_captures_cuda_graphs_around_the_offload_ops(tmp_path):
     fast = dflash_compile.optimize(model, gpu_memory=plan.minimum_budget + 8 * plan.blob_bytes, device="cuda",
                                    mode="reduce-overhead")
     assert torch.equal(fast.generate(ids.cuda(), max_new_tokens=12).cpu(), expected)
+
+
+_PEAK_SCRIPT = """
+import sys, threading, time, torch
+import dflash_compile
+from dflash_compile.offload import plan_offload
+
+def anonymous_mib():
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssAnon")) / 1024
+
+peak = [0.0]
+def watch():
+    while True:
+        peak[0] = max(peak[0], anonymous_mib())
+        time.sleep(0.001)
+
+base = anonymous_mib()
+threading.Thread(target=watch, daemon=True).start()
+fast = dflash_compile.from_pretrained(sys.argv[1], gpu_memory=sys.argv[2], dtype=torch.bfloat16, device="cpu")
+time.sleep(0.05)
+layers = fast.model.dflash_offload.layers
+print(peak[0] - base, sum(layer.host.numel() for layer in layers) / 2**20, layers[0].host.numel() / 2**20)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the anonymous RSS from /proc")
+def test_loading_an_offloaded_checkpoint_needs_about_the_experts_host_memory(tmp_path):
+    """from_pretrained(gpu_memory=...): the checkpoint's tensors are memory-mapped, experts move into host blobs
+    layer by layer and each layer's parameters are freed as it goes, so the anonymous host memory peaks at about the
+    experts' size (plus a layer and the runtime's own), not twice it. The slot pool is never touched here."""
+    import subprocess
+    import sys
+
+    import transformers
+
+    from dflash_compile.testing import tiny_config
+
+    config = tiny_config("qwen3_moe", hidden_size=512, moe_intermediate_size=1024, num_experts=32,
+                         num_hidden_layers=4)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path / "m")
+    result = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(tmp_path / "m"), "150MB"], check=True,
+                            capture_output=True, text=True)
+    peak, experts, layer = map(float, result.stdout.split())
+    assert experts > 250
+    assert peak <= experts + 1.5 * layer + 64, f"peak {peak:.0f} MiB for {experts:.0f} MiB of experts"
