@@ -77,7 +77,8 @@ def run(args) -> list[dict]:
         for name, policy, drafter in setups:
             fast = dflash_compile.optimize(copy.deepcopy(host_model), drafter, gpu_memory=budget, device=args.device,
                                            adaptive=False, offload_policy=policy,
-                                           offload_prefetch=not args.no_prefetch)
+                                           offload_prefetch=not args.no_prefetch,
+                                           offload_cpu_compute=args.cpu_compute)
             offloaded = fast.model.dflash_offload
             out, seconds = timed(lambda: fast.generate(ids.to(args.device), max_new_tokens=args.new), args.repeats,
                                  args.device)
@@ -95,6 +96,7 @@ def run(args) -> list[dict]:
                 "hit_rate": hits / max(hits + misses, 1), "tau": fast.last_stats.tau,
                 "coverage": run_stats["prefetch_hits"] / max(run_stats["prefetch_hits"] + misses, 1),
                 "waste": run_stats["prefetch_wasted"] / max(run_stats["prefetched"], 1),
+                "on_cpu_per_token": run_stats["computed_on_host"] / args.new,
                 "floor_ratio": (seconds / args.new) / (fetched / args.new / pcie),
                 "slots": offloaded.slots, "check": first_mismatch(expected, out)})
             print(rows[-1], flush=True)
@@ -126,6 +128,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--policy", nargs="+", default=["lru"], choices=["lru", "lfu"])
     parser.add_argument("--no-prefetch", action="store_true", help="offload without next-layer prefetch")
+    parser.add_argument("--cpu-compute", default="off", choices=["off", "auto", "always"],
+                        help="run missed experts on the CPU (C++ kernels) instead of copying them")
     parser.add_argument("--accelerate-new", type=int, help="new tokens for the accelerate rows (default --new)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()

@@ -132,6 +132,7 @@ class OffloadStats:
     misses: int = 0  # needed experts copied in while their layer waited
     bytes_fetched: int = 0  # all host -> device bytes, prefetches included
     per_layer_calls: int = 0
+    computed_on_host: int = 0  # needed experts run by the CPU where their blob lives instead of being copied
     prefetched: int = 0  # experts copied ahead of their layer
     prefetch_hits: int = 0  # needed experts that were there because of a prefetch
     prefetch_wasted: int = 0  # prefetched experts evicted before any layer used them
@@ -159,6 +160,59 @@ class _Layer:
     pooled: tuple[PackedWeight, PackedWeight]  # (gate_up, down) as views over the slot pool, indexed by slot
     router: torch.nn.Module | None = None  # picks this layer's experts; read by the previous layer's prefetch
 
+    @property
+    def on_host(self) -> tuple[PackedWeight, PackedWeight]:
+        """(gate_up, down) as views over the host blobs, indexed by expert (what the CPU kernels read)."""
+        return self.layout.weights(self.host, self.format)
+
+
+CPU_COMPUTE = ("off", "auto", "always")
+
+
+@dataclass(frozen=True)
+class MissCosts:
+    """Measured cost of a missed expert either way: copying its blob to the device, or running it on the CPU
+    where it lives (the C++ kernel: a fixed part for reading the weights plus a part per routed token)."""
+
+    fetch_s: float
+    host_s: float  # one token
+    host_per_token_s: float  # each further token
+
+    def host_cheaper(self, tokens: int) -> bool:
+        return self.host_s + self.host_per_token_s * (tokens - 1) < self.fetch_s
+
+    @classmethod
+    def measure(cls, offloaded: OffloadedExperts, layer: int, gate, hidden_size: int) -> MissCosts:
+        """Median of 3 of each: blob 0 copied into a scratch device buffer; expert 0 on the CPU for 1 and 8
+        tokens."""
+        import statistics
+        import time
+
+        from .expert_store import run_packed
+
+        host = offloaded.layers[layer].host
+        scratch = torch.empty_like(host[0], device=offloaded.device)
+
+        def seconds(fn) -> float:
+            times = []
+            for _ in range(3):
+                start = time.perf_counter()
+                fn()
+                if offloaded.device.type == "cuda":
+                    torch.cuda.synchronize(offloaded.device)
+                times.append(time.perf_counter() - start)
+            return statistics.median(times)
+
+        weights = offloaded.layers[layer].on_host
+
+        def on_host(tokens: int) -> float:
+            x = torch.zeros(tokens, hidden_size, dtype=torch.float32)
+            index, routing = torch.zeros(tokens, 1, dtype=torch.long), torch.ones(tokens, 1)
+            return seconds(lambda: run_packed(x, index, routing, *weights, gate))
+
+        one, eight = on_host(1), on_host(8)
+        return cls(seconds(lambda: scratch.copy_(host[0], non_blocking=True)), one, max(eight - one, 0.0) / 7)
+
 
 def predict_experts(router: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """[T, top_k] experts `router` picks for `hidden`: a guess when `hidden` is another layer's input. The
@@ -176,6 +230,7 @@ class OffloadedExperts:
     policy: str = "lru"
     layers: list[_Layer] = field(default_factory=list)
     prefetch: bool = True
+    cpu_compute: str = "off"  # "auto": a miss runs on the CPU when MissCosts says that beats its copy; "always"
     hooks: list[Callable[[str, int, int, int], None]] = field(default_factory=list)
     stats: OffloadStats = field(default_factory=OffloadStats)
 
@@ -188,6 +243,9 @@ class OffloadedExperts:
         self.prefetch_stream = torch.cuda.Stream(self.device) if cuda else None
         self.in_flight: dict[int, torch.cuda.Event] = {}  # slot -> the event its prefetch copy records
         self.unused_prefetches: set[tuple[int, int]] = set()
+        self.miss_costs: MissCosts | None = None  # measured at the first "auto" decision
+        if self.cpu_compute not in CPU_COMPUTE:
+            raise ValueError(f"cpu_compute must be one of {CPU_COMPUTE}, got {self.cpu_compute!r}")
 
     def add_layer(self, module: torch.nn.Module, router: torch.nn.Module | None = None) -> int:
         format, weights = _blob_parts(module)
@@ -288,25 +346,68 @@ class OffloadedExperts:
         self._copy(layer, copies)
 
     def _routed_experts(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor):
-        """(this layer's experts, the next layer's predicted experts), both read in ONE host transfer."""
+        """(the routed expert of every (token, slot) pair, the next layer's predicted experts), both read in ONE
+        host transfer."""
         following = self.layers[layer + 1].router if self.prefetch and layer + 1 < len(self.layers) else None
         flat = top_k_index.reshape(-1)
         if following is not None:
             flat = torch.cat([flat, predict_experts(following, hidden).reshape(-1).to(flat.dtype)])
         ids = flat.tolist()  # the host sync
-        now = sorted(set(ids[:top_k_index.numel()]))
-        return now, sorted(set(ids[top_k_index.numel():]))
+        return ids[:top_k_index.numel()], sorted(set(ids[top_k_index.numel():]))
+
+    def _host_side(self, layer: int, pair_experts: list[int], hidden: torch.Tensor, gate) -> set[int]:
+        """The missed experts of this call that run on the CPU instead of being copied (see `cpu_compute`)."""
+        if self.cpu_compute == "off":
+            return set()
+        misses = {e for e in pair_experts if (layer, e) not in self.cache.where}
+        if self.cpu_compute == "always" or not misses:
+            return misses
+        if self.miss_costs is None:
+            self.miss_costs = MissCosts.measure(self, layer, gate, hidden.shape[-1])
+        return {e for e in misses if self.miss_costs.host_cheaper(pair_experts.count(e))}
+
+    def _run_on_host(self, layer: int, hidden: torch.Tensor, top_k_weights: torch.Tensor, pairs: list[int],
+                     pair_experts: list[int], gate) -> torch.Tensor:
+        """[T, H] on the device: the given (token, slot) pairs' expert outputs, computed by the CPU kernels on the
+        host blobs, routing weights applied, summed per token."""
+        from .expert_store import run_packed
+
+        top_k = top_k_weights.shape[-1]
+        pair_ids = torch.tensor(pairs, device=hidden.device)
+        tokens = pair_ids // top_k
+        rows = hidden[tokens].to("cpu", torch.float32)
+        index = torch.tensor([[pair_experts[p]] for p in pairs])
+        routing = top_k_weights.reshape(-1)[pair_ids].to("cpu", torch.float32)[:, None]
+        per_pair = run_packed(rows, index, routing, *self.layers[layer].on_host, gate)
+        self.stats.computed_on_host += len(set(index.flatten().tolist()))
+        return torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device).index_add_(
+            0, tokens, per_pair.to(hidden.device, non_blocking=True)).to(hidden.dtype)
 
     def run(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate):
+        """The layer's routed experts: cached and copied-in ones by the device kernel on the slot pool (launched
+        first, so it runs while the CPU works), misses chosen for the CPU by its kernels on the host blobs."""
         from .expert_store import run_packed
 
         self.stats.per_layer_calls += 1
-        experts, predicted = self._routed_experts(layer, hidden, top_k_index)
-        table = self._fetch(layer, experts)
-        if predicted:
-            self._prefetch(layer + 1, predicted, {(layer, e) for e in experts})
-        slot_index = table[top_k_index].to(top_k_index.dtype)
-        return run_packed(hidden, slot_index, top_k_weights, *self.layers[layer].pooled, gate)
+        pair_experts, predicted = self._routed_experts(layer, hidden, top_k_index)
+        on_host = self._host_side(layer, pair_experts, hidden, gate)
+        on_device = sorted(set(pair_experts) - on_host)
+        table = self._fetch(layer, on_device) if on_device else None
+        if predicted:  # issued before this layer's kernel, which never reads the slots it fills: they overlap
+            self._prefetch(layer + 1, predicted, {(layer, e) for e in on_device})
+        out = None
+        if on_device:
+            index, weights = top_k_index, top_k_weights
+            if on_host:  # host pairs: the weight 0 on a loaded expert (finite) keeps the device kernel's shape
+                host_pairs = torch.tensor([e in on_host for e in pair_experts], device=hidden.device).view_as(index)
+                index = torch.where(host_pairs, on_device[0], index)
+                weights = torch.where(host_pairs, 0.0, weights)
+            out = run_packed(hidden, table[index].to(index.dtype), weights, *self.layers[layer].pooled, gate)
+        if on_host:
+            pairs = [p for p, e in enumerate(pair_experts) if e in on_host]
+            host_out = self._run_on_host(layer, hidden, top_k_weights, pairs, pair_experts, gate)
+            out = host_out if out is None else out + host_out
+        return out
 
     @property
     def pool_bytes(self) -> int:
@@ -354,16 +455,18 @@ def plan_offload(model: torch.nn.Module) -> OffloadPlan:
 
 
 def offload_experts(model: torch.nn.Module, gpu_memory, device="cuda", policy: str = "lru",
-                    prefetch: bool = True) -> torch.nn.Module:
+                    prefetch: bool = True, cpu_compute: str = "off") -> torch.nn.Module:
     """Move `model` to `device` except its routed experts, which go to host blobs behind a slot pool that, with the
     dense weights, fits `gpu_memory` (bytes, "20GiB", or an accelerate max_memory dict). Checked before anything
     moves: the budget must hold the dense weights plus one MoE layer's experts. (Activations and the KV cache come
-    on top, as with accelerate's max_memory.) `prefetch`: copy each next layer's predicted experts ahead."""
+    on top, as with accelerate's max_memory.) `prefetch`: copy each next layer's predicted experts ahead.
+    `cpu_compute`: "auto" runs a missed expert on the CPU (C++ kernels, on its host blob) when measuring says that
+    beats copying it, "always" runs every miss there; outputs then differ from the resident model's by rounding."""
     from .expert_store import ExpertStore
 
     device = torch.device(device)
     slots = plan_offload(model).slots(parse_size(gpu_memory))
-    offloaded = OffloadedExperts(device, int(slots), policy, prefetch=prefetch)
+    offloaded = OffloadedExperts(device, int(slots), policy, prefetch=prefetch, cpu_compute=cpu_compute)
     store = ExpertStore()  # what the eager forward dispatches to; compiled graphs get their own entries
     named = experts_modules(model)
     modules = _experts_modules(model)

@@ -8,7 +8,7 @@ import torch
 import dflash_compile
 import dflash_compile.testing
 from dflash_compile.families import experts_modules, router_of
-from dflash_compile.offload import (BlobLayout, ExpertCache, offload_experts, parse_size, plan_offload,
+from dflash_compile.offload import (BlobLayout, ExpertCache, MissCosts, offload_experts, parse_size, plan_offload,
                                     predict_experts)
 from dflash_compile.testing import TINY_CONFIGS, random_drafter_weights, save_drafter, tiny_drafter_config
 from tests.conftest import token_ids
@@ -195,6 +195,41 @@ def test_prefetch_accounting_and_identity(tiny, family):
                             device="cpu", prefetch=False)
     assert torch.equal(plain.generate(ids, max_new_tokens=10, do_sample=False), expected)
     assert plain.dflash_offload.stats.prefetched == 0
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_5_moe", "deepseek_v3"])
+def test_misses_computed_on_the_cpu_give_the_same_tokens(tiny, family):
+    """cpu_compute="always": every expert not in a slot runs on the CPU on its host blob. First with an empty
+    cache (all on the host), then with the cache warm from a fetching run (device and host experts mixed in one
+    call)."""
+    ids = token_ids()
+    expected = tiny(family).generate(ids, max_new_tokens=10, do_sample=False)
+    model = offload_experts(tiny(family), plan_offload(tiny(family)).minimum_budget, device="cpu",
+                            cpu_compute="always")
+    offloaded = model.dflash_offload
+    assert torch.equal(model.generate(ids, max_new_tokens=10, do_sample=False), expected)
+    assert offloaded.stats.computed_on_host > 0 and offloaded.stats.misses == 0
+    offloaded.cpu_compute = "off"
+    model.generate(ids[:, :4], max_new_tokens=2, do_sample=False)  # fills the slots with a layer's experts
+    offloaded.cpu_compute, before = "always", offloaded.stats.hits
+    assert torch.equal(model.generate(ids, max_new_tokens=10, do_sample=False), expected)
+    assert offloaded.stats.hits > before  # cached experts ran on the device next to host ones
+
+
+def test_auto_cpu_compute_follows_the_measured_costs(tiny):
+    costs = MissCosts(fetch_s=1.0, host_s=0.5, host_per_token_s=0.3)
+    assert costs.host_cheaper(1) and costs.host_cheaper(2) and not costs.host_cheaper(3)
+    model = offload_experts(tiny("olmoe"), plan_offload(tiny("olmoe")).minimum_budget, device="cpu",
+                            cpu_compute="auto")
+    offloaded = model.dflash_offload
+    offloaded.miss_costs = costs
+    hidden = torch.zeros(4, model.config.hidden_size)
+    assert offloaded._host_side(0, [1, 1, 1, 2, 2, 3], hidden, None) == {2, 3}  # expert 1 has 3 tokens: copy it
+    measured = MissCosts.measure(offloaded, 0, dflash_compile.expert_store.Gate(False, "silu"),
+                                 model.config.hidden_size)
+    assert measured.fetch_s > 0 and measured.host_s > 0 and measured.host_per_token_s >= 0
+    with pytest.raises(ValueError, match="cpu_compute must be one of"):
+        offload_experts(tiny("olmoe"), "1GiB", device="cpu", cpu_compute="sometimes")
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
