@@ -167,6 +167,7 @@ class _Layer:
 
 
 CPU_COMPUTE = ("off", "auto", "always")
+PREFETCH_TRIAL, PREFETCH_MIN_PRECISION = 64, 0.5
 
 
 @dataclass(frozen=True)
@@ -336,7 +337,13 @@ class OffloadedExperts:
         return self._copy(layer, copies, table)
 
     def _prefetch(self, layer: int, experts: list[int], keep: set[tuple[int, int]]) -> None:
-        """Start copying `layer`'s predicted `experts` (those not cached) without making anything wait yet."""
+        """Start copying `layer`'s predicted `experts` (those not cached) without making anything wait yet. Once
+        PREFETCH_TRIAL experts were prefetched, prefetching stops for good if fewer than PREFETCH_MIN_PRECISION of
+        them were used: for a model whose next-layer guess is poor it only costs bandwidth."""
+        if self.stats.prefetched >= PREFETCH_TRIAL and self.stats.prefetch_hits < (
+                PREFETCH_MIN_PRECISION * self.stats.prefetched):
+            self.prefetch = False
+            return
         predicted = [e for e in experts if (layer, e) not in self.cache.where]
         if not predicted or len(keep) + len(predicted) > self.slots:
             return  # no room without evicting what this call uses

@@ -191,6 +191,8 @@ def test_prefetch_accounting_and_identity(tiny, family):
     assert stats.prefetched > 0 and stats.prefetch_hits > 0
     assert stats.prefetched == stats.prefetch_hits + stats.prefetch_wasted + len(offloaded.unused_prefetches)
     assert stats.prefetch_hits <= stats.hits and 0 < stats.coverage <= 1 and 0 <= stats.waste < 1
+    if offloaded.stats.prefetched >= 64:  # a poor guess gives up after its trial
+        assert offloaded.prefetch == (offloaded.stats.prefetch_hits >= 0.5 * offloaded.stats.prefetched)
     plain = offload_experts(tiny(family), offloaded.pool_bytes + plan_offload(tiny(family)).dense_bytes,
                             device="cpu", prefetch=False)
     assert torch.equal(plain.generate(ids, max_new_tokens=10, do_sample=False), expected)
@@ -214,6 +216,20 @@ def test_misses_computed_on_the_cpu_give_the_same_tokens(tiny, family):
     offloaded.cpu_compute, before = "always", offloaded.stats.hits
     assert torch.equal(model.generate(ids, max_new_tokens=10, do_sample=False), expected)
     assert offloaded.stats.hits > before  # cached experts ran on the device next to host ones
+
+
+def test_prefetch_stops_when_its_guesses_are_not_used(tiny, monkeypatch):
+    """Guesses replaced by the router's choice for random inputs: right about as often as chance (2 of 8)."""
+    import dflash_compile.offload
+
+    generator = torch.Generator().manual_seed(0)
+    monkeypatch.setattr(dflash_compile.offload, "predict_experts", lambda router, hidden: predict_experts(
+        router, torch.randn(hidden.shape, generator=generator)))
+    model = offload_experts(tiny("qwen3_moe"), plan_offload(tiny("qwen3_moe")).minimum_budget, device="cpu")
+    model.generate(token_ids(), max_new_tokens=60, do_sample=False)
+    stats = model.dflash_offload.stats
+    assert stats.prefetched >= 64 and stats.prefetch_hits < 0.5 * stats.prefetched
+    assert not model.dflash_offload.prefetch
 
 
 def test_auto_cpu_compute_follows_the_measured_costs(tiny):
