@@ -28,7 +28,7 @@ import transformers
 import dflash_compile
 from dflash_compile.benchmark import timed
 from dflash_compile.cache import TargetCache
-from dflash_compile.cost_model import REFERENCE_CONFIGS, B, C, Hardware, ModelSizes, StepCost
+from dflash_compile.cost_model import HARDWARE, REFERENCE_CONFIGS, B, C, Hardware, ModelSizes, StepCost
 from dflash_compile.testing import (
     OracleDrafter, load_tiny_model, random_drafter_weights, save_drafter, tiny_drafter_config)
 
@@ -231,12 +231,15 @@ def main():
     if args.device == "cuda":
         bandwidth = copy_bandwidth(args.device)
         print(f"\ndevice-to-device copy: {bandwidth / 1e9:.0f} GB/s")
-        print("\n| step (uniform routing) | ms | memory floor ms | floor / measured | experts/layer | expected |")
-        print("|---|---|---|---|---|---|")
+        print("\n| step (uniform routing) | ms | memory floor ms | floor / measured | experts/layer | expected | "
+              "predicted ms (h200 profile) | predicted / measured |")
+        print("|---|---|---|---|---|---|---|---|")
+        predict = StepCost(ModelSizes.of(model.config), HARDWARE["h200"])  # fitted overheads (cost_model)
         for block, seconds, floor, distinct, expected_experts in step_times(model, plain.decoder, args, bandwidth):
             name = "decode (1 token)" if block == 1 else f"verify {block}"
+            predicted = predict.evaluate(block, args.prompt)["t_step_us"] * 1e-6
             print(f"| {name} | {seconds * 1e3:.2f} | {floor * 1e3:.2f} | {floor / seconds:.2f} | "
-                  f"{distinct:.1f} | {expected_experts:.1f} |")
+                  f"{distinct:.1f} | {expected_experts:.1f} | {predicted * 1e3:.2f} | {predicted / seconds:.2f} |")
 
 
 if __name__ == "__main__":

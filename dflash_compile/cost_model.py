@@ -4,13 +4,15 @@ model config and a hardware profile, as sympy expressions in B, the context leng
     bytes(B, C)  = dense + B * embedding row + moe_layers * U(B) * expert + kv_full * C + kv_sliding * min(C, W)
     U(B)         = E * (1 - (1 - k / E) ** B)          expected distinct experts per MoE layer, independent routing
     flops(B, C)  = 2 * B * (dense params + moe_layers * k * expert params) + 4 * B * C * attention width
-    t(B, C)      = max(bytes / HBM, flops / FLOP/s) + step overhead
+    t(B, C)      = max(bytes / (HBM * efficiency), flops / FLOP/s) + step overhead + layers * layer overhead
     fetch(B, h)  = moe_layers * U(B) * (1 - h) * expert / PCIe            offloaded experts that miss the cache
     tokens/s     = tau / (t(B, C) + t_draft)                              at a mean accepted length tau
 
 Sizes come from the model itself (built on the meta device from its config, no weights) and the family registry
 (which parameters are routed experts); expert bytes follow their stored format (bf16, MXFP4 4.25 bits, FP8 8 bits
-plus one fp32 scale per 128 x 128 block). `calibrate()` measures the current machine.
+plus one fp32 scale per 128 x 128 block). `calibrate()` measures the current machine's bandwidths and FLOP/s;
+`fit_step_overheads` fits the per-layer overhead and the weight-streaming efficiency to measured step times
+(`MEASURED_STEPS`), which is how the default H200 profile predicts real steps rather than only their floors.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import csv
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import sympy
@@ -26,6 +28,16 @@ import torch
 import transformers
 
 from .families import experts_modules, spec_for_model
+
+# Target step times measured on the H200 (docs/benchmarks.md, "Speculative decoding, H200", 2026-11-30): random
+# bf16 weights, uniform routing, 512-token context, compiled step in a CUDA graph, experts through moe_dispatch.
+# (model, tokens per step, context) -> seconds
+MEASURED_STEPS = {
+    ("gpt-oss-20b", 1, 512): 9.03e-3, ("gpt-oss-20b", 8, 512): 17.52e-3, ("gpt-oss-20b", 16, 512): 20.98e-3,
+    ("qwen3-30b-a3b", 1, 512): 11.15e-3, ("qwen3-30b-a3b", 8, 512): 18.89e-3, ("qwen3-30b-a3b", 16, 512): 23.81e-3,
+}
+# fit_step_overheads on MEASURED_STEPS: 169 us per layer per step, 53.5% of the copy bandwidth while streaming
+H200_LAYER_S, H200_EFFICIENCY = 168.5e-6, 0.535
 
 B, C, H = sympy.symbols("B C h", positive=True)  # tokens per step, context length, expert-cache hit rate
 
@@ -39,6 +51,12 @@ class Hardware:
     pcie: float  # pinned host-to-device bytes/s
     flops: float  # dense bf16 FLOP/s
     step_overhead: float  # seconds per step that no byte or FLOP explains (launches, syncs); 0 = pure roofline
+    layer_overhead: float = 0.0  # seconds per decoder layer per step: launches and small ops between weight reads
+    efficiency: float = 1.0  # the share of `hbm` a step achieves while streaming its weights
+
+    def roofline(self) -> Hardware:
+        """The same machine with no overheads and full bandwidth: every step at its floor."""
+        return replace(self, step_overhead=0.0, layer_overhead=0.0, efficiency=1.0)
 
     @classmethod
     def load(cls, path: str | Path) -> Hardware:
@@ -50,10 +68,14 @@ class Hardware:
 
 
 HARDWARE = {
-    # measured on this project's H200 (docs/benchmarks.md, 2026-11-30): copy 4243 GB/s, pinned H2D 55 GB/s
-    "h200": Hardware("h200", hbm=4.243e12, pcie=55e9, flops=989e12, step_overhead=0.0),
-    # H100 SXM datasheet bandwidth scaled by the H200's measured/datasheet ratio (0.88); PCIe 5 like the H200
-    "h100": Hardware("h100", hbm=2.95e12, pcie=55e9, flops=989e12, step_overhead=0.0),
+    # measured on this project's H200 (docs/benchmarks.md, 2026-11-30): copy 4243 GB/s, pinned H2D 55 GB/s; layer
+    # overhead and efficiency = fit_step_overheads(MEASURED_STEPS) (tests/test_cost_model.py re-fits and compares)
+    "h200": Hardware("h200", hbm=4.243e12, pcie=55e9, flops=989e12, step_overhead=0.0, layer_overhead=H200_LAYER_S,
+                     efficiency=H200_EFFICIENCY),
+    # H100 SXM datasheet bandwidth scaled by the H200's measured/datasheet ratio (0.88); PCIe 5 like the H200; the
+    # H200's fitted overheads (same software path, unmeasured here)
+    "h100": Hardware("h100", hbm=2.95e12, pcie=55e9, flops=989e12, step_overhead=0.0, layer_overhead=H200_LAYER_S,
+                     efficiency=H200_EFFICIENCY),
 }
 
 REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
@@ -93,6 +115,7 @@ class ModelSizes:
     sliding_kv_elements_per_token: int  # the same for sliding-window layers, which read at most `window` tokens
     window: int
     attention_width: int  # query heads x head dim, summed over attention layers (for attention FLOPs)
+    layers: int  # decoder layers (each costs the hardware's layer overhead)
 
     @classmethod
     def of(cls, config) -> ModelSizes:
@@ -126,6 +149,7 @@ class ModelSizes:
             sliding_kv_elements_per_token=kinds.count("sliding_attention") * per_layer,
             window=getattr(text, "sliding_window", None) or 0,
             attention_width=sum(kind != "linear_attention" for kind in kinds) * text.num_attention_heads * head_dim,
+            layers=text.num_hidden_layers,
         )
 
 
@@ -165,7 +189,8 @@ class StepCost:
     @property
     def seconds(self) -> sympy.Expr:
         hw = self.hardware
-        return sympy.Max(self.bytes / hw.hbm, self.flops / hw.flops) + hw.step_overhead
+        return (sympy.Max(self.bytes / (hw.hbm * hw.efficiency), self.flops / hw.flops) + hw.step_overhead
+                + self.sizes.layers * hw.layer_overhead)
 
     @property
     def fetch_bytes(self) -> sympy.Expr:
@@ -198,6 +223,20 @@ def write_csv(rows: list[dict], path: str | Path) -> Path:
         writer.writeheader()
         writer.writerows(rows)
     return Path(path)
+
+
+def fit_step_overheads(hardware: Hardware, measured: dict | None = None) -> Hardware:
+    """`hardware` with the layer overhead and streaming efficiency that fit measured step times best (least
+    squares of  t = layers * overhead + floor bytes / HBM / efficiency). `measured`: {(reference model name,
+    tokens per step, context): seconds}, by default MEASURED_STEPS."""
+    rows, times = [], []
+    for (model, tokens, context), seconds in (measured or MEASURED_STEPS).items():
+        cost = StepCost(ModelSizes.of(reference_config(model)), hardware.roofline())
+        rows.append([cost.sizes.layers, cost.evaluate(tokens, context)["t_memory_us"] * 1e-6])
+        times.append([seconds])
+    overhead, inverse_efficiency = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64),
+                                                      torch.tensor(times, dtype=torch.float64)).solution.flatten()
+    return replace(hardware, layer_overhead=float(overhead), efficiency=float(1 / inverse_efficiency))
 
 
 def calibrate(device: str | None = None, size_mib: int = 256, repeats: int = 5) -> Hardware:

@@ -8,7 +8,8 @@ import sympy
 
 from dflash_compile.cli import main
 from dflash_compile.cost_model import (
-    B, CSV_COLUMNS, HARDWARE, Hardware, ModelSizes, StepCost, calibrate, reference_config)
+    B, CSV_COLUMNS, HARDWARE, MEASURED_STEPS, Hardware, ModelSizes, StepCost, calibrate, fit_step_overheads,
+    reference_config)
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +37,20 @@ def test_one_gpt_oss_layer_matches_the_documented_floors(gpt_oss_20b):
 def test_bf16_step_floors_match_the_measured_benchmark_floors(gpt_oss_20b):
     """bench/spec_decode.py's floors on the H200 (docs/benchmarks.md): 1.83 / 7.10 / 9.03 ms at blocks 1 / 8 / 16
     with a 512-token context, counted from the built model with measured routing."""
-    cost = StepCost(gpt_oss_20b, HARDWARE["h200"])
+    cost = StepCost(gpt_oss_20b, HARDWARE["h200"].roofline())
     for block, measured_floor_ms in ((1, 1.83), (8, 7.10), (16, 9.03)):
         assert cost.evaluate(block, 512)["t_step_us"] / 1e3 == pytest.approx(measured_floor_ms, rel=0.1)
+
+
+def test_the_h200_profile_predicts_measured_steps_within_25_percent():
+    """Decode and verify 8 / 16 steps of gpt-oss-20b and Qwen3-30B-A3B measured on the H200: the default profile's
+    layer overhead and efficiency are the least-squares fit to them (re-fitted here), and predict each within 25%."""
+    fitted = fit_step_overheads(HARDWARE["h200"])
+    assert fitted.layer_overhead == pytest.approx(HARDWARE["h200"].layer_overhead, rel=1e-3)
+    assert fitted.efficiency == pytest.approx(HARDWARE["h200"].efficiency, rel=1e-3)
+    for (model, tokens, context), seconds in MEASURED_STEPS.items():
+        predicted = StepCost(ModelSizes.of(reference_config(model)), HARDWARE["h200"]).evaluate(tokens, context)
+        assert predicted["t_step_us"] * 1e-6 == pytest.approx(seconds, rel=0.25), (model, tokens)
 
 
 def test_offload_fetch_and_tokens_per_second(gpt_oss_20b):
