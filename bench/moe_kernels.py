@@ -156,17 +156,28 @@ def run_shape(name, tokens_list, layers, tuning, copy_gbs, rows):
 
 
 def tile_candidates(format: str):
-    """The sweep: output tiles, K steps (FP8 up to its 128-column scale block), warps and K steps in flight."""
+    """The sweep: output tiles, K steps (FP8 up to its 128-column scale block) and K steps in flight on the tensor
+    cores; then CUDA-core multiply-adds over 1-4 pairs per block; for MXFP4 also the fp32 bit-construction decode in
+    place of dot_scaled."""
+    block_ks = (64, 128) if format == "fp8_block" else (128, 256)
     for block_n in (16, 32, 64):
-        for block_k in (64, 128) if format == "fp8_block" else (128, 256):
+        for block_k in block_ks:
             for num_stages in (2, 4):
                 yield {"block_n": block_n, "block_k": block_k, "num_warps": 4, "num_stages": num_stages}
     yield {"block_n": 64, "block_k": 128, "num_warps": 8, "num_stages": 3}
+    for block_m in (1, 4):
+        for block_n in (16, 32):
+            yield {"block_m": block_m, "mma": False, "block_n": block_n, "block_k": 64, "num_warps": 4,
+                   "num_stages": 4, "mxfp4_decode": "bits"}
+    if format == "mxfp4":
+        for block_n in (16, 32):
+            yield {"block_n": block_n, "block_k": 128, "num_warps": 4, "num_stages": 4, "mxfp4_decode": "bits"}
 
 
 def tune(name: str, tokens_list, layers: int) -> dict:
     """Pick tile sizes and warps for a shape's format (one config per call: no autotuner, which fails in the
-    interpreter): the best sum of CUDA-graph times over `tokens_list`."""
+    interpreter): the best sum of CUDA-graph times over `tokens_list`, among configs whose bf16 result stays within
+    1e-2 of the reference (a wrong variant must not win the sweep)."""
     experts, top_k, hidden, inter, format, gpt_oss = SHAPES[name]
     activation = "clamped_swiglu" if gpt_oss else "silu"
     packed = [(random_packed(format, experts, 2 * inter, hidden, gpt_oss),
@@ -176,17 +187,19 @@ def tune(name: str, tokens_list, layers: int) -> dict:
         index = torch.rand(tokens, experts, device="cuda").argsort(dim=1)[:, :top_k]
         weights = torch.softmax(torch.randn(tokens, top_k, device="cuda"), dim=-1)
         x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+        expected = reference(x[:2], index[:2], weights[:2], *packed[0], gpt_oss, activation)
         for settings in tile_candidates(format):
+            run = lambda g, d: fused_moe(x, index, weights, g, d, interleaved=gpt_oss,  # noqa: E731
+                                         activation=activation, **settings)
             try:
-                us = graph_time_us([lambda g=g, d=d: fused_moe(x, index, weights, g, d, interleaved=gpt_oss,
-                                                                activation=activation, **settings)
-                                    for g, d in packed])
-            except Exception as error:  # e.g. out of shared memory: not a candidate
-                print(f"tune {name} {settings}: {type(error).__name__}", flush=True)
-                us = float("inf")
+                error = ((run(*packed[0])[:2].double() - expected).norm() / expected.norm()).item()
+                us = graph_time_us([lambda g=g, d=d: run(g, d) for g, d in packed]) if error <= 1e-2 else float("inf")
+            except Exception as failure:  # e.g. out of shared memory: not a candidate
+                print(f"tune {name} {settings}: {type(failure).__name__}", flush=True)
+                error, us = float("nan"), float("inf")
             key = tuple(settings.items())
             totals[key] = totals.get(key, 0.0) + us
-            print(f"tune {name} M={tokens} {settings}: {us:.1f} us", flush=True)
+            print(f"tune {name} M={tokens} {settings}: {us:.1f} us, rel. error {error:.1e}", flush=True)
     return dict(min(totals, key=totals.get))
 
 

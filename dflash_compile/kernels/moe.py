@@ -96,30 +96,45 @@ def _e4m3(byte):
 
 
 @triton.jit
-def _mxfp4_halves(data, scales, rows, row_ok, k, K, BLOCK_K: tl.constexpr):
-    """Interpreter path: one expert's MXFP4 weight (`data` / `scales` at that expert) at `rows` x [k, k + BLOCK_K) as
-    two fp32 [BLOCK_ROWS, BLOCK_K / 2] tiles, the even columns (low nibbles) and the odd columns (high nibbles), each
-    byte's group scale applied (the interpreter has no dot_scaled it computes exactly)."""
+def _e2m1_bits(code, exponent):
+    """E2M1 code (int32) times 2^(exponent - 127) (E8M0, 2 <= exponent <= 252), built as fp32 bits: the code's
+    exponent field plus the scale's, no multiply. Normal codes (e >= 1) are 2^(e-1) (1 + m/2), so the fp32 exponent
+    field is e - 1 + exponent and the mantissa's top bit m; code 1 (0.5) is a bare power of two; code 0 is zero."""
+    magnitude = code & 7
+    bits = (magnitude << 22) + ((exponent - 1) << 23)
+    bits = tl.where(magnitude == 1, (exponent - 1) << 23, bits)
+    bits = tl.where(magnitude == 0, 0, bits) | ((code & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mxfp4_halves(data, scales, rows, row_ok, k, K, BLOCK_K: tl.constexpr, BITS: tl.constexpr):
+    """One expert's MXFP4 weight (`data` / `scales` at that expert) at `rows` x [k, k + BLOCK_K) as two fp32
+    [BLOCK_ROWS, BLOCK_K / 2] tiles, the even columns (low nibbles) and the odd columns (high nibbles), each byte's
+    group scale applied: by fp32 bit construction (BITS) or by arithmetic decoding times exp2 of the scale."""
     byte_columns = k // 2 + tl.arange(0, BLOCK_K // 2)
     ok = row_ok[:, None] & (byte_columns[None, :] < K // 2)
     packed = tl.load(data + rows[:, None] * (K // 2) + byte_columns[None, :], mask=ok, other=0).to(tl.int32)
-    exponent = tl.load(scales + rows[:, None] * (K // 32) + byte_columns[None, :] // 16, mask=ok, other=127)
+    exponent = tl.load(scales + rows[:, None] * (K // 32) + byte_columns[None, :] // 16, mask=ok,
+                       other=127).to(tl.int32)
+    if BITS:
+        return _e2m1_bits(packed & 15, exponent), _e2m1_bits(packed >> 4, exponent)
     scale = tl.exp2(exponent.to(tl.float32) - 127.0)
     return _e2m1(packed & 15) * scale, _e2m1(packed >> 4) * scale
 
 
 @triton.jit
 def _mxfp4_dot(acc, x_rows, pair_ok, data, scales, rows, row_ok, k, K, COMPUTE_FP32: tl.constexpr,
-               BLOCK_K: tl.constexpr):
-    """acc + x[:, k:k+BLOCK_K] @ W[rows, k:k+BLOCK_K]^T for an MXFP4 weight. On the GPU this is `tl.dot_scaled`
-    (packed codes and E8M0 scales go to the compiler's own upcast, no per-element arithmetic here); the fp32 path
-    multiplies even and odd columns separately."""
-    if COMPUTE_FP32:
+               BLOCK_K: tl.constexpr, DECODE: tl.constexpr, MMA: tl.constexpr):
+    """acc + x[:, k:k+BLOCK_K] @ W[rows, k:k+BLOCK_K]^T for an MXFP4 weight. DECODE 0 on the GPU: `tl.dot_scaled`
+    (packed codes and E8M0 scales go to the compiler's own upcast); otherwise even and odd columns are decoded here
+    (DECODE 1: fp32 bit construction; DECODE 0 in the fp32 path: arithmetic) and multiplied separately."""
+    if COMPUTE_FP32 or DECODE == 1:
         even = k + 2 * tl.arange(0, BLOCK_K // 2)
         x_ok = pair_ok[:, None] & (even[None, :] < K)
-        low, high = _mxfp4_halves(data, scales, rows, row_ok, k, K, BLOCK_K)
-        acc += _dot(tl.load(x_rows + even[None, :], mask=x_ok, other=0.0), low, COMPUTE_FP32)
-        acc += _dot(tl.load(x_rows + even[None, :] + 1, mask=x_ok, other=0.0), high, COMPUTE_FP32)
+        low, high = _mxfp4_halves(data, scales, rows, row_ok, k, K, BLOCK_K, DECODE == 1)
+        acc += _dot(tl.load(x_rows + even[None, :], mask=x_ok, other=0.0), low, COMPUTE_FP32, MMA)
+        acc += _dot(tl.load(x_rows + even[None, :] + 1, mask=x_ok, other=0.0), high, COMPUTE_FP32, MMA)
         return acc
     columns = k + tl.arange(0, BLOCK_K)
     x_tile = tl.load(x_rows + columns[None, :], mask=pair_ok[:, None] & (columns[None, :] < K), other=0.0)
@@ -144,8 +159,11 @@ def _fp8_tile(data, rows, row_ok, columns, K, COMPUTE_FP32: tl.constexpr):
 
 
 @triton.jit
-def _dot(x_tile, w_tile, COMPUTE_FP32: tl.constexpr):
-    """x [BLOCK_M, k] @ w [BLOCK_ROWS, k]^T in fp32, or bf16 into an fp32 result."""
+def _dot(x_tile, w_tile, COMPUTE_FP32: tl.constexpr, MMA: tl.constexpr):
+    """x [BLOCK_M, k] @ w [BLOCK_ROWS, k]^T into fp32: fp32 or bf16 operands on the tensor cores (MMA, BLOCK_M >=
+    16), or fp32 multiply-adds on the CUDA cores (any BLOCK_M: few pairs per expert need no padding to 16)."""
+    if not MMA:
+        return tl.sum(x_tile.to(tl.float32)[:, None, :] * w_tile.to(tl.float32)[None, :, :], axis=2)
     if COMPUTE_FP32:
         return tl.dot(x_tile.to(tl.float32), tl.trans(w_tile.to(tl.float32)), input_precision="ieee")
     return tl.dot(x_tile.to(tl.bfloat16), tl.trans(w_tile.to(tl.bfloat16)))
@@ -154,24 +172,25 @@ def _dot(x_tile, w_tile, COMPUTE_FP32: tl.constexpr):
 @triton.jit
 def _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_loop,
              FORMAT: tl.constexpr, COMPUTE_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-             BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+             BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, DECODE: tl.constexpr, MMA: tl.constexpr):
     """[BLOCK_M, BLOCK_ROWS] fp32 = x[pair_rows] @ W[rows]^T over all of K, W the expert at `data` / `scales`."""
     acc = tl.zeros((BLOCK_M, BLOCK_ROWS), dtype=tl.float32)
     x_rows = x + pair_rows[:, None].to(tl.int64) * K
     for k in tl.range(0, k_loop, BLOCK_K, num_stages=NUM_STAGES):
         if FORMAT == 1:
-            acc = _mxfp4_dot(acc, x_rows, pair_ok, data, scales, rows, row_ok, k, K, COMPUTE_FP32, BLOCK_K)
+            acc = _mxfp4_dot(acc, x_rows, pair_ok, data, scales, rows, row_ok, k, K, COMPUTE_FP32, BLOCK_K, DECODE,
+                             MMA)
         else:
             columns = k + tl.arange(0, BLOCK_K)
             x_tile = tl.load(x_rows + columns[None, :], mask=pair_ok[:, None] & (columns[None, :] < K), other=0.0)
             if FORMAT == 2:  # BLOCK_K divides 128, so the tile lies in one 128-column scale block: scale per row
                 row_scale = tl.load(scales + (rows // 128) * ((K + 127) // 128) + k // 128, mask=row_ok, other=0.0)
                 acc += _dot(x_tile, _fp8_tile(data, rows, row_ok, columns, K, COMPUTE_FP32),
-                            COMPUTE_FP32) * row_scale[None, :]
+                            COMPUTE_FP32, MMA) * row_scale[None, :]
             else:
                 w_tile = tl.load(data + rows[:, None] * K + columns[None, :],
                                  mask=row_ok[:, None] & (columns[None, :] < K), other=0.0)
-                acc += _dot(x_tile, w_tile, COMPUTE_FP32)
+                acc += _dot(x_tile, w_tile, COMPUTE_FP32, MMA)
     return acc
 
 
@@ -182,6 +201,7 @@ def _moe_gemm_kernel(
     FORMAT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr, APPLY_WEIGHT: tl.constexpr, COMPUTE_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    DECODE: tl.constexpr, MMA: tl.constexpr,
 ):
     block = tl.program_id(0)
     expert = tl.load(block_expert + block)
@@ -209,7 +229,7 @@ def _moe_gemm_kernel(
         row_ok = column < N_OUT
         rows = tl.where(row_ok, rows, 0)
         both = _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_loop,
-                        FORMAT, COMPUTE_FP32, BLOCK_M, 2 * BLOCK_N, BLOCK_K, NUM_STAGES)
+                        FORMAT, COMPUTE_FP32, BLOCK_M, 2 * BLOCK_N, BLOCK_K, NUM_STAGES, DECODE, MMA)
         if HAS_BIAS:
             both += tl.load(bias + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
         gate, up = tl.split(tl.reshape(both, (BLOCK_M, BLOCK_N, 2)))
@@ -222,7 +242,7 @@ def _moe_gemm_kernel(
     else:
         rows = tl.where(column_ok, columns, 0)
         result = _project(x, data, scales, rows, column_ok, pair_rows, pair_ok, K, k_loop,
-                          FORMAT, COMPUTE_FP32, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)
+                          FORMAT, COMPUTE_FP32, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, DECODE, MMA)
         if HAS_BIAS:
             result += tl.load(bias + rows, mask=column_ok, other=0.0).to(tl.float32)[None, :]
     if APPLY_WEIGHT:
@@ -237,7 +257,8 @@ def _expert_strides(weight: PackedWeight) -> tuple[int, int, int]:
 
 
 def _launch(x, weight: PackedWeight, pair_ids, block_expert, pair_weights, rows_out, n_out, row_div, *, gated,
-            interleaved, activation, alpha, limit, compute_fp32, block_m, block_n, block_k, num_warps, num_stages):
+            interleaved, activation, alpha, limit, compute_fp32, block_m, block_n, block_k, num_warps, num_stages,
+            mxfp4_decode, mma):
     _, n, k = weight.shape
     out = torch.empty(rows_out, n_out, dtype=torch.float32 if compute_fp32 or not gated else x.dtype,
                       device=x.device)
@@ -250,19 +271,23 @@ def _launch(x, weight: PackedWeight, pair_ids, block_expert, pair_weights, rows_
         rows_out, n, k, n_out, row_div, float(alpha), float(limit), *_expert_strides(weight),
         FORMAT=FORMATS[weight.format], GATED=gated, INTERLEAVED=interleaved, ACTIVATION=ACTIVATIONS[activation],
         HAS_BIAS=weight.bias is not None, APPLY_WEIGHT=pair_weights is not None, COMPUTE_FP32=compute_fp32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, num_warps=num_warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
+        DECODE=MXFP4_DECODES[mxfp4_decode], MMA=mma, num_warps=num_warps,
     )
     return out
 
 
 # Tiles per weight format (one config each: the interpreter cannot autotune), from `bench/moe_kernels.py`'s sweep on
 # the H200 (docs/benchmarks.md). block_m: pairs per block; block_n: output columns per program; block_k: K per step
-# (FP8: a divisor of its 128-column scale block); num_stages: K steps in flight.
+# (FP8: a divisor of its 128-column scale block); num_stages: K steps in flight; mma: tensor cores (block_m >= 16)
+# or CUDA-core multiply-adds; mxfp4_decode: "dot_scaled" (the compiler's upcast) or "bits" (fp32 bit construction).
+_COMMON = {"block_m": 16, "block_n": 32, "num_warps": 4, "mma": True, "mxfp4_decode": "dot_scaled"}
 TILES = {
-    "mxfp4": {"block_m": 16, "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 4},
-    "fp8_block": {"block_m": 16, "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 4},
-    "dense": {"block_m": 16, "block_n": 32, "block_k": 64, "num_warps": 4, "num_stages": 3},
+    "mxfp4": _COMMON | {"block_k": 128, "num_stages": 4},
+    "fp8_block": _COMMON | {"block_k": 128, "num_stages": 4},
+    "dense": _COMMON | {"block_k": 64, "num_stages": 3},
 }
+MXFP4_DECODES = {"dot_scaled": 0, "bits": 1}
 
 
 def tiles_for(format: str, overrides: dict) -> dict:
@@ -276,6 +301,11 @@ def tiles_for(format: str, overrides: dict) -> dict:
         raise ValueError(f"block_k must be a power of two and a multiple of 32 (one MXFP4 group), got {block_k}")
     if format == "fp8_block" and block_k > 128:
         raise ValueError(f"fp8_block needs block_k <= 128 (one scale per 128 columns), got {block_k}")
+    if tiles["mma"] and tiles["block_m"] < 16:
+        raise ValueError(f"tensor-core tiles need block_m >= 16, got {tiles['block_m']}; pass mma=False for fewer")
+    if tiles["block_m"] & (tiles["block_m"] - 1) or tiles["mxfp4_decode"] not in MXFP4_DECODES:
+        raise ValueError(f"block_m must be a power of two and mxfp4_decode one of {sorted(MXFP4_DECODES)}, got "
+                         f"{tiles['block_m']} and {tiles['mxfp4_decode']!r}")
     return tiles
 
 
