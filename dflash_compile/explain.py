@@ -51,7 +51,9 @@ def expert_placement(model: torch.nn.Module) -> str:
     if offload is not None:
         layer = offload.layers[0]
         return (f"{len(modules)} layers offloaded to host memory ({layer.format}, {layer.host.shape[1]} bytes per "
-                f"expert), {offload.slots} slots on {offload.device} ({offload.pool_bytes / 2**20:.1f} MiB)")
+                f"expert), {offload.slots} slots on {offload.device} ({offload.pool_bytes / 2**20:.1f} MiB), "
+                f"{offload.policy}, prefetch {'on' if offload.prefetch else 'off'}, CPU compute of misses "
+                f"{offload.cpu_compute}")
     first = modules[0]
     packed = getattr(first, "packed_format", None)
     tensor = first.packed_gate_up_data if packed else first.gate_up_proj

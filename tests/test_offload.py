@@ -77,6 +77,7 @@ def test_hooks_see_every_fetch_and_hit(tiny):
     assert events.count("prefetch") == stats.prefetched
     placement = dflash_compile.explain(model, token_ids()).expert_placement
     assert placement.startswith("2 layers offloaded to host memory (dense") and "8 slots on cpu" in placement
+    assert placement.endswith("lru, prefetch on, CPU compute of misses off")
 
 
 def test_cache_policies():
