@@ -58,7 +58,7 @@ def run(args) -> list[dict]:
     print(f"pinned host-to-device copy: {pcie / 1e9:.1f} GB/s", flush=True)
     host_model = build_model(args.model, "cpu", args.layers)
     ids = torch.randint(0, host_model.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
-    plan = plan_offload(host_model)
+    plan = plan_offload(host_model, args.device)
     rows = []
     resident = copy.deepcopy(host_model).to(args.device)
     with torch.no_grad():
@@ -68,7 +68,8 @@ def run(args) -> list[dict]:
     resident = None  # frees the device for the offloaded runs
     for fraction in args.resident:
         all_experts = plan.experts_per_layer * plan.layers
-        budget = plan.dense_bytes + max(int(fraction * all_experts), plan.experts_per_layer) * plan.blob_bytes
+        budget = (plan.dense_bytes + plan.reserve_bytes
+                  + max(int(fraction * all_experts), plan.experts_per_layer) * plan.blob_bytes)
         setups = [(f"{policy}, {name}", policy, drafter) for policy in args.policy
                   for name, drafter in (("decode", None),
                                         (f"DFlash block {args.block}, oracle p={args.corruption}",

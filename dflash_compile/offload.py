@@ -423,26 +423,29 @@ class OffloadedExperts:
 
 @dataclass(frozen=True)
 class OffloadPlan:
-    """What offloading a model needs: device bytes of everything but the routed experts, bytes per expert blob."""
+    """What offloading a model needs: device bytes of everything but the routed experts, bytes per expert blob, and
+    the runtime's own reserve on the device."""
 
     dense_bytes: int
     blob_bytes: int
     experts_per_layer: int
     layers: int
+    reserve_bytes: int = 0  # CUDA: cuBLAS workspaces and a step's temporaries (CUDA_RUNTIME_RESERVE)
 
     @property
     def minimum_budget(self) -> int:
-        """Dense weights plus one MoE layer of experts: a smaller budget could not run a layer."""
-        return self.dense_bytes + self.experts_per_layer * self.blob_bytes
+        """Dense weights, one MoE layer of experts and the reserve: a smaller budget could not run a layer."""
+        return self.dense_bytes + self.experts_per_layer * self.blob_bytes + self.reserve_bytes
 
     def slots(self, budget: int) -> int:
         if budget < self.minimum_budget:
             raise ValueError(
                 f"gpu_memory {budget / 2**20:.2f} MiB is too small: the dense weights take "
-                f"{self.dense_bytes / 2**20:.2f} MiB and one MoE layer's {self.experts_per_layer} experts "
-                f"{self.experts_per_layer * self.blob_bytes / 2**20:.2f} MiB ({self.blob_bytes} bytes each); give at "
-                f"least {self.minimum_budget / 2**20:.2f} MiB")
-        return min((budget - self.dense_bytes) // self.blob_bytes, self.experts_per_layer * self.layers)
+                f"{self.dense_bytes / 2**20:.2f} MiB, one MoE layer's {self.experts_per_layer} experts "
+                f"{self.experts_per_layer * self.blob_bytes / 2**20:.2f} MiB ({self.blob_bytes} bytes each) and the "
+                f"runtime {self.reserve_bytes / 2**20:.2f} MiB; give at least {self.minimum_budget / 2**20:.2f} MiB")
+        return min((budget - self.dense_bytes - self.reserve_bytes) // self.blob_bytes,
+                   self.experts_per_layer * self.layers)
 
 
 def _experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -452,27 +455,35 @@ def _experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return modules
 
 
-def plan_offload(model: torch.nn.Module) -> OffloadPlan:
+# Device memory the allocator hands to the runtime whatever the model: cuBLAS / cuBLASLt workspaces (32 MiB on
+# Hopper by default) and a decode or verify step's temporaries. The KV cache and long prefills come on top.
+CUDA_RUNTIME_RESERVE = 64 * 2**20
+
+
+def plan_offload(model: torch.nn.Module, device="cpu") -> OffloadPlan:
+    """The plan for offloading `model`'s routed experts to a slot pool on `device`."""
     modules = _experts_modules(model)
     expert_tensors = {id(t) for m in modules for t in (*m.parameters(), *m.buffers())}
     dense = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())
                 if id(t) not in expert_tensors)
     _, weights = _blob_parts(modules[0])
-    return OffloadPlan(dense, BlobLayout.of(weights).nbytes, weights["gate_up_data"].shape[0], len(modules))
+    reserve = CUDA_RUNTIME_RESERVE if torch.device(device).type == "cuda" else 0
+    return OffloadPlan(dense, BlobLayout.of(weights).nbytes, weights["gate_up_data"].shape[0], len(modules), reserve)
 
 
 def offload_experts(model: torch.nn.Module, gpu_memory, device="cuda", policy: str = "lru",
                     prefetch: bool = True, cpu_compute: str = "off") -> torch.nn.Module:
     """Move `model` to `device` except its routed experts, which go to host blobs behind a slot pool that, with the
-    dense weights, fits `gpu_memory` (bytes, "20GiB", or an accelerate max_memory dict). Checked before anything
-    moves: the budget must hold the dense weights plus one MoE layer's experts. (Activations and the KV cache come
-    on top, as with accelerate's max_memory.) `prefetch`: copy each next layer's predicted experts ahead.
+    dense weights and the runtime's reserve, fits `gpu_memory` (bytes, "20GiB", or an accelerate max_memory dict).
+    Checked before anything moves: the budget must hold the dense weights, one MoE layer's experts and, on CUDA,
+    CUDA_RUNTIME_RESERVE. (The KV cache and long prompts' activations come on top, as with accelerate's
+    max_memory.) `prefetch`: copy each next layer's predicted experts ahead.
     `cpu_compute`: "auto" runs a missed expert on the CPU (C++ kernels, on its host blob) when measuring says that
     beats copying it, "always" runs every miss there; outputs then differ from the resident model's by rounding."""
     from .expert_store import ExpertStore
 
     device = torch.device(device)
-    slots = plan_offload(model).slots(parse_size(gpu_memory))
+    slots = plan_offload(model, device).slots(parse_size(gpu_memory))
     offloaded = OffloadedExperts(device, int(slots), policy, prefetch=prefetch, cpu_compute=cpu_compute)
     store = ExpertStore()  # what the eager forward dispatches to; compiled graphs get their own entries
     named = experts_modules(model)

@@ -100,13 +100,21 @@ def test_cache_policies():
 def test_budgets_are_checked_before_anything_moves(tiny):
     model = tiny("mixtral")
     plan = plan_offload(model)
-    with pytest.raises(ValueError, match=r"too small: the dense weights take .* MiB and one MoE layer's 4 experts"):
+    with pytest.raises(ValueError, match=r"too small: the dense weights take .* MiB, one MoE layer's 4 experts"):
         offload_experts(model, plan.minimum_budget - 1, device="cpu")
     with pytest.raises(ValueError, match="cannot read '20 parsecs' as a memory size"):
         offload_experts(model, "20 parsecs", device="cpu")
     assert any("experts.gate_up_proj" in name for name, _ in model.named_parameters())  # untouched
     with pytest.raises(ValueError, match="has no routed experts to offload"):
         offload_experts(torch.nn.Linear(2, 2), "1GiB", device="cpu")
+
+
+def test_the_cuda_plan_reserves_the_runtimes_memory(tiny):
+    plan, cuda_plan = plan_offload(tiny("mixtral")), plan_offload(tiny("mixtral"), "cuda")
+    assert cuda_plan.minimum_budget - plan.minimum_budget == 64 * 2**20
+    assert cuda_plan.slots(cuda_plan.minimum_budget) == plan.slots(plan.minimum_budget) == plan.experts_per_layer
+    with pytest.raises(ValueError, match=r"and the runtime 64.00 MiB; give at least"):
+        cuda_plan.slots(plan.minimum_budget)
 
 
 def test_parse_size():
@@ -269,8 +277,8 @@ def test_gpu_memory_never_exceeds_the_budget(tmp_path):
     ids = token_ids(batch=1)
     expected = _cuda_model(tmp_path).generate(ids, max_new_tokens=16, do_sample=False)
     model = _cuda_model(tmp_path)
-    plan = plan_offload(model)
-    budget = plan.minimum_budget + int(2.5 * plan.blob_bytes)
+    plan = plan_offload(model, "cuda")  # with the runtime's reserve (cuBLAS workspace: 32 MiB of the first run's
+    budget = plan.minimum_budget + int(2.5 * plan.blob_bytes)  # 65 MiB peak against a budget that had no reserve)
     torch.cuda.empty_cache()
     baseline = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -292,7 +300,7 @@ def test_expert_copies_overlap_compute(tmp_path):
     copies (pinned host -> device, on the side stream) run while kernels run on the compute stream, which only
     happens when a layer's prefetch is in flight during the previous layer's work."""
     model = _cuda_model(tmp_path)
-    offload_experts(model, plan_offload(model).minimum_budget, device="cuda")
+    offload_experts(model, plan_offload(model, "cuda").minimum_budget, device="cuda")
     ids = token_ids(batch=1).cuda()
     model.generate(ids, max_new_tokens=4, do_sample=False)  # warm-up
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
@@ -314,7 +322,7 @@ def test_offloaded_step_captures_cuda_graphs_around_the_offload_ops(tmp_path):
     ids = token_ids(batch=1)
     expected = _cuda_model(tmp_path).generate(ids, max_new_tokens=12, do_sample=False)
     model = _cuda_model(tmp_path)
-    plan = plan_offload(model)
+    plan = plan_offload(model, "cuda")
     fast = dflash_compile.optimize(model, gpu_memory=plan.minimum_budget + 8 * plan.blob_bytes, device="cuda",
                                    mode="reduce-overhead")
     assert torch.equal(fast.generate(ids.cuda(), max_new_tokens=12).cpu(), expected)
