@@ -184,35 +184,22 @@ class MissCosts:
 
     @classmethod
     def measure(cls, offloaded: OffloadedExperts, layer: int, gate, hidden_size: int) -> MissCosts:
-        """Median of 3 of each: blob 0 copied into a scratch device buffer; expert 0 on the CPU for 1 and 8
-        tokens."""
-        import statistics
-        import time
-
+        """Median of 3 of each (after a warm-up): blob 0 copied into a scratch device buffer; expert 0 on the CPU
+        for 1 and 8 tokens."""
+        from .benchmark import timed
         from .expert_store import run_packed
 
-        host = offloaded.layers[layer].host
+        host, weights = offloaded.layers[layer].host, offloaded.layers[layer].on_host
         scratch = torch.empty_like(host[0], device=offloaded.device)
-
-        def seconds(fn) -> float:
-            times = []
-            for _ in range(3):
-                start = time.perf_counter()
-                fn()
-                if offloaded.device.type == "cuda":
-                    torch.cuda.synchronize(offloaded.device)
-                times.append(time.perf_counter() - start)
-            return statistics.median(times)
-
-        weights = offloaded.layers[layer].on_host
 
         def on_host(tokens: int) -> float:
             x = torch.zeros(tokens, hidden_size, dtype=torch.float32)
             index, routing = torch.zeros(tokens, 1, dtype=torch.long), torch.ones(tokens, 1)
-            return seconds(lambda: run_packed(x, index, routing, *weights, gate))
+            return timed(lambda: run_packed(x, index, routing, *weights, gate), 3)[1]
 
         one, eight = on_host(1), on_host(8)
-        return cls(seconds(lambda: scratch.copy_(host[0], non_blocking=True)), one, max(eight - one, 0.0) / 7)
+        fetch = timed(lambda: scratch.copy_(host[0], non_blocking=True), 3, offloaded.device)[1]
+        return cls(fetch, one, max(eight - one, 0.0) / 7)
 
 
 def predict_experts(router: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
