@@ -31,30 +31,38 @@ ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
 @triton.jit
 def _align_routing_kernel(experts_of_pairs, pair_ids, block_expert, P, E, BLOCKS,
                           BLOCK_M: tl.constexpr, P_POW2: tl.constexpr, E_POW2: tl.constexpr,
-                          BLOCKS_POW2: tl.constexpr):
-    """One program: pairs sorted by expert (stable) into slots padded to BLOCK_M per expert, by comparisons (P and E
-    are small at decode and verify sizes, so [P, P] and [E, P] tiles are cheap and need no sort)."""
-    pair = tl.arange(0, P_POW2)
-    pair_ok = pair < P
-    expert = tl.load(experts_of_pairs + pair, mask=pair_ok, other=-1)
-    other = tl.arange(0, P_POW2)
-    same_before = (expert[:, None] == expert[None, :]) & (other[None, :] < pair[:, None])
-    rank = tl.sum(same_before.to(tl.int32), axis=1)  # earlier pairs of the same expert
+                          BLOCKS_POW2: tl.constexpr, CHUNK: tl.constexpr):
+    """One program: pairs sorted by expert (stable) into slots padded to BLOCK_M per expert, by comparisons in
+    [CHUNK, CHUNK] and [CHUNK, E] tiles (no sort; the tiles stay small however many pairs a verify block has)."""
     ids = tl.arange(0, E_POW2)
-    counts = tl.sum((ids[:, None] == expert[None, :]).to(tl.int32), axis=1)
+    counts = tl.zeros((E_POW2,), dtype=tl.int32)
+    for c in range(0, P_POW2, CHUNK):  # pairs per expert
+        chunk_expert = tl.load(experts_of_pairs + c + tl.arange(0, CHUNK), mask=c + tl.arange(0, CHUNK) < P,
+                               other=-1)
+        counts += tl.sum((ids[:, None] == chunk_expert[None, :]).to(tl.int32), axis=1)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
-    start_of_pair = tl.sum(tl.where(ids[None, :] == expert[:, None], starts[None, :], 0), axis=1)
     slots = tl.arange(0, BLOCKS_POW2 * BLOCK_M)
     tl.store(pair_ids + slots, tl.full(slots.shape, 0, tl.int32) + P, mask=slots < BLOCKS * BLOCK_M)
     tl.debug_barrier()  # the padding fill lands before the pairs overwrite their slots
-    tl.store(pair_ids + start_of_pair + rank, pair, mask=pair_ok)
-    block_start = tl.arange(0, BLOCKS_POW2) * BLOCK_M
-    owner = tl.sum((ends[None, :] <= block_start[:, None]).to(tl.int32), axis=1)
+    for c in range(0, P_POW2, CHUNK):  # each pair's slot: its expert's start + earlier pairs of the same expert
+        pair = c + tl.arange(0, CHUNK)
+        pair_ok = pair < P
+        expert = tl.load(experts_of_pairs + pair, mask=pair_ok, other=-1)
+        rank = tl.zeros((CHUNK,), dtype=tl.int32)
+        for o in range(0, c + CHUNK, CHUNK):
+            other = o + tl.arange(0, CHUNK)
+            other_expert = tl.load(experts_of_pairs + other, mask=other < P, other=-2)
+            same_before = (expert[:, None] == other_expert[None, :]) & (other[None, :] < pair[:, None])
+            rank += tl.sum(same_before.to(tl.int32), axis=1)
+        start_of_pair = tl.sum(tl.where(ids[None, :] == expert[:, None], starts[None, :], 0), axis=1)
+        tl.store(pair_ids + start_of_pair + rank, pair, mask=pair_ok)
     total = tl.sum(padded, axis=0)
-    tl.store(block_expert + tl.arange(0, BLOCKS_POW2), tl.where(block_start < total, owner, -1),
-             mask=tl.arange(0, BLOCKS_POW2) < BLOCKS)
+    for b in range(0, BLOCKS_POW2, CHUNK):  # each block's expert: how many experts end at or before its start
+        block = b + tl.arange(0, CHUNK)
+        owner = tl.sum((ends[None, :] <= block[:, None] * BLOCK_M).to(tl.int32), axis=1)
+        tl.store(block_expert + block, tl.where(block * BLOCK_M < total, owner, -1), mask=block < BLOCKS)
 
 
 def align_routing(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,9 +77,11 @@ def align_routing(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> 
     blocks = -(-(pairs + min(pairs, num_experts) * (block_m - 1)) // block_m)
     pair_ids = torch.empty(blocks * block_m, dtype=torch.int32, device=flat.device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=flat.device)
+    chunk = min(64, triton.next_power_of_2(max(pairs, blocks)))
     _align_routing_kernel[(1,)](flat, pair_ids, block_expert, pairs, num_experts, blocks, BLOCK_M=block_m,
-                                P_POW2=triton.next_power_of_2(pairs), E_POW2=triton.next_power_of_2(num_experts),
-                                BLOCKS_POW2=triton.next_power_of_2(blocks))
+                                P_POW2=max(triton.next_power_of_2(pairs), chunk),
+                                E_POW2=triton.next_power_of_2(num_experts),
+                                BLOCKS_POW2=max(triton.next_power_of_2(blocks), chunk), CHUNK=chunk)
     return pair_ids, block_expert
 
 

@@ -77,19 +77,25 @@ def test_fused_moe_matches_the_reference(format, family, precision):
     assert error <= (1e-4 if precision == "fp32" else 1e-2), f"relative error {error:.2e}"
 
 
-def test_routing_blocks_hold_one_expert_each():
-    index = torch.tensor([[2, 0], [2, 1], [2, 0], [3, 2]])
-    pair_ids, block_expert = align_routing(index, num_experts=5, block_m=2)
+@pytest.mark.parametrize("index, experts, block_m", [
+    (torch.tensor([[2, 0], [2, 1], [2, 0], [3, 2]]), 5, 2),
+    (_routing(40, 128, 8, seed=5)[0], 128, 16),  # 320 pairs, 128 experts: several chunks of pairs and blocks
+    (_routing(70, 6, 3, seed=6)[0], 6, 1),  # 210 pairs, crowded experts, one pair per block
+])
+def test_routing_blocks_hold_one_expert_each(index, experts, block_m):
+    """Every pair lands exactly once, in a block of its own expert, in its original order within the expert."""
+    pair_ids, block_expert = align_routing(index, num_experts=experts, block_m=block_m)
     flat = index.flatten()
     seen = []
     for block, expert in enumerate(block_expert.tolist()):
-        ids = [p for p in pair_ids[block * 2: block * 2 + 2].tolist() if p < flat.numel()]
+        ids = [p for p in pair_ids[block * block_m: (block + 1) * block_m].tolist() if p < flat.numel()]
         if expert < 0:
             assert ids == []
             continue
         assert ids and all(flat[p] == expert for p in ids)
         seen += ids
     assert sorted(seen) == list(range(flat.numel()))  # every pair exactly once
+    assert seen == sorted(seen, key=lambda p: (int(flat[p]), p))  # by expert; within one, earlier pairs first
 
 
 def test_bad_shapes_are_named():
