@@ -70,14 +70,15 @@ def run(args) -> list[dict]:
         all_experts = plan.experts_per_layer * plan.layers
         budget = (plan.dense_bytes + plan.reserve_bytes
                   + max(int(fraction * all_experts), plan.experts_per_layer) * plan.blob_bytes)
-        setups = [(f"{policy}, {name}", policy, drafter) for policy in args.policy
-                  for name, drafter in (("decode", None),
-                                        (f"DFlash block {args.block}, oracle p={args.corruption}",
-                                         OracleDrafter(expected.cpu(), None, args.block, args.corruption,
-                                                       host_model.config.vocab_size)))]
-        for name, policy, drafter in setups:
+        oracle = OracleDrafter(expected.cpu(), None, args.block, args.corruption, host_model.config.vocab_size)
+        speculative = [(f"DFlash block {args.block}, oracle p={args.corruption}", oracle, False)]
+        if args.adaptive:
+            speculative.append((f"DFlash adaptive width, oracle p={args.corruption}", oracle, True))
+        setups = [(f"{policy}, {name}", policy, drafter, adaptive) for policy in args.policy
+                  for name, drafter, adaptive in [("decode", None, False), *speculative]]
+        for name, policy, drafter, adaptive in setups:
             fast = dflash_compile.optimize(copy.deepcopy(host_model), drafter, gpu_memory=budget, device=args.device,
-                                           adaptive=False, offload_policy=policy,
+                                           adaptive=adaptive, offload_policy=policy,
                                            offload_prefetch=not args.no_prefetch,
                                            offload_cpu_compute=args.cpu_compute)
             offloaded = fast.model.dflash_offload
@@ -129,6 +130,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--policy", nargs="+", default=["lru"], choices=["lru", "lfu"])
     parser.add_argument("--no-prefetch", action="store_true", help="offload without next-layer prefetch")
+    parser.add_argument("--adaptive", action="store_true", help="also run DFlash with the adaptive verify width")
     parser.add_argument("--cpu-compute", default="off", choices=["off", "auto", "always"],
                         help="run missed experts on the CPU (C++ kernels) instead of copying them")
     parser.add_argument("--accelerate-new", type=int, help="new tokens for the accelerate rows (default --new)")
