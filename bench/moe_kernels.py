@@ -1,5 +1,6 @@
 """Routed-expert MoE kernels on real layer shapes (H200): the fused packed kernel against (a) dequantize-to-bf16 then
-torch matmuls and (b) bf16 weights with transformers' grouped_mm experts, for M tokens with random routing.
+torch matmuls and (b) bf16 weights with transformers' grouped_mm experts, for M tokens with random routing; (c) is
+the fused kernel on those same bf16 weights (a candidate for resident bf16 experts).
 
     python bench/moe_kernels.py                     # all shapes, M in 1 4 8 16 64; prints a table, writes --json
     python bench/moe_kernels.py --shapes gpt-oss-20b --tokens 1 16
@@ -24,8 +25,9 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_compile.expert_store import Gate, expert_sum  # noqa: E402
+from dflash_compile.families import spec_for_experts_class  # noqa: E402
 from dflash_compile.kernels.moe import fused_moe  # noqa: E402
-from dflash_compile.packed import PackedWeight  # noqa: E402
+from dflash_compile.packed import PackedWeight, expert_weights  # noqa: E402
 
 SHAPES = {  # experts, top-k, hidden, intermediate, format, gpt-oss layout
     "gpt-oss-20b": (32, 4, 2880, 2880, "mxfp4", True),
@@ -81,8 +83,10 @@ def dequantize_then_matmul(x, index, weights, gate_up, down, interleaved, activa
     return expert_sum(x, index, weights, gate_up.shape[0], expert_mlp)
 
 
-def grouped_mm_experts(name: str, experts: int, hidden: int, inter: int):
-    """Baseline (b): transformers' own experts module, bf16 weights, experts_implementation='grouped_mm'."""
+def bf16_experts(name: str, experts: int, hidden: int, inter: int):
+    """transformers' own experts module with bf16 weights, run two ways: (b) its grouped_mm implementation, and (c)
+    the fused kernel reading the module's parameters in place (`expert_weights`: gpt-oss's [E, in, out] through a
+    transposed view). Returns both callables (x, index, weights) -> out."""
     import transformers
     from transformers.integrations.moe import grouped_mm_experts_forward
 
@@ -99,7 +103,12 @@ def grouped_mm_experts(name: str, experts: int, hidden: int, inter: int):
     with torch.no_grad():
         for parameter in module.parameters():
             parameter.normal_(0, 0.02)
-    return lambda x, index, weights: grouped_mm_experts_forward(module, x, index, weights)
+    gate = Gate.of(spec_for_experts_class(Experts).layout, module)
+    gate_up, down = expert_weights(module)
+    grouped = lambda x, index, weights: grouped_mm_experts_forward(module, x, index, weights)  # noqa: E731
+    fused = lambda x, index, weights: fused_moe(x, index, weights, gate_up, down, interleaved=gate.interleaved,  # noqa: E731
+                                                activation=gate.activation, alpha=gate.alpha, limit=gate.limit)
+    return grouped, fused
 
 
 def graph_time_us(calls) -> float:
@@ -119,7 +128,7 @@ def run_shape(name, tokens_list, layers, tuning, copy_gbs, rows):
     packed = [(random_packed(format, experts, 2 * inter, hidden, gpt_oss),
                random_packed(format, experts, hidden, inter, gpt_oss)) for _ in range(layers)]
     per_expert = expert_bytes(packed[0][0]) + expert_bytes(packed[0][1])
-    baseline_b = [grouped_mm_experts(name, experts, hidden, inter) for _ in range(min(layers, 2))]
+    baseline_b, fused_bf16 = zip(*[bf16_experts(name, experts, hidden, inter) for _ in range(min(layers, 2))])
     for tokens in tokens_list:
         generator = torch.Generator(device="cuda").manual_seed(tokens)
         index = torch.rand(tokens, experts, device="cuda", generator=generator).argsort(dim=1)[:, :top_k]
@@ -143,16 +152,22 @@ def run_shape(name, tokens_list, layers, tuning, copy_gbs, rows):
         except Exception as error:  # not capturable in this transformers version: time it plainly
             print(f"grouped_mm not capturable ({type(error).__name__}); timed without a graph", flush=True)
             grouped_us = triton.testing.do_bench(lambda: baseline_b[0](x, index, weights)) * 1e3
+        fused_bf16_us = graph_time_us([lambda f=f: f(x, index, weights) for f in fused_bf16])
+        bf16_error = ((fused_bf16[0](x, index, weights).double() - baseline_b[0](x, index, weights).double()).norm()
+                      / baseline_b[0](x, index, weights).double().norm()).item()
         row = {"shape": name, "format": format, "tokens": tokens, "experts_touched": touched, "mbytes": moved / 1e6,
                "fused_us": fused_us, "fused_no_graph_us": eager_us, "fused_gbs": moved / fused_us / 1e3,
                "fraction_of_copy": moved / fused_us / 1e3 / copy_gbs, "dequant_matmul_us": dequant_us,
                "speedup_vs_dequant": dequant_us / fused_us, "grouped_mm_bf16_us": grouped_us,
-               "speedup_vs_grouped_mm": grouped_us / fused_us, "rel_error": error}
+               "speedup_vs_grouped_mm": grouped_us / fused_us, "rel_error": error,
+               "fused_bf16_us": fused_bf16_us, "fused_bf16_vs_grouped_mm": grouped_us / fused_bf16_us,
+               "fused_bf16_rel_error": bf16_error}
         rows.append(row)
         print(f"{name:18s} M={tokens:3d} experts={touched:3d} {moved / 1e6:8.1f} MB  fused {fused_us:8.1f} us "
               f"({row['fused_gbs']:6.0f} GB/s, {row['fraction_of_copy']:.0%} of copy; no graph {eager_us:7.1f})  "
               f"(a) {dequant_us:8.1f} us ({row['speedup_vs_dequant']:.1f}x)  (b) {grouped_us:8.1f} us "
-              f"({row['speedup_vs_grouped_mm']:.2f}x)  err {error:.1e}", flush=True)
+              f"({row['speedup_vs_grouped_mm']:.2f}x)  err {error:.1e}  (c) fused on bf16 {fused_bf16_us:8.1f} us "
+              f"({row['fused_bf16_vs_grouped_mm']:.2f}x of (b), diff {bf16_error:.1e})", flush=True)
 
 
 def tile_candidates(format: str):

@@ -180,10 +180,11 @@ def _dot(x_tile, w_tile, COMPUTE_FP32: tl.constexpr, MMA: tl.constexpr):
 
 
 @triton.jit
-def _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_loop,
+def _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_loop, row_stride, column_stride,
              FORMAT: tl.constexpr, COMPUTE_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_ROWS: tl.constexpr,
              BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, DECODE: tl.constexpr, MMA: tl.constexpr):
-    """[BLOCK_M, BLOCK_ROWS] fp32 = x[pair_rows] @ W[rows]^T over all of K, W the expert at `data` / `scales`."""
+    """[BLOCK_M, BLOCK_ROWS] fp32 = x[pair_rows] @ W[rows]^T over all of K, W the expert at `data` / `scales`
+    (dense weights at any row / column strides, e.g. a transposed view of [E, in, out] parameters)."""
     acc = tl.zeros((BLOCK_M, BLOCK_ROWS), dtype=tl.float32)
     x_rows = x + pair_rows[:, None].to(tl.int64) * K
     for k in tl.range(0, k_loop, BLOCK_K, num_stages=NUM_STAGES):
@@ -198,7 +199,7 @@ def _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_loop,
                 acc += _dot(x_tile, _fp8_tile(data, rows, row_ok, columns, K, COMPUTE_FP32),
                             COMPUTE_FP32, MMA) * row_scale[None, :]
             else:
-                w_tile = tl.load(data + rows[:, None] * K + columns[None, :],
+                w_tile = tl.load(data + rows[:, None] * row_stride + columns[None, :] * column_stride,
                                  mask=row_ok[:, None] & (columns[None, :] < K), other=0.0)
                 acc += _dot(x_tile, w_tile, COMPUTE_FP32, MMA)
     return acc
@@ -207,7 +208,7 @@ def _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_loop,
 @triton.jit
 def _moe_gemm_kernel(
     x, data, scales, bias, out, pair_ids, block_expert, pair_weights,
-    P, N, K, N_OUT, ROW_DIV, alpha, limit, data_stride, scales_stride, bias_stride,
+    P, N, K, N_OUT, ROW_DIV, alpha, limit, data_stride, scales_stride, bias_stride, row_stride, column_stride,
     FORMAT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr, APPLY_WEIGHT: tl.constexpr, COMPUTE_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -238,7 +239,7 @@ def _moe_gemm_kernel(
             rows = column + (r % 2) * N_OUT
         row_ok = column < N_OUT
         rows = tl.where(row_ok, rows, 0)
-        both = _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_loop,
+        both = _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_loop, row_stride, column_stride,
                         FORMAT, COMPUTE_FP32, BLOCK_M, 2 * BLOCK_N, BLOCK_K, NUM_STAGES, DECODE, MMA)
         if HAS_BIAS:
             both += tl.load(bias + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
@@ -251,8 +252,8 @@ def _moe_gemm_kernel(
             result = gate * tl.sigmoid(gate) * up
     else:
         rows = tl.where(column_ok, columns, 0)
-        result = _project(x, data, scales, rows, column_ok, pair_rows, pair_ok, K, k_loop,
-                          FORMAT, COMPUTE_FP32, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, DECODE, MMA)
+        result = _project(x, data, scales, rows, column_ok, pair_rows, pair_ok, K, k_loop, row_stride,
+                          column_stride, FORMAT, COMPUTE_FP32, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, DECODE, MMA)
         if HAS_BIAS:
             result += tl.load(bias + rows, mask=column_ok, other=0.0).to(tl.float32)[None, :]
     if APPLY_WEIGHT:
@@ -261,9 +262,12 @@ def _moe_gemm_kernel(
              mask=pair_ok[:, None] & column_ok[None, :])
 
 
-def _expert_strides(weight: PackedWeight) -> tuple[int, int, int]:
-    """Elements between consecutive experts of data, scales and bias (any expert-major layout, e.g. slot pools)."""
-    return tuple(t.stride(0) if t is not None else 0 for t in (weight.data, weight.scales, weight.bias))
+def _strides(weight: PackedWeight) -> tuple[int, ...]:
+    """Elements between consecutive experts of data, scales and bias (any expert-major layout, e.g. slot pools),
+    then between rows and columns of dense data (packed formats keep rows contiguous)."""
+    experts = tuple(t.stride(0) if t is not None else 0 for t in (weight.data, weight.scales, weight.bias))
+    dense = weight.format == "dense"
+    return *experts, weight.data.stride(1) if dense else weight.shape[2], weight.data.stride(2) if dense else 1
 
 
 def _launch(x, weight: PackedWeight, pair_ids, block_expert, pair_weights, rows_out, n_out, row_div, *, gated,
@@ -278,7 +282,7 @@ def _launch(x, weight: PackedWeight, pair_ids, block_expert, pair_weights, rows_
         x, weight.data, weight.scales if weight.scales is not None else placeholder,
         weight.bias if weight.bias is not None else placeholder, out, pair_ids, block_expert,
         pair_weights if pair_weights is not None else placeholder,
-        rows_out, n, k, n_out, row_div, float(alpha), float(limit), *_expert_strides(weight),
+        rows_out, n, k, n_out, row_div, float(alpha), float(limit), *_strides(weight),
         FORMAT=FORMATS[weight.format], GATED=gated, INTERLEAVED=interleaved, ACTIVATION=ACTIVATIONS[activation],
         HAS_BIAS=weight.bias is not None, APPLY_WEIGHT=pair_weights is not None, COMPUTE_FP32=compute_fp32,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,

@@ -190,3 +190,23 @@ def test_fused_moe_reads_experts_from_a_slot_pool(format):
     expected = reference_moe(x, index, weights, gate_up, down, False, "silu")
     actual = fused_moe(x.to(DEVICE), slot_of[index].to(DEVICE), weights.to(DEVICE), *pooled, compute_fp32=True)
     assert (actual.cpu().double() - expected).norm() / expected.norm() <= 1e-4
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe", "deepseek_v3"])
+def test_fused_kernel_on_a_modules_own_bf16_layout(tiny, family):
+    """The resident experts' parameters as they are (gpt-oss: [E, in, out], read through a transposed view at its
+    strides) give the module's own forward."""
+    from dflash_compile.expert_store import Gate
+    from dflash_compile.families import FAMILIES, experts_modules
+    from dflash_compile.packed import expert_weights
+
+    model = tiny(family).to(DEVICE)
+    experts = next(iter(experts_modules(model).values()))
+    gate = Gate.of(FAMILIES[family].layout, experts)
+    hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    index, weights = (t.to(DEVICE) for t in _routing(5, experts.gate_up_proj.shape[0], 2, seed=1))
+    expected = experts(hidden, index, weights)
+    gate_up, down = expert_weights(experts)
+    actual = fused_moe(hidden, index, weights, gate_up, down, interleaved=gate.interleaved,
+                       activation=gate.activation, alpha=gate.alpha, limit=gate.limit, compute_fp32=True)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-4)
