@@ -28,7 +28,7 @@ from spec_decode import build_model, first_mismatch  # noqa: E402
 
 import dflash_compile  # noqa: E402
 from dflash_compile.benchmark import timed  # noqa: E402
-from dflash_compile.offload import plan_offload  # noqa: E402
+from dflash_compile.offload import OffloadStats, plan_offload  # noqa: E402
 from dflash_compile.testing import OracleDrafter  # noqa: E402
 
 
@@ -90,15 +90,13 @@ def run(args) -> list[dict]:
             if args.device == "cuda":
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - start
-            run_stats = {key: value - getattr(before, key) for key, value in vars(offloaded.stats).items()}
-            fetched, hits, misses = run_stats["bytes_fetched"], run_stats["hits"], run_stats["misses"]
+            run = OffloadStats(**{key: value - getattr(before, key) for key, value in vars(offloaded.stats).items()})
+            fetched = run.bytes_fetched
             rows.append({
                 "setup": f"dflash offload {fraction:.0%} resident, {name}", "tokens_per_s": args.new / seconds,
                 "bytes_per_token": fetched / args.new, "h2d_gb_s": fetched / elapsed / 1e9,
-                "hit_rate": hits / max(hits + misses, 1), "tau": fast.last_stats.tau,
-                "coverage": run_stats["prefetch_hits"] / max(run_stats["prefetch_hits"] + misses, 1),
-                "waste": run_stats["prefetch_wasted"] / max(run_stats["prefetched"], 1),
-                "on_cpu_per_token": run_stats["computed_on_host"] / args.new,
+                "hit_rate": run.hit_rate, "tau": fast.last_stats.tau, "coverage": run.coverage, "waste": run.waste,
+                "on_cpu_per_token": run.computed_on_host / args.new,
                 "floor_ratio": (seconds / args.new) / (fetched / args.new / pcie),
                 "slots": offloaded.slots, "check": first_mismatch(expected, out)})
             print(rows[-1], flush=True)
