@@ -97,6 +97,7 @@ def run(args) -> list[dict]:
                 "bytes_per_token": fetched / args.new, "h2d_gb_s": fetched / elapsed / 1e9,
                 "hit_rate": run.hit_rate, "tau": fast.last_stats.tau, "coverage": run.coverage, "waste": run.waste,
                 "on_cpu_per_token": run.computed_on_host / args.new,
+                "routing_wait_ms_per_token": run.routing_wait_s * 1e3 / args.new,
                 "floor_ratio": (seconds / args.new) / (fetched / args.new / pcie),
                 "slots": offloaded.slots, "check": first_mismatch(expected, out)})
             print(rows[-1], flush=True)

@@ -8,6 +8,8 @@ Per MoE layer call: the routed experts are read on the host (the one host sync p
 decide which copies to issue), misses are copied host -> slot on a side stream ordered by events, and the layer
 runs the fused kernel on the slot pool with expert ids remapped to slots. A slot a call needs is never evicted by
 the same call. Policies: "lru" (least recently used) and "lfu" (least frequently used, ties to the oldest).
+That routing read is the only host sync (`stats.routing_wait_s` adds up the time blocked in it; with
+`cpu_compute`, misses run on the CPU also read their tokens' hidden rows back).
 
 Prefetch (on by default): in the same host read, the next MoE layer's router is applied to this layer's input,
 and the experts it picks for the call's tokens (one token in decode, the whole block in a DFlash verify step: the
@@ -20,6 +22,7 @@ with plain copies, which is how the CPU tests check it.
 from __future__ import annotations
 
 import re
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -132,6 +135,8 @@ class OffloadStats:
     misses: int = 0  # needed experts copied in while their layer waited
     bytes_fetched: int = 0  # all host -> device bytes, prefetches included
     per_layer_calls: int = 0
+    routing_wait_s: float = 0.0  # host time blocked reading the routing (the one sync per MoE layer), incl. the
+    # device work still queued before it
     computed_on_host: int = 0  # needed experts run by the CPU where their blob lives instead of being copied
     prefetched: int = 0  # experts copied ahead of their layer
     prefetch_hits: int = 0  # needed experts that were there because of a prefetch
@@ -346,7 +351,9 @@ class OffloadedExperts:
         flat = top_k_index.reshape(-1)
         if following is not None:
             flat = torch.cat([flat, predict_experts(following, hidden).reshape(-1).to(flat.dtype)])
+        start = time.perf_counter()
         ids = flat.tolist()  # the host sync
+        self.stats.routing_wait_s += time.perf_counter() - start
         return ids[:top_k_index.numel()], sorted(set(ids[top_k_index.numel():]))
 
     def _host_side(self, layer: int, pair_experts: list[int], hidden: torch.Tensor, gate) -> set[int]:

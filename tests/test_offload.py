@@ -75,6 +75,7 @@ def test_hooks_see_every_fetch_and_hit(tiny):
     stats = model.dflash_offload.stats
     assert events.count("fetch") == stats.misses and events.count("hit") == stats.hits and events
     assert events.count("prefetch") == stats.prefetched
+    assert stats.per_layer_calls == 2 and stats.routing_wait_s > 0  # one routing read per MoE layer call
     placement = dflash_compile.explain(model, token_ids()).expert_placement
     assert placement.startswith("2 layers offloaded to host memory (dense") and "8 slots on cpu" in placement
     assert placement.endswith("lru, prefetch on, CPU compute of misses off")
