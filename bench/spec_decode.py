@@ -175,6 +175,8 @@ def main():
     parser.add_argument("--skip-native", action="store_true")
     parser.add_argument("--mode", default=None, help='torch.compile mode of the verify step ("reduce-overhead")')
     parser.add_argument("--profile", action="store_true", help="print where a decode step spends its time")
+    parser.add_argument("--fused-experts", action="store_true",
+                        help="add a row with resident experts on dflash's fused kernel (optimize(fused_experts=True))")
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
@@ -196,6 +198,11 @@ def main():
     plain = dflash_compile.optimize(model, mode=args.mode)
     out, seconds = timed(lambda: plain.generate(ids, max_new_tokens=args.new), args.repeats, args.device)
     rows.append(("dflash, no drafter", new / seconds, 1.0, "-", first_mismatch(expected, out)))
+    if args.fused_experts:  # resident experts through dflash's fused kernel instead of transformers' grouped_mm
+        fused = dflash_compile.optimize(model, mode=args.mode, fused_experts=True)
+        out, seconds = timed(lambda: fused.generate(ids, max_new_tokens=args.new), args.repeats, args.device)
+        rows.append(("dflash, no drafter, fused experts", new / seconds, 1.0, "-", first_mismatch(expected, out)))
+        plain = dflash_compile.optimize(model, mode=args.mode)  # the rows below as before
     for corruption in args.corruption:
         for adaptive in (False, True):  # fixed block, then the adaptive verify width
             drafter = OracleDrafter(expected.cpu(), None, args.block, corruption, vocab)

@@ -62,6 +62,7 @@ struct PackedMatrix {
   const uint8_t* data;  // at this expert
   const void* scales;   // at this expert, or null
   int64_t row_bytes, scale_row_bytes;  // byte strides between rows of data / scales (FP8: between 128-row blocks)
+  int64_t column_stride;  // dense data: elements between consecutive columns (1, or N for a transposed view)
   at::ScalarType dtype;  // element type of dense data
 
   void decode_row(int64_t row, float* out) const {
@@ -85,7 +86,7 @@ struct PackedMatrix {
     } else {
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "decode_row", [&] {
         const auto* values = reinterpret_cast<const scalar_t*>(data + row * row_bytes);
-        for (int64_t k = 0; k < columns; ++k) out[k] = static_cast<float>(values[k]);
+        for (int64_t k = 0; k < columns; ++k) out[k] = static_cast<float>(values[k * column_stride]);
       });
     }
   }
@@ -94,8 +95,9 @@ struct PackedMatrix {
 PackedMatrix expert_matrix(Format format, const at::Tensor& data, const std::optional<at::Tensor>& scales,
                            int64_t expert, int64_t rows, int64_t columns) {
   // mxfp4 data [E, N, G, 16] and scales [E, N, G]; fp8 data [E, N, K] and scales [E, N/128, K/128]; dense [E, N, K]
-  TORCH_CHECK(data.stride(-1) == 1 && (data.dim() < 4 || data.stride(2) == 16) &&
-                  (!scales.has_value() || scales->stride(-1) == 1),
+  // at any strides (a transposed view of [E, in, out] parameters reads its columns strided)
+  TORCH_CHECK(format == kDense || (data.stride(-1) == 1 && (data.dim() < 4 || data.stride(2) == 16) &&
+                                   (!scales.has_value() || scales->stride(-1) == 1)),
               "packed expert rows must be contiguous (strides ", data.strides(), ")");
   const auto* base = static_cast<const uint8_t*>(data.data_ptr()) + expert * data.stride(0) * data.element_size();
   const void* scale_base = nullptr;
@@ -105,7 +107,7 @@ PackedMatrix expert_matrix(Format format, const at::Tensor& data, const std::opt
     scale_row_bytes = scales->stride(1) * scales->element_size();
   }
   return {format, rows, columns, base, scale_base, data.stride(1) * data.element_size(), scale_row_bytes,
-          data.scalar_type()};
+          data.stride(2), data.scalar_type()};
 }
 
 float dot(const float* a, const float* b, int64_t n) {

@@ -6,7 +6,7 @@ import torch
 
 from .backend import dflash_backend
 from .drafter import load_drafter
-from .families import spec_for_model, supported_families
+from .families import experts_modules, spec_for_model, supported_families
 from .offload import offload_experts
 from .speculative import GenerationStats, SpeculativeDecoder
 
@@ -35,7 +35,8 @@ class OptimizedModel:
 
 def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode: str | None = None,
              prefill_chunk: int = 256, gpu_memory=None, device=None, offload_policy: str = "lru",
-             offload_prefetch: bool = True, offload_cpu_compute: str = "off", adaptive=True) -> OptimizedModel:
+             offload_prefetch: bool = True, offload_cpu_compute: str = "off", fused_experts: bool = False,
+             adaptive=True) -> OptimizedModel:
     """Compile `model` with the dflash backend and set up DFlash speculative decoding with `drafter`
     (a z-lab or transformers checkpoint directory, or a drafter module). `mode` is torch.compile's mode for the
     verify-commit step ("reduce-overhead" captures it in a CUDA graph). Models with sliding-window layers prefill
@@ -46,7 +47,9 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
     predicted experts ahead, `offload_cpu_compute` "auto" / "always" runs missed experts on the CPU). Every check runs before any state is built: an unsupported family, a drafter made
     for another target or a budget too small raises with nothing changed. With `adaptive` (the default) each step
     verifies as many drafts as measured step times and acceptance say pay best, none when the drafter does not pay
-    (`dflash_compile.adaptive`; the choices are in `last_stats.widths`); pass a `WidthChooser` to set its options."""
+    (`dflash_compile.adaptive`; the choices are in `last_stats.widths`); pass a `WidthChooser` to set its options.
+    `fused_experts`: resident bf16 / fp32 experts run dflash's fused kernels on their own weights in the compiled
+    steps (Triton on CUDA, C++ on a CPU) instead of transformers' grouped_mm (CUDA) or the reference loop."""
     if spec_for_model(model) is None:
         raise ValueError(
             f"{type(model).__name__} is not a Mixture-of-Experts model of a supported family "
@@ -57,6 +60,8 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
         drafter, layer_ids = load_drafter(drafter, model)
     if prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
+    for module in experts_modules(model).values():
+        module.dflash_fused = fused_experts  # read by the expert store at each dispatch
     if gpu_memory is not None:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         model = offload_experts(model, gpu_memory, device=device, policy=offload_policy,

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from transformers.integrations.moe import grouped_mm_experts_forward
 
 from .families import ExpertLayout, FamilySpec
-from .packed import PackedWeight, packed_weights
+from .packed import PackedWeight, expert_weights, packed_weights
 
 _store_ids = itertools.count()
 _STORES_BY_ID: weakref.WeakValueDictionary[int, ExpertStore] = weakref.WeakValueDictionary()
@@ -154,6 +154,8 @@ class ResidentExperts:
             return offloaded.run(layer, hidden, top_k_index, top_k_weights, Gate.of(self.layout, module))
         if getattr(module, "packed_format", None):  # MXFP4 / FP8 weights kept packed (dflash_compile.packed)
             return run_packed(hidden, top_k_index, top_k_weights, *packed_weights(module), Gate.of(self.layout, module))
+        if getattr(module, "dflash_fused", False):  # optimize(fused_experts=True): dflash's kernels, weights in place
+            return run_packed(hidden, top_k_index, top_k_weights, *expert_weights(module), Gate.of(self.layout, module))
         if hidden.is_cuda:  # transformers' grouped GEMM: no host sync, one kernel per projection
             return grouped_mm_experts_forward(module, hidden, top_k_index, top_k_weights)
         return self.reference(hidden, top_k_index, top_k_weights)

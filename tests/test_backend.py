@@ -113,3 +113,19 @@ def test_backend_found_without_importing_dflash_compile(tiny_dirs):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd="/")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "dispatch ok 2" in result.stdout
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+def test_fused_experts_on_resident_weights_give_the_same_tokens(tiny, family, monkeypatch):
+    """optimize(fused_experts=True): the compiled step's experts run dflash's kernel on the module's own weights
+    (gpt-oss's [E, in, out] read through a transposed view), with the tokens of model.generate."""
+    import dflash_compile.expert_store as expert_store
+
+    calls = []
+    run_packed = expert_store.run_packed
+    monkeypatch.setattr(expert_store, "run_packed", lambda *args: calls.append(1) or run_packed(*args))
+    ids = token_ids()
+    expected = tiny(family).generate(ids, max_new_tokens=8, do_sample=False)
+    fast = dflash_compile.optimize(tiny(family), fused_experts=True)
+    assert torch.equal(fast.generate(ids, max_new_tokens=8), expected)
+    assert calls

@@ -78,10 +78,21 @@ def test_bad_input_is_named():
         _packed_moe(x, index, weights, gate_up, down, False, "gelu")
     with pytest.raises(RuntimeError, match=r"expert index 5 out of range \[0, 2\)"):
         _packed_moe(x, torch.tensor([[5]]), weights, gate_up, down, False, "silu")
-    transposed = PackedWeight("dense", torch.zeros(2, 64, 128).transpose(1, 2), None)  # [E, H, I], columns strided
+    strided = PackedWeight("fp8_block", down.data.transpose(1, 2).contiguous().transpose(1, 2), down.scales)
     with pytest.raises(RuntimeError, match="packed expert rows must be contiguous"):
-        _packed_moe(x, index, weights, PackedWeight("dense", torch.zeros(2, 128, 128), None), transposed, False,
-                    "silu")
+        _packed_moe(x, index, weights, gate_up, strided, False, "silu")
+
+
+def test_dense_weights_at_any_strides():
+    """A transposed view of [E, in, out] parameters (how gpt-oss stores its experts) reads its columns strided."""
+    gate_up, down = _experts("dense", 3, 64, 32, bias=True)
+    index, weights = _routing(4, 3, 2)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+    as_stored = [PackedWeight("dense", w.data.transpose(1, 2).contiguous().transpose(1, 2), None, w.bias)
+                 for w in (gate_up, down)]
+    assert not as_stored[0].data.is_contiguous()
+    torch.testing.assert_close(_packed_moe(x, index, weights, *as_stored, True, "clamped_swiglu"),
+                               _packed_moe(x, index, weights, gate_up, down, True, "clamped_swiglu"), atol=0, rtol=0)
 
 
 def test_without_the_kernels_the_reference_runs(monkeypatch):
