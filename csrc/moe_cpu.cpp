@@ -53,6 +53,15 @@ std::array<float, 256> e4m3_table() {  // float8_e4m3fn: no infinities, 0x7F / 0
 }
 
 const std::array<float, 16> kE2m1 = e2m1_table();
+
+// Both E2M1 values of every byte (low nibble first): one lookup per byte.
+std::array<std::array<float, 2>, 256> e2m1_pair_table() {
+  std::array<std::array<float, 2>, 256> table{};
+  for (int byte = 0; byte < 256; ++byte) table[byte] = {kE2m1[byte & 15], kE2m1[byte >> 4]};
+  return table;
+}
+
+const std::array<std::array<float, 2>, 256> kE2m1Pairs = e2m1_pair_table();
 const std::array<float, 256> kE4m3 = e4m3_table();
 
 // One expert's packed [N, K] weight: decodes a row into fp32.
@@ -73,9 +82,9 @@ struct PackedMatrix {
       for (int64_t g = 0; g < groups; ++g) {
         const float scale = exponents[g] == 0xFF ? NAN : std::ldexp(1.f, static_cast<int>(exponents[g]) - 127);
         for (int64_t i = 0; i < 16; ++i) {
-          const uint8_t byte = bytes[g * 16 + i];
-          out[g * 32 + 2 * i] = kE2m1[byte & 15] * scale;
-          out[g * 32 + 2 * i + 1] = kE2m1[byte >> 4] * scale;
+          const auto& pair = kE2m1Pairs[bytes[g * 16 + i]];
+          out[g * 32 + 2 * i] = pair[0] * scale;
+          out[g * 32 + 2 * i + 1] = pair[1] * scale;
         }
       }
     } else if (format == kFp8Block) {
