@@ -6,7 +6,8 @@ only, and the drafter is not even run). For each candidate width the controller 
     alpha_j      acceptance of draft j given drafts 1 .. j-1 were accepted (counts from the steps that verified j)
     tau(w)       = 1 + sum_{j < w} prod_{i <= j} alpha_i      expected tokens committed by a step of width w
     t(w)         measured wall time of a step of width w: the least of the recent ones (other work on the machine
-                 only ever adds time), the first, compiling one skipped
+                 only ever adds time), or their mean where steps vary by themselves (offloaded experts: a step's
+                 cache misses are part of its cost); the first, compiling one skipped
 
 and picks the width with the most expected tokens per second. Until a width has timings it is tried; then the width
 tried longest ago runs once after `probe_every` steps, and after twice as many steps each time the best width stays
@@ -23,8 +24,12 @@ from collections.abc import Callable
 
 class WidthChooser:
     def __init__(self, block_size: int, widths: tuple[int, ...] | None = None, probe_every: int = 16,
-                 window: int = 8, step_time: Callable[[int], float] | None = None):
-        """`step_time(width)`, when given, replaces measured times (e.g. the cost model's predictions)."""
+                 window: int = 8, step_time: Callable[[int], float] | None = None, timing: str = "min"):
+        """`step_time(width)`, when given, replaces measured times (e.g. the cost model's predictions); `timing`
+        ("min" or "mean") summarises the measured ones."""
+        if timing not in ("min", "mean"):
+            raise ValueError(f"timing must be 'min' or 'mean', got {timing!r}")
+        self.timing = timing
         self.block_size = block_size
         self.widths = tuple(sorted(set(widths or (1, block_size))))
         if not all(1 <= w <= block_size for w in self.widths):
@@ -53,7 +58,10 @@ class WidthChooser:
         return tau
 
     def seconds(self, width: int) -> float:
-        return self.step_time(width) if self.step_time else min(self.times[width])
+        if self.step_time:
+            return self.step_time(width)
+        times = self.times[width]
+        return min(times) if self.timing == "min" else sum(times) / len(times)
 
     def choose(self) -> int:
         untimed = [w for w in self.widths if not self.step_time and len(self.times[w]) == 0]

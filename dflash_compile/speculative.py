@@ -101,8 +101,8 @@ class SpeculativeDecoder:
                 raise ValueError(f"the WidthChooser is for block size {adaptive.block_size}, the drafter's is "
                                  f"{self.block_size}")
             self.chooser = adaptive
-        elif adaptive and self.block_size > 1:
-            self.chooser = WidthChooser(self.block_size)
+        elif adaptive and self.block_size > 1:  # offloaded experts make step times vary by themselves: their mean
+            self.chooser = WidthChooser(self.block_size, timing="mean" if hasattr(model, "dflash_offload") else "min")
         config = model.config.get_text_config()
         spec = spec_for_model(model)
         kinds = spec.attention_kinds(config)

@@ -40,6 +40,28 @@ def test_first_step_of_a_width_is_not_timed():
         WidthChooser(4, widths=(1, 8))
 
 
+def test_mean_timing_for_steps_that_vary_by_themselves(tiny, tmp_path):
+    """Offloaded experts: a verify step that sometimes finds its experts cached is not as cheap as its luckiest
+    run. With the same times, "min" speculates and "mean" does not; optimize picks "mean" for offloaded models."""
+    choosers = {timing: WidthChooser(4, timing=timing) for timing in ("min", "mean")}
+    for chooser in choosers.values():
+        for seconds in (100.0, 1.0, 5.0, 5.0, 5.0):  # ~2 tokens per step; the first (compiling) is not timed
+            chooser.observe(4, [1], seconds=seconds)
+        for _ in range(5):
+            chooser.observe(1, [0], seconds=1.5)
+    assert choosers["min"].choose() == 4 and choosers["mean"].choose() == 1
+    with pytest.raises(ValueError, match="timing must be 'min' or 'mean'"):
+        WidthChooser(4, timing="median")
+    from dflash_compile.offload import plan_offload
+
+    model = tiny("olmoe")
+    config = tiny_drafter_config(model.config, block_size=4)
+    drafter = save_drafter(tmp_path / "d", config, random_drafter_weights(config))
+    assert dflash_compile.optimize(tiny("olmoe"), drafter).decoder.chooser.timing == "min"
+    offloaded = dflash_compile.optimize(model, drafter, gpu_memory=plan_offload(model).minimum_budget, device="cpu")
+    assert offloaded.decoder.chooser.timing == "mean"
+
+
 def test_random_drafter_is_switched_off_with_the_same_tokens(tiny, tmp_path):
     model = tiny("qwen3_moe")
     ids = token_ids(batch=1)
