@@ -15,33 +15,17 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_compile.benchmark import timed  # noqa: E402
 from dflash_compile.expert_store import Gate, reference_packed, run_packed  # noqa: E402
 from dflash_compile.kernels import cpu  # noqa: E402
-from dflash_compile.packed import PackedWeight  # noqa: E402
-
-SHAPES = {  # experts, top-k, hidden, intermediate, format, gpt-oss layout
-    "gpt-oss-20b": (32, 4, 2880, 2880, "mxfp4", True),
-    "qwen3-30b-a3b-fp8": (128, 8, 2048, 768, "fp8_block", False),
-}
-
-
-def random_packed(format: str, experts: int, rows: int, columns: int, bias: bool) -> PackedWeight:
-    generator = torch.Generator().manual_seed(rows * columns)
-    b = torch.randn(experts, rows, generator=generator) * 0.1 if bias else None
-    if format == "mxfp4":
-        data = torch.randint(0, 256, (experts, rows, columns // 32, 16), dtype=torch.uint8, generator=generator)
-        return PackedWeight("mxfp4", data, torch.randint(118, 124, (experts, rows, columns // 32),
-                                                         dtype=torch.uint8, generator=generator), b)
-    values = (torch.randn(experts, rows, columns, generator=generator) * 100).clamp(-448, 448)
-    scales = torch.rand(experts, -(-rows // 128), -(-columns // 128), generator=generator) * 1e-3 + 1e-4
-    return PackedWeight("fp8_block", values.to(torch.float8_e4m3fn).view(torch.uint8), scales, b)
+from moe_kernels import SHAPES, random_packed  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=["gpt-oss-20b", "qwen3-30b-a3b-fp8"], choices=list(SHAPES))
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16])
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
@@ -50,8 +34,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for name in args.shapes:
         experts, top_k, hidden, inter, format, gpt_oss = SHAPES[name]
-        gate_up = random_packed(format, experts, 2 * inter, hidden, gpt_oss)
-        down = random_packed(format, experts, hidden, inter, gpt_oss)
+        torch.manual_seed(0)
+        gate_up = random_packed(format, experts, 2 * inter, hidden, gpt_oss, device="cpu")
+        down = random_packed(format, experts, hidden, inter, gpt_oss, device="cpu")
         gate = Gate(gpt_oss, "clamped_swiglu" if gpt_oss else "silu")
         per_expert = (gate_up.nbytes() + down.nbytes()) / experts
         for tokens in args.tokens:

@@ -133,14 +133,13 @@ float dot(const float* a, const float* b, int64_t n) {
 }
 
 // out[p, n] = W[rows n] . in[p] (+ bias) for every pair p of one expert, rows split over threads.
-void project(const PackedMatrix& weight, const std::vector<float>& in, int64_t pairs, const float* bias,
-             std::vector<float>& out) {
+void project(const PackedMatrix& weight, const float* in, int64_t pairs, const float* bias, float* out) {
   at::parallel_for(0, weight.rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(weight.columns);
     for (int64_t n = begin; n < end; ++n) {
       weight.decode_row(n, row.data());
       for (int64_t p = 0; p < pairs; ++p) {
-        out[p * weight.rows + n] = dot(row.data(), in.data() + p * weight.columns, weight.columns) +
+        out[p * weight.rows + n] = dot(row.data(), in + p * weight.columns, weight.columns) +
                                    (bias ? bias[n] : 0.f);
       }
     }
@@ -201,8 +200,8 @@ at::Tensor packed_moe_cpu(const at::Tensor& hidden, const at::Tensor& top_k_inde
     }
     const std::vector<float> b1 = expert_bias(gate_up_bias, e), b2 = expert_bias(down_bias, e);
     std::vector<float> gate_up(count * two_i), act(count * inter), y(count * hidden_size);
-    project(expert_matrix(format, gate_up_data, gate_up_scales, e, two_i, hidden_size), in, count,
-            b1.empty() ? nullptr : b1.data(), gate_up);
+    project(expert_matrix(format, gate_up_data, gate_up_scales, e, two_i, hidden_size), in.data(), count,
+            b1.empty() ? nullptr : b1.data(), gate_up.data());
     for (int64_t i = 0; i < count; ++i) {
       for (int64_t j = 0; j < inter; ++j) {
         const float* h = gate_up.data() + i * two_i;
@@ -219,8 +218,8 @@ at::Tensor packed_moe_cpu(const at::Tensor& hidden, const at::Tensor& top_k_inde
         act[i * inter + j] = value;
       }
     }
-    project(expert_matrix(format, down_data, down_scales, e, hidden_size, inter), act, count,
-            b2.empty() ? nullptr : b2.data(), y);
+    project(expert_matrix(format, down_data, down_scales, e, hidden_size, inter), act.data(), count,
+            b2.empty() ? nullptr : b2.data(), y.data());
     for (int64_t i = 0; i < count; ++i) {
       const float w = weight_data[pairs[i]];
       float* target = out_data + (pairs[i] / top_k) * hidden_size;
@@ -239,15 +238,13 @@ at::Tensor fp8_block_linear_cpu(const at::Tensor& x, const at::Tensor& weight, c
   const at::Tensor flat = x.reshape({-1, columns}).to(at::kFloat).contiguous();
   const at::Tensor data = weight.contiguous().view(at::kByte).unsqueeze(0);
   const at::Tensor scales = scale_inv.to(at::kFloat).contiguous().unsqueeze(0);
-  const std::vector<float> in(flat.data_ptr<float>(), flat.data_ptr<float>() + flat.numel());
-  const std::vector<float> b = expert_bias(bias.has_value() ? std::optional<at::Tensor>(bias->unsqueeze(0))
-                                                            : std::nullopt, 0);
-  std::vector<float> out(flat.size(0) * rows);
-  project(expert_matrix(kFp8Block, data, scales, 0, rows, columns), in, flat.size(0), b.empty() ? nullptr : b.data(),
-          out);
+  const at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  at::Tensor out = at::empty({flat.size(0), rows}, flat.options());
+  project(expert_matrix(kFp8Block, data, scales, 0, rows, columns), flat.data_ptr<float>(), flat.size(0),
+          b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr<float>());
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = rows;
-  return at::from_blob(out.data(), {flat.size(0), rows}, at::kFloat).clone().reshape(shape).to(x.scalar_type());
+  return out.reshape(shape).to(x.scalar_type());
 }
 
 }  // namespace

@@ -256,7 +256,8 @@ class OffloadedExperts:
         return len(self.layers) - 1
 
     def add_hook(self, hook: Callable[[str, int, int, int], None]) -> None:
-        """`hook(event, layer, expert, slot)` with event "fetch" or "hit", called as the cache decides."""
+        """`hook(event, layer, expert, slot)` with event "fetch", "prefetch" or "hit", called as the cache
+        decides."""
         self.hooks.append(hook)
 
     def _assign(self, layer: int, experts: list[int], keep: set[tuple[int, int]], event: str):
@@ -442,8 +443,8 @@ class OffloadPlan:
                    self.experts_per_layer * self.layers)
 
 
-def _experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    modules = list(experts_modules(model).values())
+def _experts_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    modules = experts_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__} has no routed experts to offload")
     return modules
@@ -456,7 +457,7 @@ CUDA_RUNTIME_RESERVE = 64 * 2**20
 
 def plan_offload(model: torch.nn.Module, device="cpu") -> OffloadPlan:
     """The plan for offloading `model`'s routed experts to a slot pool on `device`."""
-    modules = _experts_modules(model)
+    modules = list(_experts_modules(model).values())
     expert_tensors = {id(t) for m in modules for t in (*m.parameters(), *m.buffers())}
     dense = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())
                 if id(t) not in expert_tensors)
@@ -480,15 +481,14 @@ def offload_experts(model: torch.nn.Module, gpu_memory, device="cuda", policy: s
     slots = plan_offload(model, device).slots(parse_size(gpu_memory))
     offloaded = OffloadedExperts(device, int(slots), policy, prefetch=prefetch, cpu_compute=cpu_compute)
     store = ExpertStore()  # what the eager forward dispatches to; compiled graphs get their own entries
-    named = experts_modules(model)
     modules = _experts_modules(model)
-    spec = spec_for_experts_class(type(modules[0]))
-    for name, module in tqdm(named.items(), desc="offloading experts", unit="layer", disable=len(modules) < 8):
+    spec = spec_for_experts_class(type(next(iter(modules.values()))))
+    for name, module in tqdm(modules.items(), desc="offloading experts", unit="layer", disable=len(modules) < 8):
         layer = offloaded.add_layer(module, router_of(model, name))
-        for name in list(module._parameters) + list(module._buffers):
-            if name.startswith(("gate_up_proj", "down_proj", "packed_")):
-                module._parameters.pop(name, None)
-                module._buffers.pop(name, None)
+        for tensor_name in list(module._parameters) + list(module._buffers):
+            if tensor_name.startswith(("gate_up_proj", "down_proj", "packed_")):
+                module._parameters.pop(tensor_name, None)
+                module._buffers.pop(tensor_name, None)
         module.packed_format = None
         module.dflash_offload = (offloaded, layer)
         module.dflash_dispatch = (store.id, store.add_layer(module, spec, f"offloaded layer {layer}"))
