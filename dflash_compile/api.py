@@ -44,8 +44,9 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
     slots. With `gpu_memory` ("20GiB", bytes or an accelerate max_memory dict) the routed experts are offloaded to
     host memory behind a slot pool on `device` (default: cuda when available) that fits the budget with the dense
     weights (`offload_experts`; `offload_policy` "lru" or "lfu", `offload_prefetch` copies each next layer's
-    predicted experts ahead, `offload_cpu_compute` "auto" / "always" runs missed experts on the CPU). Every check runs before any state is built: an unsupported family, a drafter made
-    for another target or a budget too small raises with nothing changed. With `adaptive` (the default) each step
+    predicted experts ahead, `offload_cpu_compute` "auto" / "always" runs missed experts on the CPU). Every check
+    runs before any state is built: an unsupported family, a drafter made for another target or a budget too small
+    raises with nothing changed. With `adaptive` (the default) each step
     verifies as many drafts as measured step times and acceptance say pay best, none when the drafter does not pay
     (`dflash_compile.adaptive`; the choices are in `last_stats.widths`); pass a `WidthChooser` to set its options.
     `fused_experts`: resident bf16 / fp32 experts run dflash's fused kernels on their own weights in the compiled
@@ -60,14 +61,14 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
         drafter, layer_ids = load_drafter(drafter, model)
     if prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
-    for module in experts_modules(model).values():
-        module.dflash_fused = fused_experts  # read by the expert store at each dispatch
-    if gpu_memory is not None:
+    if gpu_memory is not None:  # checks the budget before it moves anything
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         model = offload_experts(model, gpu_memory, device=device, policy=offload_policy,
                                prefetch=offload_prefetch, cpu_compute=offload_cpu_compute)
         if isinstance(drafter, torch.nn.Module):
             drafter.to(device)
+    for module in experts_modules(model).values():
+        module.dflash_fused = fused_experts  # read by the expert store at each dispatch
     decoder = SpeculativeDecoder(model, drafter, layer_ids, compile=compile, mode=mode, prefill_chunk=prefill_chunk,
                                  adaptive=adaptive)
     return OptimizedModel(model, decoder, compile)
