@@ -229,9 +229,12 @@ def fit_step_overheads(hardware: Hardware, measured: dict | None = None) -> Hard
     """`hardware` with the layer overhead and streaming efficiency that fit measured step times best (least
     squares of  t = layers * overhead + floor bytes / HBM / efficiency). `measured`: {(reference model name,
     tokens per step, context): seconds}, by default MEASURED_STEPS."""
+    measured = measured or MEASURED_STEPS
+    costs = {model: StepCost(ModelSizes.of(reference_config(model)), hardware.roofline())
+             for model in {model for model, _, _ in measured}}  # each model built (on meta) once
     rows, times = [], []
-    for (model, tokens, context), seconds in (measured or MEASURED_STEPS).items():
-        cost = StepCost(ModelSizes.of(reference_config(model)), hardware.roofline())
+    for (model, tokens, context), seconds in measured.items():
+        cost = costs[model]
         rows.append([cost.sizes.layers, cost.evaluate(tokens, context)["t_memory_us"] * 1e-6])
         times.append([seconds])
     overhead, inverse_efficiency = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64),
