@@ -377,9 +377,11 @@ class OffloadedExperts:
         top_k = top_k_weights.shape[-1]
         pair_ids = torch.tensor(pairs, device=hidden.device)
         tokens = pair_ids // top_k
-        rows = hidden[tokens].to("cpu", torch.float32)
+        # the pairs' hidden rows and routing weights come back in one transfer
+        rows_and_routing = torch.cat([hidden[tokens].float(), top_k_weights.reshape(-1)[pair_ids, None].float()],
+                                     dim=1).cpu()
+        rows, routing = rows_and_routing[:, :-1], rows_and_routing[:, -1:]
         index = torch.tensor([[pair_experts[p]] for p in pairs])
-        routing = top_k_weights.reshape(-1)[pair_ids].to("cpu", torch.float32)[:, None]
         per_pair = run_packed(rows, index, routing, *self.layers[layer].on_host, gate)
         self.stats.computed_on_host += len(set(index.flatten().tolist()))
         return torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device).index_add_(
