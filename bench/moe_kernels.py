@@ -171,21 +171,14 @@ def run_shape(name, tokens_list, layers, tuning, copy_gbs, rows):
 
 def tile_candidates(format: str):
     """The sweep: output tiles, K steps (FP8 up to its 128-column scale block) and K steps in flight on the tensor
-    cores; then CUDA-core multiply-adds over 1-4 pairs per block; for MXFP4 also the fp32 bit-construction decode in
-    place of dot_scaled."""
+    cores. (CUDA-core tiles of 1-4 pairs and an fp32 bit-construction MXFP4 decode lost by 2-10x on 2026-11-30 and
+    were removed from the kernel.)"""
     block_ks = (64, 128) if format == "fp8_block" else (128, 256)
     for block_n in (16, 32, 64):
         for block_k in block_ks:
             for num_stages in (2, 4):
                 yield {"block_n": block_n, "block_k": block_k, "num_warps": 4, "num_stages": num_stages}
     yield {"block_n": 64, "block_k": 128, "num_warps": 8, "num_stages": 3}
-    for block_m in (1, 4):
-        for block_n in (16, 32):
-            yield {"block_m": block_m, "mma": False, "block_n": block_n, "block_k": 64, "num_warps": 4,
-                   "num_stages": 4, "mxfp4_decode": "bits"}
-    if format == "mxfp4":
-        for block_n in (16, 32):
-            yield {"block_n": block_n, "block_k": 128, "num_warps": 4, "num_stages": 4, "mxfp4_decode": "bits"}
 
 
 def tune(name: str, tokens_list, layers: int) -> dict:

@@ -114,7 +114,7 @@ def step_times(model, decoder, args, bandwidth):
     routing = UniformRouting(model)
     rows = []
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt), device=args.device)
-    for block in (1, 8, 16):
+    for block in args.step_blocks:
         cache = TargetCache(1, args.prompt + 64, model.dtype, args.device)
         with torch.no_grad():
             decoder._target_forward(prompt, cache)
@@ -167,9 +167,11 @@ def main():
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--block", type=int, default=8)
-    parser.add_argument("--corruption", type=float, nargs="+", default=[0.45, 0.1],
+    parser.add_argument("--corruption", type=float, nargs="*", default=[0.45, 0.1],
                         help="oracle corruption probabilities (about tau 3 and 6 at block 8)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--step-blocks", type=int, nargs="*", default=[1, 8, 16],
+                        help="tokens per step of the step-time table (1 = decode)")
     parser.add_argument("--temperatures", type=float, nargs="*", default=[0.7, 1.0],
                         help="sampled runs (top-k 50, top-p 0.9) with the oracle proposing the greedy path")
     parser.add_argument("--skip-native", action="store_true")
@@ -198,10 +200,14 @@ def main():
     plain = dflash_compile.optimize(model, mode=args.mode)
     out, seconds = timed(lambda: plain.generate(ids, max_new_tokens=args.new), args.repeats, args.device)
     rows.append(("dflash, no drafter", new / seconds, 1.0, "-", first_mismatch(expected, out)))
+    bandwidth = copy_bandwidth(args.device) if args.device == "cuda" else None
+    fused_steps = None
     if args.fused_experts:  # resident experts through dflash's fused kernel instead of transformers' grouped_mm
         fused = dflash_compile.optimize(model, mode=args.mode, fused_experts=True)
         out, seconds = timed(lambda: fused.generate(ids, max_new_tokens=args.new), args.repeats, args.device)
         rows.append(("dflash, no drafter, fused experts", new / seconds, 1.0, "-", first_mismatch(expected, out)))
+        if bandwidth:  # now: the experts modules carry the choice, and the next optimize() sets it back
+            fused_steps = step_times(model, fused.decoder, args, bandwidth)
         plain = dflash_compile.optimize(model, mode=args.mode)  # the rows below as before
     for corruption in args.corruption:
         for adaptive in (False, True):  # fixed block, then the adaptive verify width
@@ -235,19 +241,20 @@ def main():
     for name, rate, tau, steps, same in rows:
         print(f"| {name} | {rate:.1f} | {rate * base / new:.2f}x | {tau:.2f} | {steps} | {same} |")
 
-    if args.device == "cuda":
-        bandwidth = copy_bandwidth(args.device)
+    if bandwidth:
         print(f"\ndevice-to-device copy: {bandwidth / 1e9:.0f} GB/s")
-        print("\n| step (uniform routing) | ms | memory floor ms | floor / measured | experts/layer | expected | "
-              "predicted ms (h200 profile) | predicted / measured |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("\n| step (uniform routing) | experts | ms | memory floor ms | floor / measured | experts/layer | "
+              "expected | predicted ms (h200 profile) | predicted / measured |")
+        print("|---|---|---|---|---|---|---|---|---|")
         predict = StepCost(ModelSizes.of(model.config), HARDWARE["h200"])  # fitted overheads (cost_model)
-        for block, seconds, floor, distinct, expected_experts in step_times(model, plain.decoder, args, bandwidth):
-            name = "decode (1 token)" if block == 1 else f"verify {block}"
-            predicted = predict.evaluate(block, args.prompt)["t_step_us"] * 1e-6
-            print(f"| {name} | {seconds * 1e3:.2f} | {floor * 1e3:.2f} | {floor / seconds:.2f} | "
-                  f"{distinct:.1f} | {expected_experts:.1f} | {predicted * 1e3:.2f} | {predicted / seconds:.2f} |")
-
+        runs = [("transformers grouped_mm", step_times(model, plain.decoder, args, bandwidth))]
+        runs += [("dflash fused kernel", fused_steps)] if fused_steps else []
+        for experts, steps in runs:
+            for block, seconds, floor, distinct, expected_experts in steps:
+                name = "decode (1 token)" if block == 1 else f"verify {block}"
+                predicted = predict.evaluate(block, args.prompt)["t_step_us"] * 1e-6
+                print(f"| {name} | {experts} | {seconds * 1e3:.2f} | {floor * 1e3:.2f} | {floor / seconds:.2f} | "
+                      f"{distinct:.1f} | {expected_experts:.1f} | {predicted * 1e3:.2f} | {predicted / seconds:.2f} |")
 
 if __name__ == "__main__":
     main()

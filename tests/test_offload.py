@@ -166,7 +166,7 @@ def test_from_pretrained_offloads_and_generates_the_same_tokens(tiny_dirs, tmp_p
 def test_generate_command_with_a_gpu_memory_budget(capsys):
     from dflash_compile.cli import main
 
-    assert main(["generate", "--max-new-tokens", "16", "--repeats", "1", "--gpu-memory", "12MB"]) == 0
+    assert main(["generate", "--max-new-tokens", "16", "--repeats", "1", "--gpu-memory", "12MB", "--device", "cpu"]) == 0
     assert "same tokens: True" in capsys.readouterr().out
 
 
@@ -262,13 +262,29 @@ def test_auto_cpu_compute_follows_the_measured_costs(tiny):
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _cuda_model(tmp_path):
-    """gpt-oss with experts large next to its activations (3 MiB blobs): a budget breach would show."""
+def _cuda_model(tmp_path, size=512):
+    """gpt-oss with experts large next to its activations (3 MiB blobs at size 512): a budget breach would show."""
     from dflash_compile.testing import load_tiny_model, save_tiny_model
 
-    directory = save_tiny_model("gpt_oss", tmp_path / "m", hidden_size=512, intermediate_size=512,
-                                num_local_experts=16, num_hidden_layers=4, layer_types=["full_attention"] * 4)
+    directory = tmp_path / f"m{size}"
+    if not directory.exists():
+        save_tiny_model("gpt_oss", directory, hidden_size=size, intermediate_size=size, num_local_experts=16,
+                        num_hidden_layers=4, layer_types=["full_attention"] * 4)
     return load_tiny_model("gpt_oss", torch.bfloat16, directory=directory)
+
+
+def _cuda_generate(tmp_path, ids, new, extra_slots=None, drafter=None, **options):
+    """Compiled generation of the CUDA test model: offloaded with one layer of experts plus `extra_slots` slots,
+    or, for None, resident with dflash's fused experts kernel. The offloaded experts run that same kernel on their
+    slots, so the tokens must agree exactly (transformers' grouped_mm would round bf16 differently)."""
+    model = _cuda_model(tmp_path)
+    if extra_slots is None:
+        fast = dflash_compile.optimize(model.cuda(), drafter, fused_experts=True, **options)
+    else:
+        plan = plan_offload(model, "cuda")
+        budget = plan.minimum_budget + extra_slots * plan.blob_bytes
+        fast = dflash_compile.optimize(model, drafter, gpu_memory=budget, device="cuda", **options)
+    return fast.generate(ids.cuda(), max_new_tokens=new).cpu(), fast.model
 
 
 @cuda
@@ -276,8 +292,7 @@ def test_gpu_memory_never_exceeds_the_budget(tmp_path):
     """Allocator statistics over offloading, the prefill and decoding: dense weights + slot pool + activations and
     KV cache stay under the budget (slack of half a blob between the pool and the budget). Peaks per phase, so a
     breach names where it happened."""
-    ids = token_ids(batch=1)
-    expected = _cuda_model(tmp_path).generate(ids, max_new_tokens=16, do_sample=False)
+    ids = token_ids(batch=1).cuda()
     model = _cuda_model(tmp_path)
     plan = plan_offload(model, "cuda")  # with the runtime's reserve (cuBLAS workspace: 32 MiB of the first run's
     budget = plan.minimum_budget + int(2.5 * plan.blob_bytes)  # 65 MiB peak against a budget that had no reserve)
@@ -287,21 +302,43 @@ def test_gpu_memory_never_exceeds_the_budget(tmp_path):
     peaks = {}
     offload_experts(model, budget, device="cuda")
     peaks["offload_experts"] = torch.cuda.max_memory_allocated() - baseline
-    model(ids.cuda())
+    model(ids)
     peaks["prefill forward"] = torch.cuda.max_memory_allocated() - baseline
-    out = model.generate(ids.cuda(), max_new_tokens=16, do_sample=False)
+    eager = model.generate(ids, max_new_tokens=16, do_sample=False)
     torch.cuda.synchronize()
     peaks["generate"] = torch.cuda.max_memory_allocated() - baseline
     assert all(peak <= budget for peak in peaks.values()), f"budget {budget} bytes, peaks {peaks}"
-    assert torch.equal(out.cpu(), expected)
+    assert model.dflash_offload.stats.misses > model.dflash_offload.slots  # slots were reused
+    # Eager and the same expert kernel, every expert fetched once and kept: placement and eviction change nothing.
+    reference = offload_experts(_cuda_model(tmp_path), "100GiB", device="cuda").generate(ids, max_new_tokens=16,
+                                                                                        do_sample=False)
+    assert torch.equal(eager, reference)
+
+
+@cuda
+@pytest.mark.parametrize("speculative", [False, True])
+def test_offloaded_generation_on_the_gpu_is_token_identical(tmp_path, speculative):
+    """Real host -> device copies, every layer evicting (two slots above one layer of experts), greedy and with a
+    DFlash drafter (its verify blocks use route-ahead): the tokens of the resident model."""
+    ids = token_ids(batch=1)
+    drafter = None
+    if speculative:
+        config = tiny_drafter_config(_cuda_model(tmp_path).config, block_size=4)
+        drafter = save_drafter(tmp_path / "d", config, random_drafter_weights(config))
+    expected, _ = _cuda_generate(tmp_path, ids, 16, drafter=drafter)
+    tokens, model = _cuda_generate(tmp_path, ids, 16, extra_slots=2, drafter=drafter)
+    stats = model.dflash_offload.stats
+    assert stats.misses > 0 and stats.prefetched > 0, stats  # copies and prefetches happened
+    assert torch.equal(tokens, expected)
 
 
 @cuda
 def test_expert_copies_overlap_compute(tmp_path):
     """Profiler trace of an offloaded decode whose budget is one layer of experts (every layer misses): expert
     copies (pinned host -> device, on the side stream) run while kernels run on the compute stream, which only
-    happens when a layer's prefetch is in flight during the previous layer's work."""
-    model = _cuda_model(tmp_path)
+    happens when a layer's prefetch is in flight during the previous layer's work. Blobs of 24 MiB (a 0.45 ms copy):
+    with small ones the eager Python between two launches outlasts a copy, so the GPU has nothing to overlap."""
+    model = _cuda_model(tmp_path, size=2048)
     offload_experts(model, plan_offload(model, "cuda").minimum_budget, device="cuda")
     ids = token_ids(batch=1).cuda()
     model.generate(ids, max_new_tokens=4, do_sample=False)  # warm-up
@@ -322,12 +359,9 @@ def test_offloaded_step_captures_cuda_graphs_around_the_offload_ops(tmp_path):
     """mode="reduce-overhead": the verify step is captured except the offloaded dispatches (graph partitioning
     around the cudagraph_unsafe op), and tokens stay those of the resident model."""
     ids = token_ids(batch=1)
-    expected = _cuda_model(tmp_path).generate(ids, max_new_tokens=12, do_sample=False)
-    model = _cuda_model(tmp_path)
-    plan = plan_offload(model, "cuda")
-    fast = dflash_compile.optimize(model, gpu_memory=plan.minimum_budget + 8 * plan.blob_bytes, device="cuda",
-                                   mode="reduce-overhead")
-    assert torch.equal(fast.generate(ids.cuda(), max_new_tokens=12).cpu(), expected)
+    expected, _ = _cuda_generate(tmp_path, ids, 12, mode="reduce-overhead")
+    tokens, _ = _cuda_generate(tmp_path, ids, 12, extra_slots=8, mode="reduce-overhead")
+    assert torch.equal(tokens, expected)
 
 
 _PEAK_SCRIPT = """

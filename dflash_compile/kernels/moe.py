@@ -106,102 +106,89 @@ def _e4m3(byte):
 
 
 @triton.jit
-def _e2m1_bits(code, exponent):
-    """E2M1 code (int32) times 2^(exponent - 127) (E8M0, 2 <= exponent <= 252), built as fp32 bits: the code's
-    exponent field plus the scale's, no multiply. Normal codes (e >= 1) are 2^(e-1) (1 + m/2), so the fp32 exponent
-    field is e - 1 + exponent and the mantissa's top bit m; code 1 (0.5) is a bare power of two; code 0 is zero."""
-    magnitude = code & 7
-    bits = (magnitude << 22) + ((exponent - 1) << 23)
-    bits = tl.where(magnitude == 1, (exponent - 1) << 23, bits)
-    bits = tl.where(magnitude == 0, 0, bits) | ((code & 8) << 28)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _mxfp4_halves(data, scales, rows, row_ok, k, K, BLOCK_K: tl.constexpr, BITS: tl.constexpr):
+def _mxfp4_halves(data, scales, rows, row_ok, k, K, BLOCK_K: tl.constexpr):
     """One expert's MXFP4 weight (`data` / `scales` at that expert) at `rows` x [k, k + BLOCK_K) as two fp32
     [BLOCK_ROWS, BLOCK_K / 2] tiles, the even columns (low nibbles) and the odd columns (high nibbles), each byte's
-    group scale applied: by fp32 bit construction (BITS) or by arithmetic decoding times exp2 of the scale."""
+    group scale applied."""
     byte_columns = k // 2 + tl.arange(0, BLOCK_K // 2)
     ok = row_ok[:, None] & (byte_columns[None, :] < K // 2)
     packed = tl.load(data + rows[:, None] * (K // 2) + byte_columns[None, :], mask=ok, other=0).to(tl.int32)
-    exponent = tl.load(scales + rows[:, None] * (K // 32) + byte_columns[None, :] // 16, mask=ok,
-                       other=127).to(tl.int32)
-    if BITS:
-        return _e2m1_bits(packed & 15, exponent), _e2m1_bits(packed >> 4, exponent)
+    exponent = tl.load(scales + rows[:, None] * (K // 32) + byte_columns[None, :] // 16, mask=ok, other=127)
     scale = tl.exp2(exponent.to(tl.float32) - 127.0)
     return _e2m1(packed & 15) * scale, _e2m1(packed >> 4) * scale
 
 
 @triton.jit
 def _mxfp4_dot(acc, x_rows, pair_ok, data, scales, rows, row_ok, k, K, COMPUTE_FP32: tl.constexpr,
-               BLOCK_K: tl.constexpr, DECODE: tl.constexpr, MMA: tl.constexpr):
-    """acc + x[:, k:k+BLOCK_K] @ W[rows, k:k+BLOCK_K]^T for an MXFP4 weight. DECODE 0 on the GPU: `tl.dot_scaled`
-    (packed codes and E8M0 scales go to the compiler's own upcast); otherwise even and odd columns are decoded here
-    (DECODE 1: fp32 bit construction; DECODE 0 in the fp32 path: arithmetic) and multiplied separately."""
-    if COMPUTE_FP32 or DECODE == 1:
+               BLOCK_K: tl.constexpr):
+    """acc + x[:, k:k+BLOCK_K] @ W[rows, k:k+BLOCK_K]^T for an MXFP4 weight: on the GPU `tl.dot_scaled` (packed
+    codes and E8M0 scales go to the compiler's own upcast); in the fp32 path even and odd columns are decoded here
+    and multiplied separately."""
+    if COMPUTE_FP32:
         even = k + 2 * tl.arange(0, BLOCK_K // 2)
         x_ok = pair_ok[:, None] & (even[None, :] < K)
-        low, high = _mxfp4_halves(data, scales, rows, row_ok, k, K, BLOCK_K, DECODE == 1)
-        acc += _dot(tl.load(x_rows + even[None, :], mask=x_ok, other=0.0), low, COMPUTE_FP32, MMA)
-        acc += _dot(tl.load(x_rows + even[None, :] + 1, mask=x_ok, other=0.0), high, COMPUTE_FP32, MMA)
-        return acc
-    columns = k + tl.arange(0, BLOCK_K)
-    x_tile = tl.load(x_rows + columns[None, :], mask=pair_ok[:, None] & (columns[None, :] < K), other=0.0)
-    byte_columns = k // 2 + tl.arange(0, BLOCK_K // 2)
-    packed = tl.load(data + rows[:, None] * (K // 2) + byte_columns[None, :],
-                     mask=row_ok[:, None] & (byte_columns[None, :] < K // 2), other=0)
-    groups = k // 32 + tl.arange(0, BLOCK_K // 32)
-    exponent = tl.load(scales + rows[:, None] * (K // 32) + groups[None, :],
-                       mask=row_ok[:, None] & (groups[None, :] < K // 32), other=127)
-    return tl.dot_scaled(x_tile.to(tl.bfloat16), None, "bf16", tl.trans(packed), exponent, "e2m1", acc)
+        low, high = _mxfp4_halves(data, scales, rows, row_ok, k, K, BLOCK_K)
+        acc += _dot(tl.load(x_rows + even[None, :], mask=x_ok, other=0.0), low, COMPUTE_FP32)
+        acc += _dot(tl.load(x_rows + even[None, :] + 1, mask=x_ok, other=0.0), high, COMPUTE_FP32)
+    else:
+        columns = k + tl.arange(0, BLOCK_K)
+        x_tile = tl.load(x_rows + columns[None, :], mask=pair_ok[:, None] & (columns[None, :] < K), other=0.0)
+        byte_columns = k // 2 + tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(data + rows[:, None] * (K // 2) + byte_columns[None, :],
+                         mask=row_ok[:, None] & (byte_columns[None, :] < K // 2), other=0)
+        groups = k // 32 + tl.arange(0, BLOCK_K // 32)
+        exponent = tl.load(scales + rows[:, None] * (K // 32) + groups[None, :],
+                           mask=row_ok[:, None] & (groups[None, :] < K // 32), other=127)
+        acc = tl.dot_scaled(x_tile.to(tl.bfloat16), None, "bf16", tl.trans(packed), exponent, "e2m1", acc)
+    return acc
 
 
 @triton.jit
 def _fp8_tile(data, rows, row_ok, columns, K, COMPUTE_FP32: tl.constexpr):
     """[BLOCK_ROWS, BLOCK_K] float8_e4m3fn weight values, unscaled: the hardware conversion on the GPU, arithmetic
-    decoding in the fp32 path (the interpreter's fp8 casts are unreliable)."""
+    decoding in the fp32 path (the interpreter's fp8 casts are unreliable). One return: Triton 3.6 compiles the
+    statements after a constexpr branch's return too, and two returns of different dtypes fail there."""
     byte = tl.load(data + rows[:, None] * K + columns[None, :], mask=row_ok[:, None] & (columns[None, :] < K),
                    other=0)
     if COMPUTE_FP32:
-        return _e4m3(byte.to(tl.int32))
-    return byte.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+        tile = _e4m3(byte.to(tl.int32))
+    else:
+        tile = byte.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+    return tile
 
 
 @triton.jit
-def _dot(x_tile, w_tile, COMPUTE_FP32: tl.constexpr, MMA: tl.constexpr):
-    """x [BLOCK_M, k] @ w [BLOCK_ROWS, k]^T into fp32: fp32 or bf16 operands on the tensor cores (MMA, BLOCK_M >=
-    16), or fp32 multiply-adds on the CUDA cores (any BLOCK_M: few pairs per expert need no padding to 16)."""
-    if not MMA:
-        return tl.sum(x_tile.to(tl.float32)[:, None, :] * w_tile.to(tl.float32)[None, :, :], axis=2)
+def _dot(x_tile, w_tile, COMPUTE_FP32: tl.constexpr):
+    """x [BLOCK_M, k] @ w [BLOCK_ROWS, k]^T into fp32 on the tensor cores, fp32 or bf16 operands."""
     if COMPUTE_FP32:
-        return tl.dot(x_tile.to(tl.float32), tl.trans(w_tile.to(tl.float32)), input_precision="ieee")
-    return tl.dot(x_tile.to(tl.bfloat16), tl.trans(w_tile.to(tl.bfloat16)))
+        product = tl.dot(x_tile.to(tl.float32), tl.trans(w_tile.to(tl.float32)), input_precision="ieee")
+    else:
+        product = tl.dot(x_tile.to(tl.bfloat16), tl.trans(w_tile.to(tl.bfloat16)))
+    return product
 
 
 @triton.jit
 def _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_loop, row_stride, column_stride,
              FORMAT: tl.constexpr, COMPUTE_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-             BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, DECODE: tl.constexpr, MMA: tl.constexpr):
+             BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
     """[BLOCK_M, BLOCK_ROWS] fp32 = x[pair_rows] @ W[rows]^T over all of K, W the expert at `data` / `scales`
     (dense weights at any row / column strides, e.g. a transposed view of [E, in, out] parameters)."""
     acc = tl.zeros((BLOCK_M, BLOCK_ROWS), dtype=tl.float32)
     x_rows = x + pair_rows[:, None].to(tl.int64) * K
     for k in tl.range(0, k_loop, BLOCK_K, num_stages=NUM_STAGES):
         if FORMAT == 1:
-            acc = _mxfp4_dot(acc, x_rows, pair_ok, data, scales, rows, row_ok, k, K, COMPUTE_FP32, BLOCK_K, DECODE,
-                             MMA)
+            acc = _mxfp4_dot(acc, x_rows, pair_ok, data, scales, rows, row_ok, k, K, COMPUTE_FP32, BLOCK_K)
         else:
             columns = k + tl.arange(0, BLOCK_K)
             x_tile = tl.load(x_rows + columns[None, :], mask=pair_ok[:, None] & (columns[None, :] < K), other=0.0)
             if FORMAT == 2:  # BLOCK_K divides 128, so the tile lies in one 128-column scale block: scale per row
                 row_scale = tl.load(scales + (rows // 128) * ((K + 127) // 128) + k // 128, mask=row_ok, other=0.0)
                 acc += _dot(x_tile, _fp8_tile(data, rows, row_ok, columns, K, COMPUTE_FP32),
-                            COMPUTE_FP32, MMA) * row_scale[None, :]
+                            COMPUTE_FP32) * row_scale[None, :]
             else:
                 w_tile = tl.load(data + rows[:, None] * row_stride + columns[None, :] * column_stride,
                                  mask=row_ok[:, None] & (columns[None, :] < K), other=0.0)
-                acc += _dot(x_tile, w_tile, COMPUTE_FP32, MMA)
+                acc += _dot(x_tile, w_tile, COMPUTE_FP32)
     return acc
 
 
@@ -212,7 +199,6 @@ def _moe_gemm_kernel(
     FORMAT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr, APPLY_WEIGHT: tl.constexpr, COMPUTE_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    DECODE: tl.constexpr, MMA: tl.constexpr,
 ):
     block = tl.program_id(0)
     expert = tl.load(block_expert + block)
@@ -240,7 +226,7 @@ def _moe_gemm_kernel(
         row_ok = column < N_OUT
         rows = tl.where(row_ok, rows, 0)
         both = _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_loop, row_stride, column_stride,
-                        FORMAT, COMPUTE_FP32, BLOCK_M, 2 * BLOCK_N, BLOCK_K, NUM_STAGES, DECODE, MMA)
+                        FORMAT, COMPUTE_FP32, BLOCK_M, 2 * BLOCK_N, BLOCK_K, NUM_STAGES)
         if HAS_BIAS:
             both += tl.load(bias + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
         gate, up = tl.split(tl.reshape(both, (BLOCK_M, BLOCK_N, 2)))
@@ -253,7 +239,7 @@ def _moe_gemm_kernel(
     else:
         rows = tl.where(column_ok, columns, 0)
         result = _project(x, data, scales, rows, column_ok, pair_rows, pair_ok, K, k_loop, row_stride,
-                          column_stride, FORMAT, COMPUTE_FP32, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, DECODE, MMA)
+                          column_stride, FORMAT, COMPUTE_FP32, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)
         if HAS_BIAS:
             result += tl.load(bias + rows, mask=column_ok, other=0.0).to(tl.float32)[None, :]
     if APPLY_WEIGHT:
@@ -271,8 +257,7 @@ def _strides(weight: PackedWeight) -> tuple[int, ...]:
 
 
 def _launch(x, weight: PackedWeight, pair_ids, block_expert, pair_weights, rows_out, n_out, row_div, *, gated,
-            interleaved, activation, alpha, limit, compute_fp32, block_m, block_n, block_k, num_warps, num_stages,
-            mxfp4_decode, mma):
+            interleaved, activation, alpha, limit, compute_fp32, block_m, block_n, block_k, num_warps, num_stages):
     _, n, k = weight.shape
     out = torch.empty(rows_out, n_out, dtype=torch.float32 if compute_fp32 or not gated else x.dtype,
                       device=x.device)
@@ -285,23 +270,21 @@ def _launch(x, weight: PackedWeight, pair_ids, block_expert, pair_weights, rows_
         rows_out, n, k, n_out, row_div, float(alpha), float(limit), *_strides(weight),
         FORMAT=FORMATS[weight.format], GATED=gated, INTERLEAVED=interleaved, ACTIVATION=ACTIVATIONS[activation],
         HAS_BIAS=weight.bias is not None, APPLY_WEIGHT=pair_weights is not None, COMPUTE_FP32=compute_fp32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
-        DECODE=MXFP4_DECODES[mxfp4_decode], MMA=mma, num_warps=num_warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, num_warps=num_warps,
     )
     return out
 
 
 # Tiles per weight format (one config each: the interpreter cannot autotune), from `bench/moe_kernels.py`'s sweep on
-# the H200 (docs/benchmarks.md). block_m: pairs per block; block_n: output columns per program; block_k: K per step
-# (FP8: a divisor of its 128-column scale block); num_stages: K steps in flight; mma: tensor cores (block_m >= 16)
-# or CUDA-core multiply-adds; mxfp4_decode: "dot_scaled" (the compiler's upcast) or "bits" (fp32 bit construction).
-_COMMON = {"block_m": 16, "block_n": 32, "num_warps": 4, "mma": True, "mxfp4_decode": "dot_scaled"}
+# the H200 (docs/benchmarks.md). block_m: pairs per block (tensor-core tiles: >= 16); block_n: output columns per
+# program; block_k: K per step (FP8: a divisor of its 128-column scale block); num_stages: K steps in flight.
+# (CUDA-core tiles of 1-4 pairs and MXFP4 decoded by fp32 bit construction were measured too: 2-10x slower.)
+_COMMON = {"block_m": 16, "block_n": 32, "num_warps": 4}
 TILES = {
     "mxfp4": _COMMON | {"block_k": 128, "num_stages": 4},
     "fp8_block": _COMMON | {"block_k": 128, "num_stages": 4},
     "dense": _COMMON | {"block_k": 64, "num_stages": 3},
 }
-MXFP4_DECODES = {"dot_scaled": 0, "bits": 1}
 
 
 def tiles_for(format: str, overrides: dict) -> dict:
@@ -310,16 +293,13 @@ def tiles_for(format: str, overrides: dict) -> dict:
     if unknown:
         raise ValueError(f"unknown tile settings {sorted(unknown)}; the kernel takes {sorted(TILES[format])}")
     tiles = TILES[format] | overrides
-    block_k = tiles["block_k"]
+    block_k, block_m = tiles["block_k"], tiles["block_m"]
     if block_k % 32 or block_k & (block_k - 1):
         raise ValueError(f"block_k must be a power of two and a multiple of 32 (one MXFP4 group), got {block_k}")
     if format == "fp8_block" and block_k > 128:
         raise ValueError(f"fp8_block needs block_k <= 128 (one scale per 128 columns), got {block_k}")
-    if tiles["mma"] and tiles["block_m"] < 16:
-        raise ValueError(f"tensor-core tiles need block_m >= 16, got {tiles['block_m']}; pass mma=False for fewer")
-    if tiles["block_m"] & (tiles["block_m"] - 1) or tiles["mxfp4_decode"] not in MXFP4_DECODES:
-        raise ValueError(f"block_m must be a power of two and mxfp4_decode one of {sorted(MXFP4_DECODES)}, got "
-                         f"{tiles['block_m']} and {tiles['mxfp4_decode']!r}")
+    if block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two >= 16 (tensor-core tiles), got {block_m}")
     return tiles
 
 

@@ -84,7 +84,8 @@ def test_fused_moe_matches_the_reference(format, family, precision):
 ])
 def test_routing_blocks_hold_one_expert_each(index, experts, block_m):
     """Every pair lands exactly once, in a block of its own expert, in its original order within the expert."""
-    pair_ids, block_expert = align_routing(index, num_experts=experts, block_m=block_m)
+    pair_ids, block_expert = align_routing(index.to(DEVICE), num_experts=experts, block_m=block_m)
+    pair_ids, block_expert = pair_ids.cpu(), block_expert.cpu()
     flat = index.flatten()
     seen = []
     for block, expert in enumerate(block_expert.tolist()):
@@ -123,21 +124,6 @@ def test_tile_sizes_do_not_change_the_result(format, block_n, block_k):
     assert (actual.cpu().double() - expected).norm() / expected.norm() <= 1e-4
 
 
-@pytest.mark.parametrize("format", ["mxfp4", "fp8_block", "dense"])
-@pytest.mark.parametrize("tiles", [{"mma": False, "block_m": 1}, {"mma": False, "block_m": 4, "mxfp4_decode": "bits"},
-                                   {"mxfp4_decode": "bits"}])
-def test_kernel_variants_the_bench_sweeps(format, tiles):
-    """CUDA-core multiply-adds for 1 or 4 pairs per block, MXFP4 decoded by fp32 bit construction: the gpt-oss
-    layout (interleaved, clamped SwiGLU, biases, K = 576: a partial 128-block) with 3 tokens."""
-    gate_up, down = _experts(format, 4, 576, 32, bias=True)
-    index, weights = _routing(3, 4, 2)
-    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(1))
-    expected = reference_moe(x, index, weights, gate_up, down, True, "clamped_swiglu")
-    actual = fused_moe(x.to(DEVICE), index.to(DEVICE), weights.to(DEVICE), gate_up, down, interleaved=True,
-                       activation="clamped_swiglu", compute_fp32=True, block_n=16, block_k=64, **tiles)
-    assert (actual.cpu().double() - expected).norm() / expected.norm() <= 1e-4
-
-
 def test_tiles_the_kernel_cannot_run_are_refused():
     gate_up, down = _experts("fp8_block", 2, 128, 64, bias=False)
     index, weights = _routing(1, 2, 1)
@@ -149,10 +135,8 @@ def test_tiles_the_kernel_cannot_run_are_refused():
         call(block_k=96)
     with pytest.raises(ValueError, match=r"unknown tile settings \['block_z'\]"):
         call(block_z=8)
-    with pytest.raises(ValueError, match="tensor-core tiles need block_m >= 16, got 4; pass mma=False"):
+    with pytest.raises(ValueError, match=r"block_m must be a power of two >= 16 \(tensor-core tiles\), got 4"):
         call(block_m=4)
-    with pytest.raises(ValueError, match="mxfp4_decode one of"):
-        call(mxfp4_decode="lut")
 
 
 @pytest.mark.parametrize("format", ["fp8_block", "mxfp4"])
