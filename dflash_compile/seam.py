@@ -5,7 +5,8 @@ break, so `expert_dispatch` would never see the region. When dflash_compile is i
 `torch.compile(backend="dflash")` does through its entry point), the `"eager"` experts implementation keeps its own
 code outside compilation and traces transformers' `grouped_mm` formulation of the same math inside it.
 `expert_dispatch` then replaces the region with `dflash::moe_dispatch`. Other backends also stop breaking the
-graph there; the outputs agree to rounding.
+graph there; the outputs agree to rounding. Every transformers implementation is wrapped so that a traced region
+is guarded on its experts module's identity (`_bound_to_module`).
 
 It also registers `"dflash_packed"`: the implementation of experts modules whose weights `load_packed` kept as
 MXFP4 / FP8 (`dflash_compile.packed.attach_packed`); it runs `dflash::packed_moe` on them. And `"dflash_offload"`
@@ -14,6 +15,8 @@ offload store.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
@@ -26,6 +29,22 @@ def _eager_experts_forward(self, *args, **kwargs):
     if torch.compiler.is_compiling():
         return grouped_mm_experts_forward(self, *args, **kwargs)
     return type(self).forward.__wrapped__(self, *args, **kwargs)  # the class's own (undecorated) forward
+
+
+def _bound_to_module(forward):
+    """`forward` (an experts implementation) guarded on its module's identity when traced. `expert_dispatch` binds
+    the region to this module's expert store, so the graph is valid for this module only: id() makes Dynamo guard
+    on the module (and drop the graph when it dies). Without it another model of the same class would reuse the
+    graph, and with it the first model's experts."""
+
+    @functools.wraps(forward)
+    def bound(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            id(self)
+        return forward(self, *args, **kwargs)
+
+    bound.dflash_bound = True
+    return bound
 
 
 def _packed_experts_forward(self, hidden, top_k_index, top_k_weights):
@@ -50,9 +69,13 @@ def _offloaded_experts_forward(self, hidden, top_k_index, top_k_weights):
 
 
 def install() -> None:
-    if "eager" not in ExpertsInterface._global_mapping:
+    mapping = ExpertsInterface._global_mapping
+    if "eager" not in mapping:
         ExpertsInterface.register("eager", _eager_experts_forward)
-    if PACKED_IMPLEMENTATION not in ExpertsInterface._global_mapping:
+    for name, forward in list(mapping.items()):  # transformers' implementations, which expert_dispatch replaces
+        if not getattr(forward, "dflash_bound", False):
+            ExpertsInterface.register(name, _bound_to_module(forward))
+    if PACKED_IMPLEMENTATION not in mapping:  # these read their module's tensors / store ids: already per module
         ExpertsInterface.register(PACKED_IMPLEMENTATION, _packed_experts_forward)
-    if OFFLOAD_IMPLEMENTATION not in ExpertsInterface._global_mapping:
+    if OFFLOAD_IMPLEMENTATION not in mapping:
         ExpertsInterface.register(OFFLOAD_IMPLEMENTATION, _offloaded_experts_forward)

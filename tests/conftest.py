@@ -14,7 +14,7 @@ FAMILIES = sorted(TINY_CONFIGS)
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
-    """Every test compiles from scratch: Dynamo's caches are per code object and shared by all tiny models."""
+    """Every test compiles from scratch, so compile counts and explain output do not depend on test order."""
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()

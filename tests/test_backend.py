@@ -117,8 +117,9 @@ def test_backend_found_without_importing_dflash_compile(tiny_dirs):
 
 @pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
 def test_fused_experts_on_resident_weights_give_the_same_tokens(tiny, family, monkeypatch):
-    """optimize(fused_experts=True): the compiled step's experts run dflash's kernel on the module's own weights
-    (gpt-oss's [E, in, out] read through a transposed view), with the tokens of model.generate."""
+    """By default the compiled step's experts run dflash's kernel on the module's own weights (gpt-oss's
+    [E, in, out] read through a transposed view), with the tokens of model.generate; fused_experts=False keeps
+    transformers' experts."""
     import dflash_compile.expert_store as expert_store
 
     calls = []
@@ -126,6 +127,29 @@ def test_fused_experts_on_resident_weights_give_the_same_tokens(tiny, family, mo
     monkeypatch.setattr(expert_store, "run_packed", lambda *args: calls.append(1) or run_packed(*args))
     ids = token_ids()
     expected = tiny(family).generate(ids, max_new_tokens=8, do_sample=False)
-    fast = dflash_compile.optimize(tiny(family), fused_experts=True)
-    assert torch.equal(fast.generate(ids, max_new_tokens=8), expected)
+    assert torch.equal(dflash_compile.optimize(tiny(family)).generate(ids, max_new_tokens=8), expected)
     assert calls
+    calls.clear()
+    fast = dflash_compile.optimize(tiny(family), fused_experts=False)
+    assert torch.equal(fast.generate(ids, max_new_tokens=8), expected)
+    assert not calls
+
+
+def test_models_of_one_class_compile_to_their_own_experts(tiny, tmp_path):
+    """expert_dispatch binds a graph to its model's experts, so Dynamo must not hand that graph to another model
+    of the same class (it did: the second model ran the first one's experts). Both entry points, for transformers'
+    default grouped_mm experts and the eager ones."""
+    from dflash_compile.testing import load_tiny_model, save_tiny_model
+
+    ids = token_ids()
+    other_dir = save_tiny_model("qwen3_moe", tmp_path / "other", seed=1)
+    for implementation in ("grouped_mm", "eager"):
+        models = [tiny("qwen3_moe"), load_tiny_model("qwen3_moe", torch.float32, other_dir)]
+        for model in models:
+            model.config._experts_implementation = implementation
+        with torch.no_grad():
+            for model in models:
+                torch.testing.assert_close(torch.compile(model, backend="dflash")(ids).logits, model(ids).logits)
+        for model in models:
+            expected = model.generate(ids, max_new_tokens=6, do_sample=False)
+            assert torch.equal(dflash_compile.optimize(model).generate(ids, max_new_tokens=6), expected)
