@@ -144,7 +144,7 @@ def profile_decode(model, args, ids) -> None:
     decoder.generate(ids, max_new_tokens=4)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         decoder.generate(ids, max_new_tokens=8)
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
 
 
@@ -164,6 +164,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-gpt_oss", help=f"tiny-<family> or one of {sorted(REFERENCE_CONFIGS)}")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--layers", type=int, help="keep only the first LAYERS layers of a reference shape")
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--block", type=int, default=8)
@@ -177,13 +178,14 @@ def main():
     parser.add_argument("--skip-native", action="store_true")
     parser.add_argument("--mode", default=None, help='torch.compile mode of the verify step ("reduce-overhead")')
     parser.add_argument("--profile", action="store_true", help="print where a decode step spends its time")
-    parser.add_argument("--fused-experts", action="store_true",
-                        help="add a row with resident experts on dflash's fused kernel (optimize(fused_experts=True))")
+    parser.add_argument("--grouped-mm", action="store_true",
+                        help="add a row and step times with transformers' grouped_mm experts "
+                             "(optimize(fused_experts=False); the default is dflash's fused kernel)")
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
 
-    model = build_model(args.model, args.device)
+    model = build_model(args.model, args.device, args.layers)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (1, args.prompt), device=args.device)
     print(f"# {args.model} on {args.device}, prompt {args.prompt}, {args.new} new tokens, batch 1, "
@@ -201,14 +203,14 @@ def main():
     out, seconds = timed(lambda: plain.generate(ids, max_new_tokens=args.new), args.repeats, args.device)
     rows.append(("dflash, no drafter", new / seconds, 1.0, "-", first_mismatch(expected, out)))
     bandwidth = copy_bandwidth(args.device) if args.device == "cuda" else None
-    fused_steps = None
-    if args.fused_experts:  # resident experts through dflash's fused kernel instead of transformers' grouped_mm
-        fused = dflash_compile.optimize(model, mode=args.mode, fused_experts=True)
-        out, seconds = timed(lambda: fused.generate(ids, max_new_tokens=args.new), args.repeats, args.device)
-        rows.append(("dflash, no drafter, fused experts", new / seconds, 1.0, "-", first_mismatch(expected, out)))
+    grouped_steps = None
+    if args.grouped_mm:  # resident experts through transformers' grouped_mm instead of dflash's fused kernel
+        grouped = dflash_compile.optimize(model, mode=args.mode, fused_experts=False)
+        out, seconds = timed(lambda: grouped.generate(ids, max_new_tokens=args.new), args.repeats, args.device)
+        rows.append(("dflash, no drafter, grouped_mm experts", new / seconds, 1.0, "-", first_mismatch(expected, out)))
         if bandwidth:  # now: the experts modules carry the choice, and the next optimize() sets it back
-            fused_steps = step_times(model, fused.decoder, args, bandwidth)
-        plain = dflash_compile.optimize(model, mode=args.mode)  # the rows below as before
+            grouped_steps = step_times(model, grouped.decoder, args, bandwidth)
+        plain = dflash_compile.optimize(model, mode=args.mode)  # the rows below on the default fused experts
     for corruption in args.corruption:
         for adaptive in (False, True):  # fixed block, then the adaptive verify width
             drafter = OracleDrafter(expected.cpu(), None, args.block, corruption, vocab)
@@ -247,8 +249,8 @@ def main():
               "expected | predicted ms (h200 profile) | predicted / measured |")
         print("|---|---|---|---|---|---|---|---|---|")
         predict = StepCost(ModelSizes.of(model.config), HARDWARE["h200"])  # fitted overheads (cost_model)
-        runs = [("transformers grouped_mm", step_times(model, plain.decoder, args, bandwidth))]
-        runs += [("dflash fused kernel", fused_steps)] if fused_steps else []
+        runs = [("dflash fused kernel", step_times(model, plain.decoder, args, bandwidth))]
+        runs += [("transformers grouped_mm", grouped_steps)] if grouped_steps else []
         for experts, steps in runs:
             for block, seconds, floor, distinct, expected_experts in steps:
                 name = "decode (1 token)" if block == 1 else f"verify {block}"
