@@ -87,6 +87,17 @@ def _eos_ids(eos_token_id) -> set[int]:
     return {int(t) for t in (eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id])}
 
 
+STEP_GRAPHS = 64  # compiled verify steps kept per decoder code object before Dynamo falls back to eager
+SMALLEST_CACHE = 16
+
+
+def cache_capacity(tokens: int) -> int:
+    """Slots of a generation's caches: the next power of two >= tokens, at least SMALLEST_CACHE. The compiled step's
+    shapes follow it, so generations whose prompt + max_new_tokens fall in one bucket share one graph (exact sizes
+    made Dynamo compile a new step for every new length, and fall back to eager after 8)."""
+    return max(SMALLEST_CACHE, 1 << (tokens - 1).bit_length())
+
+
 class SpeculativeDecoder:
     def __init__(self, model, drafter: DFlashDrafter | None, layer_ids: tuple[int, ...], compile: bool = True,
                  mode: str | None = None, prefill_chunk: int = 256, adaptive: bool | WidthChooser = True):
@@ -114,10 +125,10 @@ class SpeculativeDecoder:
         self.windows = {kind: window if kind == "sliding_attention" else None for kind in dict.fromkeys(kinds)}
         self.per_kind_masks = getattr(config, "layer_types", None) is not None  # the model takes {kind: mask}
         self.max_positions = getattr(config, "max_position_embeddings", None)
-        self.verify_step = (
-            torch.compile(self._verify_step, backend=dflash_backend, fullgraph=True, dynamic=False, mode=mode)
-            if compile else self._verify_step
-        )
+        self.verify_step = self._verify_step
+        if compile:  # one graph per (batch, verify width, cache capacity, model): more than Dynamo's default 8
+            self.verify_step = torch._dynamo.config.patch(recompile_limit=STEP_GRAPHS)(torch.compile(
+                self._verify_step, backend=dflash_backend, fullgraph=True, dynamic=False, mode=mode))
         self.last_stats = GenerationStats(block_size=self.block_size)
         self.sampler: Sampler | None = None  # the running generate call's sampling settings
 
@@ -256,7 +267,7 @@ class SpeculativeDecoder:
             streamer.put(input_ids.cpu())
         start = time.perf_counter()
         device, dtype = input_ids.device, self.model.dtype
-        max_len = prompt + max_new_tokens + self.block_size
+        max_len = cache_capacity(prompt + max_new_tokens + self.block_size)
         cache = self._new_cache(batch, max_len, dtype, device)
         cache.pad.copy_(pad)
         logits, features = self._prefill(input_ids, cache)

@@ -273,11 +273,11 @@ def _cuda_model(tmp_path, size=512):
     return load_tiny_model("gpt_oss", torch.bfloat16, directory=directory)
 
 
-def _cuda_generate(tmp_path, ids, new, extra_slots=None, drafter=None, **options):
-    """Compiled generation of the CUDA test model: offloaded with one layer of experts plus `extra_slots` slots,
-    or, for None, resident with dflash's fused experts kernel. The offloaded experts run that same kernel on their
-    slots, so the tokens must agree exactly (transformers' grouped_mm would round bf16 differently)."""
-    model = _cuda_model(tmp_path)
+def _cuda_generate(load, ids, new, extra_slots=None, drafter=None, **options):
+    """Compiled generation of a fresh `load()`ed model: offloaded with one layer of experts plus `extra_slots`
+    slots, or, for None, resident with dflash's fused experts kernel. The offloaded experts run that same kernel on
+    their slots, so the tokens must agree exactly (transformers' grouped_mm would round bf16 differently)."""
+    model = load()
     if extra_slots is None:
         fast = dflash_compile.optimize(model.cuda(), drafter, fused_experts=True, **options)
     else:
@@ -316,19 +316,20 @@ def test_gpu_memory_never_exceeds_the_budget(tmp_path):
 
 
 @cuda
-@pytest.mark.parametrize("speculative", [False, True])
-def test_offloaded_generation_on_the_gpu_is_token_identical(tmp_path, speculative):
-    """Real host -> device copies, every layer evicting (two slots above one layer of experts), greedy and with a
-    DFlash drafter (its verify blocks use route-ahead): the tokens of the resident model."""
+@pytest.mark.parametrize("family, speculative", [(family, False) for family in FAMILIES]
+                         + [("gpt_oss", True), ("qwen3_5_moe", True)])
+def test_offloaded_generation_on_the_gpu_is_token_identical(tiny, family, speculative, tmp_path):
+    """Real host -> device copies, every layer evicting (two slots above one layer of experts), every family
+    greedy and two with a DFlash drafter (its verify blocks use route-ahead): the tokens of the resident model."""
     ids = token_ids(batch=1)
     drafter = None
     if speculative:
-        config = tiny_drafter_config(_cuda_model(tmp_path).config, block_size=4)
+        config = tiny_drafter_config(tiny(family).config, block_size=4)
         drafter = save_drafter(tmp_path / "d", config, random_drafter_weights(config))
-    expected, _ = _cuda_generate(tmp_path, ids, 16, drafter=drafter)
-    tokens, model = _cuda_generate(tmp_path, ids, 16, extra_slots=2, drafter=drafter)
-    stats = model.dflash_offload.stats
-    assert stats.misses > 0 and stats.prefetched > 0, stats  # copies and prefetches happened
+    load = lambda: tiny(family, torch.bfloat16)  # noqa: E731
+    expected, _ = _cuda_generate(load, ids, 16, drafter=drafter)
+    tokens, model = _cuda_generate(load, ids, 16, extra_slots=2, drafter=drafter)
+    assert model.dflash_offload.stats.misses > 0  # copies happened
     assert torch.equal(tokens, expected)
 
 
@@ -359,8 +360,9 @@ def test_offloaded_step_captures_cuda_graphs_around_the_offload_ops(tmp_path):
     """mode="reduce-overhead": the verify step is captured except the offloaded dispatches (graph partitioning
     around the cudagraph_unsafe op), and tokens stay those of the resident model."""
     ids = token_ids(batch=1)
-    expected, _ = _cuda_generate(tmp_path, ids, 12, mode="reduce-overhead")
-    tokens, _ = _cuda_generate(tmp_path, ids, 12, extra_slots=8, mode="reduce-overhead")
+    load = lambda: _cuda_model(tmp_path)  # noqa: E731
+    expected, _ = _cuda_generate(load, ids, 12, mode="reduce-overhead")
+    tokens, _ = _cuda_generate(load, ids, 12, extra_slots=8, mode="reduce-overhead")
     assert torch.equal(tokens, expected)
 
 

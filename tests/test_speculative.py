@@ -5,6 +5,7 @@ import torch
 
 import dflash_compile
 from dflash_compile.testing import OracleDrafter, random_drafter_weights, save_drafter, tiny_drafter_config
+from tests.conftest import token_ids
 
 SPECULATIVE_FAMILIES = ["mixtral", "qwen3_moe", "qwen3_5_moe", "gpt_oss", "glm4_moe", "deepseek_v3", "olmoe"]
 NEW_TOKENS = 48  # crosses the gpt_oss test model's 8-token sliding window several times
@@ -156,3 +157,21 @@ def test_sliding_layers_keep_a_ring_of_window_minus_one_plus_block(tiny, monkeyp
     out = fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
     assert sizes[0] == ((0,), 8 - 1 + 6)  # layer 0 slides; layer 1 is full attention
     assert torch.equal(out, expected) == (ring_slack == 0)
+
+
+def test_generations_of_other_lengths_reuse_the_compiled_step(tiny):
+    """Caches come in power-of-two capacities, so new prompt and output lengths inside one bucket run the graph
+    already compiled (exact capacities compiled a new step per length, and fell back to eager after 8)."""
+    from torch._dynamo.utils import counters
+
+    from dflash_compile.speculative import cache_capacity
+
+    assert [cache_capacity(n) for n in (1, 17, 256, 257, 1000)] == [16, 32, 256, 512, 1024]
+    model = tiny("qwen3_moe")
+    fast = dflash_compile.optimize(model)
+    graphs_before = counters["stats"]["unique_graphs"]
+    for length, new in ((9, 4), (12, 3), (3, 10)):  # prompt + new + 1 <= 16: one bucket
+        ids = token_ids(batch=1, length=length)
+        expected = model.generate(ids, max_new_tokens=new, do_sample=False)
+        assert torch.equal(fast.generate(ids, max_new_tokens=new), expected)
+    assert counters["stats"]["unique_graphs"] - graphs_before == 1
