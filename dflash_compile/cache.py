@@ -85,6 +85,24 @@ class TargetCache(Cache):
         self.pending_conv: dict[int, torch.Tensor] = {}  # what the last forward would leave
         self.pending_recurrent: dict[int, torch.Tensor] = {}
         self.conv_width: dict[int, int] = {}
+        self.spare: dict[tuple[str, int], torch.Tensor] = {}  # a previous generation's states, reused by `reset`
+
+    def reset(self, pad: torch.Tensor) -> None:
+        """Ready for a new generation on the same buffers (a compiled step captured in CUDA graphs then replays on
+        them instead of being recorded again): nothing committed, `pad` the rows' left padding. Keys and values past
+        the lengths are dead already; linear-attention states are set aside, zeroed and reused at the next commit."""
+        self.rows.lengths.zero_()
+        self.pad.copy_(pad)
+        self.spare.update({("conv", layer): state for layer, state in self.conv.items()})
+        self.spare.update({("recurrent", layer): state for layer, state in self.recurrent.items()})
+        self.conv, self.recurrent, self.pending_conv, self.pending_recurrent = {}, {}, {}, {}
+
+    def _zero_state(self, kind: str, layer: int, like: torch.Tensor, shape) -> torch.Tensor:
+        """A zeroed static state buffer: the previous generation's when it has the shape, else a new one."""
+        spare = self.spare.pop((kind, layer), None)
+        if spare is not None and spare.shape == shape and spare.dtype == like.dtype:
+            return spare.zero_()
+        return _static(like.new_zeros(shape))
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -125,12 +143,12 @@ class TargetCache(Cache):
         Rows that kept part of the block must have had their pending recurrent state replaced by a replay."""
         for layer, full in self.pending_conv.items():
             if layer not in self.conv:
-                self.conv[layer] = _static(full.new_zeros(*full.shape[:2], self.conv_width[layer]))
+                self.conv[layer] = self._zero_state("conv", layer, full, (*full.shape[:2], self.conv_width[layer]))
             end = full.shape[-1] - width + kept
             torch.ops.dflash.conv_window_commit(self.conv[layer], full, end)
         for layer, state in self.pending_recurrent.items():
             if layer not in self.recurrent:
-                self.recurrent[layer] = _static(torch.zeros_like(state))
+                self.recurrent[layer] = self._zero_state("recurrent", layer, state, state.shape)
             torch.ops.dflash.state_select(self.recurrent[layer], state, kept > 0)
         self.pending_conv, self.pending_recurrent = {}, {}
 

@@ -131,6 +131,8 @@ class SpeculativeDecoder:
                 self._verify_step, backend=dflash_backend, fullgraph=True, dynamic=False, mode=mode))
         self.last_stats = GenerationStats(block_size=self.block_size)
         self.sampler: Sampler | None = None  # the running generate call's sampling settings
+        self.target_cache: TargetCache | None = None  # kept between generate calls (see `_cache`)
+        self.cache_key = None
 
     def _target_forward(self, ids: torch.Tensor, cache: TargetCache):
         width = ids.shape[1]
@@ -153,6 +155,16 @@ class SpeculativeDecoder:
         if not 0 < ring < max_len:  # a ring no shorter than the whole sequence saves nothing
             return TargetCache(batch, max_len, dtype, device)
         return TargetCache(batch, max_len, dtype, device, self.sliding_layers, ring)
+
+    def _cache(self, batch: int, max_len: int, dtype, device, pad: torch.Tensor) -> TargetCache:
+        """The generation's target cache: the previous generation's, reset in place, when its shape is the same
+        (its buffers keep their addresses, so CUDA graphs of the step replay rather than record again); else a
+        new one, which the decoder then keeps until a generation needs another shape."""
+        key = (batch, max_len, dtype, device)
+        if self.cache_key != key:
+            self.target_cache, self.cache_key = self._new_cache(batch, max_len, dtype, device), key
+        self.target_cache.reset(pad)
+        return self.target_cache
 
     def _prefill(self, input_ids: torch.Tensor, cache: TargetCache):
         """The prompt through the target, in chunks that fit the sliding rings. Returns the last position's
@@ -268,8 +280,7 @@ class SpeculativeDecoder:
         start = time.perf_counter()
         device, dtype = input_ids.device, self.model.dtype
         max_len = cache_capacity(prompt + max_new_tokens + self.block_size)
-        cache = self._new_cache(batch, max_len, dtype, device)
-        cache.pad.copy_(pad)
+        cache = self._cache(batch, max_len, dtype, device, pad)
         logits, features = self._prefill(input_ids, cache)
         anchor = sampler.draw(processed_probs(logits, sampler.chain)) if sampler else logits.argmax(dim=-1)
 

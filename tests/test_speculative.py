@@ -175,3 +175,37 @@ def test_generations_of_other_lengths_reuse_the_compiled_step(tiny):
         expected = model.generate(ids, max_new_tokens=new, do_sample=False)
         assert torch.equal(fast.generate(ids, max_new_tokens=new), expected)
     assert counters["stats"]["unique_graphs"] - graphs_before == 1
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "gpt_oss"])
+def test_a_second_generation_reuses_the_cache_buffers(tiny, family):
+    """Consecutive generate calls of one cache shape run on the same buffers (CUDA graphs of the step replay
+    instead of recording again), and nothing of the first generation leaks into the second: its tokens, the
+    committed keys of every full-attention layer and Qwen3.5's linear states equal a fresh decoder's exactly
+    (plain decoding: a drafter's random corruptions would group tokens into other blocks, other float rounding)."""
+    model = tiny(family)
+    (first, first_mask), (second, second_mask) = prompts(3, seed=3), prompts(3, seed=4)
+    expected = reference(model, second, second_mask)
+
+    def decoder():
+        return dflash_compile.optimize(model, adaptive=False)
+
+    def buffers(cache):
+        return [t.data_ptr() for t in (*cache.rows.keys.values(), *cache.conv.values(), *cache.recurrent.values())]
+
+    reused, fresh = decoder(), decoder()
+    reused.generate(first, attention_mask=first_mask, max_new_tokens=NEW_TOKENS)
+    cache = reused.decoder.target_cache
+    before = buffers(cache)
+    assert torch.equal(reused.generate(second, attention_mask=second_mask, max_new_tokens=NEW_TOKENS), expected)
+    assert torch.equal(fresh.generate(second, attention_mask=second_mask, max_new_tokens=NEW_TOKENS), expected)
+    assert reused.decoder.target_cache is cache and buffers(cache) == before
+    new = fresh.decoder.target_cache
+    assert torch.equal(cache.lengths, new.lengths)
+    for layer, keys in cache.rows.keys.items():
+        if layer not in cache.rows.sizes:  # full attention: slots [0, length) hold the row's tokens
+            for row, length in enumerate(cache.lengths.tolist()):
+                assert torch.equal(keys[row, :, :length], new.rows.keys[layer][row, :, :length])
+    for layer in cache.recurrent:
+        assert torch.equal(cache.recurrent[layer], new.recurrent[layer])
+        assert torch.equal(cache.conv[layer], new.conv[layer])
