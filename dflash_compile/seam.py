@@ -70,12 +70,11 @@ def _offloaded_experts_forward(self, hidden, top_k_index, top_k_weights):
 
 def install() -> None:
     mapping = ExpertsInterface._global_mapping
-    if "eager" not in mapping:
-        ExpertsInterface.register("eager", _eager_experts_forward)
-    for name, forward in list(mapping.items()):  # transformers' implementations, which expert_dispatch replaces
+    ours = {"eager": _eager_experts_forward, PACKED_IMPLEMENTATION: _packed_experts_forward,
+            OFFLOAD_IMPLEMENTATION: _offloaded_experts_forward}
+    for name, forward in ours.items():
+        if name not in mapping:
+            ExpertsInterface.register(name, forward)
+    for name, forward in list(mapping.items()):  # every implementation's region is what expert_dispatch rebinds
         if not getattr(forward, "dflash_bound", False):
             ExpertsInterface.register(name, _bound_to_module(forward))
-    if PACKED_IMPLEMENTATION not in mapping:  # these read their module's tensors / store ids: already per module
-        ExpertsInterface.register(PACKED_IMPLEMENTATION, _packed_experts_forward)
-    if OFFLOAD_IMPLEMENTATION not in mapping:
-        ExpertsInterface.register(OFFLOAD_IMPLEMENTATION, _offloaded_experts_forward)

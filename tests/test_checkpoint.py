@@ -97,3 +97,18 @@ def test_format_errors_name_the_fix(tmp_path):
     odd = load_tiny_model("gpt_oss", directory=save_tiny_model("gpt_oss", tmp_path / "odd"))  # I = 48
     with pytest.raises(ValueError, match="MXFP4 groups of 32 need the last dimension divisible by 32, got 48"):
         quantize(odd, tmp_path / "q2", "mxfp4")
+
+
+def test_packed_models_of_one_class_compile_to_their_own_experts(tmp_path):
+    """As for resident experts (tests/test_backend.py): a graph that expert_dispatch bound to one packed model's
+    experts must not serve another model of the same class."""
+    models = []
+    for seed in (0, 1):
+        bf16 = load_tiny_model("gpt_oss", directory=save_tiny_model("gpt_oss", tmp_path / f"bf16-{seed}", seed=seed,
+                                                                    **SIZES["gpt_oss"]))
+        models.append(load_packed(quantize(bf16, tmp_path / f"mxfp4-{seed}", "mxfp4"), dtype=torch.float32))
+    ids = token_ids()
+    with torch.no_grad():
+        for packed in models:
+            torch.testing.assert_close(torch.compile(packed, backend="dflash")(ids).logits, packed(ids).logits,
+                                       atol=1e-4, rtol=1e-4)
