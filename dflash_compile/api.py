@@ -50,7 +50,8 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
     verifies as many drafts as measured step times and acceptance say pay best, none when the drafter does not pay
     (`dflash_compile.adaptive`; the choices are in `last_stats.widths`); pass a `WidthChooser` to set its options.
     `fused_experts` (default): resident bf16 / fp32 experts run dflash's fused kernels on their own weights in the
-    compiled steps (Triton on CUDA, C++ on a CPU); False keeps transformers' grouped_mm (CUDA) or the reference loop.
+    compiled steps (Triton on CUDA, C++ on a CPU; fp16 experts keep transformers' path, the kernels would round them
+    to bf16); False keeps transformers' grouped_mm (CUDA) or the reference loop.
     On the H200 the fused kernel is 1.04-2.3x faster per MoE layer and the gpt-oss-20b decode step 6% faster
     (docs/benchmarks.md); outputs differ from grouped_mm's by bf16 rounding."""
     if spec_for_model(model) is None:

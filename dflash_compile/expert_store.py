@@ -93,6 +93,9 @@ class Gate:
         return F.silu(gate) * up
 
 
+FUSED_DTYPES = (torch.bfloat16, torch.float32)  # what the fused kernels compute in (fp16 would round to bf16)
+
+
 def run_packed(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up: PackedWeight,
                down: PackedWeight, gate: Gate) -> torch.Tensor:
     """Routed experts on packed weights: the fused Triton kernel on CUDA; on a CPU the C++ kernel of
@@ -154,7 +157,7 @@ class ResidentExperts:
             return offloaded.run(layer, hidden, top_k_index, top_k_weights, Gate.of(self.layout, module))
         if getattr(module, "packed_format", None):  # MXFP4 / FP8 weights kept packed (dflash_compile.packed)
             return run_packed(hidden, top_k_index, top_k_weights, *packed_weights(module), Gate.of(self.layout, module))
-        if getattr(module, "dflash_fused", False):  # optimize(fused_experts=True): dflash's kernels, weights in place
+        if getattr(module, "dflash_fused", False) and module.gate_up_proj.dtype in FUSED_DTYPES:  # weights in place
             return run_packed(hidden, top_k_index, top_k_weights, *expert_weights(module), Gate.of(self.layout, module))
         if hidden.is_cuda:  # transformers' grouped GEMM: no host sync, one kernel per projection
             return grouped_mm_experts_forward(module, hidden, top_k_index, top_k_weights)
