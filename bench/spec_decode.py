@@ -219,6 +219,11 @@ def main():
             name = f"dflash, oracle p={corruption} " + ("adaptive width" if adaptive else f"block {args.block}")
             rows.append((name, new / seconds, fast.last_stats.tau, f"{fast.last_stats.steps}",
                          first_mismatch(expected, out)))
+            if adaptive:  # which widths the last run used, and what their steps cost
+                stats = fast.last_stats
+                steps = {w: [s for v, s in zip(stats.widths, stats.step_seconds) if v == w] for w in set(stats.widths)}
+                print(f"{name}: " + ", ".join(f"width {w}: {len(t)} steps, median {1e3 * statistics.median(t):.2f} ms"
+                                              for w, t in sorted(steps.items())))
     for temperature in args.temperatures:  # sampled decoding, the oracle proposing the greedy path
         sampling = dict(do_sample=True, temperature=temperature, top_k=50, top_p=0.9, eos_token_id=-1)
         seed = torch.Generator(device=args.device).manual_seed(0)

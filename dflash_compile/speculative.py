@@ -35,6 +35,7 @@ class GenerationStats:
     seconds: float = 0.0
     block_size: int = 1
     widths: list[int] = field(default_factory=list)  # tokens verified at each step (adaptive width; 1 = no drafts)
+    step_seconds: list[float] = field(default_factory=list)  # wall time of each step, drafting included
 
     @property
     def steps(self) -> int:
@@ -232,7 +233,12 @@ class SpeculativeDecoder:
         """[b, width] = [anchor, d1 .. d_{width-1}]: the first of the drafter's proposals, and the distribution q
         they were drawn from (None for deterministic drafts). Width 1 runs no drafter and leaves the committed
         tokens' features in `pending`; the next drafting step adds them to the drafter's context in one call."""
-        if self.drafter is None or width == 1:
+        if self.drafter is None:
+            return anchor[:, None], None
+        if width == 1:
+            if pending and pending[-1][0] is not None:  # the last step's features are its graph's output buffer,
+                features, kept = pending[-1]  # which the step about to run overwrites under CUDA graphs: keep a copy
+                pending[-1] = (features.clone(), kept)  # (the earlier ones were copied at their own next step)
             return anchor[:, None], None
         if pending:
             self.drafter.add_context(drafter_cache, *_left_aligned(pending))
@@ -339,9 +345,10 @@ class SpeculativeDecoder:
             anchor = target.gather(1, accepted[:, None]).squeeze(1)
             if self.drafter is not None:
                 pending.append((features, (accepted + 1) * active))
+            stats.step_seconds.append(time.perf_counter() - step_start)
             if self.chooser:
                 rows = [a for b, a in enumerate(accepted_list) if stats.accepted[-1][b] is not None]
-                self.chooser.observe(width, rows, time.perf_counter() - step_start)
+                self.chooser.observe(width, rows, stats.step_seconds[-1])
 
         if streamer is not None:
             streamer.end()

@@ -1,6 +1,8 @@
 """Adaptive verify width: a drafter that does not pay is switched off, one that does keeps its full block, and the
 tokens never change."""
 
+import random
+
 import pytest
 import torch
 
@@ -28,6 +30,26 @@ def test_chooser_prefers_the_width_with_the_most_tokens_per_second():
         chooser.observe(widths[-1], [0, 0], seconds=2.0 if widths[-1] == 4 else 1.0)
     probes = [step for step, width in enumerate(widths) if width == 4]
     assert len(probes) == 3 and probes[1] - probes[0] == 16 and probes[2] - probes[1] == 32  # backing off
+
+
+def test_unlucky_first_blocks_do_not_switch_a_good_drafter_off():
+    """Three steps of a drafter accepting 70% per draft happen to fail at the first draft (p = 2.7%). Choosing by the
+    posterior means then decoded plainly for the rest of the generation (0.64x of block 8 at H200 step times); drawn
+    from the posteriors, the chooser keeps trying block 8 and keeps it."""
+    times = {1: 6.7, 8: 13.7}.__getitem__  # gpt-oss-20b decode and verify-8 steps on the H200 (ms)
+    chooser, acceptance = WidthChooser(8, step_time=times), random.Random(0)
+    for _ in range(3):
+        chooser.observe(8, [0], seconds=0.0)
+    tokens = seconds = 0.0
+    for _ in range(200):
+        width = chooser.choose()
+        accepted = 0
+        while accepted < width - 1 and acceptance.random() < 0.7:
+            accepted += 1
+        chooser.observe(width, [accepted], seconds=0.0)
+        tokens, seconds = tokens + accepted + 1, seconds + times(width)
+    block_8 = sum(0.7**k for k in range(8)) / times(8)  # expected tokens per ms of the fixed block
+    assert tokens / seconds > 0.9 * block_8
 
 
 def test_first_step_of_a_width_is_not_timed():
@@ -71,8 +93,9 @@ def test_random_drafter_is_switched_off_with_the_same_tokens(tiny, tmp_path):
     # GPU-like costs (a 4-token verify step 1.3x a decode step) instead of this machine's noisy timings
     fast = dflash_compile.optimize(model, drafter=drafter, compile=False, adaptive=WidthChooser(4, step_time=GPU_LIKE))
     assert torch.equal(fast.generate(ids, max_new_tokens=60), expected)
-    widths = fast.last_stats.widths
-    assert widths[0] == 4 and widths.count(1) > 0.8 * len(widths)  # plain decoding after the first steps
+    widths, committed = fast.last_stats.widths, fast.last_stats.new_tokens[0] - 1  # the first came from the prefill
+    assert widths[0] == 4 and widths.count(1) > 0.7 * len(widths)  # plain decoding after the first steps
+    assert committed / sum(map(GPU_LIKE, widths)) > 0.9 / GPU_LIKE(1)  # within 10% of plain decoding's tokens/s
     measured = dflash_compile.optimize(model, drafter=drafter, compile=False)  # measured times: same tokens
     assert torch.equal(measured.generate(ids, max_new_tokens=60), expected)
     fixed = dflash_compile.optimize(model, drafter=drafter, compile=False, adaptive=False)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import dflash_compile
+from dflash_compile.adaptive import WidthChooser
 from dflash_compile.testing import OracleDrafter, random_drafter_weights, save_drafter, tiny_drafter_config
 from tests.conftest import token_ids
 
@@ -209,3 +210,43 @@ def test_a_second_generation_reuses_the_cache_buffers(tiny, family):
     for layer in cache.recurrent:
         assert torch.equal(cache.recurrent[layer], new.recurrent[layer])
         assert torch.equal(cache.conv[layer], new.conv[layer])
+
+
+class ScriptedWidths(WidthChooser):
+    """Verify widths in a set order, then the full block: runs of steps without drafts at chosen places."""
+
+    def __init__(self, block_size, script):
+        super().__init__(block_size)
+        self.script = iter(script)
+
+    def choose(self):
+        return next(self.script, self.block_size)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_steps_without_drafts_keep_the_drafters_context_under_cuda_graphs(tiny, random_drafter):
+    """Under CUDA graphs each verify step's outputs live in buffers the next step overwrites. Features of steps that
+    ran no drafter wait in `pending` across later steps, so they must be copied out: the drafter then proposes exactly
+    what it proposes without CUDA graphs, and the tokens are the same (before, reading them raised "accessing tensor output of CUDAGraphs that has
+    been overwritten by a subsequent run")."""
+    model = tiny("qwen3_moe").cuda()
+    drafter = random_drafter(model)
+    ids, mask = prompts(2)
+    script = [4, 4, 1, 1, 1, 4, 1, 4, 1, 1, 4]
+
+    def proposals(mode):
+        fast = dflash_compile.optimize(model, drafter, mode=mode, adaptive=ScriptedWidths(4, script))
+        seen, propose = [], fast.decoder.drafter.propose
+
+        def recorded(*args, **kwargs):
+            drafts, q = propose(*args, **kwargs)
+            seen.append(drafts.cpu())
+            return drafts, q
+
+        fast.decoder.drafter.propose = recorded
+        out = fast.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=NEW_TOKENS)
+        assert fast.last_stats.widths[:len(script)] == script
+        return out, torch.cat(seen)
+
+    (graphed, graphed_drafts), (plain, plain_drafts) = proposals("reduce-overhead"), proposals(None)
+    assert torch.equal(graphed, plain) and torch.equal(graphed_drafts, plain_drafts)
