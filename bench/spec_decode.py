@@ -28,7 +28,8 @@ import transformers
 import dflash_compile
 from dflash_compile.benchmark import timed
 from dflash_compile.cache import TargetCache
-from dflash_compile.cost_model import HARDWARE, REFERENCE_CONFIGS, B, C, Hardware, ModelSizes, StepCost
+from dflash_compile.cost_model import (HARDWARE, REFERENCE_CONFIGS, B, C, Hardware, ModelSizes, StepCost,
+                                       reference_config)
 from dflash_compile.testing import (
     OracleDrafter, load_tiny_model, random_drafter_weights, save_drafter, tiny_drafter_config)
 
@@ -36,11 +37,7 @@ def build_model(name: str, device: str, layers: int | None = None) -> transforme
     """A tiny test model, or a reference shape with random bf16 weights (its first `layers` layers when given)."""
     if name.startswith("tiny-"):
         return load_tiny_model(name.removeprefix("tiny-")).to(device)
-    config = REFERENCE_CONFIGS[name]()
-    if layers:
-        config.num_hidden_layers = layers
-        if getattr(config, "layer_types", None):
-            config.layer_types = config.layer_types[:layers]
+    config = reference_config(name, layers)
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     with torch.no_grad():  # transformers initialises biases and sinks to zero; small random values are realistic
