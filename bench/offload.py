@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import re
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -55,16 +57,70 @@ def host_to_device_bandwidth(device: str) -> float:
     return source.numel() / seconds
 
 
-def measured_run(fast, ids, new: int) -> tuple[float, OffloadStats]:
-    """Seconds of one generation of `new` tokens and the offload statistics it added."""
+WARM_UP_TOKENS = 64
+
+
+def measured_run(fast, ids, new: int) -> tuple[torch.Tensor, float, OffloadStats]:
+    """The output, seconds and added offload statistics of one generation of `new` tokens."""
     offloaded = fast.model.dflash_offload
     before = copy.copy(offloaded.stats)
+    if ids.is_cuda:
+        torch.cuda.synchronize()
     start = time.perf_counter()
-    fast.generate(ids, max_new_tokens=new)
+    out = fast.generate(ids, max_new_tokens=new)
     if ids.is_cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    return seconds, OffloadStats(**{key: value - getattr(before, key) for key, value in vars(offloaded.stats).items()})
+    return out, seconds, OffloadStats(**{k: v - getattr(before, k) for k, v in vars(offloaded.stats).items()})
+
+
+def decode_measurement(fast, ids, new: int, repeats: int):
+    """After a warm-up generation: (last output, median seconds of a whole generation, of one that stops after the
+    prefill's token, and the last whole generation's and prefill's offload statistics). Decode alone is the
+    difference of the two (same cache path); `fast.last_stats` is left at the last whole generation's. The warm-up
+    is at least WARM_UP_TOKENS long, so that the adaptive width has compiled and timed every width (it tries each
+    twice first), as in a process that has generated before, rather than compiling inside a measured run."""
+    fast.generate(ids, max_new_tokens=max(new, WARM_UP_TOKENS))
+    prefills, wholes = [], []
+    for _ in range(repeats):
+        prefills.append(measured_run(fast, ids, 1))
+        wholes.append(measured_run(fast, ids, new))
+    median = statistics.median
+    return (wholes[-1][0], median(w[1] for w in wholes), median(p[1] for p in prefills), wholes[-1][2],
+            prefills[-1][2])
+
+
+def _busy_ms(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals (microseconds in, milliseconds out)."""
+    busy, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
+    return busy / 1e3
+
+
+def copy_timeline(fast, ids, new: int, path: Path) -> dict:
+    """Profile one generation on CUDA: write its Chrome trace to `path` and return how long the host-to-device
+    copies, the kernels and neither kept the GPU busy, so the gaps on the copy engine can be read off."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fast.generate(ids, max_new_tokens=new)
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(path))
+    gpu = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    ranges = {"copy": [], "kernel": []}
+    for event in gpu:
+        if "Memcpy HtoD" in event.name:
+            ranges["copy"].append((event.time_range.start, event.time_range.end))
+        elif "Memcpy" not in event.name and "Memset" not in event.name:
+            ranges["kernel"].append((event.time_range.start, event.time_range.end))
+    every = ranges["copy"] + ranges["kernel"]
+    span = (max(end for _, end in every) - min(start for start, _ in every)) / 1e3 if every else 0.0
+    return {"span_ms": span, "h2d_busy_ms": _busy_ms(ranges["copy"]), "kernels_busy_ms": _busy_ms(ranges["kernel"]),
+            "idle_ms": span - _busy_ms(every), "copies": len(ranges["copy"])}
 
 
 def run(args) -> list[dict]:
@@ -95,24 +151,26 @@ def run(args) -> list[dict]:
                                            adaptive=adaptive, offload_policy=policy,
                                            offload_prefetch=not args.no_prefetch,
                                            offload_cpu_compute=args.cpu_compute)
-            offloaded = fast.model.dflash_offload
-            out, seconds = timed(lambda: fast.generate(ids.to(args.device), max_new_tokens=args.new), args.repeats,
-                                 args.device)
-            # decode alone: a whole generation minus one that stops after the prefill's token (same cache path)
-            prefill_s, prefill = measured_run(fast, ids.to(args.device), 1)
-            whole_s, whole = measured_run(fast, ids.to(args.device), args.new)
+            out, whole_s, prefill_s, whole, prefill = decode_measurement(fast, ids.to(args.device), args.new,
+                                                                         args.repeats)
             decode_s, decode_bytes = whole_s - prefill_s, whole.bytes_fetched - prefill.bytes_fetched
             rows.append({
-                "setup": f"dflash offload {fraction:.0%} resident, {name}", "tokens_per_s": args.new / seconds,
+                "setup": f"dflash offload {fraction:.0%} resident, {name}", "tokens_per_s": args.new / whole_s,
                 "decode_tokens_per_s": (args.new - 1) / decode_s, "bytes_per_token": decode_bytes / (args.new - 1),
                 "h2d_gb_s": whole.bytes_fetched / whole_s / 1e9, "hit_rate": whole.hit_rate,
                 "tau": fast.last_stats.tau, "coverage": whole.coverage, "waste": whole.waste,
                 "on_cpu_per_token": whole.computed_on_host / args.new,
                 "routing_wait_ms_per_token": whole.routing_wait_s * 1e3 / args.new,
-                "floor_ratio": decode_s / (decode_bytes / pcie), "slots": offloaded.slots,
+                "floor_ratio": decode_s / (decode_bytes / pcie), "slots": fast.model.dflash_offload.slots,
                 "check": first_mismatch(expected, out)})
             print(rows[-1], flush=True)
+            if args.trace and args.device == "cuda":  # one profiled generation per setup, after the timed ones
+                args.trace.mkdir(parents=True, exist_ok=True)
+                trace = args.trace / (re.sub(r"[^A-Za-z0-9.]+", "_", f"{fraction:.0%} {name}") + ".json")
+                print(f"timeline ({trace}):", copy_timeline(fast, ids.to(args.device), args.new, trace), flush=True)
             fast = None
+        if args.accelerate_new == 0:
+            continue
         print(time.strftime("%X"), "accelerate: dispatching", flush=True)
         accelerated = accelerate_offloaded(copy.deepcopy(host_model), budget, args.device)
         print(time.strftime("%X"), "accelerate: generating", flush=True)
@@ -143,8 +201,10 @@ def main() -> None:
     parser.add_argument("--adaptive", action="store_true", help="also run DFlash with the adaptive verify width")
     parser.add_argument("--cpu-compute", default="off", choices=["off", "auto", "always"],
                         help="run missed experts on the CPU (C++ kernels) instead of copying them")
-    parser.add_argument("--accelerate-new", type=int, help="new tokens for the accelerate rows (default --new)")
+    parser.add_argument("--accelerate-new", type=int, help="new tokens for the accelerate rows (default --new; 0 skips them)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--trace", type=Path, help="a folder: write each setup's Chrome trace (CUDA) there and print "
+                                                    "how long copies, kernels and neither kept the GPU busy")
     args = parser.parse_args()
     rows = run(args)
     print(f"# {args.model} ({args.layers or 'all'} layers) on {args.device}, prompt {args.prompt}, {args.new} new "

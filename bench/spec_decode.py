@@ -205,9 +205,8 @@ def main():
         grouped = dflash_compile.optimize(model, mode=args.mode, fused_experts=False)
         out, seconds = timed(lambda: grouped.generate(ids, max_new_tokens=args.new), args.repeats, args.device)
         rows.append(("dflash, no drafter, grouped_mm experts", new / seconds, 1.0, "-", first_mismatch(expected, out)))
-        if bandwidth:  # now: the experts modules carry the choice, and the next optimize() sets it back
+        if bandwidth:
             grouped_steps = step_times(model, grouped.decoder, args, bandwidth)
-        plain = dflash_compile.optimize(model, mode=args.mode)  # the rows below on the default fused experts
     for corruption in args.corruption:
         for adaptive in (False, True):  # fixed block, then the adaptive verify width
             drafter = OracleDrafter(expected.cpu(), None, args.block, corruption, vocab)

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .backend import dflash_backend
 from .drafter import load_drafter
-from .families import experts_modules, spec_for_model, supported_families
+from .families import spec_for_model, supported_families
 from .offload import offload_experts
 from .speculative import GenerationStats, SpeculativeDecoder
 
@@ -17,7 +16,7 @@ class OptimizedModel:
     def __init__(self, model: torch.nn.Module, decoder: SpeculativeDecoder, compile: bool):
         self.model = model
         self.decoder = decoder
-        self.forward = torch.compile(model, backend=dflash_backend) if compile else model
+        self.forward = torch.compile(model, backend=decoder.backend) if compile else model
 
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
@@ -52,7 +51,7 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
     `fused_experts` (default): resident bf16 / fp32 experts run dflash's fused kernels on their own weights in the
     compiled steps (Triton on CUDA, C++ on a CPU; fp16 experts keep transformers' path, the kernels would round them
     to bf16); False keeps transformers' grouped_mm (CUDA) or the reference loop.
-    On the H200 the fused kernel is 1.04-2.3x faster per MoE layer and the gpt-oss-20b decode step 6% faster
+    On the H200 the fused kernel is 1.04-2.3x faster per MoE layer and gpt-oss-20b steps 8-12% faster
     (docs/benchmarks.md); outputs differ from grouped_mm's by bf16 rounding."""
     if spec_for_model(model) is None:
         raise ValueError(
@@ -70,10 +69,8 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
                                prefetch=offload_prefetch, cpu_compute=offload_cpu_compute)
         if isinstance(drafter, torch.nn.Module):
             drafter.to(device)
-    for module in experts_modules(model).values():
-        module.dflash_fused = fused_experts  # read by the expert store at each dispatch
     decoder = SpeculativeDecoder(model, drafter, layer_ids, compile=compile, mode=mode, prefill_chunk=prefill_chunk,
-                                 adaptive=adaptive)
+                                 adaptive=adaptive, fused_experts=fused_experts)
     return OptimizedModel(model, decoder, compile)
 
 

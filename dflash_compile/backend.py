@@ -3,6 +3,7 @@
     torch.compile(model, backend="dflash")                                      # passes + Inductor
     torch.compile(model, backend="dflash", options={"lowering": "aot_eager"})   # passes + AOT eager (debugging)
     torch.compile(model, backend="dflash", options={"passes": []})              # no passes
+    torch.compile(model, backend="dflash", options={"fused_experts": False})    # transformers' experts kernels
 
 `dflash_backend` is a plain function found through the `torch_dynamo_backends` entry point (pyproject.toml); it is
 deliberately not registered again at import, which would make the name lookup fail as a duplicate.
@@ -31,13 +32,15 @@ class BackendOptions:
     passes: tuple[str, ...] | None = None  # None: the whole pipeline
     lowering: str = "inductor"
     inductor: dict = field(default_factory=dict)  # Inductor config patches
+    fused_experts: bool = True  # resident bf16 / fp32 experts run dflash's fused kernel (else transformers' path)
 
     @classmethod
     def parse(cls, options: dict | None) -> BackendOptions:
         options = dict(options or {})
-        unknown = set(options) - {"passes", "lowering", "inductor"}
+        unknown = set(options) - {"passes", "lowering", "inductor", "fused_experts"}
         if unknown:
-            raise ValueError(f"unknown dflash backend option(s) {sorted(unknown)}; valid: passes, lowering, inductor")
+            raise ValueError(f"unknown dflash backend option(s) {sorted(unknown)}; valid: passes, lowering, inductor, "
+                             "fused_experts")
         passes = options.get("passes")
         if passes is not None:
             passes = tuple(passes)
@@ -45,7 +48,7 @@ class BackendOptions:
         lowering = options.get("lowering", "inductor")
         if lowering not in LOWERINGS:
             raise ValueError(f"unknown lowering {lowering!r}; choose one of {LOWERINGS}")
-        return cls(passes, lowering, dict(options.get("inductor", {})))
+        return cls(passes, lowering, dict(options.get("inductor", {})), bool(options.get("fused_experts", True)))
 
 
 @dataclass
@@ -91,7 +94,7 @@ def compile_graph(
 ) -> Callable:
     """Passes then lowering for one Dynamo graph; `on_graph` receives the report (used by `explain`)."""
     parsed = BackendOptions.parse(options)
-    ctx = PassContext.from_dynamo(example_inputs)
+    ctx = PassContext.from_dynamo(example_inputs, fused_experts=parsed.fused_experts)
     dense = _dense_model(gm, ctx)  # before any pass: an unsupported family must fail with nothing changed
     before = graph_text(gm) if on_graph else ""
     matches = run_pipeline(gm, ctx, parsed.passes)

@@ -133,6 +133,7 @@ class ResidentExperts:
     module_ref: weakref.ReferenceType
     layout: ExpertLayout
     name: str
+    fused: bool = False  # bf16 / fp32 weights run dflash's fused kernel in place, not transformers' experts path
 
     @property
     def module(self) -> torch.nn.Module:
@@ -157,7 +158,7 @@ class ResidentExperts:
             return offloaded.run(layer, hidden, top_k_index, top_k_weights, Gate.of(self.layout, module))
         if getattr(module, "packed_format", None):  # MXFP4 / FP8 weights kept packed (dflash_compile.packed)
             return run_packed(hidden, top_k_index, top_k_weights, *packed_weights(module), Gate.of(self.layout, module))
-        if getattr(module, "dflash_fused", False) and module.gate_up_proj.dtype in FUSED_DTYPES:  # weights in place
+        if self.fused and module.gate_up_proj.dtype in FUSED_DTYPES:  # weights in place
             return run_packed(hidden, top_k_index, top_k_weights, *expert_weights(module), Gate.of(self.layout, module))
         if hidden.is_cuda:  # transformers' grouped GEMM: no host sync, one kernel per projection
             return grouped_mm_experts_forward(module, hidden, top_k_index, top_k_weights)
@@ -175,20 +176,23 @@ class ExpertStore:
     def __init__(self) -> None:
         self.id = next(_store_ids)
         self._layers: list[ResidentExperts] = []
-        self._handles: dict[int, int] = {}  # id(experts module) -> handle
+        self._handles: dict[tuple[int, bool], int] = {}  # (id(experts module), fused) -> handle
         _STORES_BY_ID[self.id] = self
 
     def __len__(self) -> int:
         return len(self._layers)
 
-    def add_layer(self, module: torch.nn.Module, spec: FamilySpec, name: str) -> int:
-        """The handle of `module`'s experts, registering them the first time."""
-        handle = self._handles.get(id(module))
+    def add_layer(self, module: torch.nn.Module, spec: FamilySpec, name: str, fused: bool = False) -> int:
+        """The handle of `module`'s experts run through dflash's fused kernel or not (`ResidentExperts.fused`),
+        registering them the first time. Graphs compiled with either choice hold their own handle, so two compiles
+        of one model with different choices each keep theirs."""
+        key = (id(module), fused)
+        handle = self._handles.get(key)
         if handle is None or self._layers[handle].module_ref() is not module:
             _check_layout(module, spec)
             handle = len(self._layers)
-            self._layers.append(ResidentExperts(weakref.ref(module), spec.layout, name))
-            self._handles[id(module)] = handle
+            self._layers.append(ResidentExperts(weakref.ref(module), spec.layout, name, fused))
+            self._handles[key] = handle
         return handle
 
     def layer(self, handle: int) -> ResidentExperts:

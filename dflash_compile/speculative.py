@@ -115,7 +115,8 @@ def _in_inference_mode(generate):
 
 class SpeculativeDecoder:
     def __init__(self, model, drafter: DFlashDrafter | None, layer_ids: tuple[int, ...], compile: bool = True,
-                 mode: str | None = None, prefill_chunk: int = 256, adaptive: bool | WidthChooser = True):
+                 mode: str | None = None, prefill_chunk: int = 256, adaptive: bool | WidthChooser = True,
+                 fused_experts: bool = True):
         self.model = model
         self.drafter = drafter
         self.layer_ids = layer_ids
@@ -141,9 +142,10 @@ class SpeculativeDecoder:
         self.per_kind_masks = getattr(config, "layer_types", None) is not None  # the model takes {kind: mask}
         self.max_positions = getattr(config, "max_position_embeddings", None)
         self.verify_step = self._verify_step
+        self.backend = functools.partial(dflash_backend, options={"fused_experts": fused_experts})
         if compile:  # one graph per (batch, verify width, cache capacity, model): more than Dynamo's default 8
             self.verify_step = torch._dynamo.config.patch(recompile_limit=STEP_GRAPHS)(torch.compile(
-                self._verify_step, backend=dflash_backend, fullgraph=True, dynamic=False, mode=mode))
+                self._verify_step, backend=self.backend, fullgraph=True, dynamic=False, mode=mode))
         self.last_stats = GenerationStats(block_size=self.block_size)
         self.sampler: Sampler | None = None  # the running generate call's sampling settings
         self.target_cache: TargetCache | None = None  # kept between generate calls (see `_cache`)

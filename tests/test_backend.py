@@ -119,20 +119,29 @@ def test_backend_found_without_importing_dflash_compile(tiny_dirs):
 def test_fused_experts_on_resident_weights_give_the_same_tokens(tiny, family, monkeypatch):
     """By default the compiled step's experts run dflash's kernel on the module's own weights (gpt-oss's
     [E, in, out] read through a transposed view), with the tokens of model.generate; fused_experts=False keeps
-    transformers' experts."""
+    transformers' experts. The choice belongs to each optimize() (its compiled graphs), not to the shared model:
+    a fused decoder stays fused after another one over the same model chose otherwise."""
     import dflash_compile.expert_store as expert_store
 
     calls = []
     run_packed = expert_store.run_packed
     monkeypatch.setattr(expert_store, "run_packed", lambda *args: calls.append(1) or run_packed(*args))
     ids = token_ids()
-    expected = tiny(family).generate(ids, max_new_tokens=8, do_sample=False)
-    assert torch.equal(dflash_compile.optimize(tiny(family)).generate(ids, max_new_tokens=8), expected)
+    model = tiny(family)
+    expected = model.generate(ids, max_new_tokens=8, do_sample=False)
+    fused, grouped = dflash_compile.optimize(model), dflash_compile.optimize(model, fused_experts=False)
+    assert torch.equal(grouped.generate(ids, max_new_tokens=8), expected)
+    assert not calls
+    assert torch.equal(fused.generate(ids, max_new_tokens=8), expected)
     assert calls
     calls.clear()
-    fast = dflash_compile.optimize(tiny(family), fused_experts=False)
-    assert torch.equal(fast.generate(ids, max_new_tokens=8), expected)
-    assert not calls
+    with torch.no_grad():  # the forward of either entry point follows the same choice
+        assert torch.equal(torch.compile(model, backend="dflash", options={"fused_experts": False})(ids).logits,
+                           grouped(ids).logits)
+        assert not calls
+        fused(ids)
+        assert calls
+    calls.clear()
     half = tiny(family, torch.float16)  # fp16 experts keep transformers' path (the kernels would round to bf16)
     dflash_compile.optimize(half).generate(ids, max_new_tokens=2)
     assert not calls

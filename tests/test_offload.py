@@ -144,7 +144,6 @@ def test_optimize_offloads_under_a_budget(tiny):
     with pytest.raises(ValueError, match="is too small"):
         dflash_compile.optimize(model, gpu_memory=budget - 1, device="cpu")
     assert model.config._experts_implementation != "dflash_offload"  # nothing changed
-    assert not any(hasattr(m, "dflash_fused") for m in experts_modules(model).values())
     fast = dflash_compile.optimize(model, gpu_memory=budget, device="cpu")
     assert torch.equal(fast.generate(ids, max_new_tokens=8), expected)
     assert model.dflash_offload.stats.misses > 0

@@ -19,16 +19,17 @@ class PassContext:
     frame_locals: dict
     frame_globals: dict
     example_inputs: list = field(default_factory=list)
+    fused_experts: bool = True  # the backend option: resident experts dispatch to dflash's fused kernel
 
     @classmethod
-    def from_dynamo(cls, example_inputs) -> PassContext:
+    def from_dynamo(cls, example_inputs, fused_experts: bool = True) -> PassContext:
         """The context of the frame Dynamo is compiling right now (backends run inside that trace)."""
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
         tx = InstructionTranslator.current_tx()
         if tx is None:
-            return cls({}, {}, list(example_inputs))
-        return cls(tx.f_locals, tx.f_globals, list(example_inputs))
+            return cls({}, {}, list(example_inputs), fused_experts)
+        return cls(tx.f_locals, tx.f_globals, list(example_inputs), fused_experts)
 
     def resolve(self, path: str) -> tuple[torch.nn.Module, torch.nn.Module]:
         """(root module, submodule) for a Dynamo module path. The root is the outermost nn.Module on the path

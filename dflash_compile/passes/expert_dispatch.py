@@ -93,7 +93,7 @@ def _replace(gm: GraphModule, region: ExpertRegion, ctx: PassContext) -> None:
     hidden, top_k_index, top_k_weights = _activation_inputs(region, experts, ctx)
     output = _region_output(region)
     store = ctx.store(root)
-    layer = store.add_layer(experts, region.spec, region.path)
+    layer = store.add_layer(experts, region.spec, region.path, fused=ctx.fused_experts)
     # Offloaded experts sync on the routing and copy weights: their op is tagged to stay out of CUDA graphs.
     op = torch.ops.dflash.moe_dispatch_offloaded if hasattr(experts, "dflash_offload") else torch.ops.dflash.moe_dispatch
     with gm.graph.inserting_before(output):
