@@ -57,7 +57,7 @@ def host_to_device_bandwidth(device: str) -> float:
     return source.numel() / seconds
 
 
-WARM_UP_TOKENS = 64
+WARM_UPS = 4
 
 
 def measured_run(fast, ids, new: int) -> tuple[torch.Tensor, float, OffloadStats]:
@@ -75,12 +75,15 @@ def measured_run(fast, ids, new: int) -> tuple[torch.Tensor, float, OffloadStats
 
 
 def decode_measurement(fast, ids, new: int, repeats: int):
-    """After a warm-up generation: (last output, median seconds of a whole generation, of one that stops after the
+    """After warm-up generations: (last output, median seconds of a whole generation, of one that stops after the
     prefill's token, and the last whole generation's and prefill's offload statistics). Decode alone is the
     difference of the two (same cache path); `fast.last_stats` is left at the last whole generation's. The warm-up
-    is at least WARM_UP_TOKENS long, so that the adaptive width has compiled and timed every width (it tries each
-    twice first), as in a process that has generated before, rather than compiling inside a measured run."""
-    fast.generate(ids, max_new_tokens=max(new, WARM_UP_TOKENS))
+    repeats (up to WARM_UPS times) until the adaptive width has compiled and timed every width, as in a process that
+    has generated before, rather than compiling inside a measured run (short generations can end before it has)."""
+    for _ in range(WARM_UPS):
+        fast.generate(ids, max_new_tokens=new)
+        if fast.decoder.chooser is None or all(fast.decoder.chooser.times.values()):
+            break
     prefills, wholes = [], []
     for _ in range(repeats):
         prefills.append(measured_run(fast, ids, 1))
@@ -150,7 +153,7 @@ def run(args) -> list[dict]:
             fast = dflash_compile.optimize(copy.deepcopy(host_model), drafter, gpu_memory=budget, device=args.device,
                                            adaptive=adaptive, offload_policy=policy,
                                            offload_prefetch=not args.no_prefetch,
-                                           offload_cpu_compute=args.cpu_compute)
+                                           offload_cpu_compute=args.cpu_compute, mode=args.mode)
             out, whole_s, prefill_s, whole, prefill = decode_measurement(fast, ids.to(args.device), args.new,
                                                                          args.repeats)
             decode_s, decode_bytes = whole_s - prefill_s, whole.bytes_fetched - prefill.bytes_fetched
@@ -202,6 +205,8 @@ def main() -> None:
     parser.add_argument("--cpu-compute", default="off", choices=["off", "auto", "always"],
                         help="run missed experts on the CPU (C++ kernels) instead of copying them")
     parser.add_argument("--accelerate-new", type=int, help="new tokens for the accelerate rows (default --new; 0 skips them)")
+    parser.add_argument("--mode", help='torch.compile mode of the verify step ("reduce-overhead": CUDA graphs around '
+                                       "the offload ops; default: none, every kernel launched from Python)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--trace", type=Path, help="a folder: write each setup's Chrome trace (CUDA) there and print "
                                                     "how long copies, kernels and neither kept the GPU busy")
