@@ -36,8 +36,10 @@ def test_offloaded_generation_is_token_identical(tiny, family):
         assert not any("experts.gate_up_proj" in name for name, _ in model.named_parameters())
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_offload_with_compiled_dflash_speculative_decoding(tiny, family, tmp_path):
+    """Every family with a DFlash drafter at its full block (verify blocks fetch the union of their tokens'
+    experts, and the next layer's route-ahead) gives the resident model's greedy tokens."""
     ids = token_ids(batch=1)
     reference = tiny(family)
     expected = reference.generate(ids, max_new_tokens=12, do_sample=False)
@@ -48,8 +50,10 @@ def test_offload_with_compiled_dflash_speculative_decoding(tiny, family, tmp_pat
     layers = len(model.dflash_offload.layers)
     assert after.count("torch.ops.dflash.moe_dispatch_offloaded.default(") == layers  # kept out of CUDA graphs
     assert "torch.ops.dflash.moe_dispatch.default(" not in after
-    fast = dflash_compile.optimize(model, drafter=drafter)
+    fast = dflash_compile.optimize(model, drafter=drafter, adaptive=False)
     assert torch.equal(fast.generate(ids, max_new_tokens=12), expected)
+    assert model.dflash_offload.stats.misses > 0  # experts were copied in (the tiny routers of some families use
+    # too few experts to evict)
 
 
 def test_packed_experts_offload_in_their_format(tmp_path):
@@ -315,19 +319,20 @@ def test_gpu_memory_never_exceeds_the_budget(tmp_path):
 
 
 @cuda
-@pytest.mark.parametrize("family, speculative", [(family, False) for family in FAMILIES]
-                         + [("gpt_oss", True), ("qwen3_5_moe", True)])
+@pytest.mark.parametrize("speculative", [False, True])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_offloaded_generation_on_the_gpu_is_token_identical(tiny, family, speculative, tmp_path):
     """Real host -> device copies, every layer evicting (two slots above one layer of experts), every family
-    greedy and two with a DFlash drafter (its verify blocks use route-ahead): the tokens of the resident model."""
+    greedy and with a DFlash drafter at its full block (verify blocks use route-ahead): the resident model's
+    tokens."""
     ids = token_ids(batch=1)
     drafter = None
     if speculative:
         config = tiny_drafter_config(tiny(family).config, block_size=4)
         drafter = save_drafter(tmp_path / "d", config, random_drafter_weights(config))
     load = lambda: tiny(family, torch.bfloat16)  # noqa: E731
-    expected, _ = _cuda_generate(load, ids, 16, drafter=drafter)
-    tokens, model = _cuda_generate(load, ids, 16, extra_slots=2, drafter=drafter)
+    expected, _ = _cuda_generate(load, ids, 16, drafter=drafter, adaptive=False)
+    tokens, model = _cuda_generate(load, ids, 16, extra_slots=2, drafter=drafter, adaptive=False)
     assert model.dflash_offload.stats.misses > 0  # copies happened
     assert torch.equal(tokens, expected)
 
