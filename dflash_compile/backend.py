@@ -11,6 +11,7 @@ deliberately not registered again at import, which would make the name lookup fa
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -109,3 +110,10 @@ def compile_graph(
 def dflash_backend(gm: GraphModule, example_inputs, options: dict | None = None, mode: str | None = None):
     """The `backend="dflash"` entry point of torch.compile."""
     return compile_graph(gm, example_inputs, options=options, mode=mode)
+
+
+@functools.cache
+def dflash_backend_with(**options) -> Callable:
+    """`dflash_backend` with these options, one object per set of options: Dynamo reuses a compiled graph only for
+    an equal backend, so compilations with the same options (e.g. several decoders over one model) share graphs."""
+    return functools.partial(dflash_backend, options=options)

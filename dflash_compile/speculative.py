@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .adaptive import WidthChooser
-from .backend import dflash_backend
+from .backend import dflash_backend_with
 from .cache import RowCache, TargetCache
 from .drafter import DFlashDrafter, context_features
 from .families import spec_for_model
@@ -142,7 +142,7 @@ class SpeculativeDecoder:
         self.per_kind_masks = getattr(config, "layer_types", None) is not None  # the model takes {kind: mask}
         self.max_positions = getattr(config, "max_position_embeddings", None)
         self.verify_step = self._verify_step
-        self.backend = functools.partial(dflash_backend, options={"fused_experts": fused_experts})
+        self.backend = dflash_backend_with(fused_experts=fused_experts)
         if compile:  # one graph per (batch, verify width, cache capacity, model): more than Dynamo's default 8
             self.verify_step = torch._dynamo.config.patch(recompile_limit=STEP_GRAPHS)(torch.compile(
                 self._verify_step, backend=self.backend, fullgraph=True, dynamic=False, mode=mode))

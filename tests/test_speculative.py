@@ -176,6 +176,10 @@ def test_generations_of_other_lengths_reuse_the_compiled_step(tiny):
         expected = model.generate(ids, max_new_tokens=new, do_sample=False)
         assert torch.equal(fast.generate(ids, max_new_tokens=new), expected)
     assert counters["stats"]["unique_graphs"] - graphs_before == 1
+    dflash_compile.optimize(model).generate(ids, max_new_tokens=new)  # another decoder, the same backend options
+    assert counters["stats"]["unique_graphs"] - graphs_before == 1
+    dflash_compile.optimize(model, fused_experts=False).generate(ids, max_new_tokens=new)  # its own graph
+    assert counters["stats"]["unique_graphs"] - graphs_before == 2
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "gpt_oss"])
