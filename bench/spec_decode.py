@@ -106,18 +106,24 @@ def floor_seconds(model, tokens: int, context: int, bandwidth: float) -> float:
     return float(StepCost(sizes, measured).bytes.subs({B: tokens, C: context})) / bandwidth
 
 
+def step_inputs(model, decoder, args, block: int):
+    """(tokens, cache, active) for repeated verify steps of `block` tokens after a prefilled prompt; nothing is
+    committed (active 0), so every call does the same work."""
+    prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt), device=args.device)
+    cache = TargetCache(1, args.prompt + 64, model.dtype, args.device)
+    with torch.no_grad():
+        decoder._target_forward(prompt, cache)
+    cache.rows.commit(torch.full((1,), args.prompt, device=args.device))
+    tokens = torch.randint(0, model.config.vocab_size, (1, block), device=args.device)
+    return tokens, cache, torch.zeros(1, dtype=torch.int64, device=args.device)
+
+
 def step_times(model, decoder, args, bandwidth):
     """Decode and verify step times with uniform routing, next to their memory floors."""
     routing = UniformRouting(model)
     rows = []
-    prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt), device=args.device)
     for block in args.step_blocks:
-        cache = TargetCache(1, args.prompt + 64, model.dtype, args.device)
-        with torch.no_grad():
-            decoder._target_forward(prompt, cache)
-        cache.rows.commit(torch.full((1,), args.prompt, device=args.device))
-        tokens = torch.randint(0, model.config.vocab_size, (1, block), device=args.device)
-        active = torch.zeros(1, dtype=torch.int64, device=args.device)  # commit nothing: every call is the same
+        tokens, cache, active = step_inputs(model, decoder, args, block)
         routing.record, routing.distinct = True, []
         with torch.no_grad():
             decoder._target_forward(tokens, cache)  # eager pass to count the experts a block touches
@@ -133,15 +139,22 @@ def step_times(model, decoder, args, bandwidth):
     return rows
 
 
-def profile_decode(model, args, ids) -> None:
-    """Where a compiled decode step spends its time (default mode, so kernels show one by one)."""
+def profile_decode(model, args) -> None:
+    """Where a compiled decode step spends its time: 10 steady-state steps after warm-up calls (default mode, so
+    kernels show one by one; no prefill, no compilation in the profiled region)."""
     from torch.profiler import ProfilerActivity, profile
 
     decoder = dflash_compile.optimize(model).decoder
-    decoder.generate(ids, max_new_tokens=4)
+    tokens, cache, active = step_inputs(model, decoder, args, 1)
+    synchronize = torch.cuda.synchronize if args.device == "cuda" else lambda: None
+    for _ in range(3):
+        decoder.verify_step(tokens, cache, active)
+    synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        decoder.generate(ids, max_new_tokens=8)
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
+        for _ in range(10):
+            decoder.verify_step(tokens, cache, active)
+        synchronize()
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
 
 
@@ -195,7 +208,7 @@ def main():
     rows.append(("model.generate (eager)", new / base, 1.0, "-", "reference"))
 
     if args.profile:
-        profile_decode(model, args, ids)
+        profile_decode(model, args)
     plain = dflash_compile.optimize(model, mode=args.mode)
     out, seconds = timed(lambda: plain.generate(ids, max_new_tokens=args.new), args.repeats, args.device)
     rows.append(("dflash, no drafter", new / seconds, 1.0, "-", first_mismatch(expected, out)))
