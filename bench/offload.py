@@ -204,7 +204,8 @@ def main() -> None:
     parser.add_argument("--adaptive", action="store_true", help="also run DFlash with the adaptive verify width")
     parser.add_argument("--cpu-compute", default="off", choices=["off", "auto", "always"],
                         help="run missed experts on the CPU (C++ kernels) instead of copying them")
-    parser.add_argument("--accelerate-new", type=int, help="new tokens for the accelerate rows (default --new; 0 skips them)")
+    parser.add_argument("--accelerate-new", type=int,
+                        help="new tokens for the accelerate rows (default --new; 0 skips them)")
     parser.add_argument("--mode", help='torch.compile mode of the verify step ("reduce-overhead": CUDA graphs around '
                                        "the offload ops; default: none, every kernel launched from Python)")
     parser.add_argument("--json", type=Path)

@@ -272,5 +272,6 @@ def main():
                 print(f"| {name} | {experts} | {seconds * 1e3:.2f} | {floor * 1e3:.2f} | {floor / seconds:.2f} | "
                       f"{distinct:.1f} | {expected_experts:.1f} | {predicted * 1e3:.2f} | {predicted / seconds:.2f} |")
 
+
 if __name__ == "__main__":
     main()

@@ -13,9 +13,10 @@ and picks the width with the most expected tokens per second, with the alphas dr
 (Thompson sampling): a width whose payoff is uncertain keeps being tried in proportion to its chance of being the best,
 so a few unlucky early steps cannot switch a good drafter off for good (on the H200, picking by the posterior means
 after a poor start kept an oracle that accepts 70% per draft at plain decoding for a whole generation: 0.71x of
-block 8), while a drafter that never pays is soon tried almost never. Until a width has timings it is tried; then the width tried
-longest ago runs once after `probe_every` steps, and after twice as many steps each time the best width (by the
-posterior means) stays the same (back to `probe_every` when it changes), so its timings do not go stale.
+block 8), while a drafter that never pays is soon tried almost never. Until a width has timings it is tried; then
+the width tried longest ago runs once after `probe_every` steps, and after twice as many steps each time the best
+width (by the posterior means) stays the same (back to `probe_every` when it changes), so its timings do not go
+stale.
 Greedy and sampled outputs do not depend on the width: every committed token is verified by the target.
 """
 
@@ -51,15 +52,19 @@ class WidthChooser:
         self.interval = self.next_probe = probe_every
         self.random = random.Random(seed)
 
+    def _posterior(self, j: int) -> tuple[int, int]:
+        """Beta(successes, failures) of draft j's acceptance given the earlier ones, with one prior success and
+        failure (a fresh width is neither hopeless nor certain)."""
+        return self.accepted[j] + 1, self.tried[j] - self.accepted[j] + 1
+
     def alpha(self, j: int) -> float:
-        """Acceptance of draft j given the earlier ones, with one prior success and failure (a fresh width is
-        neither hopeless nor certain)."""
-        return (self.accepted[j] + 1) / (self.tried[j] + 2)
+        """The posterior mean acceptance of draft j given the earlier ones."""
+        successes, failures = self._posterior(j)
+        return successes / (successes + failures)
 
     def sampled_alphas(self) -> list[float]:
-        """One draw of every alpha_j from its Beta posterior (the prior of `alpha`)."""
-        return [self.random.betavariate(self.accepted[j] + 1, self.tried[j] - self.accepted[j] + 1)
-                for j in range(self.block_size)]
+        """One draw of every alpha_j from its posterior."""
+        return [self.random.betavariate(*self._posterior(j)) for j in range(self.block_size)]
 
     def expected_tokens(self, width: int, alphas: Sequence[float] | None = None) -> float:
         """tau(width) at the posterior means of the alphas, or at the given ones."""

@@ -249,10 +249,11 @@ def fit_step_overheads(hardware: Hardware, measured: dict | None = None) -> Hard
     if len({layers for _, layers, _, _ in measured}) < 2:
         raise ValueError("fit_step_overheads needs steps of models with at least two layer counts (e.g. a model and a "
                          "cut of it) to tell the per-step overhead from the per-layer one")
+    floors = {(model, layers): StepCost(ModelSizes.of(reference_config(model, layers)), hardware.roofline())
+              for model, layers, _, _ in measured}  # each model built (on meta) once
     rows, times = [], []
     for (model, layers, tokens, context), seconds in measured.items():
-        floor = StepCost(ModelSizes.of(reference_config(model, layers)), hardware.roofline())
-        rows.append([1.0, layers, floor.evaluate(tokens, context)["t_memory_us"] * 1e-6])
+        rows.append([1.0, layers, floors[model, layers].evaluate(tokens, context)["t_memory_us"] * 1e-6])
         times.append([seconds])
     step, layer, inverse_efficiency = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64),
                                                          torch.tensor(times, dtype=torch.float64)).solution.flatten()

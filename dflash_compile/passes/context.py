@@ -27,9 +27,8 @@ class PassContext:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
         tx = InstructionTranslator.current_tx()
-        if tx is None:
-            return cls({}, {}, list(example_inputs), fused_experts)
-        return cls(tx.f_locals, tx.f_globals, list(example_inputs), fused_experts)
+        frame_locals, frame_globals = (tx.f_locals, tx.f_globals) if tx is not None else ({}, {})
+        return cls(frame_locals, frame_globals, list(example_inputs), fused_experts)
 
     def resolve(self, path: str) -> tuple[torch.nn.Module, torch.nn.Module]:
         """(root module, submodule) for a Dynamo module path. The root is the outermost nn.Module on the path
