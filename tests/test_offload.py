@@ -169,7 +169,8 @@ def test_from_pretrained_offloads_and_generates_the_same_tokens(tiny_dirs, tmp_p
 def test_generate_command_with_a_gpu_memory_budget(capsys):
     from dflash_compile.cli import main
 
-    assert main(["generate", "--max-new-tokens", "16", "--repeats", "1", "--gpu-memory", "12MB", "--device", "cpu"]) == 0
+    arguments = ["generate", "--max-new-tokens", "16", "--repeats", "1", "--gpu-memory", "12MB", "--device", "cpu"]
+    assert main(arguments) == 0
     assert "same tokens: True" in capsys.readouterr().out
 
 

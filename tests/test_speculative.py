@@ -76,7 +76,8 @@ def test_tau_counts_tokens_committed_per_verify_step(tiny):
     model = tiny("mixtral")
     ids, mask = prompts(1)
     expected = reference(model, ids, mask)
-    fast = dflash_compile.optimize(model, adaptive=False, drafter=OracleDrafter(expected, mask, 4, corruption=0.3, vocab_size=128))
+    drafter = OracleDrafter(expected, mask, 4, corruption=0.3, vocab_size=128)
+    fast = dflash_compile.optimize(model, adaptive=False, drafter=drafter)
     assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
     stats = fast.last_stats
     per_step = [step[0] + 1 for step in stats.accepted]
@@ -153,8 +154,8 @@ def test_sliding_layers_keep_a_ring_of_window_minus_one_plus_block(tiny, monkeyp
         original_init(self, batch, max_len, dtype, device, ring_layers, ring_size + ring_slack)
 
     monkeypatch.setattr(TargetCache, "__init__", sized)
-    fast = dflash_compile.optimize(model, adaptive=False, drafter=OracleDrafter(expected, mask, 6, corruption=0.3, vocab_size=128),
-                                   prefill_chunk=4)
+    drafter = OracleDrafter(expected, mask, 6, corruption=0.3, vocab_size=128)
+    fast = dflash_compile.optimize(model, adaptive=False, drafter=drafter, prefill_chunk=4)
     out = fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
     assert sizes[0] == ((0,), 8 - 1 + 6)  # layer 0 slides; layer 1 is full attention
     assert torch.equal(out, expected) == (ring_slack == 0)
@@ -230,9 +231,9 @@ class ScriptedWidths(WidthChooser):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_steps_without_drafts_keep_the_drafters_context_under_cuda_graphs(tiny, random_drafter):
     """Under CUDA graphs each verify step's outputs live in buffers the next step overwrites. Features of steps that
-    ran no drafter wait in `pending` across later steps, so they must be copied out: the drafter then proposes exactly
-    what it proposes without CUDA graphs, and the tokens are the same (before, reading them raised "accessing tensor output of CUDAGraphs that has
-    been overwritten by a subsequent run")."""
+    ran no drafter wait in `pending` across later steps, so they must be copied out: the drafter then proposes
+    exactly what it proposes without CUDA graphs, and the tokens are the same (before, reading them raised
+    "accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run")."""
     model = tiny("qwen3_moe").cuda()
     drafter = random_drafter(model)
     ids, mask = prompts(2)

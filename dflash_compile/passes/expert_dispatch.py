@@ -95,7 +95,8 @@ def _replace(gm: GraphModule, region: ExpertRegion, ctx: PassContext) -> None:
     store = ctx.store(root)
     layer = store.add_layer(experts, region.spec, region.path, fused=ctx.fused_experts)
     # Offloaded experts sync on the routing and copy weights: their op is tagged to stay out of CUDA graphs.
-    op = torch.ops.dflash.moe_dispatch_offloaded if hasattr(experts, "dflash_offload") else torch.ops.dflash.moe_dispatch
+    offloaded = hasattr(experts, "dflash_offload")
+    op = torch.ops.dflash.moe_dispatch_offloaded if offloaded else torch.ops.dflash.moe_dispatch
     with gm.graph.inserting_before(output):
         dispatch = gm.graph.call_function(op.default, (hidden, top_k_index, top_k_weights, store.id, layer))
     dispatch.meta.update({k: v for k, v in output.meta.items() if k in ("example_value", "val", "stack_trace")})

@@ -101,7 +101,8 @@ def test_routing_blocks_hold_one_expert_each(index, experts, block_m):
 
 def test_bad_shapes_are_named():
     gate_up, down = _experts("dense", 2, 64, 32, False)
-    with pytest.raises(ValueError, match=r"down weight \[2, 64, 64\] does not match gate_up \[2, 64, 64\]: expected \[E, H, I\] = \[2, 64, 32\]"):
+    with pytest.raises(ValueError, match=r"down weight \[2, 64, 64\] does not match gate_up \[2, 64, 64\]: "
+                                         r"expected \[E, H, I\] = \[2, 64, 32\]"):
         fused_moe(torch.zeros(1, 64), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1), gate_up, gate_up)
     with pytest.raises(ValueError, match="mxfp4 expert weight .* needs scales"):
         PackedWeight("mxfp4", torch.zeros(2, 4, 3, 16, dtype=torch.uint8), torch.zeros(2, 4, 2, dtype=torch.uint8))
