@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from spec_decode import build_model, first_mismatch  # noqa: E402
+from spec_decode import build_model, first_mismatch, width_summary  # noqa: E402
 
 import dflash_compile  # noqa: E402
 from dflash_compile.benchmark import timed  # noqa: E402
@@ -144,8 +144,9 @@ def run(args) -> list[dict]:
         budget = (plan.dense_bytes + plan.reserve_bytes
                   + max(int(fraction * all_experts), plan.experts_per_layer) * plan.blob_bytes)
         oracle = OracleDrafter(expected.cpu(), None, args.block, args.corruption, host_model.config.vocab_size)
-        speculative = [(f"DFlash block {args.block}, oracle p={args.corruption}", oracle, False)]
-        if args.adaptive:
+        speculative = [] if args.decode_only else [(f"DFlash block {args.block}, oracle p={args.corruption}",
+                                                    oracle, False)]
+        if args.adaptive and not args.decode_only:
             speculative.append((f"DFlash adaptive width, oracle p={args.corruption}", oracle, True))
         setups = [(f"{policy}, {name}", policy, drafter, adaptive) for policy in args.policy
                   for name, drafter, adaptive in [("decode", None, False), *speculative]]
@@ -167,6 +168,8 @@ def run(args) -> list[dict]:
                 "floor_ratio": decode_s / (decode_bytes / pcie), "slots": fast.model.dflash_offload.slots,
                 "check": first_mismatch(expected, out)})
             print(rows[-1], flush=True)
+            if adaptive:
+                print(f"{name}: {width_summary(fast)}", flush=True)
             if args.trace and args.device == "cuda":  # one profiled generation per setup, after the timed ones
                 args.trace.mkdir(parents=True, exist_ok=True)
                 trace = args.trace / (re.sub(r"[^A-Za-z0-9.]+", "_", f"{fraction:.0%} {name}") + ".json")
@@ -202,6 +205,7 @@ def main() -> None:
     parser.add_argument("--policy", nargs="+", default=["lru"], choices=["lru", "lfu"])
     parser.add_argument("--no-prefetch", action="store_true", help="offload without next-layer prefetch")
     parser.add_argument("--adaptive", action="store_true", help="also run DFlash with the adaptive verify width")
+    parser.add_argument("--decode-only", action="store_true", help="plain decoding only (no DFlash rows)")
     parser.add_argument("--cpu-compute", default="off", choices=["off", "auto", "always"],
                         help="run missed experts on the CPU (C++ kernels) instead of copying them")
     parser.add_argument("--accelerate-new", type=int,

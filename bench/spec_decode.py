@@ -60,6 +60,16 @@ def make_confident(model) -> None:
     model.get_output_embeddings().weight.copy_(embed[permutation] / 5000)
 
 
+def width_summary(fast) -> str:
+    """Which widths the last generation used and what their steps cost, next to the chooser's estimates."""
+    stats, chooser = fast.last_stats, fast.decoder.chooser
+    steps = {w: [s for v, s in zip(stats.widths, stats.step_seconds) if v == w] for w in set(stats.widths)}
+    return ", ".join(f"width {w}: {len(steps.get(w, []))} steps, median "
+                     f"{1e3 * statistics.median(steps[w]) if w in steps else float('nan'):.2f} ms (chooser: "
+                     f"{1e3 * chooser.seconds(w) if chooser.times[w] else float('nan'):.2f} ms, "
+                     f"{chooser.expected_tokens(w):.2f} tokens)" for w in chooser.widths)
+
+
 def first_mismatch(expected: torch.Tensor, actual: torch.Tensor) -> str:
     if expected.shape == actual.shape and torch.equal(expected, actual):
         return "identical"
@@ -228,11 +238,8 @@ def main():
             name = f"dflash, oracle p={corruption} " + ("adaptive width" if adaptive else f"block {args.block}")
             rows.append((name, new / seconds, fast.last_stats.tau, f"{fast.last_stats.steps}",
                          first_mismatch(expected, out)))
-            if adaptive:  # which widths the last run used, and what their steps cost
-                stats = fast.last_stats
-                steps = {w: [s for v, s in zip(stats.widths, stats.step_seconds) if v == w] for w in set(stats.widths)}
-                print(f"{name}: " + ", ".join(f"width {w}: {len(t)} steps, median {1e3 * statistics.median(t):.2f} ms"
-                                              for w, t in sorted(steps.items())))
+            if adaptive:
+                print(f"{name}: {width_summary(fast)}")
     for temperature in args.temperatures:  # sampled decoding, the oracle proposing the greedy path
         sampling = dict(do_sample=True, temperature=temperature, top_k=50, top_p=0.9, eos_token_id=-1)
         seed = torch.Generator(device=args.device).manual_seed(0)

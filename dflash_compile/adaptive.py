@@ -7,7 +7,9 @@ only, and the drafter is not even run). For each candidate width the controller 
     tau(w)       = 1 + sum_{j < w} prod_{i <= j} alpha_i      expected tokens committed by a step of width w
     t(w)         measured wall time of a step of width w: the least of the recent ones (other work on the machine
                  only ever adds time), or their mean where steps vary by themselves (offloaded experts: a step's
-                 cache misses are part of its cost); the first, compiling one skipped
+                 cache misses are part of its cost); the first UNTIMED_STEPS of each width skipped (the first
+                 compiles it, the second records its CUDA graphs under mode="reduce-overhead"; kept in a mean of a
+                 rarely used width, either would misprice it for long)
 
 and picks the width with the most expected tokens per second, with the alphas drawn from their Beta posteriors
 (Thompson sampling): a width whose payoff is uncertain keeps being tried in proportion to its chance of being the best,
@@ -25,6 +27,9 @@ from __future__ import annotations
 import random
 from collections import deque
 from collections.abc import Callable, Sequence
+
+
+UNTIMED_STEPS = 2
 
 
 class WidthChooser:
@@ -110,5 +115,5 @@ class WidthChooser:
                     break
         self.seen[width] += 1
         self.last_used[width] = self.step
-        if self.seen[width] > 1:  # the first step of a width compiles it
+        if self.seen[width] > UNTIMED_STEPS:
             self.times[width].append(seconds)

@@ -38,9 +38,10 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
              adaptive=True) -> OptimizedModel:
     """Compile `model` with the dflash backend and set up DFlash speculative decoding with `drafter`
     (a z-lab or transformers checkpoint directory, or a drafter module). `mode` is torch.compile's mode for the
-    verify-commit step ("reduce-overhead" captures it in a CUDA graph). Models with sliding-window layers prefill
-    in chunks of `prefill_chunk` tokens, and their sliding layers keep window - 1 + max(block, prefill_chunk)
-    slots. With `gpu_memory` ("20GiB", bytes or an accelerate max_memory dict) the routed experts are offloaded to
+    verify-commit step; by default "reduce-overhead" (CUDA graphs) on CUDA and "default" elsewhere
+    (`speculative.default_mode`); pass "default" to launch a CUDA step op by op. Models with sliding-window layers
+    prefill in chunks of `prefill_chunk` tokens, and their sliding layers keep window - 1 + max(block,
+    prefill_chunk) slots. With `gpu_memory` ("20GiB", bytes or an accelerate max_memory dict) the routed experts are offloaded to
     host memory behind a slot pool on `device` (default: cuda when available) that fits the budget with the dense
     weights (`offload_experts`; `offload_policy` "lru" or "lfu", `offload_prefetch` copies each next layer's
     predicted experts ahead, `offload_cpu_compute` "auto" / "always" runs missed experts on the CPU). Every check

@@ -119,10 +119,13 @@ class ExpertCache:
         if self.free:
             slot = self.free.pop()
         else:
-            candidates = [k for k in self.where if k not in keep]
-            if not candidates:
+            candidates = (k for k in self.where if k not in keep)  # least recently used first
+            if self.policy == "lfu":
+                evicted = min(candidates, key=self.uses.get, default=None)
+            else:  # the first will do: a decode step's misses must not walk all slots (host time per layer)
+                evicted = next(candidates, None)
+            if evicted is None:
                 raise RuntimeError("every cache slot holds an expert this call needs; the budget is too small")
-            evicted = min(candidates, key=self.uses.get) if self.policy == "lfu" else candidates[0]
             slot = self.where.pop(evicted)
             del self.uses[evicted]
         self.where[key], self.uses[key] = slot, 1
@@ -281,7 +284,7 @@ class OffloadedExperts:
         self.stats.bytes_fetched += len(copies) * self.layers[layer].host.shape[1]
         return slots, copies
 
-    def _copy(self, layer: int, copies: list[tuple[int, int]], table: torch.Tensor | None = None):
+    def _copy(self, layer: int, copies: list[tuple[int, int]], table: list[int] | None = None):
         """Host -> slot copies on a side stream, after all work queued so far on the compute stream (the slots'
         previous experts are no longer read) and after any prefetch still landing in those slots. With `table` (a
         layer's expert -> slot map; the call's misses) the copies and then the table go on the miss stream, the
@@ -292,7 +295,7 @@ class OffloadedExperts:
         if self.copy_stream is None:
             for slot, expert in copies:
                 self.pool[slot].copy_(host[expert])
-            return None if table is None else table.to(self.device)
+            return None if table is None else torch.tensor(table, device=self.device)
         compute = torch.cuda.current_stream(self.device)
         stream = self.copy_stream if table is not None else self.prefetch_stream
         stream.wait_stream(compute)
@@ -302,7 +305,8 @@ class OffloadedExperts:
         with torch.cuda.stream(stream):
             for slot, expert in copies:
                 self.pool[slot].copy_(host[expert], non_blocking=True)
-            device_table = None if table is None else table.pin_memory().to(self.device, non_blocking=True)
+            device_table = None if table is None else torch.tensor(table, pin_memory=True).to(self.device,
+                                                                                           non_blocking=True)
             done = torch.cuda.Event()
             done.record()
         if table is None:
@@ -325,8 +329,9 @@ class OffloadedExperts:
         compute = torch.cuda.current_stream(self.device) if self.copy_stream is not None else None
         for slot in {*slots} & self.in_flight.keys():
             compute.wait_event(self.in_flight.pop(slot))
-        table = torch.full((max(experts) + 1,), -1, dtype=torch.int64)
-        table[experts] = torch.tensor(slots, dtype=torch.int64)
+        table = [-1] * (max(experts) + 1)
+        for expert, slot in zip(experts, slots):
+            table[expert] = slot
         return self._copy(layer, copies, table)
 
     def _prefetch(self, layer: int, experts: list[int], keep: set[tuple[int, int]]) -> None:

@@ -228,6 +228,15 @@ class ScriptedWidths(WidthChooser):
         return next(self.script, self.block_size)
 
 
+def test_cuda_graphs_are_the_default_only_on_cuda(tiny):
+    model = tiny("qwen3_moe")
+    assert dflash_compile.optimize(model).decoder.mode == "default"
+    assert dflash_compile.optimize(model, mode="max-autotune-no-cudagraphs").decoder.mode == (
+        "max-autotune-no-cudagraphs")
+    if torch.cuda.is_available():
+        assert dflash_compile.optimize(model.cuda()).decoder.mode == "reduce-overhead"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_steps_without_drafts_keep_the_drafters_context_under_cuda_graphs(tiny, random_drafter):
     """Under CUDA graphs each verify step's outputs live in buffers the next step overwrites. Features of steps that
@@ -253,5 +262,5 @@ def test_steps_without_drafts_keep_the_drafters_context_under_cuda_graphs(tiny, 
         assert fast.last_stats.widths[:len(script)] == script
         return out, torch.cat(seen)
 
-    (graphed, graphed_drafts), (plain, plain_drafts) = proposals("reduce-overhead"), proposals(None)
+    (graphed, graphed_drafts), (plain, plain_drafts) = proposals("reduce-overhead"), proposals("default")
     assert torch.equal(graphed, plain) and torch.equal(graphed_drafts, plain_drafts)
