@@ -296,13 +296,14 @@ class DFlashDrafter(nn.Module):
         hidden = self._layers(embeds, query, context_kv.__getitem__, masks)
         return self._logits(hidden.view(batch, count, size, -1)[:, :, 1:], lm_head)
 
-    def propose(self, anchor: torch.Tensor, cache: RowCache, embed: nn.Module, lm_head: nn.Module, sampler=None):
+    def propose(self, anchor: torch.Tensor, cache: RowCache, embed: nn.Module, lm_head: nn.Module, sampler=None,
+                draft_logits=None):
         """Drafts [b, block_size - 1] for the tokens after each row's anchor, and the processed distribution q they
-        were drawn from (None for argmax drafts)."""
+        were drawn from (None for argmax drafts). `draft_logits` replaces `self.draft_logits` (a compiled one)."""
         config = self.config
         block = torch.full((anchor.shape[0], config.block_size), config.mask_token_id, device=anchor.device)
         block[:, 0] = anchor
-        logits = self.draft_logits(embed(block) * config.input_embedding_scale, cache, lm_head)
+        logits = (draft_logits or self.draft_logits)(embed(block) * config.input_embedding_scale, cache, lm_head)
         if sampler is None or sampler.argmax_drafts:
             return logits.argmax(dim=-1), None
         q = processed_probs(logits, sampler.chain)

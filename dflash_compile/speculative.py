@@ -152,9 +152,11 @@ class SpeculativeDecoder:
         self.verify_step = self._verify_step
         self.backend = dflash_backend_with(fused_experts=fused_experts)
         self.mode = default_mode(model) if mode is None else mode
+        self.draft_logits = getattr(drafter, "draft_logits", None)  # a DFlash drafter's forward (not an oracle's)
         if compile:  # one graph per (batch, verify width, cache capacity, model): more than Dynamo's default 8
-            self.verify_step = torch._dynamo.config.patch(recompile_limit=STEP_GRAPHS)(torch.compile(
-                self._verify_step, backend=self.backend, fullgraph=True, dynamic=False, mode=self.mode))
+            self.verify_step = self._compiled(self._verify_step, self.backend, self.mode)
+            if self.draft_logits is not None:  # Inductor alone (no experts to rewrite), no CUDA graphs (the verify
+                self.draft_logits = self._compiled(drafter.draft_logits, "inductor", "default")  # step's overwrite)
         self.last_stats = GenerationStats(block_size=self.block_size)
         self.sampler: Sampler | None = None  # the running generate call's sampling settings
         self.target_cache: TargetCache | None = None  # kept between generate calls (see `_cache`)
@@ -255,8 +257,15 @@ class SpeculativeDecoder:
             self.drafter.add_context(drafter_cache, *_left_aligned(pending))
             pending.clear()
         embed, lm_head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
-        drafts, q = self.drafter.propose(anchor, drafter_cache, embed, lm_head, self.sampler)
+        drafts, q = self.drafter.propose(anchor, drafter_cache, embed, lm_head, self.sampler,
+                                         draft_logits=self.draft_logits)
         return torch.cat([anchor[:, None], drafts[:, : width - 1]], dim=1), None if q is None else q[:, : width - 1]
+
+    @staticmethod
+    def _compiled(function, backend, mode: str):
+        """`function` compiled whole, one graph per input shapes."""
+        return torch._dynamo.config.patch(recompile_limit=STEP_GRAPHS)(torch.compile(
+            function, backend=backend, fullgraph=True, dynamic=False, mode=mode))
 
     def _check_lengths(self, prompt: int, max_new_tokens: int) -> None:
         if max_new_tokens < 1:

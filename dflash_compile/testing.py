@@ -136,8 +136,9 @@ class OracleDrafter:
     def add_context(self, cache, features, counts) -> None:
         cache.commit(counts)
 
-    def propose(self, anchor, cache, embed, lm_head, sampler=None):
-        """The reference's next tokens (deterministic given the prefix: judged by the one-hot rule)."""
+    def propose(self, anchor, cache, embed, lm_head, sampler=None, draft_logits=None):
+        """The reference's next tokens (deterministic given the prefix: judged by the one-hot rule); it has no
+        forward, so `draft_logits` is not used."""
         width = self.config.block_size - 1
         drafts = torch.zeros(len(self.rows), width, dtype=torch.long)
         for b, (row, anchor_position) in enumerate(zip(self.rows, cache.lengths.tolist())):
