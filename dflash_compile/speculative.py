@@ -137,7 +137,8 @@ class SpeculativeDecoder:
                                  f"{self.block_size}")
             self.chooser = adaptive
         elif adaptive and self.block_size > 1:  # offloaded experts make step times vary by themselves: their mean
-            self.chooser = WidthChooser(self.block_size, timing="mean" if hasattr(model, "dflash_offload") else "min")
+            offloaded = hasattr(model, "dflash_offload")
+            self.chooser = WidthChooser(self.block_size, timing="mean" if offloaded else "median")
         config = model.config.get_text_config()
         spec = spec_for_model(model)
         kinds = spec.attention_kinds(config)
@@ -325,20 +326,20 @@ class SpeculativeDecoder:
         anchor = sampler.draw(processed_probs(logits, sampler.chain)) if sampler else logits.argmax(dim=-1)
 
         drafter_cache = None
-        if self.drafter is not None:
+        pending = []  # (features, kept tokens per row) not yet in the drafter's context: the first drafting step
+        if self.drafter is not None:  # adds them, so a generation that never drafts never runs the drafter
             drafter_cache = self.drafter.new_cache(batch, max_len, dtype, device)
             context = None
             if features is not None:  # each row's real prompt tokens, left-aligned
                 index = (pad[:, None] + torch.arange(prompt, device=device)).clamp(max=prompt - 1)
                 context = features.gather(1, index[:, :, None].expand(-1, -1, features.shape[-1]))
-            self.drafter.add_context(drafter_cache, context, prompt - pad)
+            pending.append((context, prompt - pad))
 
         outputs = [[int(t)] for t in anchor.tolist()]
         if streamer is not None:
             streamer.put(anchor.cpu())
         done = [len(row) >= max_new_tokens or row[-1] in eos for row in outputs]
         stats = GenerationStats(block_size=self.block_size)
-        pending = []  # (features, kept tokens per row) of steps not yet in the drafter's context
         while not all(done):
             step_start = time.perf_counter()
             width = self.chooser.choose() if self.chooser else self.block_size
