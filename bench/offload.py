@@ -210,8 +210,8 @@ def main() -> None:
                         help="run missed experts on the CPU (C++ kernels) instead of copying them")
     parser.add_argument("--accelerate-new", type=int,
                         help="new tokens for the accelerate rows (default --new; 0 skips them)")
-    parser.add_argument("--mode", help='torch.compile mode of the verify step ("reduce-overhead": CUDA graphs around '
-                                       "the offload ops; default: none, every kernel launched from Python)")
+    parser.add_argument("--mode", help="torch.compile mode of the verify step (default: optimize's, CUDA graphs around "
+                                       'the offload ops on CUDA; "default": every kernel launched from Python)')
     parser.add_argument("--json", type=Path)
     parser.add_argument("--trace", type=Path, help="a folder: write each setup's Chrome trace (CUDA) there and print "
                                                     "how long copies, kernels and neither kept the GPU busy")

@@ -196,7 +196,8 @@ def main():
     parser.add_argument("--temperatures", type=float, nargs="*", default=[0.7, 1.0],
                         help="sampled runs (top-k 50, top-p 0.9) with the oracle proposing the greedy path")
     parser.add_argument("--skip-native", action="store_true")
-    parser.add_argument("--mode", default=None, help='torch.compile mode of the verify step ("reduce-overhead")')
+    parser.add_argument("--mode", default=None, help="torch.compile mode of the verify step (default: optimize's, "
+                                                     '"reduce-overhead" on CUDA; "default": no CUDA graphs)')
     parser.add_argument("--profile", action="store_true", help="print where a decode step spends its time")
     parser.add_argument("--grouped-mm", action="store_true",
                         help="add a row and step times with transformers' grouped_mm experts "
