@@ -22,9 +22,8 @@ so a few unlucky early steps cannot switch a good drafter off for good (on the H
 after a poor start kept an oracle that accepts 70% per draft at plain decoding for a whole generation: 0.71x of
 block 8), while a drafter that never pays is soon tried almost never. Until a width has timings it is tried; then
 the width tried longest ago runs for two steps (the second is timed) after `probe_every` steps, and after twice as
-many steps each time the best
-width (by the posterior means) stays the same (back to `probe_every` when it changes), so its timings do not go
-stale.
+many steps each time the best width (by the posterior means) stays the same (back to `probe_every` when it
+changes), so its timings do not go stale.
 Greedy and sampled outputs do not depend on the width: every committed token is verified by the target.
 """
 
