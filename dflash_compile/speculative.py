@@ -154,10 +154,12 @@ class SpeculativeDecoder:
         self.backend = dflash_backend_with(fused_experts=fused_experts)
         self.mode = default_mode(model) if mode is None else mode
         self.draft_logits = getattr(drafter, "draft_logits", None)  # a DFlash drafter's forward (not an oracle's)
+        self.context_step = None  # the drafter's add_context for at most a block of tokens, compiled
         if compile:  # one graph per (batch, verify width, cache capacity, model): more than Dynamo's default 8
             self.verify_step = self._compiled(self._verify_step, self.backend, self.mode)
             if self.draft_logits is not None:  # Inductor alone (no experts to rewrite), no CUDA graphs (the verify
                 self.draft_logits = self._compiled(drafter.draft_logits, "inductor", "default")  # step's overwrite)
+                self.context_step = self._compiled(drafter.add_context, "inductor", "default")
         self.last_stats = GenerationStats(block_size=self.block_size)
         self.sampler: Sampler | None = None  # the running generate call's sampling settings
         self.target_cache: TargetCache | None = None  # kept between generate calls (see `_cache`)
@@ -255,12 +257,23 @@ class SpeculativeDecoder:
                 pending[-1] = (features.clone(), kept)  # (the earlier ones were copied at their own next step)
             return anchor[:, None], None
         if pending:
-            self.drafter.add_context(drafter_cache, *_left_aligned(pending))
+            self._add_context(drafter_cache, *_left_aligned(pending))
             pending.clear()
         embed, lm_head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
         drafts, q = self.drafter.propose(anchor, drafter_cache, embed, lm_head, self.sampler,
                                          draft_logits=self.draft_logits)
         return torch.cat([anchor[:, None], drafts[:, : width - 1]], dim=1), None if q is None else q[:, : width - 1]
+
+    def _add_context(self, cache: RowCache, features: torch.Tensor | None, kept: torch.Tensor) -> None:
+        """The drafter's add_context. Up to a block of tokens (what steps add) goes through the compiled one, padded
+        to the block so that one graph serves: the padding is written past the kept tokens and never committed, as a
+        verify block's rejected tokens are. Longer contexts (the prompt's) run eagerly rather than compiling one
+        graph per length, and so does a cache's first (it allocates the buffers)."""
+        if (self.context_step is None or features is None or features.shape[1] > self.block_size
+                or not cache.keys):
+            return self.drafter.add_context(cache, features, kept)
+        padding = self.block_size - features.shape[1]
+        return self.context_step(cache, torch.nn.functional.pad(features, (0, 0, 0, padding)), kept)
 
     @staticmethod
     def _compiled(function, backend, mode: str):

@@ -228,6 +228,28 @@ class ScriptedWidths(WidthChooser):
         return next(self.script, self.block_size)
 
 
+def test_compiled_drafter_context_padded_to_the_block_equals_the_eager_one(tiny, random_drafter):
+    """Steps' context goes through one compiled add_context graph, padded to the block: the committed keys and
+    values and the lengths are those of the eager add_context. The first context (it allocates the cache) and any
+    longer than a block stay eager; a short first one (a short prompt's) must not reach the compiled graph."""
+    model = tiny("qwen3_moe")
+    decoder = dflash_compile.optimize(model, random_drafter(model)).decoder
+    drafter = decoder.drafter
+    features = torch.randn(2, 12, drafter.fc.in_features, generator=torch.Generator().manual_seed(0))
+    caches = [drafter.new_cache(2, 32, torch.float32, "cpu") for _ in range(2)]
+    with torch.inference_mode():
+        for cache, add in zip(caches, (drafter.add_context, decoder._add_context)):
+            add(cache, features[:, :2], torch.tensor([2, 1]))  # the first: eager either way
+            add(cache, features[:, 2:9], torch.tensor([7, 6]))  # longer than a block: eager either way
+            add(cache, features[:, 9:], torch.tensor([2, 3]))  # 3 tokens, padded to the block of 4
+    eager, compiled = caches
+    assert eager.lengths.tolist() == compiled.lengths.tolist() == [11, 10]
+    for layer in range(len(drafter.layers)):
+        for mine, theirs in zip(compiled.kv(layer), eager.kv(layer)):
+            for row, length in enumerate(eager.lengths.tolist()):
+                torch.testing.assert_close(mine[row, :, :length], theirs[row, :, :length])
+
+
 def test_cuda_graphs_are_the_default_only_on_cuda(tiny):
     model = tiny("qwen3_moe")
     assert dflash_compile.optimize(model).decoder.mode == "default"
