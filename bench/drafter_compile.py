@@ -10,14 +10,16 @@ Milliseconds per call, medians of --repeats rounds of 200 calls, eager and compi
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_compile import optimize  # noqa: E402
+from dflash_compile.benchmark import timed  # noqa: E402
 from dflash_compile.pair import load_target, pair_paths  # noqa: E402
+
+CALLS = 200  # per timed round
 
 
 def main() -> None:
@@ -34,8 +36,8 @@ def main() -> None:
         cache = drafter.new_cache(1, 512, torch.float32, args.device)
         drafter.add_context(cache, torch.randn(1, 40, drafter.fc.in_features, device=args.device),
                             torch.tensor([40], device=args.device))
-        features, kept = torch.randn(1, block, drafter.fc.in_features, device=args.device), torch.zeros_like(
-            cache.lengths)
+        features = torch.randn(1, block, drafter.fc.in_features, device=args.device)
+        kept = torch.zeros_like(cache.lengths)
         embeds = torch.randn(1, block, model.config.hidden_size, device=args.device)
         calls = {
             "add_context": {"eager": lambda: drafter.add_context(cache, features, kept),
@@ -45,19 +47,9 @@ def main() -> None:
         }
         for name, ways in calls.items():
             times = {way: [] for way in ways}
-            for way, call in ways.items():  # warm-up, compiles
-                for _ in range(20):
-                    call()
-            for _ in range(args.repeats):
-                for way, call in ways.items():
-                    if args.device != "cpu":
-                        torch.cuda.synchronize()
-                    start = time.perf_counter()
-                    for _ in range(200):
-                        call()
-                    if args.device != "cpu":
-                        torch.cuda.synchronize()
-                    times[way].append((time.perf_counter() - start) / 200 * 1e3)
+            for _ in range(args.repeats):  # the two ways alternate, so a drifting machine speed hits both
+                for way, call in ways.items():  # timed's warm-up round compiles the first time
+                    times[way].append(timed(lambda: [call() for _ in range(CALLS)], 1, args.device)[1] / CALLS * 1e3)
             eager, compiled = (statistics.median(times[way]) for way in ("eager", "compiled"))
             print(f"{name}: eager {eager:.3f} ms, compiled {compiled:.3f} ms ({eager / compiled:.2f}x)")
 
