@@ -148,12 +148,13 @@ def run(args) -> list[dict]:
                                                     oracle, False)]
         if args.adaptive and not args.decode_only:
             speculative.append((f"DFlash adaptive width, oracle p={args.corruption}", oracle, True))
-        setups = [(f"{policy}, {name}", policy, drafter, adaptive) for policy in args.policy
+        setups = [(f"{policy}, prefetch {ahead}, {name}", policy, ahead, drafter, adaptive)
+                  for policy in args.policy for ahead in args.prefetch
                   for name, drafter, adaptive in [("decode", None, False), *speculative]]
-        for name, policy, drafter, adaptive in setups:
+        for name, policy, ahead, drafter, adaptive in setups:
             fast = dflash_compile.optimize(copy.deepcopy(host_model), drafter, gpu_memory=budget, device=args.device,
                                            adaptive=adaptive, offload_policy=policy,
-                                           offload_prefetch=not args.no_prefetch,
+                                           offload_prefetch=ahead,
                                            offload_cpu_compute=args.cpu_compute, mode=args.mode)
             out, whole_s, prefill_s, whole, prefill = decode_measurement(fast, ids.to(args.device), args.new,
                                                                          args.repeats)
@@ -203,7 +204,8 @@ def main() -> None:
     parser.add_argument("--corruption", type=float, default=0.1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--policy", nargs="+", default=["lru"], choices=["lru", "lfu"])
-    parser.add_argument("--no-prefetch", action="store_true", help="offload without next-layer prefetch")
+    parser.add_argument("--prefetch", type=int, nargs="+", default=[1],
+                        help="MoE layers ahead to prefetch predicted experts for (0: off); several compare them")
     parser.add_argument("--adaptive", action="store_true", help="also run DFlash with the adaptive verify width")
     parser.add_argument("--decode-only", action="store_true", help="plain decoding only (no DFlash rows)")
     parser.add_argument("--cpu-compute", default="off", choices=["off", "auto", "always"],

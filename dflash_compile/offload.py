@@ -11,12 +11,13 @@ the same call. Policies: "lru" (least recently used) and "lfu" (least frequently
 That routing read is the only host sync (`stats.routing_wait_s` adds up the time blocked in it; with
 `cpu_compute`, misses run on the CPU also read their tokens' hidden rows back).
 
-Prefetch (on by default): in the same host read, the next MoE layer's router is applied to this layer's input,
-and the experts it picks for the call's tokens (one token in decode, the whole block in a DFlash verify step: the
-route-ahead union) are copied on the side stream while this layer computes; the next layer waits only for the
-copies it uses. `stats` counts coverage (needed experts a prefetch brought in) and waste (prefetched experts
-evicted unused). Hooks (`add_hook`) see every fetch, hit and prefetch. With `device="cpu"` the same logic runs
-with plain copies, which is how the CPU tests check it.
+Prefetch (on by default): in the same host read, the next `prefetch` MoE layers' routers are applied to this
+layer's input, and the experts they pick for the call's tokens (one token in decode, the whole block in a DFlash
+verify step: the route-ahead union) are copied on the side stream while this layer computes; a layer waits only for
+the copies it uses. Two layers ahead keeps the copy engine busy through the next layer's routing read (the layer
+after next is already queued), at the price of a weaker guess for it. `stats` counts coverage (needed experts a
+prefetch brought in) and waste (prefetched experts evicted unused). Hooks (`add_hook`) see every fetch, hit and
+prefetch. With `device="cpu"` the same logic runs with plain copies, which is how the CPU tests check it.
 """
 
 from __future__ import annotations
@@ -225,7 +226,7 @@ class OffloadedExperts:
     slots: int
     policy: str = "lru"
     layers: list[_Layer] = field(default_factory=list)
-    prefetch: bool = True
+    prefetch: int = 1  # MoE layers ahead whose predicted experts are copied in (0: none)
     cpu_compute: str = "off"  # "auto": a miss runs on the CPU when MissCosts says that beats its copy; "always"
     hooks: list[Callable[[str, int, int, int], None]] = field(default_factory=list)
     stats: OffloadStats = field(default_factory=OffloadStats)
@@ -242,6 +243,8 @@ class OffloadedExperts:
         self.miss_costs: MissCosts | None = None  # measured at the first "auto" decision
         if self.cpu_compute not in CPU_COMPUTE:
             raise ValueError(f"cpu_compute must be one of {CPU_COMPUTE}, got {self.cpu_compute!r}")
+        if self.prefetch < 0:
+            raise ValueError(f"prefetch is a number of layers ahead (0 turns it off), got {self.prefetch}")
 
     def add_layer(self, module: torch.nn.Module, router: torch.nn.Module | None = None) -> int:
         format, weights = _blob_parts(module)
@@ -340,7 +343,7 @@ class OffloadedExperts:
         them were used: for a model whose next-layer guess is poor it only costs bandwidth."""
         if self.stats.prefetched >= PREFETCH_TRIAL and self.stats.prefetch_hits < (
                 PREFETCH_MIN_PRECISION * self.stats.prefetched):
-            self.prefetch = False
+            self.prefetch = 0
             return
         predicted = [e for e in experts if (layer, e) not in self.cache.where]
         if not predicted or len(keep) + len(predicted) > self.slots:
@@ -351,16 +354,19 @@ class OffloadedExperts:
         self._copy(layer, copies)
 
     def _routed_experts(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor):
-        """(the routed expert of every (token, slot) pair, the next layer's predicted experts), both read in ONE
-        host transfer."""
-        following = self.layers[layer + 1].router if self.prefetch and layer + 1 < len(self.layers) else None
-        flat = top_k_index.reshape(-1)
-        if following is not None:
-            flat = torch.cat([flat, predict_experts(following, hidden).reshape(-1).to(flat.dtype)])
+        """(the routed expert of every (token, slot) pair, {following layer: its predicted experts} for the next
+        `prefetch` layers), all read in ONE host transfer."""
+        following = range(layer + 1, min(layer + 1 + self.prefetch, len(self.layers)))
+        guesses = [predict_experts(self.layers[ahead].router, hidden).reshape(-1).to(top_k_index.dtype)
+                   for ahead in following]
         start = time.perf_counter()
-        ids = flat.tolist()  # the host sync
+        ids = torch.cat([top_k_index.reshape(-1), *guesses]).tolist()  # the host sync
         self.stats.routing_wait_s += time.perf_counter() - start
-        return ids[:top_k_index.numel()], sorted(set(ids[top_k_index.numel():]))
+        predicted, offset = {}, top_k_index.numel()
+        for ahead, guess in zip(following, guesses):
+            predicted[ahead] = sorted(set(ids[offset: offset + guess.numel()]))
+            offset += guess.numel()
+        return ids[:top_k_index.numel()], predicted
 
     def _host_side(self, layer: int, pair_experts: list[int], hidden: torch.Tensor, gate) -> set[int]:
         """The missed experts of this call that run on the CPU instead of being copied (see `cpu_compute`)."""
@@ -402,8 +408,11 @@ class OffloadedExperts:
         on_host = self._host_side(layer, pair_experts, hidden, gate)
         on_device = sorted(set(pair_experts) - on_host)
         table = self._fetch(layer, on_device) if on_device else None
-        if predicted:  # issued before this layer's kernel, which never reads the slots it fills: they overlap
-            self._prefetch(layer + 1, predicted, {(layer, e) for e in on_device})
+        keep = {(layer, e) for e in on_device}
+        for ahead, experts in predicted.items():  # issued before this layer's kernel, which never reads the slots
+            # they fill, nearest layer first: they overlap
+            self._prefetch(ahead, experts, keep)
+            keep |= {(ahead, e) for e in experts}
         out = None
         if on_device:
             index, weights = top_k_index, top_k_weights
@@ -474,19 +483,20 @@ def plan_offload(model: torch.nn.Module, device="cpu") -> OffloadPlan:
 
 
 def offload_experts(model: torch.nn.Module, gpu_memory, device="cuda", policy: str = "lru",
-                    prefetch: bool = True, cpu_compute: str = "off") -> torch.nn.Module:
+                    prefetch: int = 1, cpu_compute: str = "off") -> torch.nn.Module:
     """Move `model` to `device` except its routed experts, which go to host blobs behind a slot pool that, with the
     dense weights and the runtime's reserve, fits `gpu_memory` (bytes, "20GiB", or an accelerate max_memory dict).
     Checked before anything moves: the budget must hold the dense weights, one MoE layer's experts and, on CUDA,
     CUDA_RUNTIME_RESERVE. (The KV cache and long prompts' activations come on top, as with accelerate's
-    max_memory.) `prefetch`: copy each next layer's predicted experts ahead.
+    max_memory.) `prefetch`: how many MoE layers ahead to predict and copy experts for (True: 1, False: 0).
     `cpu_compute`: "auto" runs a missed expert on the CPU (C++ kernels, on its host blob) when measuring says that
     beats copying it, "always" runs every miss there; outputs then differ from the resident model's by rounding."""
     from .expert_store import ExpertStore
 
     device = torch.device(device)
     slots = plan_offload(model, device).slots(parse_size(gpu_memory))
-    offloaded = OffloadedExperts(device, int(slots), policy, prefetch=prefetch, cpu_compute=cpu_compute)
+    offloaded = OffloadedExperts(device, int(slots), policy, prefetch=int(prefetch),
+                                 cpu_compute=cpu_compute)
     store = ExpertStore()  # what the eager forward dispatches to; compiled graphs get their own entries
     modules = _experts_modules(model)
     spec = spec_for_experts_class(type(next(iter(modules.values()))))

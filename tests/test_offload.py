@@ -82,7 +82,7 @@ def test_hooks_see_every_fetch_and_hit(tiny):
     assert stats.per_layer_calls == 2 and stats.routing_wait_s > 0  # one routing read per MoE layer call
     placement = dflash_compile.explain(model, token_ids()).expert_placement
     assert placement.startswith("2 layers offloaded to host memory (dense") and "8 slots on cpu" in placement
-    assert placement.endswith("lru, prefetch on, CPU compute of misses off")
+    assert placement.endswith("lru, prefetch 1 layer(s) ahead, CPU compute of misses off")
 
 
 def test_cache_policies():
@@ -212,6 +212,36 @@ def test_prefetch_accounting_and_identity(tiny, family):
                             device="cpu", prefetch=False)
     assert torch.equal(plain.generate(ids, max_new_tokens=10, do_sample=False), expected)
     assert plain.dflash_offload.stats.prefetched == 0
+
+
+def test_prefetch_two_layers_ahead(tmp_path):
+    """prefetch=2: each layer's call also copies in the experts predicted for the layer after next (queued while
+    the next layer still computes), with the same tokens and the same accounting. A negative depth is refused
+    before the model changes."""
+    from dflash_compile.testing import load_tiny_model, save_tiny_model
+
+    directory = save_tiny_model("qwen3_moe", tmp_path, num_hidden_layers=4)
+    ids = token_ids()
+    expected = load_tiny_model("qwen3_moe", directory=directory).generate(ids, max_new_tokens=10, do_sample=False)
+    model = load_tiny_model("qwen3_moe", directory=directory)
+    plan = plan_offload(model)
+    with pytest.raises(ValueError, match="prefetch is a number of layers ahead .0 turns it off., got -1"):
+        offload_experts(model, plan.minimum_budget, device="cpu", prefetch=-1)
+    assert not hasattr(model, "dflash_offload")
+    model = offload_experts(model, plan.minimum_budget + 2 * plan.experts_per_layer * plan.blob_bytes, device="cpu",
+                            prefetch=2)
+    events = []  # (event, layer) in the order the cache decided them
+    model.dflash_offload.add_hook(lambda event, layer, expert, slot: events.append((event, layer)))
+    assert torch.equal(model.generate(ids, max_new_tokens=10, do_sample=False), expected)
+    current, depths = None, set()  # a call's fetches and hits come before its prefetches
+    for event, layer in events:
+        if event == "prefetch":
+            depths.add(layer - current)
+        else:
+            current = layer
+    assert depths == {1, 2}
+    stats = model.dflash_offload.stats
+    assert stats.prefetched == stats.prefetch_hits + stats.prefetch_wasted + len(model.dflash_offload.unused_prefetches)
 
 
 @pytest.mark.parametrize("family", ["gpt_oss", "qwen3_5_moe", "deepseek_v3"])
