@@ -1,0 +1,99 @@
+"""Instructions in the fused MoE kernel's K loop, compiled offline for the H200 (sm_90) on any machine, no GPU:
+
+    python bench/kernel_sass.py                         # every format, gate_up and down, the formats' TILES
+    python bench/kernel_sass.py --format mxfp4 --tiles block_n=64 num_warps=8
+
+The kernels are bound by instruction issue rather than by memory at decode sizes: on the H200 (session 4 sweep) the
+FP8 kernel read 2.9x more bytes per second than the MXFP4 one at M = 16, and its K loop issues 2.9x more weight
+bytes per warp instruction here; the MXFP4 decode by fp32 bit construction that measured 2-2.5x slower has 2.4x the
+loop instructions. So "weight bytes per warp instruction" of the loop is a proxy for a kernel change that can be
+read before any GPU time is spent. Compiles with the specialisations the JIT makes on real shapes (16-byte aligned
+pointers, sizes divisible by 16), disassembles with the cuobjdump bundled with Triton, takes the longest backward
+branch as the K loop and prints its instruction count, its commonest opcodes and bytes per warp instruction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dflash_compile.kernels.moe import ACTIVATIONS, FORMATS, _moe_gemm_kernel, tiles_for  # noqa: E402
+
+H200 = GPUTarget("cuda", 90, 32)
+POINTERS = {"x": "*bf16", "bias": "*fp32", "out": "*bf16", "pair_ids": "*i32", "block_expert": "*i32",
+            "pair_weights": "*fp32"}
+WEIGHT_POINTERS = {"dense": ("*bf16", "*fp32"), "mxfp4": ("*u8", "*u8"), "fp8_block": ("*u8", "*fp32")}
+# arguments the JIT sees as multiples of 16 on the benchmark shapes (pointers from the allocator, H, I, strides)
+ALIGNED = ("x", "data", "scales", "bias", "out", "pair_ids", "block_expert", "pair_weights", "N", "K", "N_OUT",
+           "data_stride", "scales_stride", "bias_stride", "row_stride")
+
+
+def compile_kernel(format: str, gated: bool, tiles: dict):
+    """`_moe_gemm_kernel` for `format` compiled for sm_90, gpt-oss-style (interleaved, clamped SwiGLU, biases)."""
+    data, scales = WEIGHT_POINTERS[format]
+    names = _moe_gemm_kernel.arg_names
+    signature = {name: "i32" for name in names} | POINTERS | {"data": data, "scales": scales, "alpha": "fp32",
+                                                              "limit": "fp32", "data_stride": "i64",
+                                                              "scales_stride": "i64", "bias_stride": "i64"}
+    constants = dict(FORMAT=FORMATS[format], GATED=gated, INTERLEAVED=True, ACTIVATION=ACTIVATIONS["clamped_swiglu"],
+                     HAS_BIAS=True, APPLY_WEIGHT=not gated, COMPUTE_FP32=False, BLOCK_M=tiles["block_m"],
+                     BLOCK_N=tiles["block_n"], BLOCK_K=tiles["block_k"], NUM_STAGES=tiles["num_stages"],
+                     column_stride=1)  # the JIT makes an argument equal to 1 a constant
+    signature |= {name: "constexpr" for name in constants}
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ALIGNED}
+    source = ASTSource(_moe_gemm_kernel, signature, constexprs=constants, attrs=attrs)
+    return triton.compile(source, target=H200, options={"num_warps": tiles["num_warps"],
+                                                        "num_stages": tiles["num_stages"]})
+
+
+def k_loop(cubin: bytes) -> list[str]:
+    """The instructions of the longest loop in `cubin` (the K loop: every other loop is short bookkeeping)."""
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    path = Path("/tmp") / "dflash_kernel_sass.cubin"
+    path.write_bytes(cubin)
+    sass = subprocess.run([str(cuobjdump), "-sass", str(path)], capture_output=True, text=True, check=True).stdout
+    code = [(int(address, 16), text.strip()) for address, text in
+            re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+    loops = [(int(target, 16), address) for address, text in code
+             for target in re.findall(r"BRA (0x[0-9a-f]+)", text) if int(target, 16) < address]
+    start, end = max(loops, key=lambda loop: loop[1] - loop[0])
+    return [text for address, text in code if start <= address <= end]
+
+
+def opcode(instruction: str) -> str:
+    return re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0].split(".")[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--format", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    parser.add_argument("--tiles", nargs="*", default=[], help="overrides of the format's TILES, e.g. block_n=64")
+    args = parser.parse_args()
+    overrides = {key: int(value) for key, value in (item.split("=") for item in args.tiles)}
+    print("| format | projection | tiles | loop instructions / thread | weight bytes / iteration | bytes / warp "
+          "instruction | commonest opcodes |")
+    print("|---|---|---|---|---|---|---|")
+    for format in args.format:
+        tiles = tiles_for(format, overrides)
+        for gated in (True, False):
+            loop = k_loop(compile_kernel(format, gated, tiles).asm["cubin"])
+            rows = tiles["block_n"] * (2 if gated else 1)
+            weight_bytes = rows * tiles["block_k"] * {"dense": 2, "mxfp4": 0.5, "fp8_block": 1}[format]
+            common = ", ".join(f"{name} {count}" for name, count in
+                               collections.Counter(map(opcode, loop)).most_common(5))
+            tile_text = " ".join(f"{key}={value}" for key, value in tiles.items())
+            print(f"| {format} | {'gate_up' if gated else 'down'} | {tile_text} | {len(loop)} | {weight_bytes:.0f} | "
+                  f"{weight_bytes / (len(loop) * tiles['num_warps']):.2f} | {common} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
