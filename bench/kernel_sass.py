@@ -2,6 +2,7 @@
 
     python bench/kernel_sass.py                         # every format, gate_up and down, the formats' TILES
     python bench/kernel_sass.py --format mxfp4 --tiles block_n=64 num_warps=8
+    python bench/kernel_sass.py --format fp8_block --tiles operands=fp16
 
 The kernels are bound by instruction issue rather than by memory at decode sizes: on the H200 (session 4 sweep) the
 FP8 kernel read 2.9x more bytes per second than the MXFP4 one at M = 16, and its K loop issues 2.9x more weight
@@ -41,11 +42,15 @@ def compile_kernel(format: str, gated: bool, tiles: dict):
     """`_moe_gemm_kernel` for `format` compiled for sm_90, gpt-oss-style (interleaved, clamped SwiGLU, biases)."""
     data, scales = WEIGHT_POINTERS[format]
     names = _moe_gemm_kernel.arg_names
+    fp16 = tiles.get("operands") == "fp16"
     signature = {name: "i32" for name in names} | POINTERS | {"data": data, "scales": scales, "alpha": "fp32",
                                                               "limit": "fp32", "data_stride": "i64",
                                                               "scales_stride": "i64", "bias_stride": "i64"}
+    if fp16:  # the activations come in (and the gate/up output goes out) as prescaled fp16
+        signature |= {"x": "*fp16", "out": "*fp16"}
     constants = dict(FORMAT=FORMATS[format], GATED=gated, INTERLEAVED=True, ACTIVATION=ACTIVATIONS["clamped_swiglu"],
-                     HAS_BIAS=True, APPLY_WEIGHT=not gated, COMPUTE_FP32=False, BLOCK_M=tiles["block_m"],
+                     HAS_BIAS=True, APPLY_WEIGHT=not gated, COMPUTE_FP32=False, FP16_OPERANDS=fp16,
+                     BLOCK_M=tiles["block_m"],
                      BLOCK_N=tiles["block_n"], BLOCK_K=tiles["block_k"], NUM_STAGES=tiles["num_stages"],
                      column_stride=1)  # the JIT makes an argument equal to 1 a constant
     signature |= {name: "constexpr" for name in constants}
@@ -78,7 +83,8 @@ def main() -> None:
     parser.add_argument("--format", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     parser.add_argument("--tiles", nargs="*", default=[], help="overrides of the format's TILES, e.g. block_n=64")
     args = parser.parse_args()
-    overrides = {key: int(value) for key, value in (item.split("=") for item in args.tiles)}
+    overrides = {key: int(value) if value.isdigit() else value for key, value in
+                 (item.split("=") for item in args.tiles)}
     print("| format | projection | tiles | loop instructions / thread | weight bytes / iteration | bytes / warp "
           "instruction | commonest opcodes |")
     print("|---|---|---|---|---|---|---|")

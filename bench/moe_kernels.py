@@ -179,6 +179,9 @@ def tile_candidates(format: str):
             for num_stages in (2, 4):
                 yield {"block_n": block_n, "block_k": block_k, "num_warps": 4, "num_stages": num_stages}
     yield {"block_n": 64, "block_k": 128, "num_warps": 8, "num_stages": 3}
+    if format == "fp8_block":  # fp16 tensor-core operands (fewer conversions per K step) on the same tiles
+        for block_n in (16, 32, 64):
+            yield {"block_n": block_n, "block_k": 128, "num_warps": 4, "num_stages": 4, "operands": "fp16"}
 
 
 def tune(name: str, tokens_list, layers: int) -> dict:

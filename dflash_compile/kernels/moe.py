@@ -14,6 +14,13 @@ sized by its upper bound: blocks past the real count exit at once (CUDA-graph fr
 `COMPUTE_FP32` makes every product and sum fp32 (the path the CPU tests run under TRITON_INTERPRET=1, whose bf16
 arithmetic is wrong); otherwise tiles are bf16 into fp32 accumulators. Codes are decoded arithmetically (no fp8
 casts inside the kernel, which the interpreter gets wrong).
+
+`FP16_OPERANDS` (FP8 weights, tile setting `operands="fp16"`): the weights go to the tensor cores as fp16 through
+the one-instruction e4m3x2 -> f16x2 conversion (bf16 takes two per value), and the activations come in as fp16
+times FP16_PRESCALE (made once per call; the gate/up launch writes its output the same way for the down launch),
+so the K loop converts nothing else: 331 -> 227 (gate/up) and 204 -> 156 (down) instructions per K step on sm_90
+(bench/kernel_sass.py). The prescale keeps activations up to 1.6e7 finite; fp16 keeps 3 more mantissa bits than
+bf16 above 2^-6 and rounds smaller values to 2^-17 absolute. Not the default until measured on the H200.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import triton.language as tl
 from ..packed import PackedWeight
 
 FORMATS = {"dense": 0, "mxfp4": 1, "fp8_block": 2}
+FP16_PRESCALE = tl.constexpr(2.0**-8)  # activations times this are fp16 operands (see FP16_OPERANDS)
 ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
 
 
@@ -144,24 +152,28 @@ def _mxfp4_dot(acc, x_rows, pair_ok, data, scales, rows, row_ok, k, K, COMPUTE_F
 
 
 @triton.jit
-def _fp8_tile(data, rows, row_ok, columns, K, COMPUTE_FP32: tl.constexpr):
-    """[BLOCK_ROWS, BLOCK_K] float8_e4m3fn weight values, unscaled: the hardware conversion on the GPU, arithmetic
-    decoding in the fp32 path (the interpreter's fp8 casts are unreliable). One return: Triton 3.6 compiles the
-    statements after a constexpr branch's return too, and two returns of different dtypes fail there."""
+def _fp8_tile(data, rows, row_ok, columns, K, COMPUTE_FP32: tl.constexpr, FP16_OPERANDS: tl.constexpr):
+    """[BLOCK_ROWS, BLOCK_K] float8_e4m3fn weight values, unscaled: the hardware conversion on the GPU (to fp16 or
+    bf16), arithmetic decoding in the fp32 path (the interpreter's fp8 casts are unreliable). One return: Triton 3.6
+    compiles the statements after a constexpr branch's return too, and two returns of different dtypes fail there."""
     byte = tl.load(data + rows[:, None] * K + columns[None, :], mask=row_ok[:, None] & (columns[None, :] < K),
                    other=0)
     if COMPUTE_FP32:
         tile = _e4m3(byte.to(tl.int32))
+    elif FP16_OPERANDS:
+        tile = byte.to(tl.float8e4nv, bitcast=True).to(tl.float16)
     else:
         tile = byte.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
     return tile
 
 
 @triton.jit
-def _dot(x_tile, w_tile, COMPUTE_FP32: tl.constexpr):
-    """x [BLOCK_M, k] @ w [BLOCK_ROWS, k]^T into fp32 on the tensor cores, fp32 or bf16 operands."""
+def _dot(x_tile, w_tile, COMPUTE_FP32: tl.constexpr, FP16_OPERANDS: tl.constexpr = False):
+    """x [BLOCK_M, k] @ w [BLOCK_ROWS, k]^T into fp32 on the tensor cores, fp32, fp16 or bf16 operands."""
     if COMPUTE_FP32:
         product = tl.dot(x_tile.to(tl.float32), tl.trans(w_tile.to(tl.float32)), input_precision="ieee")
+    elif FP16_OPERANDS:
+        product = tl.dot(x_tile, tl.trans(w_tile))
     else:
         product = tl.dot(x_tile.to(tl.bfloat16), tl.trans(w_tile.to(tl.bfloat16)))
     return product
@@ -169,8 +181,8 @@ def _dot(x_tile, w_tile, COMPUTE_FP32: tl.constexpr):
 
 @triton.jit
 def _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_loop, row_stride, column_stride,
-             FORMAT: tl.constexpr, COMPUTE_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-             BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+             FORMAT: tl.constexpr, COMPUTE_FP32: tl.constexpr, FP16_OPERANDS: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
     """[BLOCK_M, BLOCK_ROWS] fp32 = x[pair_rows] @ W[rows]^T over all of K, W the expert at `data` / `scales`
     (dense weights at any row / column strides, e.g. a transposed view of [E, in, out] parameters)."""
     acc = tl.zeros((BLOCK_M, BLOCK_ROWS), dtype=tl.float32)
@@ -183,8 +195,10 @@ def _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_loop, row_s
             x_tile = tl.load(x_rows + columns[None, :], mask=pair_ok[:, None] & (columns[None, :] < K), other=0.0)
             if FORMAT == 2:  # BLOCK_K divides 128, so the tile lies in one 128-column scale block: scale per row
                 row_scale = tl.load(scales + (rows // 128) * ((K + 127) // 128) + k // 128, mask=row_ok, other=0.0)
-                acc += _dot(x_tile, _fp8_tile(data, rows, row_ok, columns, K, COMPUTE_FP32),
-                            COMPUTE_FP32) * row_scale[None, :]
+                if FP16_OPERANDS:  # undoes the activations' prescale with the block scale
+                    row_scale = row_scale / FP16_PRESCALE
+                acc += _dot(x_tile, _fp8_tile(data, rows, row_ok, columns, K, COMPUTE_FP32, FP16_OPERANDS),
+                            COMPUTE_FP32, FP16_OPERANDS) * row_scale[None, :]
             else:
                 w_tile = tl.load(data + rows[:, None] * row_stride + columns[None, :] * column_stride,
                                  mask=row_ok[:, None] & (columns[None, :] < K), other=0.0)
@@ -197,7 +211,7 @@ def _moe_gemm_kernel(
     x, data, scales, bias, out, pair_ids, block_expert, pair_weights,
     P, N, K, N_OUT, ROW_DIV, alpha, limit, data_stride, scales_stride, bias_stride, row_stride, column_stride,
     FORMAT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACTIVATION: tl.constexpr,
-    HAS_BIAS: tl.constexpr, APPLY_WEIGHT: tl.constexpr, COMPUTE_FP32: tl.constexpr,
+    HAS_BIAS: tl.constexpr, APPLY_WEIGHT: tl.constexpr, COMPUTE_FP32: tl.constexpr, FP16_OPERANDS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     block = tl.program_id(0)
@@ -226,7 +240,7 @@ def _moe_gemm_kernel(
         row_ok = column < N_OUT
         rows = tl.where(row_ok, rows, 0)
         both = _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_loop, row_stride, column_stride,
-                        FORMAT, COMPUTE_FP32, BLOCK_M, 2 * BLOCK_N, BLOCK_K, NUM_STAGES)
+                        FORMAT, COMPUTE_FP32, FP16_OPERANDS, BLOCK_M, 2 * BLOCK_N, BLOCK_K, NUM_STAGES)
         if HAS_BIAS:
             both += tl.load(bias + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
         gate, up = tl.split(tl.reshape(both, (BLOCK_M, BLOCK_N, 2)))
@@ -236,10 +250,12 @@ def _moe_gemm_kernel(
             result = (up + 1.0) * gate * tl.sigmoid(gate * alpha)
         else:  # SiLU(gate) * up
             result = gate * tl.sigmoid(gate) * up
+        if FP16_OPERANDS:  # the down launch's activations
+            result = result * FP16_PRESCALE
     else:
         rows = tl.where(column_ok, columns, 0)
         result = _project(x, data, scales, rows, column_ok, pair_rows, pair_ok, K, k_loop, row_stride,
-                          column_stride, FORMAT, COMPUTE_FP32, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)
+                          column_stride, FORMAT, COMPUTE_FP32, FP16_OPERANDS, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)
         if HAS_BIAS:
             result += tl.load(bias + rows, mask=column_ok, other=0.0).to(tl.float32)[None, :]
     if APPLY_WEIGHT:
@@ -257,8 +273,11 @@ def _strides(weight: PackedWeight) -> tuple[int, ...]:
 
 
 def _launch(x, weight: PackedWeight, pair_ids, block_expert, pair_weights, rows_out, n_out, row_div, *, gated,
-            interleaved, activation, alpha, limit, compute_fp32, block_m, block_n, block_k, num_warps, num_stages):
+            interleaved, activation, alpha, limit, compute_fp32, block_m, block_n, block_k, num_warps, num_stages,
+            operands="bf16"):
+    """One GEMM launch; with fp16 operands `x` must already be fp16 times FP16_PRESCALE (`_fp16_operand`)."""
     _, n, k = weight.shape
+    fp16_operands = operands == "fp16" and not compute_fp32
     out = torch.empty(rows_out, n_out, dtype=torch.float32 if compute_fp32 or not gated else x.dtype,
                       device=x.device)
     grid = (block_expert.numel(), triton.cdiv(n_out, block_n))
@@ -270,19 +289,33 @@ def _launch(x, weight: PackedWeight, pair_ids, block_expert, pair_weights, rows_
         rows_out, n, k, n_out, row_div, float(alpha), float(limit), *_strides(weight),
         FORMAT=FORMATS[weight.format], GATED=gated, INTERLEAVED=interleaved, ACTIVATION=ACTIVATIONS[activation],
         HAS_BIAS=weight.bias is not None, APPLY_WEIGHT=pair_weights is not None, COMPUTE_FP32=compute_fp32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, num_warps=num_warps,
+        FP16_OPERANDS=fp16_operands, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
+        num_warps=num_warps,
     )
     return out
 
 
+def _fp16_operand(x: torch.Tensor) -> torch.Tensor:
+    """`x` times FP16_PRESCALE in fp16, in one pass (the scaling is exact: a power of two)."""
+    return torch.mul(x, FP16_PRESCALE.value, out=torch.empty(x.shape, dtype=torch.float16, device=x.device))
+
+
+def _activations(x: torch.Tensor, settings: dict) -> torch.Tensor:
+    """The activations as the kernel takes them: prescaled fp16 with fp16 operands, else contiguous as they are."""
+    if settings.get("operands") == "fp16" and not settings["compute_fp32"]:
+        return _fp16_operand(x)
+    return x.contiguous()
+
+
 # Tiles per weight format (one config each: the interpreter cannot autotune), from `bench/moe_kernels.py`'s sweep on
 # the H200 (docs/benchmarks.md). block_m: pairs per block (tensor-core tiles: >= 16); block_n: output columns per
-# program; block_k: K per step (FP8: a divisor of its 128-column scale block); num_stages: K steps in flight.
+# program; block_k: K per step (FP8: a divisor of its 128-column scale block); num_stages: K steps in flight;
+# operands (FP8): "bf16" or "fp16" tensor-core operands (see FP16_OPERANDS).
 # (CUDA-core tiles of 1-4 pairs and MXFP4 decoded by fp32 bit construction were measured too: 2-10x slower.)
 _COMMON = {"block_m": 16, "block_n": 32, "num_warps": 4}
 TILES = {
     "mxfp4": _COMMON | {"block_k": 128, "num_stages": 4},
-    "fp8_block": _COMMON | {"block_k": 128, "num_stages": 4},
+    "fp8_block": _COMMON | {"block_k": 128, "num_stages": 4, "operands": "bf16"},
     "dense": _COMMON | {"block_k": 64, "num_stages": 3},
 }
 
@@ -300,6 +333,8 @@ def tiles_for(format: str, overrides: dict) -> dict:
         raise ValueError(f"fp8_block needs block_k <= 128 (one scale per 128 columns), got {block_k}")
     if block_m < 16 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two >= 16 (tensor-core tiles), got {block_m}")
+    if tiles.get("operands", "bf16") not in ("bf16", "fp16"):
+        raise ValueError(f"operands must be 'bf16' or 'fp16', got {tiles['operands']!r}")
     return tiles
 
 
@@ -322,7 +357,7 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     tokens, top_k = top_k_index.shape
     pair_ids, block_expert = align_routing(top_k_index, experts, settings["block_m"])
     settings |= dict(alpha=alpha, limit=limit, compute_fp32=compute_fp32)
-    x = hidden.contiguous()
+    x = _activations(hidden, settings)
     intermediate = _launch(x, gate_up, pair_ids, block_expert, None, tokens * top_k, two_i // 2, top_k,
                            gated=True, interleaved=interleaved, activation=activation, **settings)
     weights = top_k_weights.reshape(-1).contiguous()
@@ -334,11 +369,10 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
 def packed_linear(x: torch.Tensor, weight: PackedWeight, **tiles) -> torch.Tensor:
     """A dense linear layer over a packed [1, N, K] weight (FP8 block-scaled or MXFP4): the MoE kernel with every
     token routed to the one expert. x [..., K] -> [..., N] in x's dtype."""
-    rows = x.reshape(-1, x.shape[-1]).contiguous()
-    settings = tiles_for(weight.format, tiles)
+    settings = tiles_for(weight.format, tiles) | dict(compute_fp32=x.dtype == torch.float32)
+    rows = _activations(x.reshape(-1, x.shape[-1]), settings)
     pair_ids, block_expert = align_routing(torch.zeros(rows.shape[0], 1, dtype=torch.int32, device=x.device), 1,
                                            settings["block_m"])
     out = _launch(rows, weight, pair_ids, block_expert, None, rows.shape[0], weight.shape[1], 1, gated=False,
-                  interleaved=False, activation="silu", alpha=0.0, limit=0.0,
-                  compute_fp32=x.dtype == torch.float32, **settings)
+                  interleaved=False, activation="silu", alpha=0.0, limit=0.0, **settings)
     return out.to(x.dtype).view(*x.shape[:-1], weight.shape[1])

@@ -77,6 +77,33 @@ def test_fused_moe_matches_the_reference(format, family, precision):
     assert error <= (1e-4 if precision == "fp32" else 1e-2), f"relative error {error:.2e}"
 
 
+@pytest.mark.parametrize("family, scale", [("gpt_oss", 1.0), ("gpt_oss", 3e5), ("silu_concatenated", 1.0),
+                                           ("silu_concatenated", 1e3)])
+def test_fp16_operands_for_fp8_weights(family, scale):
+    """operands="fp16": FP8 weights and prescaled activations as fp16 tensor-core operands (no fp32 path: the
+    interpreter's fp16 is right). Matches the reference more closely than the bf16 path must, and activations past
+    fp16's 65504 stay finite through the prescale: inputs of 3e5 (gpt-oss clamps its intermediates), SiLU
+    intermediates of ~1e6 (their limit is 1.6e7)."""
+    if family == "gpt_oss":
+        experts, hidden, inter, top_k, tokens, interleaved, activation, bias = 4, 2880, 32, 2, 2, True, \
+            "clamped_swiglu", True
+    else:
+        experts, hidden, inter, top_k, tokens, interleaved, activation, bias = 3, 96, 160, 2, 3, False, "silu", False
+    gate_up, down = _experts("fp8_block", experts, hidden, inter, bias)
+    index, weights = _routing(tokens, experts, top_k)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1)) * scale
+    expected = reference_moe(x, index, weights, gate_up, down, interleaved, activation)
+    actual = fused_moe(x.to(DEVICE), index.to(DEVICE), weights.to(DEVICE), gate_up, down, interleaved=interleaved,
+                       activation=activation, compute_fp32=False, operands="fp16")
+    error = (actual.cpu().double() - expected).norm() / expected.norm()
+    assert actual.isfinite().all() and error <= 2e-3, f"relative error {error:.2e}"
+    with pytest.raises(ValueError, match="operands must be 'bf16' or 'fp16', got 'fp8'"):
+        fused_moe(x.to(DEVICE), index.to(DEVICE), weights.to(DEVICE), gate_up, down, operands="fp8")
+    with pytest.raises(ValueError, match=r"unknown tile settings \['operands'\]"):
+        fused_moe(x.to(DEVICE), index.to(DEVICE), weights.to(DEVICE), *_experts("mxfp4", experts, hidden, inter, bias),
+                  operands="fp16")
+
+
 @pytest.mark.parametrize("index, experts, block_m", [
     (torch.tensor([[2, 0], [2, 1], [2, 0], [3, 2]]), 5, 2),
     (_routing(40, 128, 8, seed=5)[0], 128, 16),  # 320 pairs, 128 experts: several chunks of pairs and blocks
