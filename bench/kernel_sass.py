@@ -31,25 +31,29 @@ from dflash_compile.kernels.moe import ACTIVATIONS, FORMATS, _moe_gemm_kernel, t
 
 H200 = GPUTarget("cuda", 90, 32)
 POINTERS = {"x": "*bf16", "bias": "*fp32", "out": "*bf16", "pair_ids": "*i32", "block_expert": "*i32",
-            "pair_weights": "*fp32"}
+            "pair_weights": "*fp32", "host_bias": "*fp32", "slot_of": "*i32"}
 WEIGHT_POINTERS = {"dense": ("*bf16", "*fp32"), "mxfp4": ("*u8", "*u8"), "fp8_block": ("*u8", "*fp32")}
 # arguments the JIT sees as multiples of 16 on the benchmark shapes (pointers from the allocator, H, I, strides)
-ALIGNED = ("x", "data", "scales", "bias", "out", "pair_ids", "block_expert", "pair_weights", "N", "K", "N_OUT",
-           "data_stride", "scales_stride", "bias_stride", "row_stride")
+ALIGNED = ("x", "data", "scales", "bias", "out", "pair_ids", "block_expert", "pair_weights", "host_data",
+           "host_scales", "host_bias", "slot_of", "N", "K", "N_OUT", "data_stride", "scales_stride", "bias_stride",
+           "row_stride")
 
 
-def compile_kernel(format: str, gated: bool, tiles: dict):
-    """`_moe_gemm_kernel` for `format` compiled for sm_90, gpt-oss-style (interleaved, clamped SwiGLU, biases)."""
+def compile_kernel(format: str, gated: bool, tiles: dict, host_fallback: bool = False):
+    """`_moe_gemm_kernel` for `format` compiled for sm_90, gpt-oss-style (interleaved, clamped SwiGLU, biases);
+    `host_fallback`: with offload's slot table and host blobs."""
     data, scales = WEIGHT_POINTERS[format]
     names = _moe_gemm_kernel.arg_names
     fp16 = tiles.get("operands") == "fp16"
     signature = {name: "i32" for name in names} | POINTERS | {"data": data, "scales": scales, "alpha": "fp32",
                                                               "limit": "fp32", "data_stride": "i64",
-                                                              "scales_stride": "i64", "bias_stride": "i64"}
+                                                              "scales_stride": "i64", "bias_stride": "i64",
+                                                              "host_data": data, "host_scales": scales}
     if fp16:  # the activations come in (and the gate/up output goes out) as prescaled fp16
         signature |= {"x": "*fp16", "out": "*fp16"}
     constants = dict(FORMAT=FORMATS[format], GATED=gated, INTERLEAVED=True, ACTIVATION=ACTIVATIONS["clamped_swiglu"],
                      HAS_BIAS=True, APPLY_WEIGHT=not gated, COMPUTE_FP32=False, FP16_OPERANDS=fp16,
+                     HOST_FALLBACK=host_fallback,
                      BLOCK_M=tiles["block_m"],
                      BLOCK_N=tiles["block_n"], BLOCK_K=tiles["block_k"], NUM_STAGES=tiles["num_stages"],
                      column_stride=1)  # the JIT makes an argument equal to 1 a constant
@@ -82,6 +86,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--format", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     parser.add_argument("--tiles", nargs="*", default=[], help="overrides of the format's TILES, e.g. block_n=64")
+    parser.add_argument("--host-fallback", action="store_true", help="offload's slot table and host blobs")
     args = parser.parse_args()
     overrides = {key: int(value) if value.isdigit() else value for key, value in
                  (item.split("=") for item in args.tiles)}
@@ -91,7 +96,7 @@ def main() -> None:
     for format in args.format:
         tiles = tiles_for(format, overrides)
         for gated in (True, False):
-            loop = k_loop(compile_kernel(format, gated, tiles).asm["cubin"])
+            loop = k_loop(compile_kernel(format, gated, tiles, args.host_fallback).asm["cubin"])
             rows = tiles["block_n"] * (2 if gated else 1)
             weight_bytes = rows * tiles["block_k"] * {"dense": 2, "mxfp4": 0.5, "fp8_block": 1}[format]
             common = ", ".join(f"{name} {count}" for name, count in

@@ -11,6 +11,10 @@ Each expert's weight tile is read once per block of pairs routed to it, so a dec
 once. The pair -> block assignment (`align_routing`) is computed on the device without a host sync, with the grid
 sized by its upper bound: blocks past the real count exit at once (CUDA-graph friendly).
 
+Offload's layout (`slot_of`): the weights are a slot pool on the device, a table maps experts to slots, and an
+expert without a slot is read by the kernel from its pinned host blob over PCIe (zero-copy; the GPU addresses
+pinned memory directly), so a layer can run without the host first copying its misses (bench/zero_copy.py).
+
 `COMPUTE_FP32` makes every product and sum fp32 (the path the CPU tests run under TRITON_INTERPRET=1, whose bf16
 arithmetic is wrong); otherwise tiles are bf16 into fp32 accumulators. Codes are decoded arithmetically (no fp8
 casts inside the kernel, which the interpreter gets wrong).
@@ -208,20 +212,28 @@ def _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_loop, row_s
 
 @triton.jit
 def _moe_gemm_kernel(
-    x, data, scales, bias, out, pair_ids, block_expert, pair_weights,
+    x, data, scales, bias, out, pair_ids, block_expert, pair_weights, host_data, host_scales, host_bias, slot_of,
     P, N, K, N_OUT, ROW_DIV, alpha, limit, data_stride, scales_stride, bias_stride, row_stride, column_stride,
     FORMAT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr, APPLY_WEIGHT: tl.constexpr, COMPUTE_FP32: tl.constexpr, FP16_OPERANDS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    HOST_FALLBACK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     block = tl.program_id(0)
     expert = tl.load(block_expert + block)
     if expert < 0:
         return
-    expert = expert.to(tl.int64)  # the expert's weights: strided, so slot pools (offload) serve as well
-    data += expert * data_stride
-    scales += expert * scales_stride
-    bias += expert * bias_stride
+    row = expert.to(tl.int64)  # the expert's weights: strided, so slot pools (offload) serve as well
+    if HOST_FALLBACK:  # the pool row of the expert's slot, or its host blob when it has none
+        slot = tl.load(slot_of + expert).to(tl.int64)
+        on_host = slot < 0
+        row = tl.where(on_host, row, slot)
+        data = tl.where(on_host, host_data, data)
+        scales = tl.where(on_host, host_scales, scales)
+        bias = tl.where(on_host, host_bias, bias)
+    data += row * data_stride
+    scales += row * scales_stride
+    bias += row * bias_stride
     pairs = tl.load(pair_ids + block * BLOCK_M + tl.arange(0, BLOCK_M))
     pair_ok = pairs < P
     pair_rows = tl.where(pair_ok, pairs // ROW_DIV, 0)
@@ -274,23 +286,24 @@ def _strides(weight: PackedWeight) -> tuple[int, ...]:
 
 def _launch(x, weight: PackedWeight, pair_ids, block_expert, pair_weights, rows_out, n_out, row_div, *, gated,
             interleaved, activation, alpha, limit, compute_fp32, block_m, block_n, block_k, num_warps, num_stages,
-            operands="bf16"):
-    """One GEMM launch; with fp16 operands `x` must already be fp16 times FP16_PRESCALE (`_fp16_operand`)."""
+            operands="bf16", host: PackedWeight | None = None, slot_of: torch.Tensor | None = None):
+    """One GEMM launch; with fp16 operands `x` must already be fp16 times FP16_PRESCALE (`_fp16_operand`); with
+    `slot_of`, `weight` is a slot pool and `host` the same weight over the host blobs."""
     _, n, k = weight.shape
     fp16_operands = operands == "fp16" and not compute_fp32
     out = torch.empty(rows_out, n_out, dtype=torch.float32 if compute_fp32 or not gated else x.dtype,
                       device=x.device)
     grid = (block_expert.numel(), triton.cdiv(n_out, block_n))
     placeholder = pair_ids  # any tensor stands in for an absent pointer
+    pointers = lambda w: [part if part is not None else placeholder for part in (w.data, w.scales, w.bias)]  # noqa: E731
     _moe_gemm_kernel[grid](
-        x, weight.data, weight.scales if weight.scales is not None else placeholder,
-        weight.bias if weight.bias is not None else placeholder, out, pair_ids, block_expert,
-        pair_weights if pair_weights is not None else placeholder,
+        x, *pointers(weight), out, pair_ids, block_expert, pair_weights if pair_weights is not None else placeholder,
+        *pointers(host if host is not None else weight), slot_of if slot_of is not None else placeholder,
         rows_out, n, k, n_out, row_div, float(alpha), float(limit), *_strides(weight),
         FORMAT=FORMATS[weight.format], GATED=gated, INTERLEAVED=interleaved, ACTIVATION=ACTIVATIONS[activation],
         HAS_BIAS=weight.bias is not None, APPLY_WEIGHT=pair_weights is not None, COMPUTE_FP32=compute_fp32,
-        FP16_OPERANDS=fp16_operands, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
-        num_warps=num_warps,
+        FP16_OPERANDS=fp16_operands, HOST_FALLBACK=slot_of is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, NUM_STAGES=num_stages, num_warps=num_warps,
     )
     return out
 
@@ -340,14 +353,23 @@ def tiles_for(format: str, overrides: dict) -> dict:
 
 def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up: PackedWeight,
               down: PackedWeight, *, interleaved: bool = False, activation: str = "silu", alpha: float = 1.702,
-              limit: float = 7.0, compute_fp32: bool | None = None, **tiles) -> torch.Tensor:
+              limit: float = 7.0, compute_fp32: bool | None = None,
+              host: tuple[PackedWeight, PackedWeight] | None = None, slot_of: torch.Tensor | None = None,
+              **tiles) -> torch.Tensor:
     """Routed experts of one MoE layer: hidden [M, H], top_k_index / top_k_weights [M, k] -> [M, H] in
     hidden's dtype. gate_up is [E, 2I, H], down [E, H, I] (output-major), each packed in any format; `tiles`
-    override the format's `TILES`."""
-    experts, two_i, h = gate_up.shape
-    if down.shape != (experts, h, two_i // 2):
+    override the format's `TILES`. With `slot_of` ([E] int32 on the device: expert -> slot, -1 for none), gate_up
+    and down are slot pools and `host` the (gate_up, down) views over all experts' host blobs (pinned memory on
+    CUDA, same strides): experts without a slot are read from host memory by the kernel."""
+    if (host is None) != (slot_of is None):
+        raise ValueError("slot_of and host come together: the slot table and the host blobs it falls back to")
+    if host is not None and any(_strides(h) != _strides(p) for h, p in zip(host, (gate_up, down))):
+        raise ValueError("the host weights must have the slot pool's strides (one blob layout for both)")
+    experts = gate_up.shape[0] if slot_of is None else slot_of.numel()
+    _, two_i, h = gate_up.shape
+    if down.shape != (gate_up.shape[0], h, two_i // 2):
         raise ValueError(f"down weight {list(down.shape)} does not match gate_up {list(gate_up.shape)}: expected "
-                         f"[E, H, I] = {[experts, h, two_i // 2]}")
+                         f"[E, H, I] = {[gate_up.shape[0], h, two_i // 2]}")
     if hidden.shape[-1] != h:
         raise ValueError(f"hidden size {hidden.shape[-1]} differs from the experts' {h}")
     if activation not in ACTIVATIONS:
@@ -356,13 +378,15 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     compute_fp32 = hidden.dtype == torch.float32 if compute_fp32 is None else compute_fp32
     tokens, top_k = top_k_index.shape
     pair_ids, block_expert = align_routing(top_k_index, experts, settings["block_m"])
-    settings |= dict(alpha=alpha, limit=limit, compute_fp32=compute_fp32)
+    settings |= dict(alpha=alpha, limit=limit, compute_fp32=compute_fp32, slot_of=slot_of)
     x = _activations(hidden, settings)
     intermediate = _launch(x, gate_up, pair_ids, block_expert, None, tokens * top_k, two_i // 2, top_k,
-                           gated=True, interleaved=interleaved, activation=activation, **settings)
+                           gated=True, interleaved=interleaved, activation=activation,
+                           host=host[0] if host else None, **settings)
     weights = top_k_weights.reshape(-1).contiguous()
     per_pair = _launch(intermediate, down, pair_ids, block_expert, weights, tokens * top_k, h, 1,
-                       gated=False, interleaved=False, activation="silu", **settings)
+                       gated=False, interleaved=False, activation="silu", host=host[1] if host else None,
+                       **settings)
     return per_pair.view(tokens, top_k, h).sum(dim=1).to(hidden.dtype)
 
 

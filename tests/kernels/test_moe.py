@@ -204,6 +204,35 @@ def test_fused_moe_reads_experts_from_a_slot_pool(format):
     assert (actual.cpu().double() - expected).norm() / expected.norm() <= 1e-4
 
 
+@pytest.mark.parametrize("format", ["mxfp4", "fp8_block", "dense"])
+def test_experts_without_a_slot_are_read_from_their_host_blobs(format):
+    """slot_of: two of four experts in a slot pool, the other two read by the kernel from the host blobs (zero-copy
+    on a GPU; here both are CPU memory), in one call; slot_of and host only together, with matching strides."""
+    from dflash_compile.offload import BlobLayout
+
+    gate_up, down = _experts(format, 4, 256, 64, bias=True, seed=6)
+    parts = {f"{p}_{k}": getattr(w, k) for p, w in (("gate_up", gate_up), ("down", down))
+             for k in ("data", "scales", "bias")}
+    layout = BlobLayout.of(parts)
+    host = torch.zeros(4, layout.nbytes, dtype=torch.uint8, device=DEVICE)
+    for name, view in layout.views(host).items():
+        view.copy_(parts[name])
+    slot_of = torch.tensor([1, -1, 0, -1], dtype=torch.int32)  # experts 2 and 0 in slots 0 and 1, 1 and 3 on host
+    pool = host[torch.tensor([2, 0], device=DEVICE)].clone()
+    index, weights = _routing(3, 4, 3, seed=7)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(8))
+    expected = reference_moe(x, index, weights, gate_up, down, False, "silu")
+    pooled, on_host = layout.weights(pool, format), layout.weights(host, format)
+    actual = fused_moe(x.to(DEVICE), index.to(DEVICE), weights.to(DEVICE), *pooled, compute_fp32=True,
+                       host=on_host, slot_of=slot_of.to(DEVICE))
+    assert (actual.cpu().double() - expected).norm() / expected.norm() <= 1e-4
+    with pytest.raises(ValueError, match="slot_of and host come together"):
+        fused_moe(x.to(DEVICE), index.to(DEVICE), weights.to(DEVICE), *pooled, slot_of=slot_of.to(DEVICE))
+    with pytest.raises(ValueError, match="the host weights must have the slot pool's strides"):
+        fused_moe(x.to(DEVICE), index.to(DEVICE), weights.to(DEVICE), gate_up, down, host=on_host,
+                  slot_of=slot_of.to(DEVICE))
+
+
 @pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe", "deepseek_v3"])
 def test_fused_kernel_on_a_modules_own_bf16_layout(tiny, family):
     """The resident experts' parameters as they are (gpt-oss: [E, in, out], read through a transposed view at its
