@@ -206,19 +206,20 @@ def test_fused_moe_reads_experts_from_a_slot_pool(format):
 
 @pytest.mark.parametrize("format", ["mxfp4", "fp8_block", "dense"])
 def test_experts_without_a_slot_are_read_from_their_host_blobs(format):
-    """slot_of: two of four experts in a slot pool, the other two read by the kernel from the host blobs (zero-copy
-    on a GPU; here both are CPU memory), in one call; slot_of and host only together, with matching strides."""
+    """slot_of: two of four experts in a slot pool, the other two read by the kernel from their host blobs (pinned
+    memory read over PCIe on a GPU; on a CPU both are CPU memory), in one call; slot_of and host only together,
+    with matching strides."""
     from dflash_compile.offload import BlobLayout
 
     gate_up, down = _experts(format, 4, 256, 64, bias=True, seed=6)
     parts = {f"{p}_{k}": getattr(w, k) for p, w in (("gate_up", gate_up), ("down", down))
              for k in ("data", "scales", "bias")}
     layout = BlobLayout.of(parts)
-    host = torch.zeros(4, layout.nbytes, dtype=torch.uint8, device=DEVICE)
+    host = torch.zeros(4, layout.nbytes, dtype=torch.uint8, pin_memory=DEVICE == "cuda")
     for name, view in layout.views(host).items():
         view.copy_(parts[name])
     slot_of = torch.tensor([1, -1, 0, -1], dtype=torch.int32)  # experts 2 and 0 in slots 0 and 1, 1 and 3 on host
-    pool = host[torch.tensor([2, 0], device=DEVICE)].clone()
+    pool = host[torch.tensor([2, 0])].to(DEVICE)
     index, weights = _routing(3, 4, 3, seed=7)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(8))
     expected = reference_moe(x, index, weights, gate_up, down, False, "silu")
