@@ -22,7 +22,8 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_compile.kernels.moe import fused_moe  # noqa: E402
-from dflash_compile.offload import BlobLayout  # noqa: E402
+from dflash_compile.offload import BlobLayout, blob_parts  # noqa: E402
+from dflash_compile.packed import PackedWeight  # noqa: E402
 from moe_kernels import random_packed  # noqa: E402
 
 SHAPES = {  # experts, top-k, hidden, intermediate, format
@@ -32,26 +33,21 @@ SHAPES = {  # experts, top-k, hidden, intermediate, format
 }
 
 
-def expert_parts(format: str, experts: int, hidden: int, inter: int, device: str) -> dict[str, torch.Tensor | None]:
-    """Random gate_up [E, 2I, H] and down [E, H, I] weights as offload's named blob parts."""
+def expert_weights(format: str, experts: int, hidden: int, inter: int, device: str):
+    """Random (gate_up [E, 2I, H], down [E, H, I]) weights in `format`."""
     if format == "dense":
-        gate_up = torch.randn(experts, 2 * inter, hidden, device=device, dtype=torch.bfloat16) * hidden**-0.5
-        down = torch.randn(experts, hidden, inter, device=device, dtype=torch.bfloat16) * inter**-0.5
-        return {"gate_up_data": gate_up, "down_data": down}
-    weights = random_packed(format, experts, 2 * inter, hidden, True, device), random_packed(
-        format, experts, hidden, inter, True, device)
-    return {f"{prefix}_{part}": getattr(weight, part) for prefix, weight in zip(("gate_up", "down"), weights)
-            for part in ("data", "scales", "bias")}
+        return tuple(PackedWeight("dense", torch.randn(experts, rows, columns, device=device, dtype=torch.bfloat16)
+                                  * columns**-0.5) for rows, columns in ((2 * inter, hidden), (hidden, inter)))
+    return (random_packed(format, experts, 2 * inter, hidden, True, device),
+            random_packed(format, experts, hidden, inter, True, device))
 
 
 def layer_calls(shape: str, tokens: int, device: str):
     """(routed bytes, {way: call}) for one layer of `shape` with `tokens` tokens of random routing."""
     experts, top_k, hidden, inter, format = SHAPES[shape]
-    parts = expert_parts(format, experts, hidden, inter, device)
+    parts = blob_parts(*expert_weights(format, experts, hidden, inter, device))
     layout = BlobLayout.of(parts)
-    host = torch.empty(experts, layout.nbytes, dtype=torch.uint8, pin_memory=device == "cuda")
-    for name, view in layout.views(host).items():
-        view.copy_(parts[name])
+    host = layout.blobs(parts, pin_memory=device == "cuda")
     pool = host.to(device)
     generator = torch.Generator().manual_seed(tokens)
     index = torch.rand(tokens, experts, generator=generator).argsort(dim=1)[:, :top_k].to(device)

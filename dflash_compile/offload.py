@@ -74,6 +74,14 @@ class BlobLayout:
             offset += -(-tensor[0].numel() * tensor.element_size() // _ALIGN) * _ALIGN
         return cls(tuple(parts), offset)
 
+    def blobs(self, parts: dict[str, torch.Tensor | None], pin_memory: bool = False) -> torch.Tensor:
+        """[E, nbytes] uint8 host blobs holding the [E, ...] `parts` (pinned for copies to a GPU)."""
+        blobs = torch.zeros(next(t for t in parts.values() if t is not None).shape[0], self.nbytes,
+                            dtype=torch.uint8, pin_memory=pin_memory)
+        for name, view in self.views(blobs).items():
+            view.copy_(parts[name])
+        return blobs
+
     def views(self, blobs: torch.Tensor) -> dict[str, torch.Tensor]:
         """[S, nbytes] uint8 blobs -> {part: [S, *shape] view in its dtype} (strided over S, no copy)."""
         out = {}
@@ -89,12 +97,16 @@ class BlobLayout:
                      for p in ("gate_up", "down"))
 
 
+def blob_parts(gate_up: PackedWeight, down: PackedWeight) -> dict[str, torch.Tensor | None]:
+    """Routed weights as the named [E, ...] parts of the experts' blobs (what `BlobLayout.weights` reads back)."""
+    return {f"{prefix}_{part}": getattr(weight, part) for prefix, weight in (("gate_up", gate_up), ("down", down))
+            for part in ("data", "scales", "bias")}
+
+
 def _blob_parts(module: torch.nn.Module) -> tuple[str, dict[str, torch.Tensor | None]]:
     """An experts module's format and routed weights as the named [E, ...] parts of its blobs, packed or not."""
     gate_up, down = expert_weights(module)
-    return gate_up.format, {f"{prefix}_{part}": getattr(weight, part)
-                            for prefix, weight in (("gate_up", gate_up), ("down", down))
-                            for part in ("data", "scales", "bias")}
+    return gate_up.format, blob_parts(gate_up, down)
 
 
 class ExpertCache:
@@ -249,11 +261,7 @@ class OffloadedExperts:
     def add_layer(self, module: torch.nn.Module, router: torch.nn.Module | None = None) -> int:
         format, weights = _blob_parts(module)
         layout = BlobLayout.of(weights)
-        experts = weights["gate_up_data"].shape[0]
-        pin = self.device.type == "cuda"
-        host = torch.zeros(experts, layout.nbytes, dtype=torch.uint8, pin_memory=pin)
-        for name, tensor in layout.views(host).items():
-            tensor.copy_(weights[name])
+        host = layout.blobs(weights, pin_memory=self.device.type == "cuda")
         if self.layers and layout.nbytes != self.layers[0].layout.nbytes:
             raise ValueError("MoE layers with different expert sizes cannot share one slot pool")
         if self.pool is None:

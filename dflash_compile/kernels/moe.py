@@ -287,10 +287,10 @@ def _strides(weight: PackedWeight) -> tuple[int, ...]:
 def _launch(x, weight: PackedWeight, pair_ids, block_expert, pair_weights, rows_out, n_out, row_div, *, gated,
             interleaved, activation, alpha, limit, compute_fp32, block_m, block_n, block_k, num_warps, num_stages,
             operands="bf16", host: PackedWeight | None = None, slot_of: torch.Tensor | None = None):
-    """One GEMM launch; with fp16 operands `x` must already be fp16 times FP16_PRESCALE (`_fp16_operand`); with
+    """One GEMM launch; with fp16 operands `x` must already be fp16 times FP16_PRESCALE (`_activations`); with
     `slot_of`, `weight` is a slot pool and `host` the same weight over the host blobs."""
     _, n, k = weight.shape
-    fp16_operands = operands == "fp16" and not compute_fp32
+    fp16_operands = _fp16_operands(operands, compute_fp32)
     out = torch.empty(rows_out, n_out, dtype=torch.float32 if compute_fp32 or not gated else x.dtype,
                       device=x.device)
     grid = (block_expert.numel(), triton.cdiv(n_out, block_n))
@@ -308,15 +308,16 @@ def _launch(x, weight: PackedWeight, pair_ids, block_expert, pair_weights, rows_
     return out
 
 
-def _fp16_operand(x: torch.Tensor) -> torch.Tensor:
-    """`x` times FP16_PRESCALE in fp16, in one pass (the scaling is exact: a power of two)."""
-    return torch.mul(x, FP16_PRESCALE.value, out=torch.empty(x.shape, dtype=torch.float16, device=x.device))
+def _fp16_operands(operands: str, compute_fp32: bool) -> bool:
+    """Whether a launch takes fp16 operands (FP16_OPERANDS): asked for, and not the fp32 path."""
+    return operands == "fp16" and not compute_fp32
 
 
 def _activations(x: torch.Tensor, settings: dict) -> torch.Tensor:
-    """The activations as the kernel takes them: prescaled fp16 with fp16 operands, else contiguous as they are."""
-    if settings.get("operands") == "fp16" and not settings["compute_fp32"]:
-        return _fp16_operand(x)
+    """The activations as the kernel takes them: with fp16 operands x times FP16_PRESCALE in fp16, in one pass (the
+    scaling is exact: a power of two); otherwise contiguous as they are."""
+    if _fp16_operands(settings.get("operands", "bf16"), settings["compute_fp32"]):
+        return torch.mul(x, FP16_PRESCALE.value, out=torch.empty(x.shape, dtype=torch.float16, device=x.device))
     return x.contiguous()
 
 
@@ -363,7 +364,8 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     CUDA, same strides): experts without a slot are read from host memory by the kernel."""
     if (host is None) != (slot_of is None):
         raise ValueError("slot_of and host come together: the slot table and the host blobs it falls back to")
-    if host is not None and any(_strides(h) != _strides(p) for h, p in zip(host, (gate_up, down))):
+    if host is not None and any(_strides(on_host) != _strides(pooled)
+                                for on_host, pooled in zip(host, (gate_up, down))):
         raise ValueError("the host weights must have the slot pool's strides (one blob layout for both)")
     experts = gate_up.shape[0] if slot_of is None else slot_of.numel()
     _, two_i, h = gate_up.shape

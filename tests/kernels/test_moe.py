@@ -32,6 +32,13 @@ def reference_moe(hidden, index, weights, gate_up: PackedWeight, down: PackedWei
     return out
 
 
+# experts, hidden, intermediate, top-k, tokens, interleaved gate/up, activation, biases
+FAMILY_CASES = {
+    "gpt_oss": (4, 2880, 32, 2, 2, True, "clamped_swiglu", True),  # K = 2880: not a multiple of 128
+    "silu_concatenated": (3, 96, 160, 2, 3, False, "silu", False),  # 3 tokens sharing experts
+}
+
+
 def _experts(format, experts, hidden, inter, bias, seed=0):
     generator = torch.Generator().manual_seed(seed)
     w1 = torch.randn(experts, 2 * inter, hidden, generator=generator) * hidden**-0.5
@@ -42,6 +49,15 @@ def _experts(format, experts, hidden, inter, bias, seed=0):
     move = lambda p: PackedWeight(p.format, p.data.to(DEVICE), None if p.scales is None else p.scales.to(DEVICE),  # noqa: E731
                                   None if p.bias is None else p.bias.to(DEVICE))
     return move(pack(w1, b1)), move(pack(w2, b2))
+
+
+def _blobs(gate_up: PackedWeight, down: PackedWeight, pin_memory=False):
+    """(layout, [E, blob bytes] host blobs): the experts in offload's layout."""
+    from dflash_compile.offload import BlobLayout, blob_parts
+
+    parts = blob_parts(gate_up, down)
+    layout = BlobLayout.of(parts)
+    return layout, layout.blobs(parts, pin_memory)
 
 
 def _routing(tokens, experts, top_k, seed=0):
@@ -59,11 +75,7 @@ def test_fused_moe_matches_the_reference(format, family, precision):
     """gpt-oss: interleaved gate/up, clamped SwiGLU, biases, K = 2880 (not a multiple of 128); the other families:
     concatenated gate/up with SiLU, no bias, 3 tokens sharing experts (several pairs per block). The fp32 path to
     1e-4; on a GPU also the bf16 path (dot_scaled, hardware fp8 conversion) to 1e-2."""
-    if family == "gpt_oss":
-        experts, hidden, inter, top_k, tokens, interleaved, activation, bias = 4, 2880, 32, 2, 2, True, \
-            "clamped_swiglu", True
-    else:
-        experts, hidden, inter, top_k, tokens, interleaved, activation, bias = 3, 96, 160, 2, 3, False, "silu", False
+    experts, hidden, inter, top_k, tokens, interleaved, activation, bias = FAMILY_CASES[family]
     gate_up, down = _experts(format, experts, hidden, inter, bias)
     index, weights = _routing(tokens, experts, top_k)
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1))
@@ -84,11 +96,7 @@ def test_fp16_operands_for_fp8_weights(family, scale):
     interpreter's fp16 is right). Matches the reference more closely than the bf16 path must, and activations past
     fp16's 65504 stay finite through the prescale: inputs of 3e5 (gpt-oss clamps its intermediates), SiLU
     intermediates of ~1e6 (their limit is 1.6e7)."""
-    if family == "gpt_oss":
-        experts, hidden, inter, top_k, tokens, interleaved, activation, bias = 4, 2880, 32, 2, 2, True, \
-            "clamped_swiglu", True
-    else:
-        experts, hidden, inter, top_k, tokens, interleaved, activation, bias = 3, 96, 160, 2, 3, False, "silu", False
+    experts, hidden, inter, top_k, tokens, interleaved, activation, bias = FAMILY_CASES[family]
     gate_up, down = _experts("fp8_block", experts, hidden, inter, bias)
     index, weights = _routing(tokens, experts, top_k)
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1)) * scale
@@ -186,16 +194,11 @@ def test_packed_linear_matches_dequantize_then_matmul(format):
 @pytest.mark.parametrize("format", ["mxfp4", "fp8_block", "dense"])
 def test_fused_moe_reads_experts_from_a_slot_pool(format):
     """Offload's layout: every expert one byte blob in a pool row, each tensor a strided view over the slots."""
-    from dflash_compile.offload import BlobLayout
-
     gate_up, down = _experts(format, 4, 256, 64, bias=True, seed=6)
-    parts = {f"{p}_{k}": getattr(w, k) for p, w in (("gate_up", gate_up), ("down", down))
-             for k in ("data", "scales", "bias")}
-    layout = BlobLayout.of(parts)
+    layout, blobs = _blobs(gate_up, down)
     slot_of = torch.tensor([2, 0, 3, 1])  # expert e sits in slot slot_of[e]
-    pool = torch.zeros(4, layout.nbytes, dtype=torch.uint8, device=DEVICE)
-    for name, view in layout.views(pool).items():
-        view[slot_of.to(DEVICE)] = parts[name]
+    pool = torch.empty_like(blobs, device=DEVICE)
+    pool[slot_of.to(DEVICE)] = blobs.to(DEVICE)
     pooled = layout.weights(pool, format)
     index, weights = _routing(3, 4, 2, seed=7)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(8))
@@ -209,15 +212,8 @@ def test_experts_without_a_slot_are_read_from_their_host_blobs(format):
     """slot_of: two of four experts in a slot pool, the other two read by the kernel from their host blobs (pinned
     memory read over PCIe on a GPU; on a CPU both are CPU memory), in one call; slot_of and host only together,
     with matching strides."""
-    from dflash_compile.offload import BlobLayout
-
     gate_up, down = _experts(format, 4, 256, 64, bias=True, seed=6)
-    parts = {f"{p}_{k}": getattr(w, k) for p, w in (("gate_up", gate_up), ("down", down))
-             for k in ("data", "scales", "bias")}
-    layout = BlobLayout.of(parts)
-    host = torch.zeros(4, layout.nbytes, dtype=torch.uint8, pin_memory=DEVICE == "cuda")
-    for name, view in layout.views(host).items():
-        view.copy_(parts[name])
+    layout, host = _blobs(gate_up, down, pin_memory=DEVICE == "cuda")
     slot_of = torch.tensor([1, -1, 0, -1], dtype=torch.int32)  # experts 2 and 0 in slots 0 and 1, 1 and 3 on host
     pool = host[torch.tensor([2, 0])].to(DEVICE)
     index, weights = _routing(3, 4, 3, seed=7)
