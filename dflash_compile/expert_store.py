@@ -97,9 +97,14 @@ FUSED_DTYPES = (torch.bfloat16, torch.float32)  # what the fused kernels compute
 
 
 def run_packed(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up: PackedWeight,
-               down: PackedWeight, gate: Gate) -> torch.Tensor:
+               down: PackedWeight, gate: Gate, cpu_kernels: bool = True) -> torch.Tensor:
     """Routed experts on packed weights: the fused Triton kernel on CUDA; on a CPU the C++ kernel of
-    `dflash::packed_moe` (csrc/) or, where it cannot be built, `reference_packed`."""
+    `dflash::packed_moe` (csrc/) or, where it cannot be built or `cpu_kernels` is False (that op's own Python
+    kernel, which must not re-enter the op), `reference_packed`."""
+    devices = {t.device for t in (hidden, top_k_index, top_k_weights, gate_up.data, down.data)}
+    if len(devices) > 1:
+        raise ValueError(f"routed experts on {gate_up.data.device}/{down.data.device} but hidden states on "
+                         f"{hidden.device} and routing on {top_k_index.device}: move them to one device")
     if hidden.is_cuda:
         from .kernels.moe import fused_moe
 
@@ -107,7 +112,7 @@ def run_packed(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
                          activation=gate.activation, alpha=gate.alpha, limit=gate.limit)
     from .kernels import cpu
 
-    if cpu.load():
+    if cpu_kernels and cpu.load():
         return torch.ops.dflash.packed_moe(hidden, top_k_index, top_k_weights, gate_up.format, gate_up.data,
                                            gate_up.scales, gate_up.bias, down.data, down.scales, down.bias,
                                            gate.interleaved, gate.activation, gate.alpha, gate.limit)

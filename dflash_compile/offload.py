@@ -253,6 +253,7 @@ class OffloadedExperts:
         self.in_flight: dict[int, torch.cuda.Event] = {}  # slot -> the event its prefetch copy records
         self.unused_prefetches: set[tuple[int, int]] = set()
         self.miss_costs: MissCosts | None = None  # measured at the first "auto" decision
+        self._window = (0, 0)  # stats.prefetched and stats.prefetch_hits when the current prefetch trial began
         if self.cpu_compute not in CPU_COMPUTE:
             raise ValueError(f"cpu_compute must be one of {CPU_COMPUTE}, got {self.cpu_compute!r}")
         if self.prefetch < 0:
@@ -345,14 +346,18 @@ class OffloadedExperts:
             table[expert] = slot
         return self._copy(layer, copies, table)
 
+    def _judge_prefetch(self) -> None:
+        """After each PREFETCH_TRIAL prefetched experts: if fewer than PREFETCH_MIN_PRECISION of them were used, the
+        farthest layer ahead is no longer predicted (its guess is the weakest; at depth 1 prefetching stops), as
+        for a model whose guesses are poor prefetches only cost bandwidth. The next window judges what is left."""
+        prefetched, used = self.stats.prefetched - self._window[0], self.stats.prefetch_hits - self._window[1]
+        if prefetched >= PREFETCH_TRIAL:
+            if used < PREFETCH_MIN_PRECISION * prefetched:
+                self.prefetch -= 1
+            self._window = (self.stats.prefetched, self.stats.prefetch_hits)
+
     def _prefetch(self, layer: int, experts: list[int], keep: set[tuple[int, int]]) -> None:
-        """Start copying `layer`'s predicted `experts` (those not cached) without making anything wait yet. Once
-        PREFETCH_TRIAL experts were prefetched, prefetching stops for good if fewer than PREFETCH_MIN_PRECISION of
-        them were used: for a model whose next-layer guess is poor it only costs bandwidth."""
-        if self.stats.prefetched >= PREFETCH_TRIAL and self.stats.prefetch_hits < (
-                PREFETCH_MIN_PRECISION * self.stats.prefetched):
-            self.prefetch = 0
-            return
+        """Start copying `layer`'s predicted `experts` (those not cached) without making anything wait yet."""
         predicted = [e for e in experts if (layer, e) not in self.cache.where]
         if not predicted or len(keep) + len(predicted) > self.slots:
             return  # no room without evicting what this call uses
@@ -417,8 +422,11 @@ class OffloadedExperts:
         on_device = sorted(set(pair_experts) - on_host)
         table = self._fetch(layer, on_device) if on_device else None
         keep = {(layer, e) for e in on_device}
+        self._judge_prefetch()
         for ahead, experts in predicted.items():  # issued before this layer's kernel, which never reads the slots
             # they fill, nearest layer first: they overlap
+            if ahead - layer > self.prefetch:
+                break
             self._prefetch(ahead, experts, keep)
             keep |= {(ahead, e) for e in experts}
         out = None

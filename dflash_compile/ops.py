@@ -46,10 +46,12 @@ def packed_moe(
     interleaved: bool, activation: str, alpha: float, limit: float,
 ) -> torch.Tensor:
     """Routed experts on packed weights (`dflash_compile.packed` layouts): what a packed experts module runs when it
-    is not compiled with the dflash backend (which turns it into `moe_dispatch` on the same weights)."""
+    is not compiled with the dflash backend (which turns it into `moe_dispatch` on the same weights). On a CPU the
+    C++ kernel registered for the CPU key runs instead; this is the fallback where it could not be built."""
     gate_up = PackedWeight(format, gate_up_data, gate_up_scales, gate_up_bias)
     down = PackedWeight(format, down_data, down_scales, down_bias)
-    return run_packed(hidden, top_k_index, top_k_weights, gate_up, down, Gate(interleaved, activation, alpha, limit))
+    return run_packed(hidden, top_k_index, top_k_weights, gate_up, down, Gate(interleaved, activation, alpha, limit),
+                      cpu_kernels=False)
 
 
 @packed_moe.register_fake

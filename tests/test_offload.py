@@ -261,15 +261,18 @@ def test_misses_computed_on_the_cpu_give_the_same_tokens(tiny, family):
     assert offloaded.stats.hits > before  # cached experts ran on the device next to host ones
 
 
-def test_prefetch_stops_when_its_guesses_are_not_used(tiny, monkeypatch):
-    """Guesses replaced by the router's choice for random inputs: right about as often as chance (2 of 8)."""
+@pytest.mark.parametrize("depth", [1, 2])
+def test_prefetch_stops_when_its_guesses_are_not_used(tiny, monkeypatch, depth):
+    """Guesses replaced by the router's choice for random inputs: right about as often as chance (2 of 8). Each
+    poor trial drops the farthest layer ahead, down to none."""
     import dflash_compile.offload
 
     generator = torch.Generator().manual_seed(0)
     monkeypatch.setattr(dflash_compile.offload, "predict_experts", lambda router, hidden: predict_experts(
         router, torch.randn(hidden.shape, generator=generator)))
-    model = offload_experts(tiny("qwen3_moe"), plan_offload(tiny("qwen3_moe")).minimum_budget, device="cpu")
-    model.generate(token_ids(), max_new_tokens=60, do_sample=False)
+    model = offload_experts(tiny("qwen3_moe"), plan_offload(tiny("qwen3_moe")).minimum_budget, device="cpu",
+                            prefetch=depth)
+    model.generate(token_ids(), max_new_tokens=60 * depth, do_sample=False)  # a trial per depth
     stats = model.dflash_offload.stats
     assert stats.prefetched >= 64 and stats.prefetch_hits < 0.5 * stats.prefetched
     assert not model.dflash_offload.prefetch

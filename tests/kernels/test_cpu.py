@@ -29,7 +29,7 @@ def test_the_kernel_is_registered_for_the_cpu_dispatch_key():
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_cpu_kernel_matches_the_reference(format, layout):
     experts, hidden, inter, top_k, tokens, interleaved, activation, bias = LAYOUTS[layout]
-    gate_up, down = _experts(format, experts, hidden, inter, bias)
+    gate_up, down = _experts(format, experts, hidden, inter, bias, device="cpu")
     index, weights = _routing(tokens, experts, top_k)
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1))
     expected = reference_moe(x, index, weights, gate_up, down, interleaved, activation)
@@ -40,7 +40,7 @@ def test_cpu_kernel_matches_the_reference(format, layout):
 
 
 def test_bf16_activations_and_bf16_dense_weights():
-    gate_up, down = _experts("dense", 3, 64, 32, bias=True)
+    gate_up, down = _experts("dense", 3, 64, 32, bias=True, device="cpu")
     gate_up, down = (PackedWeight("dense", w.data.bfloat16(), None, w.bias.bfloat16()) for w in (gate_up, down))
     index, weights = _routing(4, 3, 2)
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
@@ -53,7 +53,7 @@ def test_bf16_activations_and_bf16_dense_weights():
 
 def test_strided_slot_pool_views():
     """Experts read through a pool with more bytes per slot than the weight (offload's blob views)."""
-    gate_up, down = _experts("mxfp4", 3, 64, 32, bias=True)
+    gate_up, down = _experts("mxfp4", 3, 64, 32, bias=True, device="cpu")
 
     def pooled(weight: PackedWeight) -> PackedWeight:
         def widen(t):
@@ -71,7 +71,7 @@ def test_strided_slot_pool_views():
 
 
 def test_bad_input_is_named():
-    gate_up, down = _experts("fp8_block", 2, 128, 64, bias=False)
+    gate_up, down = _experts("fp8_block", 2, 128, 64, bias=False, device="cpu")
     index, weights = _routing(1, 2, 1)
     x = torch.zeros(1, 128)
     with pytest.raises(RuntimeError, match="activation 'gelu' has no CPU kernel"):
@@ -83,9 +83,17 @@ def test_bad_input_is_named():
         _packed_moe(x, index, weights, gate_up, strided, False, "silu")
 
 
+def test_weights_on_another_device_than_the_hidden_states_are_named():
+    gate_up, down = _experts("mxfp4", 2, 64, 32, bias=False, device="cpu")
+    elsewhere = PackedWeight("mxfp4", gate_up.data.to("meta"), gate_up.scales.to("meta"))
+    index, weights = _routing(1, 2, 1)
+    with pytest.raises(ValueError, match="routed experts on meta/cpu but hidden states on cpu .* move them to one"):
+        run_packed(torch.zeros(1, 64), index, weights, elsewhere, down, Gate(False, "silu"))
+
+
 def test_dense_weights_at_any_strides():
     """A transposed view of [E, in, out] parameters (how gpt-oss stores its experts) reads its columns strided."""
-    gate_up, down = _experts("dense", 3, 64, 32, bias=True)
+    gate_up, down = _experts("dense", 3, 64, 32, bias=True, device="cpu")
     index, weights = _routing(4, 3, 2)
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
     as_stored = [PackedWeight("dense", w.data.transpose(1, 2).contiguous().transpose(1, 2), None, w.bias)
@@ -103,7 +111,7 @@ def test_without_the_kernels_the_reference_runs(monkeypatch):
         with pytest.warns(UserWarning, match=r"C\+\+ CPU kernels unavailable \(sources not found"):
             assert not cpu.load()
         assert cpu.status().startswith("C++ CPU kernels unavailable: sources not found")
-        gate_up, down = _experts("mxfp4", 3, 64, 32, bias=False)
+        gate_up, down = _experts("mxfp4", 3, 64, 32, bias=False, device="cpu")
         index, weights = _routing(2, 3, 2)
         x = torch.randn(2, 64)
         gate = Gate(False, "silu")

@@ -39,15 +39,15 @@ FAMILY_CASES = {
 }
 
 
-def _experts(format, experts, hidden, inter, bias, seed=0):
+def _experts(format, experts, hidden, inter, bias, seed=0, device=DEVICE):
     generator = torch.Generator().manual_seed(seed)
     w1 = torch.randn(experts, 2 * inter, hidden, generator=generator) * hidden**-0.5
     w2 = torch.randn(experts, hidden, inter, generator=generator) * inter**-0.5
     b1 = torch.randn(experts, 2 * inter, generator=generator) * 0.1 if bias else None
     b2 = torch.randn(experts, hidden, generator=generator) * 0.1 if bias else None
     pack = lambda w, b: PackedWeight.quantize(w, format, b)  # noqa: E731
-    move = lambda p: PackedWeight(p.format, p.data.to(DEVICE), None if p.scales is None else p.scales.to(DEVICE),  # noqa: E731
-                                  None if p.bias is None else p.bias.to(DEVICE))
+    move = lambda p: PackedWeight(p.format, p.data.to(device), None if p.scales is None else p.scales.to(device),  # noqa: E731
+                                  None if p.bias is None else p.bias.to(device))
     return move(pack(w1, b1)), move(pack(w2, b2))
 
 
