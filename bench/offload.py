@@ -148,14 +148,14 @@ def run(args) -> list[dict]:
                                                     oracle, False)]
         if args.adaptive and not args.decode_only:
             speculative.append((f"DFlash adaptive width, oracle p={args.corruption}", oracle, True))
-        setups = [(f"{policy}, prefetch {ahead}, {name}", policy, ahead, drafter, adaptive)
-                  for policy in args.policy for ahead in args.prefetch
+        setups = [(f"{policy}, prefetch {ahead}, {manager}-managed, {name}", policy, ahead, manager, drafter, adaptive)
+                  for policy in args.policy for ahead in args.prefetch for manager in args.manager
                   for name, drafter, adaptive in [("decode", None, False), *speculative]]
-        for name, policy, ahead, drafter, adaptive in setups:
+        for name, policy, ahead, manager, drafter, adaptive in setups:
             fast = dflash_compile.optimize(copy.deepcopy(host_model), drafter, gpu_memory=budget, device=args.device,
-                                           adaptive=adaptive, offload_policy=policy,
-                                           offload_prefetch=ahead,
-                                           offload_cpu_compute=args.cpu_compute, mode=args.mode)
+                                           adaptive=adaptive, offload_policy=policy, offload_prefetch=ahead,
+                                           offload_manager=manager, offload_cpu_compute=args.cpu_compute,
+                                           mode=args.mode)
             out, whole_s, prefill_s, whole, prefill = decode_measurement(fast, ids.to(args.device), args.new,
                                                                          args.repeats)
             decode_s, decode_bytes = whole_s - prefill_s, whole.bytes_fetched - prefill.bytes_fetched
@@ -206,6 +206,8 @@ def main() -> None:
     parser.add_argument("--policy", nargs="+", default=["lru"], choices=["lru", "lfu"])
     parser.add_argument("--prefetch", type=int, nargs="+", default=[1],
                         help="MoE layers ahead to prefetch predicted experts for (0: off); several compare them")
+    parser.add_argument("--manager", nargs="+", default=["host"], choices=["host", "device"],
+                        help="who manages the expert cache: the host (a routing read per layer) or the device")
     parser.add_argument("--adaptive", action="store_true", help="also run DFlash with the adaptive verify width")
     parser.add_argument("--decode-only", action="store_true", help="plain decoding only (no DFlash rows)")
     parser.add_argument("--cpu-compute", default="off", choices=["off", "auto", "always"],

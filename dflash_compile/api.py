@@ -34,7 +34,8 @@ class OptimizedModel:
 
 def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode: str | None = None,
              prefill_chunk: int = 256, gpu_memory=None, device=None, offload_policy: str = "lru",
-             offload_prefetch: int = 1, offload_cpu_compute: str = "off", fused_experts: bool = True,
+             offload_prefetch: int = 1, offload_cpu_compute: str = "off", offload_manager: str = "host",
+             fused_experts: bool = True,
              adaptive=True) -> OptimizedModel:
     """Compile `model` with the dflash backend and set up DFlash speculative decoding with `drafter`
     (a z-lab or transformers checkpoint directory, or a drafter module). `mode` is torch.compile's mode for the
@@ -44,7 +45,8 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
     prefill_chunk) slots. With `gpu_memory` ("20GiB", bytes or an accelerate max_memory dict) the routed experts
     are offloaded to host memory behind a slot pool on `device` (default: cuda when available) that fits the budget
     with the dense weights (`offload_experts`; `offload_policy` "lru" or "lfu", `offload_prefetch` copies the predicted
-    experts of that many layers ahead, `offload_cpu_compute` "auto" / "always" runs missed experts on the CPU). Every
+    experts of that many layers ahead, `offload_cpu_compute` "auto" / "always" runs missed experts on the CPU,
+    `offload_manager` "device" keeps the cache on the device so that no layer reads its routing back). Every
     check runs before any state is built: an unsupported family, a drafter made for another target or a budget too
     small raises with nothing changed. With `adaptive` (the default) each step verifies as many drafts as measured
     step times and acceptance say pay best, none when the drafter does not pay (`dflash_compile.adaptive`; the
@@ -68,7 +70,7 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
     if gpu_memory is not None:  # checks the budget before it moves anything
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         model = offload_experts(model, gpu_memory, device=device, policy=offload_policy,
-                               prefetch=offload_prefetch, cpu_compute=offload_cpu_compute)
+                               prefetch=offload_prefetch, cpu_compute=offload_cpu_compute, manager=offload_manager)
         if isinstance(drafter, torch.nn.Module):
             drafter.to(device)
     decoder = SpeculativeDecoder(model, drafter, layer_ids, compile=compile, mode=mode, prefill_chunk=prefill_chunk,

@@ -52,7 +52,8 @@ def expert_placement(model: torch.nn.Module) -> str:
         layer = offload.layers[0]
         return (f"{len(modules)} layers offloaded to host memory ({layer.format}, {layer.host.shape[1]} bytes per "
                 f"expert), {offload.slots} slots on {offload.device} ({offload.pool_bytes / 2**20:.1f} MiB), "
-                f"{offload.policy}, prefetch {f'{offload.prefetch} layer(s) ahead' if offload.prefetch else 'off'}, "
+                f"{offload.policy} cache managed on the {offload.manager}, "
+                f"prefetch {f'{offload.prefetch} layer(s) ahead' if offload.prefetch else 'off'}, "
                 f"CPU compute of misses {offload.cpu_compute}")
     first = modules[0]
     packed = getattr(first, "packed_format", None)

@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from .families import experts_modules, router_of, spec_for_experts_class
 from .packed import PackedWeight, expert_weights
+from .slot_table import DeviceSlotTable
 
 OFFLOAD_IMPLEMENTATION = "dflash_offload"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
@@ -148,7 +149,8 @@ class ExpertCache:
 @dataclass
 class OffloadStats:
     hits: int = 0  # needed experts found in a slot (prefetched ones included)
-    misses: int = 0  # needed experts copied in while their layer waited
+    misses: int = 0  # needed experts not in a slot: copied in while their layer waited (host manager) or read by
+    # the kernel from host memory (device manager)
     bytes_fetched: int = 0  # all host -> device bytes, prefetches included
     per_layer_calls: int = 0
     routing_wait_s: float = 0.0  # host time blocked reading the routing (the one sync per MoE layer), incl. the
@@ -188,6 +190,7 @@ class _Layer:
 
 
 CPU_COMPUTE = ("off", "auto", "always")
+MANAGERS = ("host", "device")
 PREFETCH_TRIAL, PREFETCH_MIN_PRECISION = 64, 0.5
 
 
@@ -241,7 +244,8 @@ class OffloadedExperts:
     prefetch: int = 1  # MoE layers ahead whose predicted experts are copied in (0: none)
     cpu_compute: str = "off"  # "auto": a miss runs on the CPU when MissCosts says that beats its copy; "always"
     hooks: list[Callable[[str, int, int, int], None]] = field(default_factory=list)
-    stats: OffloadStats = field(default_factory=OffloadStats)
+    manager: str = "host"  # who decides the cache: "host" (reads each layer's routing) or "device" (slot_table)
+    _stats: OffloadStats = field(default_factory=OffloadStats)
 
     def __post_init__(self):
         self.cache = ExpertCache(self.slots, self.policy)
@@ -258,6 +262,32 @@ class OffloadedExperts:
             raise ValueError(f"cpu_compute must be one of {CPU_COMPUTE}, got {self.cpu_compute!r}")
         if self.prefetch < 0:
             raise ValueError(f"prefetch is a number of layers ahead (0 turns it off), got {self.prefetch}")
+        if self.manager not in MANAGERS:
+            raise ValueError(f"manager must be one of {MANAGERS}, got {self.manager!r}")
+        if self.manager == "device" and (self.policy, self.cpu_compute) != ("lru", "off"):
+            raise ValueError(f"the device-managed cache is LRU and runs every expert on the device: policy "
+                             f"{self.policy!r} and cpu_compute {self.cpu_compute!r} need manager='host'")
+        self.slot_table: DeviceSlotTable | None = None  # manager "device": made by `start`, once the layers are in
+        self.landing: dict[int, torch.cuda.Event] = {}  # manager "device": layer -> its planned copies' event
+
+    def start(self) -> None:
+        """After the last `add_layer`: the device-managed cache's tables (before any CUDA graph is captured)."""
+        if self.manager == "device":
+            self.slot_table = DeviceSlotTable(len(self.layers), self.layers[0].host.shape[0], self.slots,
+                                              self.device)
+
+    @property
+    def stats(self) -> OffloadStats:
+        """The counters so far (with the device manager this reads its device counters: a sync)."""
+        if self.slot_table is not None:
+            hits, misses, prefetched, wasted = self.slot_table.drain()
+            self._stats.hits += hits
+            self._stats.misses += misses
+            self._stats.prefetched += prefetched
+            self._stats.prefetch_hits += hits  # only prefetches fill its slots
+            self._stats.prefetch_wasted += wasted
+            self._stats.bytes_fetched += (prefetched + misses) * self.layers[0].host.shape[1]
+        return self._stats
 
     def add_layer(self, module: torch.nn.Module, router: torch.nn.Module | None = None) -> int:
         format, weights = _blob_parts(module)
@@ -271,8 +301,11 @@ class OffloadedExperts:
         return len(self.layers) - 1
 
     def add_hook(self, hook: Callable[[str, int, int, int], None]) -> None:
-        """`hook(event, layer, expert, slot)` with event "fetch", "prefetch" or "hit", called as the cache
-        decides."""
+        """`hook(event, layer, expert, slot)` with event "fetch", "prefetch" or "hit", called as the host-managed
+        cache decides."""
+        if self.manager == "device":
+            raise ValueError("hooks see the host-managed cache's decisions; the device-managed one decides on the "
+                             "device without telling the host (read `stats`, or offload with manager='host')")
         self.hooks.append(hook)
 
     def _assign(self, layer: int, experts: list[int], keep: set[tuple[int, int]], event: str):
@@ -416,6 +449,8 @@ class OffloadedExperts:
         first, so it runs while the CPU works), misses chosen for the CPU by its kernels on the host blobs."""
         from .expert_store import run_packed
 
+        if self.slot_table is not None:
+            return self._run_device_managed(layer, hidden, top_k_index, top_k_weights, gate)
         self.stats.per_layer_calls += 1
         pair_experts, predicted = self._routed_experts(layer, hidden, top_k_index)
         on_host = self._host_side(layer, pair_experts, hidden, gate)
@@ -442,6 +477,51 @@ class OffloadedExperts:
             host_out = self._run_on_host(layer, hidden, top_k_weights, pairs, pair_experts, gate)
             out = host_out if out is None else out + host_out
         return out
+
+    def _run_device_managed(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                            top_k_weights: torch.Tensor, gate) -> torch.Tensor:
+        """The layer with the device-managed cache (`slot_table`): nothing read on the host. Copies for the next
+        `prefetch` layers' predicted experts go out on the side stream first; this layer waits for its own (planned
+        by the previous layer) and reads the experts that have no slot from host memory."""
+        from .expert_store import run_packed
+
+        table = self.slot_table
+        table.use(layer, top_k_index)
+        for ahead in range(layer + 1, min(layer + 1 + self.prefetch, len(self.layers))):
+            rows = table.plan(ahead, predict_experts(self.layers[ahead].router, hidden))
+            self._copy_planned(ahead, rows)
+        if layer in self.landing:
+            torch.cuda.current_stream(self.device).wait_event(self.landing.pop(layer))
+        spec, slot_of = self.layers[layer], table.table(layer)
+        if hidden.is_cuda:
+            from .kernels.moe import fused_moe
+
+            return fused_moe(hidden, top_k_index, top_k_weights, *spec.pooled, host=spec.on_host, slot_of=slot_of,
+                             interleaved=gate.interleaved, activation=gate.activation, alpha=gate.alpha,
+                             limit=gate.limit)
+        # CPU ("device" and host both CPU memory, for the logic): each pair's blob from its slot or its host blob
+        slots = slot_of[top_k_index].long()
+        blobs = torch.where((slots >= 0)[..., None], self.pool[slots.clamp(min=0)], spec.host[top_k_index])
+        pairs = torch.arange(top_k_index.numel()).view_as(top_k_index)
+        return run_packed(hidden, pairs, top_k_weights, *spec.layout.weights(blobs.flatten(0, 1), spec.format), gate)
+
+    def _copy_planned(self, layer: int, rows: int) -> None:
+        """Run the copies `slot_table.plan` listed for `layer`: on CUDA a copy kernel on the side stream after
+        everything queued so far (the victims' previous experts are no longer read), whose event `layer` waits for."""
+        table, host = self.slot_table, self.layers[layer].host
+        experts, slots = table.copy_experts[layer, :rows], table.copy_slots[layer, :rows]
+        valid = table.copy_valid[layer, :rows]
+        if self.copy_stream is None:
+            chosen = valid.bool()
+            self.pool[slots[chosen]] = host[experts[chosen]]
+            return
+        from .kernels.blob_copy import copy_blobs
+
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            copy_blobs(host, self.pool, experts, slots, valid)
+            self.landing[layer] = torch.cuda.Event()
+            self.landing[layer].record()
 
     @property
     def pool_bytes(self) -> int:
@@ -499,20 +579,23 @@ def plan_offload(model: torch.nn.Module, device="cpu") -> OffloadPlan:
 
 
 def offload_experts(model: torch.nn.Module, gpu_memory, device="cuda", policy: str = "lru",
-                    prefetch: int = 1, cpu_compute: str = "off") -> torch.nn.Module:
+                    prefetch: int = 1, cpu_compute: str = "off", manager: str = "host") -> torch.nn.Module:
     """Move `model` to `device` except its routed experts, which go to host blobs behind a slot pool that, with the
     dense weights and the runtime's reserve, fits `gpu_memory` (bytes, "20GiB", or an accelerate max_memory dict).
     Checked before anything moves: the budget must hold the dense weights, one MoE layer's experts and, on CUDA,
     CUDA_RUNTIME_RESERVE. (The KV cache and long prompts' activations come on top, as with accelerate's
     max_memory.) `prefetch`: how many MoE layers ahead to predict and copy experts for (True: 1, False: 0).
     `cpu_compute`: "auto" runs a missed expert on the CPU (C++ kernels, on its host blob) when measuring says that
-    beats copying it, "always" runs every miss there; outputs then differ from the resident model's by rounding."""
+    beats copying it, "always" runs every miss there; outputs then differ from the resident model's by rounding.
+    `manager`: "host" decides the cache from each layer's routing read on the host (exact LRU / LFU, misses
+    copied in); "device" keeps the cache in device tensors (`dflash_compile.slot_table`): no host read per layer, so
+    the whole step is one CUDA graph, predicted experts copied in by a kernel, misses read from pinned memory."""
     from .expert_store import ExpertStore
 
     device = torch.device(device)
     slots = plan_offload(model, device).slots(parse_size(gpu_memory))
-    offloaded = OffloadedExperts(device, int(slots), policy, prefetch=int(prefetch),
-                                 cpu_compute=cpu_compute)
+    offloaded = OffloadedExperts(device, int(slots), policy, prefetch=int(prefetch), cpu_compute=cpu_compute,
+                                 manager=manager)
     store = ExpertStore()  # what the eager forward dispatches to; compiled graphs get their own entries
     modules = _experts_modules(model)
     spec = spec_for_experts_class(type(next(iter(modules.values()))))
@@ -526,6 +609,7 @@ def offload_experts(model: torch.nn.Module, gpu_memory, device="cuda", policy: s
         module.dflash_offload = (offloaded, layer)
         module.dflash_dispatch = (store.id, store.add_layer(module, spec, f"offloaded layer {layer}"))
         module.config._experts_implementation = OFFLOAD_IMPLEMENTATION
+    offloaded.start()
     model.to(device)
     model.dflash_offload, model.dflash_offload_store = offloaded, store  # the store lives as long as the model
     return model

@@ -82,7 +82,7 @@ def test_hooks_see_every_fetch_and_hit(tiny):
     assert stats.per_layer_calls == 2 and stats.routing_wait_s > 0  # one routing read per MoE layer call
     placement = dflash_compile.explain(model, token_ids()).expert_placement
     assert placement.startswith("2 layers offloaded to host memory (dense") and "8 slots on cpu" in placement
-    assert placement.endswith("lru, prefetch 1 layer(s) ahead, CPU compute of misses off")
+    assert placement.endswith("lru cache managed on the host, prefetch 1 layer(s) ahead, CPU compute of misses off")
 
 
 def test_cache_policies():
@@ -278,6 +278,54 @@ def test_prefetch_stops_when_its_guesses_are_not_used(tiny, monkeypatch, depth):
     assert not model.dflash_offload.prefetch
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_device_managed_cache_is_token_identical(tiny, family):
+    """manager="device": the cache lives in device tensors, misses are read from the host blobs, predicted experts
+    copied in ahead; one layer of experts plus two slots, so the predictions evict."""
+    ids = token_ids()
+    expected = tiny(family).generate(ids, max_new_tokens=10, do_sample=False)
+    model = tiny(family)
+    plan = plan_offload(model)
+    model = offload_experts(model, plan.minimum_budget + 2 * plan.blob_bytes, device="cpu", manager="device")
+    assert torch.equal(model.generate(ids, max_new_tokens=10, do_sample=False), expected)
+    stats = model.dflash_offload.stats
+    assert stats.prefetched > 0 and stats.hits > 0 and stats.misses > 0
+    assert stats.routing_wait_s == 0  # nothing read on the host
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+def test_device_managed_cache_stays_in_the_compiled_graph(tiny, family, tmp_path):
+    """Compiled with a DFlash drafter: the offloaded layers are plain `moe_dispatch` nodes (capturable in CUDA
+    graphs), and the tokens are the resident model's."""
+    ids = token_ids(batch=1)
+    expected = tiny(family).generate(ids, max_new_tokens=12, do_sample=False)
+    config = tiny_drafter_config(tiny(family).config, block_size=4)
+    drafter = save_drafter(tmp_path / "d", config, random_drafter_weights(config))
+    model = tiny(family)
+    plan = plan_offload(model)
+    fast = dflash_compile.optimize(model, drafter=drafter, adaptive=False, device="cpu", offload_manager="device",
+                                   gpu_memory=plan.minimum_budget + 2 * plan.blob_bytes)
+    after = dflash_compile.explain(model, ids).graphs[0].after
+    assert after.count("torch.ops.dflash.moe_dispatch.default(") == len(model.dflash_offload.layers)
+    assert "moe_dispatch_offloaded" not in after
+    assert torch.equal(fast.generate(ids, max_new_tokens=12), expected)
+    assert model.dflash_offload.stats.misses > 0
+
+
+def test_device_managed_cache_options_are_checked(tiny):
+    budget = plan_offload(tiny("olmoe")).minimum_budget
+    for options, message in [(dict(manager="gpu"), "manager must be one of .'host', 'device'., got 'gpu'"),
+                             (dict(manager="device", policy="lfu"), "the device-managed cache is LRU .* policy 'lfu'"),
+                             (dict(manager="device", cpu_compute="auto"), "cpu_compute 'auto' need manager='host'")]:
+        model = tiny("olmoe")
+        with pytest.raises(ValueError, match=message):
+            offload_experts(model, budget, device="cpu", **options)
+        assert not hasattr(model, "dflash_offload")
+    model = offload_experts(tiny("olmoe"), budget, device="cpu", manager="device")
+    with pytest.raises(ValueError, match="hooks see the host-managed cache's decisions"):
+        model.dflash_offload.add_hook(print)
+
+
 def test_auto_cpu_compute_follows_the_measured_costs(tiny):
     costs = MissCosts(fetch_s=1.0, host_s=0.5, host_per_token_s=0.3)
     assert costs.host_cheaper(1) and costs.host_cheaper(2) and not costs.host_cheaper(3)
@@ -366,6 +414,26 @@ def test_offloaded_generation_on_the_gpu_is_token_identical(tiny, family, specul
     expected, _ = _cuda_generate(load, ids, 16, drafter=drafter, adaptive=False)
     tokens, model = _cuda_generate(load, ids, 16, extra_slots=2, drafter=drafter, adaptive=False)
     assert model.dflash_offload.stats.misses > 0  # copies happened
+    assert torch.equal(tokens, expected)
+
+
+@cuda
+@pytest.mark.parametrize("speculative", [False, True])
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe", "deepseek_v3"])
+def test_device_managed_offload_on_the_gpu_is_token_identical(tiny, family, speculative, tmp_path):
+    """The device-managed cache on the GPU, inside the CUDA graphs of the default mode: copy kernel on the side
+    stream, misses read from pinned memory, the resident model's tokens."""
+    ids = token_ids(batch=1)
+    drafter = None
+    if speculative:
+        config = tiny_drafter_config(tiny(family).config, block_size=4)
+        drafter = save_drafter(tmp_path / "d", config, random_drafter_weights(config))
+    load = lambda: tiny(family, torch.bfloat16)  # noqa: E731
+    expected, _ = _cuda_generate(load, ids, 16, drafter=drafter, adaptive=False)
+    tokens, model = _cuda_generate(load, ids, 16, extra_slots=2, drafter=drafter, adaptive=False,
+                                   offload_manager="device")
+    stats = model.dflash_offload.stats
+    assert stats.misses > 0 and stats.prefetched > 0
     assert torch.equal(tokens, expected)
 
 

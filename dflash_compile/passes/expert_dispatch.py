@@ -13,7 +13,8 @@ After:
     %moe_dispatch = torch.ops.dflash.moe_dispatch.default(%hidden, %top_k_index, %top_k_weights, store, layer)
 
 (`dflash::moe_dispatch_offloaded`, tagged cudagraph_unsafe, for experts that `offload_experts` moved to host
-memory: Inductor's graph partitioning then captures everything around it in CUDA graphs.)
+memory behind the host-managed cache, which reads each layer's routing: Inductor's graph partitioning then captures
+everything around it in CUDA graphs. The device-managed cache reads nothing back and keeps `moe_dispatch`.)
 
 A region is the set of nodes whose `nn_module_stack` passes through a routed-experts module that the family
 registry recognises by class. Its activation inputs are the hidden states, the integer expert ids and the routing
@@ -94,9 +95,11 @@ def _replace(gm: GraphModule, region: ExpertRegion, ctx: PassContext) -> None:
     output = _region_output(region)
     store = ctx.store(root)
     layer = store.add_layer(experts, region.spec, region.path, fused=ctx.fused_experts)
-    # Offloaded experts sync on the routing and copy weights: their op is tagged to stay out of CUDA graphs.
-    offloaded = hasattr(experts, "dflash_offload")
-    op = torch.ops.dflash.moe_dispatch_offloaded if offloaded else torch.ops.dflash.moe_dispatch
+    # Offloaded experts whose cache the host manages sync on the routing: their op is tagged to stay out of CUDA
+    # graphs. The device-managed cache reads nothing back, so its layers stay in the graph.
+    offload = getattr(experts, "dflash_offload", None)
+    host_managed = offload is not None and offload[0].manager == "host"
+    op = torch.ops.dflash.moe_dispatch_offloaded if host_managed else torch.ops.dflash.moe_dispatch
     with gm.graph.inserting_before(output):
         dispatch = gm.graph.call_function(op.default, (hidden, top_k_index, top_k_weights, store.id, layer))
     dispatch.meta.update({k: v for k, v in output.meta.items() if k in ("example_value", "val", "stack_trace")})

@@ -1,0 +1,41 @@
+"""Expert blobs copied host -> slot pool by the GPU's own loads (pinned host memory is addressable from kernels),
+from copy lists that live on the device: the device-managed expert cache (`dflash_compile.slot_table`) decides the
+copies on the device, so no host read has to come first and the copy can sit inside a CUDA graph. The copy
+engine would need the host to issue each cudaMemcpy.
+
+One program copies BLOCK 4-byte words of one listed blob; rows whose `valid` is 0 exit at once (the list has a
+fixed length, so the grid does not depend on how many copies a step needs).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 4096  # words (16 KiB) per program
+
+
+@triton.jit
+def _copy_blobs_kernel(host, pool, experts, slots, valid, words, BLOCK: tl.constexpr):
+    row, chunk = tl.program_id(0), tl.program_id(1)
+    if tl.load(valid + row) != 0:
+        expert = tl.load(experts + row).to(tl.int64)
+        slot = tl.load(slots + row).to(tl.int64)
+        offsets = chunk * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < words
+        words_in = tl.load(host + expert * words + offsets, mask=inside)
+        tl.store(pool + slot * words + offsets, words_in, mask=inside)
+
+
+def copy_blobs(host: torch.Tensor, pool: torch.Tensor, experts: torch.Tensor, slots: torch.Tensor,
+               valid: torch.Tensor) -> None:
+    """pool[slots[i]] = host[experts[i]] for every i with valid[i] (host [E, bytes] pinned uint8 blobs, pool
+    [S, bytes] on the device, the lists [N] on the device)."""
+    if host.shape[1] != pool.shape[1] or host.shape[1] % 4:
+        raise ValueError(f"blobs of {host.shape[1]} bytes into slots of {pool.shape[1]}: expected equal sizes, a "
+                         "multiple of 4 bytes")
+    words = host.shape[1] // 4
+    grid = (experts.numel(), triton.cdiv(words, BLOCK))
+    _copy_blobs_kernel[grid](host.view(torch.int32), pool.view(torch.int32), experts, slots, valid, words,
+                             BLOCK=BLOCK)
