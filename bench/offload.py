@@ -116,7 +116,7 @@ def copy_timeline(fast, ids, new: int, path: Path) -> dict:
     gpu = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     ranges = {"copy": [], "kernel": []}
     for event in gpu:
-        if "Memcpy HtoD" in event.name:
+        if "Memcpy HtoD" in event.name or "copy_blobs" in event.name:  # the device-managed cache copies by kernel
             ranges["copy"].append((event.time_range.start, event.time_range.end))
         elif "Memcpy" not in event.name and "Memset" not in event.name:
             ranges["kernel"].append((event.time_range.start, event.time_range.end))

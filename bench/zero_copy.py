@@ -5,8 +5,9 @@ them into the slot pool first, per MoE layer call at decode sizes:
     TRITON_INTERPRET=1 python bench/zero_copy.py --device cpu --shapes tiny     # the same calls, checked, untimed
 
 Three ways to run one layer's routed experts: all resident (the kernel on the slot pool), all on the host
-(`slot_of` = -1: the kernel reads their blobs over PCIe), and what offload does today for misses (copy the routed
-blobs host -> pool on the stream, then the kernel). Times are CUDA-graph replays; GB/s = the routed experts' bytes
+(`slot_of` = -1: the kernel reads their blobs over PCIe), what the host-managed cache does for misses (copy the
+routed blobs host -> pool on the stream, then the kernel) and what the device-managed one does for predicted experts
+(the copy kernel, `kernels.blob_copy`, then the kernel). Times are CUDA-graph replays; GB/s = the routed experts' bytes
 / time, next to the pinned host-to-device copy bandwidth of the same run. If zero-copy reads come near the copy
 bandwidth, an offloaded layer's misses need no host sync and no copy before its kernel.
 """
@@ -21,6 +22,7 @@ import torch
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dflash_compile.kernels.blob_copy import copy_blobs  # noqa: E402
 from dflash_compile.kernels.moe import fused_moe  # noqa: E402
 from dflash_compile.offload import BlobLayout, blob_parts  # noqa: E402
 from dflash_compile.packed import PackedWeight  # noqa: E402
@@ -65,8 +67,15 @@ def layer_calls(shape: str, tokens: int, device: str):
             pool[expert].copy_(host[expert], non_blocking=True)
         return run(resident)
 
+    listed = torch.tensor(routed, device=device)  # the device-managed cache's copy list: routed blob -> its slot
+    valid = torch.ones(len(routed), dtype=torch.int32, device=device)
+
+    def copy_kernel_then_run():  # the device-managed cache's prefetch: the GPU's own loads copy the blobs
+        copy_blobs(host, pool, listed, listed, valid)
+        return run(resident)
+
     calls = {"resident": lambda: run(resident), "zero-copy from host": lambda: run(nowhere),
-             "copy, then kernel": copy_then_run}
+             "copy, then kernel": copy_then_run, "copy kernel, then kernel": copy_kernel_then_run}
     return len(routed) * layout.nbytes, calls
 
 

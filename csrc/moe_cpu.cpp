@@ -101,13 +101,17 @@ struct PackedMatrix {
   }
 };
 
-PackedMatrix expert_matrix(Format format, const at::Tensor& data, const std::optional<at::Tensor>& scales,
-                           int64_t expert, int64_t rows, int64_t columns) {
-  // mxfp4 data [E, N, G, 16] and scales [E, N, G]; fp8 data [E, N, K] and scales [E, N/128, K/128]; dense [E, N, K]
-  // at any strides (a transposed view of [E, in, out] parameters reads its columns strided)
+// mxfp4 data [E, N, G, 16] and scales [E, N, G]; fp8 data [E, N, K] and scales [E, N/128, K/128]; dense [E, N, K]
+// at any strides (a transposed view of [E, in, out] parameters reads its columns strided)
+void check_rows(Format format, const at::Tensor& data, const std::optional<at::Tensor>& scales) {
   TORCH_CHECK(format == kDense || (data.stride(-1) == 1 && (data.dim() < 4 || data.stride(2) == 16) &&
                                    (!scales.has_value() || scales->stride(-1) == 1)),
               "packed expert rows must be contiguous (strides ", data.strides(), ")");
+}
+
+// One expert's matrix of weights that `check_rows` accepted.
+PackedMatrix expert_matrix(Format format, const at::Tensor& data, const std::optional<at::Tensor>& scales,
+                           int64_t expert, int64_t rows, int64_t columns) {
   const auto* base = static_cast<const uint8_t*>(data.data_ptr()) + expert * data.stride(0) * data.element_size();
   const void* scale_base = nullptr;
   int64_t scale_row_bytes = 0;
@@ -175,20 +179,25 @@ at::Tensor packed_moe_cpu(const at::Tensor& hidden, const at::Tensor& top_k_inde
   const int64_t experts = gate_up_data.size(0), two_i = gate_up_data.size(1), inter = two_i / 2;
   TORCH_CHECK(down_data.size(0) == experts && down_data.size(1) == hidden_size,
               "down weight must be [E, H, I] with the gate_up weight's E and the hidden size H");
-  const at::Tensor x = hidden.to(at::kFloat).contiguous();
   const at::Tensor index = top_k_index.to(at::kLong).contiguous();
+  check_rows(format, gate_up_data, gate_up_scales);
+  check_rows(format, down_data, down_scales);
+  const int64_t* index_data = index.data_ptr<int64_t>();
+  // Every input checked before any work starts.
+  for (int64_t p = 0; p < tokens * top_k; ++p) {
+    TORCH_CHECK(index_data[p] >= 0 && index_data[p] < experts, "expert index ", index_data[p], " out of range [0, ",
+                experts, ")");
+  }
+  const at::Tensor x = hidden.to(at::kFloat).contiguous();
   const at::Tensor weights = top_k_weights.to(at::kFloat).contiguous();
   at::Tensor out = at::zeros({tokens, hidden_size}, x.options());
-  const int64_t* index_data = index.data_ptr<int64_t>();
   const float* weight_data = weights.data_ptr<float>();
   const float* x_data = x.data_ptr<float>();
   float* out_data = out.data_ptr<float>();
 
   std::vector<std::vector<int64_t>> pairs_of(experts);  // (token, slot) pairs routed to each expert
   for (int64_t p = 0; p < tokens * top_k; ++p) {
-    const int64_t e = index_data[p];
-    TORCH_CHECK(e >= 0 && e < experts, "expert index ", e, " out of range [0, ", experts, ")");
-    pairs_of[e].push_back(p);
+    pairs_of[index_data[p]].push_back(p);
   }
   for (int64_t e = 0; e < experts; ++e) {
     const auto& pairs = pairs_of[e];
@@ -239,6 +248,7 @@ at::Tensor fp8_block_linear_cpu(const at::Tensor& x, const at::Tensor& weight, c
   const at::Tensor data = weight.contiguous().view(at::kByte).unsqueeze(0);
   const at::Tensor scales = scale_inv.to(at::kFloat).contiguous().unsqueeze(0);
   const at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  check_rows(kFp8Block, data, scales);
   at::Tensor out = at::empty({flat.size(0), rows}, flat.options());
   project(expert_matrix(kFp8Block, data, scales, 0, rows, columns), flat.data_ptr<float>(), flat.size(0),
           b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr<float>());
