@@ -271,10 +271,17 @@ class OffloadedExperts:
         self.landing: dict[int, torch.cuda.Event] = {}  # manager "device": layer -> its planned copies' event
 
     def start(self) -> None:
-        """After the last `add_layer`: the device-managed cache's tables (before any CUDA graph is captured)."""
-        if self.manager == "device":
-            self.slot_table = DeviceSlotTable(len(self.layers), self.layers[0].host.shape[0], self.slots,
-                                              self.device)
+        """After the last `add_layer`: the device-managed cache's tables (before any CUDA graph is captured), with
+        the layers that no prefetch predicts (the first; all without prefetch) pinned in slots from the front for
+        as long as a layer's worth of slots stays free for the rest."""
+        if self.manager != "device":
+            return
+        experts = self.layers[0].host.shape[0]
+        self.slot_table = DeviceSlotTable(len(self.layers), experts, self.slots, self.device)
+        unpredicted = list(range(1 if self.prefetch else len(self.layers)))
+        for layer, expert, slot in self.slot_table.pin(unpredicted[:self.slots // experts - 1]):
+            self.pool[slot].copy_(self.layers[layer].host[expert])
+            self._stats.bytes_fetched += self.pool.shape[1]
 
     @property
     def stats(self) -> OffloadStats:

@@ -12,8 +12,10 @@ copies: one sync per MoE layer, and the step cannot be one CUDA graph. Here a la
    copy kernel on a side stream reads (`kernels.blob_copy`);
 3. runs the fused kernel with its `slot_of` row: experts without a slot come from pinned host memory.
 
-Only predicted experts enter the cache; a miss is read over PCIe once and not kept. The flat tables end with a sink
-entry that masked-off writes go to, so every update has a fixed shape.
+Only predicted experts enter the cache; a miss is read over PCIe once and not kept. Layers that nothing predicts (the
+first MoE layer) would miss every time: `pin` gives their experts slots for good while the pool keeps a full layer's
+worth free for the others. The flat tables end with a sink entry that masked-off writes go to, so every update has a
+fixed shape.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class DeviceSlotTable:
     """Slot tables of `layers` MoE layers with `experts` experts each over `slots` device slots."""
 
     HITS, MISSES, PREFETCHED, WASTED = range(4)  # rows of `counts`
+    PINNED = torch.iinfo(torch.int64).max  # the stamp of a pinned slot: never older than the clock
 
     def __init__(self, layers: int, experts: int, slots: int, device: torch.device):
         if slots < experts:
@@ -50,9 +53,23 @@ class DeviceSlotTable:
                                                                                               True)
 
     def _touch(self, slots: torch.Tensor) -> None:
-        """Stamp `slots` (-1 entries go to the sink) with the clock."""
+        """Stamp `slots` (-1 entries go to the sink) with the clock; pinned ones stay pinned."""
         slots = torch.where(slots >= 0, slots.long(), self.slots)
-        self.stamp.index_put_((slots,), self.clock.expand(slots.shape))
+        self.stamp.scatter_reduce_(0, slots, self.clock.expand(slots.shape), reduce="amax")
+
+    def pin(self, layers: list[int]) -> list[tuple[int, int, int]]:
+        """Give `layers`' experts the first slots for good (before any use); the (layer, expert, slot) placements,
+        whose blobs the caller copies in."""
+        placed = [(layer, expert, i * self.experts + expert)
+                  for i, layer in enumerate(layers) for expert in range(self.experts)]
+        if len(placed) > self.slots - self.experts:
+            raise ValueError(f"pinning {len(layers)} layer(s) would leave fewer than one layer's {self.experts} "
+                             f"slots of {self.slots} to the others")
+        for layer, expert, slot in placed:
+            self.slot_of[layer * self.experts + expert] = slot
+            self.owner[slot] = layer * self.experts + expert
+            self.stamp[slot] = self.PINNED
+        return placed
 
     def use(self, layer: int, top_k_index: torch.Tensor) -> None:
         """A layer call's routed experts: a new clock tick, their slots stamped and marked used, hits and misses

@@ -293,6 +293,24 @@ def test_device_managed_cache_is_token_identical(tiny, family):
     assert stats.routing_wait_s == 0  # nothing read on the host
 
 
+@pytest.mark.parametrize("prefetch", [1, 0])
+def test_device_managed_cache_pins_the_layers_nothing_predicts(tiny, prefetch):
+    """Two layers' worth of slots: the first layer (never predicted) keeps all its experts in slots from the start,
+    so it never misses; without prefetch as many layers are pinned as leave a layer's worth of slots free."""
+    ids = token_ids()
+    expected = tiny("qwen3_moe").generate(ids, max_new_tokens=10, do_sample=False)
+    model = tiny("qwen3_moe")
+    plan = plan_offload(model)
+    model = offload_experts(model, plan.minimum_budget + plan.experts_per_layer * plan.blob_bytes, device="cpu",
+                            manager="device", prefetch=prefetch)
+    offloaded = model.dflash_offload
+    assert offloaded.stats.bytes_fetched == plan.experts_per_layer * plan.blob_bytes  # layer 0, copied once
+    assert torch.equal(model.generate(ids, max_new_tokens=10, do_sample=False), expected)
+    assert bool((offloaded.slot_table.table(0) >= 0).all())
+    if not prefetch:  # layer 1 is read from host memory every time: all its needed experts are misses
+        assert offloaded.stats.misses > 0 and offloaded.stats.prefetched == 0
+
+
 @pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
 def test_device_managed_cache_stays_in_the_compiled_graph(tiny, family, tmp_path):
     """Compiled with a DFlash drafter: the offloaded layers are plain `moe_dispatch` nodes (capturable in CUDA
@@ -418,9 +436,10 @@ def test_offloaded_generation_on_the_gpu_is_token_identical(tiny, family, specul
 
 
 @cuda
-@pytest.mark.parametrize("speculative", [False, True])
-@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe", "deepseek_v3"])
-def test_device_managed_offload_on_the_gpu_is_token_identical(tiny, family, speculative, tmp_path):
+@pytest.mark.parametrize("family, speculative, extra_slots", [
+    *[(family, speculative, 2) for family in ("gpt_oss", "qwen3_moe", "deepseek_v3") for speculative in (False, True)],
+    ("qwen3_moe", False, 64), ("gpt_oss", True, 64)])  # 64: room to pin the first layer
+def test_device_managed_offload_on_the_gpu_is_token_identical(tiny, family, speculative, extra_slots, tmp_path):
     """The device-managed cache on the GPU, inside the CUDA graphs of the default mode: copy kernel on the side
     stream, misses read from pinned memory, the resident model's tokens."""
     ids = token_ids(batch=1)
@@ -430,10 +449,10 @@ def test_device_managed_offload_on_the_gpu_is_token_identical(tiny, family, spec
         drafter = save_drafter(tmp_path / "d", config, random_drafter_weights(config))
     load = lambda: tiny(family, torch.bfloat16)  # noqa: E731
     expected, _ = _cuda_generate(load, ids, 16, drafter=drafter, adaptive=False)
-    tokens, model = _cuda_generate(load, ids, 16, extra_slots=2, drafter=drafter, adaptive=False,
+    tokens, model = _cuda_generate(load, ids, 16, extra_slots=extra_slots, drafter=drafter, adaptive=False,
                                    offload_manager="device")
     stats = model.dflash_offload.stats
-    assert stats.misses > 0 and stats.prefetched > 0
+    assert stats.hits > 0 and stats.prefetched > 0
     assert torch.equal(tokens, expected)
 
 

@@ -1,5 +1,6 @@
 """The device-managed expert cache's tables on their own: consistency, protection and LRU order of its victims."""
 
+import pytest
 import torch
 
 from dflash_compile.slot_table import DeviceSlotTable
@@ -63,3 +64,19 @@ def test_prefetched_experts_evicted_unused_count_as_waste():
     table.plan(0, torch.tensor([[0, 1, 2]]))  # evicts three slots: the unused guesses are older than (1, 0)
     assert set(_residents(table)) == {(1, 0), (0, 0), (0, 1), (0, 2)}
     assert table.drain()[DeviceSlotTable.WASTED] == 3
+
+
+def test_pinned_experts_are_never_evicted():
+    table = DeviceSlotTable(layers=3, experts=4, slots=8, device=torch.device("cpu"))
+    assert table.pin([0]) == [(0, e, e) for e in range(4)]
+    for step in range(3):  # predictions for layers 1 and 2 cycle through all their experts
+        table.use(0, torch.tensor([[step % 4]]))
+        table.plan(1, torch.tensor([[0, 1, 2, 3]]))
+        table.use(1, torch.tensor([[0]]))
+        table.plan(2, torch.tensor([[0, 1, 2, 3]]))
+        table.use(2, torch.tensor([[1]]))
+        assert all(_residents(table).get((0, e)) == e for e in range(4))
+    hits, misses, _, _ = table.drain()
+    assert misses == 0 and hits == 9
+    with pytest.raises(ValueError, match="pinning 2 layer.s. would leave fewer than one layer's 4 slots of 8"):
+        DeviceSlotTable(layers=3, experts=4, slots=8, device=torch.device("cpu")).pin([0, 1])
