@@ -50,9 +50,10 @@ def expert_placement(model: torch.nn.Module) -> str:
     offload = getattr(model, "dflash_offload", None)
     if offload is not None:
         layer = offload.layers[0]
+        pinned = f"layer(s) {offload.pinned_layers} pinned, " if offload.pinned_layers else ""
         return (f"{len(modules)} layers offloaded to host memory ({layer.format}, {layer.host.shape[1]} bytes per "
                 f"expert), {offload.slots} slots on {offload.device} ({offload.pool_bytes / 2**20:.1f} MiB), "
-                f"{offload.policy} cache managed on the {offload.manager}, "
+                f"{offload.policy} cache managed on the {offload.manager}, {pinned}"
                 f"prefetch {f'{offload.prefetch} layer(s) ahead' if offload.prefetch else 'off'}, "
                 f"CPU compute of misses {offload.cpu_compute}")
     first = modules[0]

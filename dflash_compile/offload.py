@@ -111,7 +111,8 @@ def _blob_parts(module: torch.nn.Module) -> tuple[str, dict[str, torch.Tensor | 
 
 
 class ExpertCache:
-    """Which (layer, expert) sits in which slot, and which slot to give up next."""
+    """Which (layer, expert) sits in which slot, and which slot to give up next; pinned entries are never given
+    up."""
 
     def __init__(self, slots: int, policy: str):
         if policy not in ("lru", "lfu"):
@@ -119,8 +120,19 @@ class ExpertCache:
         self.policy, self.free = policy, list(range(slots - 1, -1, -1))
         self.where: OrderedDict[tuple[int, int], int] = OrderedDict()  # least recently used first
         self.uses: dict[tuple[int, int], int] = {}
+        self.pinned: dict[tuple[int, int], int] = {}
+
+    def pin(self, key: tuple[int, int]) -> int:
+        """A free slot that holds `key` for good."""
+        self.pinned[key] = self.free.pop()
+        return self.pinned[key]
+
+    def holds(self, key: tuple[int, int]) -> bool:
+        return key in self.where or key in self.pinned
 
     def lookup(self, key: tuple[int, int]) -> int | None:
+        if key in self.pinned:
+            return self.pinned[key]
         slot = self.where.get(key)
         if slot is not None:
             self.where.move_to_end(key)
@@ -269,17 +281,21 @@ class OffloadedExperts:
                              f"{self.policy!r} and cpu_compute {self.cpu_compute!r} need manager='host'")
         self.slot_table: DeviceSlotTable | None = None  # manager "device": made by `start`, once the layers are in
         self.landing: dict[int, torch.cuda.Event] = {}  # manager "device": layer -> its planned copies' event
+        self.pinned_layers: list[int] = []  # layers whose experts `start` placed in slots for good
 
     def start(self) -> None:
-        """After the last `add_layer`: the device-managed cache's tables (before any CUDA graph is captured), with
-        the layers that no prefetch predicts (the first; all without prefetch) pinned in slots from the front for
-        as long as a layer's worth of slots stays free for the rest."""
-        if self.manager != "device":
-            return
+        """After the last `add_layer`: the layers that no prefetch predicts (the first; all without prefetch), which
+        would miss on every call, get their experts pinned in slots for as long as a layer's worth of slots stays
+        free for the rest; with manager "device" the cache's tables are made (before any CUDA graph is captured)."""
         experts = self.layers[0].host.shape[0]
-        self.slot_table = DeviceSlotTable(len(self.layers), experts, self.slots, self.device)
         unpredicted = list(range(1 if self.prefetch else len(self.layers)))
-        for layer, expert, slot in self.slot_table.pin(unpredicted[:self.slots // experts - 1]):
+        self.pinned_layers = pinned = unpredicted[:max(self.slots // experts - 1, 0)]
+        if self.manager == "device":
+            self.slot_table = DeviceSlotTable(len(self.layers), experts, self.slots, self.device)
+            placements = self.slot_table.pin(pinned)
+        else:
+            placements = [(layer, e, self.cache.pin((layer, e))) for layer in pinned for e in range(experts)]
+        for layer, expert, slot in placements:
             self.pool[slot].copy_(self.layers[layer].host[expert])
             self._stats.bytes_fetched += self.pool.shape[1]
 
@@ -398,8 +414,9 @@ class OffloadedExperts:
 
     def _prefetch(self, layer: int, experts: list[int], keep: set[tuple[int, int]]) -> None:
         """Start copying `layer`'s predicted `experts` (those not cached) without making anything wait yet."""
-        predicted = [e for e in experts if (layer, e) not in self.cache.where]
-        if not predicted or len(keep) + len(predicted) > self.slots:
+        predicted = [e for e in experts if not self.cache.holds((layer, e))]
+        evictable = self.slots - len(self.cache.pinned)
+        if not predicted or len(keep - self.cache.pinned.keys()) + len(predicted) > evictable:
             return  # no room without evicting what this call uses
         _, copies = self._assign(layer, predicted, keep | {(layer, e) for e in predicted}, "prefetch")
         self.stats.prefetched += len(copies)
@@ -425,7 +442,7 @@ class OffloadedExperts:
         """The missed experts of this call that run on the CPU instead of being copied (see `cpu_compute`)."""
         if self.cpu_compute == "off":
             return set()
-        misses = {e for e in pair_experts if (layer, e) not in self.cache.where}
+        misses = {e for e in pair_experts if not self.cache.holds((layer, e))}
         if self.cpu_compute == "always" or not misses:
             return misses
         if self.miss_costs is None:

@@ -293,8 +293,9 @@ def test_device_managed_cache_is_token_identical(tiny, family):
     assert stats.routing_wait_s == 0  # nothing read on the host
 
 
+@pytest.mark.parametrize("manager", ["host", "device"])
 @pytest.mark.parametrize("prefetch", [1, 0])
-def test_device_managed_cache_pins_the_layers_nothing_predicts(tiny, prefetch):
+def test_layers_nothing_predicts_are_pinned(tiny, prefetch, manager):
     """Two layers' worth of slots: the first layer (never predicted) keeps all its experts in slots from the start,
     so it never misses; without prefetch as many layers are pinned as leave a layer's worth of slots free."""
     ids = token_ids()
@@ -302,12 +303,21 @@ def test_device_managed_cache_pins_the_layers_nothing_predicts(tiny, prefetch):
     model = tiny("qwen3_moe")
     plan = plan_offload(model)
     model = offload_experts(model, plan.minimum_budget + plan.experts_per_layer * plan.blob_bytes, device="cpu",
-                            manager="device", prefetch=prefetch)
+                            manager=manager, prefetch=prefetch)
     offloaded = model.dflash_offload
     assert offloaded.stats.bytes_fetched == plan.experts_per_layer * plan.blob_bytes  # layer 0, copied once
+    events = []
+    if manager == "host":
+        offloaded.add_hook(lambda event, layer, expert, slot: events.append((event, layer)))
     assert torch.equal(model.generate(ids, max_new_tokens=10, do_sample=False), expected)
-    assert bool((offloaded.slot_table.table(0) >= 0).all())
-    if not prefetch:  # layer 1 is read from host memory every time: all its needed experts are misses
+    assert "cache managed on the " + manager + ", layer(s) [0] pinned, prefetch" in dflash_compile.explain(
+        model, ids).expert_placement
+    if manager == "device":
+        assert bool((offloaded.slot_table.table(0) >= 0).all())
+    else:
+        assert len(offloaded.cache.pinned) == plan.experts_per_layer
+        assert {event for event, layer in events if layer == 0} == {"hit"}
+    if not prefetch:  # layer 1 is fetched (host) or read from host memory (device) for every call that needs it
         assert offloaded.stats.misses > 0 and offloaded.stats.prefetched == 0
 
 
