@@ -399,7 +399,8 @@ def _cuda_generate(load, ids, new, extra_slots=None, drafter=None, **options):
 
 
 @cuda
-def test_gpu_memory_never_exceeds_the_budget(tmp_path):
+@pytest.mark.parametrize("manager", ["host", "device"])
+def test_gpu_memory_never_exceeds_the_budget(tmp_path, manager):
     """Allocator statistics over offloading, the prefill and decoding: dense weights + slot pool + activations and
     KV cache stay under the budget (slack of half a blob between the pool and the budget). Peaks per phase, so a
     breach names where it happened."""
@@ -411,7 +412,7 @@ def test_gpu_memory_never_exceeds_the_budget(tmp_path):
     baseline = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     peaks = {}
-    offload_experts(model, budget, device="cuda")
+    offload_experts(model, budget, device="cuda", manager=manager)
     peaks["offload_experts"] = torch.cuda.max_memory_allocated() - baseline
     model(ids)
     peaks["prefill forward"] = torch.cuda.max_memory_allocated() - baseline
@@ -419,7 +420,8 @@ def test_gpu_memory_never_exceeds_the_budget(tmp_path):
     torch.cuda.synchronize()
     peaks["generate"] = torch.cuda.max_memory_allocated() - baseline
     assert all(peak <= budget for peak in peaks.values()), f"budget {budget} bytes, peaks {peaks}"
-    assert model.dflash_offload.stats.misses > model.dflash_offload.slots  # slots were reused
+    stats = model.dflash_offload.stats
+    assert (stats.misses if manager == "host" else stats.prefetched) > model.dflash_offload.slots  # slots reused
     # Eager and the same expert kernel, every expert fetched once and kept: placement and eviction change nothing.
     reference = offload_experts(_cuda_model(tmp_path), "100GiB", device="cuda").generate(ids, max_new_tokens=16,
                                                                                         do_sample=False)
@@ -467,21 +469,23 @@ def test_device_managed_offload_on_the_gpu_is_token_identical(tiny, family, spec
 
 
 @cuda
-def test_expert_copies_overlap_compute(tmp_path):
+@pytest.mark.parametrize("manager", ["host", "device"])
+def test_expert_copies_overlap_compute(tmp_path, manager):
     """Profiler trace of an offloaded decode whose budget is one layer of experts (every layer misses): expert
     copies (pinned host -> device, on the side stream) run while kernels run on the compute stream, which only
     happens when a layer's prefetch is in flight during the previous layer's work. Blobs of 24 MiB (a 0.45 ms copy):
     with small ones the eager Python between two launches outlasts a copy, so the GPU has nothing to overlap."""
     model = _cuda_model(tmp_path, size=2048)
-    offload_experts(model, plan_offload(model, "cuda").minimum_budget, device="cuda")
+    offload_experts(model, plan_offload(model, "cuda").minimum_budget, device="cuda", manager=manager)
     ids = token_ids(batch=1).cuda()
     model.generate(ids, max_new_tokens=4, do_sample=False)  # warm-up
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
         model.generate(ids, max_new_tokens=8, do_sample=False)
         torch.cuda.synchronize()
     events = [e for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    copies = [e for e in events if "HtoD" in e.name and "Pinned" in e.name]
-    kernels = [e for e in events if "Memcpy" not in e.name and "Memset" not in e.name]
+    copying = ("HtoD", "Pinned") if manager == "host" else ("copy_blobs",)  # the device manager copies by kernel
+    copies = [e for e in events if all(word in e.name for word in copying)]
+    kernels = [e for e in events if not any(word in e.name for word in ("Memcpy", "Memset", "copy_blobs"))]
     overlapping = [c for c in copies if any(k.time_range.start < c.time_range.end and
                                             c.time_range.start < k.time_range.end for k in kernels)]
     assert model.dflash_offload.stats.prefetched > 0 and copies, model.dflash_offload.stats
