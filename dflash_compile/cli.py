@@ -74,7 +74,8 @@ def generate_command(args) -> int:
     device = _device(args.device)
     model, tokenizer = load_target(target_dir, "cpu" if args.gpu_memory else device, DTYPES[args.dtype])
     compile = args.compile if args.compile is not None else device.startswith("cuda")
-    fast = optimize(model, drafter=drafter_dir, compile=compile, gpu_memory=args.gpu_memory, device=device)
+    fast = optimize(model, drafter=drafter_dir, compile=compile, gpu_memory=args.gpu_memory, device=device,
+                    offload_manager=args.offload_manager)
     ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(device)
     streamer = TextStreamer(tokenizer) if args.stream else None
     output = fast.generate(ids, max_new_tokens=args.max_new_tokens, streamer=streamer)  # also compiles
@@ -88,6 +89,10 @@ def generate_command(args) -> int:
     widths = ", ".join(f"{w} tokens x {stats.widths.count(w)}" for w in sorted(set(stats.widths), reverse=True))
     print(f"\n--- {new_tokens} new tokens, block {stats.block_size}, {stats.steps} verify steps ({widths}), "
           f"mean accepted length {stats.tau:.2f}")
+    if args.gpu_memory:
+        from .explain import expert_placement
+
+        print(f"experts: {expert_placement(model)}")
     print(f"median of {args.repeats}: dflash {new_tokens / ours_seconds:.1f} tok/s, plain decoding (transformers "
           f"generate) {new_tokens / plain_seconds:.1f} tok/s: {plain_seconds / ours_seconds:.2f}x; "
           f"same tokens: {torch.equal(output, plain)}")
@@ -257,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--stream", action="store_true", help="print tokens as each verify step commits them")
     generate.add_argument("--repeats", type=int, default=3, help="timed generations per side")
     generate.add_argument("--gpu-memory", help="offload routed experts to host memory under this budget, e.g. 20GiB")
+    generate.add_argument("--offload-manager", choices=["host", "device"], default="host",
+                          help="who manages the offloaded experts' cache: the host, reading each layer's routing, or "
+                               "the GPU itself (no host read per layer; the whole step one CUDA graph)")
     generate.set_defaults(run=generate_command)
 
     train = commands.add_parser("train-drafter", help="train a DFlash drafter for a target on its own outputs")

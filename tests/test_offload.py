@@ -164,12 +164,15 @@ def test_from_pretrained_offloads_and_generates_the_same_tokens(tiny_dirs, tmp_p
     assert torch.equal(fast.generate(ids, max_new_tokens=10), expected)
 
 
-def test_generate_command_with_a_gpu_memory_budget(capsys):
+@pytest.mark.parametrize("manager", ["host", "device"])
+def test_generate_command_with_a_gpu_memory_budget(capsys, manager):
     from dflash_compile.cli import main
 
-    arguments = ["generate", "--max-new-tokens", "16", "--repeats", "1", "--gpu-memory", "12MB", "--device", "cpu"]
+    arguments = ["generate", "--max-new-tokens", "16", "--repeats", "1", "--gpu-memory", "12MB", "--device", "cpu",
+                 "--offload-manager", manager]
     assert main(arguments) == 0
-    assert "same tokens: True" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "same tokens: True" in out and f"cache managed on the {manager}" in out
 
 
 @pytest.mark.parametrize("family", FAMILIES)
