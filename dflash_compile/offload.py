@@ -18,6 +18,13 @@ the copies it uses. Two layers ahead keeps the copy engine busy through the next
 after next is already queued), at the price of a weaker guess for it. `stats` counts coverage (needed experts a
 prefetch brought in) and waste (prefetched experts evicted unused). Hooks (`add_hook`) see every fetch, hit and
 prefetch. With `device="cpu"` the same logic runs with plain copies, which is how the CPU tests check it.
+
+The first MoE layer is never predicted, so it would miss on every call: when the budget leaves a layer's worth of
+slots free for the rest, its experts are pinned in slots at start (all layers that fit, without prefetch).
+
+`manager="device"` moves all of this onto the device (`dflash_compile.slot_table`): no routing read, predicted
+experts copied in by a kernel on the side stream, misses read by the fused kernel from pinned host memory, and the
+whole step one CUDA graph (LRU only, no CPU compute, no hooks).
 """
 
 from __future__ import annotations
