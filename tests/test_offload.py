@@ -8,8 +8,8 @@ import torch
 import dflash_compile
 import dflash_compile.testing
 from dflash_compile.families import experts_modules, router_of
-from dflash_compile.offload import (BlobLayout, ExpertCache, MissCosts, offload_experts, parse_size, plan_offload,
-                                    predict_experts)
+from dflash_compile.offload import (PREFETCH_TRIAL, BlobLayout, ExpertCache, MissCosts, offload_experts, parse_size,
+                                    plan_offload, predict_experts)
 from dflash_compile.testing import TINY_CONFIGS, random_drafter_weights, save_drafter, tiny_drafter_config
 from tests.conftest import token_ids
 
@@ -173,6 +173,19 @@ def test_generate_command_with_a_gpu_memory_budget(capsys, manager):
     assert main(arguments) == 0
     out = capsys.readouterr().out
     assert "same tokens: True" in out and f"cache managed on the {manager}" in out
+
+
+def test_each_poor_prefetch_window_drops_only_the_farthest_layer(tiny):
+    """The rule on its own: a window of PREFETCH_TRIAL prefetches with fewer than half used drops one layer of depth;
+    a good window keeps the depth; each window is judged on its own counts."""
+    offloaded = offload_experts(tiny("qwen3_moe"), plan_offload(tiny("qwen3_moe")).minimum_budget, device="cpu",
+                                prefetch=3).dflash_offload
+    stats = offloaded.stats
+    for used, depth in [(10, 2), (60, 2), (31, 1), (40, 1), (0, 0)]:
+        stats.prefetched += PREFETCH_TRIAL
+        stats.prefetch_hits += used
+        offloaded._judge_prefetch()
+        assert offloaded.prefetch == depth, (used, depth)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
