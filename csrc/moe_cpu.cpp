@@ -163,10 +163,10 @@ Format parse_format(c10::string_view name) {
   return kFp8Block;
 }
 
-// Every input check of packed_moe_cpu, run before it holds anything, and throwing only where no object is alive:
-// an error then unwinds no frame that has objects to destroy. (On the H200 machine's build, torch 2.11 / gcc 13.3
-// with -march=native, a check that threw past live tensors crashed the process; the same check before any object
-// was created raised normally.)
+// Every input check of packed_moe_cpu, run before it holds anything, and throwing only where no object is alive.
+// (On the H200 machine's build, torch 2.11 / gcc 13.3 with -march=native, the expert-range check crashed the process
+// when it threw from the kernel's own frame, while the activation check before it raised normally; that unwinding
+// through a frame with live tensors is the cause is a guess, not yet confirmed there.)
 __attribute__((noinline)) void check_moe_inputs(Format format, c10::string_view activation, const at::Tensor& hidden,
                                                 const at::Tensor& top_k_index, const at::Tensor& top_k_weights,
                                                 const at::Tensor& gate_up_data,

@@ -409,6 +409,10 @@ class OffloadedExperts:
             table[expert] = slot
         return self._copy(layer, copies, table)
 
+    def _ahead(self, layer: int) -> range:
+        """The MoE layers whose experts `layer`'s call predicts: the next `prefetch` ones."""
+        return range(layer + 1, min(layer + 1 + self.prefetch, len(self.layers)))
+
     def _judge_prefetch(self) -> None:
         """After each PREFETCH_TRIAL prefetched experts: if fewer than PREFETCH_MIN_PRECISION of them were used, the
         farthest layer ahead is no longer predicted (its guess is the weakest; at depth 1 prefetching stops), as
@@ -433,7 +437,7 @@ class OffloadedExperts:
     def _routed_experts(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor):
         """(the routed expert of every (token, slot) pair, {following layer: its predicted experts} for the next
         `prefetch` layers), all read in ONE host transfer."""
-        following = range(layer + 1, min(layer + 1 + self.prefetch, len(self.layers)))
+        following = self._ahead(layer)
         guesses = [predict_experts(self.layers[ahead].router, hidden).reshape(-1).to(top_k_index.dtype)
                    for ahead in following]
         start = time.perf_counter()
@@ -518,7 +522,7 @@ class OffloadedExperts:
 
         table = self.slot_table
         table.use(layer, top_k_index)
-        for ahead in range(layer + 1, min(layer + 1 + self.prefetch, len(self.layers))):
+        for ahead in self._ahead(layer):
             rows = table.plan(ahead, predict_experts(self.layers[ahead].router, hidden))
             self._copy_planned(ahead, rows)
         if layer in self.landing:

@@ -16,11 +16,17 @@ from tests.conftest import token_ids
 FAMILIES = sorted(TINY_CONFIGS)
 
 
-def _offloaded(tiny, family, policy="lru", extra_slots=0):
+def _offloaded(tiny, family, policy="lru", extra_slots=0, **options):
     model = tiny(family)
     plan = plan_offload(model)
     budget = plan.minimum_budget + extra_slots * plan.blob_bytes  # one layer of experts: every layer evicts
-    return offload_experts(model, budget, device="cpu", policy=policy)
+    return offload_experts(model, budget, device="cpu", policy=policy, **options)
+
+
+def _drafter(config, tmp_path) -> Path:
+    """A saved random DFlash drafter (block 4) for a target with `config`."""
+    drafter_config = tiny_drafter_config(config, block_size=4)
+    return save_drafter(tmp_path / "d", drafter_config, random_drafter_weights(drafter_config))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -43,8 +49,7 @@ def test_offload_with_compiled_dflash_speculative_decoding(tiny, family, tmp_pat
     ids = token_ids(batch=1)
     reference = tiny(family)
     expected = reference.generate(ids, max_new_tokens=12, do_sample=False)
-    config = tiny_drafter_config(reference.config, block_size=4)
-    drafter = save_drafter(tmp_path / "d", config, random_drafter_weights(config))
+    drafter = _drafter(reference.config, tmp_path)
     model = _offloaded(tiny, family, extra_slots=2)
     after = dflash_compile.explain(model, ids).graphs[0].after
     layers = len(model.dflash_offload.layers)
@@ -156,8 +161,7 @@ def test_from_pretrained_offloads_and_generates_the_same_tokens(tiny_dirs, tmp_p
     reference = dflash_compile.testing.load_tiny_model("deepseek_v3", directory=directory)
     ids = token_ids(batch=1)
     expected = reference.generate(ids, max_new_tokens=10, do_sample=False)
-    config = tiny_drafter_config(reference.config, block_size=4)
-    drafter = save_drafter(tmp_path / "d", config, random_drafter_weights(config))
+    drafter = _drafter(reference.config, tmp_path)
     budget = plan_offload(reference).minimum_budget
     fast = dflash_compile.from_pretrained(directory, drafter, gpu_memory=budget, dtype=torch.float32, device="cpu")
     assert fast.model.dflash_offload.slots == plan_offload(reference).experts_per_layer
@@ -300,9 +304,7 @@ def test_device_managed_cache_is_token_identical(tiny, family):
     copied in ahead; one layer of experts plus two slots, so the predictions evict."""
     ids = token_ids()
     expected = tiny(family).generate(ids, max_new_tokens=10, do_sample=False)
-    model = tiny(family)
-    plan = plan_offload(model)
-    model = offload_experts(model, plan.minimum_budget + 2 * plan.blob_bytes, device="cpu", manager="device")
+    model = _offloaded(tiny, family, extra_slots=2, manager="device")
     assert torch.equal(model.generate(ids, max_new_tokens=10, do_sample=False), expected)
     stats = model.dflash_offload.stats
     assert stats.prefetched > 0 and stats.hits > 0 and stats.misses > 0
@@ -343,8 +345,7 @@ def test_device_managed_cache_stays_in_the_compiled_graph(tiny, family, tmp_path
     graphs), and the tokens are the resident model's."""
     ids = token_ids(batch=1)
     expected = tiny(family).generate(ids, max_new_tokens=12, do_sample=False)
-    config = tiny_drafter_config(tiny(family).config, block_size=4)
-    drafter = save_drafter(tmp_path / "d", config, random_drafter_weights(config))
+    drafter = _drafter(tiny(family).config, tmp_path)
     model = tiny(family)
     plan = plan_offload(model)
     fast = dflash_compile.optimize(model, drafter=drafter, adaptive=False, device="cpu", offload_manager="device",
@@ -414,6 +415,17 @@ def _cuda_generate(load, ids, new, extra_slots=None, drafter=None, **options):
     return fast.generate(ids.cuda(), max_new_tokens=new).cpu(), fast.model
 
 
+def _resident_and_offloaded(tiny, family, speculative, tmp_path, extra_slots, **options):
+    """(offloaded tokens, resident tokens, offloaded model): 16 new tokens of bf16 `family` on the GPU, greedy or
+    with a DFlash drafter at its full block (verify blocks use route-ahead)."""
+    ids = token_ids(batch=1)
+    drafter = _drafter(tiny(family).config, tmp_path) if speculative else None
+    load = lambda: tiny(family, torch.bfloat16)  # noqa: E731
+    expected, _ = _cuda_generate(load, ids, 16, drafter=drafter, adaptive=False)
+    tokens, model = _cuda_generate(load, ids, 16, extra_slots=extra_slots, drafter=drafter, adaptive=False, **options)
+    return tokens, expected, model
+
+
 @cuda
 @pytest.mark.parametrize("manager", ["host", "device"])
 def test_gpu_memory_never_exceeds_the_budget(tmp_path, manager):
@@ -451,14 +463,7 @@ def test_offloaded_generation_on_the_gpu_is_token_identical(tiny, family, specul
     """Real host -> device copies, every layer evicting (two slots above one layer of experts), every family
     greedy and with a DFlash drafter at its full block (verify blocks use route-ahead): the resident model's
     tokens."""
-    ids = token_ids(batch=1)
-    drafter = None
-    if speculative:
-        config = tiny_drafter_config(tiny(family).config, block_size=4)
-        drafter = save_drafter(tmp_path / "d", config, random_drafter_weights(config))
-    load = lambda: tiny(family, torch.bfloat16)  # noqa: E731
-    expected, _ = _cuda_generate(load, ids, 16, drafter=drafter, adaptive=False)
-    tokens, model = _cuda_generate(load, ids, 16, extra_slots=2, drafter=drafter, adaptive=False)
+    tokens, expected, model = _resident_and_offloaded(tiny, family, speculative, tmp_path, extra_slots=2)
     assert model.dflash_offload.stats.misses > 0  # copies happened
     assert torch.equal(tokens, expected)
 
@@ -470,15 +475,8 @@ def test_offloaded_generation_on_the_gpu_is_token_identical(tiny, family, specul
 def test_device_managed_offload_on_the_gpu_is_token_identical(tiny, family, speculative, extra_slots, tmp_path):
     """The device-managed cache on the GPU, inside the CUDA graphs of the default mode: copy kernel on the side
     stream, misses read from pinned memory, the resident model's tokens."""
-    ids = token_ids(batch=1)
-    drafter = None
-    if speculative:
-        config = tiny_drafter_config(tiny(family).config, block_size=4)
-        drafter = save_drafter(tmp_path / "d", config, random_drafter_weights(config))
-    load = lambda: tiny(family, torch.bfloat16)  # noqa: E731
-    expected, _ = _cuda_generate(load, ids, 16, drafter=drafter, adaptive=False)
-    tokens, model = _cuda_generate(load, ids, 16, extra_slots=extra_slots, drafter=drafter, adaptive=False,
-                                   offload_manager="device")
+    tokens, expected, model = _resident_and_offloaded(tiny, family, speculative, tmp_path, extra_slots=extra_slots,
+                                                      offload_manager="device")
     stats = model.dflash_offload.stats
     assert stats.hits > 0 and stats.prefetched > 0
     assert torch.equal(tokens, expected)
