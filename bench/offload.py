@@ -32,6 +32,7 @@ from spec_decode import build_model, first_mismatch, width_summary  # noqa: E402
 
 import dflash_compile  # noqa: E402
 from dflash_compile.benchmark import timed  # noqa: E402
+from dflash_compile.kernels import blob_copy  # noqa: E402
 from dflash_compile.offload import OffloadStats, plan_offload  # noqa: E402
 from dflash_compile.testing import OracleDrafter  # noqa: E402
 
@@ -148,10 +149,15 @@ def run(args) -> list[dict]:
                                                     oracle, False)]
         if args.adaptive and not args.decode_only:
             speculative.append((f"DFlash adaptive width, oracle p={args.corruption}", oracle, True))
-        setups = [(f"{policy}, prefetch {ahead}, {manager}-managed, {name}", policy, ahead, manager, drafter, adaptive)
+        copy_programs = args.copy_programs or [blob_copy.PROGRAMS]
+        setups = [(f"{policy}, prefetch {ahead}, {manager}-managed"
+                   + (f" ({programs} copy programs)" if args.copy_programs and manager == "device" else "")
+                   + f", {name}", policy, ahead, manager, programs, drafter, adaptive)
                   for policy in args.policy for ahead in args.prefetch for manager in args.manager
+                  for programs in (copy_programs if manager == "device" else copy_programs[:1])
                   for name, drafter, adaptive in [("decode", None, False), *speculative]]
-        for name, policy, ahead, manager, drafter, adaptive in setups:
+        for name, policy, ahead, manager, programs, drafter, adaptive in setups:
+            blob_copy.PROGRAMS = programs
             fast = dflash_compile.optimize(copy.deepcopy(host_model), drafter, gpu_memory=budget, device=args.device,
                                            adaptive=adaptive, offload_policy=policy, offload_prefetch=ahead,
                                            offload_manager=manager, offload_cpu_compute=args.cpu_compute,
@@ -208,6 +214,9 @@ def main() -> None:
                         help="MoE layers ahead to prefetch predicted experts for (0: off); several compare them")
     parser.add_argument("--manager", nargs="+", default=["host"], choices=["host", "device"],
                         help="who manages the expert cache: the host (a routing read per layer) or the device")
+    parser.add_argument("--copy-programs", type=int, nargs="+",
+                        help="programs of the device manager's copy kernel (default kernels.blob_copy.PROGRAMS); "
+                             "several compare them")
     parser.add_argument("--adaptive", action="store_true", help="also run DFlash with the adaptive verify width")
     parser.add_argument("--decode-only", action="store_true", help="plain decoding only (no DFlash rows)")
     parser.add_argument("--cpu-compute", default="off", choices=["off", "auto", "always"],

@@ -449,7 +449,10 @@ def test_gpu_memory_never_exceeds_the_budget(tmp_path, manager):
     peaks["generate"] = torch.cuda.max_memory_allocated() - baseline
     assert all(peak <= budget for peak in peaks.values()), f"budget {budget} bytes, peaks {peaks}"
     stats = model.dflash_offload.stats
-    assert (stats.misses if manager == "host" else stats.prefetched) > model.dflash_offload.slots  # slots reused
+    if manager == "host":
+        assert stats.misses > model.dflash_offload.slots  # slots reused
+    else:  # copies into slots, and experts the budget kept out of them (read from pinned memory)
+        assert stats.prefetched > 0 and stats.misses > 0
     # Eager and the same expert kernel, every expert fetched once and kept: placement and eviction change nothing.
     reference = offload_experts(_cuda_model(tmp_path), "100GiB", device="cuda").generate(ids, max_new_tokens=16,
                                                                                         do_sample=False)
