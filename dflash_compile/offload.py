@@ -29,6 +29,7 @@ whole step one CUDA graph (LRU only, no CPU compute, no hooks).
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections import OrderedDict
@@ -286,6 +287,11 @@ class OffloadedExperts:
         if self.manager == "device" and (self.policy, self.cpu_compute) != ("lru", "off"):
             raise ValueError(f"the device-managed cache is LRU and runs every expert on the device: policy "
                              f"{self.policy!r} and cpu_compute {self.cpu_compute!r} need manager='host'")
+        interpreted = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true")
+        if self.manager == "device" and not (cuda or interpreted):
+            raise ValueError(f"the device-managed cache updates its tables with Triton kernels, which run on "
+                             f"{self.device.type} only in Triton's interpreter: set TRITON_INTERPRET=1 before "
+                             f"importing dflash_compile, or use manager='host'")
         self.slot_table: DeviceSlotTable | None = None  # manager "device": made by `start`, once the layers are in
         self.landing: dict[int, torch.cuda.Event] = {}  # manager "device": layer -> its planned copies' event
         self.pinned_layers: list[int] = []  # layers whose experts `start` placed in slots for good

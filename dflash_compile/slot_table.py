@@ -1,6 +1,6 @@
 """The device-managed expert cache: which (layer, expert) sits in which slot, LRU order and the choice of victims,
-all kept in device tensors and updated by tensor ops, so an offloaded MoE layer never reads anything back to the host
-(`offload_experts(..., manager="device")`).
+all kept in device tensors and updated on the device (one Triton program per update, `kernels.slot_table`), so an
+offloaded MoE layer never reads anything back to the host (`offload_experts(..., manager="device")`).
 
 The host-managed cache (`dflash_compile.offload.ExpertCache`) reads each layer's routing on the host to decide its
 copies: one sync per MoE layer, and the step cannot be one CUDA graph. Here a layer call
@@ -14,8 +14,8 @@ copies: one sync per MoE layer, and the step cannot be one CUDA graph. Here a la
 
 Only predicted experts enter the cache; a miss is read over PCIe once and not kept. Layers that nothing predicts (the
 first MoE layer) would miss every time: `pin` gives their experts slots for good while the pool keeps a full layer's
-worth free for the others. The flat tables end with a sink entry that masked-off writes go to, so every update has a
-fixed shape.
+worth free for the others. Every update has a fixed shape (the copy lists a fixed length, rows marked valid or
+not), so it can be captured in a CUDA graph. On the CPU the updates run in Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ class DeviceSlotTable:
         if slots < experts:
             raise ValueError(f"{slots} slots cannot hold one layer's {experts} experts")
         self.experts, self.slots = experts, slots
-        self.slot_of = torch.full((layers * experts + 1,), -1, dtype=torch.int32, device=device)  # key -> slot
-        self.owner = torch.full((slots + 1,), -1, dtype=torch.int64, device=device)  # slot -> key (layer*E + e)
-        self.stamp = torch.zeros(slots + 1, dtype=torch.int64, device=device)  # slot -> clock of its last use
-        self.used = torch.zeros(slots + 1, dtype=torch.bool, device=device)  # read since it was filled
+        self.slot_of = torch.full((layers * experts,), -1, dtype=torch.int32, device=device)  # key -> slot
+        self.owner = torch.full((slots,), -1, dtype=torch.int64, device=device)  # slot -> key (layer*E + e)
+        self.stamp = torch.zeros(slots, dtype=torch.int64, device=device)  # slot -> clock of its last use
+        self.used = torch.zeros(slots, dtype=torch.uint8, device=device)  # read since it was filled
         self.clock = torch.zeros((), dtype=torch.int64, device=device)
         self.counts = torch.zeros(4, dtype=torch.int64, device=device)
         # copy lists per layer, rewritten by each plan and read by the copy kernel on the side stream
@@ -47,15 +47,6 @@ class DeviceSlotTable:
     def table(self, layer: int) -> torch.Tensor:
         """[E] int32: layer's expert -> slot, -1 for none (a view: later updates show)."""
         return self.slot_of[layer * self.experts: (layer + 1) * self.experts]
-
-    def _needed(self, experts: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(self.experts, dtype=torch.bool, device=experts.device).index_fill_(0, experts.reshape(-1),
-                                                                                              True)
-
-    def _touch(self, slots: torch.Tensor) -> None:
-        """Stamp `slots` (-1 entries go to the sink) with the clock; pinned ones stay pinned."""
-        slots = torch.where(slots >= 0, slots.long(), self.slots)
-        self.stamp.scatter_reduce_(0, slots, self.clock.expand(slots.shape), reduce="amax")
 
     def pin(self, layers: list[int]) -> list[tuple[int, int, int]]:
         """Give `layers`' experts the first slots for good (before any use); the (layer, expert, slot) placements,
@@ -74,43 +65,19 @@ class DeviceSlotTable:
     def use(self, layer: int, top_k_index: torch.Tensor) -> None:
         """A layer call's routed experts: a new clock tick, their slots stamped and marked used, hits and misses
         counted (each needed expert once)."""
-        self.clock += 1
-        table = self.table(layer)
-        needed = self._needed(top_k_index)
-        resident = table >= 0
-        self._touch(table[top_k_index.reshape(-1)])
-        self.used.index_fill_(0, torch.where(needed & resident, table.long(), self.slots), True)
-        self.counts[self.HITS] += (needed & resident).sum()
-        self.counts[self.MISSES] += (needed & ~resident).sum()
+        from .kernels.slot_table import use_slots
+
+        use_slots(self.table(layer), top_k_index, self.stamp, self.used, self.clock, self.counts)
 
     def plan(self, layer: int, predicted: torch.Tensor) -> int:
         """Slots for `layer`'s `predicted` experts that have none (least recently used unprotected slots, their
         owners evicted); the copies are written to this layer's copy lists, whose first returned-count rows a
         copy kernel must run. Predicted experts already in a slot are stamped (kept)."""
-        rows = min(predicted.numel(), self.experts)
-        table = self.table(layer)
-        wanted = self._needed(predicted)
-        resident = table >= 0
-        self._touch(torch.where(wanted & resident, table, -1))
-        missing = wanted & ~resident
-        experts = torch.argsort((~missing).to(torch.int8), stable=True)[:rows]  # the missing ones first
-        victims = torch.argsort(self.stamp[:self.slots], stable=True)[:rows]  # least recently used first
-        valid = missing[experts] & (self.stamp[victims] < self.clock)  # protected slots carry the clock
-        evicted = self.owner[victims]
-        self.counts[self.WASTED] += (valid & (evicted >= 0) & ~self.used[victims]).sum()
-        sink_key, sink_slot = self.slot_of.numel() - 1, self.slots
-        self.slot_of.index_fill_(0, torch.where(valid & (evicted >= 0), evicted, sink_key), -1)
-        keys = layer * self.experts + experts
-        self.slot_of.index_put_((torch.where(valid, keys, sink_key),), victims.to(torch.int32))
-        filled = torch.where(valid, victims, sink_slot)
-        self.owner.index_put_((filled,), keys)
-        self.stamp.index_put_((filled,), self.clock.expand(filled.shape))
-        self.used.index_fill_(0, filled, False)
-        self.counts[self.PREFETCHED] += valid.sum()
-        self.copy_experts[layer, :rows] = experts
-        self.copy_slots[layer, :rows] = victims
-        self.copy_valid[layer, :rows] = valid.to(torch.int32)
-        return rows
+        from .kernels.slot_table import plan_slots
+
+        return plan_slots(self.table(layer), predicted, self.slot_of, self.owner, self.stamp, self.used, self.clock,
+                          self.counts, self.copy_experts[layer], self.copy_slots[layer], self.copy_valid[layer],
+                          layer * self.experts)
 
     def drain(self) -> list[int]:
         """[hits, misses, prefetched, wasted] since the last drain (reads the device: a sync)."""

@@ -357,7 +357,7 @@ def test_device_managed_cache_stays_in_the_compiled_graph(tiny, family, tmp_path
     assert model.dflash_offload.stats.misses > 0
 
 
-def test_device_managed_cache_options_are_checked(tiny):
+def test_device_managed_cache_options_are_checked(tiny, monkeypatch):
     budget = plan_offload(tiny("olmoe")).minimum_budget
     for options, message in [(dict(manager="gpu"), "manager must be one of .'host', 'device'., got 'gpu'"),
                              (dict(manager="device", policy="lfu"), "the device-managed cache is LRU .* policy 'lfu'"),
@@ -366,6 +366,10 @@ def test_device_managed_cache_options_are_checked(tiny):
         with pytest.raises(ValueError, match=message):
             offload_experts(model, budget, device="cpu", **options)
         assert not hasattr(model, "dflash_offload")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="on cpu only in Triton's interpreter: set TRITON_INTERPRET=1 before"):
+        offload_experts(model, budget, device="cpu", manager="device")
+    monkeypatch.undo()
     model = offload_experts(tiny("olmoe"), budget, device="cpu", manager="device")
     with pytest.raises(ValueError, match="hooks see the host-managed cache's decisions"):
         model.dflash_offload.add_hook(print)

@@ -8,7 +8,7 @@ from dflash_compile.slot_table import DeviceSlotTable
 
 def _residents(table: DeviceSlotTable) -> dict[tuple[int, int], int]:
     """{(layer, expert): slot}, after checking that slot_of and owner describe the same placement."""
-    slot_of, owner = table.slot_of[:-1].tolist(), table.owner[:-1].tolist()
+    slot_of, owner = table.slot_of.tolist(), table.owner.tolist()
     placed = {divmod(key, table.experts): slot for key, slot in enumerate(slot_of) if slot >= 0}
     assert {slot: key for slot, key in enumerate(owner) if key >= 0} == {
         slot: layer * table.experts + expert for (layer, expert), slot in placed.items()}
@@ -80,3 +80,66 @@ def test_pinned_experts_are_never_evicted():
     assert misses == 0 and hits == 9
     with pytest.raises(ValueError, match="pinning 2 layer.s. would leave fewer than one layer's 4 slots of 8"):
         DeviceSlotTable(layers=3, experts=4, slots=8, device=torch.device("cpu")).pin([0, 1])
+
+
+class _ReferenceTable:
+    """The cache's rules in plain Python, one expert at a time (what the kernels compute at once)."""
+
+    def __init__(self, layers, experts, slots):
+        self.experts, self.slots = experts, slots
+        self.slot_of, self.owner = [-1] * (layers * experts), [-1] * slots
+        self.stamp, self.used, self.clock, self.counts = [0] * slots, [0] * slots, 0, [0, 0, 0, 0]
+
+    def use(self, layer, experts):
+        self.clock += 1
+        for expert in set(experts):
+            slot = self.slot_of[layer * self.experts + expert]
+            if slot >= 0:
+                self.stamp[slot], self.used[slot] = max(self.stamp[slot], self.clock), 1
+            self.counts[0 if slot >= 0 else 1] += 1
+
+    def plan(self, layer, predicted):
+        rows, wanted = min(len(predicted), self.experts), set(predicted)
+        table = self.slot_of[layer * self.experts:(layer + 1) * self.experts]
+        for expert in wanted:
+            if table[expert] >= 0:
+                self.stamp[table[expert]] = max(self.stamp[table[expert]], self.clock)
+        missing = sorted(e for e in wanted if table[e] < 0)
+        experts = (missing + [e for e in range(self.experts) if e not in missing])[:rows]
+        victims = sorted(range(self.slots), key=lambda s: (self.stamp[s], s))[:rows]
+        valid = [r < len(missing) and self.stamp[victims[r]] < self.clock for r in range(rows)]
+        for expert, victim, ok in zip(experts, victims, valid):
+            if ok:
+                evicted = self.owner[victim]
+                if evicted >= 0:
+                    self.slot_of[evicted] = -1
+                    self.counts[3] += not self.used[victim]
+                self.slot_of[layer * self.experts + expert], self.owner[victim] = victim, layer * self.experts + expert
+                self.stamp[victim], self.used[victim] = self.clock, 0
+                self.counts[2] += 1
+        return list(zip(experts, victims, valid))
+
+
+def test_the_kernels_follow_the_rules_over_a_random_run():
+    """Many layers, a pool that is no power of two, random routing and predictions of any size: tables, counters and
+    copy lists equal the plain-Python rules after every update."""
+    layers, experts, slots, top_k = 5, 12, 37, 3
+    table, reference = DeviceSlotTable(layers, experts, slots, torch.device("cpu")), _ReferenceTable(layers, experts,
+                                                                                                      slots)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(40):
+        layer = step % layers
+        routed = torch.randperm(experts, generator=generator)[:top_k].view(1, top_k)
+        table.use(layer, routed)
+        reference.use(layer, routed.reshape(-1).tolist())
+        tokens = int(torch.randint(1, 6, (1,), generator=generator))
+        predicted = torch.randint(0, experts, (tokens, top_k), generator=generator)
+        ahead = (layer + 1) % layers
+        rows = table.plan(ahead, predicted)
+        expected = reference.plan(ahead, predicted.reshape(-1).tolist())
+        assert list(zip(table.copy_experts[ahead, :rows].tolist(), table.copy_slots[ahead, :rows].tolist(),
+                        table.copy_valid[ahead, :rows].bool().tolist())) == expected
+        assert table.slot_of.tolist() == reference.slot_of and table.owner.tolist() == reference.owner
+        assert table.stamp.tolist() == reference.stamp and table.used.tolist() == reference.used
+        assert table.counts.tolist() == reference.counts
+    assert reference.counts[2] > slots and reference.counts[3] > 0  # slots were reused, some guesses wasted
