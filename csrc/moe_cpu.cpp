@@ -23,6 +23,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace {
@@ -101,12 +102,23 @@ struct PackedMatrix {
   }
 };
 
+// Numbers in check messages are formatted here, not by the stream TORCH_CHECK writes its arguments to: on the H200
+// machine's build (torch 2.11, gcc 13.3) every check whose message streamed an integer crashed the process when it
+// threw, while the one with only strings raised (tests/kernels/test_cpu.py::test_bad_input_is_named).
+std::string text(int64_t value) { return std::to_string(value); }
+
+std::string text(at::IntArrayRef values) {
+  std::string joined = "[";
+  for (size_t i = 0; i < values.size(); ++i) joined += (i ? ", " : "") + std::to_string(values[i]);
+  return joined + "]";
+}
+
 // mxfp4 data [E, N, G, 16] and scales [E, N, G]; fp8 data [E, N, K] and scales [E, N/128, K/128]; dense [E, N, K]
 // at any strides (a transposed view of [E, in, out] parameters reads its columns strided)
 void check_rows(Format format, const at::Tensor& data, const std::optional<at::Tensor>& scales) {
   TORCH_CHECK(format == kDense || (data.stride(-1) == 1 && (data.dim() < 4 || data.stride(2) == 16) &&
                                    (!scales.has_value() || scales->stride(-1) == 1)),
-              "packed expert rows must be contiguous (strides ", data.strides(), ")");
+              "packed expert rows must be contiguous (strides " + text(data.strides()) + ")");
 }
 
 // One expert's matrix of weights that `check_rows` accepted.
@@ -163,16 +175,11 @@ Format parse_format(c10::string_view name) {
   return kFp8Block;
 }
 
-// Every input check of packed_moe_cpu, run before it holds anything, and throwing only where no object is alive.
-// (On the H200 machine's build, torch 2.11 / gcc 13.3 with -march=native, the expert-range check crashed the process
-// when it threw from the kernel's own frame, while the activation check before it raised normally; that unwinding
-// through a frame with live tensors is the cause is a guess, not yet confirmed there.)
-__attribute__((noinline)) void check_moe_inputs(Format format, c10::string_view activation, const at::Tensor& hidden,
-                                                const at::Tensor& top_k_index, const at::Tensor& top_k_weights,
-                                                const at::Tensor& gate_up_data,
-                                                const std::optional<at::Tensor>& gate_up_scales,
-                                                const at::Tensor& down_data,
-                                                const std::optional<at::Tensor>& down_scales) {
+// Every input check of packed_moe_cpu, run before it allocates anything.
+void check_moe_inputs(Format format, c10::string_view activation, const at::Tensor& hidden,
+                      const at::Tensor& top_k_index, const at::Tensor& top_k_weights, const at::Tensor& gate_up_data,
+                      const std::optional<at::Tensor>& gate_up_scales, const at::Tensor& down_data,
+                      const std::optional<at::Tensor>& down_scales) {
   TORCH_CHECK(activation == "silu" || activation == "clamped_swiglu", "activation '", activation,
               "' has no CPU kernel: expected silu or clamped_swiglu");
   TORCH_CHECK(hidden.dim() == 2 && top_k_index.dim() == 2 && top_k_index.sizes() == top_k_weights.sizes(),
@@ -184,8 +191,8 @@ __attribute__((noinline)) void check_moe_inputs(Format format, c10::string_view 
   check_rows(format, down_data, down_scales);
   if (top_k_index.numel() > 0) {
     const int64_t low = top_k_index.min().item<int64_t>(), high = top_k_index.max().item<int64_t>();
-    TORCH_CHECK(low >= 0 && high < experts, "expert index ", low < 0 ? low : high, " out of range [0, ", experts,
-                ")");
+    TORCH_CHECK(low >= 0 && high < experts,
+                "expert index " + text(low < 0 ? low : high) + " out of range [0, " + text(experts) + ")");
   }
 }
 
@@ -258,7 +265,8 @@ at::Tensor packed_moe_cpu(const at::Tensor& hidden, const at::Tensor& top_k_inde
 at::Tensor fp8_block_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale_inv,
                                 const std::optional<at::Tensor>& bias) {
   const int64_t rows = weight.size(0), columns = weight.size(1);
-  TORCH_CHECK(x.size(-1) == columns, "x has ", x.size(-1), " features, the weight takes ", columns);
+  TORCH_CHECK(x.size(-1) == columns,
+              "x has " + text(x.size(-1)) + " features, the weight takes " + text(columns));
   const at::Tensor flat = x.reshape({-1, columns}).to(at::kFloat).contiguous();
   const at::Tensor data = weight.contiguous().view(at::kByte).unsqueeze(0);
   const at::Tensor scales = scale_inv.to(at::kFloat).contiguous().unsqueeze(0);

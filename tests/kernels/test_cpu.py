@@ -79,8 +79,11 @@ def test_bad_input_is_named():
     with pytest.raises(RuntimeError, match=r"expert index 5 out of range \[0, 2\)"):
         _packed_moe(x, torch.tensor([[5]]), weights, gate_up, down, False, "silu")
     strided = PackedWeight("fp8_block", down.data.transpose(1, 2).contiguous().transpose(1, 2), down.scales)
-    with pytest.raises(RuntimeError, match="packed expert rows must be contiguous"):
+    with pytest.raises(RuntimeError, match=r"packed expert rows must be contiguous \(strides \[8192, 1, 128\]\)"):
         _packed_moe(x, index, weights, gate_up, strided, False, "silu")
+    weight = torch.zeros(128, 128, dtype=torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match="x has 64 features, the weight takes 128"):
+        torch.ops.dflash.fp8_block_linear(torch.zeros(1, 64), weight, torch.ones(1, 1), None)
 
 
 def test_weights_on_another_device_than_the_hidden_states_are_named():
