@@ -53,7 +53,7 @@ def compile_kernel(format: str, gated: bool, tiles: dict, host_fallback: bool = 
         signature |= {"x": "*fp16", "out": "*fp16"}
     constants = dict(FORMAT=FORMATS[format], GATED=gated, INTERLEAVED=True, ACTIVATION=ACTIVATIONS["clamped_swiglu"],
                      HAS_BIAS=True, APPLY_WEIGHT=not gated, COMPUTE_FP32=False, FP16_OPERANDS=fp16,
-                     HOST_FALLBACK=host_fallback,
+                     HOST_FALLBACK=host_fallback, PAIR_PER_BLOCK=False,
                      BLOCK_M=tiles["block_m"],
                      BLOCK_N=tiles["block_n"], BLOCK_K=tiles["block_k"], NUM_STAGES=tiles["num_stages"],
                      column_stride=1)  # the JIT makes an argument equal to 1 a constant

@@ -9,7 +9,8 @@ Two launches per MoE layer, both over blocks of BLOCK_M (token, expert) pairs of
 
 Each expert's weight tile is read once per block of pairs routed to it, so a decode step reads each routed expert
 once. The pair -> block assignment (`align_routing`) is computed on the device without a host sync, with the grid
-sized by its upper bound: blocks past the real count exit at once (CUDA-graph friendly).
+sized by its upper bound: blocks past the real count exit at once (CUDA-graph friendly); a single token needs none
+(each pair its own block). A third launch sums each token's pairs in fp32 and rounds once to the output dtype.
 
 Offload's layout (`slot_of`): the weights are a slot pool on the device, a table maps experts to slots, and an
 expert without a slot is read by the kernel from its pinned host blob over PCIe (zero-copy; the GPU addresses
@@ -96,6 +97,33 @@ def align_routing(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> 
                                 E_POW2=triton.next_power_of_2(num_experts),
                                 BLOCKS_POW2=max(triton.next_power_of_2(blocks), chunk), CHUNK=chunk)
     return pair_ids, block_expert
+
+
+def _blocks(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The GEMM launches' blocks: `align_routing`'s, or for one token (decode) no pair ids and the routing itself as
+    each block's expert, every pair a block of its own (PAIR_PER_BLOCK): a token's experts are distinct, so that reads
+    each expert once as well, and the grouping launch is saved."""
+    if top_k_index.shape[0] == 1:
+        return None, top_k_index.reshape(-1)
+    return align_routing(top_k_index, num_experts, block_m)
+
+
+@triton.jit
+def _sum_pairs_kernel(per_pair, out, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    token, columns = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        total += tl.load(per_pair + (token * TOP_K + j) * H + columns, mask=columns < H, other=0.0)
+    tl.store(out + token * H + columns, total, mask=columns < H)  # in out's dtype
+
+
+def _sum_pairs(per_pair: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[T, k, H] fp32 -> [T, H] in `dtype`: each token's pairs summed in fp32, rounded once, in one launch."""
+    tokens, top_k, h = per_pair.shape
+    out = torch.empty(tokens, h, dtype=dtype, device=per_pair.device)
+    block = min(1024, triton.next_power_of_2(h))
+    _sum_pairs_kernel[(tokens, triton.cdiv(h, block))](per_pair, out, h, TOP_K=top_k, BLOCK=block)
+    return out
 
 
 @triton.jit
@@ -217,8 +245,8 @@ def _moe_gemm_kernel(
     P, N, K, N_OUT, ROW_DIV, alpha, limit, data_stride, scales_stride, bias_stride, row_stride, column_stride,
     FORMAT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr, APPLY_WEIGHT: tl.constexpr, COMPUTE_FP32: tl.constexpr, FP16_OPERANDS: tl.constexpr,
-    HOST_FALLBACK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    HOST_FALLBACK: tl.constexpr, PAIR_PER_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     block = tl.program_id(0)
     expert = tl.load(block_expert + block)
@@ -235,7 +263,10 @@ def _moe_gemm_kernel(
     data += row * data_stride
     scales += row * scales_stride
     bias += row * bias_stride
-    pairs = tl.load(pair_ids + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    if PAIR_PER_BLOCK:  # block b is pair b alone, block_expert the routing itself (`_blocks`)
+        pairs = tl.where(tl.arange(0, BLOCK_M) == 0, block, P)
+    else:
+        pairs = tl.load(pair_ids + block * BLOCK_M + tl.arange(0, BLOCK_M))
     pair_ok = pairs < P
     pair_rows = tl.where(pair_ok, pairs // ROW_DIV, 0)
     columns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -288,23 +319,24 @@ def _strides(weight: PackedWeight) -> tuple[int, ...]:
 def _launch(x, weight: PackedWeight, pair_ids, block_expert, pair_weights, rows_out, n_out, row_div, *, gated,
             interleaved, activation, alpha, limit, compute_fp32, block_m, block_n, block_k, num_warps, num_stages,
             operands="bf16", host: PackedWeight | None = None, slot_of: torch.Tensor | None = None):
-    """One GEMM launch; with fp16 operands `x` must already be fp16 times FP16_PRESCALE (`_activations`); with
-    `slot_of`, `weight` is a slot pool and `host` the same weight over the host blobs."""
+    """One GEMM launch over the blocks of `_blocks`; with fp16 operands `x` must already be fp16 times FP16_PRESCALE
+    (`_activations`); with `slot_of`, `weight` is a slot pool and `host` the same weight over the host blobs."""
     _, n, k = weight.shape
     fp16_operands = _fp16_operands(operands, compute_fp32)
     out = torch.empty(rows_out, n_out, dtype=torch.float32 if compute_fp32 or not gated else x.dtype,
                       device=x.device)
     grid = (block_expert.numel(), triton.cdiv(n_out, block_n))
-    placeholder = pair_ids  # any tensor stands in for an absent pointer
+    placeholder = block_expert  # any tensor stands in for an absent pointer
     pointers = lambda w: [part if part is not None else placeholder for part in (w.data, w.scales, w.bias)]  # noqa: E731
     _moe_gemm_kernel[grid](
-        x, *pointers(weight), out, pair_ids, block_expert, pair_weights if pair_weights is not None else placeholder,
+        x, *pointers(weight), out, pair_ids if pair_ids is not None else placeholder, block_expert,
+        pair_weights if pair_weights is not None else placeholder,
         *pointers(host if host is not None else weight), slot_of if slot_of is not None else placeholder,
         rows_out, n, k, n_out, row_div, float(alpha), float(limit), *_strides(weight),
         FORMAT=FORMATS[weight.format], GATED=gated, INTERLEAVED=interleaved, ACTIVATION=ACTIVATIONS[activation],
         HAS_BIAS=weight.bias is not None, APPLY_WEIGHT=pair_weights is not None, COMPUTE_FP32=compute_fp32,
-        FP16_OPERANDS=fp16_operands, HOST_FALLBACK=slot_of is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, NUM_STAGES=num_stages, num_warps=num_warps,
+        FP16_OPERANDS=fp16_operands, HOST_FALLBACK=slot_of is not None, PAIR_PER_BLOCK=pair_ids is None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, num_warps=num_warps,
     )
     return out
 
@@ -380,7 +412,7 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     settings = tiles_for(gate_up.format, tiles)
     compute_fp32 = hidden.dtype == torch.float32 if compute_fp32 is None else compute_fp32
     tokens, top_k = top_k_index.shape
-    pair_ids, block_expert = align_routing(top_k_index, experts, settings["block_m"])
+    pair_ids, block_expert = _blocks(top_k_index, experts, settings["block_m"])
     settings |= dict(alpha=alpha, limit=limit, compute_fp32=compute_fp32, slot_of=slot_of)
     x = _activations(hidden, settings)
     intermediate = _launch(x, gate_up, pair_ids, block_expert, None, tokens * top_k, two_i // 2, top_k,
@@ -390,7 +422,7 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     per_pair = _launch(intermediate, down, pair_ids, block_expert, weights, tokens * top_k, h, 1,
                        gated=False, interleaved=False, activation="silu", host=host[1] if host else None,
                        **settings)
-    return per_pair.view(tokens, top_k, h).sum(dim=1).to(hidden.dtype)
+    return _sum_pairs(per_pair.view(tokens, top_k, h), hidden.dtype)
 
 
 def packed_linear(x: torch.Tensor, weight: PackedWeight, **tiles) -> torch.Tensor:
@@ -398,8 +430,8 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, **tiles) -> torch.Tenso
     token routed to the one expert. x [..., K] -> [..., N] in x's dtype."""
     settings = tiles_for(weight.format, tiles) | dict(compute_fp32=x.dtype == torch.float32)
     rows = _activations(x.reshape(-1, x.shape[-1]), settings)
-    pair_ids, block_expert = align_routing(torch.zeros(rows.shape[0], 1, dtype=torch.int32, device=x.device), 1,
-                                           settings["block_m"])
+    pair_ids, block_expert = _blocks(torch.zeros(rows.shape[0], 1, dtype=torch.int32, device=x.device), 1,
+                                     settings["block_m"])
     out = _launch(rows, weight, pair_ids, block_expert, None, rows.shape[0], weight.shape[1], 1, gated=False,
                   interleaved=False, activation="silu", alpha=0.0, limit=0.0, **settings)
     return out.to(x.dtype).view(*x.shape[:-1], weight.shape[1])

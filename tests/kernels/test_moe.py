@@ -89,6 +89,21 @@ def test_fused_moe_matches_the_reference(format, family, precision):
     assert error <= (1e-4 if precision == "fp32" else 1e-2), f"relative error {error:.2e}"
 
 
+@pytest.mark.parametrize("format", ["mxfp4", "fp8_block", "dense"])
+def test_one_token_is_its_own_blocks(format):
+    """Decode: a single token's pairs are each a block of their own (no grouping launch): the reference's result,
+    and the same rows as that token's in a batch, where its pairs share blocks with other tokens'."""
+    experts, hidden, inter, top_k, tokens, interleaved, activation, bias = FAMILY_CASES["gpt_oss"]
+    gate_up, down = _experts(format, experts, hidden, inter, bias)
+    index, weights = _routing(tokens, experts, top_k)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1))
+    run = lambda rows: fused_moe(x[rows].to(DEVICE), index[rows].to(DEVICE), weights[rows].to(DEVICE),  # noqa: E731
+                                 gate_up, down, interleaved=interleaved, activation=activation).cpu()
+    expected = reference_moe(x[:1], index[:1], weights[:1], gate_up, down, interleaved, activation)
+    assert (run(slice(0, 1)).double() - expected).norm() / expected.norm() <= 1e-4
+    torch.testing.assert_close(run(slice(0, 1)), run(slice(0, tokens))[:1], atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("family, scale", [("gpt_oss", 1.0), ("gpt_oss", 3e5), ("silu_concatenated", 1.0),
                                            ("silu_concatenated", 1e3)])
 def test_fp16_operands_for_fp8_weights(family, scale):
@@ -189,6 +204,8 @@ def test_packed_linear_matches_dequantize_then_matmul(format):
     actual = packed_linear(x.to(DEVICE), weight)
     assert actual.shape == (2, 3, 200)
     assert (actual.cpu().double() - expected).norm() / expected.norm() <= 1e-4
+    one_row = packed_linear(x[:1, :1].to(DEVICE), weight)  # a decode step's single row: no grouping launch
+    assert (one_row.cpu().double() - expected[:1, :1]).norm() / expected[:1, :1].norm() <= 1e-4
 
 
 @pytest.mark.parametrize("format", ["mxfp4", "fp8_block", "dense"])
