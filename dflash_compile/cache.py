@@ -59,8 +59,8 @@ class RowCache:
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Write [b, heads, n, d] keys/values at each row's length (not committed)."""
-        torch.ops.dflash.kv_write(self._buffer(self.keys, layer, key), key, self.lengths)
-        torch.ops.dflash.kv_write(self._buffer(self.values, layer, value), value, self.lengths)
+        torch.ops.dflash.kv_write(self._buffer(self.keys, layer, key), self._buffer(self.values, layer, value), key,
+                                  value, self.lengths)
 
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[layer], self.values[layer]

@@ -61,20 +61,32 @@ def _packed_moe_fake(hidden, top_k_index, top_k_weights, format, gate_up_data, g
     return torch.empty_like(hidden)
 
 
-@torch.library.custom_op("dflash::kv_write", mutates_args=("cache",))
-def kv_write(cache: torch.Tensor, new: torch.Tensor, lengths: torch.Tensor) -> None:
-    """cache[b, :, (lengths[b] + i) % S] = new[b, :, i] for every row b and i < new.shape[2] (cache [B, H, S, D]).
+@torch.library.custom_op("dflash::kv_write", mutates_args=("key_cache", "value_cache"))
+def kv_write(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             lengths: torch.Tensor) -> None:
+    """key_cache[b, :, (lengths[b] + i) % S] = key[b, :, i] and value_cache likewise, for every row b and
+    i < key.shape[2] (caches [B, H, S, D]; keys and values may differ in D). On CUDA one kernel writes both
+    (`kernels.kv_cache`).
 
     Full-attention buffers are long enough that the modulo never wraps; sliding-window rings wrap."""
-    slots = (lengths[:, None] + torch.arange(new.shape[2], device=new.device)).remainder(cache.shape[2])
-    index = slots[:, None, :, None].expand(-1, new.shape[1], -1, new.shape[3])
-    cache.scatter_(2, index, new.to(cache.dtype))
+    if key_cache.is_cuda:
+        from .kernels.kv_cache import write_kv
+
+        write_kv(key_cache, value_cache, key, value, lengths)
+        return
+    slots = (lengths[:, None] + torch.arange(key.shape[2], device=key.device)).remainder(key_cache.shape[2])
+    for cache, new in ((key_cache, key), (value_cache, value)):
+        index = slots[:, None, :, None].expand(-1, new.shape[1], -1, new.shape[3])
+        cache.scatter_(2, index, new.to(cache.dtype))
 
 
 @kv_write.register_fake
-def _kv_write_fake(cache, new, lengths):
-    torch._check(new.shape[0] == cache.shape[0] and new.shape[1] == cache.shape[1], lambda: "batch/heads differ")
-    torch._check(new.shape[3] == cache.shape[3], lambda: "head_dim differs")
+def _kv_write_fake(key_cache, value_cache, key, value, lengths):
+    for cache, new in ((key_cache, key), (value_cache, value)):
+        torch._check(new.shape[0] == cache.shape[0] and new.shape[1] == cache.shape[1], lambda: "batch/heads differ")
+        torch._check(new.shape[3] == cache.shape[3], lambda: "head_dim differs")
+    torch._check(key.shape[2] == value.shape[2] and key_cache.shape[2] == value_cache.shape[2],
+                 lambda: "keys and values differ in tokens or slots")
 
 
 @torch.library.custom_op("dflash::kv_commit", mutates_args=("lengths",))

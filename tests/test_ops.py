@@ -85,20 +85,21 @@ def test_layout_mismatch_with_the_registry_is_reported(tiny):
 
 
 def test_opcheck_kv_ops():
-    cache = torch.randn(2, 3, 16, 4)
-    new = torch.randn(2, 3, 5, 4)
+    caches = torch.randn(2, 3, 16, 4), torch.randn(2, 3, 16, 6)  # value head_dim differs (DeepSeek)
+    new = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 6)
     lengths = torch.tensor([0, 7])
-    torch.library.opcheck(torch.ops.dflash.kv_write.default, (cache, new, lengths))
+    torch.library.opcheck(torch.ops.dflash.kv_write.default, (*caches, *new, lengths))
     torch.library.opcheck(torch.ops.dflash.kv_commit.default, (lengths.clone(), torch.tensor([2, 0])))
 
 
 def test_kv_write_writes_each_row_at_its_length_and_commit_moves_only_lengths():
-    cache = torch.zeros(2, 1, 8, 1)
+    keys, values = torch.zeros(2, 1, 8, 1), torch.zeros(2, 1, 8, 1)
     new = torch.arange(1.0, 4.0).view(1, 1, 3, 1).repeat(2, 1, 1, 1)
     lengths = torch.tensor([0, 4])
-    torch.ops.dflash.kv_write(cache, new, lengths)
-    assert cache[0, 0, :, 0].tolist() == [1, 2, 3, 0, 0, 0, 0, 0]
-    assert cache[1, 0, :, 0].tolist() == [0, 0, 0, 0, 1, 2, 3, 0]
+    torch.ops.dflash.kv_write(keys, values, new, -new, lengths)
+    assert keys[0, 0, :, 0].tolist() == [1, 2, 3, 0, 0, 0, 0, 0]
+    assert keys[1, 0, :, 0].tolist() == [0, 0, 0, 0, 1, 2, 3, 0]
+    assert values[1, 0, :, 0].tolist() == [0, 0, 0, 0, -1, -2, -3, 0]
     torch.ops.dflash.kv_commit(lengths, torch.tensor([1, 3]))
     assert lengths.tolist() == [1, 7]
 

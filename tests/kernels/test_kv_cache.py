@@ -1,0 +1,29 @@
+"""The CUDA kernel of `dflash::kv_write` (kernels/kv_cache.py) against the op's tensor form on the CPU."""
+
+import pytest
+import torch
+
+from dflash_compile.kernels.kv_cache import write_kv
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("cache_dtype", [
+    torch.float32,
+    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(DEVICE == "cpu", reason="the interpreter rounds to bf16 "
+                                                                                  "wrongly"))])
+def test_kernel_writes_what_the_tensor_form_writes(cache_dtype):
+    """Rows at different lengths, one wrapping around a ring of 8 slots; value head_dim unlike the keys'; keys as a
+    transposed view (how attention produces them); on a GPU also fp32 written into bf16 caches."""
+    generator = torch.Generator().manual_seed(0)
+    caches = [torch.randn(3, 2, 8, d, generator=generator).to(cache_dtype) for d in (16, 24)]
+    key = torch.randn(3, 5, 2, 16, generator=generator).transpose(1, 2)  # [B, H, N, D], strided
+    value = torch.randn(3, 2, 5, 24, generator=generator)
+    lengths = torch.tensor([0, 2, 6])  # the last row wraps: slots 6, 7, 0, 1, 2
+    expected = [cache.clone() for cache in caches]
+    torch.ops.dflash.kv_write(*expected, key, value, lengths)  # the tensor form (CPU)
+    on_device = [cache.clone().to(DEVICE) for cache in caches]
+    write_kv(*on_device, key.to(DEVICE), value.to(DEVICE), lengths.to(DEVICE))
+    for actual, wanted in zip(on_device, expected):
+        assert torch.equal(actual.cpu(), wanted)
+    assert not torch.equal(expected[0], caches[0])  # something was written
