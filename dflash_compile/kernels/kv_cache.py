@@ -40,4 +40,5 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
     _kv_write_kernel[(batch * heads, tokens)](
         key_cache, value_cache, key, value, lengths, heads, key_cache.shape[2], key.shape[3], value.shape[3],
         *key_cache.stride(), *value_cache.stride(), *key.stride(), *value.stride(),
-        BLOCK_DK=triton.next_power_of_2(key.shape[3]), BLOCK_DV=triton.next_power_of_2(value.shape[3]))
+        BLOCK_DK=triton.next_power_of_2(key.shape[3]), BLOCK_DV=triton.next_power_of_2(value.shape[3]),
+        num_warps=1)  # a head's vector (64-256 values) is one warp's work
