@@ -5,6 +5,12 @@ import torch
 
 from dflash_compile.slot_table import DeviceSlotTable
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the update kernels: compiled or interpreted
+
+
+def _ids(rows: list[list[int]]) -> torch.Tensor:
+    return torch.tensor(rows, device=DEVICE)
+
 
 def _residents(table: DeviceSlotTable) -> dict[tuple[int, int], int]:
     """{(layer, expert): slot}, after checking that slot_of and owner describe the same placement."""
@@ -21,17 +27,17 @@ def _copies(table: DeviceSlotTable, layer: int, rows: int) -> list[tuple[int, in
 
 
 def test_plan_fills_free_slots_then_evicts_the_least_recently_used():
-    table = DeviceSlotTable(layers=3, experts=4, slots=4, device=torch.device("cpu"))
-    table.use(0, torch.tensor([[0, 1]]))
-    rows = table.plan(1, torch.tensor([[2, 3]]))
+    table = DeviceSlotTable(layers=3, experts=4, slots=4, device=DEVICE)
+    table.use(0, _ids([[0, 1]]))
+    rows = table.plan(1, _ids([[2, 3]]))
     assert sorted(e for e, _ in _copies(table, 1, rows)) == [2, 3]
     assert set(_residents(table)) == {(1, 2), (1, 3)}
-    table.use(1, torch.tensor([[2, 3]]))  # both hits
-    assert table.plan(2, torch.tensor([[0, 1]])) == 2
+    table.use(1, _ids([[2, 3]]))  # both hits
+    assert table.plan(2, _ids([[0, 1]])) == 2
     assert set(_residents(table)) == {(1, 2), (1, 3), (2, 0), (2, 1)}  # the two free slots
-    table.use(2, torch.tensor([[0, 3]]))  # (2, 0) a hit, expert 3 of layer 2 a miss (read from host)
-    table.use(0, torch.tensor([[1]]))  # next step: layer 1's experts are now the least recently used
-    rows = table.plan(1, torch.tensor([[0]]))
+    table.use(2, _ids([[0, 3]]))  # (2, 0) a hit, expert 3 of layer 2 a miss (read from host)
+    table.use(0, _ids([[1]]))  # next step: layer 1's experts are now the least recently used
+    rows = table.plan(1, _ids([[0]]))
     (expert, slot), = _copies(table, 1, rows)
     placed = _residents(table)
     assert expert == 0 and placed[(1, 0)] == slot and len(placed) == 4
@@ -46,40 +52,40 @@ def test_plan_fills_free_slots_then_evicts_the_least_recently_used():
 def test_a_plan_never_evicts_what_the_current_call_uses():
     """One layer's worth of slots: a call's own experts are protected, so a prediction that needs their slots gets
     none (its experts will be read from host memory) and nothing the running layer reads is overwritten."""
-    table = DeviceSlotTable(layers=2, experts=4, slots=4, device=torch.device("cpu"))
-    table.use(0, torch.tensor([[0, 1, 2, 3]]))
-    table.plan(1, torch.tensor([[0, 1, 2, 3]]))  # fills all four slots for layer 1
-    table.use(1, torch.tensor([[0, 1, 2, 3]]))
-    rows = table.plan(0, torch.tensor([[0, 1]]))
+    table = DeviceSlotTable(layers=2, experts=4, slots=4, device=DEVICE)
+    table.use(0, _ids([[0, 1, 2, 3]]))
+    table.plan(1, _ids([[0, 1, 2, 3]]))  # fills all four slots for layer 1
+    table.use(1, _ids([[0, 1, 2, 3]]))
+    rows = table.plan(0, _ids([[0, 1]]))
     assert _copies(table, 0, rows) == []
     assert set(_residents(table)) == {(1, 0), (1, 1), (1, 2), (1, 3)}
 
 
 def test_prefetched_experts_evicted_unused_count_as_waste():
-    table = DeviceSlotTable(layers=2, experts=4, slots=4, device=torch.device("cpu"))
-    table.use(0, torch.tensor([[0]]))
-    table.plan(1, torch.tensor([[0, 1, 2, 3]]))
-    table.use(1, torch.tensor([[0]]))  # 1, 2 and 3 were guessed wrong
-    table.use(0, torch.tensor([[0]]))
-    table.plan(0, torch.tensor([[0, 1, 2]]))  # evicts three slots: the unused guesses are older than (1, 0)
+    table = DeviceSlotTable(layers=2, experts=4, slots=4, device=DEVICE)
+    table.use(0, _ids([[0]]))
+    table.plan(1, _ids([[0, 1, 2, 3]]))
+    table.use(1, _ids([[0]]))  # 1, 2 and 3 were guessed wrong
+    table.use(0, _ids([[0]]))
+    table.plan(0, _ids([[0, 1, 2]]))  # evicts three slots: the unused guesses are older than (1, 0)
     assert set(_residents(table)) == {(1, 0), (0, 0), (0, 1), (0, 2)}
     assert table.drain()[DeviceSlotTable.WASTED] == 3
 
 
 def test_pinned_experts_are_never_evicted():
-    table = DeviceSlotTable(layers=3, experts=4, slots=8, device=torch.device("cpu"))
+    table = DeviceSlotTable(layers=3, experts=4, slots=8, device=DEVICE)
     assert table.pin([0]) == [(0, e, e) for e in range(4)]
     for step in range(3):  # predictions for layers 1 and 2 cycle through all their experts
-        table.use(0, torch.tensor([[step % 4]]))
-        table.plan(1, torch.tensor([[0, 1, 2, 3]]))
-        table.use(1, torch.tensor([[0]]))
-        table.plan(2, torch.tensor([[0, 1, 2, 3]]))
-        table.use(2, torch.tensor([[1]]))
+        table.use(0, _ids([[step % 4]]))
+        table.plan(1, _ids([[0, 1, 2, 3]]))
+        table.use(1, _ids([[0]]))
+        table.plan(2, _ids([[0, 1, 2, 3]]))
+        table.use(2, _ids([[1]]))
         assert all(_residents(table).get((0, e)) == e for e in range(4))
     hits, misses, _, _ = table.drain()
     assert misses == 0 and hits == 9
     with pytest.raises(ValueError, match="pinning 2 layer.s. would leave fewer than one layer's 4 slots of 8"):
-        DeviceSlotTable(layers=3, experts=4, slots=8, device=torch.device("cpu")).pin([0, 1])
+        DeviceSlotTable(layers=3, experts=4, slots=8, device=DEVICE).pin([0, 1])
 
 
 class _ReferenceTable:
@@ -124,16 +130,16 @@ def test_the_kernels_follow_the_rules_over_a_random_run():
     """Many layers, a pool that is no power of two, random routing and predictions of any size: tables, counters and
     copy lists equal the plain-Python rules after every update."""
     layers, experts, slots, top_k = 5, 12, 37, 3
-    table, reference = DeviceSlotTable(layers, experts, slots, torch.device("cpu")), _ReferenceTable(layers, experts,
+    table, reference = DeviceSlotTable(layers, experts, slots, DEVICE), _ReferenceTable(layers, experts,
                                                                                                       slots)
     generator = torch.Generator().manual_seed(0)
     for step in range(40):
         layer = step % layers
-        routed = torch.randperm(experts, generator=generator)[:top_k].view(1, top_k)
+        routed = torch.randperm(experts, generator=generator)[:top_k].view(1, top_k).to(DEVICE)
         table.use(layer, routed)
         reference.use(layer, routed.reshape(-1).tolist())
         tokens = int(torch.randint(1, 6, (1,), generator=generator))
-        predicted = torch.randint(0, experts, (tokens, top_k), generator=generator)
+        predicted = torch.randint(0, experts, (tokens, top_k), generator=generator).to(DEVICE)
         ahead = (layer + 1) % layers
         rows = table.plan(ahead, predicted)
         expected = reference.plan(ahead, predicted.reshape(-1).tolist())
