@@ -199,6 +199,8 @@ def main():
     parser.add_argument("--mode", default=None, help="torch.compile mode of the verify step (default: optimize's, "
                                                      '"reduce-overhead" on CUDA; "default": no CUDA graphs)')
     parser.add_argument("--profile", action="store_true", help="print where a decode step spends its time")
+    parser.add_argument("--static-cache", action="store_true",
+                        help="add model.generate with a static cache (transformers compiles its decode on CUDA)")
     parser.add_argument("--grouped-mm", action="store_true",
                         help="add a row and step times with transformers' grouped_mm experts "
                              "(optimize(fused_experts=False); the default is dflash's fused kernel)")
@@ -223,6 +225,12 @@ def main():
     plain = dflash_compile.optimize(model, mode=args.mode)
     out, seconds = timed(lambda: plain.generate(ids, max_new_tokens=args.new), args.repeats, args.device)
     rows.append(("dflash, no drafter", new / seconds, 1.0, "-", first_mismatch(expected, out)))
+    if args.static_cache:  # what transformers users reach for: a static cache, whose decode forward generate
+        with torch.no_grad():  # compiles (reduce-overhead) on CUDA
+            out, seconds = timed(lambda: model.generate(ids, do_sample=False, max_new_tokens=args.new,
+                                                        cache_implementation="static"), args.repeats, args.device)
+        rows.append(("model.generate, static cache (compiled by transformers on CUDA)", new / seconds, 1.0, "-",
+                     first_mismatch(expected, out)))
     bandwidth = copy_bandwidth(args.device) if args.device == "cuda" else None
     grouped_steps = None
     if args.grouped_mm:  # resident experts through transformers' grouped_mm instead of dflash's fused kernel
