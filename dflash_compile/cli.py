@@ -338,7 +338,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "tokens", 1) < 1:
         raise SystemExit("--tokens must be at least 1")
-    return args.run(args)
+    try:
+        return args.run(args)
+    except ValueError as error:  # the library's input checks: the message names the problem and the fix
+        raise SystemExit(f"dflash-compile {args.command}: {error}") from None
 
 
 if __name__ == "__main__":

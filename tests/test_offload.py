@@ -177,6 +177,9 @@ def test_generate_command_with_a_gpu_memory_budget(capsys, manager):
     assert main(arguments) == 0
     out = capsys.readouterr().out
     assert "same tokens: True" in out and f"cache managed on the {manager}" in out
+    arguments[arguments.index("12MB")] = "1MB"  # a budget too small: the check's message, no traceback
+    with pytest.raises(SystemExit, match=r"^dflash-compile generate: .* is too small"):
+        main(arguments)
 
 
 def test_each_poor_prefetch_window_drops_only_the_farthest_layer(tiny):
