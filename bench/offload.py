@@ -33,7 +33,7 @@ from spec_decode import build_model, first_mismatch, width_summary  # noqa: E402
 import dflash_compile  # noqa: E402
 from dflash_compile.benchmark import timed  # noqa: E402
 from dflash_compile.kernels import blob_copy  # noqa: E402
-from dflash_compile.offload import OffloadStats, plan_offload  # noqa: E402
+from dflash_compile.offload import MANAGERS, OffloadStats, plan_offload  # noqa: E402
 from dflash_compile.testing import OracleDrafter  # noqa: E402
 
 
@@ -212,7 +212,7 @@ def main() -> None:
     parser.add_argument("--policy", nargs="+", default=["lru"], choices=["lru", "lfu"])
     parser.add_argument("--prefetch", type=int, nargs="+", default=[1],
                         help="MoE layers ahead to prefetch predicted experts for (0: off); several compare them")
-    parser.add_argument("--manager", nargs="+", default=["host"], choices=["host", "device"],
+    parser.add_argument("--manager", nargs="+", default=["host"], choices=MANAGERS,
                         help="who manages the expert cache: the host (a routing read per layer) or the device")
     parser.add_argument("--copy-programs", type=int, nargs="+",
                         help="programs of the device manager's copy kernel (default kernels.blob_copy.PROGRAMS); "

@@ -175,7 +175,7 @@ Format parse_format(c10::string_view name) {
   return kFp8Block;
 }
 
-// Every input check of packed_moe_cpu, run before it allocates anything.
+// The shape and layout checks of packed_moe_cpu (the expert ids are checked as the pairs are grouped).
 void check_moe_inputs(Format format, c10::string_view activation, const at::Tensor& hidden,
                       const at::Tensor& top_k_index, const at::Tensor& top_k_weights, const at::Tensor& gate_up_data,
                       const std::optional<at::Tensor>& gate_up_scales, const at::Tensor& down_data,
@@ -189,11 +189,6 @@ void check_moe_inputs(Format format, c10::string_view activation, const at::Tens
               "down weight must be [E, H, I] with the gate_up weight's E and the hidden size H");
   check_rows(format, gate_up_data, gate_up_scales);
   check_rows(format, down_data, down_scales);
-  if (top_k_index.numel() > 0) {
-    const int64_t low = top_k_index.min().item<int64_t>(), high = top_k_index.max().item<int64_t>();
-    TORCH_CHECK(low >= 0 && high < experts,
-                "expert index " + text(low < 0 ? low : high) + " out of range [0, " + text(experts) + ")");
-  }
 }
 
 at::Tensor packed_moe_cpu(const at::Tensor& hidden, const at::Tensor& top_k_index, const at::Tensor& top_k_weights,
@@ -219,7 +214,9 @@ at::Tensor packed_moe_cpu(const at::Tensor& hidden, const at::Tensor& top_k_inde
 
   std::vector<std::vector<int64_t>> pairs_of(experts);  // (token, slot) pairs routed to each expert
   for (int64_t p = 0; p < tokens * top_k; ++p) {
-    pairs_of[index_data[p]].push_back(p);
+    const int64_t e = index_data[p];
+    TORCH_CHECK(e >= 0 && e < experts, "expert index " + text(e) + " out of range [0, " + text(experts) + ")");
+    pairs_of[e].push_back(p);
   }
   for (int64_t e = 0; e < experts; ++e) {
     const auto& pairs = pairs_of[e];

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from .offload import MANAGERS
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -262,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--stream", action="store_true", help="print tokens as each verify step commits them")
     generate.add_argument("--repeats", type=int, default=3, help="timed generations per side")
     generate.add_argument("--gpu-memory", help="offload routed experts to host memory under this budget, e.g. 20GiB")
-    generate.add_argument("--offload-manager", choices=["host", "device"], default="host",
+    generate.add_argument("--offload-manager", choices=MANAGERS, default="host",
                           help="who manages the offloaded experts' cache: the host, reading each layer's routing, or "
                                "the GPU itself (no host read per layer; the whole step one CUDA graph)")
     generate.set_defaults(run=generate_command)
