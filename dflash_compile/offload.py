@@ -304,7 +304,7 @@ class OffloadedExperts:
         unpredicted = list(range(1 if self.prefetch else len(self.layers)))
         self.pinned_layers = pinned = unpredicted[:max(self.slots // experts - 1, 0)]
         if self.manager == "device":
-            self.slot_table = DeviceSlotTable(len(self.layers), experts, self.slots, self.device)
+            self.slot_table = DeviceSlotTable(len(self.layers), experts, self.slots, self.device, ahead=self.prefetch)
             placements = self.slot_table.pin(pinned)
         else:
             placements = [(layer, e, self.cache.pin((layer, e))) for layer in pinned for e in range(experts)]
@@ -529,8 +529,9 @@ class OffloadedExperts:
         table = self.slot_table
         table.use(layer, top_k_index)
         for ahead in self._ahead(layer):
-            rows = table.plan(ahead, predict_experts(self.layers[ahead].router, hidden))
-            self._copy_planned(ahead, rows)
+            distance = ahead - layer
+            rows = table.plan(ahead, predict_experts(self.layers[ahead].router, hidden), distance)
+            self._copy_planned(ahead, distance, rows)
         if layer in self.landing:
             torch.cuda.current_stream(self.device).wait_event(self.landing.pop(layer))
         spec, slot_of = self.layers[layer], table.table(layer)
@@ -546,12 +547,12 @@ class OffloadedExperts:
         pairs = torch.arange(top_k_index.numel()).view_as(top_k_index)
         return run_packed(hidden, pairs, top_k_weights, *spec.layout.weights(blobs.flatten(0, 1), spec.format), gate)
 
-    def _copy_planned(self, layer: int, rows: int) -> None:
-        """Run the copies `slot_table.plan` listed for `layer`: on CUDA a copy kernel on the side stream after
-        everything queued so far (the victims' previous experts are no longer read), whose event `layer` waits for."""
-        table, host = self.slot_table, self.layers[layer].host
-        experts, slots = table.copy_experts[layer, :rows], table.copy_slots[layer, :rows]
-        valid = table.copy_valid[layer, :rows]
+    def _copy_planned(self, layer: int, distance: int, rows: int) -> None:
+        """Run the copies `slot_table.plan` listed for `layer` from `distance` layers before it: on CUDA a copy kernel
+        on the side stream after everything queued so far (the victims' previous experts are no longer read), whose
+        event `layer` waits for."""
+        host = self.layers[layer].host
+        experts, slots, valid = (part[:rows] for part in self.slot_table.copy_list(layer, distance))
         if self.copy_stream is None:
             chosen = valid.bool()
             self.pool[slots[chosen]] = host[experts[chosen]]

@@ -29,7 +29,7 @@ class DeviceSlotTable:
     HITS, MISSES, PREFETCHED, WASTED = range(4)  # rows of `counts`
     PINNED = torch.iinfo(torch.int64).max  # the stamp of a pinned slot: never older than the clock
 
-    def __init__(self, layers: int, experts: int, slots: int, device: torch.device):
+    def __init__(self, layers: int, experts: int, slots: int, device: torch.device, ahead: int = 1):
         if slots < experts:
             raise ValueError(f"{slots} slots cannot hold one layer's {experts} experts")
         self.experts, self.slots = experts, slots
@@ -39,10 +39,15 @@ class DeviceSlotTable:
         self.used = torch.zeros(slots, dtype=torch.uint8, device=device)  # read since it was filled
         self.clock = torch.zeros((), dtype=torch.int64, device=device)
         self.counts = torch.zeros(4, dtype=torch.int64, device=device)
-        # copy lists per layer, rewritten by each plan and read by the copy kernel on the side stream
-        self.copy_experts = torch.zeros(layers, experts, dtype=torch.int64, device=device)
-        self.copy_slots = torch.zeros(layers, experts, dtype=torch.int64, device=device)
-        self.copy_valid = torch.zeros(layers, experts, dtype=torch.int32, device=device)
+        # copy lists, written by plans and read by the copy kernel on the side stream: one per layer and distance
+        # ahead of the planning call (up to `ahead`). With one list per layer, a plan for layer L+2 made at L+1
+        # rewrote the list that L's plan for L+2 left to a copy kernel still queued behind other copies: those copies
+        # were lost and their slots held stale experts. A list (L, d) is written again only by the next step's call
+        # d+1 layers before L, which the compute stream reaches after waiting for L's copies.
+        lists = (layers, max(ahead, 1), experts)
+        self.copy_experts = torch.zeros(lists, dtype=torch.int64, device=device)
+        self.copy_slots = torch.zeros(lists, dtype=torch.int64, device=device)
+        self.copy_valid = torch.zeros(lists, dtype=torch.int32, device=device)
 
     def table(self, layer: int) -> torch.Tensor:
         """[E] int32: layer's expert -> slot, -1 for none (a view: later updates show)."""
@@ -69,15 +74,19 @@ class DeviceSlotTable:
 
         use_slots(self.table(layer), top_k_index, self.stamp, self.used, self.clock, self.counts)
 
-    def plan(self, layer: int, predicted: torch.Tensor) -> int:
+    def copy_list(self, layer: int, distance: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(experts, slots, valid), each [E]: the copy list of plans for `layer` made `distance` layers before it."""
+        return tuple(rows[layer, distance - 1] for rows in (self.copy_experts, self.copy_slots, self.copy_valid))
+
+    def plan(self, layer: int, predicted: torch.Tensor, distance: int = 1) -> int:
         """Slots for `layer`'s `predicted` experts that have none (least recently used unprotected slots, their
-        owners evicted); the copies are written to this layer's copy lists, whose first returned-count rows a
-        copy kernel must run. Predicted experts already in a slot are stamped (kept)."""
+        owners evicted), planned by the call `distance` layers before it; the copies are written to that copy list
+        (`copy_list`), whose first returned-count rows a copy kernel must run. Predicted experts already in a slot
+        are stamped (kept)."""
         from .kernels.slot_table import plan_slots
 
         return plan_slots(self.table(layer), predicted, self.slot_of, self.owner, self.stamp, self.used, self.clock,
-                          self.counts, self.copy_experts[layer], self.copy_slots[layer], self.copy_valid[layer],
-                          layer * self.experts)
+                          self.counts, *self.copy_list(layer, distance), layer * self.experts)
 
     def drain(self) -> list[int]:
         """[hits, misses, prefetched, wasted] since the last drain (reads the device: a sync)."""

@@ -21,9 +21,13 @@ def _residents(table: DeviceSlotTable) -> dict[tuple[int, int], int]:
     return placed
 
 
+def _copy_rows(table: DeviceSlotTable, layer: int, rows: int, distance: int = 1) -> list[tuple[int, int, bool]]:
+    experts, slots, valid = (part[:rows].tolist() for part in table.copy_list(layer, distance))
+    return list(zip(experts, slots, map(bool, valid)))
+
+
 def _copies(table: DeviceSlotTable, layer: int, rows: int) -> list[tuple[int, int]]:
-    valid = table.copy_valid[layer, :rows].bool()
-    return list(zip(table.copy_experts[layer, :rows][valid].tolist(), table.copy_slots[layer, :rows][valid].tolist()))
+    return [(expert, slot) for expert, slot, valid in _copy_rows(table, layer, rows) if valid]
 
 
 def test_plan_fills_free_slots_then_evicts_the_least_recently_used():
@@ -59,6 +63,21 @@ def test_a_plan_never_evicts_what_the_current_call_uses():
     rows = table.plan(0, _ids([[0, 1]]))
     assert _copies(table, 0, rows) == []
     assert set(_residents(table)) == {(1, 0), (1, 1), (1, 2), (1, 3)}
+
+
+def test_plans_for_a_layer_from_two_calls_keep_their_own_copy_lists():
+    """Prefetching two layers ahead, layer 2 is planned by layer 0's call and again by layer 1's. On the GPU the copy
+    kernel of the first plan may still be queued when the second is made: the second must not rewrite its list (it
+    did, and the first plan's copies were lost while their slots claimed the experts)."""
+    table = DeviceSlotTable(layers=3, experts=4, slots=8, device=DEVICE, ahead=2)
+    table.use(0, _ids([[0]]))
+    first = table.plan(2, _ids([[1, 2]]), distance=2)
+    listed = _copy_rows(table, 2, first, distance=2)
+    table.use(1, _ids([[0]]))
+    second = table.plan(2, _ids([[1, 3]]), distance=1)  # 1 has its slot now: only 3 is copied
+    assert _copy_rows(table, 2, first, distance=2) == listed
+    assert sorted(expert for expert, _, valid in listed if valid) == [1, 2]
+    assert [expert for expert, _, valid in _copy_rows(table, 2, second) if valid] == [3]
 
 
 def test_prefetched_experts_evicted_unused_count_as_waste():
@@ -130,8 +149,8 @@ def test_the_kernels_follow_the_rules_over_a_random_run():
     """Many layers, a pool that is no power of two, random routing and predictions of any size: tables, counters and
     copy lists equal the plain-Python rules after every update."""
     layers, experts, slots, top_k = 5, 12, 37, 3
-    table, reference = DeviceSlotTable(layers, experts, slots, DEVICE), _ReferenceTable(layers, experts,
-                                                                                                      slots)
+    table, reference = DeviceSlotTable(layers, experts, slots, DEVICE, ahead=2), _ReferenceTable(layers, experts,
+                                                                                                               slots)
     generator = torch.Generator().manual_seed(0)
     for step in range(40):
         layer = step % layers
@@ -140,11 +159,11 @@ def test_the_kernels_follow_the_rules_over_a_random_run():
         reference.use(layer, routed.reshape(-1).tolist())
         tokens = int(torch.randint(1, 6, (1,), generator=generator))
         predicted = torch.randint(0, experts, (tokens, top_k), generator=generator).to(DEVICE)
-        ahead = (layer + 1) % layers
-        rows = table.plan(ahead, predicted)
+        distance = 1 + step % 2
+        ahead = (layer + distance) % layers
+        rows = table.plan(ahead, predicted, distance)
         expected = reference.plan(ahead, predicted.reshape(-1).tolist())
-        assert list(zip(table.copy_experts[ahead, :rows].tolist(), table.copy_slots[ahead, :rows].tolist(),
-                        table.copy_valid[ahead, :rows].bool().tolist())) == expected
+        assert _copy_rows(table, ahead, rows, distance) == expected
         assert table.slot_of.tolist() == reference.slot_of and table.owner.tolist() == reference.owner
         assert table.stamp.tolist() == reference.stamp and table.used.tolist() == reference.used
         assert table.counts.tolist() == reference.counts

@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 BLOCK = 4096  # words (16 KiB) per chunk
-PROGRAMS = 32  # programs per copy: enough loads in flight for PCIe, SMs left for the compute stream
+PROGRAMS = 64  # programs per copy: enough loads in flight for PCIe, SMs left for the compute stream (H200,
+# Qwen3-30B-A3B shape: 64 vs 32 programs 1.24x vs 1.30x of the PCIe floor at 25% resident, equal at 50%)
 
 
 @triton.jit
