@@ -569,6 +569,21 @@ class OffloadedExperts:
     def pool_bytes(self) -> int:
         return self.pool.numel() if self.pool is not None else 0
 
+    def placements(self) -> dict[tuple[int, int], int]:
+        """{(layer, expert): slot} for every expert the cache says is in a slot (device manager: reads its table)."""
+        if self.slot_table is None:
+            return {**self.cache.where, **self.cache.pinned}
+        experts = self.slot_table.experts
+        return {divmod(key, experts): slot for slot, key in enumerate(self.slot_table.owner.tolist()) if key >= 0}
+
+    def stale_slots(self) -> list[tuple[int, int, int]]:
+        """(layer, expert, slot) of each slot whose bytes are not the blob of the expert the cache places there: a
+        copy that was lost or has not landed. Waits for all copies first; for tests and benchmarks (reads the pool)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return [(layer, expert, slot) for (layer, expert), slot in sorted(self.placements().items())
+                if not torch.equal(self.pool[slot].cpu(), self.layers[layer].host[expert].cpu())]
+
 
 @dataclass(frozen=True)
 class OffloadPlan:

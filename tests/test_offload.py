@@ -8,8 +8,8 @@ import torch
 import dflash_compile
 import dflash_compile.testing
 from dflash_compile.families import experts_modules, router_of
-from dflash_compile.offload import (PREFETCH_TRIAL, BlobLayout, ExpertCache, MissCosts, offload_experts, parse_size,
-                                    plan_offload, predict_experts)
+from dflash_compile.offload import (MANAGERS, PREFETCH_TRIAL, BlobLayout, ExpertCache, MissCosts, offload_experts,
+                                    parse_size, plan_offload, predict_experts)
 from dflash_compile.testing import TINY_CONFIGS, random_drafter_weights, save_drafter, tiny_drafter_config
 from tests.conftest import token_ids
 
@@ -27,6 +27,18 @@ def _drafter(config, tmp_path) -> Path:
     """A saved random DFlash drafter (block 4) for a target with `config`."""
     drafter_config = tiny_drafter_config(config, block_size=4)
     return save_drafter(tmp_path / "d", drafter_config, random_drafter_weights(drafter_config))
+
+
+@pytest.mark.parametrize("manager", MANAGERS)
+def test_stale_slots_names_a_slot_whose_bytes_are_not_its_experts_blob(tiny, manager):
+    """The check the GPU tests and bench/offload.py run after generating: a slot whose copy was lost is named."""
+    model = _offloaded(tiny, "qwen3_moe", extra_slots=4, manager=manager)
+    model.generate(token_ids(batch=1), max_new_tokens=4, do_sample=False)
+    offloaded = model.dflash_offload
+    assert offloaded.stale_slots() == [] and len(offloaded.placements()) >= 4
+    (layer, expert), slot = max(offloaded.placements().items())
+    offloaded.pool[slot, 0] += 1
+    assert offloaded.stale_slots() == [(layer, expert, slot)]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -512,14 +524,9 @@ def test_device_managed_copies_land_when_plans_run_far_ahead_of_them(tmp_path, m
     ids, load = token_ids(batch=1), lambda: _cuda_model(tmp_path)
     expected, _ = _cuda_generate(load, ids, 12)
     tokens, model = _cuda_generate(load, ids, 12, extra_slots=24, offload_manager="device", offload_prefetch=2)
-    torch.cuda.synchronize()
-    offloaded = model.dflash_offload
-    experts = offloaded.slot_table.experts
-    stale = [(slot, divmod(key, experts)) for slot, key in enumerate(offloaded.slot_table.owner.tolist())
-             if key >= 0 and not torch.equal(offloaded.pool[slot].cpu(), offloaded.layers[key // experts].host[
-                 key % experts])]
-    assert not stale, f"slots that do not hold their (layer, expert)'s blob: {stale[:4]} ({len(stale)} in all)"
-    assert offloaded.stats.prefetched > 0
+    stale = model.dflash_offload.stale_slots()
+    assert not stale, f"(layer, expert, slot)s whose slot holds another blob: {stale[:4]} ({len(stale)} in all)"
+    assert model.dflash_offload.stats.prefetched > 0
     assert torch.equal(tokens, expected)
 
 
