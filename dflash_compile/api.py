@@ -34,7 +34,7 @@ class OptimizedModel:
 
 def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode: str | None = None,
              prefill_chunk: int = 256, gpu_memory=None, device=None, offload_policy: str = "lru",
-             offload_prefetch: int = 1, offload_cpu_compute: str = "off", offload_manager: str = "host",
+             offload_prefetch: int = 1, offload_cpu_compute: str = "off", offload_manager: str = "auto",
              fused_experts: bool = True,
              adaptive=True) -> OptimizedModel:
     """Compile `model` with the dflash backend and set up DFlash speculative decoding with `drafter`
@@ -46,7 +46,8 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
     are offloaded to host memory behind a slot pool on `device` (default: cuda when available) that fits the budget
     with the dense weights (`offload_experts`; `offload_policy` "lru" or "lfu", `offload_prefetch` copies the predicted
     experts of that many layers ahead, `offload_cpu_compute` "auto" / "always" runs missed experts on the CPU,
-    `offload_manager` "device" keeps the cache on the device so that no layer reads its routing back). Every
+    `offload_manager` "device" keeps the cache on the device so that no layer reads its routing back; "auto", the
+    default, picks it on CUDA when the policy is LRU without CPU compute, else "host"). Every
     check runs before any state is built: an unsupported family, a drafter made for another target or a budget too
     small raises with nothing changed. With `adaptive` (the default) each step verifies as many drafts as measured
     step times and acceptance say pay best, none when the drafter does not pay (`dflash_compile.adaptive`; the

@@ -264,9 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--stream", action="store_true", help="print tokens as each verify step commits them")
     generate.add_argument("--repeats", type=int, default=3, help="timed generations per side")
     generate.add_argument("--gpu-memory", help="offload routed experts to host memory under this budget, e.g. 20GiB")
-    generate.add_argument("--offload-manager", choices=MANAGERS, default="host",
+    generate.add_argument("--offload-manager", choices=MANAGERS, default="auto",
                           help="who manages the offloaded experts' cache: the host, reading each layer's routing, or "
-                               "the GPU itself (no host read per layer; the whole step one CUDA graph)")
+                               "the GPU itself (no host read per layer; the whole step one CUDA graph); auto: the GPU "
+                               "on CUDA with the LRU policy and no CPU compute, else the host")
     generate.set_defaults(run=generate_command)
 
     train = commands.add_parser("train-drafter", help="train a DFlash drafter for a target on its own outputs")

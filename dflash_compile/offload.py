@@ -22,9 +22,10 @@ prefetch. With `device="cpu"` the same logic runs with plain copies, which is ho
 The first MoE layer is never predicted, so it would miss on every call: when the budget leaves a layer's worth of
 slots free for the rest, its experts are pinned in slots at start (all layers that fit, without prefetch).
 
-`manager="device"` moves all of this onto the device (`dflash_compile.slot_table`): no routing read, predicted
-experts copied in by a kernel on the side stream, misses read by the fused kernel from pinned host memory, and the
-whole step one CUDA graph (LRU only, no CPU compute, no hooks).
+`manager="device"` (what "auto", the default, picks on CUDA) moves all of this onto the device
+(`dflash_compile.slot_table`): no routing read, predicted experts copied in by a kernel on the side stream, misses
+read by the fused kernel from pinned host memory, and the whole step one CUDA graph (LRU only, no CPU compute, no
+hooks).
 """
 
 from __future__ import annotations
@@ -210,7 +211,16 @@ class _Layer:
 
 
 CPU_COMPUTE = ("off", "auto", "always")
-MANAGERS = ("host", "device")
+MANAGERS = ("auto", "host", "device")
+
+
+def choose_manager(device: torch.device, policy: str, cpu_compute: str) -> str:
+    """The manager "auto" stands for: "device" on CUDA for the options it supports (LRU, no CPU compute), else
+    "host". On the H200 the device manager decoded within 1.3x of the PCIe floor in every measured case (Qwen3-
+    and gpt-oss-shaped, 25% and 50% resident), the host manager up to 1.83x (its routing read per layer costs most
+    where experts are small and many; docs/benchmarks.md); on a CPU the device's tables would need Triton's
+    interpreter."""
+    return "device" if device.type == "cuda" and (policy, cpu_compute) == ("lru", "off") else "host"
 PREFETCH_TRIAL, PREFETCH_MIN_PRECISION = 64, 0.5
 
 
@@ -264,7 +274,8 @@ class OffloadedExperts:
     prefetch: int = 1  # MoE layers ahead whose predicted experts are copied in (0: none)
     cpu_compute: str = "off"  # "auto": a miss runs on the CPU when MissCosts says that beats its copy; "always"
     hooks: list[Callable[[str, int, int, int], None]] = field(default_factory=list)
-    manager: str = "host"  # who decides the cache: "host" (reads each layer's routing) or "device" (slot_table)
+    manager: str = "auto"  # who decides the cache: "host" (reads each layer's routing), "device" (slot_table) or
+    # "auto" (`choose_manager`)
     _stats: OffloadStats = field(default_factory=OffloadStats)
 
     def __post_init__(self):
@@ -284,6 +295,8 @@ class OffloadedExperts:
             raise ValueError(f"prefetch is a number of layers ahead (0 turns it off), got {self.prefetch}")
         if self.manager not in MANAGERS:
             raise ValueError(f"manager must be one of {MANAGERS}, got {self.manager!r}")
+        if self.manager == "auto":
+            self.manager = choose_manager(self.device, self.policy, self.cpu_compute)
         if self.manager == "device" and (self.policy, self.cpu_compute) != ("lru", "off"):
             raise ValueError(f"the device-managed cache is LRU and runs every expert on the device: policy "
                              f"{self.policy!r} and cpu_compute {self.cpu_compute!r} need manager='host'")
@@ -636,7 +649,7 @@ def plan_offload(model: torch.nn.Module, device="cpu") -> OffloadPlan:
 
 
 def offload_experts(model: torch.nn.Module, gpu_memory, device="cuda", policy: str = "lru",
-                    prefetch: int = 1, cpu_compute: str = "off", manager: str = "host") -> torch.nn.Module:
+                    prefetch: int = 1, cpu_compute: str = "off", manager: str = "auto") -> torch.nn.Module:
     """Move `model` to `device` except its routed experts, which go to host blobs behind a slot pool that, with the
     dense weights and the runtime's reserve, fits `gpu_memory` (bytes, "20GiB", or an accelerate max_memory dict).
     Checked before anything moves: the budget must hold the dense weights, one MoE layer's experts and, on CUDA,
@@ -646,7 +659,8 @@ def offload_experts(model: torch.nn.Module, gpu_memory, device="cuda", policy: s
     beats copying it, "always" runs every miss there; outputs then differ from the resident model's by rounding.
     `manager`: "host" decides the cache from each layer's routing read on the host (exact LRU / LFU, misses
     copied in); "device" keeps the cache in device tensors (`dflash_compile.slot_table`): no host read per layer, so
-    the whole step is one CUDA graph, predicted experts copied in by a kernel, misses read from pinned memory."""
+    the whole step is one CUDA graph, predicted experts copied in by a kernel, misses read from pinned memory;
+    "auto" (default): "device" on CUDA where the options allow it, else "host" (`choose_manager`)."""
     from .expert_store import ExpertStore
 
     device = torch.device(device)

@@ -8,8 +8,8 @@ import torch
 import dflash_compile
 import dflash_compile.testing
 from dflash_compile.families import experts_modules, router_of
-from dflash_compile.offload import (MANAGERS, PREFETCH_TRIAL, BlobLayout, ExpertCache, MissCosts, offload_experts,
-                                    parse_size, plan_offload, predict_experts)
+from dflash_compile.offload import (MANAGERS, PREFETCH_TRIAL, BlobLayout, ExpertCache, MissCosts, choose_manager,
+                                    offload_experts, parse_size, plan_offload, predict_experts)
 from dflash_compile.testing import TINY_CONFIGS, random_drafter_weights, save_drafter, tiny_drafter_config
 from tests.conftest import token_ids
 
@@ -27,6 +27,14 @@ def _drafter(config, tmp_path) -> Path:
     """A saved random DFlash drafter (block 4) for a target with `config`."""
     drafter_config = tiny_drafter_config(config, block_size=4)
     return save_drafter(tmp_path / "d", drafter_config, random_drafter_weights(drafter_config))
+
+
+def test_the_auto_manager_is_the_device_on_cuda_where_the_options_allow_it(tiny):
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert choose_manager(cuda, "lru", "off") == "device"
+    assert choose_manager(cuda, "lfu", "off") == choose_manager(cuda, "lru", "auto") == "host"
+    assert choose_manager(cpu, "lru", "off") == "host"
+    assert _offloaded(tiny, "qwen3_moe").dflash_offload.manager == "host"  # the default, on a CPU
 
 
 @pytest.mark.parametrize("manager", MANAGERS)
@@ -374,7 +382,7 @@ def test_device_managed_cache_stays_in_the_compiled_graph(tiny, family, tmp_path
 
 def test_device_managed_cache_options_are_checked(tiny, monkeypatch):
     budget = plan_offload(tiny("olmoe")).minimum_budget
-    for options, message in [(dict(manager="gpu"), "manager must be one of .'host', 'device'., got 'gpu'"),
+    for options, message in [(dict(manager="gpu"), "manager must be one of .'auto', 'host', 'device'., got 'gpu'"),
                              (dict(manager="device", policy="lfu"), "the device-managed cache is LRU .* policy 'lfu'"),
                              (dict(manager="device", cpu_compute="auto"), "cpu_compute 'auto' need manager='host'")]:
         model = tiny("olmoe")
@@ -473,8 +481,8 @@ def test_gpu_memory_never_exceeds_the_budget(tmp_path, manager):
     else:  # copies into slots, and experts the budget kept out of them (read from pinned memory)
         assert stats.prefetched > 0 and stats.misses > 0
     # Eager and the same expert kernel, every expert fetched once and kept: placement and eviction change nothing.
-    reference = offload_experts(_cuda_model(tmp_path), "100GiB", device="cuda").generate(ids, max_new_tokens=16,
-                                                                                        do_sample=False)
+    reference = offload_experts(_cuda_model(tmp_path), "100GiB", device="cuda", manager="host")
+    reference = reference.generate(ids, max_new_tokens=16, do_sample=False)
     assert torch.equal(eager, reference)
 
 
@@ -482,10 +490,11 @@ def test_gpu_memory_never_exceeds_the_budget(tmp_path, manager):
 @pytest.mark.parametrize("speculative", [False, True])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_offloaded_generation_on_the_gpu_is_token_identical(tiny, family, speculative, tmp_path):
-    """Real host -> device copies, every layer evicting (two slots above one layer of experts), every family
-    greedy and with a DFlash drafter at its full block (verify blocks use route-ahead): the resident model's
-    tokens."""
-    tokens, expected, model = _resident_and_offloaded(tiny, family, speculative, tmp_path, extra_slots=2)
+    """The host-managed cache: real host -> device copies, every layer evicting (two slots above one layer of
+    experts), every family greedy and with a DFlash drafter at its full block (verify blocks use route-ahead): the
+    resident model's tokens."""
+    tokens, expected, model = _resident_and_offloaded(tiny, family, speculative, tmp_path, extra_slots=2,
+                                                      offload_manager="host")
     assert model.dflash_offload.stats.misses > 0  # copies happened
     assert torch.equal(tokens, expected)
 
@@ -556,12 +565,12 @@ def test_expert_copies_overlap_compute(tmp_path, manager):
 
 @cuda
 def test_offloaded_step_captures_cuda_graphs_around_the_offload_ops(tmp_path):
-    """mode="reduce-overhead": the verify step is captured except the offloaded dispatches (graph partitioning
-    around the cudagraph_unsafe op), and tokens stay those of the resident model."""
+    """mode="reduce-overhead" with the host-managed cache: the verify step is captured except the offloaded
+    dispatches (graph partitioning around the cudagraph_unsafe op), and tokens stay those of the resident model."""
     ids = token_ids(batch=1)
     load = lambda: _cuda_model(tmp_path)  # noqa: E731
     expected, _ = _cuda_generate(load, ids, 12, mode="reduce-overhead")
-    tokens, _ = _cuda_generate(load, ids, 12, extra_slots=8, mode="reduce-overhead")
+    tokens, _ = _cuda_generate(load, ids, 12, extra_slots=8, mode="reduce-overhead", offload_manager="host")
     assert torch.equal(tokens, expected)
 
 
