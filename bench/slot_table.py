@@ -1,6 +1,6 @@
 """What the device-managed cache's table updates cost per MoE layer call: `use` (the call's routed experts) and
-`plan` (slots for the next layer's predicted experts, which sorts every slot's stamp), CUDA-graph replays of a
-decode call (one token) and a verify block (16 tokens) for slot pools of growing size:
+`plan` (slots for the next layer's predicted experts: LRU victims from sorted stamps, a large pool in chunks first),
+CUDA-graph replays of a decode call (one token) and a verify block (16 tokens) for slot pools of growing size:
 
     python3 bench/slot_table.py                         # H200: Qwen3-30B-A3B's 128 experts, top-8
     TRITON_INTERPRET=1 python bench/slot_table.py --device cpu --layers 4 --slots 256    # the calls, untimed

@@ -48,6 +48,9 @@ class DeviceSlotTable:
         self.copy_experts = torch.zeros(lists, dtype=torch.int64, device=device)
         self.copy_slots = torch.zeros(lists, dtype=torch.int64, device=device)
         self.copy_valid = torch.zeros(lists, dtype=torch.int32, device=device)
+        from .kernels.slot_table import candidate_rows  # a plan's oldest keys per chunk of a large pool
+
+        self.candidates = torch.empty(candidate_rows(slots, experts), dtype=torch.int64, device=device)
 
     def table(self, layer: int) -> torch.Tensor:
         """[E] int32: layer's expert -> slot, -1 for none (a view: later updates show)."""
@@ -86,7 +89,7 @@ class DeviceSlotTable:
         from .kernels.slot_table import plan_slots
 
         return plan_slots(self.table(layer), predicted, self.slot_of, self.owner, self.stamp, self.used, self.clock,
-                          self.counts, *self.copy_list(layer, distance), layer * self.experts)
+                          self.counts, *self.copy_list(layer, distance), layer * self.experts, self.candidates)
 
     def drain(self) -> list[int]:
         """[hits, misses, prefetched, wasted] since the last drain (reads the device: a sync)."""

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from dflash_compile.kernels import slot_table as slot_kernels
 from dflash_compile.slot_table import DeviceSlotTable
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the update kernels: compiled or interpreted
@@ -145,10 +146,15 @@ class _ReferenceTable:
         return list(zip(experts, victims, valid))
 
 
-def test_the_kernels_follow_the_rules_over_a_random_run():
+@pytest.mark.parametrize("min_chunk", [None, 8], ids=["whole pool", "chunks"])
+def test_the_kernels_follow_the_rules_over_a_random_run(min_chunk, monkeypatch):
     """Many layers, a pool that is no power of two, random routing and predictions of any size: tables, counters and
-    copy lists equal the plain-Python rules after every update."""
+    copy lists equal the plain-Python rules after every update, whether `plan` sorts every slot or (chunks of 8-32
+    slots) only the oldest keys of each chunk."""
+    if min_chunk:
+        monkeypatch.setattr(slot_kernels, "MIN_CHUNK", min_chunk)
     layers, experts, slots, top_k = 5, 12, 37, 3
+    assert (slot_kernels.victim_chunk(slots, 1) < slots) == bool(min_chunk)
     table, reference = DeviceSlotTable(layers, experts, slots, DEVICE, ahead=2), _ReferenceTable(layers, experts,
                                                                                                                slots)
     generator = torch.Generator().manual_seed(0)
