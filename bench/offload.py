@@ -33,7 +33,7 @@ from spec_decode import build_model, first_mismatch, width_summary  # noqa: E402
 import dflash_compile  # noqa: E402
 from dflash_compile.benchmark import timed  # noqa: E402
 from dflash_compile.kernels import blob_copy  # noqa: E402
-from dflash_compile.offload import MANAGERS, OffloadStats, plan_offload  # noqa: E402
+from dflash_compile.offload import MANAGERS, OffloadStats, choose_manager, plan_offload  # noqa: E402
 from dflash_compile.testing import OracleDrafter  # noqa: E402
 
 
@@ -73,6 +73,12 @@ def measured_run(fast, ids, new: int) -> tuple[torch.Tensor, float, OffloadStats
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     return out, seconds, OffloadStats(**{k: v - getattr(before, k) for k, v in vars(offloaded.stats).items()})
+
+
+def managers(requested: list[str], device: str, policy: str, cpu_compute: str) -> list[str]:
+    """The managers to run, "auto" replaced by the one it picks for these options (none run twice)."""
+    return list(dict.fromkeys(choose_manager(torch.device(device), policy, cpu_compute) if manager == "auto"
+                              else manager for manager in requested))
 
 
 def slots_and_tokens_check(offloaded, expected: torch.Tensor, out: torch.Tensor) -> str:
@@ -160,7 +166,8 @@ def run(args) -> list[dict]:
         setups = [(f"{policy}, prefetch {ahead}, {manager}-managed"
                    + (f" ({programs} copy programs)" if args.copy_programs and manager == "device" else "")
                    + f", {name}", policy, ahead, manager, programs, drafter, adaptive)
-                  for policy in args.policy for ahead in args.prefetch for manager in args.manager
+                  for policy in args.policy for ahead in args.prefetch
+                  for manager in managers(args.manager, args.device, policy, args.cpu_compute)
                   for programs in (copy_programs if manager == "device" else copy_programs[:1])
                   for name, drafter, adaptive in [("decode", None, False), *speculative]]
         for name, policy, ahead, manager, programs, drafter, adaptive in setups:
@@ -219,8 +226,9 @@ def main() -> None:
     parser.add_argument("--policy", nargs="+", default=["lru"], choices=["lru", "lfu"])
     parser.add_argument("--prefetch", type=int, nargs="+", default=[1],
                         help="MoE layers ahead to prefetch predicted experts for (0: off); several compare them")
-    parser.add_argument("--manager", nargs="+", default=["host"], choices=MANAGERS,
-                        help="who manages the expert cache: the host (a routing read per layer) or the device")
+    parser.add_argument("--manager", nargs="+", default=["auto"], choices=MANAGERS,
+                        help="who manages the expert cache: the host (a routing read per layer), the device, or auto "
+                             "(the library's default: the device on CUDA with LRU and no CPU compute)")
     parser.add_argument("--copy-programs", type=int, nargs="+",
                         help="programs of the device manager's copy kernel (default kernels.blob_copy.PROGRAMS); "
                              "several compare them")
