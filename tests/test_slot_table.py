@@ -169,7 +169,9 @@ def test_the_kernels_follow_the_rules_over_a_random_run(min_chunk, monkeypatch):
         ahead = (layer + distance) % layers
         rows = table.plan(ahead, predicted, distance)
         expected = reference.plan(ahead, predicted.reshape(-1).tolist())
-        assert _copy_rows(table, ahead, rows, distance) == expected
+        # a row that copies nothing names no particular slot (in chunks its slot may differ from the full sort's)
+        assert [(e, s if v else None, v) for e, s, v in _copy_rows(table, ahead, rows, distance)] == [
+            (e, s if v else None, v) for e, s, v in expected]
         assert table.slot_of.tolist() == reference.slot_of and table.owner.tolist() == reference.owner
         assert table.stamp.tolist() == reference.stamp and table.used.tolist() == reference.used
         assert table.counts.tolist() == reference.counts

@@ -158,7 +158,8 @@ def plan_slots(table: torch.Tensor, predicted: torch.Tensor, slot_of: torch.Tens
                candidates: torch.Tensor) -> int:
     """Slots for the `predicted` experts of the layer whose slots are `table` (a view of `slot_of` from `first_key`)
     that have none: the least recently stamped unprotected slots, their owners evicted. Writes the copy rows
-    (`copy_experts`, `copy_slots`, `copy_valid`, each [E]) and returns how many a copy kernel must run.
+    (`copy_experts`, `copy_slots`, `copy_valid`, each [E]; the slot of a row that is not valid means nothing) and
+    returns how many a copy kernel must run.
     `candidates` ([`candidate_rows`] int64) takes the oldest-keys pass's keys when the pool is cut into chunks."""
     experts, slots = table.numel(), stamp.numel()
     rows = min(predicted.numel(), experts)
