@@ -334,6 +334,22 @@ def test_device_managed_cache_is_token_identical(tiny, family):
     assert stats.routing_wait_s == 0  # nothing read on the host
 
 
+@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe"])
+def test_device_managed_cache_choosing_victims_in_chunks_is_token_identical(tiny, family, monkeypatch):
+    """A pool cut into chunks for the victim choice (as pools above 512 slots are; here chunks of 4-8 of its 10
+    slots, one layer of experts and two): the resident model's tokens."""
+    from dflash_compile.kernels import slot_table as slot_kernels
+
+    monkeypatch.setattr(slot_kernels, "MIN_CHUNK", 4)
+    ids = token_ids()
+    expected = tiny(family).generate(ids, max_new_tokens=10, do_sample=False)
+    model = _offloaded(tiny, family, extra_slots=2, manager="device")
+    assert slot_kernels.victim_chunk(model.dflash_offload.slots, 1) < model.dflash_offload.slots
+    assert torch.equal(model.generate(ids, max_new_tokens=10, do_sample=False), expected)
+    stats = model.dflash_offload.stats
+    assert stats.prefetched > 0 and stats.hits > 0
+
+
 @pytest.mark.parametrize("manager", ["host", "device"])
 @pytest.mark.parametrize("prefetch", [1, 0])
 def test_layers_nothing_predicts_are_pinned(tiny, prefetch, manager):
