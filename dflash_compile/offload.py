@@ -221,6 +221,8 @@ def choose_manager(device: torch.device, policy: str, cpu_compute: str) -> str:
     where experts are small and many; docs/benchmarks.md); on a CPU the device's tables would need Triton's
     interpreter."""
     return "device" if device.type == "cuda" and (policy, cpu_compute) == ("lru", "off") else "host"
+
+
 PREFETCH_TRIAL, PREFETCH_MIN_PRECISION = 64, 0.5
 
 

@@ -1,7 +1,7 @@
 """Fused routed-expert MoE in Triton, for decode and verify sizes (M = 1..64 tokens): the weights stay packed
 (MXFP4, FP8 block-scaled, or dense) and are dequantized tile by tile inside the GEMM's K loop.
 
-Two launches per MoE layer, both over blocks of BLOCK_M (token, expert) pairs of one expert:
+Two GEMM launches per MoE layer, both over blocks of BLOCK_M (token, expert) pairs of one expert:
 
     gate_up: h[p]   = act(x[token(p)] @ W1[e(p)]^T + b1[e(p)])     gate/up rows concatenated or interleaved
     down:    y[p]   = (h[p] @ W2[e(p)]^T + b2[e(p)]) * weight(p)
