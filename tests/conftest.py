@@ -11,6 +11,10 @@ from dflash_compile.testing import TINY_CONFIGS, load_tiny_model, save_tiny_mode
 
 FAMILIES = sorted(TINY_CONFIGS)
 
+# Triton kernels run on CPU tensors only in the interpreter, which stays off where CUDA is (the GPU tests need it off).
+needs_interpreter = pytest.mark.skipif(torch.cuda.is_available(),
+                                       reason="Triton kernels on CPU tensors need TRITON_INTERPRET=1, off with CUDA")
+
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():

@@ -8,12 +8,13 @@ import torch
 import dflash_compile
 import dflash_compile.testing
 from dflash_compile.families import experts_modules, router_of
-from dflash_compile.offload import (MANAGERS, PREFETCH_TRIAL, BlobLayout, ExpertCache, MissCosts, choose_manager,
+from dflash_compile.offload import (PREFETCH_TRIAL, BlobLayout, ExpertCache, MissCosts, choose_manager,
                                     offload_experts, parse_size, plan_offload, predict_experts)
 from dflash_compile.testing import TINY_CONFIGS, random_drafter_weights, save_drafter, tiny_drafter_config
-from tests.conftest import token_ids
+from tests.conftest import needs_interpreter, token_ids
 
 FAMILIES = sorted(TINY_CONFIGS)
+CPU_MANAGERS = ["host", pytest.param("device", marks=needs_interpreter)]  # "device" is CPU memory here
 
 
 def _offloaded(tiny, family, policy="lru", extra_slots=0, **options):
@@ -37,7 +38,7 @@ def test_the_auto_manager_is_the_device_on_cuda_where_the_options_allow_it(tiny)
     assert _offloaded(tiny, "qwen3_moe").dflash_offload.manager == "host"  # the default, on a CPU
 
 
-@pytest.mark.parametrize("manager", MANAGERS)
+@pytest.mark.parametrize("manager", CPU_MANAGERS)
 def test_stale_slots_names_a_slot_whose_bytes_are_not_its_experts_blob(tiny, manager):
     """The check the GPU tests and bench/offload.py run after generating: a slot whose copy was lost is named."""
     model = _offloaded(tiny, "qwen3_moe", extra_slots=4, manager=manager)
@@ -188,7 +189,7 @@ def test_from_pretrained_offloads_and_generates_the_same_tokens(tiny_dirs, tmp_p
     assert torch.equal(fast.generate(ids, max_new_tokens=10), expected)
 
 
-@pytest.mark.parametrize("manager", ["host", "device"])
+@pytest.mark.parametrize("manager", CPU_MANAGERS)
 def test_generate_command_with_a_gpu_memory_budget(capsys, manager):
     from dflash_compile.cli import main
 
@@ -321,6 +322,7 @@ def test_prefetch_stops_when_its_guesses_are_not_used(tiny, monkeypatch, depth):
     assert not model.dflash_offload.prefetch
 
 
+@needs_interpreter
 @pytest.mark.parametrize("family", FAMILIES)
 def test_device_managed_cache_is_token_identical(tiny, family):
     """manager="device": the cache lives in device tensors, misses are read from the host blobs, predicted experts
@@ -334,6 +336,7 @@ def test_device_managed_cache_is_token_identical(tiny, family):
     assert stats.routing_wait_s == 0  # nothing read on the host
 
 
+@needs_interpreter
 @pytest.mark.parametrize("family", ["olmoe", "qwen3_moe"])
 def test_device_managed_cache_choosing_victims_in_chunks_is_token_identical(tiny, family, monkeypatch):
     """A pool cut into chunks for the victim choice (as pools above 512 slots are; here chunks of 4-8 of its 10
@@ -350,7 +353,7 @@ def test_device_managed_cache_choosing_victims_in_chunks_is_token_identical(tiny
     assert stats.prefetched > 0 and stats.hits > 0
 
 
-@pytest.mark.parametrize("manager", ["host", "device"])
+@pytest.mark.parametrize("manager", CPU_MANAGERS)
 @pytest.mark.parametrize("prefetch", [1, 0])
 def test_layers_nothing_predicts_are_pinned(tiny, prefetch, manager):
     """Two layers' worth of slots: the first layer (never predicted) keeps all its experts in slots from the start,
@@ -378,6 +381,7 @@ def test_layers_nothing_predicts_are_pinned(tiny, prefetch, manager):
         assert offloaded.stats.misses > 0 and offloaded.stats.prefetched == 0
 
 
+@needs_interpreter
 @pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
 def test_device_managed_cache_stays_in_the_compiled_graph(tiny, family, tmp_path):
     """Compiled with a DFlash drafter: the offloaded layers are plain `moe_dispatch` nodes (capturable in CUDA
@@ -396,6 +400,7 @@ def test_device_managed_cache_stays_in_the_compiled_graph(tiny, family, tmp_path
     assert model.dflash_offload.stats.misses > 0
 
 
+@needs_interpreter
 def test_device_managed_cache_options_are_checked(tiny, monkeypatch):
     budget = plan_offload(tiny("olmoe")).minimum_budget
     for options, message in [(dict(manager="gpu"), "manager must be one of .'auto', 'host', 'device'., got 'gpu'"),
