@@ -5,8 +5,9 @@
     torch.compile(model, backend="dflash", options={"passes": []})              # no passes
     torch.compile(model, backend="dflash", options={"fused_experts": False})    # transformers' experts kernels
 
-`dflash_backend` is a plain function found through the `torch_dynamo_backends` entry point (pyproject.toml); it is
-deliberately not registered again at import, which would make the name lookup fail as a duplicate.
+`dflash_backend` is a plain function found through the `torch_dynamo_backends` entry point (pyproject.toml). Only a
+source checkout on sys.path without `pip install` lacks that entry point: there the import registers the name
+(`_register_without_entry_point`); with the entry point present it must not, or torch's lookup fails as a duplicate.
 """
 
 from __future__ import annotations
@@ -110,6 +111,19 @@ def compile_graph(
 def dflash_backend(gm: GraphModule, example_inputs, options: dict | None = None, mode: str | None = None):
     """The `backend="dflash"` entry point of torch.compile."""
     return compile_graph(gm, example_inputs, options=options, mode=mode)
+
+
+def _register_without_entry_point() -> None:
+    """backend="dflash" for a checkout that was put on sys.path instead of installed (no package metadata)."""
+    from importlib.metadata import entry_points
+
+    from torch._dynamo.backends.registry import register_backend
+
+    if "dflash" not in entry_points(group="torch_dynamo_backends").names:
+        register_backend(dflash_backend, name="dflash")
+
+
+_register_without_entry_point()
 
 
 @functools.cache

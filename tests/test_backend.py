@@ -115,6 +115,28 @@ def test_backend_found_without_importing_dflash_compile(tiny_dirs):
     assert "dispatch ok 2" in result.stdout
 
 
+def test_backend_registered_by_import_when_the_package_is_not_installed(tiny_dirs):
+    """A source checkout on PYTHONPATH has no entry point (no package metadata): importing dflash_compile registers
+    backend="dflash" itself (found on the H200, where the tests ran from a copied tree)."""
+    script = textwrap.dedent(
+        f"""
+        import importlib.metadata, torch, transformers
+        everything = importlib.metadata.entry_points
+        importlib.metadata.entry_points = lambda **select: everything(**select).select(name="no such backend")
+        model = transformers.AutoModelForCausalLM.from_pretrained({str(tiny_dirs("olmoe"))!r}).eval()
+        import dflash_compile
+        ids = torch.randint(0, 128, (1, 6))
+        with torch.no_grad():
+            out = torch.compile(model, backend="dflash", fullgraph=True, options={{"lowering": "eager"}})(ids).logits
+            assert (out - model(ids).logits).abs().max() <= 1e-4
+        print("registered", torch._dynamo.lookup_backend("dflash") is dflash_compile.dflash_backend)
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd="/")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "registered True" in result.stdout
+
+
 @pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
 def test_fused_experts_on_resident_weights_give_the_same_tokens(tiny, family, monkeypatch):
     """By default the compiled step's experts run dflash's kernel on the module's own weights (gpt-oss's
