@@ -36,7 +36,7 @@ WEIGHT_POINTERS = {"dense": ("*bf16", "*fp32"), "mxfp4": ("*u8", "*u8"), "fp8_bl
 # arguments the JIT sees as multiples of 16 on the benchmark shapes (pointers from the allocator, H, I, strides)
 ALIGNED = ("x", "data", "scales", "bias", "out", "pair_ids", "block_expert", "pair_weights", "host_data",
            "host_scales", "host_bias", "slot_of", "N", "K", "N_OUT", "data_stride", "scales_stride", "bias_stride",
-           "row_stride")
+           "row_stride", "k_split")
 
 
 def compile_kernel(format: str, gated: bool, tiles: dict, host_fallback: bool = False):
@@ -53,7 +53,7 @@ def compile_kernel(format: str, gated: bool, tiles: dict, host_fallback: bool = 
         signature |= {"x": "*fp16", "out": "*fp16"}
     constants = dict(FORMAT=FORMATS[format], GATED=gated, INTERLEAVED=True, ACTIVATION=ACTIVATIONS["clamped_swiglu"],
                      HAS_BIAS=True, APPLY_WEIGHT=not gated, COMPUTE_FP32=False, FP16_OPERANDS=fp16,
-                     HOST_FALLBACK=host_fallback, PAIR_PER_BLOCK=False,
+                     HOST_FALLBACK=host_fallback, PAIR_PER_BLOCK=False, SPLIT_K=tiles["split_k"],
                      BLOCK_M=tiles["block_m"],
                      BLOCK_N=tiles["block_n"], BLOCK_K=tiles["block_k"], NUM_STAGES=tiles["num_stages"],
                      column_stride=1)  # the JIT makes an argument equal to 1 a constant

@@ -169,6 +169,9 @@ def run_shape(name, tokens_list, layers, tuning, copy_gbs, rows):
               f"({row['fused_bf16_vs_grouped_mm']:.2f}x of (b), diff {bf16_error:.1e})", flush=True)
 
 
+SPLIT_K = (1, 2, 3, 4, 6)  # shares of K for one token's launches, swept on the best tiles
+
+
 def tile_candidates(format: str):
     """The sweep: output tiles, K steps (FP8 up to its 128-column scale block) and K steps in flight on the tensor
     cores. (CUDA-core tiles of 1-4 pairs and an fp32 bit-construction MXFP4 decode lost by 2-10x on 2026-11-30 and
@@ -184,10 +187,10 @@ def tile_candidates(format: str):
             yield {"block_n": block_n, "block_k": 128, "num_warps": 4, "num_stages": 4, "operands": "fp16"}
 
 
-def tune(name: str, tokens_list, layers: int) -> dict:
-    """Pick tile sizes and warps for a shape's format (one config per call: no autotuner, which fails in the
-    interpreter): the best sum of CUDA-graph times over `tokens_list`, among configs whose bf16 result stays within
-    1e-2 of the reference (a wrong variant must not win the sweep)."""
+def tune(name: str, tokens_list, layers: int, candidates) -> dict:
+    """Pick tile sizes and warps for a shape's format among `candidates` (one config per call: no autotuner, which
+    fails in the interpreter): the best sum of CUDA-graph times over `tokens_list`, among configs whose bf16 result
+    stays within 1e-2 of the reference (a wrong variant must not win the sweep)."""
     experts, top_k, hidden, inter, format, gpt_oss = SHAPES[name]
     activation = "clamped_swiglu" if gpt_oss else "silu"
     packed = [(random_packed(format, experts, 2 * inter, hidden, gpt_oss),
@@ -198,7 +201,7 @@ def tune(name: str, tokens_list, layers: int) -> dict:
         weights = torch.softmax(torch.randn(tokens, top_k, device="cuda"), dim=-1)
         x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
         expected = reference(x[:2], index[:2], weights[:2], *packed[0], gpt_oss, activation)
-        for settings in tile_candidates(format):
+        for settings in candidates:
             run = lambda g, d: fused_moe(x, index, weights, g, d, interleaved=gpt_oss,  # noqa: E731
                                          activation=activation, **settings)
             try:
@@ -223,7 +226,10 @@ def main() -> None:
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     copy_gbs = copy_bandwidth() / 1e9
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s")
-    tiles = {"mxfp4": tune("gpt-oss-20b", [1, 16], 2), "fp8_block": tune("qwen3-30b-a3b-fp8", [1, 16], 2)}
+    tiles = {}
+    for format, name in (("mxfp4", "gpt-oss-20b"), ("fp8_block", "qwen3-30b-a3b-fp8")):
+        base = tune(name, [1, 16], 2, list(tile_candidates(format)))
+        tiles[format] = tune(name, [1], 2, [base | {"split_k": split_k} for split_k in SPLIT_K])  # one token only
     print("tiles:", tiles)
     rows = []
     for name in args.shapes:

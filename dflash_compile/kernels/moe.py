@@ -12,6 +12,11 @@ once. The pair -> block assignment (`align_routing`) is computed on the device w
 sized by its upper bound: blocks past the real count exit at once (CUDA-graph friendly); a single token needs none
 (each pair its own block). A third launch sums each token's pairs in fp32 and rounds once to the output dtype.
 
+A single token's launches can split K (tile `split_k`): each program takes one share of K, so a decode launch has
+split_k times the programs of its top-k x column-tile grid, which alone leaves SMs idle. The shares' fp32 partial
+sums are added in a fixed order (deterministic): for gate/up by one more small launch that also activates them, for
+down by the pair sum.
+
 Offload's layout (`slot_of`): the weights are a slot pool on the device, a table maps experts to slots, and an
 expert without a slot is read by the kernel from its pinned host blob over PCIe (zero-copy; the GPU addresses
 pinned memory directly), so a layer can run without the host first copying its misses (bench/zero_copy.py).
@@ -109,20 +114,67 @@ def _blocks(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> tuple[
 
 
 @triton.jit
-def _sum_pairs_kernel(per_pair, out, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_pairs_kernel(per_pair, out, H, split_stride, SPLITS: tl.constexpr, TOP_K: tl.constexpr,
+                      BLOCK: tl.constexpr):
     token, columns = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     total = tl.zeros((BLOCK,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        total += tl.load(per_pair + (token * TOP_K + j) * H + columns, mask=columns < H, other=0.0)
+    for split in tl.static_range(SPLITS):
+        for j in tl.static_range(TOP_K):
+            total += tl.load(per_pair + split * split_stride + (token * TOP_K + j) * H + columns, mask=columns < H,
+                             other=0.0)
     tl.store(out + token * H + columns, total, mask=columns < H)  # in out's dtype
 
 
 def _sum_pairs(per_pair: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[T, k, H] fp32 -> [T, H] in `dtype`: each token's pairs summed in fp32, rounded once, in one launch."""
-    tokens, top_k, h = per_pair.shape
+    """[S, T, k, H] fp32 (S K splits) -> [T, H] in `dtype`: each token's pairs and splits summed in fp32 in a fixed
+    order, rounded once, in one launch."""
+    splits, tokens, top_k, h = per_pair.shape
     out = torch.empty(tokens, h, dtype=dtype, device=per_pair.device)
     block = min(1024, triton.next_power_of_2(h))
-    _sum_pairs_kernel[(tokens, triton.cdiv(h, block))](per_pair, out, h, TOP_K=top_k, BLOCK=block)
+    _sum_pairs_kernel[(tokens, triton.cdiv(h, block))](per_pair, out, h, tokens * top_k * h, SPLITS=splits,
+                                                       TOP_K=top_k, BLOCK=block)
+    return out
+
+
+@triton.jit
+def _activate(gate, up, ACTIVATION: tl.constexpr, alpha, limit):
+    """The family's activation of the gate and up projections (fp32)."""
+    if ACTIVATION == 1:  # gpt-oss: clamped SwiGLU
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        result = (up + 1.0) * gate * tl.sigmoid(gate * alpha)
+    else:  # SiLU(gate) * up
+        result = gate * tl.sigmoid(gate) * up
+    return result
+
+
+@triton.jit
+def _finish_gate_up_kernel(partials, out, P, N, alpha, limit, SPLITS: tl.constexpr, ACTIVATION: tl.constexpr,
+                           FP16_OPERANDS: tl.constexpr, BLOCK: tl.constexpr):
+    pair, columns = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = columns < N
+    gate = tl.zeros((BLOCK,), dtype=tl.float32)
+    up = tl.zeros((BLOCK,), dtype=tl.float32)
+    for split in tl.static_range(SPLITS):
+        row = partials + (split * P + pair) * (2 * N)
+        gate += tl.load(row + 2 * columns, mask=ok, other=0.0)
+        up += tl.load(row + 2 * columns + 1, mask=ok, other=0.0)
+    result = _activate(gate, up, ACTIVATION, alpha, limit)
+    if FP16_OPERANDS:  # the down launch's activations
+        result = result * FP16_PRESCALE
+    tl.store(out + pair * N + columns, result, mask=ok)  # in out's dtype
+
+
+def _finish_gate_up(partials: torch.Tensor, dtype: torch.dtype, activation: str, alpha: float, limit: float,
+                    fp16_operands: bool) -> torch.Tensor:
+    """[S, P, 2N] gate/up partial sums of S K splits (gate and up interleaved) -> [P, N] activations in `dtype`,
+    as the unsplit gate/up launch writes them."""
+    splits, pairs, two_n = partials.shape
+    out = torch.empty(pairs, two_n // 2, dtype=dtype, device=partials.device)
+    block = min(1024, triton.next_power_of_2(two_n // 2))
+    _finish_gate_up_kernel[(pairs, triton.cdiv(two_n // 2, block))](
+        partials, out, pairs, two_n // 2, float(alpha), float(limit), SPLITS=splits,
+        ACTIVATION=ACTIVATIONS[activation], FP16_OPERANDS=fp16_operands, BLOCK=block)
     return out
 
 
@@ -213,14 +265,14 @@ def _dot(x_tile, w_tile, COMPUTE_FP32: tl.constexpr, FP16_OPERANDS: tl.constexpr
 
 
 @triton.jit
-def _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_loop, row_stride, column_stride,
+def _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start, k_stop, row_stride, column_stride,
              FORMAT: tl.constexpr, COMPUTE_FP32: tl.constexpr, FP16_OPERANDS: tl.constexpr, BLOCK_M: tl.constexpr,
              BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """[BLOCK_M, BLOCK_ROWS] fp32 = x[pair_rows] @ W[rows]^T over all of K, W the expert at `data` / `scales`
-    (dense weights at any row / column strides, e.g. a transposed view of [E, in, out] parameters)."""
+    """[BLOCK_M, BLOCK_ROWS] fp32 = x[pair_rows] @ W[rows]^T over K in [k_start, k_stop), W the expert at `data` /
+    `scales` (dense weights at any row / column strides, e.g. a transposed view of [E, in, out] parameters)."""
     acc = tl.zeros((BLOCK_M, BLOCK_ROWS), dtype=tl.float32)
     x_rows = x + pair_rows[:, None].to(tl.int64) * K
-    for k in tl.range(0, k_loop, BLOCK_K, num_stages=NUM_STAGES):
+    for k in tl.range(k_start, k_stop, BLOCK_K, num_stages=NUM_STAGES):
         if FORMAT == 1:
             acc = _mxfp4_dot(acc, x_rows, pair_ok, data, scales, rows, row_ok, k, K, COMPUTE_FP32, BLOCK_K)
         else:
@@ -242,13 +294,19 @@ def _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_loop, row_s
 
 
 @triton.jit
+def _first_split_bias(bias, rows, ok, split):
+    """The bias at `rows` in fp32 for the first K split, zeros for the others: added once to the splits' sum."""
+    return tl.where(split == 0, tl.load(bias + rows, mask=ok, other=0.0).to(tl.float32), 0.0)
+
+
+@triton.jit
 def _moe_gemm_kernel(
     x, data, scales, bias, out, pair_ids, block_expert, pair_weights, host_data, host_scales, host_bias, slot_of,
-    P, N, K, N_OUT, ROW_DIV, alpha, limit, data_stride, scales_stride, bias_stride, row_stride, column_stride,
+    P, N, K, N_OUT, ROW_DIV, alpha, limit, data_stride, scales_stride, bias_stride, row_stride, column_stride, k_split,
     FORMAT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr, APPLY_WEIGHT: tl.constexpr, COMPUTE_FP32: tl.constexpr, FP16_OPERANDS: tl.constexpr,
-    HOST_FALLBACK: tl.constexpr, PAIR_PER_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    HOST_FALLBACK: tl.constexpr, PAIR_PER_BLOCK: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     block = tl.program_id(0)
     expert = tl.load(block_expert + block)
@@ -273,7 +331,9 @@ def _moe_gemm_kernel(
     pair_rows = tl.where(pair_ok, pairs // ROW_DIV, 0)
     columns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     column_ok = columns < N_OUT
-    k_loop = tl.cdiv(K, BLOCK_K) * BLOCK_K
+    split = tl.program_id(2)  # this program's share of K: [k_start, k_stop), the whole of it without splits
+    k_start = split * k_split
+    k_stop = tl.minimum(k_start + k_split, tl.cdiv(K, BLOCK_K) * BLOCK_K)
     if GATED:
         # Output column j needs weight rows gate(j) and up(j): one tile of 2 * BLOCK_N rows ordered gate, up, gate,
         # up, ... (contiguous when the checkpoint interleaves them), so one K loop has both in flight.
@@ -285,29 +345,29 @@ def _moe_gemm_kernel(
             rows = column + (r % 2) * N_OUT
         row_ok = column < N_OUT
         rows = tl.where(row_ok, rows, 0)
-        both = _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_loop, row_stride, column_stride,
-                        FORMAT, COMPUTE_FP32, FP16_OPERANDS, BLOCK_M, 2 * BLOCK_N, BLOCK_K, NUM_STAGES)
+        both = _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start, k_stop, row_stride,
+                        column_stride, FORMAT, COMPUTE_FP32, FP16_OPERANDS, BLOCK_M, 2 * BLOCK_N, BLOCK_K, NUM_STAGES)
         if HAS_BIAS:
-            both += tl.load(bias + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
-        gate, up = tl.split(tl.reshape(both, (BLOCK_M, BLOCK_N, 2)))
-        if ACTIVATION == 1:  # gpt-oss: clamped SwiGLU
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-            result = (up + 1.0) * gate * tl.sigmoid(gate * alpha)
-        else:  # SiLU(gate) * up
-            result = gate * tl.sigmoid(gate) * up
-        if FP16_OPERANDS:  # the down launch's activations
-            result = result * FP16_PRESCALE
+            both += _first_split_bias(bias, rows, row_ok, split)[None, :]
+        if SPLIT_K > 1:  # this split's partial sums, gate and up interleaved; `_finish_gate_up` adds and activates
+            result, out_width = both, 2 * N_OUT
+            columns, column_ok = 2 * tl.program_id(1) * BLOCK_N + r, row_ok
+        else:
+            gate, up = tl.split(tl.reshape(both, (BLOCK_M, BLOCK_N, 2)))
+            result, out_width = _activate(gate, up, ACTIVATION, alpha, limit), N_OUT
+            if FP16_OPERANDS:  # the down launch's activations
+                result = result * FP16_PRESCALE
     else:
         rows = tl.where(column_ok, columns, 0)
-        result = _project(x, data, scales, rows, column_ok, pair_rows, pair_ok, K, k_loop, row_stride,
+        result = _project(x, data, scales, rows, column_ok, pair_rows, pair_ok, K, k_start, k_stop, row_stride,
                           column_stride, FORMAT, COMPUTE_FP32, FP16_OPERANDS, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)
+        out_width = N_OUT
         if HAS_BIAS:
-            result += tl.load(bias + rows, mask=column_ok, other=0.0).to(tl.float32)[None, :]
+            result += _first_split_bias(bias, rows, column_ok, split)[None, :]
     if APPLY_WEIGHT:
         result *= tl.load(pair_weights + pairs, mask=pair_ok, other=0.0).to(tl.float32)[:, None]
-    tl.store(out + pairs[:, None].to(tl.int64) * N_OUT + columns[None, :], result,
-             mask=pair_ok[:, None] & column_ok[None, :])
+    out_rows = split * P + pairs[:, None].to(tl.int64)  # split 0 alone without splits
+    tl.store(out + out_rows * out_width + columns[None, :], result, mask=pair_ok[:, None] & column_ok[None, :])
 
 
 def _strides(weight: PackedWeight) -> tuple[int, ...]:
@@ -320,35 +380,50 @@ def _strides(weight: PackedWeight) -> tuple[int, ...]:
 
 def _launch(x, weight: PackedWeight, pair_ids, block_expert, pair_weights, rows_out, n_out, row_div, *, gated,
             interleaved, activation, alpha, limit, compute_fp32, block_m, block_n, block_k, num_warps, num_stages,
-            operands="bf16", host: PackedWeight | None = None, slot_of: torch.Tensor | None = None):
+            splits=1, operands="bf16", host: PackedWeight | None = None, slot_of: torch.Tensor | None = None):
     """One GEMM launch over the blocks of `_blocks`; with fp16 operands `x` must already be fp16 times FP16_PRESCALE
-    (`_activations`); with `slot_of`, `weight` is a slot pool and `host` the same weight over the host blobs."""
+    (`_activations`); with `slot_of`, `weight` is a slot pool and `host` the same weight over the host blobs. With
+    `splits` > 1 each program takes one of that many shares of K and the launch returns [splits, rows_out, width]
+    fp32 partial sums (gate/up: both projections, interleaved), for `_finish_gate_up` or `_sum_pairs` to add."""
     _, n, k = weight.shape
     fp16_operands = _fp16_operands(operands, compute_fp32)
-    if compute_fp32 or not gated:
-        dtype = torch.float32
-    else:  # the gate/up output is the down launch's x: prescaled fp16 operands or the activations' dtype
-        dtype = torch.float16 if fp16_operands else x.dtype
-    out = torch.empty(rows_out, n_out, dtype=dtype, device=x.device)
-    grid = (block_expert.numel(), triton.cdiv(n_out, block_n))
+    dtype = _gate_up_dtype(x.dtype, compute_fp32, fp16_operands) if gated and splits == 1 else torch.float32
+    out = torch.empty(splits, rows_out, 2 * n_out if gated and splits > 1 else n_out, dtype=dtype, device=x.device)
+    k_split = triton.cdiv(triton.cdiv(k, block_k), splits) * block_k
+    grid = (block_expert.numel(), triton.cdiv(n_out, block_n), splits)
     placeholder = block_expert  # any tensor stands in for an absent pointer
     pointers = lambda w: [part if part is not None else placeholder for part in (w.data, w.scales, w.bias)]  # noqa: E731
     _moe_gemm_kernel[grid](
         x, *pointers(weight), out, pair_ids if pair_ids is not None else placeholder, block_expert,
         pair_weights if pair_weights is not None else placeholder,
         *pointers(host if host is not None else weight), slot_of if slot_of is not None else placeholder,
-        rows_out, n, k, n_out, row_div, float(alpha), float(limit), *_strides(weight),
+        rows_out, n, k, n_out, row_div, float(alpha), float(limit), *_strides(weight), k_split,
         FORMAT=FORMATS[weight.format], GATED=gated, INTERLEAVED=interleaved, ACTIVATION=ACTIVATIONS[activation],
         HAS_BIAS=weight.bias is not None, APPLY_WEIGHT=pair_weights is not None, COMPUTE_FP32=compute_fp32,
         FP16_OPERANDS=fp16_operands, HOST_FALLBACK=slot_of is not None, PAIR_PER_BLOCK=pair_ids is None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, num_warps=num_warps,
+        SPLIT_K=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, num_warps=num_warps,
     )
-    return out
+    return out if splits > 1 else out[0]
 
 
 def _fp16_operands(operands: str, compute_fp32: bool) -> bool:
     """Whether a launch takes fp16 operands (FP16_OPERANDS): asked for, and not the fp32 path."""
     return operands == "fp16" and not compute_fp32
+
+
+def _gate_up_dtype(x_dtype: torch.dtype, compute_fp32: bool, fp16_operands: bool) -> torch.dtype:
+    """The gate/up output's dtype, i.e. the down launch's x: fp32 on the fp32 path, else prescaled fp16 with fp16
+    operands, else the activations' dtype."""
+    if compute_fp32:
+        return torch.float32
+    return torch.float16 if fp16_operands else x_dtype
+
+
+def _splits(settings: dict, pair_ids: torch.Tensor | None) -> int:
+    """K splits for this call, taking `split_k` out of the launch settings: only a single token's launches split
+    (`pair_ids` None), whose grids of top-k x column tiles leave SMs idle; larger calls fill the GPU already."""
+    split_k = settings.pop("split_k")
+    return split_k if pair_ids is None else 1
 
 
 def _activations(x: torch.Tensor, settings: dict) -> torch.Tensor:
@@ -363,9 +438,10 @@ def _activations(x: torch.Tensor, settings: dict) -> torch.Tensor:
 # Tiles per weight format (one config each: the interpreter cannot autotune), from `bench/moe_kernels.py`'s sweep on
 # the H200 (docs/benchmarks.md). block_m: pairs per block (tensor-core tiles: >= 16); block_n: output columns per
 # program; block_k: K per step (FP8: a divisor of its 128-column scale block); num_stages: K steps in flight;
-# operands (FP8): "bf16" or "fp16" tensor-core operands (see FP16_OPERANDS).
+# operands (FP8): "bf16" or "fp16" tensor-core operands (see FP16_OPERANDS); split_k: shares of K for one token's
+# launches (see `_splits`), > 1 adds a launch that sums the gate/up shares and activates them.
 # (CUDA-core tiles of 1-4 pairs and MXFP4 decoded by fp32 bit construction were measured too: 2-10x slower.)
-_COMMON = {"block_m": 16, "block_n": 32, "num_warps": 4}
+_COMMON = {"block_m": 16, "block_n": 32, "num_warps": 4, "split_k": 1}
 TILES = {
     "mxfp4": _COMMON | {"block_k": 128, "num_stages": 4},
     "fp8_block": _COMMON | {"block_n": 64, "block_k": 128, "num_stages": 4, "operands": "fp16"},
@@ -386,6 +462,8 @@ def tiles_for(format: str, overrides: dict) -> dict:
         raise ValueError(f"fp8_block needs block_k <= 128 (one scale per 128 columns), got {block_k}")
     if block_m < 16 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two >= 16 (tensor-core tiles), got {block_m}")
+    if not isinstance(tiles["split_k"], int) or tiles["split_k"] < 1:
+        raise ValueError(f"split_k must be a positive integer (shares of K), got {tiles['split_k']!r}")
     if tiles.get("operands", "bf16") not in ("bf16", "fp16"):
         raise ValueError(f"operands must be 'bf16' or 'fp16', got {tiles['operands']!r}")
     return tiles
@@ -419,16 +497,21 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     compute_fp32 = hidden.dtype == torch.float32 if compute_fp32 is None else compute_fp32
     tokens, top_k = top_k_index.shape
     pair_ids, block_expert = _blocks(top_k_index, experts, settings["block_m"])
-    settings |= dict(alpha=alpha, limit=limit, compute_fp32=compute_fp32, slot_of=slot_of)
+    splits = _splits(settings, pair_ids)
+    settings |= dict(alpha=alpha, limit=limit, compute_fp32=compute_fp32, slot_of=slot_of, splits=splits)
     x = _activations(hidden, settings)
     intermediate = _launch(x, gate_up, pair_ids, block_expert, None, tokens * top_k, two_i // 2, top_k,
                            gated=True, interleaved=interleaved, activation=activation,
                            host=host[0] if host else None, **settings)
+    if splits > 1:
+        fp16_operands = _fp16_operands(settings.get("operands", "bf16"), compute_fp32)
+        intermediate = _finish_gate_up(intermediate, _gate_up_dtype(x.dtype, compute_fp32, fp16_operands),
+                                       activation, alpha, limit, fp16_operands)
     weights = top_k_weights.reshape(-1).contiguous()
     per_pair = _launch(intermediate, down, pair_ids, block_expert, weights, tokens * top_k, h, 1,
                        gated=False, interleaved=False, activation="silu", host=host[1] if host else None,
                        **settings)
-    return _sum_pairs(per_pair.view(tokens, top_k, h), hidden.dtype)
+    return _sum_pairs(per_pair.view(splits, tokens, top_k, h), hidden.dtype)
 
 
 def packed_linear(x: torch.Tensor, weight: PackedWeight, **tiles) -> torch.Tensor:
@@ -438,6 +521,9 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, **tiles) -> torch.Tenso
     rows = _activations(x.reshape(-1, x.shape[-1]), settings)
     pair_ids, block_expert = _blocks(torch.zeros(rows.shape[0], 1, dtype=torch.int32, device=x.device), 1,
                                      settings["block_m"])
+    splits = _splits(settings, pair_ids)
     out = _launch(rows, weight, pair_ids, block_expert, None, rows.shape[0], weight.shape[1], 1, gated=False,
-                  interleaved=False, activation="silu", alpha=0.0, limit=0.0, **settings)
+                  interleaved=False, activation="silu", alpha=0.0, limit=0.0, splits=splits, **settings)
+    if splits > 1:
+        out = _sum_pairs(out.view(splits, rows.shape[0], 1, weight.shape[1]), x.dtype)
     return out.to(x.dtype).view(*x.shape[:-1], weight.shape[1])

@@ -266,3 +266,44 @@ def test_fused_kernel_on_a_modules_own_bf16_layout(tiny, family):
     actual = fused_moe(hidden, index, weights, gate_up, down, interleaved=gate.interleaved,
                        activation=gate.activation, alpha=gate.alpha, limit=gate.limit, compute_fp32=True)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("format", ["mxfp4", "fp8_block", "dense"])
+@pytest.mark.parametrize("family, split_k", [("gpt_oss", 3), ("silu_concatenated", 2)])
+def test_one_token_split_over_k_matches_the_reference(format, family, split_k):
+    """split_k: one token's launches split K into shares whose partial sums are added afterwards (gpt-oss: 23 K
+    steps in shares of 8, 8 and 7, biases added once, clamped SwiGLU after the sum; K = 96 < block_k, so the second
+    share is empty). The reference's result and, to rounding, the unsplit kernel's; a batch does not split."""
+    experts, hidden, inter, top_k, tokens, interleaved, activation, bias = FAMILY_CASES[family]
+    gate_up, down = _experts(format, experts, hidden, inter, bias)
+    index, weights = _routing(tokens, experts, top_k)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1))
+    run = lambda rows, **tiles: fused_moe(x[rows].to(DEVICE), index[rows].to(DEVICE),  # noqa: E731
+                                          weights[rows].to(DEVICE), gate_up, down, interleaved=interleaved,
+                                          activation=activation, **tiles).cpu().double()
+    expected = reference_moe(x[:1], index[:1], weights[:1], gate_up, down, interleaved, activation)
+    split = run(slice(0, 1), split_k=split_k)
+    assert (split - expected).norm() / expected.norm() <= 1e-4
+    assert (split - run(slice(0, 1))).norm() / expected.norm() <= 1e-6
+    torch.testing.assert_close(run(slice(0, tokens), split_k=split_k), run(slice(0, tokens)), atol=0, rtol=0)
+
+
+def test_split_k_with_fp16_operands_and_in_a_dense_layer():
+    """The shares' sum meets the fp16 prescale (FP8, fp16 operands: gate/up's finishing launch writes the down
+    launch's prescaled fp16 activations) and packed_linear's single row (its shares added by the pair sum)."""
+    from dflash_compile.kernels.moe import packed_linear
+
+    experts, hidden, inter, top_k, tokens, interleaved, activation, bias = FAMILY_CASES["gpt_oss"]
+    gate_up, down = _experts("fp8_block", experts, hidden, inter, bias)
+    index, weights = _routing(1, experts, top_k)
+    x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(1))
+    expected = reference_moe(x, index, weights, gate_up, down, interleaved, activation)
+    actual = fused_moe(x.to(DEVICE), index.to(DEVICE), weights.to(DEVICE), gate_up, down, interleaved=interleaved,
+                       activation=activation, compute_fp32=False, operands="fp16", split_k=4)
+    assert (actual.cpu().double() - expected).norm() / expected.norm() <= 2e-3
+    weight = PackedWeight(gate_up.format, gate_up.data[:1], gate_up.scales[:1], gate_up.bias[:1])
+    row = x.to(DEVICE)
+    torch.testing.assert_close(packed_linear(row, weight, split_k=5), packed_linear(row, weight), atol=1e-5,
+                               rtol=1e-5)
+    with pytest.raises(ValueError, match=r"split_k must be a positive integer \(shares of K\), got 0"):
+        packed_linear(row, weight, split_k=0)
