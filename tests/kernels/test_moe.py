@@ -270,21 +270,27 @@ def test_fused_kernel_on_a_modules_own_bf16_layout(tiny, family):
 
 @pytest.mark.parametrize("format", ["mxfp4", "fp8_block", "dense"])
 @pytest.mark.parametrize("family, split_k", [("gpt_oss", 3), ("silu_concatenated", 2)])
-def test_one_token_split_over_k_matches_the_reference(format, family, split_k):
+@pytest.mark.parametrize("precision", [
+    "fp32", pytest.param("bf16", marks=pytest.mark.skipif(DEVICE == "cpu", reason="the interpreter's bf16 is wrong"))])
+def test_one_token_split_over_k_matches_the_reference(format, family, split_k, precision):
     """split_k: one token's launches split K into shares whose partial sums are added afterwards (gpt-oss: 23 K
     steps in shares of 8, 8 and 7, biases added once, clamped SwiGLU after the sum; K = 96 < block_k, so the second
     share is empty). The reference's result and, to rounding, the unsplit kernel's; a batch does not split."""
     experts, hidden, inter, top_k, tokens, interleaved, activation, bias = FAMILY_CASES[family]
     gate_up, down = _experts(format, experts, hidden, inter, bias)
+    if precision == "bf16" and format == "dense":
+        gate_up, down = (PackedWeight("dense", w.data.bfloat16(), None, w.bias) for w in (gate_up, down))
     index, weights = _routing(tokens, experts, top_k)
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1))
-    run = lambda rows, **tiles: fused_moe(x[rows].to(DEVICE), index[rows].to(DEVICE),  # noqa: E731
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    run = lambda rows, **tiles: fused_moe(x[rows].to(DEVICE, dtype), index[rows].to(DEVICE),  # noqa: E731
                                           weights[rows].to(DEVICE), gate_up, down, interleaved=interleaved,
                                           activation=activation, **tiles).cpu().double()
     expected = reference_moe(x[:1], index[:1], weights[:1], gate_up, down, interleaved, activation)
     split = run(slice(0, 1), split_k=split_k)
-    assert (split - expected).norm() / expected.norm() <= 1e-4
-    assert (split - run(slice(0, 1))).norm() / expected.norm() <= 1e-6
+    assert (split - expected).norm() / expected.norm() <= (1e-4 if precision == "fp32" else 1e-2)
+    unsplit = run(slice(0, 1))  # bf16: the same sums in another order may round differently
+    assert (split - unsplit).norm() / expected.norm() <= (1e-6 if precision == "fp32" else 1e-2)
     torch.testing.assert_close(run(slice(0, tokens), split_k=split_k), run(slice(0, tokens)), atol=0, rtol=0)
 
 
