@@ -212,6 +212,7 @@ class _Layer:
 
 CPU_COMPUTE = ("off", "auto", "always")
 MANAGERS = ("auto", "host", "device")
+DEVICE_MANAGER_OPTIONS = ("lru", "off")  # the (policy, cpu_compute) the device-managed cache runs: LRU, all on device
 
 
 def choose_manager(device: torch.device, policy: str, cpu_compute: str) -> str:
@@ -220,7 +221,7 @@ def choose_manager(device: torch.device, policy: str, cpu_compute: str) -> str:
     and gpt-oss-shaped, 25% and 50% resident), the host manager up to 1.83x (its routing read per layer costs most
     where experts are small and many; docs/benchmarks.md); on a CPU the device's tables would need Triton's
     interpreter."""
-    return "device" if device.type == "cuda" and (policy, cpu_compute) == ("lru", "off") else "host"
+    return "device" if device.type == "cuda" and (policy, cpu_compute) == DEVICE_MANAGER_OPTIONS else "host"
 
 
 PREFETCH_TRIAL, PREFETCH_MIN_PRECISION = 64, 0.5
@@ -299,7 +300,7 @@ class OffloadedExperts:
             raise ValueError(f"manager must be one of {MANAGERS}, got {self.manager!r}")
         if self.manager == "auto":
             self.manager = choose_manager(self.device, self.policy, self.cpu_compute)
-        if self.manager == "device" and (self.policy, self.cpu_compute) != ("lru", "off"):
+        if self.manager == "device" and (self.policy, self.cpu_compute) != DEVICE_MANAGER_OPTIONS:
             raise ValueError(f"the device-managed cache is LRU and runs every expert on the device: policy "
                              f"{self.policy!r} and cpu_compute {self.cpu_compute!r} need manager='host'")
         interpreted = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true")
