@@ -39,9 +39,10 @@ ALIGNED = ("x", "data", "scales", "bias", "out", "pair_ids", "block_expert", "pa
            "row_stride", "k_split")
 
 
-def compile_kernel(format: str, gated: bool, tiles: dict, host_fallback: bool = False):
+def compile_kernel(format: str, gated: bool, tiles: dict, host_fallback: bool = False, one_token: bool = False):
     """`_moe_gemm_kernel` for `format` compiled for sm_90, gpt-oss-style (interleaved, clamped SwiGLU, biases);
-    `host_fallback`: with offload's slot table and host blobs."""
+    `host_fallback`: with offload's slot table and host blobs; `one_token`: a decode launch (every pair its own
+    block, K split by the tile `split_k`)."""
     data, scales = WEIGHT_POINTERS[format]
     names = _moe_gemm_kernel.arg_names
     fp16 = tiles.get("operands") == "fp16"
@@ -53,7 +54,8 @@ def compile_kernel(format: str, gated: bool, tiles: dict, host_fallback: bool = 
         signature |= {"x": "*fp16", "out": "*fp16"}
     constants = dict(FORMAT=FORMATS[format], GATED=gated, INTERLEAVED=True, ACTIVATION=ACTIVATIONS["clamped_swiglu"],
                      HAS_BIAS=True, APPLY_WEIGHT=not gated, COMPUTE_FP32=False, FP16_OPERANDS=fp16,
-                     HOST_FALLBACK=host_fallback, PAIR_PER_BLOCK=False, SPLIT_K=tiles["split_k"],
+                     HOST_FALLBACK=host_fallback, PAIR_PER_BLOCK=one_token,
+                     SPLIT_K=tiles["split_k"] if one_token else 1,
                      BLOCK_M=tiles["block_m"],
                      BLOCK_N=tiles["block_n"], BLOCK_K=tiles["block_k"], NUM_STAGES=tiles["num_stages"],
                      column_stride=1)  # the JIT makes an argument equal to 1 a constant
@@ -87,6 +89,7 @@ def main() -> None:
     parser.add_argument("--format", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     parser.add_argument("--tiles", nargs="*", default=[], help="overrides of the format's TILES, e.g. block_n=64")
     parser.add_argument("--host-fallback", action="store_true", help="offload's slot table and host blobs")
+    parser.add_argument("--one-token", action="store_true", help="a decode launch (tile split_k applies)")
     args = parser.parse_args()
     overrides = {key: int(value) if value.isdigit() else value for key, value in
                  (item.split("=") for item in args.tiles)}
@@ -96,7 +99,7 @@ def main() -> None:
     for format in args.format:
         tiles = tiles_for(format, overrides)
         for gated in (True, False):
-            loop = k_loop(compile_kernel(format, gated, tiles, args.host_fallback).asm["cubin"])
+            loop = k_loop(compile_kernel(format, gated, tiles, args.host_fallback, args.one_token).asm["cubin"])
             rows = tiles["block_n"] * (2 if gated else 1)
             weight_bytes = rows * tiles["block_k"] * {"dense": 2, "mxfp4": 0.5, "fp8_block": 1}[format]
             common = ", ".join(f"{name} {count}" for name, count in
