@@ -200,21 +200,22 @@ def _e4m3(byte):
 
 # MXFP4 -> bf16 for four packed bytes ($4, byte j = element j) of one group with its E8M0 exponent e ($5; $6-$8 are
 # the same), into $j = byte j's two values (low nibble in the low half): columns in order, as the MMA operand holds
-# them. Per pair: a PRMT puts the low nibble in the low half and the high one (from the word shifted by 4) in the high
-# half, an AND keeps the nibbles, a multiply moves each nibble's exponent/mantissa bits to bf16 bits 6-8 and its
-# sign to bit 15 (the two shifted copies cannot overlap), an AND keeps those bits, a bf16x2 multiply by 2^126 (the
-# formats' exponent biases: E2M1's subnormal 0.5 lands on bf16's subnormal 2^-127) and one by the scale 2^(e-127)
-# (e << 7; e = 0, 2^-127, becomes 0). ~3.1 instructions per value where `tl.dot_scaled`'s Hopper upcast took ~7.5
-# with byte-wise shared-memory reads: the K loop went from 482 to 394 instructions (gate/up, bench/kernel_sass.py)
-# and gpt-oss-20b's layer from 79.1 to 54.6 us at M = 1 and 404 to 240 us at M = 16 (H200, docs/benchmarks.md).
+# them. Per word: the low nibbles and (shifted by 4) the high nibbles masked to 0x0F bytes. Per pair: a PRMT puts byte
+# j's low nibble in the low half and its high nibble in the high half (selector 8, "replicate the sign of byte 0",
+# fills the other bytes with zeros: every byte's top bit is clear), one multiply moves each nibble's exponent/mantissa
+# bits to bf16 bits 6-8 and its sign to bit 15 (the two shifted copies cannot overlap), an AND keeps those bits, a
+# bf16x2 multiply by 2^126 (the formats' exponent biases: E2M1's subnormal 0.5 lands on bf16's subnormal 2^-127) and
+# one by the scale 2^(e-127) (e << 7; e = 0, 2^-127, becomes 0). ~2.9 instructions per value where `tl.dot_scaled`'s
+# Hopper upcast took ~7.5 with byte-wise shared-memory reads.
 _E2M1_BF16_ASM = tl.constexpr("""{
-.reg .b32 shifted, pair, bits, bias, scale, minus_zero;
+.reg .b32 low, high, pair, bits, bias, scale, minus_zero;
 mov.b32 bias, 0x7E807E80;
 mov.b32 minus_zero, 0x80008000;
 mul.lo.u32 scale, $5, 0x00800080;
-shr.b32 shifted, $4, 4;
-""" + "".join(f"""prmt.b32 pair, $4, shifted, {j | j << 4 | (4 + j) << 8 | (4 + j) << 12:#06x};
-and.b32 pair, pair, 0x000F000F;
+and.b32 low, $4, 0x0F0F0F0F;
+shr.b32 high, $4, 4;
+and.b32 high, high, 0x0F0F0F0F;
+""" + "".join(f"""prmt.b32 pair, low, high, {j | 8 << 4 | (4 + j) << 8 | 8 << 12:#06x};
 mul.lo.u32 bits, pair, 0x1040;
 and.b32 bits, bits, 0x81C081C0;
 fma.rn.bf16x2 bits, bits, bias, minus_zero;
