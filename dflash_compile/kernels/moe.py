@@ -22,8 +22,9 @@ expert without a slot is read by the kernel from its pinned host blob over PCIe 
 pinned memory directly), so a layer can run without the host first copying its misses (bench/zero_copy.py).
 
 `COMPUTE_FP32` makes every product and sum fp32 (the path the CPU tests run under TRITON_INTERPRET=1, whose bf16
-arithmetic is wrong); otherwise tiles are bf16 into fp32 accumulators. Codes are decoded arithmetically (no fp8
-casts inside the kernel, which the interpreter gets wrong).
+arithmetic is wrong); otherwise tiles are bf16 into fp32 accumulators. Codes are decoded arithmetically there (no
+fp8 casts inside the kernel, which the interpreter gets wrong). On the GPU, MXFP4 codes are decoded by inline PTX
+straight into the register pairs of the MMA operand (`_E2M1_BF16_ASM`), FP8 codes by the hardware conversion.
 
 `FP16_OPERANDS` (FP8 weights, tile setting `operands="fp16"`): the weights go to the tensor cores as fp16 through
 the one-instruction e4m3x2 -> f16x2 conversion (bf16 takes two per value), and the activations come in as fp16
