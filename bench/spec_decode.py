@@ -2,6 +2,7 @@
 
     python bench/spec_decode.py --model tiny-gpt_oss                  # CPU, tiny model (seconds)
     python bench/spec_decode.py --model gpt-oss-20b --device cuda      # H200, random bf16 weights at real shape
+    python bench/spec_decode.py --model gpt-oss-20b --experts mxfp4    # the same experts kept MXFP4 on our side
 
 Side by side in one run, batch 1, greedy, medians of --repeats:
   * plain `model.generate` (eager, the library default users run);
@@ -14,11 +15,17 @@ Side by side in one run, batch 1, greedy, medians of --repeats:
     next to each step's memory-bandwidth floor: every weight the step reads once (attention, router, shared
     parameters, lm_head, the KV cache) plus the experts the block actually touched, at the device-to-device copy
     bandwidth measured in the same run.
+
+With `--experts mxfp4` (or `fp8_block`) our rows run a copy of the model whose routed experts are quantized and kept
+packed (the fused kernel reads 4.25 / 8 bits per weight), while every transformers row runs the model with those
+experts dequantized back to bf16 -- what transformers does with such a checkpoint when its kernels hub is not
+reachable -- so both sides compute with the same weight values.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import tempfile
 
@@ -28,8 +35,10 @@ import transformers
 import dflash_compile
 from dflash_compile.benchmark import timed
 from dflash_compile.cache import TargetCache
-from dflash_compile.cost_model import (HARDWARE, REFERENCE_CONFIGS, B, C, Hardware, ModelSizes, StepCost,
-                                       reference_config)
+from dflash_compile.cost_model import (BITS_PER_WEIGHT, HARDWARE, REFERENCE_CONFIGS, B, C, Hardware, ModelSizes,
+                                       StepCost, reference_config)
+from dflash_compile.families import experts_modules
+from dflash_compile.packed import PackedWeight, attach_packed, expert_weights
 from dflash_compile.testing import (
     OracleDrafter, load_tiny_model, random_drafter_weights, save_drafter, tiny_drafter_config)
 
@@ -46,6 +55,20 @@ def build_model(name: str, device: str, layers: int | None = None) -> transforme
                 tensor.normal_(0, 0.02)
         make_confident(model)
     return model.eval()
+
+
+def packed_twin(model, format: str) -> transformers.PreTrainedModel:
+    """A copy of `model` with its routed experts quantized to `format` and attached packed; `model`'s own experts
+    are overwritten with the same values dequantized to its dtype, so both compute with identical weights."""
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for experts, twin_experts in zip(experts_modules(model).values(), experts_modules(twin).values()):
+            packed = [PackedWeight.quantize(weight.data.float(), format, weight.bias) for weight in
+                      expert_weights(experts)]
+            for dense, quantized in zip(expert_weights(experts), packed):  # output-major views of the parameters
+                dense.data.copy_(quantized.dequantize(dense.data.dtype))
+            attach_packed(twin_experts, *packed)
+    return twin
 
 
 def make_confident(model) -> None:
@@ -109,11 +132,13 @@ def copy_bandwidth(device: str) -> float:
     return 2 * src.numel() / seconds
 
 
-def floor_seconds(model, tokens: int, context: int, bandwidth: float) -> float:
-    """The cost model's memory floor of a step over `tokens` tokens at `context`, at the measured bandwidth."""
+def floor_seconds(model, tokens: int, context: int, bandwidth: float, expert_bits: float) -> float:
+    """The cost model's memory floor of a step over `tokens` tokens at `context`, at the measured bandwidth, with
+    the routed experts stored at `expert_bits` per weight."""
     sizes = ModelSizes.of(model.config)
     measured = Hardware("measured", hbm=bandwidth, pcie=55e9, flops=float("inf"), step_overhead=0.0)
-    return float(StepCost(sizes, measured).bytes.subs({B: tokens, C: context})) / bandwidth
+    cost = StepCost(sizes, measured, expert_bits=expert_bits)
+    return float(cost.bytes.subs({B: tokens, C: context})) / bandwidth
 
 
 def step_inputs(model, decoder, args, block: int):
@@ -128,7 +153,7 @@ def step_inputs(model, decoder, args, block: int):
     return tokens, cache, torch.zeros(1, dtype=torch.int64, device=args.device)
 
 
-def step_times(model, decoder, args, bandwidth):
+def step_times(model, decoder, args, bandwidth, expert_bits: float = 16.0):
     """Decode and verify step times with uniform routing, next to their memory floors."""
     routing = UniformRouting(model)
     rows = []
@@ -140,9 +165,9 @@ def step_times(model, decoder, args, bandwidth):
         routing.record = False
         distinct = statistics.mean(routing.distinct)
         _, seconds = timed(lambda: decoder.verify_step(tokens, cache, active), args.repeats * 3, args.device)
-        floor = floor_seconds(model, block, args.prompt, bandwidth)
-        experts = model.model.layers[-1].mlp.experts.gate_up_proj.shape[0]
-        top_k = model.config.num_experts_per_tok
+        floor = floor_seconds(model, block, args.prompt, bandwidth, expert_bits)
+        sizes = ModelSizes.of(model.config)
+        experts, top_k = sizes.experts, sizes.top_k
         expected = experts * (1 - (1 - top_k / experts) ** block)
         rows.append((block, seconds, floor, distinct, expected))
     routing.remove()
@@ -204,15 +229,19 @@ def main():
     parser.add_argument("--grouped-mm", action="store_true",
                         help="add a row and step times with transformers' grouped_mm experts "
                              "(optimize(fused_experts=False); the default is dflash's fused kernel)")
+    parser.add_argument("--experts", default="bf16", choices=["bf16", "mxfp4", "fp8_block"],
+                        help="how our rows keep the routed experts (transformers' rows run them dequantized)")
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
 
     model = build_model(args.model, args.device, args.layers)
+    target = model if args.experts == "bf16" else packed_twin(model, args.experts)  # what our rows run
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (1, args.prompt), device=args.device)
     print(f"# {args.model} on {args.device}, prompt {args.prompt}, {args.new} new tokens, batch 1, "
-          f"{torch.__version__}, transformers {transformers.__version__}, verify step mode {args.mode}")
+          f"{torch.__version__}, transformers {transformers.__version__}, verify step mode {args.mode}, experts "
+          f"{args.experts}")
     rows = []
     with torch.no_grad():
         expected, base = timed(lambda: model.generate(ids, do_sample=False, max_new_tokens=args.new), args.repeats,
@@ -221,8 +250,8 @@ def main():
     rows.append(("model.generate (eager)", new / base, 1.0, "-", "reference"))
 
     if args.profile:
-        profile_decode(model, args)
-    plain = dflash_compile.optimize(model, mode=args.mode)
+        profile_decode(target, args)
+    plain = dflash_compile.optimize(target, mode=args.mode)
     out, seconds = timed(lambda: plain.generate(ids, max_new_tokens=args.new), args.repeats, args.device)
     rows.append(("dflash, no drafter", new / seconds, 1.0, "-", first_mismatch(expected, out)))
     if args.static_cache:  # what transformers users reach for: a static cache, whose decode forward generate
@@ -242,7 +271,7 @@ def main():
     for corruption in args.corruption:
         for adaptive in (False, True):  # fixed block, then the adaptive verify width
             drafter = OracleDrafter(expected.cpu(), None, args.block, corruption, vocab)
-            fast = dflash_compile.optimize(model, drafter=drafter, mode=args.mode, adaptive=adaptive)
+            fast = dflash_compile.optimize(target, drafter=drafter, mode=args.mode, adaptive=adaptive)
             out, seconds = timed(lambda: fast.generate(ids, max_new_tokens=args.new), args.repeats, args.device)
             name = f"dflash, oracle p={corruption} " + ("adaptive width" if adaptive else f"block {args.block}")
             rows.append((name, new / seconds, fast.last_stats.tau, f"{fast.last_stats.steps}",
@@ -255,7 +284,7 @@ def main():
         with torch.no_grad():
             sampled, base_t = timed(lambda: model.generate(ids, max_new_tokens=args.new, pad_token_id=0, **sampling),
                                     args.repeats, args.device)
-        fast = dflash_compile.optimize(model, drafter=OracleDrafter(expected.cpu(), None, args.block), mode=args.mode,
+        fast = dflash_compile.optimize(target, drafter=OracleDrafter(expected.cpu(), None, args.block), mode=args.mode,
                                        adaptive=False)
         _, seconds = timed(lambda: fast.generate(ids, max_new_tokens=args.new, generator=seed, **sampling),
                            args.repeats, args.device)
@@ -278,10 +307,12 @@ def main():
         print("\n| step (uniform routing) | experts | ms | memory floor ms | floor / measured | experts/layer | "
               "expected | predicted ms (h200 profile) | predicted / measured |")
         print("|---|---|---|---|---|---|---|---|---|")
-        predict = StepCost(ModelSizes.of(model.config), HARDWARE["h200"])  # fitted overheads (cost_model)
-        runs = [("dflash fused kernel", step_times(model, plain.decoder, args, bandwidth))]
-        runs += [("transformers grouped_mm", grouped_steps)] if grouped_steps else []
-        for experts, steps in runs:
+        bits = BITS_PER_WEIGHT[args.experts]
+        runs = [(f"dflash fused kernel, {args.experts}", step_times(target, plain.decoder, args, bandwidth, bits),
+                 bits)]
+        runs += [("transformers grouped_mm", grouped_steps, 16.0)] if grouped_steps else []
+        for experts, steps, bits in runs:
+            predict = StepCost(ModelSizes.of(model.config), HARDWARE["h200"], expert_bits=bits)  # fitted overheads
             for block, seconds, floor, distinct, expected_experts in steps:
                 name = "decode (1 token)" if block == 1 else f"verify {block}"
                 predicted = predict.evaluate(block, args.prompt)["t_step_us"] * 1e-6
