@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .checkpoint import warn_if_expanded_at_load
 from .drafter import load_drafter
 from .families import spec_for_model, supported_families
 from .offload import offload_experts
@@ -63,6 +64,7 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
             f"{type(model).__name__} is not a Mixture-of-Experts model of a supported family "
             f"({', '.join(supported_families())}); dflash_compile.optimize needs one"
         )
+    warn_if_expanded_at_load(model)
     layer_ids: tuple[int, ...] = ()
     if drafter is not None:
         drafter, layer_ids = load_drafter(drafter, model)

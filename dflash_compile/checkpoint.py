@@ -17,6 +17,7 @@ device, attaches the routed experts as packed buffers (`packed.attach_packed`), 
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .cost_model import BITS_PER_WEIGHT
 from .families import experts_modules, spec_for_model
 from .packed import FP8_BLOCK, PackedWeight, attach_packed, expert_weights, packed_weights
 from .quant import quantize_fp8_block
@@ -139,6 +141,25 @@ def _checkpoint_format(config) -> str:
         return "fp8_block"
     raise ValueError(f"quantization_config quant_method {method!r} is not a packed format dflash-compile loads "
                      f"({FORMATS}); load the model with transformers instead")
+
+
+def warn_if_expanded_at_load(model: torch.nn.Module) -> None:
+    """Warn when `model` came from an MXFP4 / FP8 checkpoint whose routed experts transformers expanded at load (it
+    does so without its kernels and then drops `quantization_config`, so the checkpoint's own config.json says it),
+    naming the call that keeps them packed."""
+    config_file = Path(getattr(model.config, "_name_or_path", "") or ".") / "config.json"
+    if not config_file.is_file() or any(hasattr(m, "packed_format") for m in experts_modules(model).values()):
+        return
+    quantization = json.loads(config_file.read_text()).get("quantization_config") or {}
+    try:
+        format = _checkpoint_format(transformers.PretrainedConfig(quantization_config=quantization))
+    except ValueError:  # not quantized, or in a format dflash-compile does not pack
+        return
+    directory = str(config_file.parent)
+    warnings.warn(f"{directory}: transformers expanded the checkpoint's {format} routed experts to {model.dtype} at "
+                  f"load ({BITS_PER_WEIGHT[format]:.2f} -> {torch.finfo(model.dtype).bits} bits per weight); "
+                  f"dflash_compile.from_pretrained({directory!r}) keeps them packed and runs them with the fused "
+                  "kernels", stacklevel=3)
 
 
 def _packed_experts(checkpoint: _Checkpoint, path: str, format: str, experts: int, device) -> tuple[PackedWeight, ...]:

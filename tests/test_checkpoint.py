@@ -1,5 +1,7 @@
 """Quantized checkpoints in the public layouts: written by `quantize`, loaded packed by `load_packed`."""
 
+import warnings
+
 import pytest
 import torch
 import transformers
@@ -32,6 +34,21 @@ def test_mxfp4_gpt_oss_loads_packed_and_matches_transformers_dequantized_load(tm
     ids = token_ids()
     with torch.no_grad():
         torch.testing.assert_close(packed(ids).logits, reference(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_optimize_names_the_packed_load_when_transformers_expanded_the_experts(tmp_path):
+    """transformers expands MXFP4 experts at load without its kernels (and drops quantization_config): optimize
+    says so and names the call that keeps them packed; a packed load gets no such warning."""
+    _, directory = _quantized("gpt_oss", "mxfp4", tmp_path)
+    expanded = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    message = (rf"{directory}: transformers expanded the checkpoint's mxfp4 routed experts to torch.float32 at load "
+               rf"\(4.25 -> 32 bits per weight\); dflash_compile.from_pretrained\('{directory}'\) keeps them packed")
+    with pytest.warns(UserWarning, match=message):
+        dflash_compile.optimize(expanded, compile=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dflash_compile.optimize(load_packed(directory, dtype=torch.float32), compile=False)
+    assert not [w for w in caught if "expanded" in str(w.message)]
 
 
 def _dequantized_reference(original, packed):
