@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .checkpoint import warn_if_expanded_at_load
+from .checkpoint import pack_experts_expanded_at_load
 from .drafter import load_drafter
 from .families import spec_for_model, supported_families
 from .offload import offload_experts
@@ -53,7 +53,8 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
     small raises with nothing changed. With `adaptive` (the default) each step verifies as many drafts as measured
     step times and acceptance say pay best, none when the drafter does not pay (`dflash_compile.adaptive`; the
     choices are in `last_stats.widths`); pass a `WidthChooser` to set its options. With `compile`, a DFlash
-    drafter's forward is compiled too (Inductor, without CUDA graphs).
+    drafter's forward is compiled too (Inductor, without CUDA graphs). A model that transformers loaded from an
+    MXFP4 checkpoint by expanding its experts gets them packed again (losslessly; `pack_experts_expanded_at_load`).
     `fused_experts` (default): resident bf16 / fp32 experts run dflash's fused kernels on their own weights in the
     compiled steps (Triton on CUDA, C++ on a CPU; fp16 experts keep transformers' path, the kernels would round them
     to bf16); False keeps transformers' grouped_mm (CUDA) or the reference loop.
@@ -64,7 +65,7 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
             f"{type(model).__name__} is not a Mixture-of-Experts model of a supported family "
             f"({', '.join(supported_families())}); dflash_compile.optimize needs one"
         )
-    warn_if_expanded_at_load(model)
+    pack_experts_expanded_at_load(model)
     layer_ids: tuple[int, ...] = ()
     if drafter is not None:
         drafter, layer_ids = load_drafter(drafter, model)

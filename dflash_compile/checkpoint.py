@@ -143,23 +143,42 @@ def _checkpoint_format(config) -> str:
                      f"({FORMATS}); load the model with transformers instead")
 
 
-def warn_if_expanded_at_load(model: torch.nn.Module) -> None:
-    """Warn when `model` came from an MXFP4 / FP8 checkpoint whose routed experts transformers expanded at load (it
-    does so without its kernels and then drops `quantization_config`, so the checkpoint's own config.json says it),
-    naming the call that keeps them packed."""
+def pack_experts_expanded_at_load(model: torch.nn.Module) -> None:
+    """Undo transformers' expansion of an MXFP4 / FP8 checkpoint's routed experts: without its own kernels it loads
+    them in the model dtype and drops `quantization_config` (the checkpoint's config.json still names the format).
+    MXFP4 experts are packed again in place -- their values are MXFP4 values, so packing them is lossless, which is
+    checked before anything changes; otherwise (FP8: arbitrary block scales) a warning names the packed load."""
     config_file = Path(getattr(model.config, "_name_or_path", "") or ".") / "config.json"
-    if not config_file.is_file() or any(hasattr(m, "packed_format") for m in experts_modules(model).values()):
+    modules = experts_modules(model)
+    if not config_file.is_file() or any(hasattr(m, "packed_format") for m in modules.values()):
         return
     quantization = json.loads(config_file.read_text()).get("quantization_config") or {}
     try:
         format = _checkpoint_format(transformers.PretrainedConfig(quantization_config=quantization))
     except ValueError:  # not quantized, or in a format dflash-compile does not pack
         return
+    packed = {name: _lossless_mxfp4(m) for name, m in modules.items()} if format == "mxfp4" else {}
+    if packed and all(p is not None for p in packed.values()):
+        for name, module in modules.items():
+            attach_packed(module, *packed[name])
+        return
     directory = str(config_file.parent)
     warnings.warn(f"{directory}: transformers expanded the checkpoint's {format} routed experts to {model.dtype} at "
                   f"load ({BITS_PER_WEIGHT[format]:.2f} -> {torch.finfo(model.dtype).bits} bits per weight); "
                   f"dflash_compile.from_pretrained({directory!r}) keeps them packed and runs them with the fused "
                   "kernels", stacklevel=3)
+
+
+def _lossless_mxfp4(experts: torch.nn.Module) -> tuple[PackedWeight, PackedWeight] | None:
+    """The module's (gate_up, down) packed as MXFP4 if that reproduces every weight exactly, else None."""
+    packed = []
+    with torch.no_grad():
+        for weight in expert_weights(experts):
+            quantized = PackedWeight.quantize(weight.data.float(), "mxfp4", weight.bias)
+            if not torch.equal(quantized.dequantize(weight.data.dtype), weight.data):
+                return None
+            packed.append(quantized)
+    return tuple(packed)
 
 
 def _packed_experts(checkpoint: _Checkpoint, path: str, format: str, experts: int, device) -> tuple[PackedWeight, ...]:

@@ -36,19 +36,39 @@ def test_mxfp4_gpt_oss_loads_packed_and_matches_transformers_dequantized_load(tm
         torch.testing.assert_close(packed(ids).logits, reference(ids).logits, atol=1e-5, rtol=1e-5)
 
 
-def test_optimize_names_the_packed_load_when_transformers_expanded_the_experts(tmp_path):
-    """transformers expands MXFP4 experts at load without its kernels (and drops quantization_config): optimize
-    says so and names the call that keeps them packed; a packed load gets no such warning."""
+def test_optimize_packs_again_the_mxfp4_experts_transformers_expanded_at_load(tmp_path):
+    """The issue's own example: `AutoModelForCausalLM.from_pretrained` of an MXFP4 checkpoint expands the experts
+    (transformers without its kernels) and drops quantization_config; optimize packs them again, losslessly, so the
+    fused MXFP4 kernel runs them and generation is unchanged."""
     _, directory = _quantized("gpt_oss", "mxfp4", tmp_path)
-    expanded = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-    message = (rf"{directory}: transformers expanded the checkpoint's mxfp4 routed experts to torch.float32 at load "
-               rf"\(4.25 -> 32 bits per weight\); dflash_compile.from_pretrained\('{directory}'\) keeps them packed")
-    with pytest.warns(UserWarning, match=message):
-        dflash_compile.optimize(expanded, compile=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    ids = token_ids()
+    with torch.no_grad():
+        logits = model(ids).logits
+    expected = model.generate(ids, do_sample=False, max_new_tokens=8)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        dflash_compile.optimize(load_packed(directory, dtype=torch.float32), compile=False)
+        fast = dflash_compile.optimize(model, compile=False)
     assert not [w for w in caught if "expanded" in str(w.message)]
+    experts = model.model.layers[0].mlp.experts
+    assert experts.packed_format == "mxfp4" and not hasattr(experts, "gate_up_proj")
+    weight_bytes, weights = expert_bytes(model)
+    assert weight_bytes * 8 / weights == 4.25
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, logits, atol=1e-5, rtol=1e-5)
+    assert torch.equal(fast.generate(ids, max_new_tokens=8), expected)
+
+
+def test_optimize_names_the_packed_load_when_transformers_expanded_fp8_experts(tmp_path):
+    """FP8 block scales are arbitrary, so expanded FP8 experts cannot be packed again exactly: a warning names the
+    load that keeps them packed."""
+    _, directory = _quantized("deepseek_v3", "fp8_block", tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    message = (rf"{directory}: transformers expanded the checkpoint's fp8_block routed experts to torch.float32 at "
+               rf"load \(8.00 -> 32 bits per weight\); dflash_compile.from_pretrained\('{directory}'\) keeps them "
+               "packed")
+    with pytest.warns(UserWarning, match=message):
+        dflash_compile.optimize(model, compile=False)
 
 
 def _dequantized_reference(original, packed):
