@@ -139,3 +139,16 @@ def test_fp8_block_linear_cpu_kernel(dtype):
     assert actual.shape == (2, 3, 300) and actual.dtype == dtype
     error = (actual.double() - expected).norm() / expected.norm()
     assert error <= (1e-4 if dtype == torch.float32 else 1e-2), f"relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("columns", [48, 8])
+def test_fp8_cpu_decode_of_every_code_is_exact(columns):
+    """Every float8_e4m3fn byte (subnormals, the NaN codes 0x7F / 0xFF) at a scale that is not a power of two,
+    through one-hot activations: torch's own e4m3 conversion times the scale, bit for bit -- in the vector path's
+    16-wide steps (48 columns) and in its scalar tail (8; a NaN in either would spread over a whole row's dot)."""
+    assert cpu.load()
+    codes = torch.arange(256, dtype=torch.uint8)[:, None].expand(256, columns).contiguous()
+    weight = codes.view(torch.float8_e4m3fn)
+    scale = torch.full((2, 1), 0.37)
+    actual = torch.ops.dflash.fp8_block_linear(torch.eye(columns), weight, scale, None).T
+    torch.testing.assert_close(actual, weight.float() * 0.37, atol=0, rtol=0, equal_nan=True)
