@@ -203,8 +203,39 @@ float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
+// project() for dense weights stored input-major (a transposed view of [E, in, out] parameters, gpt-oss): input
+// column k is a contiguous run over the output rows, so each thread takes a range of rows and adds in[p, k] times
+// that run for every k, reading the weights in order, instead of gathering each row's elements N apart (8x slower).
+void project_input_major(const PackedMatrix& weight, const float* in, int64_t pairs, const float* bias, float* out) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, weight.dtype, "project_input_major", [&] {
+    const auto* values = reinterpret_cast<const scalar_t*>(weight.data);
+    at::parallel_for(0, weight.rows, 256, [&](int64_t begin, int64_t end) {
+      const int64_t width = end - begin;
+      std::vector<float> sums(pairs * width, 0.f), run(width);
+      for (int64_t k = 0; k < weight.columns; ++k) {
+        const scalar_t* column = values + k * weight.column_stride + begin;
+        for (int64_t n = 0; n < width; ++n) run[n] = static_cast<float>(column[n]);
+        for (int64_t p = 0; p < pairs; ++p) {
+          const float factor = in[p * weight.columns + k];
+          float* target = sums.data() + p * width;
+          for (int64_t n = 0; n < width; ++n) target[n] += factor * run[n];
+        }
+      }
+      for (int64_t p = 0; p < pairs; ++p) {
+        for (int64_t n = 0; n < width; ++n) {
+          out[p * weight.rows + begin + n] = sums[p * width + n] + (bias ? bias[begin + n] : 0.f);
+        }
+      }
+    });
+  });
+}
+
 // out[p, n] = W[rows n] . in[p] (+ bias) for every pair p of one expert, rows split over threads.
 void project(const PackedMatrix& weight, const float* in, int64_t pairs, const float* bias, float* out) {
+  if (weight.format == kDense && weight.column_stride != 1 && weight.row_bytes == c10::elementSize(weight.dtype)) {
+    project_input_major(weight, in, pairs, bias, out);
+    return;
+  }
   at::parallel_for(0, weight.rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(weight.columns);
     for (int64_t n = begin; n < end; ++n) {
