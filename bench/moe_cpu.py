@@ -2,6 +2,7 @@
 matmuls) on real layer shapes, random routing, on this machine's CPU.
 
     python bench/moe_cpu.py                          # gpt-oss-20b MXFP4 and Qwen3-30B-A3B FP8 layers, M = 1 4 16
+    python bench/moe_cpu.py --bf16                   # the same layers' bf16 experts as transformers stores them
 
 Prints microseconds per layer (median of --repeats after a warm-up), the routed experts' packed bytes read, GB/s,
 and the speed-up; both outputs are compared (relative difference).
@@ -20,7 +21,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_compile.benchmark import timed  # noqa: E402
 from dflash_compile.expert_store import Gate, reference_packed, run_packed  # noqa: E402
 from dflash_compile.kernels import cpu  # noqa: E402
+from dflash_compile.packed import PackedWeight  # noqa: E402
 from moe_kernels import SHAPES, random_packed  # noqa: E402
+
+
+def bf16_as_stored(weight: PackedWeight, gpt_oss: bool) -> PackedWeight:
+    """`weight`'s values as transformers keeps bf16 experts: gpt-oss [E, in, out], read through a transposed view
+    (input-major), the other families [E, out, in]."""
+    values = weight.dequantize(torch.bfloat16)
+    values = values.transpose(1, 2).contiguous().transpose(1, 2) if gpt_oss else values.contiguous()
+    return PackedWeight("dense", values, None, weight.bias)
 
 
 def main() -> None:
@@ -28,6 +38,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["gpt-oss-20b", "qwen3-30b-a3b-fp8"], choices=list(SHAPES))
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--bf16", action="store_true", help="bf16 experts as transformers stores them instead")
     args = parser.parse_args()
     print(cpu.status(), f"| {torch.get_num_threads()} threads | torch {torch.__version__}")
     print("| shape | M | experts read | MB | C++ us | GB/s | reference us | speed-up | rel. difference |")
@@ -37,6 +48,8 @@ def main() -> None:
         torch.manual_seed(0)
         gate_up = random_packed(format, experts, 2 * inter, hidden, gpt_oss, device="cpu")
         down = random_packed(format, experts, hidden, inter, gpt_oss, device="cpu")
+        if args.bf16:
+            gate_up, down, format = bf16_as_stored(gate_up, gpt_oss), bf16_as_stored(down, gpt_oss), "bf16"
         gate = Gate(gpt_oss, "clamped_swiglu" if gpt_oss else "silu")
         per_expert = (gate_up.nbytes() + down.nbytes()) / experts
         for tokens in args.tokens:
