@@ -13,8 +13,9 @@
 //
 // Work: experts one after another (so two experts never write the same output row at once); inside an expert the
 // output rows are split over threads (at::parallel_for), each thread decoding one weight row at a time into a
-// K-float buffer and dotting it with every token routed to that expert. A decode-sized call touches each routed
-// weight byte once.
+// K-float buffer (AVX-512 decode where the build has it) and dotting it with every token routed to that expert;
+// dense weights stored input-major (gpt-oss's transposed views) go column by column instead
+// (`project_input_major`). A decode-sized call touches each routed weight byte once.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
