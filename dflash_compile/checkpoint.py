@@ -127,8 +127,9 @@ class _Checkpoint:
         return self.where[key].get_tensor(key)
 
 
-def _checkpoint_format(config) -> str:
-    quantization = getattr(config, "quantization_config", None) or {}
+def _checkpoint_format(quantization) -> str:
+    """The packed format a checkpoint's `quantization_config` names (a dict, transformers' object, or None)."""
+    quantization = quantization or {}
     if not isinstance(quantization, dict):
         quantization = quantization.to_dict()
     method = quantization.get("quant_method")
@@ -152,9 +153,8 @@ def pack_experts_expanded_at_load(model: torch.nn.Module) -> None:
     modules = experts_modules(model)
     if not config_file.is_file() or any(hasattr(m, "packed_format") for m in modules.values()):
         return
-    quantization = json.loads(config_file.read_text()).get("quantization_config") or {}
     try:
-        format = _checkpoint_format(transformers.PretrainedConfig(quantization_config=quantization))
+        format = _checkpoint_format(json.loads(config_file.read_text()).get("quantization_config"))
     except ValueError:  # not quantized, or in a format dflash-compile does not pack
         return
     packed = {name: _lossless_mxfp4(m) for name, m in modules.items()} if format == "mxfp4" else {}
@@ -212,7 +212,7 @@ def load_packed(path: str | Path, dtype: torch.dtype = torch.bfloat16, device="c
     bits and FP8 at 8 bits per parameter. FP8 linear layers stay FP8 (`FP8Linear`); the rest is loaded in `dtype`."""
     path = Path(path)
     config = transformers.AutoConfig.from_pretrained(path)
-    format = _checkpoint_format(config)
+    format = _checkpoint_format(getattr(config, "quantization_config", None))
     del config.quantization_config
     checkpoint = _Checkpoint(path)
     with torch.device("meta"):
