@@ -63,10 +63,10 @@ def packed_twin(model, format: str) -> transformers.PreTrainedModel:
     twin = copy.deepcopy(model)
     with torch.no_grad():
         for experts, twin_experts in zip(experts_modules(model).values(), experts_modules(twin).values()):
-            packed = [PackedWeight.quantize(weight.data.float(), format, weight.bias) for weight in
-                      expert_weights(experts)]
-            for dense, quantized in zip(expert_weights(experts), packed):  # output-major views of the parameters
-                dense.data.copy_(quantized.dequantize(dense.data.dtype))
+            dense = expert_weights(experts)  # output-major views of the parameters
+            packed = [PackedWeight.quantize(weight.data.float(), format, weight.bias) for weight in dense]
+            for weight, quantized in zip(dense, packed):
+                weight.data.copy_(quantized.dequantize(weight.data.dtype))
             attach_packed(twin_experts, *packed)
     return twin
 
