@@ -49,13 +49,22 @@ def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     exponent = torch.where(amax > 0, torch.floor(torch.log2(amax)) - E2M1_MAX_EXPONENT, torch.zeros_like(amax))
     exponent = exponent.clamp(-127, 127)
     scaled = groups / torch.ldexp(torch.ones_like(exponent), exponent)[..., None]
-    table = _e2m1_table(x.device)
-    distance = (scaled[..., None] - table).abs()
-    odd_code = (torch.arange(16, device=x.device) % 2).float()
-    codes = (distance + odd_code * 1e-6).argmin(dim=-1)  # ties between neighbours go to the even code
-    codes = torch.where((codes == 8), torch.zeros_like(codes), codes)  # -0 -> +0
+    codes = _nearest_e2m1_code(scaled)
     packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
     return packed, (exponent + 127).to(torch.uint8)
+
+
+def _nearest_e2m1_code(scaled: torch.Tensor) -> torch.Tensor:
+    """The E2M1 code (int32, sign in bit 3) nearest each value, ties to the even code, magnitudes above 6 saturating
+    to 6, -0 written as +0. By comparisons with the midpoints between neighbouring values, so memory stays a few
+    copies of the input (a distance to all 16 codes would take 16)."""
+    magnitudes = torch.tensor(E2M1_VALUES, device=scaled.device)
+    midpoints = (magnitudes[1:] + magnitudes[:-1]) / 2
+    magnitude = scaled.abs()
+    code = torch.bucketize(magnitude, midpoints, out_int32=True)  # a value on a midpoint gets the lower code
+    on_midpoint = magnitude == midpoints[code.clamp(max=len(midpoints) - 1)]
+    code += on_midpoint & (code % 2 == 1)  # where the lower code is odd, the even one is the upper
+    return torch.where((scaled < 0) & (code > 0), code | 8, code)
 
 
 def _block_grid(weight_shape, block: tuple[int, int]) -> tuple[int, int]:
