@@ -44,7 +44,7 @@ def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.shape[-1] % MXFP4_GROUP:
         raise ValueError(f"MXFP4 groups of {MXFP4_GROUP} need the last dimension divisible by {MXFP4_GROUP}, got "
                          f"{x.shape[-1]}")
-    groups = x.float().reshape(*x.shape[:-1], -1, MXFP4_GROUP)
+    groups = x.contiguous().float().reshape(*x.shape[:-1], -1, MXFP4_GROUP)
     amax = groups.abs().amax(dim=-1)
     exponent = torch.where(amax > 0, torch.floor(torch.log2(amax)) - E2M1_MAX_EXPONENT, torch.zeros_like(amax))
     exponent = exponent.clamp(-127, 127)

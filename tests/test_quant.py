@@ -42,6 +42,8 @@ def test_mxfp4_round_trip():
     error = (x - y).abs() / group_scale
     assert (error <= 1.0 + 1e-6).logical_or(x.abs() / group_scale > 6).all() and error.max() < 2
     assert all(torch.equal(a, b) for a, b in zip(quantize_mxfp4(y), (blocks, scales)))
+    transposed_view = x.T.contiguous().T  # as gpt-oss's [E, in, out] experts are read output-major
+    assert all(torch.equal(a, b) for a, b in zip(quantize_mxfp4(transposed_view), (blocks, scales)))
     ties = torch.tensor([[0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 4.0] * 4])  # halfway points, amax 5 -> scale 1
     assert dequantize_mxfp4(*quantize_mxfp4(ties))[0, :8].tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 4.0]
     with pytest.raises(ValueError, match="divisible by 32, got 30"):
