@@ -4,17 +4,21 @@ the fused kernel on those same bf16 weights (a candidate for resident bf16 exper
 
     python bench/moe_kernels.py                     # all shapes, M in 1 4 8 16 64; prints a table, writes --json
     python bench/moe_kernels.py --shapes gpt-oss-20b --tokens 1 16
+    python bench/moe_kernels.py --no-tune --baseline old_moe.py   # TILES as they are; vs another kernel version
 
 Weights rotate over several layers so that L2 does not serve them. "bytes" are the routed experts' packed bytes
 (weights, scales, biases) that one call must read; GB/s is bytes / time, next to the device-to-device copy bandwidth
 measured in the same run ((read + write) / time of a 2 GiB copy). Fused and grouped_mm times are CUDA-graph replays
 of all rotated layers divided by the layer count (how a compiled decode step runs them); (a) syncs on the host, so it
-is timed plainly. Numerics: fused (bf16 activations) against reference dequantization + fp64 math.
+is timed plainly. Numerics: fused (bf16 activations) against reference dequantization + fp64 math. `--baseline`
+times a second copy of dflash_compile/kernels/moe.py (e.g. `git show REV:dflash_compile/kernels/moe.py > old.py`) on
+the same inputs and tiles, so a kernel change is measured against what it replaces in one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -26,7 +30,7 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_compile.expert_store import Gate, expert_sum  # noqa: E402
 from dflash_compile.families import spec_for_experts_class  # noqa: E402
-from dflash_compile.kernels.moe import fused_moe  # noqa: E402
+from dflash_compile.kernels.moe import TILES, fused_moe  # noqa: E402
 from dflash_compile.packed import PackedWeight, expert_weights  # noqa: E402
 
 SHAPES = {  # experts, top-k, hidden, intermediate, format, gpt-oss layout
@@ -121,7 +125,29 @@ def copy_bandwidth() -> float:
     return 2 * source.numel() / (triton.testing.do_bench(lambda: target.copy_(source)) * 1e-3)
 
 
-def run_shape(name, tokens_list, layers, tuning, copy_gbs, rows):
+def load_baseline(path: Path):
+    """Another version of the kernels module, imported inside dflash_compile.kernels (its relative imports resolve
+    there)."""
+    spec = importlib.util.spec_from_file_location("dflash_compile.kernels.baseline_moe", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def kernel_times_us(call, repeats: int = 20) -> str:
+    """Each GPU kernel's mean time in `call` (CUPTI, so launch gaps excluded): where a fused call spends its time."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        for _ in range(repeats):
+            call()
+        torch.cuda.synchronize()
+    times = {}
+    for event in profile.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            times[event.name] = times.get(event.name, 0.0) + event.device_time / repeats
+    return ", ".join(f"{name.split('(')[0][:40]} {us:.1f}" for name, us in times.items())
+
+
+def run_shape(name, tokens_list, layers, tuning, copy_gbs, rows, baseline=None, profile=False):
     experts, top_k, hidden, inter, format, gpt_oss = SHAPES[name]
     activation = "clamped_swiglu" if gpt_oss else "silu"
     packed = [(random_packed(format, experts, 2 * inter, hidden, gpt_oss),
@@ -143,6 +169,14 @@ def run_shape(name, tokens_list, layers, tuning, copy_gbs, rows):
         touched = index.unique().numel()
         moved = touched * per_expert
         fused_us = graph_time_us([lambda g=g, d=d: fused(g, d) for g, d in packed])
+        if profile:
+            print(f"{name:18s} M={tokens:3d} kernels (us): {kernel_times_us(lambda: fused(*packed[0]))}", flush=True)
+        if baseline is not None:
+            run_baseline = lambda g, d: baseline(x, index, weights, g, d, interleaved=gpt_oss,  # noqa: E731
+                                                 activation=activation, **tuning)
+            baseline_us = graph_time_us([lambda g=g, d=d: run_baseline(g, d) for g, d in packed])
+            print(f"{name:18s} M={tokens:3d} fused {fused_us:8.1f} us, baseline {baseline_us:8.1f} us: "
+                  f"{baseline_us / fused_us:.2f}x", flush=True)
         eager_us = triton.testing.do_bench(lambda: fused(*packed[tokens % layers])) * 1e3
         dequant_us = triton.testing.do_bench(
             lambda: dequantize_then_matmul(x, index, weights, *packed[0], gpt_oss, activation)) * 1e3
@@ -222,19 +256,23 @@ def main() -> None:
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 8, 16, 64])
     parser.add_argument("--layers", type=int, default=4, help="layers rotated so L2 cannot serve the weights")
     parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--no-tune", action="store_true", help="the kernels' TILES as they are, no sweep")
+    parser.add_argument("--baseline", type=Path, help="another moe.py to time on the same inputs and tiles")
+    parser.add_argument("--profile", action="store_true", help="print each kernel's time in one fused call")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     copy_gbs = copy_bandwidth() / 1e9
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s")
-    tiles = {}
-    for format, name in (("mxfp4", "gpt-oss-20b"), ("fp8_block", "qwen3-30b-a3b-fp8")):
+    tiles = {format: {} for format in TILES} if args.no_tune else {}
+    for format, name in () if args.no_tune else (("mxfp4", "gpt-oss-20b"), ("fp8_block", "qwen3-30b-a3b-fp8")):
         base = tune(name, [1, 16], 2, list(tile_candidates(format)))
         tiles[format] = tune(name, [1], 2, [base | {"split_k": split_k} for split_k in SPLIT_K])  # one token only
     print("tiles:", tiles)
     rows = []
     for name in args.shapes:
         layers = args.layers if name != "gpt-oss-120b" else 2
-        run_shape(name, args.tokens, layers, tiles[SHAPES[name][4]], copy_gbs, rows)
+        run_shape(name, args.tokens, layers, tiles[SHAPES[name][4]], copy_gbs, rows,
+                  load_baseline(args.baseline).fused_moe if args.baseline else None, args.profile)
         torch.cuda.empty_cache()  # the shape's weights are gone with run_shape's frame
         if args.json:  # after every shape: a run cut short keeps what it measured
             args.json.write_text(json.dumps({"copy_gbs": copy_gbs, "tiles": tiles, "rows": rows}, indent=1))

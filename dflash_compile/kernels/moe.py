@@ -48,41 +48,41 @@ FP16_PRESCALE = tl.constexpr(2.0**-8)  # activations times this are fp16 operand
 ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
 
 
+ALIGN_CHUNK = 128  # pairs per step of the grouping kernel: one per thread of its 4 warps (atomics need no replicas)
+
+
 @triton.jit
-def _align_routing_kernel(experts_of_pairs, pair_ids, block_expert, P, E, BLOCKS,
-                          BLOCK_M: tl.constexpr, P_POW2: tl.constexpr, E_POW2: tl.constexpr,
+def _align_routing_kernel(experts_of_pairs, pair_ids, block_expert, cursor, P, E, BLOCKS,
+                          BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, SLOTS_POW2: tl.constexpr,
                           BLOCKS_POW2: tl.constexpr, CHUNK: tl.constexpr):
-    """One program: pairs sorted by expert (stable) into slots padded to BLOCK_M per expert, by comparisons in
-    [CHUNK, CHUNK] and [CHUNK, E] tiles (no sort; the tiles stay small however many pairs a verify block has)."""
+    """One program: pairs grouped by expert into slots padded to BLOCK_M per expert, in O(pairs + experts) steps:
+    atomic counts per expert, their padded prefix sums as each expert's first slot, then one atomic increment per
+    pair takes the next slot of its expert. The order of an expert's pairs within its slots is whatever the atomics
+    give; each pair's result does not depend on it (one row of the block's GEMM)."""
     ids = tl.arange(0, E_POW2)
-    counts = tl.zeros((E_POW2,), dtype=tl.int32)
-    for c in range(0, P_POW2, CHUNK):  # pairs per expert
-        chunk_expert = tl.load(experts_of_pairs + c + tl.arange(0, CHUNK), mask=c + tl.arange(0, CHUNK) < P,
-                               other=-1)
-        counts += tl.sum((ids[:, None] == chunk_expert[None, :]).to(tl.int32), axis=1)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
-    slots = tl.arange(0, BLOCKS_POW2 * BLOCK_M)
-    tl.store(pair_ids + slots, tl.full(slots.shape, 0, tl.int32) + P, mask=slots < BLOCKS * BLOCK_M)
-    tl.debug_barrier()  # the padding fill lands before the pairs overwrite their slots
-    for c in range(0, P_POW2, CHUNK):  # each pair's slot: its expert's start + earlier pairs of the same expert
+    tl.store(cursor + ids, 0, mask=ids < E)
+    slots = tl.arange(0, SLOTS_POW2)
+    tl.store(pair_ids + slots, tl.full(slots.shape, 0, tl.int32) + P, mask=slots < BLOCKS * BLOCK_M)  # padding
+    blocks = tl.arange(0, BLOCKS_POW2)
+    tl.store(block_expert + blocks, tl.full(blocks.shape, -1, tl.int32), mask=blocks < BLOCKS)  # past the real ones
+    tl.debug_barrier()  # zeros and fills land before the atomics and the scatter below
+    for c in range(0, P, CHUNK):  # pairs per expert
+        pair = c + tl.arange(0, CHUNK)
+        expert = tl.load(experts_of_pairs + pair, mask=pair < P, other=0)
+        tl.atomic_add(cursor + expert, 1, mask=pair < P)
+    tl.debug_barrier()
+    padded = tl.load(cursor + ids, mask=ids < E, other=0, volatile=True)  # past L1: the atomics ran in L2
+    padded = (padded + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    tl.debug_barrier()  # every thread has its counts before they become first slots
+    tl.store(cursor + ids, tl.cumsum(padded, axis=0) - padded, mask=ids < E)
+    tl.debug_barrier()
+    for c in range(0, P, CHUNK):  # each pair's slot: the next free one of its expert
         pair = c + tl.arange(0, CHUNK)
         pair_ok = pair < P
-        expert = tl.load(experts_of_pairs + pair, mask=pair_ok, other=-1)
-        rank = tl.zeros((CHUNK,), dtype=tl.int32)
-        for o in range(0, c + CHUNK, CHUNK):
-            other = o + tl.arange(0, CHUNK)
-            other_expert = tl.load(experts_of_pairs + other, mask=other < P, other=-2)
-            same_before = (expert[:, None] == other_expert[None, :]) & (other[None, :] < pair[:, None])
-            rank += tl.sum(same_before.to(tl.int32), axis=1)
-        start_of_pair = tl.sum(tl.where(ids[None, :] == expert[:, None], starts[None, :], 0), axis=1)
-        tl.store(pair_ids + start_of_pair + rank, pair, mask=pair_ok)
-    total = tl.sum(padded, axis=0)
-    for b in range(0, BLOCKS_POW2, CHUNK):  # each block's expert: how many experts end at or before its start
-        block = b + tl.arange(0, CHUNK)
-        owner = tl.sum((ends[None, :] <= block[:, None] * BLOCK_M).to(tl.int32), axis=1)
-        tl.store(block_expert + block, tl.where(block * BLOCK_M < total, owner, -1), mask=block < BLOCKS)
+        expert = tl.load(experts_of_pairs + pair, mask=pair_ok, other=0)
+        slot = tl.atomic_add(cursor + expert, 1, mask=pair_ok)
+        tl.store(pair_ids + slot, pair, mask=pair_ok)
+        tl.store(block_expert + slot // BLOCK_M, expert, mask=pair_ok)  # a block's pairs all write its expert
 
 
 def align_routing(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,11 +97,11 @@ def align_routing(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> 
     blocks = -(-(pairs + min(pairs, num_experts) * (block_m - 1)) // block_m)
     pair_ids = torch.empty(blocks * block_m, dtype=torch.int32, device=flat.device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=flat.device)
-    chunk = min(64, triton.next_power_of_2(max(pairs, blocks)))
-    _align_routing_kernel[(1,)](flat, pair_ids, block_expert, pairs, num_experts, blocks, BLOCK_M=block_m,
-                                P_POW2=max(triton.next_power_of_2(pairs), chunk),
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=flat.device)  # per expert: count, then next slot
+    _align_routing_kernel[(1,)](flat, pair_ids, block_expert, cursor, pairs, num_experts, blocks, BLOCK_M=block_m,
                                 E_POW2=triton.next_power_of_2(num_experts),
-                                BLOCKS_POW2=max(triton.next_power_of_2(blocks), chunk), CHUNK=chunk)
+                                SLOTS_POW2=triton.next_power_of_2(blocks * block_m),
+                                BLOCKS_POW2=triton.next_power_of_2(blocks), CHUNK=ALIGN_CHUNK, num_warps=4)
     return pair_ids, block_expert
 
 
