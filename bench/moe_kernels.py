@@ -8,7 +8,8 @@ the fused kernel on those same bf16 weights (a candidate for resident bf16 exper
 
 Weights rotate over several layers so that L2 does not serve them. "bytes" are the routed experts' packed bytes
 (weights, scales, biases) that one call must read; GB/s is bytes / time, next to the device-to-device copy bandwidth
-measured in the same run ((read + write) / time of a 2 GiB copy). Fused and grouped_mm times are CUDA-graph replays
+measured in the same run ((read + write) / time of a 2 GiB copy) and to one kernel that only reads as many bytes
+(a sum, rotated the same way): the most a single launch streams at that size. Fused and grouped_mm times are CUDA-graph replays
 of all rotated layers divided by the layer count (how a compiled decode step runs them); (a) syncs on the host, so it
 is timed plainly. Numerics: fused (bf16 activations) against reference dequantization + fp64 math. `--baseline`
 times a second copy of dflash_compile/kernels/moe.py (e.g. `git show REV:dflash_compile/kernels/moe.py > old.py`) on
@@ -134,6 +135,13 @@ def load_baseline(path: Path):
     return module
 
 
+def read_time_us(nbytes: int, layers: int) -> float:
+    """One graph-launched kernel (a sum) reading `nbytes` from each of `layers` buffers in turn: what a single launch
+    can stream at this size, with its own start and tail (the copy bandwidth is measured on 2 GiB)."""
+    buffers = [torch.zeros(nbytes // 4, device="cuda") for _ in range(layers)]
+    return graph_time_us([lambda b=b: b.sum() for b in buffers])
+
+
 def kernel_times_us(call, repeats: int = 20) -> str:
     """Each GPU kernel's mean time in `call` (CUPTI, so launch gaps excluded): where a fused call spends its time."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
@@ -169,6 +177,7 @@ def run_shape(name, tokens_list, layers, tuning, copy_gbs, rows, baseline=None, 
         touched = index.unique().numel()
         moved = touched * per_expert
         fused_us = graph_time_us([lambda g=g, d=d: fused(g, d) for g, d in packed])
+        read_us = read_time_us(moved, layers)
         if profile:
             print(f"{name:18s} M={tokens:3d} kernels (us): {kernel_times_us(lambda: fused(*packed[0]))}", flush=True)
         if baseline is not None:
@@ -190,7 +199,8 @@ def run_shape(name, tokens_list, layers, tuning, copy_gbs, rows, baseline=None, 
                       / baseline_b[0](x, index, weights).double().norm()).item()
         row = {"shape": name, "format": format, "tokens": tokens, "experts_touched": touched, "mbytes": moved / 1e6,
                "fused_us": fused_us, "fused_no_graph_us": eager_us, "fused_gbs": moved / fused_us / 1e3,
-               "fraction_of_copy": moved / fused_us / 1e3 / copy_gbs, "dequant_matmul_us": dequant_us,
+               "fraction_of_copy": moved / fused_us / 1e3 / copy_gbs, "one_read_us": read_us,
+               "one_read_fraction_of_copy": moved / read_us / 1e3 / copy_gbs, "dequant_matmul_us": dequant_us,
                "speedup_vs_dequant": dequant_us / fused_us, "grouped_mm_bf16_us": grouped_us,
                "speedup_vs_grouped_mm": grouped_us / fused_us, "rel_error": error,
                "fused_bf16_us": fused_bf16_us, "fused_bf16_vs_grouped_mm": grouped_us / fused_bf16_us,
@@ -200,7 +210,8 @@ def run_shape(name, tokens_list, layers, tuning, copy_gbs, rows, baseline=None, 
               f"({row['fused_gbs']:6.0f} GB/s, {row['fraction_of_copy']:.0%} of copy; no graph {eager_us:7.1f})  "
               f"(a) {dequant_us:8.1f} us ({row['speedup_vs_dequant']:.1f}x)  (b) {grouped_us:8.1f} us "
               f"({row['speedup_vs_grouped_mm']:.2f}x)  err {error:.1e}  (c) fused on bf16 {fused_bf16_us:8.1f} us "
-              f"({row['fused_bf16_vs_grouped_mm']:.2f}x of (b), diff {bf16_error:.1e})", flush=True)
+              f"({row['fused_bf16_vs_grouped_mm']:.2f}x of (b), diff {bf16_error:.1e})  one read of the bytes "
+              f"{read_us:6.1f} us ({row['one_read_fraction_of_copy']:.0%} of copy)", flush=True)
 
 
 SPLIT_K = (1, 2, 3, 4, 6)  # shares of K for one token's launches, swept on the best tiles
