@@ -27,7 +27,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dflash_compile.kernels.moe import ACTIVATIONS, FORMATS, _moe_gemm_kernel, tiles_for  # noqa: E402
+from dflash_compile.kernels.moe import (  # noqa: E402
+    ACTIVATIONS, FORMATS, GROUPED, PAIR_PER_BLOCK, _moe_gemm_kernel, tiles_for)
 
 H200 = GPUTarget("cuda", 90, 32)
 POINTERS = {"x": "*bf16", "bias": "*fp32", "out": "*bf16", "pair_ids": "*i32", "block_expert": "*i32",
@@ -54,7 +55,7 @@ def compile_kernel(format: str, gated: bool, tiles: dict, host_fallback: bool = 
         signature |= {"x": "*fp16", "out": "*fp16"}
     constants = dict(FORMAT=FORMATS[format], GATED=gated, INTERLEAVED=True, ACTIVATION=ACTIVATIONS["clamped_swiglu"],
                      HAS_BIAS=True, APPLY_WEIGHT=not gated, COMPUTE_FP32=False, FP16_OPERANDS=fp16,
-                     HOST_FALLBACK=host_fallback, PAIR_PER_BLOCK=one_token,
+                     HOST_FALLBACK=host_fallback, BLOCKING=PAIR_PER_BLOCK if one_token else GROUPED,
                      SPLIT_K=tiles["split_k"] if one_token else 1,
                      BLOCK_M=tiles["block_m"],
                      BLOCK_N=tiles["block_n"], BLOCK_K=tiles["block_k"], NUM_STAGES=tiles["num_stages"],

@@ -37,6 +37,8 @@ than the best bf16 tiles on the H200 (Qwen3-30B-A3B-FP8 layer, M = 1 / 16; docs/
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -105,13 +107,26 @@ def align_routing(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> 
     return pair_ids, block_expert
 
 
-def _blocks(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """The GEMM launches' blocks: `align_routing`'s, or for one token (decode) no pair ids and the routing itself as
-    each block's expert, every pair a block of its own (PAIR_PER_BLOCK): a token's experts are distinct, so that reads
-    each expert once as well, and the grouping launch is saved."""
+# How a launch's programs along grid axis 0 take their rows (kernel constexpr BLOCKING):
+GROUPED = 0  # `align_routing`'s blocks: pair ids and each block's expert
+PAIR_PER_BLOCK = 1  # block b is pair b alone, its expert read from the routing itself (one token)
+ROWS_IN_ORDER = 2  # one expert (a dense layer): block b is rows [b * BLOCK_M, (b + 1) * BLOCK_M)
+
+
+class Blocks(NamedTuple):
+    blocking: int
+    count: int  # programs along grid axis 0
+    pair_ids: torch.Tensor | None = None
+    block_expert: torch.Tensor | None = None
+
+
+def _blocks(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> Blocks:
+    """The MoE GEMM launches' blocks: `align_routing`'s, or for one token (decode) every pair a block of its own: a
+    token's experts are distinct, so that reads each expert once as well, and the grouping launch is saved."""
     if top_k_index.shape[0] == 1:
-        return None, top_k_index.reshape(-1)
-    return align_routing(top_k_index, num_experts, block_m)
+        return Blocks(PAIR_PER_BLOCK, top_k_index.numel(), block_expert=top_k_index.reshape(-1))
+    pair_ids, block_expert = align_routing(top_k_index, num_experts, block_m)
+    return Blocks(GROUPED, block_expert.numel(), pair_ids, block_expert)
 
 
 @triton.jit
@@ -315,13 +330,16 @@ def _moe_gemm_kernel(
     P, N, K, N_OUT, ROW_DIV, alpha, limit, data_stride, scales_stride, bias_stride, row_stride, column_stride, k_split,
     FORMAT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr, APPLY_WEIGHT: tl.constexpr, COMPUTE_FP32: tl.constexpr, FP16_OPERANDS: tl.constexpr,
-    HOST_FALLBACK: tl.constexpr, PAIR_PER_BLOCK: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    HOST_FALLBACK: tl.constexpr, BLOCKING: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     block = tl.program_id(0)
-    expert = tl.load(block_expert + block)
-    if expert < 0:
-        return
+    if BLOCKING == 2:  # ROWS_IN_ORDER: the one expert
+        expert = tl.full((), 0, tl.int32)
+    else:
+        expert = tl.load(block_expert + block)
+        if expert < 0:
+            return
     row = expert.to(tl.int64)  # the expert's weights: strided, so slot pools (offload) serve as well
     if HOST_FALLBACK:  # the pool row of the expert's slot, or its host blob when it has none
         slot = tl.load(slot_of + expert).to(tl.int64)
@@ -333,8 +351,10 @@ def _moe_gemm_kernel(
     data += row * data_stride
     scales += row * scales_stride
     bias += row * bias_stride
-    if PAIR_PER_BLOCK:  # block b is pair b alone, block_expert the routing itself (`_blocks`)
+    if BLOCKING == 1:  # PAIR_PER_BLOCK
         pairs = tl.where(tl.arange(0, BLOCK_M) == 0, block, P)
+    elif BLOCKING == 2:  # ROWS_IN_ORDER
+        pairs = block * BLOCK_M + tl.arange(0, BLOCK_M)
     else:
         pairs = tl.load(pair_ids + block * BLOCK_M + tl.arange(0, BLOCK_M))
     pair_ok = pairs < P
@@ -388,29 +408,33 @@ def _strides(weight: PackedWeight) -> tuple[int, ...]:
     return *experts, weight.data.stride(1) if dense else weight.shape[2], weight.data.stride(2) if dense else 1
 
 
-def _launch(x, weight: PackedWeight, pair_ids, block_expert, pair_weights, rows_out, n_out, row_div, *, gated,
-            interleaved, activation, alpha, limit, compute_fp32, block_m, block_n, block_k, num_warps, num_stages,
-            splits=1, operands="bf16", host: PackedWeight | None = None, slot_of: torch.Tensor | None = None):
-    """One GEMM launch over the blocks of `_blocks`; with fp16 operands `x` must already be fp16 times FP16_PRESCALE
-    (`_activations`); with `slot_of`, `weight` is a slot pool and `host` the same weight over the host blobs. With
-    `splits` > 1 each program takes one of that many shares of K and the launch returns [splits, rows_out, width]
-    fp32 partial sums (gate/up: both projections, interleaved), for `_finish_gate_up` or `_sum_pairs` to add."""
+def _launch(x, weight: PackedWeight, blocks: Blocks, pair_weights, rows_out, n_out, row_div, *, gated, interleaved,
+            activation, alpha, limit, compute_fp32, block_m, block_n, block_k, num_warps, num_stages, splits=1,
+            operands="bf16", host: PackedWeight | None = None, slot_of: torch.Tensor | None = None,
+            out_dtype: torch.dtype = torch.float32):
+    """One GEMM launch over `blocks`; with fp16 operands `x` is fp16 times FP16_PRESCALE (`_activations`) or in its
+    own dtype, scaled in the kernel; with `slot_of`, `weight` is a slot pool and `host` the same weight over the host
+    blobs. The output: gate/up unsplit in the down launch's operand dtype, otherwise `out_dtype`. With `splits` > 1
+    each program takes one of that many shares of K and the launch returns [splits, rows_out, width] fp32 partial
+    sums (gate/up: both projections, interleaved), for `_finish_gate_up` or `_sum_pairs` to add."""
     _, n, k = weight.shape
     fp16_operands = _fp16_operands(operands, compute_fp32)
-    dtype = _gate_up_dtype(x.dtype, compute_fp32, fp16_operands) if gated and splits == 1 else torch.float32
-    out = torch.empty(splits, rows_out, 2 * n_out if gated and splits > 1 else n_out, dtype=dtype, device=x.device)
+    if splits > 1:
+        out_dtype = torch.float32
+    elif gated:
+        out_dtype = _gate_up_dtype(x.dtype, compute_fp32, fp16_operands)
+    out = torch.empty(splits, rows_out, 2 * n_out if gated and splits > 1 else n_out, dtype=out_dtype, device=x.device)
     k_split = triton.cdiv(triton.cdiv(k, block_k), splits) * block_k
-    grid = (block_expert.numel(), triton.cdiv(n_out, block_n), splits)
-    placeholder = block_expert  # any tensor stands in for an absent pointer
-    pointers = lambda w: [part if part is not None else placeholder for part in (w.data, w.scales, w.bias)]  # noqa: E731
+    grid = (blocks.count, triton.cdiv(n_out, block_n), splits)
+    pointer = lambda t: t if t is not None else out  # noqa: E731  (any tensor stands in for an absent pointer)
+    weight_pointers = lambda w: [pointer(part) for part in (w.data, w.scales, w.bias)]  # noqa: E731
     _moe_gemm_kernel[grid](
-        x, *pointers(weight), out, pair_ids if pair_ids is not None else placeholder, block_expert,
-        pair_weights if pair_weights is not None else placeholder,
-        *pointers(host if host is not None else weight), slot_of if slot_of is not None else placeholder,
+        x, *weight_pointers(weight), out, pointer(blocks.pair_ids), pointer(blocks.block_expert),
+        pointer(pair_weights), *weight_pointers(host if host is not None else weight), pointer(slot_of),
         rows_out, n, k, n_out, row_div, float(alpha), float(limit), *_strides(weight), k_split,
         FORMAT=FORMATS[weight.format], GATED=gated, INTERLEAVED=interleaved, ACTIVATION=ACTIVATIONS[activation],
         HAS_BIAS=weight.bias is not None, APPLY_WEIGHT=pair_weights is not None, COMPUTE_FP32=compute_fp32,
-        FP16_OPERANDS=fp16_operands, HOST_FALLBACK=slot_of is not None, PAIR_PER_BLOCK=pair_ids is None,
+        FP16_OPERANDS=fp16_operands, HOST_FALLBACK=slot_of is not None, BLOCKING=blocks.blocking,
         SPLIT_K=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, num_warps=num_warps,
     )
     return out if splits > 1 else out[0]
@@ -429,17 +453,29 @@ def _gate_up_dtype(x_dtype: torch.dtype, compute_fp32: bool, fp16_operands: bool
     return torch.float16 if fp16_operands else x_dtype
 
 
-def _splits(settings: dict, pair_ids: torch.Tensor | None) -> int:
-    """K splits for this call, taking `split_k` out of the launch settings: only a single token's launches split
-    (`pair_ids` None), whose grids of top-k x column tiles leave SMs idle; larger calls fill the GPU already."""
+def _splits(settings: dict, blocks: Blocks) -> int:
+    """K splits for an MoE call, taking `split_k` out of the launch settings: only a single token's launches split
+    (PAIR_PER_BLOCK), whose grids of top-k x column tiles leave SMs idle; larger calls fill the GPU already."""
     split_k = settings.pop("split_k")
-    return split_k if pair_ids is None else 1
+    return split_k if blocks.blocking == PAIR_PER_BLOCK else 1
+
+
+def _filling_splits(programs: int, k_steps: int, device: torch.device) -> int:
+    """Shares of K for a dense layer's launch on the GPU: enough for about two programs per SM (DeepSeek-V3's
+    q_a_proj has 24 output tiles over a 7168-long K) and for at most 16 K steps per share (a long K is better read
+    by more, shorter programs: o_proj, the dense MLP), each share keeping at least two K steps. From
+    bench/packed_linear.py's sweep on the H200 (docs/benchmarks.md). One share elsewhere (the interpreter)."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(k_steps // 2, max(2 * sms // programs, -(-k_steps // 16))))
 
 
 def _activations(x: torch.Tensor, settings: dict) -> torch.Tensor:
     """The activations as the kernel takes them: with fp16 operands x times FP16_PRESCALE in fp16, in one pass (the
     scaling is exact: a power of two); otherwise contiguous as they are. A single token's row is scaled inside the
-    gate/up kernel instead (16 values per thread per K step, cheaper than a launch at decode)."""
+    gate/up kernel instead (cheaper than a launch at decode; for a block of rows the kernel's own scaling adds 21% to
+    the FP8 gate/up K loop, 357 -> 432 instructions on sm_90, so more rows take the launch)."""
     if x.shape[0] > 1 and _fp16_operands(settings.get("operands", "bf16"), settings["compute_fp32"]):
         return torch.mul(x, FP16_PRESCALE.value, out=torch.empty(x.shape, dtype=torch.float16, device=x.device))
     return x.contiguous()
@@ -506,11 +542,11 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     settings = tiles_for(gate_up.format, tiles)
     compute_fp32 = hidden.dtype == torch.float32 if compute_fp32 is None else compute_fp32
     tokens, top_k = top_k_index.shape
-    pair_ids, block_expert = _blocks(top_k_index, experts, settings["block_m"])
-    splits = _splits(settings, pair_ids)
+    blocks = _blocks(top_k_index, experts, settings["block_m"])
+    splits = _splits(settings, blocks)
     settings |= dict(alpha=alpha, limit=limit, compute_fp32=compute_fp32, slot_of=slot_of, splits=splits)
     x = _activations(hidden, settings)
-    intermediate = _launch(x, gate_up, pair_ids, block_expert, None, tokens * top_k, two_i // 2, top_k,
+    intermediate = _launch(x, gate_up, blocks, None, tokens * top_k, two_i // 2, top_k,
                            gated=True, interleaved=interleaved, activation=activation,
                            host=host[0] if host else None, **settings)
     if splits > 1:
@@ -518,7 +554,7 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
         intermediate = _finish_gate_up(intermediate, _gate_up_dtype(x.dtype, compute_fp32, fp16_operands),
                                        activation, alpha, limit, fp16_operands)
     weights = top_k_weights.reshape(-1).contiguous()
-    per_pair = _launch(intermediate, down, pair_ids, block_expert, weights, tokens * top_k, h, 1,
+    per_pair = _launch(intermediate, down, blocks, weights, tokens * top_k, h, 1,
                        gated=False, interleaved=False, activation="silu", host=host[1] if host else None,
                        **settings)
     return _sum_pairs(per_pair.view(splits, tokens, top_k, h), hidden.dtype)
@@ -526,14 +562,18 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
 
 def packed_linear(x: torch.Tensor, weight: PackedWeight, **tiles) -> torch.Tensor:
     """A dense linear layer over a packed [1, N, K] weight (FP8 block-scaled or MXFP4): the MoE kernel with every
-    token routed to the one expert. x [..., K] -> [..., N] in x's dtype."""
+    row on the one expert, blocks of rows in order (no grouping launch), K split to fill the GPU when the output
+    has few column tiles (tile `split_k` fixes the count). x [..., K] -> [..., N] in x's dtype."""
     settings = tiles_for(weight.format, tiles) | dict(compute_fp32=x.dtype == torch.float32)
     rows = _activations(x.reshape(-1, x.shape[-1]), settings)
-    pair_ids, block_expert = _blocks(torch.zeros(rows.shape[0], 1, dtype=torch.int32, device=x.device), 1,
-                                     settings["block_m"])
-    splits = _splits(settings, pair_ids)
-    out = _launch(rows, weight, pair_ids, block_expert, None, rows.shape[0], weight.shape[1], 1, gated=False,
-                  interleaved=False, activation="silu", alpha=0.0, limit=0.0, splits=splits, **settings)
-    if splits > 1:
-        out = _sum_pairs(out.view(splits, rows.shape[0], 1, weight.shape[1]), x.dtype)
-    return out.to(x.dtype).view(*x.shape[:-1], weight.shape[1])
+    _, n, k = weight.shape
+    blocks = Blocks(ROWS_IN_ORDER, triton.cdiv(rows.shape[0], settings["block_m"]))
+    split_k = settings.pop("split_k")
+    if "split_k" not in tiles:
+        split_k = _filling_splits(blocks.count * triton.cdiv(n, settings["block_n"]),
+                                  triton.cdiv(k, settings["block_k"]), x.device)
+    out = _launch(rows, weight, blocks, None, rows.shape[0], n, 1, gated=False, interleaved=False,
+                  activation="silu", alpha=0.0, limit=0.0, splits=split_k, out_dtype=x.dtype, **settings)
+    if split_k > 1:
+        out = _sum_pairs(out.view(split_k, rows.shape[0], 1, n), x.dtype)
+    return out.view(*x.shape[:-1], n)

@@ -228,18 +228,20 @@ def test_mxfp4_upcast_decodes_every_code_at_every_scale_exactly():
 
 @pytest.mark.parametrize("format", ["fp8_block", "mxfp4"])
 def test_packed_linear_matches_dequantize_then_matmul(format):
-    """The dense-layer use of the kernel (every token to one expert): N and K with partial 128-blocks."""
+    """The dense-layer use of the kernel (every row on one expert, blocks of rows in order): N and K with partial
+    128-blocks, 40 rows in three blocks of 16 (the last partial), K split over the rows as well."""
     from dflash_compile.kernels.moe import packed_linear
 
     generator = torch.Generator().manual_seed(5)
     weight = PackedWeight.quantize(torch.randn(1, 200, 352, generator=generator), format,
                                    torch.randn(1, 200, generator=generator))
     weight = PackedWeight(weight.format, weight.data.to(DEVICE), weight.scales.to(DEVICE), weight.bias.to(DEVICE))
-    x = torch.randn(2, 3, 352, generator=generator)
+    x = torch.randn(4, 10, 352, generator=generator)
     expected = x.double() @ weight.dequantize(torch.float64)[0].cpu().T + weight.bias[0].cpu().double()
     actual = packed_linear(x.to(DEVICE), weight)
-    assert actual.shape == (2, 3, 200)
+    assert actual.shape == (4, 10, 200) and actual.dtype == x.dtype
     assert (actual.cpu().double() - expected).norm() / expected.norm() <= 1e-4
+    torch.testing.assert_close(packed_linear(x.to(DEVICE), weight, split_k=3), actual, atol=1e-5, rtol=1e-5)
     one_row = packed_linear(x[:1, :1].to(DEVICE), weight)  # a decode step's single row: no grouping launch
     assert (one_row.cpu().double() - expected[:1, :1]).norm() / expected[:1, :1].norm() <= 1e-4
 

@@ -1,0 +1,69 @@
+"""Dense FP8 block-scaled linear layers (`packed_linear`, DeepSeek-V3 / Qwen3-FP8 attention and dense MLP shapes) at
+decode and verify sizes on the H200: microseconds as CUDA-graph replays over weights rotated past L2, against bf16
+weights through torch's linear (cuBLAS: what runs once the checkpoint is dequantized), one graph-launched read of
+the FP8 bytes, K splits swept, and optionally another version of dflash_compile/kernels/moe.py.
+
+    python bench/packed_linear.py
+    python bench/packed_linear.py --baseline old_moe.py   # e.g. git show REV:dflash_compile/kernels/moe.py > old_moe.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dflash_compile.kernels.moe import packed_linear  # noqa: E402
+from moe_kernels import copy_bandwidth, graph_time_us, load_baseline, random_packed, read_time_us  # noqa: E402
+
+SHAPES = {  # name: (N, K)
+    "deepseek-v3 q_a_proj": (1536, 7168),
+    "deepseek-v3 kv_a_proj_with_mqa": (576, 7168),
+    "deepseek-v3 q_b_proj": (24576, 1536),
+    "deepseek-v3 kv_b_proj": (32768, 512),
+    "deepseek-v3 o_proj": (7168, 16384),
+    "deepseek-v3 dense gate_proj": (18432, 7168),
+    "deepseek-v3 dense down_proj": (7168, 18432),
+    "qwen3-30b-a3b-fp8 q_proj": (4096, 2048),
+    "qwen3-30b-a3b-fp8 o_proj": (2048, 4096),
+}
+SPLITS = (1, 2, 4, 8)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", nargs="+", type=int, default=[1, 16])
+    parser.add_argument("--baseline", type=Path, help="another moe.py whose packed_linear to time beside")
+    args = parser.parse_args()
+    baseline = load_baseline(args.baseline).packed_linear if args.baseline else None
+    copy_gbs = copy_bandwidth() / 1e9
+    print(f"{torch.cuda.get_device_name()}, device-to-device copy {copy_gbs:.0f} GB/s\n")
+    print("| layer | M | MB | auto us | of copy | " + " | ".join(f"split {s} us" for s in SPLITS)
+          + " | baseline us | bf16 linear us | one read us | rel. error |")
+    print("|---|---|---|---|---|" + "---|" * len(SPLITS) + "---|---|---|---|")
+    for name, (n, k) in SHAPES.items():
+        packed = random_packed("fp8_block", 1, n, k, bias=False)
+        nbytes = packed.nbytes()
+        copies = max(2, -(-256_000_000 // nbytes))  # rotated past the 50 MB L2
+        weights = [random_packed("fp8_block", 1, n, k, bias=False) for _ in range(copies)]
+        dense = [w.dequantize(torch.bfloat16)[0] for w in weights[:max(2, -(-256_000_000 // (2 * nbytes)))]]
+        for tokens in args.tokens:
+            x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+            expected = x.double() @ weights[0].dequantize(torch.float64)[0].T
+            error = ((packed_linear(x, weights[0]).double() - expected).norm() / expected.norm()).item()
+            auto = graph_time_us([lambda w=w: packed_linear(x, w) for w in weights])
+            swept = [graph_time_us([lambda w=w, s=s: packed_linear(x, w, split_k=s) for w in weights]) for s in SPLITS]
+            old = graph_time_us([lambda w=w: baseline(x, w) for w in weights]) if baseline else float("nan")
+            linear = graph_time_us([lambda d=d: torch.nn.functional.linear(x, d) for d in dense])
+            read = read_time_us(nbytes, copies)
+            print(f"| {name} | {tokens} | {nbytes / 1e6:.1f} | {auto:.1f} | {nbytes / auto / 1e3 / copy_gbs:.0%} | "
+                  + " | ".join(f"{us:.1f}" for us in swept) + f" | {old:.1f} | {linear:.1f} | {read:.1f} | "
+                  f"{error:.1e} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
