@@ -114,6 +114,7 @@ ROWS_IN_ORDER = 2  # one expert (a dense layer): block b is rows [b * BLOCK_M, (
 
 
 class Blocks(NamedTuple):
+    """A launch's blocks of rows: the blocking, how many, and `align_routing`'s tensors where they are needed."""
     blocking: int
     count: int  # programs along grid axis 0
     pair_ids: torch.Tensor | None = None
