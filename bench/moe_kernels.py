@@ -9,11 +9,12 @@ the fused kernel on those same bf16 weights (a candidate for resident bf16 exper
 Weights rotate over several layers so that L2 does not serve them. "bytes" are the routed experts' packed bytes
 (weights, scales, biases) that one call must read; GB/s is bytes / time, next to the device-to-device copy bandwidth
 measured in the same run ((read + write) / time of a 2 GiB copy) and to one kernel that only reads as many bytes
-(a sum, rotated the same way): the most a single launch streams at that size. Fused and grouped_mm times are CUDA-graph replays
-of all rotated layers divided by the layer count (how a compiled decode step runs them); (a) syncs on the host, so it
-is timed plainly. Numerics: fused (bf16 activations) against reference dequantization + fp64 math. `--baseline`
-times a second copy of dflash_compile/kernels/moe.py (e.g. `git show REV:dflash_compile/kernels/moe.py > old.py`) on
-the same inputs and tiles, so a kernel change is measured against what it replaces in one run.
+(a sum, rotated the same way): the most a single launch streams at that size. Fused and grouped_mm times are
+CUDA-graph replays of all rotated layers divided by the layer count (how a compiled decode step runs them); (a)
+syncs on the host, so it is timed plainly. Numerics: fused (bf16 activations) against reference dequantization +
+fp64 math. `--baseline` times a second copy of dflash_compile/kernels/moe.py (e.g. `git show
+REV:dflash_compile/kernels/moe.py > old.py`) on the same inputs and tiles, so a kernel change is measured against
+what it replaces in one run.
 """
 
 from __future__ import annotations

@@ -34,6 +34,11 @@ SHAPES = {  # name: (N, K)
 SPLITS = (1, 2, 4, 8)
 
 
+def copies_past_l2(nbytes: int) -> int:
+    """How many copies of a weight of `nbytes` to rotate over so that the 50 MB L2 cannot serve them."""
+    return max(2, -(-256_000_000 // nbytes))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 16])
@@ -46,11 +51,11 @@ def main() -> None:
           + " | baseline us | bf16 linear us | one read us | rel. error |")
     print("|---|---|---|---|---|" + "---|" * len(SPLITS) + "---|---|---|---|")
     for name, (n, k) in SHAPES.items():
-        packed = random_packed("fp8_block", 1, n, k, bias=False)
-        nbytes = packed.nbytes()
-        copies = max(2, -(-256_000_000 // nbytes))  # rotated past the 50 MB L2
-        weights = [random_packed("fp8_block", 1, n, k, bias=False) for _ in range(copies)]
-        dense = [w.dequantize(torch.bfloat16)[0] for w in weights[:max(2, -(-256_000_000 // (2 * nbytes)))]]
+        weights = [random_packed("fp8_block", 1, n, k, bias=False)]
+        nbytes = weights[0].nbytes()
+        copies = copies_past_l2(nbytes)
+        weights += [random_packed("fp8_block", 1, n, k, bias=False) for _ in range(copies - 1)]
+        dense = [w.dequantize(torch.bfloat16)[0] for w in weights[:copies_past_l2(2 * nbytes)]]
         for tokens in args.tokens:
             x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
             expected = x.double() @ weights[0].dequantize(torch.float64)[0].T

@@ -50,7 +50,7 @@ FP16_PRESCALE = tl.constexpr(2.0**-8)  # activations times this are fp16 operand
 ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
 
 
-ALIGN_CHUNK = 128  # pairs per step of the grouping kernel: one per thread of its 4 warps (atomics need no replicas)
+ALIGN_CHUNK = 128  # pairs per step of the grouping kernel, one per thread of its warps (atomics need no replicas)
 
 
 @triton.jit
@@ -103,7 +103,8 @@ def align_routing(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> 
     _align_routing_kernel[(1,)](flat, pair_ids, block_expert, cursor, pairs, num_experts, blocks, BLOCK_M=block_m,
                                 E_POW2=triton.next_power_of_2(num_experts),
                                 SLOTS_POW2=triton.next_power_of_2(blocks * block_m),
-                                BLOCKS_POW2=triton.next_power_of_2(blocks), CHUNK=ALIGN_CHUNK, num_warps=4)
+                                BLOCKS_POW2=triton.next_power_of_2(blocks), CHUNK=ALIGN_CHUNK,
+                                num_warps=ALIGN_CHUNK // 32)
     return pair_ids, block_expert
 
 
