@@ -57,8 +57,8 @@ def compile_kernel(format: str, gated: bool, tiles: dict, host_fallback: bool = 
                      HAS_BIAS=True, APPLY_WEIGHT=not gated, COMPUTE_FP32=False, FP16_OPERANDS=fp16,
                      HOST_FALLBACK=host_fallback, BLOCKING=PAIR_PER_BLOCK if one_token else GROUPED,
                      SPLIT_K=tiles["split_k"] if one_token else 1,
-                     BLOCK_M=tiles["block_m"],
-                     BLOCK_N=tiles["block_n"], BLOCK_K=tiles["block_k"], NUM_STAGES=tiles["num_stages"],
+                     BLOCK_M=tiles["block_m"], BLOCK_N=tiles["block_n"], BLOCK_K=tiles["block_k"],
+                     NUM_STAGES=tiles["num_stages"],
                      column_stride=1)  # the JIT makes an argument equal to 1 a constant
     signature |= {name: "constexpr" for name in constants}
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ALIGNED}
@@ -98,7 +98,7 @@ def main() -> None:
           "instruction | commonest opcodes |")
     print("|---|---|---|---|---|---|---|")
     for format in args.format:
-        tiles = tiles_for(format, overrides)
+        tiles = tiles_for(format, overrides, one_row=args.one_token)
         for gated in (True, False):
             loop = k_loop(compile_kernel(format, gated, tiles, args.host_fallback, args.one_token).asm["cubin"])
             rows = tiles["block_n"] * (2 if gated else 1)

@@ -5,6 +5,7 @@ the fused kernel on those same bf16 weights (a candidate for resident bf16 exper
     python bench/moe_kernels.py                     # all shapes, M in 1 4 8 16 64; prints a table, writes --json
     python bench/moe_kernels.py --shapes gpt-oss-20b --tokens 1 16
     python bench/moe_kernels.py --no-tune --baseline old_moe.py   # TILES as they are; vs another kernel version
+    python bench/moe_kernels.py --shapes gpt-oss-20b --tokens 1 --one-token-only   # sweep one token's tiles only
 
 Weights rotate over several layers so that L2 does not serve them. "bytes" are the routed experts' packed bytes
 (weights, scales, biases) that one call must read; GB/s is bytes / time, next to the device-to-device copy bandwidth
@@ -32,7 +33,7 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_compile.expert_store import Gate, expert_sum  # noqa: E402
 from dflash_compile.families import spec_for_experts_class  # noqa: E402
-from dflash_compile.kernels.moe import TILES, fused_moe  # noqa: E402
+from dflash_compile.kernels.moe import ROW_TILES, TILES, fused_moe  # noqa: E402
 from dflash_compile.packed import PackedWeight, expert_weights  # noqa: E402
 
 SHAPES = {  # experts, top-k, hidden, intermediate, format, gpt-oss layout
@@ -156,7 +157,8 @@ def kernel_times_us(call, repeats: int = 20) -> str:
     return ", ".join(f"{name.split('(')[0][:40]} {us:.1f}" for name, us in times.items())
 
 
-def run_shape(name, tokens_list, layers, tuning, copy_gbs, rows, baseline=None, profile=False):
+def run_shape(name, tokens_list, layers, tiles, copy_gbs, rows, baseline=None, profile=False):
+    """Times and checks one shape at each M; `tiles`: {"tensor_core": ..., "one_token": ...} overrides."""
     experts, top_k, hidden, inter, format, gpt_oss = SHAPES[name]
     activation = "clamped_swiglu" if gpt_oss else "silu"
     packed = [(random_packed(format, experts, 2 * inter, hidden, gpt_oss),
@@ -164,6 +166,7 @@ def run_shape(name, tokens_list, layers, tuning, copy_gbs, rows, baseline=None, 
     per_expert = expert_bytes(packed[0][0]) + expert_bytes(packed[0][1])
     baseline_b, fused_bf16 = zip(*[bf16_experts(name, experts, hidden, inter) for _ in range(min(layers, 2))])
     for tokens in tokens_list:
+        tuning = tiles["one_token" if tokens == 1 else "tensor_core"]
         generator = torch.Generator(device="cuda").manual_seed(tokens)
         index = torch.rand(tokens, experts, device="cuda", generator=generator).argsort(dim=1)[:, :top_k]
         weights = torch.softmax(torch.randn(tokens, top_k, device="cuda", generator=generator), dim=-1)
@@ -219,9 +222,9 @@ SPLIT_K = (1, 2, 3, 4, 6)  # shares of K for one token's launches, swept on the 
 
 
 def tile_candidates(format: str):
-    """The sweep: output tiles, K steps (FP8 up to its 128-column scale block) and K steps in flight on the tensor
-    cores. (CUDA-core tiles of 1-4 pairs and an fp32 bit-construction MXFP4 decode lost by 2-10x on 2026-11-30 and
-    were removed from the kernel.)"""
+    """The tensor-core sweep (M > 1): output tiles, K steps (FP8 up to its 128-column scale block) and K steps in
+    flight. (CUDA-core tiles of 1-4 pairs with an fp32 MXFP4 decode lost by 2-10x on 2026-11-30; the one-row
+    CUDA-core path with the fp16 PTX decode is swept by `one_token_candidates`.)"""
     block_ks = (64, 128) if format == "fp8_block" else (128, 256)
     for block_n in (16, 32, 64):
         for block_k in block_ks:
@@ -231,6 +234,19 @@ def tile_candidates(format: str):
     if format == "fp8_block":  # fp16 tensor-core operands (fewer conversions per K step) on the same tiles
         for block_n in (16, 32, 64):
             yield {"block_n": block_n, "block_k": 128, "num_warps": 4, "num_stages": 4, "operands": "fp16"}
+
+
+def one_token_candidates(format: str, tensor_core: dict):
+    """One token's launches: the CUDA-core path's tiles where the format has one (ROW_TILES), else the tensor-core
+    tiles; their K split is swept afterwards."""
+    if format not in ROW_TILES:
+        yield tensor_core
+        return
+    for block_n in (32, 64, 128):
+        for block_k in (128, 256):
+            for num_stages in (1, 2):
+                yield {"block_n": block_n, "block_k": block_k, "num_warps": 4, "num_stages": num_stages}
+    yield {"block_n": 64, "block_k": 256, "num_warps": 8, "num_stages": 1}
 
 
 def tune(name: str, tokens_list, layers: int, candidates) -> dict:
@@ -271,14 +287,19 @@ def main() -> None:
     parser.add_argument("--no-tune", action="store_true", help="the kernels' TILES as they are, no sweep")
     parser.add_argument("--baseline", type=Path, help="another moe.py to time on the same inputs and tiles")
     parser.add_argument("--profile", action="store_true", help="print each kernel's time in one fused call")
+    parser.add_argument("--one-token-only", action="store_true", help="sweep one token's tiles only")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     copy_gbs = copy_bandwidth() / 1e9
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s")
-    tiles = {format: {} for format in TILES} if args.no_tune else {}
+    tiles = {format: {"tensor_core": {}, "one_token": {}} for format in TILES}
     for format, name in () if args.no_tune else (("mxfp4", "gpt-oss-20b"), ("fp8_block", "qwen3-30b-a3b-fp8")):
-        base = tune(name, [1, 16], 2, list(tile_candidates(format)))
-        tiles[format] = tune(name, [1], 2, [base | {"split_k": split_k} for split_k in SPLIT_K])  # one token only
+        if format not in {SHAPES[shape][4] for shape in args.shapes}:
+            continue
+        if not args.one_token_only:
+            tiles[format]["tensor_core"] = tune(name, [16], 2, list(tile_candidates(format)))
+        best = tune(name, [1], 2, list(one_token_candidates(format, tiles[format]["tensor_core"])))
+        tiles[format]["one_token"] = tune(name, [1], 2, [best | {"split_k": split_k} for split_k in SPLIT_K])
     print("tiles:", tiles)
     rows = []
     for name in args.shapes:

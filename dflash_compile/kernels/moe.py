@@ -264,6 +264,105 @@ def _mxfp4_tile(data, scales, rows, row_ok, k, K, COMPUTE_FP32: tl.constexpr, BL
     return tile
 
 
+# One row of activations times MXFP4 weights on the CUDA cores, one 32-code group per instance: $1-$4 the group's
+# four packed words (codes of K offsets 0..7 each), $5 + 4i + j the activations of word j's pair i as fp16x2 (K
+# offsets i and i + 4, scaled by 2^shift), $21 the group's scale 2^(e-127), $22 2^(14-shift), $23 the running sum
+# -> $0 = $23 + scale * 2^(14-shift) * the group's 32 products. Pair i's codes sit at bits 4i and 4i + 16, one shift
+# apart for both halves: the word shifted and masked to fp16 bits 9-11 (exponent, mantissa) and 15 (sign) is each
+# code times 2^-14 (E2M1's subnormal 0.5 lands on fp16's subnormal 2^-15). The products add in fp16x2, the two
+# halves in fp32.
+def _shifted(register: str, source: str, bits: int) -> str:
+    """PTX for `register = source` shifted left by `bits` (right for negative bits)."""
+    if bits == 0:
+        return f"mov.b32 {register}, {source};\n"
+    return f"{'shl' if bits > 0 else 'shr'}.b32 {register}, {source}, {abs(bits)};\n"
+
+
+def _row_group_asm() -> str:
+    products = []
+    for j in range(4):
+        for i in range(4):
+            activations = f"${5 + 4 * i + j}"
+            accumulate = (f"mul.rn.f16x2 sum, pair, {activations};" if i == j == 0 else
+                          f"fma.rn.f16x2 sum, pair, {activations}, sum;")
+            products.append(_shifted("magnitude", f"${1 + j}", 9 - 4 * i) + _shifted("sign", f"${1 + j}", 12 - 4 * i)
+                            + "and.b32 magnitude, magnitude, 0x0E000E00;\nand.b32 sign, sign, 0x80008000;\n"
+                            + f"or.b32 pair, magnitude, sign;\n{accumulate}\n")
+    return ("{\n.reg .b32 magnitude, sign, pair, sum;\n.reg .b16 low, high;\n.reg .f32 low32, high32;\n"
+            + "".join(products)
+            + "mov.b32 {low, high}, sum;\ncvt.f32.f16 low32, low;\ncvt.f32.f16 high32, high;\n"
+            + "add.rn.f32 low32, low32, high32;\nmul.rn.f32 low32, low32, $22;\nfma.rn.f32 $0, low32, $21, $23;\n}")
+
+
+_E2M1_ROW_ASM = tl.constexpr(_row_group_asm())
+_E2M1_ROW_CONSTRAINTS = tl.constexpr(",".join(["=f"] + ["r"] * 20 + ["f"] * 3))
+
+
+@triton.jit
+def _quarters(t):
+    """The four slices of t's last axis (size 4), in order."""
+    even, odd = tl.split(tl.reshape(t, t.shape[:-1] + (2, 2)))
+    first, third = tl.split(even)
+    second, fourth = tl.split(odd)
+    return first, second, third, fourth
+
+
+@triton.jit
+def _broadcast_quarters(t, like):
+    """`_quarters` of a [GROUPS, 4] tensor, each broadcast to `like` ([ROWS, GROUPS])."""
+    first, second, third, fourth = _quarters(t)
+    return (tl.broadcast_to(first[None, :], like.shape), tl.broadcast_to(second[None, :], like.shape),
+            tl.broadcast_to(third[None, :], like.shape), tl.broadcast_to(fourth[None, :], like.shape))
+
+
+@triton.jit
+def _mxfp4_row_project(x_row, data, scales, rows, row_ok, K, k_start, k_stop, COMPUTE_FP32: tl.constexpr,
+                       BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """[1, BLOCK_ROWS] fp32 = x_row @ W[rows]^T over K in [k_start, k_stop) for one row of activations, W MXFP4, on
+    the CUDA cores: no tensor-core tile padded to 16 rows, and per code a shift-and-mask decode and half an fp16x2
+    multiply-add (`_E2M1_ROW_ASM`). The activations go to fp16 scaled by a power of two that puts their largest
+    magnitude in this share of K in [2^14, 2^15): no fp16 overflow, and products too small for fp16's normal range
+    are below 2^-28 of the largest. The packed bytes are read as 4-byte words, 8 codes each (as 8-byte loads: the
+    16-byte loads that aligned addressing allows measured 16% slower on the H200)."""
+    GROUPS: tl.constexpr = BLOCK_K // 32
+    word = tl.arange(0, GROUPS)[:, None] * 4 + tl.arange(0, 4)[None, :]  # [GROUPS, 4]: the K step's words
+    pair = tl.arange(0, 4)[:, None] + 4 * tl.arange(0, 2)[None, :]  # [4 pairs, 2 halves]: K offsets in a word
+    offset = word[:, :, None, None] * 8 + pair[None, None, :, :]  # [GROUPS, 4, 4, 2]: each code's offset in the step
+    largest = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k in tl.range(k_start, k_stop, BLOCK_K):
+        columns = k + tl.arange(0, BLOCK_K)
+        largest = tl.maximum(largest, tl.abs(tl.load(x_row + columns, mask=columns < K, other=0.0).to(tl.float32)))
+    exponent_of_largest = (tl.max(largest, axis=0).to(tl.int32, bitcast=True) >> 23) - 127
+    shift = tl.minimum(14 - exponent_of_largest, 100)  # 2^shift stays finite in fp32 (all-zero x: any shift)
+    x_scale = ((shift + 127) << 23).to(tl.float32, bitcast=True)
+    unscale = ((141 - shift) << 23).to(tl.float32, bitcast=True)  # 2^(14 - shift)
+    acc = tl.zeros((BLOCK_ROWS, GROUPS), dtype=tl.float32)
+    words = data.to(tl.pointer_type(tl.int32))
+    for k in tl.range(k_start, k_stop, BLOCK_K, num_stages=NUM_STAGES):
+        group = k // 32 + tl.arange(0, GROUPS)
+        ok = row_ok[:, None] & (group[None, :] < K // 32)
+        packed = tl.load(words + rows[:, None, None] * (K // 8) + (k // 8 + word)[None, :, :], mask=ok[:, :, None],
+                         other=0)
+        exponent = tl.load(scales + rows[:, None] * (K // 32) + group[None, :], mask=ok, other=0).to(tl.int32)
+        xs = tl.load(x_row + k + offset, mask=k + offset < K, other=0.0).to(tl.float32)
+        if COMPUTE_FP32:
+            shifts = 4 * tl.arange(0, 4)[:, None] + 16 * tl.arange(0, 2)[None, :]
+            codes = (packed[:, :, :, None, None] >> shifts[None, None, None, :, :]) & 15
+            products = tl.sum(tl.sum(tl.sum(_e2m1(codes) * xs[None, :, :, :, :], axis=4), axis=3), axis=2)
+            acc += products * tl.exp2(exponent.to(tl.float32) - 127.0)
+        else:  # one asm instance per group: its words and their activation pairs as separate [.., GROUPS] operands
+            halves = (xs * x_scale).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            low, high = tl.split(halves)
+            pairs = _quarters(low | (high << 16))  # pair i of every word: [GROUPS, 4 words]
+            acc = tl.inline_asm_elementwise(
+                _E2M1_ROW_ASM, _E2M1_ROW_CONSTRAINTS,
+                _quarters(packed) + _broadcast_quarters(pairs[0], acc) + _broadcast_quarters(pairs[1], acc)
+                + _broadcast_quarters(pairs[2], acc) + _broadcast_quarters(pairs[3], acc)
+                + ((exponent << 23).to(tl.float32, bitcast=True), tl.broadcast_to(unscale, acc.shape), acc),
+                dtype=tl.float32, is_pure=True, pack=1)
+    return tl.sum(acc, axis=1)[None, :]
+
+
 @triton.jit
 def _fp8_tile(data, rows, row_ok, columns, K, COMPUTE_FP32: tl.constexpr, FP16_OPERANDS: tl.constexpr):
     """[BLOCK_ROWS, BLOCK_K] float8_e4m3fn weight values, unscaled: the hardware conversion on the GPU (to fp16 or
@@ -293,11 +392,10 @@ def _dot(x_tile, w_tile, COMPUTE_FP32: tl.constexpr, FP16_OPERANDS: tl.constexpr
 
 
 @triton.jit
-def _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start, k_stop, row_stride, column_stride,
-             FORMAT: tl.constexpr, COMPUTE_FP32: tl.constexpr, FP16_OPERANDS: tl.constexpr, BLOCK_M: tl.constexpr,
-             BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """[BLOCK_M, BLOCK_ROWS] fp32 = x[pair_rows] @ W[rows]^T over K in [k_start, k_stop), W the expert at `data` /
-    `scales` (dense weights at any row / column strides, e.g. a transposed view of [E, in, out] parameters)."""
+def _tile_project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start, k_stop, row_stride, column_stride,
+                  FORMAT: tl.constexpr, COMPUTE_FP32: tl.constexpr, FP16_OPERANDS: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """`_project` on the tensor cores: BLOCK_M rows of activations, any weight format."""
     acc = tl.zeros((BLOCK_M, BLOCK_ROWS), dtype=tl.float32)
     x_rows = x + pair_rows[:, None].to(tl.int64) * K
     for k in tl.range(k_start, k_stop, BLOCK_K, num_stages=NUM_STAGES):
@@ -317,6 +415,24 @@ def _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start, k_st
             w_tile = tl.load(data + rows[:, None] * row_stride + columns[None, :] * column_stride,
                              mask=row_ok[:, None] & (columns[None, :] < K), other=0.0)
             acc += _dot(x_tile, w_tile, COMPUTE_FP32)
+    return acc
+
+
+@triton.jit
+def _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start, k_stop, row_stride, column_stride,
+             FORMAT: tl.constexpr, COMPUTE_FP32: tl.constexpr, FP16_OPERANDS: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """[BLOCK_M, BLOCK_ROWS] fp32 = x[pair_rows] @ W[rows]^T over K in [k_start, k_stop), W the expert at `data` /
+    `scales` (dense weights at any row / column strides, e.g. a transposed view of [E, in, out] parameters): on the
+    tensor cores, or for one row of activations (BLOCK_M = 1) times MXFP4 weights on the CUDA cores."""
+    if FORMAT == 1 and BLOCK_M == 1:
+        x_row = x + tl.sum(pair_rows.to(tl.int64), axis=0) * K
+        acc = _mxfp4_row_project(x_row, data, scales, rows, row_ok, K, k_start, k_stop, COMPUTE_FP32, BLOCK_ROWS,
+                                 BLOCK_K, NUM_STAGES)
+    else:
+        acc = _tile_project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start, k_stop, row_stride,
+                            column_stride, FORMAT, COMPUTE_FP32, FP16_OPERANDS, BLOCK_M, BLOCK_ROWS, BLOCK_K,
+                            NUM_STAGES)
     return acc
 
 
@@ -497,8 +613,16 @@ TILES = {
 }
 
 
-def tiles_for(format: str, overrides: dict) -> dict:
-    """The format's tiles with `overrides` applied, checked against what the kernel can run."""
+# Tiles of one-row launches (one token) where `_project` has a CUDA-core path: MXFP4 (`_mxfp4_row_project`).
+# block_m is 1 there; the other settings mean what they mean in TILES.
+ROW_TILES = {
+    "mxfp4": _COMMON | {"block_n": 32, "block_k": 256, "num_stages": 1, "split_k": 2},
+}
+
+
+def tiles_for(format: str, overrides: dict, one_row: bool = False) -> dict:
+    """The format's tiles with `overrides` applied, checked against what the kernel can run; `one_row`: a launch
+    whose blocks are one row of activations each (one token), which takes the format's ROW_TILES if it has any."""
     unknown = set(overrides) - set(TILES[format])
     if unknown:
         raise ValueError(f"unknown tile settings {sorted(unknown)}; the kernel takes {sorted(TILES[format])}")
@@ -514,6 +638,8 @@ def tiles_for(format: str, overrides: dict) -> dict:
         raise ValueError(f"split_k must be a positive integer (shares of K), got {tiles['split_k']!r}")
     if tiles.get("operands", "bf16") not in ("bf16", "fp16"):
         raise ValueError(f"operands must be 'bf16' or 'fp16', got {tiles['operands']!r}")
+    if one_row and format in ROW_TILES:
+        tiles = ROW_TILES[format] | overrides | {"block_m": 1}
     return tiles
 
 
@@ -541,9 +667,9 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
         raise ValueError(f"hidden size {hidden.shape[-1]} differs from the experts' {h}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation!r} has no fused kernel; choose one of {sorted(ACTIVATIONS)}")
-    settings = tiles_for(gate_up.format, tiles)
-    compute_fp32 = hidden.dtype == torch.float32 if compute_fp32 is None else compute_fp32
     tokens, top_k = top_k_index.shape
+    settings = tiles_for(gate_up.format, tiles, one_row=tokens == 1)  # one token: every pair a block of one row
+    compute_fp32 = hidden.dtype == torch.float32 if compute_fp32 is None else compute_fp32
     blocks = _blocks(top_k_index, experts, settings["block_m"])
     splits = _splits(settings, blocks)
     settings |= dict(alpha=alpha, limit=limit, compute_fp32=compute_fp32, slot_of=slot_of, splits=splits)
@@ -566,8 +692,9 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, **tiles) -> torch.Tenso
     """A dense linear layer over a packed [1, N, K] weight (FP8 block-scaled or MXFP4): the MoE kernel with every
     row on the one expert, blocks of rows in order (no grouping launch), K split to fill the GPU when the output
     has few column tiles (tile `split_k` fixes the count). x [..., K] -> [..., N] in x's dtype."""
-    settings = tiles_for(weight.format, tiles) | dict(compute_fp32=x.dtype == torch.float32)
-    rows = _activations(x.reshape(-1, x.shape[-1]), settings)
+    rows = x.reshape(-1, x.shape[-1])
+    settings = tiles_for(weight.format, tiles, one_row=rows.shape[0] == 1) | dict(compute_fp32=x.dtype == torch.float32)
+    rows = _activations(rows, settings)
     _, n, k = weight.shape
     blocks = Blocks(ROWS_IN_ORDER, triton.cdiv(rows.shape[0], settings["block_m"]))
     split_k = settings.pop("split_k")

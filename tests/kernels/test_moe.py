@@ -206,8 +206,10 @@ def test_tiles_the_kernel_cannot_run_are_refused():
 
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="the PTX upcast runs on a GPU only")
-def test_mxfp4_upcast_decodes_every_code_at_every_scale_exactly():
-    """The GPU's MXFP4 -> bf16 upcast (`_E2M1_BF16_ASM`): all 256 bytes at E8M0 exponents from 1 (2^-126, bf16
+@pytest.mark.parametrize("rows_per_call", [384, 1])
+def test_mxfp4_upcast_decodes_every_code_at_every_scale_exactly(rows_per_call):
+    """The GPU's MXFP4 decodes, to bf16 for the tensor cores (`_E2M1_BF16_ASM`, all rows in one call) and to fp16
+    on the CUDA cores (`_E2M1_ROW_ASM`, one row per call): all 256 bytes at E8M0 exponents from 1 (2^-126, bf16
     subnormal products) to 250 (6 * 2^123, near bf16's top), through one-hot activations that read each weight back
     unrounded; the exponent 0 (2^-127) decodes as 0 (its largest value, 6 * 2^-127, is below 1e-37)."""
     from dflash_compile.kernels.moe import packed_linear
@@ -219,11 +221,31 @@ def test_mxfp4_upcast_decodes_every_code_at_every_scale_exactly():
     scales[0, ::2] = exponents  # two orders, so each exponent meets the group layout at another offset
     weight = PackedWeight("mxfp4", codes.to(DEVICE), scales.to(DEVICE))
     one_hot = torch.eye(32 * groups, dtype=torch.bfloat16, device=DEVICE)
-    actual = packed_linear(one_hot, weight).T.float().cpu()
+    actual = torch.cat([packed_linear(rows, weight) for rows in one_hot.split(rows_per_call)]).T.float().cpu()
     expected = weight.dequantize(torch.float32)[0].cpu().bfloat16().float()
     smallest = (scales[0].repeat_interleave(32, dim=1) == 0).cpu()
     torch.testing.assert_close(actual[~smallest], expected[~smallest], atol=0, rtol=0)
     assert actual[smallest].abs().max() <= 1e-37
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="the PTX decode runs on a GPU only")
+@pytest.mark.parametrize("scale, outlier", [(1.0, None), (1e-3, None), (3e5, None), (1.0, 1e4)])
+def test_one_row_mxfp4_activations_of_any_magnitude(scale, outlier):
+    """One token times MXFP4 weights on the CUDA cores: activations go to fp16 scaled by a power of two chosen from
+    their largest magnitude, so tiny ones (1e-3), huge ones (3e5, past fp16's 65504) and one outlier among unit
+    values all stay within the bf16 path's 1e-2 of the reference."""
+    experts, hidden, inter, top_k, _, interleaved, activation, bias = FAMILY_CASES["gpt_oss"]
+    gate_up, down = _experts("mxfp4", experts, hidden, inter, bias)
+    index, weights = _routing(1, experts, top_k)
+    x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(1)) * scale
+    if outlier is not None:
+        x[0, 7] = outlier
+    x = x.bfloat16()
+    expected = reference_moe(x.float(), index, weights, gate_up, down, interleaved, activation)
+    actual = fused_moe(x.to(DEVICE), index.to(DEVICE), weights.to(DEVICE), gate_up, down, interleaved=interleaved,
+                       activation=activation)
+    error = (actual.cpu().double() - expected).norm() / expected.norm()
+    assert actual.isfinite().all() and error <= 1e-2, f"relative error {error:.2e}"
 
 
 @pytest.mark.parametrize("format", ["fp8_block", "mxfp4"])
@@ -275,9 +297,10 @@ def test_experts_without_a_slot_are_read_from_their_host_blobs(format):
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(8))
     expected = reference_moe(x, index, weights, gate_up, down, False, "silu")
     pooled, on_host = layout.weights(pool, format), layout.weights(host, format)
-    actual = fused_moe(x.to(DEVICE), index.to(DEVICE), weights.to(DEVICE), *pooled, compute_fp32=True,
-                       host=on_host, slot_of=slot_of.to(DEVICE))
-    assert (actual.cpu().double() - expected).norm() / expected.norm() <= 1e-4
+    for rows in (slice(0, 3), slice(0, 1)):  # one token: MXFP4 on the CUDA-core path
+        actual = fused_moe(x[rows].to(DEVICE), index[rows].to(DEVICE), weights[rows].to(DEVICE), *pooled,
+                           compute_fp32=True, host=on_host, slot_of=slot_of.to(DEVICE))
+        assert (actual.cpu().double() - expected[rows]).norm() / expected[rows].norm() <= 1e-4
     with pytest.raises(ValueError, match="slot_of and host come together"):
         fused_moe(x.to(DEVICE), index.to(DEVICE), weights.to(DEVICE), *pooled, slot_of=slot_of.to(DEVICE))
     with pytest.raises(ValueError, match="the host weights must have the slot pool's strides"):
