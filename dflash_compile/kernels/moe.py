@@ -328,9 +328,9 @@ def _mxfp4_row_project(x_row, data, scales, rows, row_ok, K, k_start, k_stop, CO
     word = tl.arange(0, GROUPS)[:, None] * 4 + tl.arange(0, 4)[None, :]  # [GROUPS, 4]: the K step's words
     pair = tl.arange(0, 4)[:, None] + 4 * tl.arange(0, 2)[None, :]  # [4 pairs, 2 halves]: K offsets in a word
     offset = word[:, :, None, None] * 8 + pair[None, None, :, :]  # [GROUPS, 4, 4, 2]: each code's offset in the step
-    largest = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for k in tl.range(k_start, k_stop, BLOCK_K):
-        columns = k + tl.arange(0, BLOCK_K)
+    largest = tl.zeros((4 * BLOCK_K,), dtype=tl.float32)
+    for k in tl.range(k_start, k_stop, 4 * BLOCK_K):  # wide steps: fewer round trips before the first weight load
+        columns = k + tl.arange(0, 4 * BLOCK_K)
         largest = tl.maximum(largest, tl.abs(tl.load(x_row + columns, mask=columns < K, other=0.0).to(tl.float32)))
     exponent_of_largest = (tl.max(largest, axis=0).to(tl.int32, bitcast=True) >> 23) - 127
     shift = tl.minimum(14 - exponent_of_largest, 100)  # 2^shift stays finite in fp32 (all-zero x: any shift)
