@@ -26,6 +26,11 @@ arithmetic is wrong); otherwise tiles are bf16 into fp32 accumulators. Codes are
 fp8 casts inside the kernel, which the interpreter gets wrong). On the GPU, MXFP4 codes are decoded by inline PTX
 straight into the register pairs of the MMA operand (`_E2M1_BF16_ASM`), FP8 codes by the hardware conversion.
 
+One row of activations times MXFP4 weights (a decode step's launches, a dense layer's single row) runs on the CUDA
+cores instead (`_mxfp4_row_project`, tiles `ROW_TILES`): no tensor-core tile padded to 16 rows, codes decoded to fp16
+by a shift and a mask per pair (`_E2M1_ROW_ASM`) and multiplied in fp16x2, the activations scaled by a power of two
+that keeps them in fp16's range: ~3.9 instructions per weight against ~5 for the bf16 MMA operand's decode.
+
 `FP16_OPERANDS` (FP8 weights, tile setting `operands="fp16"`): the weights go to the tensor cores as fp16 through
 the one-instruction e4m3x2 -> f16x2 conversion (bf16 takes two per value), and the activations come in as fp16
 times FP16_PRESCALE (made once per call; the gate/up launch writes its output the same way for the down launch),
@@ -316,6 +321,19 @@ def _broadcast_quarters(t, like):
 
 
 @triton.jit
+def _row_step_loads(words, scales, x_row, rows, row_ok, k, stop, K, word, offset, GROUPS: tl.constexpr):
+    """One K step of `_mxfp4_row_project` from column k (nothing at or past `stop`): the packed words [ROWS, GROUPS,
+    4], their E8M0 exponents [ROWS, GROUPS] and the activations [GROUPS, 4 words, 4 pairs, 2 halves] in fp32."""
+    group = k // 32 + tl.arange(0, GROUPS)
+    ok = row_ok[:, None] & (group[None, :] < stop // 32)
+    packed = tl.load(words + rows[:, None, None] * (K // 8) + (k // 8 + word)[None, :, :], mask=ok[:, :, None],
+                     other=0)
+    exponent = tl.load(scales + rows[:, None] * (K // 32) + group[None, :], mask=ok, other=0).to(tl.int32)
+    xs = tl.load(x_row + k + offset, mask=k + offset < stop, other=0.0).to(tl.float32)
+    return packed, exponent, xs
+
+
+@triton.jit
 def _mxfp4_row_project(x_row, data, scales, rows, row_ok, K, k_start, k_stop, COMPUTE_FP32: tl.constexpr,
                        BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
     """[1, BLOCK_ROWS] fp32 = x_row @ W[rows]^T over K in [k_start, k_stop) for one row of activations, W MXFP4, on
@@ -328,6 +346,11 @@ def _mxfp4_row_project(x_row, data, scales, rows, row_ok, K, k_start, k_stop, CO
     word = tl.arange(0, GROUPS)[:, None] * 4 + tl.arange(0, 4)[None, :]  # [GROUPS, 4]: the K step's words
     pair = tl.arange(0, 4)[:, None] + 4 * tl.arange(0, 2)[None, :]  # [4 pairs, 2 halves]: K offsets in a word
     offset = word[:, :, None, None] * 8 + pair[None, None, :, :]  # [GROUPS, 4, 4, 2]: each code's offset in the step
+    words = data.to(tl.pointer_type(tl.int32))
+    stop = tl.minimum(k_stop, K)
+    # each step's loads are issued one step ahead (the first before the scan below), so a warp has two steps'
+    # weights in flight: the loop has no pipeline stages of its own (num_stages=1 measured fastest)
+    packed, exponent, xs = _row_step_loads(words, scales, x_row, rows, row_ok, k_start, stop, K, word, offset, GROUPS)
     largest = tl.zeros((4 * BLOCK_K,), dtype=tl.float32)
     for k in tl.range(k_start, k_stop, 4 * BLOCK_K):  # wide steps: fewer round trips before the first weight load
         columns = k + tl.arange(0, 4 * BLOCK_K)
@@ -337,14 +360,9 @@ def _mxfp4_row_project(x_row, data, scales, rows, row_ok, K, k_start, k_stop, CO
     x_scale = ((shift + 127) << 23).to(tl.float32, bitcast=True)
     unscale = ((141 - shift) << 23).to(tl.float32, bitcast=True)  # 2^(14 - shift)
     acc = tl.zeros((BLOCK_ROWS, GROUPS), dtype=tl.float32)
-    words = data.to(tl.pointer_type(tl.int32))
     for k in tl.range(k_start, k_stop, BLOCK_K, num_stages=NUM_STAGES):
-        group = k // 32 + tl.arange(0, GROUPS)
-        ok = row_ok[:, None] & (group[None, :] < K // 32)
-        packed = tl.load(words + rows[:, None, None] * (K // 8) + (k // 8 + word)[None, :, :], mask=ok[:, :, None],
-                         other=0)
-        exponent = tl.load(scales + rows[:, None] * (K // 32) + group[None, :], mask=ok, other=0).to(tl.int32)
-        xs = tl.load(x_row + k + offset, mask=k + offset < K, other=0.0).to(tl.float32)
+        next_packed, next_exponent, next_xs = _row_step_loads(words, scales, x_row, rows, row_ok, k + BLOCK_K, stop,
+                                                              K, word, offset, GROUPS)
         if COMPUTE_FP32:
             shifts = 4 * tl.arange(0, 4)[:, None] + 16 * tl.arange(0, 2)[None, :]
             codes = (packed[:, :, :, None, None] >> shifts[None, None, None, :, :]) & 15
@@ -360,6 +378,7 @@ def _mxfp4_row_project(x_row, data, scales, rows, row_ok, K, k_start, k_stop, CO
                 + _broadcast_quarters(pairs[2], acc) + _broadcast_quarters(pairs[3], acc)
                 + ((exponent << 23).to(tl.float32, bitcast=True), tl.broadcast_to(unscale, acc.shape), acc),
                 dtype=tl.float32, is_pure=True, pack=1)
+        packed, exponent, xs = next_packed, next_exponent, next_xs
     return tl.sum(acc, axis=1)[None, :]
 
 
@@ -604,19 +623,22 @@ def _activations(x: torch.Tensor, settings: dict) -> torch.Tensor:
 # program; block_k: K per step (FP8: a divisor of its 128-column scale block); num_stages: K steps in flight;
 # operands (FP8): "bf16" or "fp16" tensor-core operands (see FP16_OPERANDS); split_k: shares of K for one token's
 # launches (see `_splits`), > 1 adds a launch that sums the gate/up shares and activates them.
-# (CUDA-core tiles of 1-4 pairs and MXFP4 decoded by fp32 bit construction were measured too: 2-10x slower.)
+# (CUDA-core tiles of 1-4 pairs with MXFP4 decoded by fp32 bit construction measured 2-10x slower in session 4; the
+# one-row CUDA-core path with the fp16 PTX decode is another kernel: ROW_TILES.)
 _COMMON = {"block_m": 16, "block_n": 32, "num_warps": 4, "split_k": 1}
 TILES = {
-    "mxfp4": _COMMON | {"block_n": 64, "block_k": 128, "num_stages": 4, "split_k": 2},
+    "mxfp4": _COMMON | {"block_n": 64, "block_k": 128, "num_stages": 4},
     "fp8_block": _COMMON | {"block_n": 64, "block_k": 128, "num_stages": 4, "operands": "fp16"},
     "dense": _COMMON | {"block_k": 64, "num_stages": 3},
 }
 
 
 # Tiles of one-row launches (one token) where `_project` has a CUDA-core path: MXFP4 (`_mxfp4_row_project`).
-# block_m is 1 there; the other settings mean what they mean in TILES.
+# block_m is 1 there; the other settings mean what they mean in TILES. From `bench/moe_kernels.py --one-token-only`
+# on the H200 (docs/benchmarks.md, session 14): 16 columns on 2 warps over the whole K (no split, so no launch to
+# add shares) beat 32-64 columns, 4-8 warps, 128/512-wide steps and 2-3 shares by 4-30%.
 ROW_TILES = {
-    "mxfp4": _COMMON | {"block_n": 32, "block_k": 256, "num_stages": 1, "split_k": 2},
+    "mxfp4": _COMMON | {"block_n": 16, "block_k": 256, "num_warps": 2, "num_stages": 1, "split_k": 1},
 }
 
 

@@ -334,8 +334,9 @@ def test_fused_kernel_on_a_modules_own_bf16_layout(tiny, family):
     "fp32", pytest.param("bf16", marks=pytest.mark.skipif(DEVICE == "cpu", reason="the interpreter's bf16 is wrong"))])
 def test_one_token_split_over_k_matches_the_reference(format, family, split_k, precision):
     """split_k: one token's launches split K into shares whose partial sums are added afterwards (gpt-oss: 23 K
-    steps in shares of 8, 8 and 7, biases added once, clamped SwiGLU after the sum; K = 96 < block_k, so the second
-    share is empty). The reference's result and, to rounding, the unsplit kernel's; a batch does not split."""
+    steps of 128 in shares of 8, 8 and 7, MXFP4's 12 steps of 256 in 4, 4 and 4, biases added once, clamped SwiGLU
+    after the sum; K = 96 < block_k, so the second share is empty). The reference's result and, to rounding, the
+    unsplit kernel's; a batch does not split."""
     experts, hidden, inter, top_k, tokens, interleaved, activation, bias = FAMILY_CASES[family]
     gate_up, down = _experts(format, experts, hidden, inter, bias)
     if precision == "bf16" and format == "dense":
