@@ -269,13 +269,6 @@ def _mxfp4_tile(data, scales, rows, row_ok, k, K, COMPUTE_FP32: tl.constexpr, BL
     return tile
 
 
-# One row of activations times MXFP4 weights on the CUDA cores, one 32-code group per instance: $1-$4 the group's
-# four packed words (codes of K offsets 0..7 each), $5 + 4i + j the activations of word j's pair i as fp16x2 (K
-# offsets i and i + 4, scaled by 2^shift), $21 the group's scale 2^(e-127), $22 2^(14-shift), $23 the running sum
-# -> $0 = $23 + scale * 2^(14-shift) * the group's 32 products. Pair i's codes sit at bits 4i and 4i + 16, one shift
-# apart for both halves: the word shifted and masked to fp16 bits 9-11 (exponent, mantissa) and 15 (sign) is each
-# code times 2^-14 (E2M1's subnormal 0.5 lands on fp16's subnormal 2^-15). The products add in fp16x2, the two
-# halves in fp32.
 def _shifted(register: str, source: str, bits: int) -> str:
     """PTX for `register = source` shifted left by `bits` (right for negative bits)."""
     if bits == 0:
@@ -284,6 +277,13 @@ def _shifted(register: str, source: str, bits: int) -> str:
 
 
 def _row_group_asm() -> str:
+    """PTX for one row of activations times MXFP4 weights on the CUDA cores, one 32-code group per instance: $1-$4
+    the group's four packed words (codes of K offsets 0..7 each), $5 + 4i + j the activations of word j's pair i as
+    fp16x2 (K offsets i and i + 4, scaled by 2^shift), $21 the group's scale 2^(e-127), $22 2^(14-shift), $23 the
+    running sum -> $0 = $23 + scale * 2^(14-shift) * the group's 32 products. Pair i's codes sit at bits 4i and
+    4i + 16, one shift apart for both halves: the word shifted and masked to fp16 bits 9-11 (exponent, mantissa) and
+    15 (sign) is each code times 2^-14 (E2M1's subnormal 0.5 lands on fp16's subnormal 2^-15). The products add in
+    fp16x2 (a code has two significant bits), the two halves in fp32."""
     products = []
     for j in range(4):
         for i in range(4):
