@@ -10,7 +10,9 @@ bytes per warp instruction here; the MXFP4 decode by fp32 bit construction that 
 loop instructions. So "weight bytes per warp instruction" of the loop is a proxy for a kernel change that can be
 read before any GPU time is spent. Compiles with the specialisations the JIT makes on real shapes (16-byte aligned
 pointers, sizes divisible by 16), disassembles with the cuobjdump bundled with Triton, takes the longest backward
-branch as the K loop and prints its instruction count, its commonest opcodes and bytes per warp instruction.
+branch as the K loop and prints its instruction count, its commonest opcodes and bytes per warp instruction, and
+the registers per thread with the CTAs per SM they allow (the one-token CUDA-core path is latency-bound, so
+residency matters there).
 """
 
 from __future__ import annotations
@@ -67,12 +69,25 @@ def compile_kernel(format: str, gated: bool, tiles: dict, host_fallback: bool = 
                                                         "num_stages": tiles["num_stages"]})
 
 
-def k_loop(cubin: bytes) -> list[str]:
-    """The instructions of the longest loop in `cubin` (the K loop: every other loop is short bookkeeping)."""
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+def cuobjdump(cubin: bytes, *flags: str) -> str:
+    """The output of the cuobjdump bundled with Triton on `cubin`."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     path = Path("/tmp") / "dflash_kernel_sass.cubin"
     path.write_bytes(cubin)
-    sass = subprocess.run([str(cuobjdump), "-sass", str(path)], capture_output=True, text=True, check=True).stdout
+    return subprocess.run([str(tool), *flags, str(path)], capture_output=True, text=True, check=True).stdout
+
+
+def resident_ctas(cubin: bytes, num_warps: int) -> tuple[int, int]:
+    """(registers per thread, CTAs per SM that the registers allow on sm_90: 64K registers, allocated per warp in
+    units of 256, at most 64 warps)."""
+    registers = int(re.search(r"REG:(\d+)", cuobjdump(cubin, "--dump-resource-usage")).group(1))
+    per_warp = -(-registers * 32 // 256) * 256
+    return registers, min(65536 // (per_warp * num_warps), 64 // num_warps)
+
+
+def k_loop(cubin: bytes) -> list[str]:
+    """The instructions of the longest loop in `cubin` (the K loop: every other loop is short bookkeeping)."""
+    sass = cuobjdump(cubin, "-sass")
     code = [(int(address, 16), text.strip()) for address, text in
             re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
     loops = [(int(target, 16), address) for address, text in code
@@ -95,19 +110,22 @@ def main() -> None:
     overrides = {key: int(value) if value.isdigit() else value for key, value in
                  (item.split("=") for item in args.tiles)}
     print("| format | projection | tiles | loop instructions / thread | weight bytes / iteration | bytes / warp "
-          "instruction | commonest opcodes |")
-    print("|---|---|---|---|---|---|---|")
+          "instruction | registers / thread (CTAs per SM) | commonest opcodes |")
+    print("|---|---|---|---|---|---|---|---|")
     for format in args.format:
         tiles = tiles_for(format, overrides, one_row=args.one_token)
         for gated in (True, False):
-            loop = k_loop(compile_kernel(format, gated, tiles, args.host_fallback, args.one_token).asm["cubin"])
+            cubin = compile_kernel(format, gated, tiles, args.host_fallback, args.one_token).asm["cubin"]
+            loop = k_loop(cubin)
+            registers, ctas = resident_ctas(cubin, tiles["num_warps"])
             rows = tiles["block_n"] * (2 if gated else 1)
             weight_bytes = rows * tiles["block_k"] * {"dense": 2, "mxfp4": 0.5, "fp8_block": 1}[format]
             common = ", ".join(f"{name} {count}" for name, count in
                                collections.Counter(map(opcode, loop)).most_common(5))
             tile_text = " ".join(f"{key}={value}" for key, value in tiles.items())
             print(f"| {format} | {'gate_up' if gated else 'down'} | {tile_text} | {len(loop)} | {weight_bytes:.0f} | "
-                  f"{weight_bytes / (len(loop) * tiles['num_warps']):.2f} | {common} |", flush=True)
+                  f"{weight_bytes / (len(loop) * tiles['num_warps']):.2f} | {registers} ({ctas}) | {common} |",
+                  flush=True)
 
 
 if __name__ == "__main__":
