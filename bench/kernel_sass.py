@@ -69,25 +69,26 @@ def compile_kernel(format: str, gated: bool, tiles: dict, host_fallback: bool = 
                                                         "num_stages": tiles["num_stages"]})
 
 
-def cuobjdump(cubin: bytes, *flags: str) -> str:
-    """The output of the cuobjdump bundled with Triton on `cubin`."""
+def disassemble(cubin: bytes) -> str:
+    """`cubin`'s SASS and resource usage, from the cuobjdump bundled with Triton."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     path = Path("/tmp") / "dflash_kernel_sass.cubin"
     path.write_bytes(cubin)
-    return subprocess.run([str(tool), *flags, str(path)], capture_output=True, text=True, check=True).stdout
+    return subprocess.run([str(tool), "-sass", "--dump-resource-usage", str(path)], capture_output=True, text=True,
+                          check=True).stdout
 
 
-def resident_ctas(cubin: bytes, num_warps: int) -> tuple[int, int]:
+def resident_ctas(sass: str, num_warps: int) -> tuple[int, int]:
     """(registers per thread, CTAs per SM that the registers allow on sm_90: 64K registers, allocated per warp in
-    units of 256, at most 64 warps)."""
-    registers = int(re.search(r"REG:(\d+)", cuobjdump(cubin, "--dump-resource-usage")).group(1))
+    units of 256, at most 64 warps), from `disassemble`'s output."""
+    registers = int(re.search(r"REG:(\d+)", sass).group(1))
     per_warp = -(-registers * 32 // 256) * 256
     return registers, min(65536 // (per_warp * num_warps), 64 // num_warps)
 
 
-def k_loop(cubin: bytes) -> list[str]:
-    """The instructions of the longest loop in `cubin` (the K loop: every other loop is short bookkeeping)."""
-    sass = cuobjdump(cubin, "-sass")
+def k_loop(sass: str) -> list[str]:
+    """The instructions of the longest loop in `disassemble`'s output (the K loop: every other loop is short
+    bookkeeping)."""
     code = [(int(address, 16), text.strip()) for address, text in
             re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
     loops = [(int(target, 16), address) for address, text in code
@@ -115,9 +116,9 @@ def main() -> None:
     for format in args.format:
         tiles = tiles_for(format, overrides, one_row=args.one_token)
         for gated in (True, False):
-            cubin = compile_kernel(format, gated, tiles, args.host_fallback, args.one_token).asm["cubin"]
-            loop = k_loop(cubin)
-            registers, ctas = resident_ctas(cubin, tiles["num_warps"])
+            sass = disassemble(compile_kernel(format, gated, tiles, args.host_fallback, args.one_token).asm["cubin"])
+            loop = k_loop(sass)
+            registers, ctas = resident_ctas(sass, tiles["num_warps"])
             rows = tiles["block_n"] * (2 if gated else 1)
             weight_bytes = rows * tiles["block_k"] * {"dense": 2, "mxfp4": 0.5, "fp8_block": 1}[format]
             common = ", ".join(f"{name} {count}" for name, count in
