@@ -101,6 +101,11 @@ def opcode(instruction: str) -> str:
     return re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0].split(".")[0]
 
 
+def parse_tiles(items: list[str]) -> dict:
+    """Tile overrides from the command line: ["block_n=64", "operands=fp16"] -> {"block_n": 64, "operands": "fp16"}."""
+    return {key: int(value) if value.isdigit() else value for key, value in (item.split("=") for item in items)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--format", nargs="+", default=list(FORMATS), choices=list(FORMATS))
@@ -108,13 +113,12 @@ def main() -> None:
     parser.add_argument("--host-fallback", action="store_true", help="offload's slot table and host blobs")
     parser.add_argument("--one-token", action="store_true", help="a decode launch (tile split_k applies)")
     args = parser.parse_args()
-    overrides = {key: int(value) if value.isdigit() else value for key, value in
-                 (item.split("=") for item in args.tiles)}
+    overrides = parse_tiles(args.tiles)
     print("| format | projection | tiles | loop instructions / thread | weight bytes / iteration | bytes / warp "
           "instruction | registers / thread (CTAs per SM) | commonest opcodes |")
     print("|---|---|---|---|---|---|---|---|")
     for format in args.format:
-        tiles = tiles_for(format, overrides, one_row=args.one_token)
+        tiles = tiles_for(format, overrides, 1 if args.one_token else None)
         for gated in (True, False):
             sass = disassemble(compile_kernel(format, gated, tiles, args.host_fallback, args.one_token).asm["cubin"])
             loop = k_loop(sass)

@@ -6,6 +6,7 @@ the fused kernel on those same bf16 weights (a candidate for resident bf16 exper
     python bench/moe_kernels.py --shapes gpt-oss-20b --tokens 1 16
     python bench/moe_kernels.py --no-tune --baseline old_moe.py   # TILES as they are; vs another kernel version
     python bench/moe_kernels.py --shapes gpt-oss-20b --tokens 1 --one-token-only   # sweep one token's tiles only
+    python bench/moe_kernels.py --no-tune --shapes gpt-oss-20b --tokens 4 8 --tiles block_m=2   # M > 1 overrides
 
 Weights rotate over several layers so that L2 does not serve them. "bytes" are the routed experts' packed bytes
 (weights, scales, biases) that one call must read; GB/s is bytes / time, next to the device-to-device copy bandwidth
@@ -35,6 +36,7 @@ from dflash_compile.expert_store import Gate, expert_sum  # noqa: E402
 from dflash_compile.families import spec_for_experts_class  # noqa: E402
 from dflash_compile.kernels.moe import ROW_TILES, TILES, fused_moe  # noqa: E402
 from dflash_compile.packed import PackedWeight, expert_weights  # noqa: E402
+from kernel_sass import parse_tiles  # noqa: E402  (bench/, the script's own folder)
 
 SHAPES = {  # experts, top-k, hidden, intermediate, format, gpt-oss layout
     "gpt-oss-20b": (32, 4, 2880, 2880, "mxfp4", True),
@@ -287,11 +289,13 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, help="another moe.py to time on the same inputs and tiles")
     parser.add_argument("--profile", action="store_true", help="print each kernel's time in one fused call")
     parser.add_argument("--one-token-only", action="store_true", help="sweep one token's tiles only")
+    parser.add_argument("--tiles", nargs="*", default=[],
+                        help="overrides of the tiles for M > 1 with --no-tune, e.g. block_m=2 (the CUDA-core path)")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     copy_gbs = copy_bandwidth() / 1e9
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s")
-    tiles = {format: {"tensor_core": {}, "one_token": {}} for format in TILES}
+    tiles = {format: {"tensor_core": parse_tiles(args.tiles), "one_token": {}} for format in TILES}
     for format, name in () if args.no_tune else (("mxfp4", "gpt-oss-20b"), ("fp8_block", "qwen3-30b-a3b-fp8")):
         if format not in {SHAPES[shape][4] for shape in args.shapes}:
             continue

@@ -26,10 +26,11 @@ arithmetic is wrong); otherwise tiles are bf16 into fp32 accumulators. Codes are
 fp8 casts inside the kernel, which the interpreter gets wrong). On the GPU, MXFP4 codes are decoded by inline PTX
 straight into the register pairs of the MMA operand (`_E2M1_BF16_ASM`), FP8 codes by the hardware conversion.
 
-One row of activations times MXFP4 weights (a decode step's launches, a dense layer's single row) runs on the CUDA
-cores instead (`_mxfp4_row_project`, tiles `ROW_TILES`): no tensor-core tile padded to 16 rows, codes decoded to fp16
-by a shift and a mask per pair (`_E2M1_ROW_ASM`) and multiplied in fp16x2, the activations scaled by a power of two
-that keeps them in fp16's range: ~3.9 instructions per weight against ~5 for the bf16 MMA operand's decode.
+Blocks of one or two rows of activations times MXFP4 weights (a decode step's launches; verify sizes where experts
+get about one pair each, `few_rows_per_block`; a dense layer's one or two rows) run on the CUDA cores instead
+(`_mxfp4_row_project`, tiles `ROW_TILES`): no tensor-core tile padded to 16 rows, codes decoded to fp16 by a shift
+and a mask per pair (`_E2M1_ROW_ASM`) and multiplied in fp16x2, the activations scaled by a power of two that keeps
+them in fp16's range: ~3.9 instructions per weight for one row against ~5 for the bf16 MMA operand's decode.
 
 `FP16_OPERANDS` (FP8 weights, tile setting `operands="fp16"`): the weights go to the tensor cores as fp16 through
 the one-instruction e4m3x2 -> f16x2 conversion (bf16 takes two per value), and the activations come in as fp16
@@ -313,73 +314,83 @@ def _quarters(t):
 
 
 @triton.jit
-def _broadcast_quarters(t, like):
-    """`_quarters` of a [GROUPS, 4] tensor, each broadcast to `like` ([ROWS, GROUPS])."""
-    first, second, third, fourth = _quarters(t)
-    return (tl.broadcast_to(first[None, :], like.shape), tl.broadcast_to(second[None, :], like.shape),
-            tl.broadcast_to(third[None, :], like.shape), tl.broadcast_to(fourth[None, :], like.shape))
+def _broadcast_quarters(t, shape: tl.constexpr):
+    """`_quarters` of t broadcast to `shape` ([BLOCK_M, ROWS, GROUPS, 4])."""
+    return _quarters(tl.broadcast_to(t, shape))
 
 
 @triton.jit
-def _row_step_loads(words, scales, x_row, rows, row_ok, k, stop, K, word, offset, GROUPS: tl.constexpr):
+def _row_step_loads(words, scales, x_rows, rows, row_ok, k, stop, K, word, offset, GROUPS: tl.constexpr):
     """One K step of `_mxfp4_row_project` from column k (nothing at or past `stop`): the packed words [ROWS, GROUPS,
-    4], their E8M0 exponents [ROWS, GROUPS] and the activations [GROUPS, 4 words, 4 pairs, 2 halves] in fp32."""
+    4], their E8M0 exponents [ROWS, GROUPS] and the activations [BLOCK_M, GROUPS, 4 words, 4 pairs, 2 halves] in
+    fp32."""
     group = k // 32 + tl.arange(0, GROUPS)
     ok = row_ok[:, None] & (group[None, :] < stop // 32)
     packed = tl.load(words + rows[:, None, None] * (K // 8) + (k // 8 + word)[None, :, :], mask=ok[:, :, None],
                      other=0)
     exponent = tl.load(scales + rows[:, None] * (K // 32) + group[None, :], mask=ok, other=0).to(tl.int32)
-    xs = tl.load(x_row + k + offset, mask=k + offset < stop, other=0.0).to(tl.float32)
-    return packed, exponent, xs
+    xs = tl.load(x_rows[:, None, None, None, None] + k + offset[None, :, :, :, :],
+                 mask=(k + offset < stop)[None, :, :, :, :], other=0.0)
+    return packed, exponent, xs.to(tl.float32)
 
 
 @triton.jit
-def _mxfp4_row_project(x_row, data, scales, rows, row_ok, K, k_start, k_stop, COMPUTE_FP32: tl.constexpr,
-                       BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """[1, BLOCK_ROWS] fp32 = x_row @ W[rows]^T over K in [k_start, k_stop) for one row of activations, W MXFP4, on
-    the CUDA cores: no tensor-core tile padded to 16 rows, and per code a shift-and-mask decode and half an fp16x2
-    multiply-add (`_E2M1_ROW_ASM`). The activations go to fp16 scaled by a power of two that puts their largest
-    magnitude in this share of K in [2^14, 2^15): no fp16 overflow, and products too small for fp16's normal range
-    are below 2^-28 of the largest. The packed bytes are read as 4-byte words, 8 codes each (as 8-byte loads: the
-    16-byte loads that aligned addressing allows measured 16% slower on the H200)."""
+def _mxfp4_row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_stop,
+                       COMPUTE_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                       BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """[BLOCK_M, BLOCK_ROWS] fp32 = x[pair_rows] @ W[rows]^T over K in [k_start, k_stop) for a few rows of
+    activations (BLOCK_M < 16), W MXFP4, on the CUDA cores: no tensor-core tile padded to 16 rows, and per code a
+    shift-and-mask decode and half an fp16x2 multiply-add per row of activations (`_E2M1_ROW_ASM`, one instance per
+    row and group: the instances of one group share its words, so ptxas decodes them once for all rows). Each row of
+    activations goes to fp16 scaled by a power of two that puts its largest magnitude in this share of K in [2^14,
+    2^15): no fp16 overflow, and products too small for fp16's normal range are below 2^-28 of the row's largest.
+    The packed bytes are read as 4-byte words, 8 codes each (as 8-byte loads: the 16-byte loads that aligned
+    addressing allows measured 16% slower on the H200)."""
     GROUPS: tl.constexpr = BLOCK_K // 32
     word = tl.arange(0, GROUPS)[:, None] * 4 + tl.arange(0, 4)[None, :]  # [GROUPS, 4]: the K step's words
     pair = tl.arange(0, 4)[:, None] + 4 * tl.arange(0, 2)[None, :]  # [4 pairs, 2 halves]: K offsets in a word
     offset = word[:, :, None, None] * 8 + pair[None, None, :, :]  # [GROUPS, 4, 4, 2]: each code's offset in the step
     words = data.to(tl.pointer_type(tl.int32))
+    x_rows = x + pair_rows.to(tl.int64) * K  # a block's padding rows read row 0: their results are not stored
     stop = tl.minimum(k_stop, K)
     # each step's loads are issued one step ahead (the first before the scan below), so a warp has two steps'
     # weights in flight: the loop has no pipeline stages of its own (num_stages=1 measured fastest)
-    packed, exponent, xs = _row_step_loads(words, scales, x_row, rows, row_ok, k_start, stop, K, word, offset, GROUPS)
-    largest = tl.zeros((4 * BLOCK_K,), dtype=tl.float32)
+    packed, exponent, xs = _row_step_loads(words, scales, x_rows, rows, row_ok, k_start, stop, K, word, offset,
+                                           GROUPS)
+    largest = tl.zeros((BLOCK_M, 4 * BLOCK_K), dtype=tl.float32)
     for k in tl.range(k_start, k_stop, 4 * BLOCK_K):  # wide steps: fewer round trips before the first weight load
         columns = k + tl.arange(0, 4 * BLOCK_K)
-        largest = tl.maximum(largest, tl.abs(tl.load(x_row + columns, mask=columns < K, other=0.0).to(tl.float32)))
-    exponent_of_largest = (tl.max(largest, axis=0).to(tl.int32, bitcast=True) >> 23) - 127
+        step = tl.load(x_rows[:, None] + columns[None, :], mask=columns[None, :] < K, other=0.0)
+        largest = tl.maximum(largest, tl.abs(step.to(tl.float32)))
+    exponent_of_largest = (tl.max(largest, axis=1).to(tl.int32, bitcast=True) >> 23) - 127
     shift = tl.minimum(14 - exponent_of_largest, 100)  # 2^shift stays finite in fp32 (all-zero x: any shift)
-    x_scale = ((shift + 127) << 23).to(tl.float32, bitcast=True)
-    unscale = ((141 - shift) << 23).to(tl.float32, bitcast=True)  # 2^(14 - shift)
-    acc = tl.zeros((BLOCK_ROWS, GROUPS), dtype=tl.float32)
+    x_scale = ((shift + 127) << 23).to(tl.float32, bitcast=True)[:, None, None, None, None]
+    unscale = ((141 - shift) << 23).to(tl.float32, bitcast=True)[:, None, None]  # 2^(14 - shift)
+    acc = tl.zeros((BLOCK_M, BLOCK_ROWS, GROUPS), dtype=tl.float32)
     for k in tl.range(k_start, k_stop, BLOCK_K, num_stages=NUM_STAGES):
-        next_packed, next_exponent, next_xs = _row_step_loads(words, scales, x_row, rows, row_ok, k + BLOCK_K, stop,
-                                                              K, word, offset, GROUPS)
+        next_packed, next_exponent, next_xs = _row_step_loads(words, scales, x_rows, rows, row_ok, k + BLOCK_K,
+                                                              stop, K, word, offset, GROUPS)
         if COMPUTE_FP32:
             shifts = 4 * tl.arange(0, 4)[:, None] + 16 * tl.arange(0, 2)[None, :]
             codes = (packed[:, :, :, None, None] >> shifts[None, None, None, :, :]) & 15
-            products = tl.sum(tl.sum(tl.sum(_e2m1(codes) * xs[None, :, :, :, :], axis=4), axis=3), axis=2)
-            acc += products * tl.exp2(exponent.to(tl.float32) - 127.0)
-        else:  # one asm instance per group: its words and their activation pairs as separate [.., GROUPS] operands
+            products = _e2m1(codes)[None, :, :, :, :, :] * xs[:, None, :, :, :, :]
+            acc += tl.sum(tl.sum(tl.sum(products, axis=5), axis=4), axis=3) * tl.exp2(exponent.to(tl.float32)
+                                                                                      - 127.0)[None, :, :]
+        else:  # one asm instance per row and group: words and activation pairs as separate [.., GROUPS] operands
             halves = (xs * x_scale).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
             low, high = tl.split(halves)
-            pairs = _quarters(low | (high << 16))  # pair i of every word: [GROUPS, 4 words]
+            pairs = _quarters(low | (high << 16))  # pair i of every word: [BLOCK_M, GROUPS, 4 words]
+            shape: tl.constexpr = (BLOCK_M, BLOCK_ROWS, GROUPS, 4)
             acc = tl.inline_asm_elementwise(
                 _E2M1_ROW_ASM, _E2M1_ROW_CONSTRAINTS,
-                _quarters(packed) + _broadcast_quarters(pairs[0], acc) + _broadcast_quarters(pairs[1], acc)
-                + _broadcast_quarters(pairs[2], acc) + _broadcast_quarters(pairs[3], acc)
-                + ((exponent << 23).to(tl.float32, bitcast=True), tl.broadcast_to(unscale, acc.shape), acc),
+                _broadcast_quarters(packed[None, :, :, :], shape) + _broadcast_quarters(pairs[0][:, None], shape)
+                + _broadcast_quarters(pairs[1][:, None], shape) + _broadcast_quarters(pairs[2][:, None], shape)
+                + _broadcast_quarters(pairs[3][:, None], shape)
+                + (tl.broadcast_to((exponent << 23).to(tl.float32, bitcast=True)[None, :, :], acc.shape),
+                   tl.broadcast_to(unscale, acc.shape), acc),
                 dtype=tl.float32, is_pure=True, pack=1)
         packed, exponent, xs = next_packed, next_exponent, next_xs
-    return tl.sum(acc, axis=1)[None, :]
+    return tl.sum(acc, axis=2)
 
 
 @triton.jit
@@ -443,11 +454,10 @@ def _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start, k_st
              BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
     """[BLOCK_M, BLOCK_ROWS] fp32 = x[pair_rows] @ W[rows]^T over K in [k_start, k_stop), W the expert at `data` /
     `scales` (dense weights at any row / column strides, e.g. a transposed view of [E, in, out] parameters): on the
-    tensor cores, or for one row of activations (BLOCK_M = 1) times MXFP4 weights on the CUDA cores."""
-    if FORMAT == 1 and BLOCK_M == 1:
-        x_row = x + tl.sum(pair_rows.to(tl.int64), axis=0) * K
-        acc = _mxfp4_row_project(x_row, data, scales, rows, row_ok, K, k_start, k_stop, COMPUTE_FP32, BLOCK_ROWS,
-                                 BLOCK_K, NUM_STAGES)
+    tensor cores, or for a few rows of activations (BLOCK_M < 16) times MXFP4 weights on the CUDA cores."""
+    if FORMAT == 1 and BLOCK_M < 16:
+        acc = _mxfp4_row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_stop,
+                                 COMPUTE_FP32, BLOCK_M, BLOCK_ROWS, BLOCK_K, NUM_STAGES)
     else:
         acc = _tile_project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start, k_stop, row_stride,
                             column_stride, FORMAT, COMPUTE_FP32, FP16_OPERANDS, BLOCK_M, BLOCK_ROWS, BLOCK_K,
@@ -624,7 +634,7 @@ def _activations(x: torch.Tensor, settings: dict) -> torch.Tensor:
 # operands (FP8): "bf16" or "fp16" tensor-core operands (see FP16_OPERANDS); split_k: shares of K for one token's
 # launches (see `_splits`), > 1 adds a launch that sums the gate/up shares and activates them.
 # (CUDA-core tiles of 1-4 pairs with MXFP4 decoded by fp32 bit construction measured 2-10x slower in session 4; the
-# one-row CUDA-core path with the fp16 PTX decode is another kernel: ROW_TILES.)
+# CUDA-core path for blocks of 1-2 rows with the fp16 PTX decode has tiles of its own: ROW_TILES.)
 _COMMON = {"block_m": 16, "block_n": 32, "num_warps": 4, "split_k": 1}
 TILES = {
     "mxfp4": _COMMON | {"block_n": 64, "block_k": 128, "num_stages": 4},
@@ -633,35 +643,63 @@ TILES = {
 }
 
 
-# Tiles of one-row launches (one token) where `_project` has a CUDA-core path: MXFP4 (`_mxfp4_row_project`).
-# block_m is 1 there; the other settings mean what they mean in TILES. From `bench/moe_kernels.py --one-token-only`
-# on the H200 (docs/benchmarks.md, session 14): 16 columns on 2 warps over the whole K (no split, so no launch to
-# add shares) beat 32-64 columns, 4-8 warps, 128/512-wide steps and 2-3 shares by 4-30%.
+# Tiles of launches with blocks of fewer than 16 rows where `_project` has a CUDA-core path: MXFP4
+# (`_mxfp4_row_project`), by rows per block (more rows than the largest key: its tiles). The settings mean what they
+# mean in TILES. From `bench/moe_kernels.py` on the H200 (docs/benchmarks.md): for one row (session 14,
+# `--one-token-only`), 16 columns on 2 warps over the whole K (no split, so no launch to add shares) beat 32-64
+# columns, 4-8 warps, 128/512-wide steps and 2-3 shares by 4-30%; for two (session 15, `--tiles block_m=2 ...`),
+# 32 columns on 4 warps (the same rows per warp; each step's activations converted once for twice the rows) beat
+# 16 on 2 by 4-9%, and 128-wide steps, or 4 warps on 16 columns, by 7-17%.
+_ROW_STEP = {"block_k": 256, "num_stages": 1, "split_k": 1}
 ROW_TILES = {
-    "mxfp4": _COMMON | {"block_n": 16, "block_k": 256, "num_warps": 2, "num_stages": 1, "split_k": 1},
+    "mxfp4": {1: _COMMON | _ROW_STEP | {"block_n": 16, "num_warps": 2},
+              2: _COMMON | _ROW_STEP | {"block_n": 32, "num_warps": 4}},
 }
 
 
-def tiles_for(format: str, overrides: dict, one_row: bool = False) -> dict:
-    """The format's tiles with `overrides` applied, checked against what the kernel can run; `one_row`: a launch
-    whose blocks are one row of activations each (one token), which takes the format's ROW_TILES if it has any."""
+PAIRS_PER_EXPERT_ON_CUDA_CORES = 1.3  # at most this many per routed expert: blocks of 2 rows on the CUDA cores
+
+
+def few_rows_per_block(tokens: int, top_k: int, experts: int) -> int | None:
+    """Rows per block for an MoE call whose experts get few pairs each, for formats with a CUDA-core path
+    (`tiles_for`'s few_rows): one token's pairs are a block each; up to PAIRS_PER_EXPERT_ON_CUDA_CORES pairs per
+    routed expert under uniform routing (E * (1 - (1 - k/E)^M) experts routed), blocks of 2 (most experts get one or
+    two pairs, so blocks of 16 on the tensor cores would be mostly padding). None: the tensor-core tiles. From
+    bench/moe_kernels.py on the H200 (session 15): blocks of 2 beat the tensor cores by 1.25x / 1.26x at M = 4 for
+    gpt-oss-20b / 120b (1.19 / 1.05 pairs per expert), 1.13x / 1.12x for 120b at M = 8 / 16 (1.13 / 1.25); at 1.56
+    (20b, M = 8) by 1.05x only (routing less uniform than this estimate would lose it), and at 2.27 (20b, M = 16)
+    they lose 1.26x, reading experts again for their third pair."""
+    if tokens == 1:
+        return 1
+    routed = experts * (1 - (1 - top_k / experts) ** tokens)
+    return 2 if tokens * top_k / routed <= PAIRS_PER_EXPERT_ON_CUDA_CORES else None
+
+
+def tiles_for(format: str, overrides: dict, few_rows: int | None = None) -> dict:
+    """The format's tiles with `overrides` applied, checked against what the kernel can run. `few_rows`: the rows
+    per block for a launch with few rows per expert (one token: 1), taken where the format has a CUDA-core path for
+    them (ROW_TILES, chosen by block_m < 16) and no block_m override."""
     unknown = set(overrides) - set(TILES[format])
     if unknown:
         raise ValueError(f"unknown tile settings {sorted(unknown)}; the kernel takes {sorted(TILES[format])}")
-    tiles = TILES[format] | overrides
-    block_k, block_m = tiles["block_k"], tiles["block_m"]
+    preferred = few_rows if few_rows is not None and format in ROW_TILES else TILES[format]["block_m"]
+    block_m = overrides.get("block_m", preferred)
+    if block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two, got {block_m}")
+    if block_m < 16 and format not in ROW_TILES:
+        raise ValueError(f"block_m must be >= 16 for {format} weights (tensor-core tiles; only "
+                         f"{sorted(ROW_TILES)} have a CUDA-core path for fewer rows), got {block_m}")
+    base = TILES[format] if block_m >= 16 else ROW_TILES[format][min(block_m, max(ROW_TILES[format]))]
+    tiles = base | overrides | {"block_m": block_m}
+    block_k = tiles["block_k"]
     if block_k % 32 or block_k & (block_k - 1):
         raise ValueError(f"block_k must be a power of two and a multiple of 32 (one MXFP4 group), got {block_k}")
     if format == "fp8_block" and block_k > 128:
         raise ValueError(f"fp8_block needs block_k <= 128 (one scale per 128 columns), got {block_k}")
-    if block_m < 16 or block_m & (block_m - 1):
-        raise ValueError(f"block_m must be a power of two >= 16 (tensor-core tiles), got {block_m}")
     if not isinstance(tiles["split_k"], int) or tiles["split_k"] < 1:
         raise ValueError(f"split_k must be a positive integer (shares of K), got {tiles['split_k']!r}")
     if tiles.get("operands", "bf16") not in ("bf16", "fp16"):
         raise ValueError(f"operands must be 'bf16' or 'fp16', got {tiles['operands']!r}")
-    if one_row and format in ROW_TILES:
-        tiles = ROW_TILES[format] | overrides | {"block_m": 1}
     return tiles
 
 
@@ -690,7 +728,7 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation!r} has no fused kernel; choose one of {sorted(ACTIVATIONS)}")
     tokens, top_k = top_k_index.shape
-    settings = tiles_for(gate_up.format, tiles, one_row=tokens == 1)  # one token: every pair a block of one row
+    settings = tiles_for(gate_up.format, tiles, few_rows_per_block(tokens, top_k, experts))
     compute_fp32 = hidden.dtype == torch.float32 if compute_fp32 is None else compute_fp32
     blocks = _blocks(top_k_index, experts, settings["block_m"])
     splits = _splits(settings, blocks)
@@ -715,7 +753,8 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, **tiles) -> torch.Tenso
     row on the one expert, blocks of rows in order (no grouping launch), K split to fill the GPU when the output
     has few column tiles (tile `split_k` fixes the count). x [..., K] -> [..., N] in x's dtype."""
     rows = x.reshape(-1, x.shape[-1])
-    settings = tiles_for(weight.format, tiles, one_row=rows.shape[0] == 1) | dict(compute_fp32=x.dtype == torch.float32)
+    few_rows = rows.shape[0] if rows.shape[0] <= 2 else None  # one block of 1-2 rows: the weights read once
+    settings = tiles_for(weight.format, tiles, few_rows) | dict(compute_fp32=x.dtype == torch.float32)
     rows = _activations(rows, settings)
     _, n, k = weight.shape
     blocks = Blocks(ROWS_IN_ORDER, triton.cdiv(rows.shape[0], settings["block_m"]))

@@ -201,8 +201,11 @@ def test_tiles_the_kernel_cannot_run_are_refused():
         call(block_k=96)
     with pytest.raises(ValueError, match=r"unknown tile settings \['block_z'\]"):
         call(block_z=8)
-    with pytest.raises(ValueError, match=r"block_m must be a power of two >= 16 \(tensor-core tiles\), got 4"):
+    with pytest.raises(ValueError, match=r"block_m must be >= 16 for fp8_block weights \(tensor-core tiles; only "
+                                         r"\['mxfp4'\] have a CUDA-core path for fewer rows\), got 4"):
         call(block_m=4)
+    with pytest.raises(ValueError, match="block_m must be a power of two, got 3"):
+        call(block_m=3)
 
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="the PTX upcast runs on a GPU only")
@@ -246,6 +249,37 @@ def test_one_row_mxfp4_activations_of_any_magnitude(scale, outlier):
                        activation=activation)
     error = (actual.cpu().double() - expected).norm() / expected.norm()
     assert actual.isfinite().all() and error <= 1e-2, f"relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("precision", [
+    "fp32", pytest.param("bf16", marks=pytest.mark.skipif(DEVICE == "cpu", reason="the interpreter's bf16 is wrong"))])
+def test_blocks_of_two_rows_on_the_cuda_cores(precision):
+    """MXFP4 blocks of 2 rows (verify sizes with about one pair per expert) on the CUDA-core path: each row's
+    activations get their own fp16 scale, so tokens of very different magnitudes (1e-3, 1, 3e5) sharing an expert's
+    block all stay within tolerance, as does the padding row of a block with one pair."""
+    gate_up, down = _experts("mxfp4", 4, 256, 64, bias=True, seed=9)
+    index = torch.tensor([[0, 1], [0, 2], [1, 3]])  # expert 0 and 1: two pairs each; 2 and 3: one (a padded block)
+    weights = torch.softmax(torch.randn(3, 2, generator=torch.Generator().manual_seed(10)), dim=-1)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(11)) * torch.tensor([[1e-3], [1.0], [3e5]])
+    x = x if precision == "fp32" else x.bfloat16()
+    expected = reference_moe(x.float(), index, weights, gate_up, down, True, "clamped_swiglu")
+    actual = fused_moe(x.to(DEVICE), index.to(DEVICE), weights.to(DEVICE), gate_up, down, interleaved=True,
+                       activation="clamped_swiglu", block_m=2).cpu().double()
+    for token in range(3):  # each token against its own magnitude
+        error = (actual[token] - expected[token]).norm() / expected[token].norm()
+        assert error <= (1e-4 if precision == "fp32" else 1e-2), f"token {token}: relative error {error:.2e}"
+
+
+def test_few_rows_per_block_follows_the_pairs_per_routed_expert():
+    """One token: a block per pair; about one pair per routed expert: blocks of 2 on the CUDA cores; more: None
+    (tensor-core tiles of 16)."""
+    from dflash_compile.kernels.moe import few_rows_per_block
+
+    assert few_rows_per_block(1, 4, 32) == 1
+    assert few_rows_per_block(4, 4, 32) == 2  # gpt-oss-20b verifying 4 tokens: 1.19 pairs per routed expert
+    assert few_rows_per_block(16, 4, 128) == 2  # gpt-oss-120b, 16 tokens: 1.25
+    assert few_rows_per_block(8, 4, 32) is None  # gpt-oss-20b, 8 tokens: 1.56
+    assert few_rows_per_block(64, 8, 128) is None
 
 
 @pytest.mark.parametrize("format", ["fp8_block", "mxfp4"])
