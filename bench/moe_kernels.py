@@ -34,7 +34,7 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_compile.expert_store import Gate, expert_sum  # noqa: E402
 from dflash_compile.families import spec_for_experts_class  # noqa: E402
-from dflash_compile.kernels.moe import ROW_TILES, TILES, fused_moe  # noqa: E402
+from dflash_compile.kernels.moe import ROW_TILES, TILES, few_rows_per_block, fused_moe  # noqa: E402
 from dflash_compile.packed import PackedWeight, expert_weights  # noqa: E402
 from kernel_sass import parse_tiles  # noqa: E402  (bench/, the script's own folder)
 
@@ -160,7 +160,8 @@ def kernel_times_us(call, repeats: int = 20) -> str:
 
 
 def run_shape(name, tokens_list, layers, tiles, copy_gbs, rows, baseline=None, profile=False):
-    """Times and checks one shape at each M; `tiles`: {"tensor_core": ..., "one_token": ...} overrides."""
+    """Times and checks one shape at each M; `tiles`: {"tensor_core": ..., "few_rows": ..., "one_token": ...}
+    overrides, each for the calls that take that path (`path_tiles`)."""
     experts, top_k, hidden, inter, format, gpt_oss = SHAPES[name]
     activation = "clamped_swiglu" if gpt_oss else "silu"
     packed = [(random_packed(format, experts, 2 * inter, hidden, gpt_oss),
@@ -168,7 +169,7 @@ def run_shape(name, tokens_list, layers, tiles, copy_gbs, rows, baseline=None, p
     per_expert = expert_bytes(packed[0][0]) + expert_bytes(packed[0][1])
     baseline_b, fused_bf16 = zip(*[bf16_experts(name, experts, hidden, inter) for _ in range(min(layers, 2))])
     for tokens in tokens_list:
-        tuning = tiles["one_token" if tokens == 1 else "tensor_core"]
+        tuning = path_tiles(tiles, tokens, top_k, experts)
         generator = torch.Generator(device="cuda").manual_seed(tokens)
         index = torch.rand(tokens, experts, device="cuda", generator=generator).argsort(dim=1)[:, :top_k]
         weights = torch.softmax(torch.randn(tokens, top_k, device="cuda", generator=generator), dim=-1)
@@ -184,8 +185,6 @@ def run_shape(name, tokens_list, layers, tiles, copy_gbs, rows, baseline=None, p
         moved = touched * per_expert
         fused_us = graph_time_us([lambda g=g, d=d: fused(g, d) for g, d in packed])
         read_us = read_time_us(moved, layers)
-        if profile:
-            print(f"{name:18s} M={tokens:3d} kernels (us): {kernel_times_us(lambda: fused(*packed[0]))}", flush=True)
         if baseline is not None:
             run_baseline = lambda g, d: baseline(x, index, weights, g, d, interleaved=gpt_oss,  # noqa: E731
                                                  activation=activation, **tuning)
@@ -203,6 +202,9 @@ def run_shape(name, tokens_list, layers, tiles, copy_gbs, rows, baseline=None, p
         fused_bf16_us = graph_time_us([lambda f=f: f(x, index, weights) for f in fused_bf16])
         bf16_error = ((fused_bf16[0](x, index, weights).double() - baseline_b[0](x, index, weights).double()).norm()
                       / baseline_b[0](x, index, weights).double().norm()).item()
+        if profile:  # after this M's timings: the profiler slows what runs after it (session 15, H200: the same
+            # kernel timed as a baseline after a profile read 5% slower), so A/B numbers come from runs without it
+            print(f"{name:18s} M={tokens:3d} kernels (us): {kernel_times_us(lambda: fused(*packed[0]))}", flush=True)
         row = {"shape": name, "format": format, "tokens": tokens, "experts_touched": touched, "mbytes": moved / 1e6,
                "fused_us": fused_us, "fused_no_graph_us": eager_us, "fused_gbs": moved / fused_us / 1e3,
                "fraction_of_copy": moved / fused_us / 1e3 / copy_gbs, "one_read_us": read_us,
@@ -223,10 +225,18 @@ def run_shape(name, tokens_list, layers, tiles, copy_gbs, rows, baseline=None, p
 SPLIT_K = (1, 2, 3, 4, 6)  # shares of K for one token's launches, swept on the best tiles
 
 
+def path_tiles(tiles: dict, tokens: int, top_k: int, experts: int) -> dict:
+    """The tiles swept for the path `fused_moe` takes on a call of this size: one token's, the CUDA-core blocks of
+    few rows (`few_rows_per_block`), or the tensor cores'."""
+    if tokens == 1:
+        return tiles["one_token"]
+    return tiles["few_rows"] if few_rows_per_block(tokens, top_k, experts) else tiles["tensor_core"]
+
+
 def tile_candidates(format: str):
     """The tensor-core sweep (M > 1): output tiles, K steps (FP8 up to its 128-column scale block) and K steps in
-    flight. (CUDA-core tiles of 1-4 pairs with an fp32 MXFP4 decode lost by 2-10x on 2026-11-30; the one-row
-    CUDA-core path with the fp16 PTX decode is swept by `one_token_candidates`.)"""
+    flight. (CUDA-core tiles of 1-4 pairs with an fp32 MXFP4 decode lost by 2-10x on 2026-11-30; the CUDA-core path
+    with the fp16 PTX decode is swept by `row_candidates`.)"""
     block_ks = (64, 128) if format == "fp8_block" else (128, 256)
     for block_n in (16, 32, 64):
         for block_k in block_ks:
@@ -238,16 +248,18 @@ def tile_candidates(format: str):
             yield {"block_n": block_n, "block_k": 128, "num_warps": 4, "num_stages": 4, "operands": "fp16"}
 
 
-def one_token_candidates(format: str, tensor_core: dict):
-    """One token's launches: the CUDA-core path's tiles where the format has one (ROW_TILES), else the tensor-core
-    tiles; their K split is swept afterwards."""
-    if format not in ROW_TILES:
-        yield tensor_core
-        return
+def row_candidates():
+    """Tiles of the CUDA-core path (ROW_TILES) for blocks of one or a few rows."""
     for block_n in (16, 32, 64):  # one K step in flight: cp.async stages lost 7-26% in session 14's sweep
         for num_warps in (2, 4):
             for block_k in (128, 256):
                 yield {"block_n": block_n, "block_k": block_k, "num_warps": num_warps, "num_stages": 1}
+
+
+def one_token_candidates(format: str, tensor_core: dict):
+    """One token's launches: the CUDA-core path's tiles where the format has one (ROW_TILES), else the tensor-core
+    tiles; their K split is swept afterwards."""
+    yield from row_candidates() if format in ROW_TILES else [tensor_core]
 
 
 def tune(name: str, tokens_list, layers: int, candidates) -> dict:
@@ -287,7 +299,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--no-tune", action="store_true", help="the kernels' TILES as they are, no sweep")
     parser.add_argument("--baseline", type=Path, help="another moe.py to time on the same inputs and tiles")
-    parser.add_argument("--profile", action="store_true", help="print each kernel's time in one fused call")
+    parser.add_argument("--profile", action="store_true",
+                        help="print each kernel's time in one fused call (later timings read slower: A/B without it)")
     parser.add_argument("--one-token-only", action="store_true", help="sweep one token's tiles only")
     parser.add_argument("--tiles", nargs="*", default=[],
                         help="overrides of the tiles for M > 1 with --no-tune, e.g. block_m=2 (the CUDA-core path)")
@@ -295,12 +308,15 @@ def main() -> None:
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     copy_gbs = copy_bandwidth() / 1e9
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s")
-    tiles = {format: {"tensor_core": parse_tiles(args.tiles), "one_token": {}} for format in TILES}
+    tiles = {format: {"tensor_core": parse_tiles(args.tiles), "few_rows": parse_tiles(args.tiles), "one_token": {}}
+             for format in TILES}
     for format, name in () if args.no_tune else (("mxfp4", "gpt-oss-20b"), ("fp8_block", "qwen3-30b-a3b-fp8")):
         if format not in {SHAPES[shape][4] for shape in args.shapes}:
             continue
         if not args.one_token_only:
             tiles[format]["tensor_core"] = tune(name, [16], 2, list(tile_candidates(format)))
+            if format in ROW_TILES:  # blocks of 2 rows: gpt-oss-20b at M = 4 (1.19 pairs per routed expert)
+                tiles[format]["few_rows"] = tune(name, [4], 2, list(row_candidates()))
         best = tune(name, [1], 2, list(one_token_candidates(format, tiles[format]["tensor_core"])))
         tiles[format]["one_token"] = tune(name, [1], 2, [best | {"split_k": split_k} for split_k in SPLIT_K])
     print("tiles:", tiles)
