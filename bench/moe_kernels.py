@@ -7,6 +7,7 @@ the fused kernel on those same bf16 weights (a candidate for resident bf16 exper
     python bench/moe_kernels.py --no-tune --baseline old_moe.py   # TILES as they are; vs another kernel version
     python bench/moe_kernels.py --shapes gpt-oss-20b --tokens 1 --one-token-only   # sweep one token's tiles only
     python bench/moe_kernels.py --no-tune --shapes gpt-oss-20b --tokens 4 8 --tiles block_m=2   # M > 1 overrides
+    python bench/moe_kernels.py --no-tune --shapes gpt-oss-120b --tokens 4 16 --routing-skew 1   # a skewed router
 
 Weights rotate over several layers so that L2 does not serve them. "bytes" are the routed experts' packed bytes
 (weights, scales, biases) that one call must read; GB/s is bytes / time, next to the device-to-device copy bandwidth
@@ -56,6 +57,15 @@ def random_packed(format: str, experts: int, rows: int, columns: int, bias: bool
     data = values.to(torch.float8_e4m3fn).view(torch.uint8)
     scales = torch.rand(experts, -(-rows // 128), -(-columns // 128), device=device) * 1e-3 + 1e-4
     return PackedWeight("fp8_block", data, scales, b)
+
+
+def random_routing(tokens: int, experts: int, top_k: int, skew: float = 0.0, generator=None) -> torch.Tensor:
+    """[tokens, top_k] distinct experts per token, drawn without replacement with weight (r + 1)^-skew for the
+    expert of index r (Gumbel top-k): uniform at skew 0 (the same draws as `rand(...).argsort()[:, :top_k]`), a
+    router that favours a few experts above it (skew 1: expert 0 about 3x as likely as expert 2 ...)."""
+    uniform = torch.rand(tokens, experts, device="cuda", generator=generator)
+    log_weights = -skew * torch.arange(1, experts + 1, device="cuda", dtype=torch.float32).log()
+    return (log_weights - torch.log(-torch.log1p(-uniform))).topk(top_k, dim=1).indices
 
 
 def expert_bytes(weight: PackedWeight) -> int:
@@ -159,7 +169,7 @@ def kernel_times_us(call, repeats: int = 20) -> str:
     return ", ".join(f"{name.split('(')[0][:40]} {us:.1f}" for name, us in times.items())
 
 
-def run_shape(name, tokens_list, layers, tiles, copy_gbs, rows, baseline=None, profile=False):
+def run_shape(name, tokens_list, layers, tiles, copy_gbs, rows, baseline=None, profile=False, skew=0.0):
     """Times and checks one shape at each M; `tiles`: {"tensor_core": ..., "few_rows": ..., "one_token": ...}
     overrides, each for the calls that take that path (`path_tiles`)."""
     experts, top_k, hidden, inter, format, gpt_oss = SHAPES[name]
@@ -171,7 +181,7 @@ def run_shape(name, tokens_list, layers, tiles, copy_gbs, rows, baseline=None, p
     for tokens in tokens_list:
         tuning = path_tiles(tiles, tokens, top_k, experts)
         generator = torch.Generator(device="cuda").manual_seed(tokens)
-        index = torch.rand(tokens, experts, device="cuda", generator=generator).argsort(dim=1)[:, :top_k]
+        index = random_routing(tokens, experts, top_k, skew, generator)
         weights = torch.softmax(torch.randn(tokens, top_k, device="cuda", generator=generator), dim=-1)
         x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=generator)
         fused = lambda g, d: fused_moe(x, index, weights, g, d, interleaved=gpt_oss, activation=activation,  # noqa: E731
@@ -205,7 +215,8 @@ def run_shape(name, tokens_list, layers, tiles, copy_gbs, rows, baseline=None, p
         if profile:  # after this M's timings: the profiler slows what runs after it (session 15, H200: the same
             # kernel timed as a baseline after a profile read 5% slower), so A/B numbers come from runs without it
             print(f"{name:18s} M={tokens:3d} kernels (us): {kernel_times_us(lambda: fused(*packed[0]))}", flush=True)
-        row = {"shape": name, "format": format, "tokens": tokens, "experts_touched": touched, "mbytes": moved / 1e6,
+        row = {"shape": name, "format": format, "tokens": tokens, "routing_skew": skew, "experts_touched": touched,
+               "mbytes": moved / 1e6,
                "fused_us": fused_us, "fused_no_graph_us": eager_us, "fused_gbs": moved / fused_us / 1e3,
                "fraction_of_copy": moved / fused_us / 1e3 / copy_gbs, "one_read_us": read_us,
                "one_read_fraction_of_copy": moved / read_us / 1e3 / copy_gbs, "dequant_matmul_us": dequant_us,
@@ -214,7 +225,8 @@ def run_shape(name, tokens_list, layers, tiles, copy_gbs, rows, baseline=None, p
                "fused_bf16_us": fused_bf16_us, "fused_bf16_vs_grouped_mm": grouped_us / fused_bf16_us,
                "fused_bf16_rel_error": bf16_error}
         rows.append(row)
-        print(f"{name:18s} M={tokens:3d} experts={touched:3d} {moved / 1e6:8.1f} MB  fused {fused_us:8.1f} us "
+        print(f"{name:18s} M={tokens:3d} experts={touched:3d} ({index.numel() / touched:.2f} pairs each) "
+              f"{moved / 1e6:8.1f} MB  fused {fused_us:8.1f} us "
               f"({row['fused_gbs']:6.0f} GB/s, {row['fraction_of_copy']:.0%} of copy; no graph {eager_us:7.1f})  "
               f"(a) {dequant_us:8.1f} us ({row['speedup_vs_dequant']:.1f}x)  (b) {grouped_us:8.1f} us "
               f"({row['speedup_vs_grouped_mm']:.2f}x)  err {error:.1e}  (c) fused on bf16 {fused_bf16_us:8.1f} us "
@@ -272,7 +284,7 @@ def tune(name: str, tokens_list, layers: int, candidates) -> dict:
                random_packed(format, experts, hidden, inter, gpt_oss)) for _ in range(layers)]
     totals = {}
     for tokens in tokens_list:
-        index = torch.rand(tokens, experts, device="cuda").argsort(dim=1)[:, :top_k]
+        index = random_routing(tokens, experts, top_k)
         weights = torch.softmax(torch.randn(tokens, top_k, device="cuda"), dim=-1)
         x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
         expected = reference(x[:2], index[:2], weights[:2], *packed[0], gpt_oss, activation)
@@ -296,6 +308,8 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 8, 16, 64])
     parser.add_argument("--layers", type=int, default=4, help="layers rotated so L2 cannot serve the weights")
+    parser.add_argument("--routing-skew", type=float, default=0.0,
+                        help="0: uniform routing; above: experts drawn with weight (index + 1)^-skew (random_routing)")
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--no-tune", action="store_true", help="the kernels' TILES as they are, no sweep")
     parser.add_argument("--baseline", type=Path, help="another moe.py to time on the same inputs and tiles")
@@ -324,7 +338,8 @@ def main() -> None:
     baseline = load_baseline(args.baseline).fused_moe if args.baseline else None
     for name in args.shapes:
         layers = args.layers if name != "gpt-oss-120b" else 2
-        run_shape(name, args.tokens, layers, tiles[SHAPES[name][4]], copy_gbs, rows, baseline, args.profile)
+        run_shape(name, args.tokens, layers, tiles[SHAPES[name][4]], copy_gbs, rows, baseline, args.profile,
+                  args.routing_skew)
         torch.cuda.empty_cache()  # the shape's weights are gone with run_shape's frame
         if args.json:  # after every shape: a run cut short keeps what it measured
             args.json.write_text(json.dumps({"copy_gbs": copy_gbs, "tiles": tiles, "rows": rows}, indent=1))
