@@ -660,7 +660,7 @@ ROW_TILES = {
 PAIRS_PER_EXPERT_ON_CUDA_CORES = 1.3  # at most this many per routed expert: blocks of 2 rows on the CUDA cores
 
 
-def few_rows_per_block(tokens: int, top_k: int, experts: int) -> int | None:
+def few_rows_per_block(tokens: int, top_k: int, experts: int, reads_host: bool = False) -> int | None:
     """Rows per block for an MoE call whose experts get few pairs each, for formats with a CUDA-core path
     (`tiles_for`'s few_rows): one token's pairs are a block each; up to PAIRS_PER_EXPERT_ON_CUDA_CORES pairs per
     routed expert under uniform routing (E * (1 - (1 - k/E)^M) experts routed), blocks of 2 (most experts get one or
@@ -668,9 +668,13 @@ def few_rows_per_block(tokens: int, top_k: int, experts: int) -> int | None:
     bench/moe_kernels.py on the H200 (session 15): blocks of 2 beat the tensor cores by 1.25x / 1.26x at M = 4 for
     gpt-oss-20b / 120b (1.19 / 1.05 pairs per expert), 1.13x / 1.12x for 120b at M = 8 / 16 (1.13 / 1.25); at 1.56
     (20b, M = 8) by 1.05x only (routing less uniform than this estimate would lose it), and at 2.27 (20b, M = 16)
-    they lose 1.26x, reading experts again for their third pair."""
+    they lose 1.26x, reading experts again for their third pair. `reads_host`: experts without a slot are read from
+    host memory (offload): no blocks of 2 beyond one token, since an expert's third pair would cross PCIe again
+    (~240 us for a gpt-oss expert at 55 GB/s), where one tensor-core block reads it once for up to 16 pairs."""
     if tokens == 1:
         return 1
+    if reads_host:
+        return None
     routed = experts * (1 - (1 - top_k / experts) ** tokens)
     return 2 if tokens * top_k / routed <= PAIRS_PER_EXPERT_ON_CUDA_CORES else None
 
@@ -729,7 +733,7 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation!r} has no fused kernel; choose one of {sorted(ACTIVATIONS)}")
     tokens, top_k = top_k_index.shape
-    settings = tiles_for(gate_up.format, tiles, few_rows_per_block(tokens, top_k, experts))
+    settings = tiles_for(gate_up.format, tiles, few_rows_per_block(tokens, top_k, experts, host is not None))
     compute_fp32 = hidden.dtype == torch.float32 if compute_fp32 is None else compute_fp32
     blocks = _blocks(top_k_index, experts, settings["block_m"])
     splits = _splits(settings, blocks)

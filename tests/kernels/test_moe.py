@@ -271,8 +271,8 @@ def test_blocks_of_two_rows_on_the_cuda_cores(precision):
 
 
 def test_few_rows_per_block_follows_the_pairs_per_routed_expert():
-    """One token: a block per pair; about one pair per routed expert: blocks of 2 on the CUDA cores; more: None
-    (tensor-core tiles of 16)."""
+    """One token: a block per pair; about one pair per routed expert: blocks of 2 on the CUDA cores; more, or experts
+    read from host memory: None (tensor-core tiles of 16)."""
     from dflash_compile.kernels.moe import few_rows_per_block
 
     assert few_rows_per_block(1, 4, 32) == 1
@@ -280,6 +280,9 @@ def test_few_rows_per_block_follows_the_pairs_per_routed_expert():
     assert few_rows_per_block(16, 4, 128) == 2  # gpt-oss-120b, 16 tokens: 1.25
     assert few_rows_per_block(8, 4, 32) is None  # gpt-oss-20b, 8 tokens: 1.56
     assert few_rows_per_block(64, 8, 128) is None
+    # offload: experts without a slot cross PCIe per block that reads them, so only one token keeps blocks of one
+    assert few_rows_per_block(4, 4, 32, reads_host=True) is None
+    assert few_rows_per_block(1, 4, 32, reads_host=True) == 1
 
 
 @pytest.mark.parametrize("format", ["fp8_block", "mxfp4"])
