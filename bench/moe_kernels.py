@@ -322,8 +322,8 @@ def main() -> None:
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     copy_gbs = copy_bandwidth() / 1e9
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s")
-    tiles = {format: {"tensor_core": parse_tiles(args.tiles), "few_rows": parse_tiles(args.tiles), "one_token": {}}
-             for format in TILES}
+    overrides = parse_tiles(args.tiles)
+    tiles = {format: {"tensor_core": dict(overrides), "few_rows": dict(overrides), "one_token": {}} for format in TILES}
     for format, name in () if args.no_tune else (("mxfp4", "gpt-oss-20b"), ("fp8_block", "qwen3-30b-a3b-fp8")):
         if format not in {SHAPES[shape][4] for shape in args.shapes}:
             continue

@@ -715,9 +715,10 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     """Routed experts of one MoE layer: hidden [M, H], top_k_index / top_k_weights [M, k] -> [M, H] in
     hidden's dtype. gate_up is [E, 2I, H], down [E, H, I] (output-major), each packed in any format; `tiles`
     override the format's tiles for the call's size (`TILES`, or `ROW_TILES` for blocks of few rows, chosen by
-    `few_rows_per_block`; block_m < 16 picks the CUDA-core path for MXFP4). With `slot_of` ([E] int32 on the device: expert -> slot, -1 for none), gate_up
-    and down are slot pools and `host` the (gate_up, down) views over all experts' host blobs (pinned memory on
-    CUDA, same strides): experts without a slot are read from host memory by the kernel."""
+    `few_rows_per_block`; block_m < 16 picks the CUDA-core path for MXFP4). With `slot_of` ([E] int32 on the
+    device: expert -> slot, -1 for none), gate_up and down are slot pools and `host` the (gate_up, down) views over
+    all experts' host blobs (pinned memory on CUDA, same strides): experts without a slot are read from host memory
+    by the kernel."""
     if (host is None) != (slot_of is None):
         raise ValueError("slot_of and host come together: the slot table and the host blobs it falls back to")
     if host is not None and any(_strides(on_host) != _strides(pooled)
