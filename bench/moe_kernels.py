@@ -12,9 +12,9 @@ the fused kernel on those same bf16 weights (a candidate for resident bf16 exper
 Weights rotate over several layers so that L2 does not serve them. "bytes" are the routed experts' packed bytes
 (weights, scales, biases) that one call must read; GB/s is bytes / time, next to the device-to-device copy bandwidth
 measured in the same run ((read + write) / time of a 2 GiB copy) and to one kernel that only reads as many bytes
-(a sum, rotated the same way): the most a single launch streams at that size. Fused and grouped_mm times are
-CUDA-graph replays of all rotated layers divided by the layer count (how a compiled decode step runs them); (a)
-syncs on the host, so it is timed plainly. Numerics: fused (bf16 activations) against reference dequantization +
+(`_read_tile`, rotated the same way): about the most a single launch streams at that size. Fused and grouped_mm
+times are CUDA-graph replays of all rotated layers divided by the layer count (how a compiled decode step runs them);
+(a) syncs on the host, so it is timed plainly. Numerics: fused (bf16 activations) against reference dequantization +
 fp64 math. `--baseline` times a second copy of dflash_compile/kernels/moe.py (e.g. `git show
 REV:dflash_compile/kernels/moe.py > old.py`) on the same inputs and tiles, so a kernel change is measured against
 what it replaces in one run.
@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 import triton
+import triton.language as tl
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -149,11 +150,39 @@ def load_baseline(path: Path):
     return module
 
 
+@triton.jit
+def _read_tile(data, out, ROW_BYTES: tl.constexpr, TILE_ROWS: tl.constexpr, STEP: tl.constexpr,
+               TILE_MAJOR: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """XOR of the 8-byte words of tile (program_id(0), program_id(1)) of consecutive tiles of TILE_ROWS rows of
+    ROW_BYTES: STEP bytes of every row per step, read where the rows lie (row-major, as the MoE kernels read a weight
+    tile) or with the tile's bytes stored step after step (TILE_MAJOR). Bytes and no math: a streaming floor."""
+    words = data.to(tl.pointer_type(tl.int64))
+    tile_start = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)).to(tl.int64) * TILE_ROWS * ROW_BYTES // 8
+    rows = tl.arange(0, TILE_ROWS)[:, None]
+    columns = tl.arange(0, STEP // 8)[None, :]
+    acc = tl.zeros((TILE_ROWS, STEP // 8), dtype=tl.int64)
+    for k in tl.range(0, ROW_BYTES // 8, STEP // 8, num_stages=NUM_STAGES):
+        ok = k + columns < ROW_BYTES // 8
+        if TILE_MAJOR:  # step s of the tile: its rows' STEP bytes one after another
+            offset = k * TILE_ROWS + rows * tl.minimum(STEP // 8, ROW_BYTES // 8 - k) + columns
+        else:
+            offset = rows * (ROW_BYTES // 8) + k + columns
+        acc ^= tl.load(words + tile_start + offset, mask=ok, other=0)
+    tl.store(out + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.xor_sum(tl.xor_sum(acc, 1), 0))
+
+
 def read_time_us(nbytes: int, layers: int) -> float:
-    """One graph-launched kernel (a sum) reading `nbytes` from each of `layers` buffers in turn: what a single launch
-    can stream at this size, with its own start and tail (the copy bandwidth is measured on 2 GiB)."""
-    buffers = [torch.zeros(nbytes // 4, device="cuda") for _ in range(layers)]
-    return graph_time_us([lambda b=b: b.sum() for b in buffers])
+    """One graph-launched kernel reading `nbytes` from each of `layers` buffers in turn (`_read_tile` over tiles of
+    32 rows of 1 KiB, 2 warps, 3 stages: among the fastest of bench/read_order.py's sweep): what a single launch can
+    stream at this size, with its own start and tail (the copy bandwidth is measured on 2 GiB). torch.sum, used
+    before session 16, streams ~1.5x slower at these sizes."""
+    tile_bytes = 32 * 1024
+    tiles = -(-nbytes // tile_bytes)
+    buffers = [torch.zeros(tiles * tile_bytes // 8, dtype=torch.int64, device="cuda") for _ in range(layers)]
+    out = torch.empty(tiles, dtype=torch.int64, device="cuda")
+    return graph_time_us([lambda b=b: _read_tile[(1, tiles)](b, out, ROW_BYTES=1024, TILE_ROWS=32, STEP=128,
+                                                             TILE_MAJOR=False, NUM_STAGES=3, num_warps=2)
+                          for b in buffers])
 
 
 def kernel_times_us(call, repeats: int = 20) -> str:
@@ -262,8 +291,8 @@ def tile_candidates(format: str):
 
 def row_candidates():
     """Tiles of the CUDA-core path (ROW_TILES) for blocks of one or a few rows."""
-    for block_n in (16, 32, 64):  # one K step in flight: cp.async stages lost 7-26% in session 14's sweep
-        for num_warps in (2, 4):
+    for block_n in (8, 16, 32, 64):  # one K step in flight: cp.async stages lost 7-26% in session 14's sweep
+        for num_warps in (1, 2, 4):
             for block_k in (128, 256):
                 yield {"block_n": block_n, "block_k": block_k, "num_warps": num_warps, "num_stages": 1}
 
