@@ -11,8 +11,8 @@ loop instructions. So "weight bytes per warp instruction" of the loop is a proxy
 read before any GPU time is spent. Compiles with the specialisations the JIT makes on real shapes (16-byte aligned
 pointers, sizes divisible by 16), disassembles with the cuobjdump bundled with Triton, takes the longest backward
 branch as the K loop and prints its instruction count, its commonest opcodes and bytes per warp instruction, and
-the registers per thread with the CTAs per SM they allow (the one-token CUDA-core path is latency-bound, so
-residency matters there).
+the registers per thread with the CTAs per SM they allow (the one-token CUDA-core path runs at ~2.6 warps per
+scheduler with its issue slots half busy, session 16's Nsight Compute profile, so residency matters there).
 """
 
 from __future__ import annotations
