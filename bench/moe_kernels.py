@@ -299,8 +299,16 @@ def row_candidates():
 
 def one_token_candidates(format: str, tensor_core: dict):
     """One token's launches: the CUDA-core path's tiles where the format has one (ROW_TILES), else the tensor-core
-    tiles; their K split is swept afterwards."""
-    yield from row_candidates() if format in ROW_TILES else [tensor_core]
+    tiles with narrower outputs and other warp counts and depths (a token's grid of top-k x column tiles is small:
+    96 programs of 4 warps for the Qwen3-FP8 gate/up at block_n 64, 4 warps per SM in Nsight Compute, session 16);
+    their K split is swept afterwards."""
+    if format in ROW_TILES:
+        yield from row_candidates()
+        return
+    for block_n in (16, 32, 64):
+        for num_warps in (2, 4, 8):
+            for num_stages in (2, 4):
+                yield tensor_core | {"block_n": block_n, "num_warps": num_warps, "num_stages": num_stages}
 
 
 def tune(name: str, tokens_list, layers: int, candidates) -> dict:
