@@ -8,7 +8,7 @@ times the fused launch next to kernels that read the same bytes with no math (mo
 order ("row-major") and with each tile's bytes stored K-step-major, one contiguous span per program and step
 ("tile-major"), and torch.sum over as many bytes; first rotated over 8 layers (from DRAM), then one layer of 1, 2
 and 4 experts replayed (served by L2). Session 16 (docs/benchmarks.md): the reads stream 3.2-3.5 TB/s (75-82% of
-copy) in either order against the fused launch's 1.8, and the fused launch takes about as long from L2 as from DRAM
+copy) in either order against the fused launch's 1.8 TB/s, and the fused launch takes about as long from L2 as from DRAM
 (17.6 vs 18.3 us): its time is the SMs' (ALU-bound decode), not the memory's, and no load-time layout would help.
 """
 
@@ -36,9 +36,10 @@ def gate_up_us(buffers, experts: int, rows: int, row_bytes: int) -> float:
     blocks = Blocks(PAIR_PER_BLOCK, experts, block_expert=torch.arange(experts, dtype=torch.int32, device="cuda"))
     settings = tiles_for("mxfp4", {}, 1)
     settings.pop("split_k")
-    return graph_time_us([lambda w=w: _launch(x, w, blocks, None, experts, rows // 2, experts, gated=True,
-                                         interleaved=True, activation="clamped_swiglu", alpha=1.702, limit=7.0,
-                                         compute_fp32=False, **settings) for w in weights])
+    launch = lambda w: _launch(x, w, blocks, None, experts, rows // 2, experts, gated=True,  # noqa: E731
+                               interleaved=True, activation="clamped_swiglu", alpha=1.702, limit=7.0,
+                               compute_fp32=False, **settings)
+    return graph_time_us([lambda w=w: launch(w) for w in weights])
 
 
 def report(experts: int, rows: int, row_bytes: int, layers: int, sweep: bool) -> None:
