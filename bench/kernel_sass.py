@@ -49,6 +49,7 @@ def compile_kernel(format: str, gated: bool, tiles: dict, host_fallback: bool = 
     data, scales = WEIGHT_POINTERS[format]
     names = _moe_gemm_kernel.arg_names
     fp16 = tiles.get("operands") == "fp16"
+    tma = tiles["weight_loads"] == "tma"
     signature = {name: "i32" for name in names} | POINTERS | {"data": data, "scales": scales, "alpha": "fp32",
                                                               "limit": "fp32", "data_stride": "i64",
                                                               "scales_stride": "i64", "bias_stride": "i64",
@@ -60,9 +61,13 @@ def compile_kernel(format: str, gated: bool, tiles: dict, host_fallback: bool = 
                      HOST_FALLBACK=host_fallback, BLOCKING=PAIR_PER_BLOCK if one_token else GROUPED,
                      SPLIT_K=tiles["split_k"] if one_token else 1,
                      BLOCK_M=tiles["block_m"], BLOCK_N=tiles["block_n"], BLOCK_K=tiles["block_k"],
-                     NUM_STAGES=tiles["num_stages"],
+                     NUM_STAGES=tiles["num_stages"], WORDS_BY_TMA=tma,
                      column_stride=1)  # the JIT makes an argument equal to 1 a constant
+    if not tma:
+        constants["words_tma"] = None
     signature |= {name: "constexpr" for name in constants}
+    if tma:  # `_words_descriptor`'s tiles: one program's weight rows by one K step of 4-byte words
+        signature["words_tma"] = f"tensordesc<i32[{tiles['block_n'] * (2 if gated else 1)}, {tiles['block_k'] // 8}]>"
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ALIGNED}
     source = ASTSource(_moe_gemm_kernel, signature, constexprs=constants, attrs=attrs)
     return triton.compile(source, target=H200, options={"num_warps": tiles["num_warps"],
@@ -118,7 +123,8 @@ def main() -> None:
           "instruction | registers / thread (CTAs per SM) | commonest opcodes |")
     print("|---|---|---|---|---|---|---|---|")
     for format in args.format:
-        tiles = tiles_for(format, overrides, 1 if args.one_token else None)
+        tiles = tiles_for(format, overrides, 1 if args.one_token else None,
+                          "pointers" if args.host_fallback else "tma")  # as `fused_moe` picks them on the H200
         for gated in (True, False):
             sass = disassemble(compile_kernel(format, gated, tiles, args.host_fallback, args.one_token).asm["cubin"])
             loop = k_loop(sass)

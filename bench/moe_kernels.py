@@ -271,7 +271,8 @@ def path_tiles(tiles: dict, tokens: int, top_k: int, experts: int) -> dict:
     few rows (`few_rows_per_block`), or the tensor cores'."""
     if tokens == 1:
         return tiles["one_token"]
-    return tiles["few_rows"] if few_rows_per_block(tokens, top_k, experts) else tiles["tensor_core"]
+    few_rows = few_rows_per_block(tokens, top_k, experts, weight_loads="tma")  # gpt-oss on the H200: TMA loads
+    return tiles["few_rows"] if few_rows else tiles["tensor_core"]
 
 
 def tile_candidates(format: str):
@@ -290,11 +291,15 @@ def tile_candidates(format: str):
 
 
 def row_candidates():
-    """Tiles of the CUDA-core path (ROW_TILES) for blocks of one or a few rows."""
-    for block_n in (8, 16, 32, 64):  # one K step in flight: cp.async stages lost 7-26% in session 14's sweep
+    """Tiles of the CUDA-core path (ROW_TILES) for blocks of one or a few rows, either weight loads."""
+    for block_n in (8, 16, 32, 64):  # pointer loads, one K step in flight: stages lost 7-26% in session 14's sweep
         for num_warps in (1, 2, 4):
             for block_k in (128, 256):
-                yield {"block_n": block_n, "block_k": block_k, "num_warps": num_warps, "num_stages": 1}
+                yield {"block_n": block_n, "block_k": block_k, "num_warps": num_warps, "num_stages": 1,
+                       "weight_loads": "pointers"}
+    for block_n in (16, 32, 64, 128):  # TMA: 128-wide steps lost 10-30% in session 17's sweep
+        for num_warps in (2, 4, 8):
+            yield {"block_n": block_n, "block_k": 256, "num_warps": num_warps, "num_stages": 3, "weight_loads": "tma"}
 
 
 def one_token_candidates(format: str, tensor_core: dict):

@@ -30,7 +30,10 @@ Blocks of one or two rows of activations times MXFP4 weights (a decode step's la
 get about one pair each, `few_rows_per_block`; a dense layer's one or two rows) run on the CUDA cores instead
 (`_mxfp4_row_project`, tiles `ROW_TILES`): no tensor-core tile padded to 16 rows, codes decoded to fp16 by a shift
 and a mask per pair (`_E2M1_ROW_ASM`) and multiplied in fp16x2, the activations scaled by a power of two that keeps
-them in fp16's range: ~3.9 instructions per weight for one row against ~5 for the bf16 MMA operand's decode.
+them in fp16's range: ~3.9 instructions per weight for one row against ~5 for the bf16 MMA operand's decode. On
+Hopper their weight words come through TMA descriptors (`weight_loads="tma"`, `_tma_blocker` says where not), a
+few K steps ahead into shared memory, which frees the warps' load instructions and registers: 1.05x at one token,
+1.27-1.47x for blocks of 2, which then beat the tensor cores up to ~2.75 pairs per routed expert (session 17).
 
 `FP16_OPERANDS` (FP8 weights, tile setting `operands="fp16"`): the weights go to the tensor cores as fp16 through
 the one-instruction e4m3x2 -> f16x2 conversion (bf16 takes two per value), and the activations come in as fp16
@@ -48,6 +51,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..packed import PackedWeight
 
@@ -337,18 +341,20 @@ def _row_step_loads(words, scales, x_rows, rows, row_ok, k, stop, K, word, offse
 
 
 @triton.jit
-def _mxfp4_row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_stop,
+def _mxfp4_row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_stop, words_tma, first_row,
                        COMPUTE_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                       BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+                       BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, WORDS_BY_TMA: tl.constexpr):
     """[BLOCK_M, BLOCK_ROWS] fp32 = x[pair_rows] @ W[rows]^T over K in [k_start, k_stop) for a few rows of
     activations (BLOCK_M < 16), W MXFP4, on the CUDA cores: no tensor-core tile padded to 16 rows, and per code a
     shift-and-mask decode and half an fp16x2 multiply-add per row of activations (`_E2M1_ROW_ASM`, one instance per
     row and group: the instances of one group share its words, so ptxas decodes them once for all rows). Each row of
     activations goes to fp16 scaled by a power of two that puts its largest magnitude in this share of K in [2^14,
     2^15): no fp16 overflow, and products too small for fp16's normal range are below 2^-28 of the row's largest.
-    The packed bytes are read as 4-byte words, 8 codes each (as 8-byte loads: the 16-byte loads that aligned
-    addressing allows measured 16% slower on the H200 in session 14 and 0.98x in session 16, with the words' layout
-    conversions gone)."""
+    The packed bytes are read as 4-byte words, 8 codes each: with WORDS_BY_TMA through `words_tma` (the tile's
+    contiguous rows `first_row`..., see `_words_descriptor`), NUM_STAGES steps ahead into shared memory by the TMA
+    unit, which takes the loads' instructions and registers off the warps (1.05x at one token, 1.3x for blocks of 2
+    rows, session 17); otherwise as 8-byte pointer loads (the 16-byte loads that aligned addressing allows measured
+    16% slower on the H200 in session 14 and 0.98x in session 16, with the words' layout conversions gone)."""
     GROUPS: tl.constexpr = BLOCK_K // 32
     word = tl.arange(0, GROUPS)[:, None] * 4 + tl.arange(0, 4)[None, :]  # [GROUPS, 4]: the K step's words
     pair = tl.arange(0, 4)[:, None] + 4 * tl.arange(0, 2)[None, :]  # [4 pairs, 2 halves]: K offsets in a word
@@ -359,8 +365,9 @@ def _mxfp4_row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_s
     # One token's launches read each weight once: marked first to leave L2 (1.02-1.03x on the H200, six A/Bs);
     # blocks of 2 may read an expert again for its third pair, and there it measured 0.99-1.01x.
     EVICTION: tl.constexpr = "evict_first" if BLOCK_M == 1 else ""
-    # each step's loads are issued one step ahead (the first before the scan below), so a warp has two steps'
-    # weights in flight: the loop has no pipeline stages of its own (num_stages=1 measured fastest)
+    # each step's pointer loads are issued one step ahead (the first before the scan below), so a warp has two steps'
+    # weights in flight (num_stages=1 measured fastest with them; the TMA loads, issued in the step, pipeline
+    # NUM_STAGES deep: the pointer load of words they replace is dead code)
     packed, exponent, xs = _row_step_loads(words, scales, x_rows, rows, row_ok, k_start, stop, K, word, offset,
                                            GROUPS, EVICTION)
     largest = tl.zeros((BLOCK_M, 4 * BLOCK_K), dtype=tl.float32)
@@ -376,6 +383,9 @@ def _mxfp4_row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_s
     for k in tl.range(k_start, k_stop, BLOCK_K, num_stages=NUM_STAGES):
         next_packed, next_exponent, next_xs = _row_step_loads(words, scales, x_rows, rows, row_ok, k + BLOCK_K,
                                                               stop, K, word, offset, GROUPS, EVICTION)
+        if WORDS_BY_TMA:
+            packed = tl.reshape(words_tma.load([first_row, k // 8]), (BLOCK_ROWS, GROUPS, 4))  # zeros past K
+
         if COMPUTE_FP32:
             shifts = 4 * tl.arange(0, 4)[:, None] + 16 * tl.arange(0, 2)[None, :]
             codes = (packed[:, :, :, None, None] >> shifts[None, None, None, :, :]) & 15
@@ -456,14 +466,15 @@ def _tile_project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start,
 
 @triton.jit
 def _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start, k_stop, row_stride, column_stride,
-             FORMAT: tl.constexpr, COMPUTE_FP32: tl.constexpr, FP16_OPERANDS: tl.constexpr, BLOCK_M: tl.constexpr,
-             BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+             words_tma, first_row, FORMAT: tl.constexpr, COMPUTE_FP32: tl.constexpr, FP16_OPERANDS: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+             WORDS_BY_TMA: tl.constexpr):
     """[BLOCK_M, BLOCK_ROWS] fp32 = x[pair_rows] @ W[rows]^T over K in [k_start, k_stop), W the expert at `data` /
     `scales` (dense weights at any row / column strides, e.g. a transposed view of [E, in, out] parameters): on the
     tensor cores, or for a few rows of activations (BLOCK_M < 16) times MXFP4 weights on the CUDA cores."""
     if FORMAT == 1 and BLOCK_M < 16:
-        acc = _mxfp4_row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_stop,
-                                 COMPUTE_FP32, BLOCK_M, BLOCK_ROWS, BLOCK_K, NUM_STAGES)
+        acc = _mxfp4_row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_stop, words_tma, first_row,
+                                 COMPUTE_FP32, BLOCK_M, BLOCK_ROWS, BLOCK_K, NUM_STAGES, WORDS_BY_TMA)
     else:
         acc = _tile_project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start, k_stop, row_stride,
                             column_stride, FORMAT, COMPUTE_FP32, FP16_OPERANDS, BLOCK_M, BLOCK_ROWS, BLOCK_K,
@@ -480,11 +491,12 @@ def _first_split_bias(bias, rows, ok, split):
 @triton.jit
 def _moe_gemm_kernel(
     x, data, scales, bias, out, pair_ids, block_expert, pair_weights, host_data, host_scales, host_bias, slot_of,
+    words_tma,
     P, N, K, N_OUT, ROW_DIV, alpha, limit, data_stride, scales_stride, bias_stride, row_stride, column_stride, k_split,
     FORMAT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr, APPLY_WEIGHT: tl.constexpr, COMPUTE_FP32: tl.constexpr, FP16_OPERANDS: tl.constexpr,
     HOST_FALLBACK: tl.constexpr, BLOCKING: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, WORDS_BY_TMA: tl.constexpr,
 ):
     block = tl.program_id(0)
     if BLOCKING == 2:  # ROWS_IN_ORDER: the one expert
@@ -514,7 +526,10 @@ def _moe_gemm_kernel(
     pair_rows = tl.where(pair_ok, pairs // ROW_DIV, 0)
     columns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     column_ok = columns < N_OUT
+    # the first of this program's weight rows in `words_tma`, which spans every expert's rows
+    first_row = (row * N + tl.program_id(1) * BLOCK_N * (2 if GATED else 1)).to(tl.int32)
     split = tl.program_id(2)  # this program's share of K: [k_start, k_stop), the whole of it without splits
+
     k_start = split * k_split
     k_stop = tl.minimum(k_start + k_split, tl.cdiv(K, BLOCK_K) * BLOCK_K)
     if GATED:
@@ -529,7 +544,8 @@ def _moe_gemm_kernel(
         row_ok = column < N_OUT
         rows = tl.where(row_ok, rows, 0)
         both = _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start, k_stop, row_stride,
-                        column_stride, FORMAT, COMPUTE_FP32, FP16_OPERANDS, BLOCK_M, 2 * BLOCK_N, BLOCK_K, NUM_STAGES)
+                        column_stride, words_tma, first_row, FORMAT, COMPUTE_FP32, FP16_OPERANDS, BLOCK_M,
+                        2 * BLOCK_N, BLOCK_K, NUM_STAGES, WORDS_BY_TMA)
         if HAS_BIAS:
             both += _first_split_bias(bias, rows, row_ok, split)[None, :]
         if SPLIT_K > 1:  # this split's partial sums, gate and up interleaved; `_finish_gate_up` adds and activates
@@ -543,7 +559,8 @@ def _moe_gemm_kernel(
     else:
         rows = tl.where(column_ok, columns, 0)
         result = _project(x, data, scales, rows, column_ok, pair_rows, pair_ok, K, k_start, k_stop, row_stride,
-                          column_stride, FORMAT, COMPUTE_FP32, FP16_OPERANDS, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)
+                          column_stride, words_tma, first_row, FORMAT, COMPUTE_FP32, FP16_OPERANDS, BLOCK_M, BLOCK_N,
+                          BLOCK_K, NUM_STAGES, WORDS_BY_TMA)
         out_width = N_OUT
         if HAS_BIAS:
             result += _first_split_bias(bias, rows, column_ok, split)[None, :]
@@ -563,8 +580,8 @@ def _strides(weight: PackedWeight) -> tuple[int, ...]:
 
 def _launch(x, weight: PackedWeight, blocks: Blocks, pair_weights, rows_out, n_out, row_div, *, gated, interleaved,
             activation, alpha, limit, compute_fp32, block_m, block_n, block_k, num_warps, num_stages, splits=1,
-            operands="bf16", host: PackedWeight | None = None, slot_of: torch.Tensor | None = None,
-            out_dtype: torch.dtype = torch.float32):
+            operands="bf16", weight_loads="pointers", host: PackedWeight | None = None,
+            slot_of: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32):
     """One GEMM launch over `blocks`; with fp16 operands `x` is fp16 times FP16_PRESCALE (`_activations`) or in its
     own dtype, scaled in the kernel; with `slot_of`, `weight` is a slot pool and `host` the same weight over the host
     blobs. The output: gate/up unsplit in the down launch's operand dtype, otherwise `out_dtype`. With `splits` > 1
@@ -579,21 +596,66 @@ def _launch(x, weight: PackedWeight, blocks: Blocks, pair_weights, rows_out, n_o
     out = torch.empty(splits, rows_out, 2 * n_out if gated and splits > 1 else n_out, dtype=out_dtype, device=x.device)
     k_split = triton.cdiv(triton.cdiv(k, block_k), splits) * block_k
     grid = (blocks.count, triton.cdiv(n_out, block_n), splits)
+    words_tma = None
+    if weight_loads == "tma":
+        words_tma = _words_descriptor(weight, 2 * block_n if gated else block_n, block_k)
     pointer = lambda t: t if t is not None else out  # noqa: E731  (any tensor stands in for an absent pointer)
     weight_pointers = lambda w: [pointer(part) for part in (w.data, w.scales, w.bias)]  # noqa: E731
     _moe_gemm_kernel[grid](
         x, *weight_pointers(weight), out, pointer(blocks.pair_ids), pointer(blocks.block_expert),
-        pointer(pair_weights), *weight_pointers(host if host is not None else weight), pointer(slot_of),
+        pointer(pair_weights), *weight_pointers(host if host is not None else weight), pointer(slot_of), words_tma,
         rows_out, n, k, n_out, row_div, float(alpha), float(limit), *_strides(weight), k_split,
         FORMAT=FORMATS[weight.format], GATED=gated, INTERLEAVED=interleaved, ACTIVATION=ACTIVATIONS[activation],
         HAS_BIAS=weight.bias is not None, APPLY_WEIGHT=pair_weights is not None, COMPUTE_FP32=compute_fp32,
         FP16_OPERANDS=fp16_operands, HOST_FALLBACK=slot_of is not None, BLOCKING=blocks.blocking,
-        SPLIT_K=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, num_warps=num_warps,
+        SPLIT_K=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
+        WORDS_BY_TMA=words_tma is not None, num_warps=num_warps,
     )
     return out if splits > 1 else out[0]
 
 
+def _words_descriptor(weight: PackedWeight, block_rows: int, block_k: int) -> TensorDescriptor:
+    """A TMA descriptor over every expert's packed MXFP4 rows as 4-byte words ([E * N, K / 8]; rows of K / 2 bytes
+    are whole 16-byte units, as TMA needs), in tiles of `block_rows` rows by one K step, for `_mxfp4_row_project`
+    (`weight_loads="tma"`, checked by `_tma_blocker`)."""
+    data = weight.data  # [E, N, K / 32, 16] bytes
+    words = data.view(-1, data.shape[2] * 16).view(torch.int32)
+    return TensorDescriptor(words, list(words.shape), [words.shape[1], 1], [block_rows, block_k // 8])
+
+
+def _tma_blocker(gate_up: PackedWeight, down: PackedWeight, interleaved: bool, compute_fp32: bool,
+                 host: tuple | None) -> str | None:
+    """Why an MoE call (or, with gate_up = down, a dense layer) cannot read its weight words through TMA
+    descriptors (`weight_loads="tma"`), or None when it can."""
+    weights = (gate_up, down)
+    if gate_up.format != "mxfp4":
+        return f"only MXFP4 weights have a TMA path, these are {gate_up.format}"
+    if compute_fp32:
+        return "the fp32 compute path (the interpreter's) reads through pointers"
+    if not all(w.data.is_cuda and torch.cuda.get_device_capability(w.data.device)[0] >= 9 for w in weights):
+        return "TMA needs the weights on a Hopper or newer GPU (compute capability 9.0+)"
+    if host is not None:
+        return "offloaded experts are read from host memory through pointers"
+    if not all(w.data.is_contiguous() and w.data.data_ptr() % 16 == 0 for w in weights):
+        return "TMA needs each weight's experts contiguous, one after another, at a 16-byte aligned address"
+    if not interleaved:
+        return "gate and up rows are not interleaved (one TMA tile per program needs them side by side)"
+    return None
+
+
+def _weight_loads(tiles: dict, blocker: str | None) -> str:
+    """The call's weight loads: "tma" unless `blocker` says why not, or the `weight_loads` tile asked for; asking
+    for "tma" where it cannot run is an error naming why."""
+    asked = tiles.get("weight_loads")
+    if asked is not None:
+        _check_weight_loads(asked)
+    if asked == "tma" and blocker:
+        raise ValueError(f"weight_loads='tma' cannot be used here: {blocker}; use weight_loads='pointers'")
+    return asked or ("pointers" if blocker else "tma")
+
+
 def _fp16_operands(operands: str, compute_fp32: bool) -> bool:
+
     """Whether a launch takes fp16 operands (FP16_OPERANDS): asked for, and not the fp32 path."""
     return operands == "fp16" and not compute_fp32
 
@@ -642,6 +704,7 @@ def _activations(x: torch.Tensor, settings: dict) -> torch.Tensor:
 # (CUDA-core tiles of 1-4 pairs with MXFP4 decoded by fp32 bit construction measured 2-10x slower in session 4; the
 # CUDA-core path for blocks of 1-2 rows with the fp16 PTX decode has tiles of its own: ROW_TILES.)
 _COMMON = {"block_m": 16, "block_n": 32, "num_warps": 4, "split_k": 1}
+
 TILES = {
     "mxfp4": _COMMON | {"block_n": 64, "block_k": 128, "num_stages": 4},
     "fp8_block": _COMMON | {"block_n": 64, "block_k": 128, "num_stages": 4, "operands": "fp16"},
@@ -650,46 +713,65 @@ TILES = {
 
 
 # Tiles of launches with blocks of fewer than 16 rows where `_project` has a CUDA-core path: MXFP4
-# (`_mxfp4_row_project`), by rows per block (more rows than the largest key: its tiles). The settings mean what they
-# mean in TILES. From `bench/moe_kernels.py` on the H200 (docs/benchmarks.md): for one row (session 14,
-# `--one-token-only`), 16 columns on 2 warps over the whole K (no split, so no launch to add shares) beat 32-64
-# columns, 4-8 warps, 128/512-wide steps and 2-3 shares by 4-30%; for two (session 15, `--tiles block_m=2 ...`),
-# 32 columns on 4 warps (the same rows per warp; each step's activations converted once for twice the rows) beat
-# 16 on 2 by 4-9%, and 128-wide steps, or 4 warps on 16 columns, by 7-17%.
-_ROW_STEP = {"block_k": 256, "num_stages": 1, "split_k": 1}
+# (`_mxfp4_row_project`), by how the weight words are read (weight_loads: "tma" descriptors or "pointers", see
+# `_tma_blocker`), then by rows per block (more rows than the largest key: its tiles). The other settings mean what
+# they mean in TILES. From `bench/moe_kernels.py` on the H200 (docs/benchmarks.md). Pointer loads: for one row
+# (session 14, `--one-token-only`), 16 columns on 2 warps over the whole K (no split, so no launch to add shares)
+# beat 32-64 columns, 4-8 warps, 128/512-wide steps and 2-3 shares by 4-30%; for two (session 15, `--tiles
+# block_m=2 ...`), 32 columns on 4 warps (the same rows per warp; each step's activations converted once for twice
+# the rows) beat 16 on 2 by 4-9%, and 128-wide steps, or 4 warps on 16 columns, by 7-17%. TMA (session 17): one
+# row, 32 columns on 8 warps, 3 stages beat 16-64 columns on 1-8 warps, 2-6 stages and 128-wide steps by 3-20%;
+# two rows, 64 columns on 4 warps, 3 stages beat 16-128 columns on 2-8 warps, 2-4 stages, and blocks of 4 or 8
+# rows, by 12-60%.
+_ROW_STEP = {"block_k": 256, "split_k": 1}
 ROW_TILES = {
-    "mxfp4": {1: _COMMON | _ROW_STEP | {"block_n": 16, "num_warps": 2},
-              2: _COMMON | _ROW_STEP | {"block_n": 32, "num_warps": 4}},
+    "mxfp4": {"pointers": {1: _COMMON | _ROW_STEP | {"block_n": 16, "num_warps": 2, "num_stages": 1},
+                           2: _COMMON | _ROW_STEP | {"block_n": 32, "num_warps": 4, "num_stages": 1}},
+              "tma": {1: _COMMON | _ROW_STEP | {"block_n": 32, "num_warps": 8, "num_stages": 3},
+                      2: _COMMON | _ROW_STEP | {"block_n": 64, "num_warps": 4, "num_stages": 3}}},
 }
+WEIGHT_LOADS = ("pointers", "tma")
 
 
-PAIRS_PER_EXPERT_ON_CUDA_CORES = 1.3  # at most this many per routed expert: blocks of 2 rows on the CUDA cores
+def _check_weight_loads(loads: str) -> str:
+    if loads not in WEIGHT_LOADS:
+        raise ValueError(f"weight_loads must be one of {WEIGHT_LOADS}, got {loads!r}")
+    return loads
 
 
-def few_rows_per_block(tokens: int, top_k: int, experts: int, reads_host: bool = False) -> int | None:
+
+# At most this many pairs per routed expert: blocks of 2 rows on the CUDA cores, by the row path's weight loads.
+PAIRS_PER_EXPERT_ON_CUDA_CORES = {"pointers": 1.3, "tma": 2.75}
+
+
+def few_rows_per_block(tokens: int, top_k: int, experts: int, reads_host: bool = False,
+                       weight_loads: str = "pointers") -> int | None:
     """Rows per block for an MoE call whose experts get few pairs each, for formats with a CUDA-core path
     (`tiles_for`'s few_rows): one token's pairs are a block each; up to PAIRS_PER_EXPERT_ON_CUDA_CORES pairs per
     routed expert under uniform routing (E * (1 - (1 - k/E)^M) experts routed), blocks of 2 (most experts get one or
     two pairs, so blocks of 16 on the tensor cores would be mostly padding). None: the tensor-core tiles. From
-    bench/moe_kernels.py on the H200 (session 15): blocks of 2 beat the tensor cores by 1.25x / 1.26x at M = 4 for
-    gpt-oss-20b / 120b (1.19 / 1.05 pairs per expert), 1.13x / 1.12x for 120b at M = 8 / 16 (1.13 / 1.25); at 1.56
-    (20b, M = 8) by 1.05x only (routing less uniform than this estimate would lose it), and at 2.27 (20b, M = 16)
-    they lose 1.26x, reading experts again for their third pair. `reads_host`: experts without a slot are read from
-    host memory (offload): no blocks of 2 beyond one token, since an expert's third pair would cross PCIe again
-    (~240 us for a gpt-oss expert at 55 GB/s), where one tensor-core block reads it once for up to 16 pairs."""
+    bench/moe_kernels.py on the H200, gpt-oss-20b / 120b. Pointer loads (session 15): blocks of 2 beat the tensor
+    cores by 1.25x / 1.26x at M = 4 (1.19 / 1.05 pairs per expert), 1.13x / 1.12x for 120b at M = 8 / 16 (1.13 /
+    1.25); at 1.56 (20b, M = 8) by 1.05x only, and at 2.27 (20b, M = 16) they lose 1.26x, reading experts again for
+    their third pair. TMA loads (session 17): they win 1.30x / 1.12x / 1.05x at 1.88 / 2.27 / 2.69 (20b, M = 12 /
+    16 / 20) and 1.06x at 2.30 (120b, M = 64), and lose 0.92x at 3.13 (20b, M = 24). `reads_host`: experts without
+    a slot are read from host memory (offload): no blocks of 2 beyond one token, since an expert's third pair would
+    cross PCIe again (~240 us for a gpt-oss expert at 55 GB/s), where one tensor-core block reads it once for up to
+    16 pairs."""
     if tokens == 1:
         return 1
     if reads_host:
         return None
     routed = experts * (1 - (1 - top_k / experts) ** tokens)
-    return 2 if tokens * top_k / routed <= PAIRS_PER_EXPERT_ON_CUDA_CORES else None
+    return 2 if tokens * top_k / routed <= PAIRS_PER_EXPERT_ON_CUDA_CORES[weight_loads] else None
 
 
-def tiles_for(format: str, overrides: dict, few_rows: int | None = None) -> dict:
+def tiles_for(format: str, overrides: dict, few_rows: int | None = None, weight_loads: str = "pointers") -> dict:
     """The format's tiles with `overrides` applied, checked against what the kernel can run. `few_rows`: the rows
     per block for a launch with few rows per expert (one token: 1), taken where the format has a CUDA-core path for
-    them (ROW_TILES, chosen by block_m < 16) and no block_m override."""
-    unknown = set(overrides) - set(TILES[format])
+    them (ROW_TILES, chosen by block_m < 16) and no block_m override; `weight_loads`: how that path reads the weight
+    words where no override says (the tensor-core tiles read through pointers)."""
+    unknown = set(overrides) - set(TILES[format]) - {"weight_loads"}
     if unknown:
         raise ValueError(f"unknown tile settings {sorted(unknown)}; the kernel takes {sorted(TILES[format])}")
     preferred = few_rows if few_rows is not None and format in ROW_TILES else TILES[format]["block_m"]
@@ -699,8 +781,15 @@ def tiles_for(format: str, overrides: dict, few_rows: int | None = None) -> dict
     if block_m < 16 and format not in ROW_TILES:
         raise ValueError(f"block_m must be >= 16 for {format} weights (tensor-core tiles; only "
                          f"{sorted(ROW_TILES)} have a CUDA-core path for fewer rows), got {block_m}")
-    base = TILES[format] if block_m >= 16 else ROW_TILES[format][min(block_m, max(ROW_TILES[format]))]
-    tiles = base | overrides | {"block_m": block_m}
+    loads = _check_weight_loads(overrides.get("weight_loads", weight_loads if block_m < 16 else "pointers"))
+    if loads == "tma" and block_m >= 16:
+        raise ValueError(f"weight_loads='tma' is for the CUDA-core path (block_m < 16), got block_m {block_m}")
+    if block_m >= 16:
+        base = TILES[format]
+    else:
+        by_rows = ROW_TILES[format][loads]
+        base = by_rows[min(block_m, max(by_rows))]
+    tiles = base | overrides | {"block_m": block_m, "weight_loads": loads}
     block_k = tiles["block_k"]
     if block_k % 32 or block_k & (block_k - 1):
         raise ValueError(f"block_k must be a power of two and a multiple of 32 (one MXFP4 group), got {block_k}")
@@ -740,8 +829,11 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation!r} has no fused kernel; choose one of {sorted(ACTIVATIONS)}")
     tokens, top_k = top_k_index.shape
-    settings = tiles_for(gate_up.format, tiles, few_rows_per_block(tokens, top_k, experts, host is not None))
     compute_fp32 = hidden.dtype == torch.float32 if compute_fp32 is None else compute_fp32
+    loads = _weight_loads(tiles, _tma_blocker(gate_up, down, interleaved, compute_fp32, host))
+    few_rows = few_rows_per_block(tokens, top_k, experts, host is not None, loads)
+    settings = tiles_for(gate_up.format, tiles, few_rows, loads)
+
     blocks = _blocks(top_k_index, experts, settings["block_m"])
     splits = _splits(settings, blocks)
     settings |= dict(alpha=alpha, limit=limit, compute_fp32=compute_fp32, slot_of=slot_of, splits=splits)
@@ -766,7 +858,10 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, **tiles) -> torch.Tenso
     has few column tiles (tile `split_k` fixes the count). x [..., K] -> [..., N] in x's dtype."""
     rows = x.reshape(-1, x.shape[-1])
     few_rows = rows.shape[0] if rows.shape[0] <= 2 else None  # one block of 1-2 rows: the weights read once
-    settings = tiles_for(weight.format, tiles, few_rows) | dict(compute_fp32=x.dtype == torch.float32)
+    compute_fp32 = x.dtype == torch.float32
+    loads = _weight_loads(tiles, _tma_blocker(weight, weight, True, compute_fp32, None))
+    settings = tiles_for(weight.format, tiles, few_rows, loads) | dict(compute_fp32=compute_fp32)
+
     rows = _activations(rows, settings)
     _, n, k = weight.shape
     blocks = Blocks(ROWS_IN_ORDER, triton.cdiv(rows.shape[0], settings["block_m"]))

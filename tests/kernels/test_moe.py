@@ -208,6 +208,51 @@ def test_tiles_the_kernel_cannot_run_are_refused():
         call(block_m=3)
 
 
+def test_tma_weight_loads_are_refused_where_they_cannot_run():
+    """The TMA path (`weight_loads="tma"`) is chosen by itself where it runs; asked for elsewhere, the error says
+    why, before any launch."""
+    from dflash_compile.kernels.moe import tiles_for
+
+    index, weights = _routing(1, 2, 1)
+
+    def call(gate_up, down, x):
+        return fused_moe(x, index.to(DEVICE), weights.to(DEVICE), gate_up, down, interleaved=True, weight_loads="tma")
+
+    with pytest.raises(ValueError, match=r"weight_loads='tma' cannot be used here: only MXFP4 weights have a TMA "
+                                         r"path, these are fp8_block; use weight_loads='pointers'"):
+        call(*_experts("fp8_block", 2, 128, 64, bias=False), torch.zeros(1, 128, device=DEVICE))
+    with pytest.raises(ValueError, match="cannot be used here: the fp32 compute path"):
+        call(*_experts("mxfp4", 2, 128, 64, bias=False), torch.zeros(1, 128, device=DEVICE))
+    with pytest.raises(ValueError, match=r"weight_loads='tma' is for the CUDA-core path \(block_m < 16\), got "
+                                         r"block_m 16"):
+        tiles_for("mxfp4", {"weight_loads": "tma", "block_m": 16})
+    with pytest.raises(ValueError, match=r"weight_loads must be one of \('pointers', 'tma'\), got 'async'"):
+        tiles_for("mxfp4", {"weight_loads": "async"}, 1)
+    assert tiles_for("mxfp4", {}, 1, "tma")["weight_loads"] == "tma"
+    assert tiles_for("mxfp4", {}, None, "tma")["weight_loads"] == "pointers"  # the tensor-core tiles
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="TMA runs on a Hopper GPU only")
+@pytest.mark.parametrize("tokens, tiles", [(1, {}), (1, {"split_k": 2}), (4, {"block_m": 2})])
+def test_tma_and_pointer_loads_agree(tokens, tiles):
+    """The weight words through TMA descriptors or through pointers, on the same tiles, both match the reference,
+    with K = 2880 (the last step's words past K zero-filled by TMA) and the last gate/up tile half past the expert's
+    192 rows (TMA reads on into the next expert or zeros; those columns are not stored). Not bit for bit: the
+    words' register layout differs, and with it the order in which a row's groups are summed."""
+    experts, hidden, inter, top_k, interleaved, activation = 4, 2880, 96, 2, True, "clamped_swiglu"
+    gate_up, down = _experts("mxfp4", experts, hidden, inter, bias=True, seed=12)
+    index, weights = _routing(tokens, experts, top_k, seed=13)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(14)).bfloat16()
+    expected = reference_moe(x.float(), index, weights, gate_up, down, interleaved, activation)
+    run = lambda loads: fused_moe(x.to(DEVICE), index.to(DEVICE), weights.to(DEVICE), gate_up, down,  # noqa: E731
+                                  interleaved=interleaved, activation=activation, weight_loads=loads, block_n=64,
+                                  num_warps=8, num_stages=3, **tiles).cpu().double()
+    by_tma, by_pointers = run("tma"), run("pointers")
+    for actual in (by_tma, by_pointers):
+        assert (actual - expected).norm() / expected.norm() <= 1e-2
+    assert (by_tma - by_pointers).norm() / expected.norm() <= 2e-3
+
+
 @pytest.mark.skipif(DEVICE == "cpu", reason="the PTX upcast runs on a GPU only")
 @pytest.mark.parametrize("rows_per_call", [384, 1])
 def test_mxfp4_upcast_decodes_every_code_at_every_scale_exactly(rows_per_call):
@@ -280,6 +325,9 @@ def test_few_rows_per_block_follows_the_pairs_per_routed_expert():
     assert few_rows_per_block(16, 4, 128) == 2  # gpt-oss-120b, 16 tokens: 1.25
     assert few_rows_per_block(8, 4, 32) is None  # gpt-oss-20b, 8 tokens: 1.56
     assert few_rows_per_block(64, 8, 128) is None
+    assert few_rows_per_block(16, 4, 32, weight_loads="tma") == 2  # the TMA row path holds up to 2.75 pairs
+    assert few_rows_per_block(20, 4, 32, weight_loads="tma") == 2  # 2.69
+    assert few_rows_per_block(24, 4, 32, weight_loads="tma") is None  # 3.13
     # offload: experts without a slot cross PCIe per block that reads them, so only one token keeps blocks of one
     assert few_rows_per_block(4, 4, 32, reads_host=True) is None
     assert few_rows_per_block(1, 4, 32, reads_host=True) == 1
