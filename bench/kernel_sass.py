@@ -42,32 +42,35 @@ ALIGNED = ("x", "data", "scales", "bias", "out", "pair_ids", "block_expert", "pa
            "row_stride", "k_split")
 
 
-def compile_kernel(format: str, gated: bool, tiles: dict, host_fallback: bool = False, one_token: bool = False):
-    """`_moe_gemm_kernel` for `format` compiled for sm_90, gpt-oss-style (interleaved, clamped SwiGLU, biases);
-    `host_fallback`: with offload's slot table and host blobs; `one_token`: a decode launch (every pair its own
-    block, K split by the tile `split_k`)."""
+def compile_kernel(format: str, gated: bool, tiles: dict, host_fallback: bool = False, one_token: bool = False,
+                   interleaved: bool = True):
+    """`_moe_gemm_kernel` for `format` compiled for sm_90, gpt-oss-style (clamped SwiGLU, biases; gate/up rows
+    `interleaved` or concatenated); `host_fallback`: with offload's slot table and host blobs; `one_token`: a decode
+    launch (every pair its own block, K split by the tile `split_k`)."""
     data, scales = WEIGHT_POINTERS[format]
     names = _moe_gemm_kernel.arg_names
     fp16 = tiles.get("operands") == "fp16"
-    tma = tiles["weight_loads"] == "tma"
+    tma_loads = 0 if tiles["weight_loads"] == "pointers" else 2 if gated and not interleaved else 1
     signature = {name: "i32" for name in names} | POINTERS | {"data": data, "scales": scales, "alpha": "fp32",
                                                               "limit": "fp32", "data_stride": "i64",
                                                               "scales_stride": "i64", "bias_stride": "i64",
                                                               "host_data": data, "host_scales": scales}
     if fp16:  # the activations come in (and the gate/up output goes out) as prescaled fp16
         signature |= {"x": "*fp16", "out": "*fp16"}
-    constants = dict(FORMAT=FORMATS[format], GATED=gated, INTERLEAVED=True, ACTIVATION=ACTIVATIONS["clamped_swiglu"],
-                     HAS_BIAS=True, APPLY_WEIGHT=not gated, COMPUTE_FP32=False, FP16_OPERANDS=fp16,
+    constants = dict(FORMAT=FORMATS[format], GATED=gated, INTERLEAVED=interleaved,
+                     ACTIVATION=ACTIVATIONS["clamped_swiglu"], HAS_BIAS=True, APPLY_WEIGHT=not gated,
+                     COMPUTE_FP32=False, FP16_OPERANDS=fp16,
                      HOST_FALLBACK=host_fallback, BLOCKING=PAIR_PER_BLOCK if one_token else GROUPED,
                      SPLIT_K=tiles["split_k"] if one_token else 1,
                      BLOCK_M=tiles["block_m"], BLOCK_N=tiles["block_n"], BLOCK_K=tiles["block_k"],
-                     NUM_STAGES=tiles["num_stages"], WORDS_BY_TMA=tma,
+                     NUM_STAGES=tiles["num_stages"], TMA_LOADS=tma_loads,
                      column_stride=1)  # the JIT makes an argument equal to 1 a constant
-    if not tma:
+    if not tma_loads:
         constants["words_tma"] = None
     signature |= {name: "constexpr" for name in constants}
-    if tma:  # `_words_descriptor`'s tiles: one program's weight rows by one K step of 4-byte words
-        signature["words_tma"] = f"tensordesc<i32[{tiles['block_n'] * (2 if gated else 1)}, {tiles['block_k'] // 8}]>"
+    if tma_loads:  # `_words_descriptor`'s tiles: one program's weight rows (or half of them) by one K step of words
+        rows = tiles["block_n"] * (2 if gated and tma_loads == 1 else 1)
+        signature["words_tma"] = f"tensordesc<i32[{rows}, {tiles['block_k'] // 8}]>"
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ALIGNED}
     source = ASTSource(_moe_gemm_kernel, signature, constexprs=constants, attrs=attrs)
     return triton.compile(source, target=H200, options={"num_warps": tiles["num_warps"],
@@ -117,6 +120,7 @@ def main() -> None:
     parser.add_argument("--tiles", nargs="*", default=[], help="overrides of the format's TILES, e.g. block_n=64")
     parser.add_argument("--host-fallback", action="store_true", help="offload's slot table and host blobs")
     parser.add_argument("--one-token", action="store_true", help="a decode launch (tile split_k applies)")
+    parser.add_argument("--concatenated", action="store_true", help="gate/up rows concatenated, not interleaved")
     args = parser.parse_args()
     overrides = parse_tiles(args.tiles)
     print("| format | projection | tiles | loop instructions / thread | weight bytes / iteration | bytes / warp "
@@ -126,7 +130,8 @@ def main() -> None:
         tiles = tiles_for(format, overrides, 1 if args.one_token else None,
                           "pointers" if args.host_fallback else "tma")  # as `fused_moe` picks them on the H200
         for gated in (True, False):
-            sass = disassemble(compile_kernel(format, gated, tiles, args.host_fallback, args.one_token).asm["cubin"])
+            sass = disassemble(compile_kernel(format, gated, tiles, args.host_fallback, args.one_token,
+                                                not args.concatenated).asm["cubin"])
             loop = k_loop(sass)
             registers, ctas = resident_ctas(sass, tiles["num_warps"])
             rows = tiles["block_n"] * (2 if gated else 1)

@@ -44,6 +44,7 @@ SHAPES = {  # experts, top-k, hidden, intermediate, format, gpt-oss layout
     "gpt-oss-20b": (32, 4, 2880, 2880, "mxfp4", True),
     "gpt-oss-120b": (128, 4, 2880, 2880, "mxfp4", True),
     "qwen3-30b-a3b-fp8": (128, 8, 2048, 768, "fp8_block", False),
+    "qwen3-30b-a3b-mxfp4": (128, 8, 2048, 768, "mxfp4", False),  # `dflash_compile.quantize` output: gate/up concatenated
 }
 
 

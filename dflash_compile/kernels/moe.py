@@ -341,17 +341,31 @@ def _row_step_loads(words, scales, x_rows, rows, row_ok, k, stop, K, word, offse
 
 
 @triton.jit
-def _mxfp4_row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_stop, words_tma, first_row,
+def _tma_words(words_tma, tma_rows, k, BLOCK_ROWS: tl.constexpr, GROUPS: tl.constexpr, TMA_LOADS: tl.constexpr):
+    """One K step's packed words [BLOCK_ROWS, GROUPS, 4] from column k through `words_tma` (zeros past K): one tile
+    from row tma_rows[0] (TMA_LOADS 1), or half tiles of gate rows from tma_rows[0] and of up rows from tma_rows[1]
+    (TMA_LOADS 2: concatenated gate/up), interleaved gate, up, gate, ... as the gated tile orders its rows."""
+    if TMA_LOADS == 2:
+        gate = words_tma.load([tma_rows[0], k // 8])
+        up = words_tma.load([tma_rows[1], k // 8])
+        tile = tl.reshape(tl.permute(tl.join(gate, up), (0, 2, 1)), (BLOCK_ROWS, GROUPS * 4))
+    else:
+        tile = words_tma.load([tma_rows[0], k // 8])
+    return tl.reshape(tile, (BLOCK_ROWS, GROUPS, 4))
+
+
+@triton.jit
+def _mxfp4_row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_stop, words_tma, tma_rows,
                        COMPUTE_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                       BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, WORDS_BY_TMA: tl.constexpr):
+                       BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, TMA_LOADS: tl.constexpr):
     """[BLOCK_M, BLOCK_ROWS] fp32 = x[pair_rows] @ W[rows]^T over K in [k_start, k_stop) for a few rows of
     activations (BLOCK_M < 16), W MXFP4, on the CUDA cores: no tensor-core tile padded to 16 rows, and per code a
     shift-and-mask decode and half an fp16x2 multiply-add per row of activations (`_E2M1_ROW_ASM`, one instance per
     row and group: the instances of one group share its words, so ptxas decodes them once for all rows). Each row of
     activations goes to fp16 scaled by a power of two that puts its largest magnitude in this share of K in [2^14,
     2^15): no fp16 overflow, and products too small for fp16's normal range are below 2^-28 of the row's largest.
-    The packed bytes are read as 4-byte words, 8 codes each: with WORDS_BY_TMA through `words_tma` (the tile's
-    contiguous rows `first_row`..., see `_words_descriptor`), NUM_STAGES steps ahead into shared memory by the TMA
+    The packed bytes are read as 4-byte words, 8 codes each: with TMA_LOADS through `words_tma` (`_tma_words`;
+    `_words_descriptor`), NUM_STAGES steps ahead into shared memory by the TMA
     unit, which takes the loads' instructions and registers off the warps (1.05x at one token, 1.3x for blocks of 2
     rows, session 17); otherwise as 8-byte pointer loads (the 16-byte loads that aligned addressing allows measured
     16% slower on the H200 in session 14 and 0.98x in session 16, with the words' layout conversions gone)."""
@@ -383,8 +397,8 @@ def _mxfp4_row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_s
     for k in tl.range(k_start, k_stop, BLOCK_K, num_stages=NUM_STAGES):
         next_packed, next_exponent, next_xs = _row_step_loads(words, scales, x_rows, rows, row_ok, k + BLOCK_K,
                                                               stop, K, word, offset, GROUPS, EVICTION)
-        if WORDS_BY_TMA:
-            packed = tl.reshape(words_tma.load([first_row, k // 8]), (BLOCK_ROWS, GROUPS, 4))  # zeros past K
+        if TMA_LOADS:
+            packed = _tma_words(words_tma, tma_rows, k, BLOCK_ROWS, GROUPS, TMA_LOADS)
 
         if COMPUTE_FP32:
             shifts = 4 * tl.arange(0, 4)[:, None] + 16 * tl.arange(0, 2)[None, :]
@@ -466,15 +480,15 @@ def _tile_project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start,
 
 @triton.jit
 def _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start, k_stop, row_stride, column_stride,
-             words_tma, first_row, FORMAT: tl.constexpr, COMPUTE_FP32: tl.constexpr, FP16_OPERANDS: tl.constexpr,
+             words_tma, tma_rows, FORMAT: tl.constexpr, COMPUTE_FP32: tl.constexpr, FP16_OPERANDS: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-             WORDS_BY_TMA: tl.constexpr):
+             TMA_LOADS: tl.constexpr):
     """[BLOCK_M, BLOCK_ROWS] fp32 = x[pair_rows] @ W[rows]^T over K in [k_start, k_stop), W the expert at `data` /
     `scales` (dense weights at any row / column strides, e.g. a transposed view of [E, in, out] parameters): on the
     tensor cores, or for a few rows of activations (BLOCK_M < 16) times MXFP4 weights on the CUDA cores."""
     if FORMAT == 1 and BLOCK_M < 16:
-        acc = _mxfp4_row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_stop, words_tma, first_row,
-                                 COMPUTE_FP32, BLOCK_M, BLOCK_ROWS, BLOCK_K, NUM_STAGES, WORDS_BY_TMA)
+        acc = _mxfp4_row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_stop, words_tma, tma_rows,
+                                 COMPUTE_FP32, BLOCK_M, BLOCK_ROWS, BLOCK_K, NUM_STAGES, TMA_LOADS)
     else:
         acc = _tile_project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start, k_stop, row_stride,
                             column_stride, FORMAT, COMPUTE_FP32, FP16_OPERANDS, BLOCK_M, BLOCK_ROWS, BLOCK_K,
@@ -496,7 +510,7 @@ def _moe_gemm_kernel(
     FORMAT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr, APPLY_WEIGHT: tl.constexpr, COMPUTE_FP32: tl.constexpr, FP16_OPERANDS: tl.constexpr,
     HOST_FALLBACK: tl.constexpr, BLOCKING: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, WORDS_BY_TMA: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, TMA_LOADS: tl.constexpr,
 ):
     block = tl.program_id(0)
     if BLOCKING == 2:  # ROWS_IN_ORDER: the one expert
@@ -526,8 +540,10 @@ def _moe_gemm_kernel(
     pair_rows = tl.where(pair_ok, pairs // ROW_DIV, 0)
     columns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     column_ok = columns < N_OUT
-    # the first of this program's weight rows in `words_tma`, which spans every expert's rows
-    first_row = (row * N + tl.program_id(1) * BLOCK_N * (2 if GATED else 1)).to(tl.int32)
+    # this program's weight rows in `words_tma`, which spans every expert's rows: the first of its tile, or with
+    # concatenated gate/up rows the first gate row and the first up row (`_tma_words`)
+    first_row = (row * N + tl.program_id(1) * BLOCK_N * (2 if GATED and INTERLEAVED else 1)).to(tl.int32)
+    tma_rows = (first_row, first_row + N_OUT)
     split = tl.program_id(2)  # this program's share of K: [k_start, k_stop), the whole of it without splits
 
     k_start = split * k_split
@@ -544,8 +560,8 @@ def _moe_gemm_kernel(
         row_ok = column < N_OUT
         rows = tl.where(row_ok, rows, 0)
         both = _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start, k_stop, row_stride,
-                        column_stride, words_tma, first_row, FORMAT, COMPUTE_FP32, FP16_OPERANDS, BLOCK_M,
-                        2 * BLOCK_N, BLOCK_K, NUM_STAGES, WORDS_BY_TMA)
+                        column_stride, words_tma, tma_rows, FORMAT, COMPUTE_FP32, FP16_OPERANDS, BLOCK_M,
+                        2 * BLOCK_N, BLOCK_K, NUM_STAGES, TMA_LOADS)
         if HAS_BIAS:
             both += _first_split_bias(bias, rows, row_ok, split)[None, :]
         if SPLIT_K > 1:  # this split's partial sums, gate and up interleaved; `_finish_gate_up` adds and activates
@@ -559,8 +575,8 @@ def _moe_gemm_kernel(
     else:
         rows = tl.where(column_ok, columns, 0)
         result = _project(x, data, scales, rows, column_ok, pair_rows, pair_ok, K, k_start, k_stop, row_stride,
-                          column_stride, words_tma, first_row, FORMAT, COMPUTE_FP32, FP16_OPERANDS, BLOCK_M, BLOCK_N,
-                          BLOCK_K, NUM_STAGES, WORDS_BY_TMA)
+                          column_stride, words_tma, tma_rows, FORMAT, COMPUTE_FP32, FP16_OPERANDS, BLOCK_M, BLOCK_N,
+                          BLOCK_K, NUM_STAGES, TMA_LOADS)
         out_width = N_OUT
         if HAS_BIAS:
             result += _first_split_bias(bias, rows, column_ok, split)[None, :]
@@ -596,9 +612,10 @@ def _launch(x, weight: PackedWeight, blocks: Blocks, pair_weights, rows_out, n_o
     out = torch.empty(splits, rows_out, 2 * n_out if gated and splits > 1 else n_out, dtype=out_dtype, device=x.device)
     k_split = triton.cdiv(triton.cdiv(k, block_k), splits) * block_k
     grid = (blocks.count, triton.cdiv(n_out, block_n), splits)
-    words_tma = None
-    if weight_loads == "tma":
-        words_tma = _words_descriptor(weight, 2 * block_n if gated else block_n, block_k)
+    words_tma, tma_loads = None, 0
+    if weight_loads == "tma":  # gate/up: one tile of interleaved rows, or gate and up halves (`_tma_words`)
+        tma_loads = 2 if gated and not interleaved else 1
+        words_tma = _words_descriptor(weight, 2 * block_n if tma_loads == 1 and gated else block_n, block_k)
     pointer = lambda t: t if t is not None else out  # noqa: E731  (any tensor stands in for an absent pointer)
     weight_pointers = lambda w: [pointer(part) for part in (w.data, w.scales, w.bias)]  # noqa: E731
     _moe_gemm_kernel[grid](
@@ -609,7 +626,7 @@ def _launch(x, weight: PackedWeight, blocks: Blocks, pair_weights, rows_out, n_o
         HAS_BIAS=weight.bias is not None, APPLY_WEIGHT=pair_weights is not None, COMPUTE_FP32=compute_fp32,
         FP16_OPERANDS=fp16_operands, HOST_FALLBACK=slot_of is not None, BLOCKING=blocks.blocking,
         SPLIT_K=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
-        WORDS_BY_TMA=words_tma is not None, num_warps=num_warps,
+        TMA_LOADS=tma_loads, num_warps=num_warps,
     )
     return out if splits > 1 else out[0]
 
@@ -623,8 +640,7 @@ def _words_descriptor(weight: PackedWeight, block_rows: int, block_k: int) -> Te
     return TensorDescriptor(words, list(words.shape), [words.shape[1], 1], [block_rows, block_k // 8])
 
 
-def _tma_blocker(gate_up: PackedWeight, down: PackedWeight, interleaved: bool, compute_fp32: bool,
-                 host: tuple | None) -> str | None:
+def _tma_blocker(gate_up: PackedWeight, down: PackedWeight, compute_fp32: bool, host: tuple | None) -> str | None:
     """Why an MoE call (or, with gate_up = down, a dense layer) cannot read its weight words through TMA
     descriptors (`weight_loads="tma"`), or None when it can."""
     weights = (gate_up, down)
@@ -638,8 +654,6 @@ def _tma_blocker(gate_up: PackedWeight, down: PackedWeight, interleaved: bool, c
         return "offloaded experts are read from host memory through pointers"
     if not all(w.data.is_contiguous() and w.data.data_ptr() % 16 == 0 for w in weights):
         return "TMA needs each weight's experts contiguous, one after another, at a 16-byte aligned address"
-    if not interleaved:
-        return "gate and up rows are not interleaved (one TMA tile per program needs them side by side)"
     return None
 
 
@@ -830,7 +844,7 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
         raise ValueError(f"activation {activation!r} has no fused kernel; choose one of {sorted(ACTIVATIONS)}")
     tokens, top_k = top_k_index.shape
     compute_fp32 = hidden.dtype == torch.float32 if compute_fp32 is None else compute_fp32
-    loads = _weight_loads(tiles, _tma_blocker(gate_up, down, interleaved, compute_fp32, host))
+    loads = _weight_loads(tiles, _tma_blocker(gate_up, down, compute_fp32, host))
     few_rows = few_rows_per_block(tokens, top_k, experts, host is not None, loads)
     settings = tiles_for(gate_up.format, tiles, few_rows, loads)
 
@@ -859,7 +873,7 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, **tiles) -> torch.Tenso
     rows = x.reshape(-1, x.shape[-1])
     few_rows = rows.shape[0] if rows.shape[0] <= 2 else None  # one block of 1-2 rows: the weights read once
     compute_fp32 = x.dtype == torch.float32
-    loads = _weight_loads(tiles, _tma_blocker(weight, weight, True, compute_fp32, None))
+    loads = _weight_loads(tiles, _tma_blocker(weight, weight, compute_fp32, None))
     settings = tiles_for(weight.format, tiles, few_rows, loads) | dict(compute_fp32=compute_fp32)
 
     rows = _activations(rows, settings)

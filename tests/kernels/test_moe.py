@@ -234,12 +234,14 @@ def test_tma_weight_loads_are_refused_where_they_cannot_run():
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="TMA runs on a Hopper GPU only")
 @pytest.mark.parametrize("tokens, tiles", [(1, {}), (1, {"split_k": 2}), (4, {"block_m": 2})])
-def test_tma_and_pointer_loads_agree(tokens, tiles):
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_tma_and_pointer_loads_agree(tokens, tiles, interleaved):
     """The weight words through TMA descriptors or through pointers, on the same tiles, both match the reference,
     with K = 2880 (the last step's words past K zero-filled by TMA) and the last gate/up tile half past the expert's
-    192 rows (TMA reads on into the next expert or zeros; those columns are not stored). Not bit for bit: the
-    words' register layout differs, and with it the order in which a row's groups are summed."""
-    experts, hidden, inter, top_k, interleaved, activation = 4, 2880, 96, 2, True, "clamped_swiglu"
+    192 rows (TMA reads on into the next expert or zeros; those columns are not stored); gate/up rows interleaved
+    (one TMA tile) or concatenated (gate and up halves). Not bit for bit: the words' register layout differs, and
+    with it the order in which a row's groups are summed."""
+    experts, hidden, inter, top_k, activation = 4, 2880, 96, 2, "clamped_swiglu"
     gate_up, down = _experts("mxfp4", experts, hidden, inter, bias=True, seed=12)
     index, weights = _routing(tokens, experts, top_k, seed=13)
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(14)).bfloat16()
