@@ -704,8 +704,10 @@ def _activations(x: torch.Tensor, settings: dict) -> torch.Tensor:
     """The activations as the kernel takes them: with fp16 operands x times FP16_PRESCALE in fp16, in one pass (the
     scaling is exact: a power of two); otherwise contiguous as they are. A single token's row is scaled inside the
     gate/up kernel instead (cheaper than a launch at decode; for a block of rows the kernel's own scaling adds 21% to
-    the FP8 gate/up K loop, 357 -> 432 instructions on sm_90, so more rows take the launch)."""
-    if x.shape[0] > 1 and _fp16_operands(settings.get("operands", "bf16"), settings["compute_fp32"]):
+    the FP8 gate/up K loop, 357 -> 432 instructions on sm_90, so more rows take the launch), unless it is fp16
+    already: the kernel takes fp16 activations as prescaled ones."""
+    prescaled_in_kernel = x.shape[0] == 1 and x.dtype != torch.float16
+    if not prescaled_in_kernel and _fp16_operands(settings.get("operands", "bf16"), settings["compute_fp32"]):
         return torch.mul(x, FP16_PRESCALE.value, out=torch.empty(x.shape, dtype=torch.float16, device=x.device))
     return x.contiguous()
 
