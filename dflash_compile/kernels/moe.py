@@ -364,11 +364,11 @@ def _mxfp4_row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_s
     row and group: the instances of one group share its words, so ptxas decodes them once for all rows). Each row of
     activations goes to fp16 scaled by a power of two that puts its largest magnitude in this share of K in [2^14,
     2^15): no fp16 overflow, and products too small for fp16's normal range are below 2^-28 of the row's largest.
-    The packed bytes are read as 4-byte words, 8 codes each: with TMA_LOADS through `words_tma` (`_tma_words`;
-    `_words_descriptor`), NUM_STAGES steps ahead into shared memory by the TMA
-    unit, which takes the loads' instructions and registers off the warps (1.05x at one token, 1.3x for blocks of 2
-    rows, session 17); otherwise as 8-byte pointer loads (the 16-byte loads that aligned addressing allows measured
-    16% slower on the H200 in session 14 and 0.98x in session 16, with the words' layout conversions gone)."""
+    The packed bytes are read as 4-byte words, 8 codes each: with TMA_LOADS through `words_tma` (`_tma_words`,
+    `_words_descriptor`), NUM_STAGES steps ahead into shared memory by the TMA unit, which takes the loads'
+    instructions and registers off the warps (1.05x at one token, 1.3x for blocks of 2 rows, session 17); otherwise
+    as 8-byte pointer loads (the 16-byte loads that aligned addressing allows measured 16% slower on the H200 in
+    session 14 and 0.98x in session 16, with the words' layout conversions gone)."""
     GROUPS: tl.constexpr = BLOCK_K // 32
     word = tl.arange(0, GROUPS)[:, None] * 4 + tl.arange(0, 4)[None, :]  # [GROUPS, 4]: the K step's words
     pair = tl.arange(0, 4)[:, None] + 4 * tl.arange(0, 2)[None, :]  # [4 pairs, 2 halves]: K offsets in a word
@@ -669,7 +669,6 @@ def _weight_loads(tiles: dict, blocker: str | None) -> str:
 
 
 def _fp16_operands(operands: str, compute_fp32: bool) -> bool:
-
     """Whether a launch takes fp16 operands (FP16_OPERANDS): asked for, and not the fp32 path."""
     return operands == "fp16" and not compute_fp32
 
@@ -753,7 +752,6 @@ def _check_weight_loads(loads: str) -> str:
     if loads not in WEIGHT_LOADS:
         raise ValueError(f"weight_loads must be one of {WEIGHT_LOADS}, got {loads!r}")
     return loads
-
 
 
 # At most this many pairs per routed expert: blocks of 2 rows on the CUDA cores, by the row path's weight loads.
@@ -877,7 +875,6 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, **tiles) -> torch.Tenso
     compute_fp32 = x.dtype == torch.float32
     loads = _weight_loads(tiles, _tma_blocker(weight, weight, compute_fp32, None))
     settings = tiles_for(weight.format, tiles, few_rows, loads) | dict(compute_fp32=compute_fp32)
-
     rows = _activations(rows, settings)
     _, n, k = weight.shape
     blocks = Blocks(ROWS_IN_ORDER, triton.cdiv(rows.shape[0], settings["block_m"]))
