@@ -399,7 +399,6 @@ def _mxfp4_row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_s
                                                               stop, K, word, offset, GROUPS, EVICTION)
         if TMA_LOADS:
             packed = _tma_words(words_tma, tma_rows, k, BLOCK_ROWS, GROUPS, TMA_LOADS)
-
         if COMPUTE_FP32:
             shifts = 4 * tl.arange(0, 4)[:, None] + 16 * tl.arange(0, 2)[None, :]
             codes = (packed[:, :, :, None, None] >> shifts[None, None, None, :, :]) & 15
@@ -545,7 +544,6 @@ def _moe_gemm_kernel(
     first_row = (row * N + tl.program_id(1) * BLOCK_N * (2 if GATED and INTERLEAVED else 1)).to(tl.int32)
     tma_rows = (first_row, first_row + N_OUT)
     split = tl.program_id(2)  # this program's share of K: [k_start, k_stop), the whole of it without splits
-
     k_start = split * k_split
     k_stop = tl.minimum(k_start + k_split, tl.cdiv(K, BLOCK_K) * BLOCK_K)
     if GATED:
