@@ -717,7 +717,6 @@ def _activations(x: torch.Tensor, settings: dict) -> torch.Tensor:
 # (CUDA-core tiles of 1-4 pairs with MXFP4 decoded by fp32 bit construction measured 2-10x slower in session 4; the
 # CUDA-core path for blocks of 1-2 rows with the fp16 PTX decode has tiles of its own: ROW_TILES.)
 _COMMON = {"block_m": 16, "block_n": 32, "num_warps": 4, "split_k": 1}
-
 TILES = {
     "mxfp4": _COMMON | {"block_n": 64, "block_k": 128, "num_stages": 4},
     "fp8_block": _COMMON | {"block_n": 64, "block_k": 128, "num_stages": 4, "operands": "fp16"},
@@ -783,9 +782,9 @@ def tiles_for(format: str, overrides: dict, few_rows: int | None = None, weight_
     per block for a launch with few rows per expert (one token: 1), taken where the format has a CUDA-core path for
     them (ROW_TILES, chosen by block_m < 16) and no block_m override; `weight_loads`: how that path reads the weight
     words where no override says (the tensor-core tiles read through pointers)."""
-    unknown = set(overrides) - set(TILES[format]) - {"weight_loads"}
-    if unknown:
-        raise ValueError(f"unknown tile settings {sorted(unknown)}; the kernel takes {sorted(TILES[format])}")
+    known = set(TILES[format]) | {"weight_loads"}
+    if set(overrides) - known:
+        raise ValueError(f"unknown tile settings {sorted(set(overrides) - known)}; the kernel takes {sorted(known)}")
     preferred = few_rows if few_rows is not None and format in ROW_TILES else TILES[format]["block_m"]
     block_m = overrides.get("block_m", preferred)
     if block_m < 1 or block_m & (block_m - 1):
@@ -845,7 +844,6 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     loads = _weight_loads(tiles, _tma_blocker(gate_up, down, compute_fp32, host))
     few_rows = few_rows_per_block(tokens, top_k, experts, host is not None, loads)
     settings = tiles_for(gate_up.format, tiles, few_rows, loads)
-
     blocks = _blocks(top_k_index, experts, settings["block_m"])
     splits = _splits(settings, blocks)
     settings |= dict(alpha=alpha, limit=limit, compute_fp32=compute_fp32, slot_of=slot_of, splits=splits)
