@@ -272,7 +272,7 @@ def path_tiles(tiles: dict, tokens: int, top_k: int, experts: int) -> dict:
     few rows (`few_rows_per_block`), or the tensor cores'."""
     if tokens == 1:
         return tiles["one_token"]
-    few_rows = few_rows_per_block(tokens, top_k, experts, weight_loads="tma")  # gpt-oss on the H200: TMA loads
+    few_rows = few_rows_per_block(tokens, top_k, experts, weight_loads="tma")  # MXFP4 on the H200 reads by TMA
     return tiles["few_rows"] if few_rows else tiles["tensor_core"]
 
 
