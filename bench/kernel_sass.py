@@ -30,7 +30,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_compile.kernels.moe import (  # noqa: E402
-    ACTIVATIONS, FORMATS, GROUPED, PAIR_PER_BLOCK, _moe_gemm_kernel, tiles_for)
+    ACTIVATIONS, FORMATS, GROUPED, PAIR_PER_BLOCK, _moe_gemm_kernel, tiles_for, tma_tile)
 
 H200 = GPUTarget("cuda", 90, 32)
 POINTERS = {"x": "*bf16", "bias": "*fp32", "out": "*bf16", "pair_ids": "*i32", "block_expert": "*i32",
@@ -50,7 +50,9 @@ def compile_kernel(format: str, gated: bool, tiles: dict, host_fallback: bool = 
     data, scales = WEIGHT_POINTERS[format]
     names = _moe_gemm_kernel.arg_names
     fp16 = tiles.get("operands") == "fp16"
-    tma_loads = 0 if tiles["weight_loads"] == "pointers" else 2 if gated and not interleaved else 1
+    tma_loads, tile_rows = tma_tile(gated, interleaved, tiles["block_n"])
+    if tiles["weight_loads"] == "pointers":
+        tma_loads = 0
     signature = {name: "i32" for name in names} | POINTERS | {"data": data, "scales": scales, "alpha": "fp32",
                                                               "limit": "fp32", "data_stride": "i64",
                                                               "scales_stride": "i64", "bias_stride": "i64",
@@ -68,9 +70,8 @@ def compile_kernel(format: str, gated: bool, tiles: dict, host_fallback: bool = 
     if not tma_loads:
         constants["words_tma"] = None
     signature |= {name: "constexpr" for name in constants}
-    if tma_loads:  # `_words_descriptor`'s tiles: one program's weight rows (or half of them) by one K step of words
-        rows = tiles["block_n"] * (2 if gated and tma_loads == 1 else 1)
-        signature["words_tma"] = f"tensordesc<i32[{rows}, {tiles['block_k'] // 8}]>"
+    if tma_loads:  # `_words_descriptor`'s tiles: `tma_tile`'s rows by one K step of 4-byte words
+        signature["words_tma"] = f"tensordesc<i32[{tile_rows}, {tiles['block_k'] // 8}]>"
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ALIGNED}
     source = ASTSource(_moe_gemm_kernel, signature, constexprs=constants, attrs=attrs)
     return triton.compile(source, target=H200, options={"num_warps": tiles["num_warps"],

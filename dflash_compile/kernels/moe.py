@@ -611,9 +611,9 @@ def _launch(x, weight: PackedWeight, blocks: Blocks, pair_weights, rows_out, n_o
     k_split = triton.cdiv(triton.cdiv(k, block_k), splits) * block_k
     grid = (blocks.count, triton.cdiv(n_out, block_n), splits)
     words_tma, tma_loads = None, 0
-    if weight_loads == "tma":  # gate/up: one tile of interleaved rows, or gate and up halves (`_tma_words`)
-        tma_loads = 2 if gated and not interleaved else 1
-        words_tma = _words_descriptor(weight, 2 * block_n if tma_loads == 1 and gated else block_n, block_k)
+    if weight_loads == "tma":
+        tma_loads, tile_rows = tma_tile(gated, interleaved, block_n)
+        words_tma = _words_descriptor(weight, tile_rows, block_k)
     pointer = lambda t: t if t is not None else out  # noqa: E731  (any tensor stands in for an absent pointer)
     weight_pointers = lambda w: [pointer(part) for part in (w.data, w.scales, w.bias)]  # noqa: E731
     _moe_gemm_kernel[grid](
@@ -627,6 +627,15 @@ def _launch(x, weight: PackedWeight, blocks: Blocks, pair_weights, rows_out, n_o
         TMA_LOADS=tma_loads, num_warps=num_warps,
     )
     return out if splits > 1 else out[0]
+
+
+def tma_tile(gated: bool, interleaved: bool, block_n: int) -> tuple[int, int]:
+    """(TMA_LOADS, rows of one descriptor tile) for a launch reading its weight words by TMA (`_tma_words`): one
+    tile of the program's rows (2 * block_n interleaved gate/up rows, or block_n rows), or for concatenated gate/up
+    rows two half tiles of block_n gate and block_n up rows."""
+    if gated and not interleaved:
+        return 2, block_n
+    return 1, 2 * block_n if gated else block_n
 
 
 def _words_descriptor(weight: PackedWeight, block_rows: int, block_k: int) -> TensorDescriptor:
