@@ -209,7 +209,7 @@ def run_shape(name, tokens_list, layers, tiles, copy_gbs, rows, baseline=None, p
     per_expert = expert_bytes(packed[0][0]) + expert_bytes(packed[0][1])
     baseline_b, fused_bf16 = zip(*[bf16_experts(name, experts, hidden, inter) for _ in range(min(layers, 2))])
     for tokens in tokens_list:
-        tuning = path_tiles(tiles, tokens, top_k, experts)
+        tuning = path_tiles(tiles, tokens, top_k, experts, format)
         generator = torch.Generator(device="cuda").manual_seed(tokens)
         index = random_routing(tokens, experts, top_k, skew, generator)
         weights = torch.softmax(torch.randn(tokens, top_k, device="cuda", generator=generator), dim=-1)
@@ -267,12 +267,12 @@ def run_shape(name, tokens_list, layers, tiles, copy_gbs, rows, baseline=None, p
 SPLIT_K = (1, 2, 3, 4, 6)  # shares of K for one token's launches, swept on the best tiles
 
 
-def path_tiles(tiles: dict, tokens: int, top_k: int, experts: int) -> dict:
+def path_tiles(tiles: dict, tokens: int, top_k: int, experts: int, format: str) -> dict:
     """The tiles swept for the path `fused_moe` takes on a call of this size: one token's, the CUDA-core blocks of
-    few rows (`few_rows_per_block`), or the tensor cores'."""
+    few rows (`few_rows_per_block`, for formats with a row path: ROW_TILES), or the tensor cores'."""
     if tokens == 1:
         return tiles["one_token"]
-    few_rows = few_rows_per_block(tokens, top_k, experts, weight_loads="tma")  # MXFP4 on the H200 reads by TMA
+    few_rows = format in ROW_TILES and few_rows_per_block(tokens, top_k, experts, weight_loads="tma")  # H200: TMA
     return tiles["few_rows"] if few_rows else tiles["tensor_core"]
 
 
