@@ -28,12 +28,12 @@ straight into the register pairs of the MMA operand (`_E2M1_BF16_ASM`), FP8 code
 
 Blocks of one or two rows of activations times MXFP4 weights (a decode step's launches; verify sizes where experts
 get about one pair each, `few_rows_per_block`; a dense layer's one or two rows) run on the CUDA cores instead
-(`_mxfp4_row_project`, tiles `ROW_TILES`): no tensor-core tile padded to 16 rows, codes decoded to fp16 by a shift
-and a mask per pair (`_E2M1_ROW_ASM`) and multiplied in fp16x2, the activations scaled by a power of two that keeps
-them in fp16's range: ~3.9 instructions per weight for one row against ~5 for the bf16 MMA operand's decode. On
-Hopper their weight words come through TMA descriptors (`weight_loads="tma"`, `_tma_blocker` says where not), a
-few K steps ahead into shared memory, which frees the warps' load instructions and registers: 1.05x at one token,
-1.27-1.47x for blocks of 2, which then beat the tensor cores up to ~2.75 pairs per routed expert (session 17).
+(`_mxfp4_row_project`, tiles `ROW_TILES`): no tensor-core tile padded to 16 rows, codes decoded to fp16 pairs by
+shifts and masks per word and a byte permute per pair (`_row_word_pairs`, 11 instructions per 8 codes) and
+multiplied in fp16x2, the activations scaled by a power of two that keeps them in fp16's range. On Hopper their
+weight words come through TMA descriptors (`weight_loads="tma"`, `_tma_blocker` says where not), a few K steps
+ahead into shared memory, which frees the warps' load instructions and registers: 1.05x at one token, 1.27-1.47x
+for blocks of 2 (session 17), which then beat the tensor cores up to ~3.3 pairs per routed expert (session 19).
 
 `FP16_OPERANDS` (FP8 weights, tile setting `operands="fp16"`): the weights go to the tensor cores as fp16 through
 the one-instruction e4m3x2 -> f16x2 conversion (bf16 takes two per value), and the activations come in as fp16
@@ -274,38 +274,51 @@ def _mxfp4_tile(data, scales, rows, row_ok, k, K, COMPUTE_FP32: tl.constexpr, BL
     return tile
 
 
-def _shifted(register: str, source: str, bits: int) -> str:
-    """PTX for `register = source` shifted left by `bits` (right for negative bits)."""
-    if bits == 0:
-        return f"mov.b32 {register}, {source};\n"
-    return f"{'shl' if bits > 0 else 'shr'}.b32 {register}, {source}, {abs(bits)};\n"
+def _row_word_pairs(word: str) -> str:
+    """PTX for the four fp16x2 pairs `pair0`-`pair3` of a packed word's codes (pair i: K offsets `_row_pairs`()[i]
+    and that + 2, low half first), each code times 2^-14:
+    every low nibble's sign and exponent/mantissa bits moved to bits 7 and 3-1 of its byte (two shifts, two masks),
+    then every high nibble's (one shift, two masks), and a PRMT per pair puts two such bytes over zero low bytes:
+    fp16 bits 15 and 11-9, where E2M1's subnormal 0.5 lands on fp16's subnormal 2^-15. 11 instructions per 8 codes,
+    where shifting each pair into place took 16."""
+    return (f"shl.b32 low, {word}, 1;\nshl.b32 sign, {word}, 4;\nand.b32 low, low, 0x0E0E0E0E;\n"
+            "and.b32 sign, sign, 0x80808080;\nor.b32 low, low, sign;\n"
+            f"shr.b32 high, {word}, 3;\nand.b32 high, high, 0x0E0E0E0E;\nand.b32 sign, {word}, 0x80808080;\n"
+            "or.b32 high, high, sign;\n"
+            "prmt.b32 pair0, low, 0, 0x1404;\nprmt.b32 pair1, low, 0, 0x3424;\n"
+            "prmt.b32 pair2, high, 0, 0x1404;\nprmt.b32 pair3, high, 0, 0x3424;\n")
 
 
 def _row_group_asm() -> str:
     """PTX for one row of activations times MXFP4 weights on the CUDA cores, one 32-code group per instance: $1-$4
     the group's four packed words (codes of K offsets 0..7 each), $5 + 4i + j the activations of word j's pair i as
-    fp16x2 (K offsets i and i + 4, scaled by 2^shift), $21 the group's scale 2^(e-127), $22 2^(14-shift), $23 the
-    running sum -> $0 = $23 + scale * 2^(14-shift) * the group's 32 products. Pair i's codes sit at bits 4i and
-    4i + 16, one shift apart for both halves: the word shifted and masked to fp16 bits 9-11 (exponent, mantissa) and
-    15 (sign) is each code times 2^-14 (E2M1's subnormal 0.5 lands on fp16's subnormal 2^-15). The products add in
-    fp16x2 (a code has two significant bits), the two halves in fp32."""
+    fp16x2 (K offsets `_row_pairs`()[i] and that + 2, scaled by 2^shift), $21 the group's scale 2^(e-127), $22
+    2^(14-shift), $23 the running sum -> $0 = $23 + scale * 2^(14-shift) * the group's 32 products. Each word's codes
+    become fp16x2 pairs times 2^-14 (`_row_word_pairs`); the products add in fp16x2 (a code has two significant
+    bits), the two halves in fp32."""
     products = []
     for j in range(4):
+        products.append(_row_word_pairs(f"${1 + j}"))
         for i in range(4):
             activations = f"${5 + 4 * i + j}"
-            accumulate = (f"mul.rn.f16x2 sum, pair, {activations};" if i == j == 0 else
-                          f"fma.rn.f16x2 sum, pair, {activations}, sum;")
-            products.append(_shifted("magnitude", f"${1 + j}", 9 - 4 * i) + _shifted("sign", f"${1 + j}", 12 - 4 * i)
-                            + "and.b32 magnitude, magnitude, 0x0E000E00;\nand.b32 sign, sign, 0x80008000;\n"
-                            + f"or.b32 pair, magnitude, sign;\n{accumulate}\n")
-    return ("{\n.reg .b32 magnitude, sign, pair, sum;\n.reg .b16 low, high;\n.reg .f32 low32, high32;\n"
-            + "".join(products)
-            + "mov.b32 {low, high}, sum;\ncvt.f32.f16 low32, low;\ncvt.f32.f16 high32, high;\n"
+            products.append(f"mul.rn.f16x2 sum, pair{i}, {activations};\n" if i == j == 0 else
+                            f"fma.rn.f16x2 sum, pair{i}, {activations}, sum;\n")
+    return ("{\n.reg .b32 low, high, sign, pair0, pair1, pair2, pair3, sum;\n.reg .b16 lowsum, highsum;\n"
+            ".reg .f32 low32, high32;\n" + "".join(products)
+            + "mov.b32 {lowsum, highsum}, sum;\ncvt.f32.f16 low32, lowsum;\ncvt.f32.f16 high32, highsum;\n"
             + "add.rn.f32 low32, low32, high32;\nmul.rn.f32 low32, low32, $22;\nfma.rn.f32 $0, low32, $21, $23;\n}")
 
 
 _E2M1_ROW_ASM = tl.constexpr(_row_group_asm())
 _E2M1_ROW_CONSTRAINTS = tl.constexpr(",".join(["=f"] + ["r"] * 20 + ["f"] * 3))
+
+
+@triton.jit
+def _row_pairs():
+    """Each fp16x2 pair's first K offset in a packed word, (0, 4, 1, 5): the order `_row_word_pairs` makes them in
+    (pair i: offsets _row_pairs()[i] and that + 2)."""
+    i = tl.arange(0, 4)
+    return i % 2 * 4 + i // 2
 
 
 @triton.jit
@@ -359,11 +372,12 @@ def _mxfp4_row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_s
                        COMPUTE_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                        BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, TMA_LOADS: tl.constexpr):
     """[BLOCK_M, BLOCK_ROWS] fp32 = x[pair_rows] @ W[rows]^T over K in [k_start, k_stop) for a few rows of
-    activations (BLOCK_M < 16), W MXFP4, on the CUDA cores: no tensor-core tile padded to 16 rows, and per code a
-    shift-and-mask decode and half an fp16x2 multiply-add per row of activations (`_E2M1_ROW_ASM`, one instance per
-    row and group: the instances of one group share its words, so ptxas decodes them once for all rows). Each row of
-    activations goes to fp16 scaled by a power of two that puts its largest magnitude in this share of K in [2^14,
-    2^15): no fp16 overflow, and products too small for fp16's normal range are below 2^-28 of the row's largest.
+    activations (BLOCK_M < 16), W MXFP4, on the CUDA cores: no tensor-core tile padded to 16 rows, the codes
+    decoded to fp16 pairs (`_row_word_pairs`) and half an fp16x2 multiply-add per code and row of activations
+    (`_E2M1_ROW_ASM`, one instance per row and group: the instances of one group share its words, so ptxas decodes
+    them once for all rows). Each row of activations goes to fp16 scaled by a power of two that puts its largest
+    magnitude in this share of K in [2^14, 2^15): no fp16 overflow, and products too small for fp16's normal range
+    are below 2^-28 of the row's largest.
     The packed bytes are read as 4-byte words, 8 codes each: with TMA_LOADS through `words_tma` (`_tma_words`,
     `_words_descriptor`), NUM_STAGES steps ahead into shared memory by the TMA unit, which takes the loads'
     instructions and registers off the warps (1.05x at one token, 1.3x for blocks of 2 rows, session 17); otherwise
@@ -371,7 +385,7 @@ def _mxfp4_row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_s
     session 14 and 0.98x in session 16, with the words' layout conversions gone)."""
     GROUPS: tl.constexpr = BLOCK_K // 32
     word = tl.arange(0, GROUPS)[:, None] * 4 + tl.arange(0, 4)[None, :]  # [GROUPS, 4]: the K step's words
-    pair = tl.arange(0, 4)[:, None] + 4 * tl.arange(0, 2)[None, :]  # [4 pairs, 2 halves]: K offsets in a word
+    pair = _row_pairs()[:, None] + 2 * tl.arange(0, 2)[None, :]  # [4 pairs, 2 halves]: K offsets in a word
     offset = word[:, :, None, None] * 8 + pair[None, None, :, :]  # [GROUPS, 4, 4, 2]: each code's offset in the step
     words = data.to(tl.pointer_type(tl.int32))
     x_rows = x + pair_rows.to(tl.int64) * K  # a block's padding rows read row 0: their results are not stored
@@ -400,7 +414,7 @@ def _mxfp4_row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_s
         if TMA_LOADS:
             packed = _tma_words(words_tma, tma_rows, k, BLOCK_ROWS, GROUPS, TMA_LOADS)
         if COMPUTE_FP32:
-            shifts = 4 * tl.arange(0, 4)[:, None] + 16 * tl.arange(0, 2)[None, :]
+            shifts = 4 * pair  # a code's nibble: its K offset in the word
             codes = (packed[:, :, :, None, None] >> shifts[None, None, None, :, :]) & 15
             products = _e2m1(codes)[None, :, :, :, :, :] * xs[:, None, :, :, :, :]
             acc += tl.sum(tl.sum(tl.sum(products, axis=5), axis=4), axis=3) * tl.exp2(exponent.to(tl.float32)
@@ -761,7 +775,7 @@ def _check_weight_loads(loads: str) -> str:
 
 
 # At most this many pairs per routed expert: blocks of 2 rows on the CUDA cores, by the row path's weight loads.
-PAIRS_PER_EXPERT_ON_CUDA_CORES = {"pointers": 1.3, "tma": 2.75}
+PAIRS_PER_EXPERT_ON_CUDA_CORES = {"pointers": 1.3, "tma": 3.3}
 
 
 def few_rows_per_block(tokens: int, top_k: int, experts: int, reads_host: bool = False,
@@ -774,7 +788,8 @@ def few_rows_per_block(tokens: int, top_k: int, experts: int, reads_host: bool =
     cores by 1.25x / 1.26x at M = 4 (1.19 / 1.05 pairs per expert), 1.13x / 1.12x for 120b at M = 8 / 16 (1.13 /
     1.25); at 1.56 (20b, M = 8) by 1.05x only, and at 2.27 (20b, M = 16) they lose 1.26x, reading experts again for
     their third pair. TMA loads (session 17): they win 1.30x / 1.12x / 1.05x at 1.88 / 2.27 / 2.69 (20b, M = 12 /
-    16 / 20) and 1.06x at 2.30 (120b, M = 64), and lose 0.92x at 3.13 (20b, M = 24). `reads_host`: experts without
+    16 / 20) and 1.06x at 2.30 (120b, M = 64), and lost 0.92x at 3.13 (20b, M = 24); with the byte-permute decode
+    (session 19) they win 1.04x at 3.20 (20b, M = 24) and lose 0.81x at 4.13 (M = 32). `reads_host`: experts without
     a slot are read from host memory (offload): no blocks of 2 beyond one token, since an expert's third pair would
     cross PCIe again (~240 us for a gpt-oss expert at 55 GB/s), where one tensor-core block reads it once for up to
     16 pairs."""

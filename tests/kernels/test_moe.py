@@ -334,9 +334,9 @@ def test_few_rows_per_block_follows_the_pairs_per_routed_expert():
     assert few_rows_per_block(16, 4, 128) == 2  # gpt-oss-120b, 16 tokens: 1.25
     assert few_rows_per_block(8, 4, 32) is None  # gpt-oss-20b, 8 tokens: 1.56
     assert few_rows_per_block(64, 8, 128) is None
-    assert few_rows_per_block(16, 4, 32, weight_loads="tma") == 2  # the TMA row path holds up to 2.75 pairs
-    assert few_rows_per_block(20, 4, 32, weight_loads="tma") == 2  # 2.69
-    assert few_rows_per_block(24, 4, 32, weight_loads="tma") is None  # 3.13
+    assert few_rows_per_block(16, 4, 32, weight_loads="tma") == 2  # the TMA row path holds up to 3.3 pairs
+    assert few_rows_per_block(24, 4, 32, weight_loads="tma") == 2  # 3.13
+    assert few_rows_per_block(32, 4, 32, weight_loads="tma") is None  # 4.06
     # offload: experts without a slot cross PCIe per block that reads them, so only one token keeps blocks of one
     assert few_rows_per_block(4, 4, 32, reads_host=True) is None
     assert few_rows_per_block(1, 4, 32, reads_host=True) == 1
