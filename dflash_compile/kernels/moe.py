@@ -276,11 +276,10 @@ def _mxfp4_tile(data, scales, rows, row_ok, k, K, COMPUTE_FP32: tl.constexpr, BL
 
 def _row_word_pairs(word: str) -> str:
     """PTX for the four fp16x2 pairs `pair0`-`pair3` of a packed word's codes (pair i: K offsets `_row_pairs`()[i]
-    and that + 2, low half first), each code times 2^-14:
-    every low nibble's sign and exponent/mantissa bits moved to bits 7 and 3-1 of its byte (two shifts, two masks),
-    then every high nibble's (one shift, two masks), and a PRMT per pair puts two such bytes over zero low bytes:
-    fp16 bits 15 and 11-9, where E2M1's subnormal 0.5 lands on fp16's subnormal 2^-15. 11 instructions per 8 codes,
-    where shifting each pair into place took 16."""
+    and that + 2, low half first), each code times 2^-14: every low nibble's sign and exponent/mantissa bits moved to
+    bits 7 and 3-1 of its byte (two shifts, two masks), then every high nibble's (one shift, two masks), and a PRMT
+    per pair puts two such bytes over zero low bytes: fp16 bits 15 and 11-9, where E2M1's subnormal 0.5 lands on
+    fp16's subnormal 2^-15. 11 instructions per 8 codes, where shifting each pair into place took 16."""
     return (f"shl.b32 low, {word}, 1;\nshl.b32 sign, {word}, 4;\nand.b32 low, low, 0x0E0E0E0E;\n"
             "and.b32 sign, sign, 0x80808080;\nor.b32 low, low, sign;\n"
             f"shr.b32 high, {word}, 3;\nand.b32 high, high, 0x0E0E0E0E;\nand.b32 sign, {word}, 0x80808080;\n"
