@@ -97,10 +97,12 @@ def resident_ctas(sass: str, num_warps: int) -> tuple[int, int]:
 
 def k_loop(sass: str) -> list[str]:
     """The instructions of the longest loop in `disassemble`'s output (the K loop: every other loop is short
-    bookkeeping)."""
+    bookkeeping). Branches placed after the kernel's last EXIT are left out: they are ptxas's out-of-line retries of
+    barrier waits (TMA's), which jump back into the loop from the end and would stretch it over the epilogue."""
     code = [(int(address, 16), text.strip()) for address, text in
             re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
-    loops = [(int(target, 16), address) for address, text in code
+    last_exit = max(address for address, text in code if opcode(text) == "EXIT")
+    loops = [(int(target, 16), address) for address, text in code if address < last_exit
              for target in re.findall(r"BRA (0x[0-9a-f]+)", text) if int(target, 16) < address]
     start, end = max(loops, key=lambda loop: loop[1] - loop[0])
     return [text for address, text in code if start <= address <= end]
