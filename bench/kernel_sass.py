@@ -65,7 +65,7 @@ def compile_kernel(format: str, gated: bool, tiles: dict, host_fallback: bool = 
                      HOST_FALLBACK=host_fallback, BLOCKING=PAIR_PER_BLOCK if one_token else GROUPED,
                      SPLIT_K=tiles["split_k"] if one_token else 1,
                      BLOCK_M=tiles["block_m"], BLOCK_N=tiles["block_n"], BLOCK_K=tiles["block_k"],
-                     NUM_STAGES=tiles["num_stages"], TMA_LOADS=tma_loads,
+                     NUM_STAGES=tiles["num_stages"], TMA_LOADS=tma_loads, DEPENDENT_LAUNCH=True,
                      column_stride=1)  # the JIT makes an argument equal to 1 a constant
     if not tma_loads:
         constants["words_tma"] = None
@@ -75,7 +75,7 @@ def compile_kernel(format: str, gated: bool, tiles: dict, host_fallback: bool = 
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ALIGNED}
     source = ASTSource(_moe_gemm_kernel, signature, constexprs=constants, attrs=attrs)
     return triton.compile(source, target=H200, options={"num_warps": tiles["num_warps"],
-                                                        "num_stages": tiles["num_stages"]})
+                                                        "num_stages": tiles["num_stages"], "launch_pdl": True})
 
 
 def disassemble(cubin: bytes) -> str:
