@@ -30,7 +30,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_compile.kernels.moe import (  # noqa: E402
-    ACTIVATIONS, FORMATS, GROUPED, PAIR_PER_BLOCK, _moe_gemm_kernel, tiles_for, tma_tile)
+    ACTIVATIONS, FORMATS, GROUPED, PAIR_PER_BLOCK, _moe_gemm_kernel, _paired_shift, tiles_for, tma_tile)
 
 H200 = GPUTarget("cuda", 90, 32)
 POINTERS = {"x": "*bf16", "bias": "*fp32", "out": "*bf16", "pair_ids": "*i32", "block_expert": "*i32",
@@ -59,13 +59,19 @@ def compile_kernel(format: str, gated: bool, tiles: dict, host_fallback: bool = 
                                                               "host_data": data, "host_scales": scales}
     if fp16:  # the activations come in (and the gate/up output goes out) as prescaled fp16
         signature |= {"x": "*fp16", "out": "*fp16"}
+    split_k = tiles["split_k"] if one_token else 1
+    paired_shift = 0 if format != "mxfp4" else _paired_shift("clamped_swiglu", 1.702, 7.0,
+                                                             tiles | {"compute_fp32": False}, split_k)
+    if paired_shift:  # gate/up writes the down launch's activations as fp16 pairs (`_paired_columns`)
+        signature |= {"out": "*fp16"} if gated else {"x": "*fp16"}
     constants = dict(FORMAT=FORMATS[format], GATED=gated, INTERLEAVED=interleaved,
                      ACTIVATION=ACTIVATIONS["clamped_swiglu"], HAS_BIAS=True, APPLY_WEIGHT=not gated,
                      COMPUTE_FP32=False, FP16_OPERANDS=fp16,
                      HOST_FALLBACK=host_fallback, BLOCKING=PAIR_PER_BLOCK if one_token else GROUPED,
-                     SPLIT_K=tiles["split_k"] if one_token else 1,
+                     SPLIT_K=split_k,
                      BLOCK_M=tiles["block_m"], BLOCK_N=tiles["block_n"], BLOCK_K=tiles["block_k"],
                      NUM_STAGES=tiles["num_stages"], TMA_LOADS=tma_loads, DEPENDENT_LAUNCH=True,
+                     PAIRED_SHIFT=paired_shift,
                      column_stride=1)  # the JIT makes an argument equal to 1 a constant
     if not tma_loads:
         constants["words_tma"] = None

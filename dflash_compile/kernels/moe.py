@@ -12,6 +12,10 @@ once. The pair -> block assignment (`align_routing`) is computed on the device w
 sized by its upper bound: blocks past the real count exit at once (CUDA-graph friendly); a single token needs none
 (each pair its own block). A third launch sums each token's pairs in fp32 and rounds once to the output dtype.
 
+On Hopper every launch here is a programmatic dependent launch (`_dependent_launch`): the next kernel's programs
+start while the previous one's last programs finish, and wait in `gdc_wait` before touching memory, which takes
+most of the ~1-1.5 us gap between a layer's launches (one token 1.04-1.06x, session 20).
+
 A single token's launches can split K (tile `split_k`): each program takes one share of K, so a decode launch has
 split_k times the programs of its top-k x column-tile grid, which alone leaves SMs idle. The shares' fp32 partial
 sums are added in a fixed order (deterministic): for gate/up by one more small launch that also activates them, for
@@ -34,6 +38,9 @@ multiplied in fp16x2, the activations scaled by a power of two that keeps them i
 weight words come through TMA descriptors (`weight_loads="tma"`, `_tma_blocker` says where not), a few K steps
 ahead into shared memory, which frees the warps' load instructions and registers: 1.05x at one token, 1.27-1.47x
 for blocks of 2 (session 17), which then beat the tensor cores up to ~3.3 pairs per routed expert (session 19).
+With clamped SwiGLU (bounded outputs), the gate/up launch writes the down launch's activations as fp16 in the row
+path's pair order (`_paired_columns`, PAIRED_SHIFT), so the down launch loads its pairs as words instead of
+converting and pairing bf16 values every step: 1.07-1.09x at verify sizes (session 20).
 
 `FP16_OPERANDS` (FP8 weights, tile setting `operands="fp16"`): the weights go to the tensor cores as fp16 through
 the one-instruction e4m3x2 -> f16x2 conversion (bf16 takes two per value), and the activations come in as fp16
@@ -46,6 +53,7 @@ than the best bf16 tiles on the H200 (Qwen3-30B-A3B-FP8 layer, M = 1 / 16; docs/
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -371,19 +379,25 @@ def _broadcast_quarters(t, shape: tl.constexpr):
 
 @triton.jit
 def _row_step_loads(words, scales, x_rows, rows, row_ok, k, stop, K, word, offset, GROUPS: tl.constexpr,
-                    EVICTION: tl.constexpr):
+                    EVICTION: tl.constexpr, PAIRED_SHIFT: tl.constexpr):
     """One K step of `_mxfp4_row_project` from column k (nothing at or past `stop`): the packed words [ROWS, GROUPS,
-    4], their E8M0 exponents [ROWS, GROUPS] and the activations [BLOCK_M, GROUPS, 4 words, 4 pairs, 2 halves] in
-    fp32. EVICTION: the weights' L2 eviction policy."""
+    4], their E8M0 exponents [ROWS, GROUPS] and the activations: [BLOCK_M, GROUPS, 4 words, 4 pairs, 2 halves] in
+    fp32, or with PAIRED_SHIFT the fp16x2 pairs themselves [BLOCK_M, GROUPS, 4 words, 4 pairs] (`_paired_columns`).
+    EVICTION: the weights' L2 eviction policy."""
     group = k // 32 + tl.arange(0, GROUPS)
     ok = row_ok[:, None] & (group[None, :] < stop // 32)
     packed = tl.load(words + rows[:, None, None] * (K // 8) + (k // 8 + word)[None, :, :], mask=ok[:, :, None],
                      other=0, eviction_policy=EVICTION)
     exponent = tl.load(scales + rows[:, None] * (K // 32) + group[None, :], mask=ok, other=0,
                        eviction_policy=EVICTION).to(tl.int32)
-    xs = tl.load(x_rows[:, None, None, None, None] + k + offset[None, :, :, :, :],
-                 mask=(k + offset < stop)[None, :, :, :, :], other=0.0)
-    return packed, exponent, xs.to(tl.float32)
+    if PAIRED_SHIFT:
+        pair_words = (k + word * 8)[:, :, None] // 2 + tl.arange(0, 4)[None, None, :]  # [GROUPS, 4 words, 4 pairs]
+        xs = tl.load(x_rows.to(tl.pointer_type(tl.int32))[:, None, None, None] + pair_words[None, :, :, :],
+                     mask=(k + word * 8 < stop)[None, :, :, None], other=0)
+    else:
+        xs = tl.load(x_rows[:, None, None, None, None] + k + offset[None, :, :, :, :],
+                     mask=(k + offset < stop)[None, :, :, :, :], other=0.0).to(tl.float32)
+    return packed, exponent, xs
 
 
 @triton.jit
@@ -401,16 +415,28 @@ def _tma_words(words_tma, tma_rows, k, BLOCK_ROWS: tl.constexpr, GROUPS: tl.cons
 
 
 @triton.jit
+def _paired_columns(columns):
+    """Where the gate/up launch stores activation column c for a down launch on the row path (PAIRED_SHIFT): within
+    each 8 columns (one packed word's codes), at 4 * bit 0 + 2 * bit 2 + bit 1 of c, so that 32-bit word 4w + i
+    holds word w's fp16x2 pair i (K offsets `_row_pairs`()[i] and that + 2)."""
+    c = columns % 8
+    return columns - c + (c % 2) * 4 + (c // 4) * 2 + (c // 2) % 2
+
+
+@triton.jit
 def _mxfp4_row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_stop, words_tma, tma_rows,
                        COMPUTE_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                       BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, TMA_LOADS: tl.constexpr):
+                       BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, TMA_LOADS: tl.constexpr,
+                       PAIRED_SHIFT: tl.constexpr):
     """[BLOCK_M, BLOCK_ROWS] fp32 = x[pair_rows] @ W[rows]^T over K in [k_start, k_stop) for a few rows of
     activations (BLOCK_M < 16), W MXFP4, on the CUDA cores: no tensor-core tile padded to 16 rows, the codes
     decoded to fp16 pairs (`_row_word_pairs`) and half an fp16x2 multiply-add per code and row of activations
     (`_E2M1_ROW_ASM`, one instance per row and group: the instances of one group share its words, so ptxas decodes
     them once for all rows). Each row of activations goes to fp16 scaled by a power of two that puts its largest
     magnitude in this share of K in [2^14, 2^15): no fp16 overflow, and products too small for fp16's normal range
-    are below 2^-28 of the row's largest.
+    are below 2^-28 of the row's largest. With PAIRED_SHIFT, x is such fp16 already, times 2^PAIRED_SHIFT, in the
+    pairs' order (`_paired_columns`: the gate/up launch writes the down launch's activations so), and each step
+    loads its pairs as words: 176 -> 150 loop instructions for one token's gpt-oss down launch (sm_90).
     The packed bytes are read as 4-byte words, 8 codes each: with TMA_LOADS through `words_tma` (`_tma_words`,
     `_words_descriptor`), NUM_STAGES steps ahead into shared memory by the TMA unit, which takes the loads'
     instructions and registers off the warps (1.05x at one token, 1.3x for blocks of 2 rows, session 17); otherwise
@@ -430,20 +456,23 @@ def _mxfp4_row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_s
     # weights in flight (num_stages=1 measured fastest with them; the TMA loads, issued in the step, pipeline
     # NUM_STAGES deep: the pointer load of words they replace is dead code)
     packed, exponent, xs = _row_step_loads(words, scales, x_rows, rows, row_ok, k_start, stop, K, word, offset,
-                                           GROUPS, EVICTION)
-    largest = tl.zeros((BLOCK_M, 4 * BLOCK_K), dtype=tl.float32)
-    for k in tl.range(k_start, k_stop, 4 * BLOCK_K):  # wide steps: fewer round trips before the first weight load
-        columns = k + tl.arange(0, 4 * BLOCK_K)
-        step = tl.load(x_rows[:, None] + columns[None, :], mask=columns[None, :] < K, other=0.0)
-        largest = tl.maximum(largest, tl.abs(step.to(tl.float32)))
-    exponent_of_largest = (tl.max(largest, axis=1).to(tl.int32, bitcast=True) >> 23) - 127
-    shift = tl.minimum(14 - exponent_of_largest, 100)  # 2^shift stays finite in fp32 (all-zero x: any shift)
+                                           GROUPS, EVICTION, PAIRED_SHIFT)
+    if PAIRED_SHIFT:
+        shift = tl.full((BLOCK_M,), PAIRED_SHIFT, tl.int32)
+    else:
+        largest = tl.zeros((BLOCK_M, 4 * BLOCK_K), dtype=tl.float32)
+        for k in tl.range(k_start, k_stop, 4 * BLOCK_K):  # wide steps: fewer round trips before the first load
+            columns = k + tl.arange(0, 4 * BLOCK_K)
+            step = tl.load(x_rows[:, None] + columns[None, :], mask=columns[None, :] < K, other=0.0)
+            largest = tl.maximum(largest, tl.abs(step.to(tl.float32)))
+        exponent_of_largest = (tl.max(largest, axis=1).to(tl.int32, bitcast=True) >> 23) - 127
+        shift = tl.minimum(14 - exponent_of_largest, 100)  # 2^shift stays finite in fp32 (all-zero x: any shift)
     x_scale = ((shift + 127) << 23).to(tl.float32, bitcast=True)[:, None, None, None, None]
     unscale = ((141 - shift) << 23).to(tl.float32, bitcast=True)[:, None, None]  # 2^(14 - shift)
     acc = tl.zeros((BLOCK_M, BLOCK_ROWS, GROUPS), dtype=tl.float32)
     for k in tl.range(k_start, k_stop, BLOCK_K, num_stages=NUM_STAGES):
         next_packed, next_exponent, next_xs = _row_step_loads(words, scales, x_rows, rows, row_ok, k + BLOCK_K,
-                                                              stop, K, word, offset, GROUPS, EVICTION)
+                                                              stop, K, word, offset, GROUPS, EVICTION, PAIRED_SHIFT)
         if TMA_LOADS:
             packed = _tma_words(words_tma, tma_rows, k, BLOCK_ROWS, GROUPS, TMA_LOADS)
         if COMPUTE_FP32:
@@ -453,9 +482,12 @@ def _mxfp4_row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_s
             acc += tl.sum(tl.sum(tl.sum(products, axis=5), axis=4), axis=3) * tl.exp2(exponent.to(tl.float32)
                                                                                       - 127.0)[None, :, :]
         else:  # one asm instance per row and group: words and activation pairs as separate [.., GROUPS] operands
-            halves = (xs * x_scale).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            low, high = tl.split(halves)
-            pairs = _quarters(low | (high << 16))  # pair i of every word: [BLOCK_M, GROUPS, 4 words]
+            if PAIRED_SHIFT:
+                pairs = _quarters(xs)  # pair i of every word: [BLOCK_M, GROUPS, 4 words]
+            else:
+                halves = (xs * x_scale).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+                low, high = tl.split(halves)
+                pairs = _quarters(low | (high << 16))
             shape: tl.constexpr = (BLOCK_M, BLOCK_ROWS, GROUPS, 4)
             acc = tl.inline_asm_elementwise(
                 _E2M1_ROW_ASM, _E2M1_ROW_CONSTRAINTS,
@@ -528,13 +560,13 @@ def _tile_project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start,
 def _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start, k_stop, row_stride, column_stride,
              words_tma, tma_rows, FORMAT: tl.constexpr, COMPUTE_FP32: tl.constexpr, FP16_OPERANDS: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-             TMA_LOADS: tl.constexpr):
+             TMA_LOADS: tl.constexpr, PAIRED_SHIFT: tl.constexpr):
     """[BLOCK_M, BLOCK_ROWS] fp32 = x[pair_rows] @ W[rows]^T over K in [k_start, k_stop), W the expert at `data` /
     `scales` (dense weights at any row / column strides, e.g. a transposed view of [E, in, out] parameters): on the
     tensor cores, or for a few rows of activations (BLOCK_M < 16) times MXFP4 weights on the CUDA cores."""
     if FORMAT == 1 and BLOCK_M < 16:
         acc = _mxfp4_row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_stop, words_tma, tma_rows,
-                                 COMPUTE_FP32, BLOCK_M, BLOCK_ROWS, BLOCK_K, NUM_STAGES, TMA_LOADS)
+                                 COMPUTE_FP32, BLOCK_M, BLOCK_ROWS, BLOCK_K, NUM_STAGES, TMA_LOADS, PAIRED_SHIFT)
     else:
         acc = _tile_project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start, k_stop, row_stride,
                             column_stride, FORMAT, COMPUTE_FP32, FP16_OPERANDS, BLOCK_M, BLOCK_ROWS, BLOCK_K,
@@ -557,7 +589,7 @@ def _moe_gemm_kernel(
     HAS_BIAS: tl.constexpr, APPLY_WEIGHT: tl.constexpr, COMPUTE_FP32: tl.constexpr, FP16_OPERANDS: tl.constexpr,
     HOST_FALLBACK: tl.constexpr, BLOCKING: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, TMA_LOADS: tl.constexpr,
-    DEPENDENT_LAUNCH: tl.constexpr,
+    DEPENDENT_LAUNCH: tl.constexpr, PAIRED_SHIFT: tl.constexpr,
 ):
     _wait_for_previous_launch(DEPENDENT_LAUNCH)
     block = tl.program_id(0)
@@ -608,7 +640,7 @@ def _moe_gemm_kernel(
         rows = tl.where(row_ok, rows, 0)
         both = _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start, k_stop, row_stride,
                         column_stride, words_tma, tma_rows, FORMAT, COMPUTE_FP32, FP16_OPERANDS, BLOCK_M,
-                        2 * BLOCK_N, BLOCK_K, NUM_STAGES, TMA_LOADS)
+                        2 * BLOCK_N, BLOCK_K, NUM_STAGES, TMA_LOADS, 0)
         if HAS_BIAS:
             both += _first_split_bias(bias, rows, row_ok, split)[None, :]
         if SPLIT_K > 1:  # this split's partial sums, gate and up interleaved; `_finish_gate_up` adds and activates
@@ -619,11 +651,14 @@ def _moe_gemm_kernel(
             result, out_width = _activate(gate, up, ACTIVATION, alpha, limit), N_OUT
             if FP16_OPERANDS:  # the down launch's activations
                 result = result * FP16_PRESCALE
+            if PAIRED_SHIFT:  # the down launch's activations as its row path reads them
+                result = result * (2.0**PAIRED_SHIFT)
+                columns = _paired_columns(columns)
     else:
         rows = tl.where(column_ok, columns, 0)
         result = _project(x, data, scales, rows, column_ok, pair_rows, pair_ok, K, k_start, k_stop, row_stride,
                           column_stride, words_tma, tma_rows, FORMAT, COMPUTE_FP32, FP16_OPERANDS, BLOCK_M, BLOCK_N,
-                          BLOCK_K, NUM_STAGES, TMA_LOADS)
+                          BLOCK_K, NUM_STAGES, TMA_LOADS, PAIRED_SHIFT)
         out_width = N_OUT
         if HAS_BIAS:
             result += _first_split_bias(bias, rows, column_ok, split)[None, :]
@@ -645,18 +680,19 @@ def _strides(weight: PackedWeight) -> tuple[int, ...]:
 def _launch(x, weight: PackedWeight, blocks: Blocks, pair_weights, rows_out, n_out, row_div, *, gated, interleaved,
             activation, alpha, limit, compute_fp32, block_m, block_n, block_k, num_warps, num_stages, splits=1,
             operands="bf16", weight_loads="pointers", host: PackedWeight | None = None,
-            slot_of: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32):
+            slot_of: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32, paired_shift: int = 0):
     """One GEMM launch over `blocks`; with fp16 operands `x` is fp16 times FP16_PRESCALE (`_activations`) or in its
     own dtype, scaled in the kernel; with `slot_of`, `weight` is a slot pool and `host` the same weight over the host
     blobs. The output: gate/up unsplit in the down launch's operand dtype, otherwise `out_dtype`. With `splits` > 1
     each program takes one of that many shares of K and the launch returns [splits, rows_out, width] fp32 partial
-    sums (gate/up: both projections, interleaved), for `_finish_gate_up` or `_sum_pairs` to add."""
+    sums (gate/up: both projections, interleaved), for `_finish_gate_up` or `_sum_pairs` to add. `paired_shift`:
+    PAIRED_SHIFT (`_paired_shift`), the same for a call's gate/up and down launches."""
     _, n, k = weight.shape
     fp16_operands = _fp16_operands(operands, compute_fp32)
     if splits > 1:
         out_dtype = torch.float32
     elif gated:
-        out_dtype = _gate_up_dtype(x.dtype, compute_fp32, fp16_operands)
+        out_dtype = torch.float16 if paired_shift else _gate_up_dtype(x.dtype, compute_fp32, fp16_operands)
     out = torch.empty(splits, rows_out, 2 * n_out if gated and splits > 1 else n_out, dtype=out_dtype, device=x.device)
     k_split = triton.cdiv(triton.cdiv(k, block_k), splits) * block_k
     grid = (blocks.count, triton.cdiv(n_out, block_n), splits)
@@ -674,7 +710,7 @@ def _launch(x, weight: PackedWeight, blocks: Blocks, pair_weights, rows_out, n_o
         HAS_BIAS=weight.bias is not None, APPLY_WEIGHT=pair_weights is not None, COMPUTE_FP32=compute_fp32,
         FP16_OPERANDS=fp16_operands, HOST_FALLBACK=slot_of is not None, BLOCKING=blocks.blocking,
         SPLIT_K=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
-        TMA_LOADS=tma_loads, num_warps=num_warps, **_dependent_launch(x.device),
+        TMA_LOADS=tma_loads, PAIRED_SHIFT=paired_shift, num_warps=num_warps, **_dependent_launch(x.device),
     )
     return out if splits > 1 else out[0]
 
@@ -723,6 +759,18 @@ def _weight_loads(tiles: dict, blocker: str | None) -> str:
     if asked == "tma" and blocker:
         raise ValueError(f"weight_loads='tma' cannot be used here: {blocker}; use weight_loads='pointers'")
     return asked or ("pointers" if blocker else "tma")
+
+
+def _paired_shift(activation: str, alpha: float, limit: float, settings: dict, splits: int) -> int:
+    """PAIRED_SHIFT for an MoE call: with clamped SwiGLU, whose outputs are at most (limit + 1) * max(limit,
+    0.28 / alpha) in magnitude, the power of two that puts that bound in [2^14, 2^15), when the down launch takes the
+    MXFP4 row path on the GPU; 0 (off) elsewhere: SiLU's outputs have no bound, the fp32 path reads fp32, and K
+    splits leave the activations to `_finish_gate_up`."""
+    row_path = settings["block_m"] < 16 and not settings["compute_fp32"] and splits == 1
+    if activation != "clamped_swiglu" or not row_path:
+        return 0
+    bound = (limit + 1) * max(limit, 0.28 / alpha)
+    return max(0, 14 - math.floor(math.log2(bound)))
 
 
 def _fp16_operands(operands: str, compute_fp32: bool) -> bool:
@@ -908,6 +956,8 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     splits = _splits(settings, blocks)
     settings |= dict(alpha=alpha, limit=limit, compute_fp32=compute_fp32, slot_of=slot_of, splits=splits)
     x = _activations(hidden, settings)
+    if gate_up.format == "mxfp4":
+        settings["paired_shift"] = _paired_shift(activation, alpha, limit, settings, splits)
     intermediate = _launch(x, gate_up, blocks, None, tokens * top_k, two_i // 2, top_k,
                            gated=True, interleaved=interleaved, activation=activation,
                            host=host[0] if host else None, **settings)

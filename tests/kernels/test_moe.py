@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from dflash_compile.kernels.moe import align_routing, fused_moe
 from dflash_compile.packed import PackedWeight
@@ -303,6 +305,43 @@ def test_one_row_mxfp4_activations_of_any_magnitude(scale, outlier):
                        activation=activation)
     error = (actual.cpu().double() - expected).norm() / expected.norm()
     assert actual.isfinite().all() and error <= 1e-2, f"relative error {error:.2e}"
+
+
+@triton.jit
+def _store_paired_columns(out, N: tl.constexpr):
+    from dflash_compile.kernels.moe import _paired_columns
+
+    columns = tl.arange(0, N)
+    tl.store(out + columns, _paired_columns(columns))
+
+
+def test_paired_activations_are_the_row_paths_pairs():
+    """Where gate/up stores activation column c for a down launch on the MXFP4 row path (`_paired_columns`): read
+    back as 32-bit words, word 4w + i holds word w's fp16x2 pair i, columns 8w + _row_pairs()[i] and that + 2, low
+    half first: the order `_row_word_pairs` decodes a packed word's codes in."""
+    positions = torch.empty(64, dtype=torch.int32, device=DEVICE)
+    _store_paired_columns[(1,)](positions, N=64)
+    column_at = {int(p): c for c, p in enumerate(positions.cpu())}
+    assert sorted(column_at) == list(range(64))  # a permutation
+    for position, column in column_at.items():
+        word, half = divmod(position, 2)
+        w, i = divmod(word, 4)
+        assert column == 8 * w + (0, 4, 1, 5)[i] + 2 * half
+
+
+def test_paired_shift_puts_clamped_swiglus_bound_under_fp16s_top():
+    """The down launch's fp16 pairs (PAIRED_SHIFT): gpt-oss's clamped SwiGLU outputs are at most (7 + 1) * 7 = 56,
+    which the shift puts in [2^14, 2^15); off where the activations are unbounded (SiLU), on the fp32 path, for
+    tensor-core tiles and with K splits."""
+    from dflash_compile.kernels.moe import _paired_shift
+
+    row_path = {"block_m": 1, "compute_fp32": False}
+    shift = _paired_shift("clamped_swiglu", 1.702, 7.0, row_path, 1)
+    assert 2**14 <= 56 * 2**shift < 2**15
+    assert _paired_shift("silu", 1.702, 7.0, row_path, 1) == 0
+    assert _paired_shift("clamped_swiglu", 1.702, 7.0, row_path | {"compute_fp32": True}, 1) == 0
+    assert _paired_shift("clamped_swiglu", 1.702, 7.0, row_path | {"block_m": 16}, 1) == 0
+    assert _paired_shift("clamped_swiglu", 1.702, 7.0, row_path, 2) == 0
 
 
 @pytest.mark.parametrize("precision", [
