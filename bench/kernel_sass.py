@@ -34,7 +34,8 @@ from dflash_compile.kernels.moe import (  # noqa: E402
 
 H200 = GPUTarget("cuda", 90, 32)
 POINTERS = {"x": "*bf16", "bias": "*fp32", "out": "*bf16", "pair_ids": "*i32", "block_expert": "*i32",
-            "pair_weights": "*fp32", "host_bias": "*fp32", "slot_of": "*i32"}
+            "pair_weights": "*fp32", "host_bias": "*fp32", "slot_of": "*i32", "x_shifts": "*i32",
+            "out_shifts": "*i32"}
 WEIGHT_POINTERS = {"dense": ("*bf16", "*fp32"), "mxfp4": ("*u8", "*u8"), "fp8_block": ("*u8", "*fp32")}
 # arguments the JIT sees as multiples of 16 on the benchmark shapes (pointers from the allocator, H, I, strides)
 ALIGNED = ("x", "data", "scales", "bias", "out", "pair_ids", "block_expert", "pair_weights", "host_data",
@@ -60,10 +61,13 @@ def compile_kernel(format: str, gated: bool, tiles: dict, host_fallback: bool = 
     if fp16:  # the activations come in (and the gate/up output goes out) as prescaled fp16
         signature |= {"x": "*fp16", "out": "*fp16"}
     split_k = tiles["split_k"] if one_token else 1
-    paired_shift = 0 if format != "mxfp4" else _paired_shift("clamped_swiglu", 1.702, 7.0,
-                                                             tiles | {"compute_fp32": False}, split_k)
-    if paired_shift:  # gate/up writes the down launch's activations as fp16 pairs (`_paired_columns`)
-        signature |= {"out": "*fp16"} if gated else {"x": "*fp16"}
+    row_path = format == "mxfp4" and tiles["block_m"] < 16  # as `fused_moe` runs it: activations as fp16 pairs
+    paired_shift = _paired_shift("clamped_swiglu", 1.702, 7.0) if row_path and split_k == 1 else 0
+    x_paired = row_path and (not one_token if gated else paired_shift > 0)  # see `fused_moe`
+    if x_paired:
+        signature |= {"x": "*fp16"}
+    if gated and paired_shift:
+        signature |= {"out": "*fp16"}
     constants = dict(FORMAT=FORMATS[format], GATED=gated, INTERLEAVED=interleaved,
                      ACTIVATION=ACTIVATIONS["clamped_swiglu"], HAS_BIAS=True, APPLY_WEIGHT=not gated,
                      COMPUTE_FP32=False, FP16_OPERANDS=fp16,
@@ -71,7 +75,7 @@ def compile_kernel(format: str, gated: bool, tiles: dict, host_fallback: bool = 
                      SPLIT_K=split_k,
                      BLOCK_M=tiles["block_m"], BLOCK_N=tiles["block_n"], BLOCK_K=tiles["block_k"],
                      NUM_STAGES=tiles["num_stages"], TMA_LOADS=tma_loads, DEPENDENT_LAUNCH=True,
-                     PAIRED_SHIFT=paired_shift,
+                     X_PAIRED=x_paired, PAIRED_SHIFT=paired_shift,
                      column_stride=1)  # the JIT makes an argument equal to 1 a constant
     if not tma_loads:
         constants["words_tma"] = None

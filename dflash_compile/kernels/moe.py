@@ -38,9 +38,11 @@ multiplied in fp16x2, the activations scaled by a power of two that keeps them i
 weight words come through TMA descriptors (`weight_loads="tma"`, `_tma_blocker` says where not), a few K steps
 ahead into shared memory, which frees the warps' load instructions and registers: 1.05x at one token, 1.27-1.47x
 for blocks of 2 (session 17), which then beat the tensor cores up to ~3.3 pairs per routed expert (session 19).
-With clamped SwiGLU (bounded outputs), the gate/up launch writes the down launch's activations as fp16 in the row
-path's pair order (`_paired_columns`, PAIRED_SHIFT), so the down launch loads its pairs as words instead of
-converting and pairing bf16 values every step: 1.07-1.09x at verify sizes (session 20).
+Both launches can take their activations as fp16 already in the row path's pair order (`_paired_columns`,
+X_PAIRED), loading pairs as words instead of converting and pairing bf16 values every step: with clamped SwiGLU
+(bounded outputs) the gate/up launch writes the down launch's so (PAIRED_SHIFT), and for blocks of 2 a launch per
+call (`_pair_rows`) makes the gate/up launch's (one token scales its row in the kernel: there the launch cost more
+than it saved, 0.95-0.98x). 1.07-1.09x, then 1.02-1.06x, at verify sizes (session 20).
 
 `FP16_OPERANDS` (FP8 weights, tile setting `operands="fp16"`): the weights go to the tensor cores as fp16 through
 the one-instruction e4m3x2 -> f16x2 conversion (bf16 takes two per value), and the activations come in as fp16
@@ -379,10 +381,10 @@ def _broadcast_quarters(t, shape: tl.constexpr):
 
 @triton.jit
 def _row_step_loads(words, scales, x_rows, rows, row_ok, k, stop, K, word, offset, GROUPS: tl.constexpr,
-                    EVICTION: tl.constexpr, PAIRED_SHIFT: tl.constexpr):
+                    EVICTION: tl.constexpr, X_PAIRED: tl.constexpr):
     """One K step of `_mxfp4_row_project` from column k (nothing at or past `stop`): the packed words [ROWS, GROUPS,
     4], their E8M0 exponents [ROWS, GROUPS] and the activations: [BLOCK_M, GROUPS, 4 words, 4 pairs, 2 halves] in
-    fp32, or with PAIRED_SHIFT the fp16x2 pairs themselves [BLOCK_M, GROUPS, 4 words, 4 pairs] (`_paired_columns`).
+    fp32, or with X_PAIRED the fp16x2 pairs themselves [BLOCK_M, GROUPS, 4 words, 4 pairs] (`_paired_columns`).
     EVICTION: the weights' L2 eviction policy."""
     group = k // 32 + tl.arange(0, GROUPS)
     ok = row_ok[:, None] & (group[None, :] < stop // 32)
@@ -390,7 +392,7 @@ def _row_step_loads(words, scales, x_rows, rows, row_ok, k, stop, K, word, offse
                      other=0, eviction_policy=EVICTION)
     exponent = tl.load(scales + rows[:, None] * (K // 32) + group[None, :], mask=ok, other=0,
                        eviction_policy=EVICTION).to(tl.int32)
-    if PAIRED_SHIFT:
+    if X_PAIRED:
         pair_words = (k + word * 8)[:, :, None] // 2 + tl.arange(0, 4)[None, None, :]  # [GROUPS, 4 words, 4 pairs]
         xs = tl.load(x_rows.to(tl.pointer_type(tl.int32))[:, None, None, None] + pair_words[None, :, :, :],
                      mask=(k + word * 8 < stop)[None, :, :, None], other=0)
@@ -424,19 +426,50 @@ def _paired_columns(columns):
 
 
 @triton.jit
+def _pair_rows_kernel(x, out, shifts, K, BLOCK: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
+    _wait_for_previous_launch(DEPENDENT_LAUNCH)
+    _let_next_launch(DEPENDENT_LAUNCH)  # one program per row: no SMs to crowd
+    row = tl.program_id(0).to(tl.int64)
+    largest = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in range(0, K, BLOCK):
+        columns = k + tl.arange(0, BLOCK)
+        largest = tl.maximum(largest, tl.abs(tl.load(x + row * K + columns, mask=columns < K, other=0.0)))
+    shift = tl.minimum(14 - ((tl.max(largest).to(tl.int32, bitcast=True) >> 23) - 127), 100)  # all zeros: 100
+    scale = ((shift + 127) << 23).to(tl.float32, bitcast=True)
+    for k in range(0, K, BLOCK):
+        columns = k + tl.arange(0, BLOCK)
+        values = tl.load(x + row * K + columns, mask=columns < K, other=0.0).to(tl.float32) * scale
+        tl.store(out + row * K + _paired_columns(columns), values, mask=columns < K)  # in out's fp16
+    tl.store(shifts + row, shift)
+
+
+def _pair_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] activations (K a multiple of 8) -> (fp16 [M, K] in the row path's pair order, `_paired_columns`, each
+    row times 2^shift; int32 [M] shifts): the shift puts the row's largest magnitude in [2^14, 2^15), as
+    `_mxfp4_row_project` scales rows itself otherwise. One launch, a program per row."""
+    rows, k = x.shape
+    out = torch.empty(rows, k, dtype=torch.float16, device=x.device)
+    shifts = torch.empty(rows, dtype=torch.int32, device=x.device)
+    _pair_rows_kernel[(rows,)](x.contiguous(), out, shifts, k, BLOCK=min(1024, triton.next_power_of_2(k)),
+                               **_dependent_launch(x.device))
+    return out, shifts
+
+
+@triton.jit
 def _mxfp4_row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_stop, words_tma, tma_rows,
                        COMPUTE_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                       BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, TMA_LOADS: tl.constexpr,
-                       PAIRED_SHIFT: tl.constexpr):
+                       BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, TMA_LOADS: tl.constexpr, x_shifts,
+                       X_PAIRED: tl.constexpr):
     """[BLOCK_M, BLOCK_ROWS] fp32 = x[pair_rows] @ W[rows]^T over K in [k_start, k_stop) for a few rows of
     activations (BLOCK_M < 16), W MXFP4, on the CUDA cores: no tensor-core tile padded to 16 rows, the codes
     decoded to fp16 pairs (`_row_word_pairs`) and half an fp16x2 multiply-add per code and row of activations
     (`_E2M1_ROW_ASM`, one instance per row and group: the instances of one group share its words, so ptxas decodes
     them once for all rows). Each row of activations goes to fp16 scaled by a power of two that puts its largest
     magnitude in this share of K in [2^14, 2^15): no fp16 overflow, and products too small for fp16's normal range
-    are below 2^-28 of the row's largest. With PAIRED_SHIFT, x is such fp16 already, times 2^PAIRED_SHIFT, in the
-    pairs' order (`_paired_columns`: the gate/up launch writes the down launch's activations so), and each step
-    loads its pairs as words: 176 -> 150 loop instructions for one token's gpt-oss down launch (sm_90).
+    are below 2^-28 of the row's largest. With X_PAIRED, x is such fp16 already, each row times 2^x_shifts[row],
+    in the pairs' order (`_paired_columns`; `_pair_rows` or the gate/up launch with PAIRED_SHIFT write them so),
+    and each step loads its pairs as words: gpt-oss's loop instructions on sm_90 176 -> 141 (one token's down
+    launch), 561 -> 455 and 937 -> 834 (blocks of 2: down, gate/up).
     The packed bytes are read as 4-byte words, 8 codes each: with TMA_LOADS through `words_tma` (`_tma_words`,
     `_words_descriptor`), NUM_STAGES steps ahead into shared memory by the TMA unit, which takes the loads'
     instructions and registers off the warps (1.05x at one token, 1.3x for blocks of 2 rows, session 17); otherwise
@@ -456,9 +489,9 @@ def _mxfp4_row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_s
     # weights in flight (num_stages=1 measured fastest with them; the TMA loads, issued in the step, pipeline
     # NUM_STAGES deep: the pointer load of words they replace is dead code)
     packed, exponent, xs = _row_step_loads(words, scales, x_rows, rows, row_ok, k_start, stop, K, word, offset,
-                                           GROUPS, EVICTION, PAIRED_SHIFT)
-    if PAIRED_SHIFT:
-        shift = tl.full((BLOCK_M,), PAIRED_SHIFT, tl.int32)
+                                           GROUPS, EVICTION, X_PAIRED)
+    if X_PAIRED:
+        shift = tl.load(x_shifts + pair_rows)
     else:
         largest = tl.zeros((BLOCK_M, 4 * BLOCK_K), dtype=tl.float32)
         for k in tl.range(k_start, k_stop, 4 * BLOCK_K):  # wide steps: fewer round trips before the first load
@@ -472,7 +505,7 @@ def _mxfp4_row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_s
     acc = tl.zeros((BLOCK_M, BLOCK_ROWS, GROUPS), dtype=tl.float32)
     for k in tl.range(k_start, k_stop, BLOCK_K, num_stages=NUM_STAGES):
         next_packed, next_exponent, next_xs = _row_step_loads(words, scales, x_rows, rows, row_ok, k + BLOCK_K,
-                                                              stop, K, word, offset, GROUPS, EVICTION, PAIRED_SHIFT)
+                                                              stop, K, word, offset, GROUPS, EVICTION, X_PAIRED)
         if TMA_LOADS:
             packed = _tma_words(words_tma, tma_rows, k, BLOCK_ROWS, GROUPS, TMA_LOADS)
         if COMPUTE_FP32:
@@ -482,7 +515,7 @@ def _mxfp4_row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_s
             acc += tl.sum(tl.sum(tl.sum(products, axis=5), axis=4), axis=3) * tl.exp2(exponent.to(tl.float32)
                                                                                       - 127.0)[None, :, :]
         else:  # one asm instance per row and group: words and activation pairs as separate [.., GROUPS] operands
-            if PAIRED_SHIFT:
+            if X_PAIRED:
                 pairs = _quarters(xs)  # pair i of every word: [BLOCK_M, GROUPS, 4 words]
             else:
                 halves = (xs * x_scale).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
@@ -560,13 +593,14 @@ def _tile_project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start,
 def _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start, k_stop, row_stride, column_stride,
              words_tma, tma_rows, FORMAT: tl.constexpr, COMPUTE_FP32: tl.constexpr, FP16_OPERANDS: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-             TMA_LOADS: tl.constexpr, PAIRED_SHIFT: tl.constexpr):
+             TMA_LOADS: tl.constexpr, x_shifts, X_PAIRED: tl.constexpr):
     """[BLOCK_M, BLOCK_ROWS] fp32 = x[pair_rows] @ W[rows]^T over K in [k_start, k_stop), W the expert at `data` /
     `scales` (dense weights at any row / column strides, e.g. a transposed view of [E, in, out] parameters): on the
     tensor cores, or for a few rows of activations (BLOCK_M < 16) times MXFP4 weights on the CUDA cores."""
     if FORMAT == 1 and BLOCK_M < 16:
         acc = _mxfp4_row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_stop, words_tma, tma_rows,
-                                 COMPUTE_FP32, BLOCK_M, BLOCK_ROWS, BLOCK_K, NUM_STAGES, TMA_LOADS, PAIRED_SHIFT)
+                                 COMPUTE_FP32, BLOCK_M, BLOCK_ROWS, BLOCK_K, NUM_STAGES, TMA_LOADS, x_shifts,
+                                 X_PAIRED)
     else:
         acc = _tile_project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start, k_stop, row_stride,
                             column_stride, FORMAT, COMPUTE_FP32, FP16_OPERANDS, BLOCK_M, BLOCK_ROWS, BLOCK_K,
@@ -583,13 +617,13 @@ def _first_split_bias(bias, rows, ok, split):
 @triton.jit
 def _moe_gemm_kernel(
     x, data, scales, bias, out, pair_ids, block_expert, pair_weights, host_data, host_scales, host_bias, slot_of,
-    words_tma,
+    words_tma, x_shifts, out_shifts,
     P, N, K, N_OUT, ROW_DIV, alpha, limit, data_stride, scales_stride, bias_stride, row_stride, column_stride, k_split,
     FORMAT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr, APPLY_WEIGHT: tl.constexpr, COMPUTE_FP32: tl.constexpr, FP16_OPERANDS: tl.constexpr,
     HOST_FALLBACK: tl.constexpr, BLOCKING: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, TMA_LOADS: tl.constexpr,
-    DEPENDENT_LAUNCH: tl.constexpr, PAIRED_SHIFT: tl.constexpr,
+    DEPENDENT_LAUNCH: tl.constexpr, X_PAIRED: tl.constexpr, PAIRED_SHIFT: tl.constexpr,
 ):
     _wait_for_previous_launch(DEPENDENT_LAUNCH)
     block = tl.program_id(0)
@@ -640,7 +674,7 @@ def _moe_gemm_kernel(
         rows = tl.where(row_ok, rows, 0)
         both = _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start, k_stop, row_stride,
                         column_stride, words_tma, tma_rows, FORMAT, COMPUTE_FP32, FP16_OPERANDS, BLOCK_M,
-                        2 * BLOCK_N, BLOCK_K, NUM_STAGES, TMA_LOADS, 0)
+                        2 * BLOCK_N, BLOCK_K, NUM_STAGES, TMA_LOADS, x_shifts, X_PAIRED)
         if HAS_BIAS:
             both += _first_split_bias(bias, rows, row_ok, split)[None, :]
         if SPLIT_K > 1:  # this split's partial sums, gate and up interleaved; `_finish_gate_up` adds and activates
@@ -651,14 +685,16 @@ def _moe_gemm_kernel(
             result, out_width = _activate(gate, up, ACTIVATION, alpha, limit), N_OUT
             if FP16_OPERANDS:  # the down launch's activations
                 result = result * FP16_PRESCALE
-            if PAIRED_SHIFT:  # the down launch's activations as its row path reads them
+            if PAIRED_SHIFT:  # the down launch's activations as its row path reads them (X_PAIRED)
                 result = result * (2.0**PAIRED_SHIFT)
                 columns = _paired_columns(columns)
+                tl.store(out_shifts + pairs, tl.full(pairs.shape, PAIRED_SHIFT, tl.int32),
+                         mask=pair_ok & (tl.program_id(1) == 0))
     else:
         rows = tl.where(column_ok, columns, 0)
         result = _project(x, data, scales, rows, column_ok, pair_rows, pair_ok, K, k_start, k_stop, row_stride,
                           column_stride, words_tma, tma_rows, FORMAT, COMPUTE_FP32, FP16_OPERANDS, BLOCK_M, BLOCK_N,
-                          BLOCK_K, NUM_STAGES, TMA_LOADS, PAIRED_SHIFT)
+                          BLOCK_K, NUM_STAGES, TMA_LOADS, x_shifts, X_PAIRED)
         out_width = N_OUT
         if HAS_BIAS:
             result += _first_split_bias(bias, rows, column_ok, split)[None, :]
@@ -680,13 +716,15 @@ def _strides(weight: PackedWeight) -> tuple[int, ...]:
 def _launch(x, weight: PackedWeight, blocks: Blocks, pair_weights, rows_out, n_out, row_div, *, gated, interleaved,
             activation, alpha, limit, compute_fp32, block_m, block_n, block_k, num_warps, num_stages, splits=1,
             operands="bf16", weight_loads="pointers", host: PackedWeight | None = None,
-            slot_of: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32, paired_shift: int = 0):
+            slot_of: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
+            x_shifts: torch.Tensor | None = None, paired_shift: int = 0, out_shifts: torch.Tensor | None = None):
     """One GEMM launch over `blocks`; with fp16 operands `x` is fp16 times FP16_PRESCALE (`_activations`) or in its
     own dtype, scaled in the kernel; with `slot_of`, `weight` is a slot pool and `host` the same weight over the host
     blobs. The output: gate/up unsplit in the down launch's operand dtype, otherwise `out_dtype`. With `splits` > 1
     each program takes one of that many shares of K and the launch returns [splits, rows_out, width] fp32 partial
-    sums (gate/up: both projections, interleaved), for `_finish_gate_up` or `_sum_pairs` to add. `paired_shift`:
-    PAIRED_SHIFT (`_paired_shift`), the same for a call's gate/up and down launches."""
+    sums (gate/up: both projections, interleaved), for `_finish_gate_up` or `_sum_pairs` to add. `x_shifts`: x is
+    fp16 pairs (`_pair_rows`), row r times 2^x_shifts[r] (X_PAIRED); `paired_shift`: a gate/up launch writes its
+    output so, times 2^paired_shift, with `out_shifts` [rows_out] the shifts (PAIRED_SHIFT)."""
     _, n, k = weight.shape
     fp16_operands = _fp16_operands(operands, compute_fp32)
     if splits > 1:
@@ -705,12 +743,14 @@ def _launch(x, weight: PackedWeight, blocks: Blocks, pair_weights, rows_out, n_o
     _moe_gemm_kernel[grid](
         x, *weight_pointers(weight), out, pointer(blocks.pair_ids), pointer(blocks.block_expert),
         pointer(pair_weights), *weight_pointers(host if host is not None else weight), pointer(slot_of), words_tma,
+        pointer(x_shifts), pointer(out_shifts),
         rows_out, n, k, n_out, row_div, float(alpha), float(limit), *_strides(weight), k_split,
         FORMAT=FORMATS[weight.format], GATED=gated, INTERLEAVED=interleaved, ACTIVATION=ACTIVATIONS[activation],
         HAS_BIAS=weight.bias is not None, APPLY_WEIGHT=pair_weights is not None, COMPUTE_FP32=compute_fp32,
         FP16_OPERANDS=fp16_operands, HOST_FALLBACK=slot_of is not None, BLOCKING=blocks.blocking,
         SPLIT_K=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
-        TMA_LOADS=tma_loads, PAIRED_SHIFT=paired_shift, num_warps=num_warps, **_dependent_launch(x.device),
+        TMA_LOADS=tma_loads, X_PAIRED=x_shifts is not None, PAIRED_SHIFT=paired_shift, num_warps=num_warps,
+        **_dependent_launch(x.device),
     )
     return out if splits > 1 else out[0]
 
@@ -761,16 +801,13 @@ def _weight_loads(tiles: dict, blocker: str | None) -> str:
     return asked or ("pointers" if blocker else "tma")
 
 
-def _paired_shift(activation: str, alpha: float, limit: float, settings: dict, splits: int) -> int:
-    """PAIRED_SHIFT for an MoE call: with clamped SwiGLU, whose outputs are at most (limit + 1) * max(limit,
-    0.28 / alpha) in magnitude, the power of two that puts that bound in [2^14, 2^15), when the down launch takes the
-    MXFP4 row path on the GPU; 0 (off) elsewhere: SiLU's outputs have no bound, the fp32 path reads fp32, and K
-    splits leave the activations to `_finish_gate_up`."""
-    row_path = settings["block_m"] < 16 and not settings["compute_fp32"] and splits == 1
-    if activation != "clamped_swiglu" or not row_path:
+def _paired_shift(activation: str, alpha: float, limit: float) -> int:
+    """PAIRED_SHIFT for the activations between a call's launches on the MXFP4 row path: with clamped SwiGLU, whose
+    outputs are at most (limit + 1) * max(limit, 0.28 / alpha) in magnitude, the power of two that puts that bound
+    in [2^14, 2^15); 0 (off: each down program scales its bf16 rows itself) for SiLU, whose outputs have no bound."""
+    if activation != "clamped_swiglu":
         return 0
-    bound = (limit + 1) * max(limit, 0.28 / alpha)
-    return max(0, 14 - math.floor(math.log2(bound)))
+    return max(0, 14 - math.floor(math.log2((limit + 1) * max(limit, 0.28 / alpha))))
 
 
 def _fp16_operands(operands: str, compute_fp32: bool) -> bool:
@@ -955,12 +992,17 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     blocks = _blocks(top_k_index, experts, settings["block_m"])
     splits = _splits(settings, blocks)
     settings |= dict(alpha=alpha, limit=limit, compute_fp32=compute_fp32, slot_of=slot_of, splits=splits)
-    x = _activations(hidden, settings)
-    if gate_up.format == "mxfp4":
-        settings["paired_shift"] = _paired_shift(activation, alpha, limit, settings, splits)
+    x, x_shifts = _activations(hidden, settings), None
+    paired_shift, out_shifts = 0, None
+    if gate_up.format == "mxfp4" and settings["block_m"] < 16 and not compute_fp32:  # the row path on the GPU
+        if tokens > 1:  # a token's row is scaled in the kernel instead: the launch costs more than it saves
+            x, x_shifts = _pair_rows(hidden)
+        paired_shift = _paired_shift(activation, alpha, limit) if splits == 1 else 0  # splits: `_finish_gate_up`
+        out_shifts = torch.empty(tokens * top_k, dtype=torch.int32, device=x.device) if paired_shift else None
     intermediate = _launch(x, gate_up, blocks, None, tokens * top_k, two_i // 2, top_k,
                            gated=True, interleaved=interleaved, activation=activation,
-                           host=host[0] if host else None, **settings)
+                           host=host[0] if host else None, x_shifts=x_shifts, paired_shift=paired_shift,
+                           out_shifts=out_shifts, **settings)
     if splits > 1:
         fp16_operands = _fp16_operands(settings.get("operands", "bf16"), compute_fp32)
         intermediate = _finish_gate_up(intermediate, _gate_up_dtype(x.dtype, compute_fp32, fp16_operands),
@@ -968,7 +1010,7 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     weights = top_k_weights.reshape(-1).contiguous()
     per_pair = _launch(intermediate, down, blocks, weights, tokens * top_k, h, 1,
                        gated=False, interleaved=False, activation="silu", host=host[1] if host else None,
-                       **settings)
+                       x_shifts=out_shifts, **settings)
     return _sum_pairs(per_pair.view(splits, tokens, top_k, h), hidden.dtype)
 
 

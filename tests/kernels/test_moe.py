@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_compile.kernels.moe import align_routing, fused_moe
+from dflash_compile.kernels.moe import _paired_columns, align_routing, fused_moe
 from dflash_compile.packed import PackedWeight
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -309,8 +309,6 @@ def test_one_row_mxfp4_activations_of_any_magnitude(scale, outlier):
 
 @triton.jit
 def _store_paired_columns(out, N: tl.constexpr):
-    from dflash_compile.kernels.moe import _paired_columns
-
     columns = tl.arange(0, N)
     tl.store(out + columns, _paired_columns(columns))
 
@@ -329,19 +327,32 @@ def test_paired_activations_are_the_row_paths_pairs():
         assert column == 8 * w + (0, 4, 1, 5)[i] + 2 * half
 
 
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 3e5, 0.0])
+def test_pair_rows_scales_each_row_into_fp16_and_pairs_it(scale):
+    """`_pair_rows`, the gate/up launch's activations on the row path: each row times the power of two that puts
+    its largest magnitude in [2^14, 2^15) (rows of 1e-3, 1 and 3e5, past fp16's top; all zeros), in fp16, at
+    `_paired_columns`' positions."""
+    from dflash_compile.kernels.moe import _pair_rows
+
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(2)) * torch.tensor([[scale], [1.0], [scale]])
+    pairs, shifts = _pair_rows(x.bfloat16().to(DEVICE))
+    positions = torch.empty(128, dtype=torch.int32, device=DEVICE)
+    _store_paired_columns[(1,)](positions, N=128)
+    unpaired = pairs.cpu()[:, positions[:96].cpu().long()].float()
+    x = x.bfloat16().float()
+    for row, shift in enumerate(shifts.cpu().tolist()):
+        largest = x[row].abs().max()
+        assert largest == 0 or 2**14 <= largest * 2.0**shift < 2**15
+        torch.testing.assert_close(unpaired[row], (x[row] * 2.0**shift).half().float(), atol=0, rtol=0)
+
+
 def test_paired_shift_puts_clamped_swiglus_bound_under_fp16s_top():
     """The down launch's fp16 pairs (PAIRED_SHIFT): gpt-oss's clamped SwiGLU outputs are at most (7 + 1) * 7 = 56,
-    which the shift puts in [2^14, 2^15); off where the activations are unbounded (SiLU), on the fp32 path, for
-    tensor-core tiles and with K splits."""
+    which the shift puts in [2^14, 2^15); off where the activations are unbounded (SiLU)."""
     from dflash_compile.kernels.moe import _paired_shift
 
-    row_path = {"block_m": 1, "compute_fp32": False}
-    shift = _paired_shift("clamped_swiglu", 1.702, 7.0, row_path, 1)
-    assert 2**14 <= 56 * 2**shift < 2**15
-    assert _paired_shift("silu", 1.702, 7.0, row_path, 1) == 0
-    assert _paired_shift("clamped_swiglu", 1.702, 7.0, row_path | {"compute_fp32": True}, 1) == 0
-    assert _paired_shift("clamped_swiglu", 1.702, 7.0, row_path | {"block_m": 16}, 1) == 0
-    assert _paired_shift("clamped_swiglu", 1.702, 7.0, row_path, 2) == 0
+    assert 2**14 <= 56 * 2 ** _paired_shift("clamped_swiglu", 1.702, 7.0) < 2**15
+    assert _paired_shift("silu", 1.702, 7.0) == 0
 
 
 @pytest.mark.parametrize("precision", [
