@@ -30,7 +30,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_compile.kernels.moe import (  # noqa: E402
-    ACTIVATIONS, FORMATS, GROUPED, PAIR_PER_BLOCK, _moe_gemm_kernel, _paired_shift, tiles_for, tma_tile)
+    ACTIVATIONS, FORMATS, GROUPED, PAIR_PER_BLOCK, _moe_gemm_kernel, _paired_activations, tiles_for, tma_tile)
 
 H200 = GPUTarget("cuda", 90, 32)
 POINTERS = {"x": "*bf16", "bias": "*fp32", "out": "*bf16", "pair_ids": "*i32", "block_expert": "*i32",
@@ -61,9 +61,10 @@ def compile_kernel(format: str, gated: bool, tiles: dict, host_fallback: bool = 
     if fp16:  # the activations come in (and the gate/up output goes out) as prescaled fp16
         signature |= {"x": "*fp16", "out": "*fp16"}
     split_k = tiles["split_k"] if one_token else 1
-    row_path = format == "mxfp4" and tiles["block_m"] < 16  # as `fused_moe` runs it: activations as fp16 pairs
-    paired_shift = _paired_shift("clamped_swiglu", 1.702, 7.0) if row_path and split_k == 1 else 0
-    x_paired = row_path and (not one_token if gated else paired_shift > 0)  # see `fused_moe`
+    paired_input, paired_shift = False, 0  # as `fused_moe` runs the MXFP4 row path: activations as fp16 pairs
+    if format == "mxfp4" and tiles["block_m"] < 16:
+        paired_input, paired_shift = _paired_activations(1 if one_token else 2, split_k, "clamped_swiglu", 1.702, 7.0)
+    x_paired = paired_input if gated else paired_shift > 0
     if x_paired:
         signature |= {"x": "*fp16"}
     if gated and paired_shift:

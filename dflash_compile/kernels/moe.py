@@ -89,10 +89,15 @@ def _let_next_launch(DEPENDENT_LAUNCH: tl.constexpr):
         gdc_launch_dependents()
 
 
+def _hopper_or_newer(device: torch.device) -> bool:
+    """A CUDA device of compute capability 9.0 or newer: TMA and programmatic dependent launch."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _dependent_launch(device: torch.device) -> dict:
     """Launch options for the kernels here: on Hopper or newer, programmatic dependent launch (each waits in
     `_wait_for_previous_launch`), which hides the gap between a layer's launches; off elsewhere (the interpreter)."""
-    on = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    on = _hopper_or_newer(device)
     return {"DEPENDENT_LAUNCH": on, "launch_pdl": True} if on else {"DEPENDENT_LAUNCH": False}
 
 
@@ -417,6 +422,19 @@ def _tma_words(words_tma, tma_rows, k, BLOCK_ROWS: tl.constexpr, GROUPS: tl.cons
 
 
 @triton.jit
+def _exp2i(e):
+    """2^e in fp32 for integer e in [-126, 127], built from its exponent bits (exact, no transcendental)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp16_shift(largest):
+    """The power of two that puts `largest` (fp32 magnitudes, any shape) in [2^14, 2^15), capped at 100 so that
+    2^shift stays finite in fp32 (an all-zero row: any shift)."""
+    return tl.minimum(14 - ((largest.to(tl.int32, bitcast=True) >> 23) - 127), 100)
+
+
+@triton.jit
 def _paired_columns(columns):
     """Where the gate/up launch stores activation column c for a down launch on the row path (PAIRED_SHIFT): within
     each 8 columns (one packed word's codes), at 4 * bit 0 + 2 * bit 2 + bit 1 of c, so that 32-bit word 4w + i
@@ -434,13 +452,12 @@ def _pair_rows_kernel(x, out, shifts, K, BLOCK: tl.constexpr, DEPENDENT_LAUNCH: 
     for k in range(0, K, BLOCK):
         columns = k + tl.arange(0, BLOCK)
         largest = tl.maximum(largest, tl.abs(tl.load(x + row * K + columns, mask=columns < K, other=0.0)))
-    shift = tl.minimum(14 - ((tl.max(largest).to(tl.int32, bitcast=True) >> 23) - 127), 100)  # all zeros: 100
-    scale = ((shift + 127) << 23).to(tl.float32, bitcast=True)
+    scale = _exp2i(_fp16_shift(tl.max(largest)))
     for k in range(0, K, BLOCK):
         columns = k + tl.arange(0, BLOCK)
         values = tl.load(x + row * K + columns, mask=columns < K, other=0.0).to(tl.float32) * scale
         tl.store(out + row * K + _paired_columns(columns), values, mask=columns < K)  # in out's fp16
-    tl.store(shifts + row, shift)
+    tl.store(shifts + row, _fp16_shift(tl.max(largest)))
 
 
 def _pair_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -498,10 +515,9 @@ def _mxfp4_row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_s
             columns = k + tl.arange(0, 4 * BLOCK_K)
             step = tl.load(x_rows[:, None] + columns[None, :], mask=columns[None, :] < K, other=0.0)
             largest = tl.maximum(largest, tl.abs(step.to(tl.float32)))
-        exponent_of_largest = (tl.max(largest, axis=1).to(tl.int32, bitcast=True) >> 23) - 127
-        shift = tl.minimum(14 - exponent_of_largest, 100)  # 2^shift stays finite in fp32 (all-zero x: any shift)
-    x_scale = ((shift + 127) << 23).to(tl.float32, bitcast=True)[:, None, None, None, None]
-    unscale = ((141 - shift) << 23).to(tl.float32, bitcast=True)[:, None, None]  # 2^(14 - shift)
+        shift = _fp16_shift(tl.max(largest, axis=1))
+    x_scale = _exp2i(shift)[:, None, None, None, None]
+    unscale = _exp2i(14 - shift)[:, None, None]
     acc = tl.zeros((BLOCK_M, BLOCK_ROWS, GROUPS), dtype=tl.float32)
     for k in tl.range(k_start, k_stop, BLOCK_K, num_stages=NUM_STAGES):
         next_packed, next_exponent, next_xs = _row_step_loads(words, scales, x_rows, rows, row_ok, k + BLOCK_K,
@@ -781,7 +797,7 @@ def _tma_blocker(gate_up: PackedWeight, down: PackedWeight, compute_fp32: bool, 
         return f"only MXFP4 weights have a TMA path, these are {gate_up.format}"
     if compute_fp32:
         return "the fp32 compute path (the interpreter's) reads through pointers"
-    if not all(w.data.is_cuda and torch.cuda.get_device_capability(w.data.device)[0] >= 9 for w in weights):
+    if not all(_hopper_or_newer(w.data.device) for w in weights):
         return "TMA needs the weights on a Hopper or newer GPU (compute capability 9.0+)"
     if host is not None:
         return "offloaded experts are read from host memory through pointers"
@@ -799,6 +815,14 @@ def _weight_loads(tiles: dict, blocker: str | None) -> str:
     if asked == "tma" and blocker:
         raise ValueError(f"weight_loads='tma' cannot be used here: {blocker}; use weight_loads='pointers'")
     return asked or ("pointers" if blocker else "tma")
+
+
+def _paired_activations(tokens: int, splits: int, activation: str, alpha: float, limit: float) -> tuple[bool, int]:
+    """For a call on the MXFP4 row path on the GPU: whether its gate/up launch takes `_pair_rows`' activations
+    (blocks of rows; one token's row is scaled in the kernel instead, where the extra launch cost more than it saved,
+    0.95-0.98x on the H200), and PAIRED_SHIFT for the down launch's (0 with K splits: `_finish_gate_up` writes
+    those)."""
+    return tokens > 1, _paired_shift(activation, alpha, limit) if splits == 1 else 0
 
 
 def _paired_shift(activation: str, alpha: float, limit: float) -> int:
@@ -995,9 +1019,9 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     x, x_shifts = _activations(hidden, settings), None
     paired_shift, out_shifts = 0, None
     if gate_up.format == "mxfp4" and settings["block_m"] < 16 and not compute_fp32:  # the row path on the GPU
-        if tokens > 1:  # a token's row is scaled in the kernel instead: the launch costs more than it saves
+        paired_input, paired_shift = _paired_activations(tokens, splits, activation, alpha, limit)
+        if paired_input:
             x, x_shifts = _pair_rows(hidden)
-        paired_shift = _paired_shift(activation, alpha, limit) if splits == 1 else 0  # splits: `_finish_gate_up`
         out_shifts = torch.empty(tokens * top_k, dtype=torch.int32, device=x.device) if paired_shift else None
     intermediate = _launch(x, gate_up, blocks, None, tokens * top_k, two_i // 2, top_k,
                            gated=True, interleaved=interleaved, activation=activation,
