@@ -60,6 +60,8 @@ def compile_kernel(format: str, gated: bool, tiles: dict, host_fallback: bool = 
                                                               "host_data": data, "host_scales": scales}
     if fp16:  # the activations come in (and the gate/up output goes out) as prescaled fp16
         signature |= {"x": "*fp16", "out": "*fp16"}
+        if gated and (one_token or tiles["block_m"] < 16):  # `_activations`: those rows come as they are
+            signature |= {"x": "*bf16"}
     split_k = tiles["split_k"] if one_token else 1
     paired_input, paired_shift = False, 0  # as `fused_moe` runs the MXFP4 row path: activations as fp16 pairs
     if format == "mxfp4" and tiles["block_m"] < 16:
@@ -82,7 +84,8 @@ def compile_kernel(format: str, gated: bool, tiles: dict, host_fallback: bool = 
         constants["words_tma"] = None
     signature |= {name: "constexpr" for name in constants}
     if tma_loads:  # `_words_descriptor`'s tiles: `tma_tile`'s rows by one K step of 4-byte words
-        signature["words_tma"] = f"tensordesc<i32[{tile_rows}, {tiles['block_k'] // 8}]>"
+        codes_per_word = 8 if format == "mxfp4" else 4
+        signature["words_tma"] = f"tensordesc<i32[{tile_rows}, {tiles['block_k'] // codes_per_word}]>"
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ALIGNED}
     source = ASTSource(_moe_gemm_kernel, signature, constexprs=constants, attrs=attrs)
     return triton.compile(source, target=H200, options={"num_warps": tiles["num_warps"],

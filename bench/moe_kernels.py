@@ -272,7 +272,8 @@ def path_tiles(tiles: dict, tokens: int, top_k: int, experts: int, format: str) 
     few rows (`few_rows_per_block`, for formats with a row path: ROW_TILES), or the tensor cores'."""
     if tokens == 1:
         return tiles["one_token"]
-    few_rows = format in ROW_TILES and few_rows_per_block(tokens, top_k, experts, weight_loads="tma")  # H200: TMA
+    few_rows = format in ROW_TILES and few_rows_per_block(tokens, top_k, experts, weight_loads="tma",  # H200: TMA
+                                                          format=format)
     return tiles["few_rows"] if few_rows else tiles["tensor_core"]
 
 

@@ -32,9 +32,11 @@ straight into the register pairs of the MMA operand (`_E2M1_BF16_ASM`), FP8 code
 
 Blocks of one or two rows of activations times MXFP4 weights (a decode step's launches; verify sizes where experts
 get about one pair each, `few_rows_per_block`; a dense layer's one or two rows) run on the CUDA cores instead
-(`_mxfp4_row_project`, tiles `ROW_TILES`): no tensor-core tile padded to 16 rows, codes decoded to fp16 pairs by
-shifts and masks per word and a byte permute per pair (`_row_word_pairs`, 11 instructions per 8 codes) and
-multiplied in fp16x2, the activations scaled by a power of two that keeps them in fp16's range. On Hopper their
+(`_row_project`, tiles `ROW_TILES`): no tensor-core tile padded to 16 rows, codes decoded to fp16 pairs by shifts
+and masks per word and a byte permute per pair (`_e2m1_word_pairs`, 11 instructions per 8 codes) and multiplied in
+fp16x2, the activations scaled by a power of two that keeps them in fp16's range. FP8 weights take the same path
+for one token (the hardware's e4m3x2 -> f16x2 conversion per pair of codes; 1.10x over the tensor-core tiles on
+the H200, session 21). On Hopper their
 weight words come through TMA descriptors (`weight_loads="tma"`, `_tma_blocker` says where not), a few K steps
 ahead into shared memory, which frees the warps' load instructions and registers: 1.05x at one token, 1.27-1.47x
 for blocks of 2 (session 17), which then beat the tensor cores up to ~3.3 pairs per routed expert (session 19).
@@ -323,12 +325,13 @@ def _mxfp4_tile(data, scales, rows, row_ok, k, K, COMPUTE_FP32: tl.constexpr, BL
     return tile
 
 
-def _row_word_pairs(word: str) -> str:
-    """PTX for the four fp16x2 pairs `pair0`-`pair3` of a packed word's codes (pair i: K offsets `_row_pairs`()[i]
-    and that + 2, low half first), each code times 2^-14: every low nibble's sign and exponent/mantissa bits moved to
-    bits 7 and 3-1 of its byte (two shifts, two masks), then every high nibble's (one shift, two masks), and a PRMT
-    per pair puts two such bytes over zero low bytes: fp16 bits 15 and 11-9, where E2M1's subnormal 0.5 lands on
-    fp16's subnormal 2^-15. 11 instructions per 8 codes, where shifting each pair into place took 16."""
+def _e2m1_word_pairs(word: str) -> str:
+    """PTX for the four fp16x2 pairs `pair0`-`pair3` of a packed MXFP4 word's codes (pair i: K offsets
+    `_row_pairs`()[i] and that + 2, low half first), each code times 2^-14: every low nibble's sign and
+    exponent/mantissa bits moved to bits 7 and 3-1 of its byte (two shifts, two masks), then every high nibble's (one
+    shift, two masks), and a PRMT per pair puts two such bytes over zero low bytes: fp16 bits 15 and 11-9, where
+    E2M1's subnormal 0.5 lands on fp16's subnormal 2^-15. 11 instructions per 8 codes, where shifting each pair into
+    place took 16."""
     return (f"shl.b32 low, {word}, 1;\nshl.b32 sign, {word}, 4;\nand.b32 low, low, 0x0E0E0E0E;\n"
             "and.b32 sign, sign, 0x80808080;\nor.b32 low, low, sign;\n"
             f"shr.b32 high, {word}, 3;\nand.b32 high, high, 0x0E0E0E0E;\nand.b32 sign, {word}, 0x80808080;\n"
@@ -337,36 +340,63 @@ def _row_word_pairs(word: str) -> str:
             "prmt.b32 pair2, high, 0, 0x1404;\nprmt.b32 pair3, high, 0, 0x3424;\n")
 
 
-def _row_group_asm() -> str:
-    """PTX for one row of activations times MXFP4 weights on the CUDA cores, one 32-code group per instance: $1-$4
-    the group's four packed words (codes of K offsets 0..7 each), $5 + 4i + j the activations of word j's pair i as
-    fp16x2 (K offsets `_row_pairs`()[i] and that + 2, scaled by 2^shift), $21 the group's scale 2^(e-127), $22
-    2^(14-shift), $23 the running sum -> $0 = $23 + scale * 2^(14-shift) * the group's 32 products. Each word's codes
-    become fp16x2 pairs times 2^-14 (`_row_word_pairs`); the products add in fp16x2 (a code has two significant
-    bits), the two halves in fp32."""
+def _e4m3_word_pairs(word: str) -> str:
+    """PTX for the two fp16x2 pairs `pair0`, `pair1` of a word of four float8_e4m3fn bytes (pair i: K offsets 2i and
+    2i + 1, low half first), exact: the hardware's e4m3x2 -> f16x2 conversion, one instruction per pair."""
+    return (f"mov.b32 {{low16, high16}}, {word};\ncvt.rn.f16x2.e4m3x2 pair0, low16;\n"
+            "cvt.rn.f16x2.e4m3x2 pair1, high16;\n")
+
+
+def _row_group_asm(word_pairs, words: int, pairs: int) -> str:
+    """PTX for one row of activations times one 32-code group of packed weights on the CUDA cores, `words` words of
+    `pairs` fp16x2 pairs each (`word_pairs` decodes one): $1-$words the group's words, $(1 + words + words * i + j)
+    the activations of word j's pair i as fp16x2 (scaled by 2^shift), then the group's scale, 2^(code exponent -
+    shift) that undoes the activations' and the decode's powers of two, and the running sum -> $0 = running sum +
+    scale * that * the group's 32 products. The products add in fp16x2, the two halves in fp32."""
     products = []
-    for j in range(4):
-        products.append(_row_word_pairs(f"${1 + j}"))
-        for i in range(4):
-            activations = f"${5 + 4 * i + j}"
+    for j in range(words):
+        products.append(word_pairs(f"${1 + j}"))
+        for i in range(pairs):
+            activations = f"${1 + words + words * i + j}"
             products.append(f"mul.rn.f16x2 sum, pair{i}, {activations};\n" if i == j == 0 else
                             f"fma.rn.f16x2 sum, pair{i}, {activations}, sum;\n")
-    return ("{\n.reg .b32 low, high, sign, pair0, pair1, pair2, pair3, sum;\n.reg .b16 lowsum, highsum;\n"
-            ".reg .f32 low32, high32;\n" + "".join(products)
+    scale = 1 + words * (1 + pairs)
+    return ("{\n.reg .b32 low, high, sign, pair0, pair1, pair2, pair3, sum;\n"
+            ".reg .b16 lowsum, highsum, low16, high16;\n.reg .f32 low32, high32;\n" + "".join(products)
             + "mov.b32 {lowsum, highsum}, sum;\ncvt.f32.f16 low32, lowsum;\ncvt.f32.f16 high32, highsum;\n"
-            + "add.rn.f32 low32, low32, high32;\nmul.rn.f32 low32, low32, $22;\nfma.rn.f32 $0, low32, $21, $23;\n}")
+            + f"add.rn.f32 low32, low32, high32;\nmul.rn.f32 low32, low32, ${scale + 1};\n"
+            + f"fma.rn.f32 $0, low32, ${scale}, ${scale + 2};\n}}")
 
 
-_E2M1_ROW_ASM = tl.constexpr(_row_group_asm())
-_E2M1_ROW_CONSTRAINTS = tl.constexpr(",".join(["=f"] + ["r"] * 20 + ["f"] * 3))
+def _row_group_constraints(words: int, pairs: int) -> str:
+    return ",".join(["=f"] + ["r"] * (words * (1 + pairs)) + ["f"] * 3)
+
+
+# The row path's group PTX per format: MXFP4 words hold 8 codes (4 words, 4 pairs each, codes times 2^-14), FP8
+# words 4 (8 words, 2 pairs each, exact).
+_E2M1_ROW_ASM = tl.constexpr(_row_group_asm(_e2m1_word_pairs, 4, 4))
+_E2M1_ROW_CONSTRAINTS = tl.constexpr(_row_group_constraints(4, 4))
+_E4M3_ROW_ASM = tl.constexpr(_row_group_asm(_e4m3_word_pairs, 8, 2))
+_E4M3_ROW_CONSTRAINTS = tl.constexpr(_row_group_constraints(8, 2))
 
 
 @triton.jit
 def _row_pairs():
-    """Each fp16x2 pair's first K offset in a packed word, (0, 4, 1, 5): the order `_row_word_pairs` makes them in
-    (pair i: offsets _row_pairs()[i] and that + 2)."""
+    """Each fp16x2 pair's first K offset in a packed MXFP4 word, (0, 4, 1, 5): the order `_e2m1_word_pairs` makes
+    them in (pair i: offsets _row_pairs()[i] and that + 2)."""
     i = tl.arange(0, 4)
     return i % 2 * 4 + i // 2
+
+
+@triton.jit
+def _word_pairs(FORMAT: tl.constexpr):
+    """[pairs per word, 2]: the K offsets in a packed word of the fp16x2 pairs the row path decodes it into, in the
+    decode's order: MXFP4 `_row_pairs`' (i, i + 2), FP8 (2i, 2i + 1)."""
+    if FORMAT == 1:
+        pairs = _row_pairs()[:, None] + 2 * tl.arange(0, 2)[None, :]
+    else:
+        pairs = 2 * tl.arange(0, 2)[:, None] + tl.arange(0, 2)[None, :]
+    return pairs
 
 
 @triton.jit
@@ -379,46 +409,69 @@ def _quarters(t):
 
 
 @triton.jit
-def _broadcast_quarters(t, shape: tl.constexpr):
-    """`_quarters` of t broadcast to `shape` ([BLOCK_M, ROWS, GROUPS, 4])."""
-    return _quarters(tl.broadcast_to(t, shape))
+def _slices(t, SIZE: tl.constexpr):
+    """The slices of t's last axis (size SIZE: 2, 4 or 8), the same order for every t of that size."""
+    if SIZE == 2:
+        slices = tl.split(t)
+    elif SIZE == 4:
+        slices = _quarters(t)
+    else:
+        even, odd = tl.split(tl.reshape(t, t.shape[:-1] + (4, 2)))
+        slices = _quarters(even) + _quarters(odd)
+    return slices
 
 
 @triton.jit
-def _row_step_loads(words, scales, x_rows, rows, row_ok, k, stop, K, word, offset, GROUPS: tl.constexpr,
-                    EVICTION: tl.constexpr, X_PAIRED: tl.constexpr):
-    """One K step of `_mxfp4_row_project` from column k (nothing at or past `stop`): the packed words [ROWS, GROUPS,
-    4], their E8M0 exponents [ROWS, GROUPS] and the activations: [BLOCK_M, GROUPS, 4 words, 4 pairs, 2 halves] in
-    fp32, or with X_PAIRED the fp16x2 pairs themselves [BLOCK_M, GROUPS, 4 words, 4 pairs] (`_paired_columns`).
-    EVICTION: the weights' L2 eviction policy."""
-    group = k // 32 + tl.arange(0, GROUPS)
-    ok = row_ok[:, None] & (group[None, :] < stop // 32)
-    packed = tl.load(words + rows[:, None, None] * (K // 8) + (k // 8 + word)[None, :, :], mask=ok[:, :, None],
-                     other=0, eviction_policy=EVICTION)
-    exponent = tl.load(scales + rows[:, None] * (K // 32) + group[None, :], mask=ok, other=0,
-                       eviction_policy=EVICTION).to(tl.int32)
+def _broadcast_slices(t, shape: tl.constexpr):
+    """`_slices` of t broadcast to `shape` ([BLOCK_M, ROWS, GROUPS, words per group])."""
+    return _slices(tl.broadcast_to(t, shape), shape[3])
+
+
+@triton.jit
+def _row_step_loads(words, scales, x_rows, rows, row_ok, k, stop, K, word, offset, FORMAT: tl.constexpr,
+                    GROUPS: tl.constexpr, EVICTION: tl.constexpr, X_PAIRED: tl.constexpr):
+    """One K step of `_row_project` from column k (nothing at or past `stop`): the packed words [ROWS, GROUPS,
+    words per group], each group's scale [ROWS, GROUPS] in fp32 (MXFP4: 2^(e - 127) from its E8M0 exponent e; FP8:
+    its 128 x 128 block's) and the activations: [BLOCK_M, GROUPS, words, pairs, 2 halves] in fp32, or with X_PAIRED
+    (MXFP4) the fp16x2 pairs themselves [BLOCK_M, GROUPS, 4 words, 4 pairs] (`_paired_columns`). EVICTION: the
+    weights' L2 eviction policy."""
+    CODES: tl.constexpr = 8 if FORMAT == 1 else 4  # per 4-byte word
+    first = k + word * CODES  # [GROUPS, words]: each word's first column
+    packed = tl.load(words + rows[:, None, None] * (K // CODES) + (first // CODES)[None, :, :],
+                     mask=row_ok[:, None, None] & (first < stop)[None, :, :], other=0, eviction_policy=EVICTION)
+    group = k + 32 * tl.arange(0, GROUPS)  # each group's first column
+    group_ok = row_ok[:, None] & (group < stop)[None, :]
+    if FORMAT == 1:
+        exponent = tl.load(scales + rows[:, None] * (K // 32) + (group // 32)[None, :], mask=group_ok, other=0,
+                           eviction_policy=EVICTION).to(tl.int32)
+        scale = (exponent << 23).to(tl.float32, bitcast=True)  # e = 0, 2^-127, becomes 0
+    else:
+        scale = tl.load(scales + (rows // 128)[:, None] * tl.cdiv(K, 128) + (group // 128)[None, :], mask=group_ok,
+                        other=0.0, eviction_policy=EVICTION)
     if X_PAIRED:
-        pair_words = (k + word * 8)[:, :, None] // 2 + tl.arange(0, 4)[None, None, :]  # [GROUPS, 4 words, 4 pairs]
+        pair_words = first[:, :, None] // 2 + tl.arange(0, 4)[None, None, :]  # [GROUPS, 4 words, 4 pairs]
         xs = tl.load(x_rows.to(tl.pointer_type(tl.int32))[:, None, None, None] + pair_words[None, :, :, :],
-                     mask=(k + word * 8 < stop)[None, :, :, None], other=0)
+                     mask=(first < stop)[None, :, :, None], other=0)
     else:
         xs = tl.load(x_rows[:, None, None, None, None] + k + offset[None, :, :, :, :],
                      mask=(k + offset < stop)[None, :, :, :, :], other=0.0).to(tl.float32)
-    return packed, exponent, xs
+    return packed, scale, xs
 
 
 @triton.jit
-def _tma_words(words_tma, tma_rows, k, BLOCK_ROWS: tl.constexpr, GROUPS: tl.constexpr, TMA_LOADS: tl.constexpr):
-    """One K step's packed words [BLOCK_ROWS, GROUPS, 4] from column k through `words_tma` (zeros past K): one tile
-    from row tma_rows[0] (TMA_LOADS 1), or half tiles of gate rows from tma_rows[0] and of up rows from tma_rows[1]
-    (TMA_LOADS 2: concatenated gate/up), interleaved gate, up, gate, ... as the gated tile orders its rows."""
+def _tma_words(words_tma, tma_rows, k, BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, CODES: tl.constexpr,
+               TMA_LOADS: tl.constexpr):
+    """One K step's packed words [BLOCK_ROWS, BLOCK_K / 32 groups, 32 / CODES words] from column k through
+    `words_tma` (zeros past K), CODES codes per word: one tile from row tma_rows[0] (TMA_LOADS 1), or half tiles of
+    gate rows from tma_rows[0] and of up rows from tma_rows[1] (TMA_LOADS 2: concatenated gate/up), interleaved
+    gate, up, gate, ... as the gated tile orders its rows."""
     if TMA_LOADS == 2:
-        gate = words_tma.load([tma_rows[0], k // 8])
-        up = words_tma.load([tma_rows[1], k // 8])
-        tile = tl.reshape(tl.permute(tl.join(gate, up), (0, 2, 1)), (BLOCK_ROWS, GROUPS * 4))
+        gate = words_tma.load([tma_rows[0], k // CODES])
+        up = words_tma.load([tma_rows[1], k // CODES])
+        tile = tl.reshape(tl.permute(tl.join(gate, up), (0, 2, 1)), (BLOCK_ROWS, BLOCK_K // CODES))
     else:
-        tile = words_tma.load([tma_rows[0], k // 8])
-    return tl.reshape(tile, (BLOCK_ROWS, GROUPS, 4))
+        tile = words_tma.load([tma_rows[0], k // CODES])
+    return tl.reshape(tile, (BLOCK_ROWS, BLOCK_K // 32, 32 // CODES))
 
 
 @triton.jit
@@ -428,10 +481,10 @@ def _exp2i(e):
 
 
 @triton.jit
-def _fp16_shift(largest):
-    """The power of two that puts `largest` (fp32 magnitudes, any shape) in [2^14, 2^15), capped at 100 so that
-    2^shift stays finite in fp32 (an all-zero row: any shift)."""
-    return tl.minimum(14 - ((largest.to(tl.int32, bitcast=True) >> 23) - 127), 100)
+def _fp16_shift(largest, TOP: tl.constexpr = 14):
+    """The power of two that puts `largest` (fp32 magnitudes, any shape) in [2^TOP, 2^(TOP + 1)), capped at 100 so
+    that 2^shift stays finite in fp32 (an all-zero row: any shift)."""
+    return tl.minimum(TOP - ((largest.to(tl.int32, bitcast=True) >> 23) - 127), 100)
 
 
 @triton.jit
@@ -463,7 +516,7 @@ def _pair_rows_kernel(x, out, shifts, K, BLOCK: tl.constexpr, DEPENDENT_LAUNCH: 
 def _pair_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[M, K] activations (K a multiple of 8) -> (fp16 [M, K] in the row path's pair order, `_paired_columns`, each
     row times 2^shift; int32 [M] shifts): the shift puts the row's largest magnitude in [2^14, 2^15), as
-    `_mxfp4_row_project` scales rows itself otherwise. One launch, a program per row."""
+    `_row_project` scales rows itself otherwise. One launch, a program per row."""
     rows, k = x.shape
     out = torch.empty(rows, k, dtype=torch.float16, device=x.device)
     shifts = torch.empty(rows, dtype=torch.int32, device=x.device)
@@ -473,29 +526,36 @@ def _pair_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def _mxfp4_row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_stop, words_tma, tma_rows,
-                       COMPUTE_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                       BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, TMA_LOADS: tl.constexpr, x_shifts,
-                       X_PAIRED: tl.constexpr):
+def _row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_stop, words_tma, tma_rows,
+                 FORMAT: tl.constexpr, COMPUTE_FP32: tl.constexpr, FP16_OPERANDS: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, TMA_LOADS: tl.constexpr,
+                 x_shifts, X_PAIRED: tl.constexpr):
     """[BLOCK_M, BLOCK_ROWS] fp32 = x[pair_rows] @ W[rows]^T over K in [k_start, k_stop) for a few rows of
-    activations (BLOCK_M < 16), W MXFP4, on the CUDA cores: no tensor-core tile padded to 16 rows, the codes
-    decoded to fp16 pairs (`_row_word_pairs`) and half an fp16x2 multiply-add per code and row of activations
-    (`_E2M1_ROW_ASM`, one instance per row and group: the instances of one group share its words, so ptxas decodes
-    them once for all rows). Each row of activations goes to fp16 scaled by a power of two that puts its largest
-    magnitude in this share of K in [2^14, 2^15): no fp16 overflow, and products too small for fp16's normal range
-    are below 2^-28 of the row's largest. With X_PAIRED, x is such fp16 already, each row times 2^x_shifts[row],
-    in the pairs' order (`_paired_columns`; `_pair_rows` or the gate/up launch with PAIRED_SHIFT write them so),
-    and each step loads its pairs as words: gpt-oss's loop instructions on sm_90 176 -> 141 (one token's down
-    launch), 561 -> 455 and 937 -> 834 (blocks of 2: down, gate/up).
-    The packed bytes are read as 4-byte words, 8 codes each: with TMA_LOADS through `words_tma` (`_tma_words`,
-    `_words_descriptor`), NUM_STAGES steps ahead into shared memory by the TMA unit, which takes the loads'
-    instructions and registers off the warps (1.05x at one token, 1.3x for blocks of 2 rows, session 17); otherwise
-    as 8-byte pointer loads (the 16-byte loads that aligned addressing allows measured 16% slower on the H200 in
+    activations (BLOCK_M < 16), W MXFP4 or FP8, on the CUDA cores: no tensor-core tile padded to 16 rows, the codes
+    decoded to fp16 pairs (`_e2m1_word_pairs`, `_e4m3_word_pairs`) and half an fp16x2 multiply-add per code and row
+    of activations (`_E2M1_ROW_ASM`, `_E4M3_ROW_ASM`: one instance per row and 32-code group; the instances of one
+    group share its words, so ptxas decodes them once for all rows). Each row of activations goes to fp16 scaled by
+    a power of two that puts its largest magnitude in this share of K in [2^14, 2^15) for MXFP4 (whose codes decode
+    times 2^-14) or [2^2, 2^3) for FP8 (up to 448: a group's 16 products per half stay under fp16's 65504): no fp16
+    overflow, and products too small for fp16's normal range are below 2^-28 of the row's largest. With X_PAIRED
+    (MXFP4), x is such fp16 already, each row times 2^x_shifts[row], in the pairs' order (`_paired_columns`;
+    `_pair_rows` or the gate/up launch with PAIRED_SHIFT write them so), and each step loads its pairs as words:
+    gpt-oss's loop instructions on sm_90 176 -> 141 (one token's down launch), 561 -> 455 and 937 -> 834 (blocks of
+    2: down, gate/up). With FP16_OPERANDS an fp16 x is x times FP16_PRESCALE (`_activations`), which the result undoes.
+    The packed bytes are read as 4-byte words (8 MXFP4 or 4 FP8 codes): with TMA_LOADS through `words_tma`
+    (`_tma_words`, `_words_descriptor`), NUM_STAGES steps ahead into shared memory by the TMA unit, which takes the
+    loads' instructions and registers off the warps (1.05x at one token, 1.3x for blocks of 2 rows, session 17);
+    otherwise as pointer loads (the 16-byte loads that aligned addressing allows measured 16% slower on the H200 in
     session 14 and 0.98x in session 16, with the words' layout conversions gone)."""
+    CODES: tl.constexpr = 8 if FORMAT == 1 else 4  # per 4-byte word
+    WORDS: tl.constexpr = 32 // CODES  # per 32-code group
+    PAIRS: tl.constexpr = CODES // 2  # fp16x2 pairs per word
+    TOP: tl.constexpr = 14 if FORMAT == 1 else 2  # the scaled activations' largest is in [2^TOP, 2^(TOP + 1))
+    CODE_EXPONENT: tl.constexpr = 14 if FORMAT == 1 else 0  # the decode's codes are times 2^-CODE_EXPONENT
     GROUPS: tl.constexpr = BLOCK_K // 32
-    word = tl.arange(0, GROUPS)[:, None] * 4 + tl.arange(0, 4)[None, :]  # [GROUPS, 4]: the K step's words
-    pair = _row_pairs()[:, None] + 2 * tl.arange(0, 2)[None, :]  # [4 pairs, 2 halves]: K offsets in a word
-    offset = word[:, :, None, None] * 8 + pair[None, None, :, :]  # [GROUPS, 4, 4, 2]: each code's offset in the step
+    word = tl.arange(0, GROUPS)[:, None] * WORDS + tl.arange(0, WORDS)[None, :]  # [GROUPS, WORDS]: the step's words
+    pair = _word_pairs(FORMAT)  # [PAIRS, 2 halves]: K offsets in a word
+    offset = word[:, :, None, None] * CODES + pair[None, None, :, :]  # [GROUPS, WORDS, PAIRS, 2]: each code's offset
     words = data.to(tl.pointer_type(tl.int32))
     x_rows = x + pair_rows.to(tl.int64) * K  # a block's padding rows read row 0: their results are not stored
     stop = tl.minimum(k_stop, K)
@@ -505,8 +565,8 @@ def _mxfp4_row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_s
     # each step's pointer loads are issued one step ahead (the first before the scan below), so a warp has two steps'
     # weights in flight (num_stages=1 measured fastest with them; the TMA loads, issued in the step, pipeline
     # NUM_STAGES deep: the pointer load of words they replace is dead code)
-    packed, exponent, xs = _row_step_loads(words, scales, x_rows, rows, row_ok, k_start, stop, K, word, offset,
-                                           GROUPS, EVICTION, X_PAIRED)
+    packed, scale, xs = _row_step_loads(words, scales, x_rows, rows, row_ok, k_start, stop, K, word, offset, FORMAT,
+                                        GROUPS, EVICTION, X_PAIRED)
     if X_PAIRED:
         shift = tl.load(x_shifts + pair_rows)
     else:
@@ -515,38 +575,55 @@ def _mxfp4_row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_s
             columns = k + tl.arange(0, 4 * BLOCK_K)
             step = tl.load(x_rows[:, None] + columns[None, :], mask=columns[None, :] < K, other=0.0)
             largest = tl.maximum(largest, tl.abs(step.to(tl.float32)))
-        shift = _fp16_shift(tl.max(largest, axis=1))
+        shift = _fp16_shift(tl.max(largest, axis=1), TOP)
     x_scale = _exp2i(shift)[:, None, None, None, None]
-    unscale = _exp2i(14 - shift)[:, None, None]
+    undo = 0  # FP16_PRESCALE's exponent: under FP16_OPERANDS an fp16 x comes times it
+    if FP16_OPERANDS:
+        if x.dtype.element_ty == tl.float16:
+            undo = 8
+    unscale = _exp2i(CODE_EXPONENT - shift + undo)[:, None, None]
     acc = tl.zeros((BLOCK_M, BLOCK_ROWS, GROUPS), dtype=tl.float32)
     for k in tl.range(k_start, k_stop, BLOCK_K, num_stages=NUM_STAGES):
-        next_packed, next_exponent, next_xs = _row_step_loads(words, scales, x_rows, rows, row_ok, k + BLOCK_K,
-                                                              stop, K, word, offset, GROUPS, EVICTION, X_PAIRED)
+        next_packed, next_scale, next_xs = _row_step_loads(words, scales, x_rows, rows, row_ok, k + BLOCK_K, stop, K,
+                                                           word, offset, FORMAT, GROUPS, EVICTION, X_PAIRED)
         if TMA_LOADS:
-            packed = _tma_words(words_tma, tma_rows, k, BLOCK_ROWS, GROUPS, TMA_LOADS)
+            packed = _tma_words(words_tma, tma_rows, k, BLOCK_ROWS, BLOCK_K, CODES, TMA_LOADS)
         if COMPUTE_FP32:
-            shifts = 4 * pair  # a code's nibble: its K offset in the word
-            codes = (packed[:, :, :, None, None] >> shifts[None, None, None, :, :]) & 15
-            products = _e2m1(codes)[None, :, :, :, :, :] * xs[:, None, :, :, :, :]
-            acc += tl.sum(tl.sum(tl.sum(products, axis=5), axis=4), axis=3) * tl.exp2(exponent.to(tl.float32)
-                                                                                      - 127.0)[None, :, :]
+            bits = (32 // CODES) * pair  # a code's bits: its K offset in the word times its width
+            codes = (packed[:, :, :, None, None] >> bits[None, None, None, :, :]) & ((1 << (32 // CODES)) - 1)
+            if FORMAT == 1:
+                values = _e2m1(codes)
+            else:
+                values = _e4m3(codes)
+            products = values[None, :, :, :, :, :] * xs[:, None, :, :, :, :]
+            acc += tl.sum(tl.sum(tl.sum(products, axis=5), axis=4), axis=3) * scale[None, :, :]
         else:  # one asm instance per row and group: words and activation pairs as separate [.., GROUPS] operands
             if X_PAIRED:
-                pairs = _quarters(xs)  # pair i of every word: [BLOCK_M, GROUPS, 4 words]
+                pairs = xs  # [BLOCK_M, GROUPS, 4 words, 4 pairs]
             else:
                 halves = (xs * x_scale).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
                 low, high = tl.split(halves)
-                pairs = _quarters(low | (high << 16))
-            shape: tl.constexpr = (BLOCK_M, BLOCK_ROWS, GROUPS, 4)
-            acc = tl.inline_asm_elementwise(
-                _E2M1_ROW_ASM, _E2M1_ROW_CONSTRAINTS,
-                _broadcast_quarters(packed[None, :, :, :], shape) + _broadcast_quarters(pairs[0][:, None], shape)
-                + _broadcast_quarters(pairs[1][:, None], shape) + _broadcast_quarters(pairs[2][:, None], shape)
-                + _broadcast_quarters(pairs[3][:, None], shape)
-                + (tl.broadcast_to((exponent << 23).to(tl.float32, bitcast=True)[None, :, :], acc.shape),
-                   tl.broadcast_to(unscale, acc.shape), acc),
-                dtype=tl.float32, is_pure=True, pack=1)
-        packed, exponent, xs = next_packed, next_exponent, next_xs
+                pairs = low | (high << 16)
+            shape: tl.constexpr = (BLOCK_M, BLOCK_ROWS, GROUPS, WORDS)
+            by_pair = _slices(pairs, PAIRS)  # pair i of every word: [BLOCK_M, GROUPS, WORDS] each
+            operands = _broadcast_slices(packed[None, :, :, :], shape)
+            if PAIRS == 4:
+                operands = (operands + _broadcast_slices(by_pair[0][:, None], shape)
+                            + _broadcast_slices(by_pair[1][:, None], shape)
+                            + _broadcast_slices(by_pair[2][:, None], shape)
+                            + _broadcast_slices(by_pair[3][:, None], shape))
+            else:
+                operands = (operands + _broadcast_slices(by_pair[0][:, None], shape)
+                            + _broadcast_slices(by_pair[1][:, None], shape))
+            operands = operands + (tl.broadcast_to(scale[None, :, :], acc.shape), tl.broadcast_to(unscale, acc.shape),
+                                   acc)
+            if FORMAT == 1:
+                acc = tl.inline_asm_elementwise(_E2M1_ROW_ASM, _E2M1_ROW_CONSTRAINTS, operands, dtype=tl.float32,
+                                                is_pure=True, pack=1)
+            else:
+                acc = tl.inline_asm_elementwise(_E4M3_ROW_ASM, _E4M3_ROW_CONSTRAINTS, operands, dtype=tl.float32,
+                                                is_pure=True, pack=1)
+        packed, scale, xs = next_packed, next_scale, next_xs
     return tl.sum(acc, axis=2)
 
 
@@ -612,11 +689,11 @@ def _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start, k_st
              TMA_LOADS: tl.constexpr, x_shifts, X_PAIRED: tl.constexpr):
     """[BLOCK_M, BLOCK_ROWS] fp32 = x[pair_rows] @ W[rows]^T over K in [k_start, k_stop), W the expert at `data` /
     `scales` (dense weights at any row / column strides, e.g. a transposed view of [E, in, out] parameters): on the
-    tensor cores, or for a few rows of activations (BLOCK_M < 16) times MXFP4 weights on the CUDA cores."""
-    if FORMAT == 1 and BLOCK_M < 16:
-        acc = _mxfp4_row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_stop, words_tma, tma_rows,
-                                 COMPUTE_FP32, BLOCK_M, BLOCK_ROWS, BLOCK_K, NUM_STAGES, TMA_LOADS, x_shifts,
-                                 X_PAIRED)
+    tensor cores, or for a few rows of activations (BLOCK_M < 16) times MXFP4 or FP8 weights on the CUDA cores."""
+    if FORMAT != 0 and BLOCK_M < 16:
+        acc = _row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_stop, words_tma, tma_rows, FORMAT,
+                           COMPUTE_FP32, FP16_OPERANDS, BLOCK_M, BLOCK_ROWS, BLOCK_K, NUM_STAGES, TMA_LOADS, x_shifts,
+                           X_PAIRED)
     else:
         acc = _tile_project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start, k_stop, row_stride,
                             column_stride, FORMAT, COMPUTE_FP32, FP16_OPERANDS, BLOCK_M, BLOCK_ROWS, BLOCK_K,
@@ -781,20 +858,28 @@ def tma_tile(gated: bool, interleaved: bool, block_n: int) -> tuple[int, int]:
 
 
 def _words_descriptor(weight: PackedWeight, block_rows: int, block_k: int) -> TensorDescriptor:
-    """A TMA descriptor over every expert's packed MXFP4 rows as 4-byte words ([E * N, K / 8]; rows of K / 2 bytes
-    are whole 16-byte units, as TMA needs), in tiles of `block_rows` rows by one K step, for `_mxfp4_row_project`
-    (`weight_loads="tma"`, checked by `_tma_blocker`)."""
-    data = weight.data  # [E, N, K / 32, 16] bytes
-    words = data.view(-1, data.shape[2] * 16).view(torch.int32)
-    return TensorDescriptor(words, list(words.shape), [words.shape[1], 1], [block_rows, block_k // 8])
+    """A TMA descriptor over every expert's packed rows (MXFP4 or FP8) as 4-byte words ([E * N, K / codes per
+    word]; the rows must be whole 16-byte units, as TMA needs: `_tma_blocker`), in tiles of `block_rows` rows by one
+    K step, for `_row_project` (`weight_loads="tma"`)."""
+    experts, n, k = weight.shape
+    words = weight.data.reshape(experts * n, -1).view(torch.int32)
+    return TensorDescriptor(words, list(words.shape), [words.shape[1], 1],
+                            [block_rows, block_k * words.shape[1] // k])
+
+
+def _row_bytes(weight: PackedWeight) -> int:
+    """Bytes of one packed weight row (K / 2 for MXFP4, K for FP8)."""
+    return weight.data[0, 0].numel() * weight.data.element_size()
 
 
 def _tma_blocker(gate_up: PackedWeight, down: PackedWeight, compute_fp32: bool, host: tuple | None) -> str | None:
     """Why an MoE call (or, with gate_up = down, a dense layer) cannot read its weight words through TMA
     descriptors (`weight_loads="tma"`), or None when it can."""
     weights = (gate_up, down)
-    if gate_up.format != "mxfp4":
-        return f"only MXFP4 weights have a TMA path, these are {gate_up.format}"
+    if gate_up.format not in ROW_TILES:
+        return f"only {sorted(ROW_TILES)} weights have a TMA path, these are {gate_up.format}"
+    if not all(_row_bytes(w) % 16 == 0 for w in weights):
+        return f"TMA needs weight rows of whole 16-byte units, these have {[_row_bytes(w) for w in weights]} bytes"
     if compute_fp32:
         return "the fp32 compute path (the interpreter's) reads through pointers"
     if not all(_hopper_or_newer(w.data.device) for w in weights):
@@ -869,9 +954,10 @@ def _activations(x: torch.Tensor, settings: dict) -> torch.Tensor:
     """The activations as the kernel takes them: with fp16 operands x times FP16_PRESCALE in fp16, in one pass (the
     scaling is exact: a power of two); otherwise contiguous as they are. A single token's row is scaled inside the
     gate/up kernel instead (cheaper than a launch at decode; for a block of rows the kernel's own scaling adds 21% to
-    the FP8 gate/up K loop, 357 -> 432 instructions on sm_90, so more rows take the launch), unless it is fp16
-    already: the kernel takes fp16 activations as prescaled ones."""
-    prescaled_in_kernel = x.shape[0] == 1 and x.dtype != torch.float16
+    the FP8 gate/up K loop, 357 -> 432 instructions on sm_90, so more rows take the launch), as are the rows of the
+    CUDA-core path (block_m < 16, which scales them to fp16 its own way), unless they are fp16 already: the kernel
+    takes fp16 activations as prescaled ones."""
+    prescaled_in_kernel = (x.shape[0] == 1 or settings["block_m"] < 16) and x.dtype != torch.float16
     if not prescaled_in_kernel and _fp16_operands(settings.get("operands", "bf16"), settings["compute_fp32"]):
         return torch.mul(x, FP16_PRESCALE.value, out=torch.empty(x.shape, dtype=torch.float16, device=x.device))
     return x.contiguous()
@@ -892,8 +978,8 @@ TILES = {
 }
 
 
-# Tiles of launches with blocks of fewer than 16 rows where `_project` has a CUDA-core path: MXFP4
-# (`_mxfp4_row_project`), by how the weight words are read (weight_loads: "tma" descriptors or "pointers", see
+# Tiles of launches with blocks of fewer than 16 rows where `_project` has a CUDA-core path: MXFP4 and FP8
+# (`_row_project`), by how the weight words are read (weight_loads: "tma" descriptors or "pointers", see
 # `_tma_blocker`), then by rows per block (more rows than the largest key: its tiles). The other settings mean what
 # they mean in TILES. From `bench/moe_kernels.py` on the H200 (docs/benchmarks.md). Pointer loads: for one row
 # (session 14, `--one-token-only`), 16 columns on 2 warps over the whole K (no split, so no launch to add shares)
@@ -902,13 +988,23 @@ TILES = {
 # the rows) beat 16 on 2 by 4-9%, and 128-wide steps, or 4 warps on 16 columns, by 7-17%. TMA (session 17): one
 # row, 32 columns on 8 warps, 3 stages beat 16-64 columns on 1-8 warps, 2-6 stages and 128-wide steps by 3-20%;
 # two rows, 64 columns on 4 warps, 3 stages beat 16-128 columns on 2-8 warps, 2-4 stages, and blocks of 4 or 8
-# rows, by 12-60%.
+# rows, by 12-60%. FP8 (session 21, Qwen3-30B-A3B-FP8; operands "fp16" as in TILES: the gate/up launch writes the
+# down launch's x as prescaled fp16): one row, 32 columns on 4 warps, 256-wide steps, 3 stages (18.1-18.8 us) beat
+# 16-64 columns on 2-8 warps, 128-1024-wide steps and 2-4 stages (18.7-35.0 us) and 2-3 shares (20.5, 23.4); two
+# rows (only where block_m asks for them: against the tensor cores they tie at M = 4 and 16, 1.05x at 8), 128
+# columns on 4 warps, 128-wide steps beat 32-64 columns on 2-8 warps. FP8 pointer loads: MXFP4's bytes per step,
+# not measured (only offload's host fallback reads so).
 _ROW_STEP = {"block_k": 256, "split_k": 1}
+_FP8_ROW_STEP = {"block_k": 128, "split_k": 1, "operands": "fp16"}
 ROW_TILES = {
     "mxfp4": {"pointers": {1: _COMMON | _ROW_STEP | {"block_n": 16, "num_warps": 2, "num_stages": 1},
                            2: _COMMON | _ROW_STEP | {"block_n": 32, "num_warps": 4, "num_stages": 1}},
               "tma": {1: _COMMON | _ROW_STEP | {"block_n": 32, "num_warps": 8, "num_stages": 3},
                       2: _COMMON | _ROW_STEP | {"block_n": 64, "num_warps": 4, "num_stages": 3}}},
+    "fp8_block": {"pointers": {1: _COMMON | _FP8_ROW_STEP | {"block_n": 16, "num_warps": 2, "num_stages": 1},
+                               2: _COMMON | _FP8_ROW_STEP | {"block_n": 32, "num_warps": 4, "num_stages": 1}},
+                  "tma": {1: _COMMON | _FP8_ROW_STEP | {"block_n": 32, "num_warps": 4, "block_k": 256, "num_stages": 3},
+                          2: _COMMON | _FP8_ROW_STEP | {"block_n": 128, "num_warps": 4, "num_stages": 3}}},
 }
 WEIGHT_LOADS = ("pointers", "tma")
 
@@ -919,12 +1015,13 @@ def _check_weight_loads(loads: str) -> str:
     return loads
 
 
-# At most this many pairs per routed expert: blocks of 2 rows on the CUDA cores, by the row path's weight loads.
-PAIRS_PER_EXPERT_ON_CUDA_CORES = {"pointers": 1.3, "tma": 3.3}
+# At most this many pairs per routed expert: blocks of 2 rows on the CUDA cores, by format and the row path's
+# weight loads (FP8: none measured yet, so the tensor cores above one token).
+PAIRS_PER_EXPERT_ON_CUDA_CORES = {"mxfp4": {"pointers": 1.3, "tma": 3.3}, "fp8_block": {"pointers": 0, "tma": 0}}
 
 
 def few_rows_per_block(tokens: int, top_k: int, experts: int, reads_host: bool = False,
-                       weight_loads: str = "pointers") -> int | None:
+                       weight_loads: str = "pointers", format: str = "mxfp4") -> int | None:
     """Rows per block for an MoE call whose experts get few pairs each, for formats with a CUDA-core path
     (`tiles_for`'s few_rows): one token's pairs are a block each; up to PAIRS_PER_EXPERT_ON_CUDA_CORES pairs per
     routed expert under uniform routing (E * (1 - (1 - k/E)^M) experts routed), blocks of 2 (most experts get one or
@@ -940,27 +1037,33 @@ def few_rows_per_block(tokens: int, top_k: int, experts: int, reads_host: bool =
     16 pairs."""
     if tokens == 1:
         return 1
-    if reads_host:
+    if reads_host or format not in PAIRS_PER_EXPERT_ON_CUDA_CORES:
         return None
     routed = experts * (1 - (1 - top_k / experts) ** tokens)
-    return 2 if tokens * top_k / routed <= PAIRS_PER_EXPERT_ON_CUDA_CORES[weight_loads] else None
+    return 2 if tokens * top_k / routed <= PAIRS_PER_EXPERT_ON_CUDA_CORES[format][weight_loads] else None
 
 
-def tiles_for(format: str, overrides: dict, few_rows: int | None = None, weight_loads: str = "pointers") -> dict:
+def tiles_for(format: str, overrides: dict, few_rows: int | None = None, weight_loads: str = "pointers",
+              whole_words: bool = True) -> dict:
     """The format's tiles with `overrides` applied, checked against what the kernel can run. `few_rows`: the rows
     per block for a launch with few rows per expert (one token: 1), taken where the format has a CUDA-core path for
     them (ROW_TILES, chosen by block_m < 16) and no block_m override; `weight_loads`: how that path reads the weight
-    words where no override says (the tensor-core tiles read through pointers)."""
+    words where no override says (the tensor-core tiles read through pointers); `whole_words`: whether the packed
+    weight rows are whole 4-byte words (`_row_bytes`), as that path reads them."""
     known = set(TILES[format]) | {"weight_loads"}
     if set(overrides) - known:
         raise ValueError(f"unknown tile settings {sorted(set(overrides) - known)}; the kernel takes {sorted(known)}")
-    preferred = few_rows if few_rows is not None and format in ROW_TILES else TILES[format]["block_m"]
+    row_path = format in ROW_TILES and whole_words
+    preferred = few_rows if few_rows is not None and row_path else TILES[format]["block_m"]
     block_m = overrides.get("block_m", preferred)
     if block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two, got {block_m}")
     if block_m < 16 and format not in ROW_TILES:
         raise ValueError(f"block_m must be >= 16 for {format} weights (tensor-core tiles; only "
                          f"{sorted(ROW_TILES)} have a CUDA-core path for fewer rows), got {block_m}")
+    if block_m < 16 and not row_path:
+        raise ValueError(f"block_m must be >= 16 here: the CUDA-core path reads weight rows as 4-byte words, and "
+                         f"these rows are not (FP8: K a multiple of 4), got {block_m}")
     loads = _check_weight_loads(overrides.get("weight_loads", weight_loads if block_m < 16 else "pointers"))
     if loads == "tma" and block_m >= 16:
         raise ValueError(f"weight_loads='tma' is for the CUDA-core path (block_m < 16), got block_m {block_m}")
@@ -973,8 +1076,8 @@ def tiles_for(format: str, overrides: dict, few_rows: int | None = None, weight_
     block_k = tiles["block_k"]
     if block_k % 32 or block_k & (block_k - 1):
         raise ValueError(f"block_k must be a power of two and a multiple of 32 (one MXFP4 group), got {block_k}")
-    if format == "fp8_block" and block_k > 128:
-        raise ValueError(f"fp8_block needs block_k <= 128 (one scale per 128 columns), got {block_k}")
+    if format == "fp8_block" and block_k > 128 and block_m >= 16:
+        raise ValueError(f"fp8_block tensor-core tiles need block_k <= 128 (one scale per 128 columns), got {block_k}")
     if not isinstance(tiles["split_k"], int) or tiles["split_k"] < 1:
         raise ValueError(f"split_k must be a positive integer (shares of K), got {tiles['split_k']!r}")
     if tiles.get("operands", "bf16") not in ("bf16", "fp16"):
@@ -990,7 +1093,7 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     """Routed experts of one MoE layer: hidden [M, H], top_k_index / top_k_weights [M, k] -> [M, H] in
     hidden's dtype. gate_up is [E, 2I, H], down [E, H, I] (output-major), each packed in any format; `tiles`
     override the format's tiles for the call's size (`TILES`, or `ROW_TILES` for blocks of few rows, chosen by
-    `few_rows_per_block`; block_m < 16 picks the CUDA-core path for MXFP4). With `slot_of` ([E] int32 on the
+    `few_rows_per_block`; block_m < 16 picks the CUDA-core path for MXFP4 and FP8). With `slot_of` ([E] int32 on the
     device: expert -> slot, -1 for none), gate_up and down are slot pools and `host` the (gate_up, down) views over
     all experts' host blobs (pinned memory on CUDA, same strides): experts without a slot are read from host memory
     by the kernel."""
@@ -1011,8 +1114,8 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     tokens, top_k = top_k_index.shape
     compute_fp32 = hidden.dtype == torch.float32 if compute_fp32 is None else compute_fp32
     loads = _weight_loads(tiles, _tma_blocker(gate_up, down, compute_fp32, host))
-    few_rows = few_rows_per_block(tokens, top_k, experts, host is not None, loads)
-    settings = tiles_for(gate_up.format, tiles, few_rows, loads)
+    few_rows = few_rows_per_block(tokens, top_k, experts, host is not None, loads, gate_up.format)
+    settings = tiles_for(gate_up.format, tiles, few_rows, loads, all(_row_bytes(w) % 4 == 0 for w in (gate_up, down)))
     blocks = _blocks(top_k_index, experts, settings["block_m"])
     splits = _splits(settings, blocks)
     settings |= dict(alpha=alpha, limit=limit, compute_fp32=compute_fp32, slot_of=slot_of, splits=splits)
@@ -1046,7 +1149,8 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, **tiles) -> torch.Tenso
     few_rows = rows.shape[0] if rows.shape[0] <= 2 else None  # one block of 1-2 rows: the weights read once
     compute_fp32 = x.dtype == torch.float32
     loads = _weight_loads(tiles, _tma_blocker(weight, weight, compute_fp32, None))
-    settings = tiles_for(weight.format, tiles, few_rows, loads) | dict(compute_fp32=compute_fp32)
+    settings = tiles_for(weight.format, tiles, few_rows, loads, _row_bytes(weight) % 4 == 0) | dict(
+        compute_fp32=compute_fp32)
     rows = _activations(rows, settings)
     _, n, k = weight.shape
     blocks = Blocks(ROWS_IN_ORDER, triton.cdiv(rows.shape[0], settings["block_m"]))

@@ -122,12 +122,14 @@ def test_fp16_operands_for_fp8_weights(family, scale):
     dtypes = (torch.float32, torch.float16) if scale == 1.0 else (torch.float32,)
     expected = {dtype: reference_moe(x.to(dtype).float(), index, weights, gate_up, down, interleaved, activation)
                 for dtype in dtypes}
-    # one token: its activations are scaled inside the kernel, unless they come in fp16 (a model run in fp16)
+    # one token (on the tensor cores: blocks of 16, not its CUDA-core path): its activations are scaled inside the
+    # kernel, unless they come in fp16 (a model run in fp16)
     for rows, dtype in ((slice(0, tokens), torch.float32), (slice(0, 1), torch.float32), (slice(0, 1), torch.float16)):
         if dtype not in expected:
             continue
         actual = fused_moe(x[rows].to(DEVICE, dtype), index[rows].to(DEVICE), weights[rows].to(DEVICE), gate_up, down,
-                           interleaved=interleaved, activation=activation, compute_fp32=False, operands="fp16")
+                           interleaved=interleaved, activation=activation, compute_fp32=False, operands="fp16",
+                           block_m=16)
         expected_rows = expected[dtype][rows]
         error = (actual.cpu().double() - expected_rows).norm() / expected_rows.norm()
         assert actual.isfinite().all() and error <= 2e-3, f"{dtype}: relative error {error:.2e}"
@@ -204,15 +206,20 @@ def test_tiles_the_kernel_cannot_run_are_refused():
     index, weights = _routing(1, 2, 1)
     call = lambda **tiles: fused_moe(torch.zeros(1, 128, device=DEVICE), index.to(DEVICE), weights.to(DEVICE),  # noqa: E731
                                      gate_up, down, **tiles)
-    with pytest.raises(ValueError, match="fp8_block needs block_k <= 128"):
-        call(block_k=256)
+    with pytest.raises(ValueError, match="fp8_block tensor-core tiles need block_k <= 128"):
+        call(block_k=256, block_m=16)
     with pytest.raises(ValueError, match="block_k must be a power of two"):
         call(block_k=96)
     with pytest.raises(ValueError, match=r"unknown tile settings \['block_z'\]"):
         call(block_z=8)
-    with pytest.raises(ValueError, match=r"block_m must be >= 16 for fp8_block weights \(tensor-core tiles; only "
-                                         r"\['mxfp4'\] have a CUDA-core path for fewer rows\), got 4"):
-        call(block_m=4)
+    with pytest.raises(ValueError, match=r"block_m must be >= 16 for dense weights \(tensor-core tiles; only "
+                                         r"\['fp8_block', 'mxfp4'\] have a CUDA-core path for fewer rows\), got 4"):
+        fused_moe(torch.zeros(1, 128, device=DEVICE), index.to(DEVICE), weights.to(DEVICE),
+                  *_experts("dense", 2, 128, 64, bias=False), block_m=4)
+    odd_rows = _experts("fp8_block", 2, 130, 64, bias=False)  # rows of 130 bytes: not whole words
+    with pytest.raises(ValueError, match=r"block_m must be >= 16 here: the CUDA-core path reads weight rows as "
+                                         r"4-byte words, and these rows are not \(FP8: K a multiple of 4\), got 2"):
+        fused_moe(torch.zeros(1, 130, device=DEVICE), index.to(DEVICE), weights.to(DEVICE), *odd_rows, block_m=2)
     with pytest.raises(ValueError, match="block_m must be a power of two, got 3"):
         call(block_m=3)
 
@@ -227,9 +234,11 @@ def test_tma_weight_loads_are_refused_where_they_cannot_run():
     def call(gate_up, down, x):
         return fused_moe(x, index.to(DEVICE), weights.to(DEVICE), gate_up, down, interleaved=True, weight_loads="tma")
 
-    with pytest.raises(ValueError, match=r"weight_loads='tma' cannot be used here: only MXFP4 weights have a TMA "
-                                         r"path, these are fp8_block; use weight_loads='pointers'"):
-        call(*_experts("fp8_block", 2, 128, 64, bias=False), torch.zeros(1, 128, device=DEVICE))
+    with pytest.raises(ValueError, match=r"weight_loads='tma' cannot be used here: only \['fp8_block', 'mxfp4'\] "
+                                         r"weights have a TMA path, these are dense; use weight_loads='pointers'"):
+        call(*_experts("dense", 2, 128, 64, bias=False), torch.zeros(1, 128, device=DEVICE))
+    with pytest.raises(ValueError, match=r"TMA needs weight rows of whole 16-byte units, these have \[136, 64\]"):
+        call(*_experts("fp8_block", 2, 136, 64, bias=False), torch.zeros(1, 136, device=DEVICE))
     with pytest.raises(ValueError, match="cannot be used here: the fp32 compute path"):
         call(*_experts("mxfp4", 2, 128, 64, bias=False), torch.zeros(1, 128, device=DEVICE))
     with pytest.raises(ValueError, match=r"weight_loads='tma' is for the CUDA-core path \(block_m < 16\), got "
@@ -244,14 +253,15 @@ def test_tma_weight_loads_are_refused_where_they_cannot_run():
 @pytest.mark.skipif(DEVICE == "cpu", reason="TMA runs on a Hopper GPU only")
 @pytest.mark.parametrize("tokens, tiles", [(1, {}), (1, {"split_k": 2}), (4, {"block_m": 2})])
 @pytest.mark.parametrize("interleaved", [True, False])
-def test_tma_and_pointer_loads_agree(tokens, tiles, interleaved):
+@pytest.mark.parametrize("format", ["mxfp4", "fp8_block"])
+def test_tma_and_pointer_loads_agree(format, tokens, tiles, interleaved):
     """The weight words through TMA descriptors or through pointers, on the same tiles, both match the reference,
     with K = 2880 (the last step's words past K zero-filled by TMA) and the last gate/up tile half past the expert's
     192 rows (TMA reads on into the next expert or zeros; those columns are not stored); gate/up rows interleaved
     (one TMA tile) or concatenated (gate and up halves). Not bit for bit: the words' register layout differs, and
     with it the order in which a row's groups are summed."""
     experts, hidden, inter, top_k, activation = 4, 2880, 96, 2, "clamped_swiglu"
-    gate_up, down = _experts("mxfp4", experts, hidden, inter, bias=True, seed=12)
+    gate_up, down = _experts(format, experts, hidden, inter, bias=True, seed=12)
     index, weights = _routing(tokens, experts, top_k, seed=13)
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(14)).bfloat16()
     expected = reference_moe(x.float(), index, weights, gate_up, down, interleaved, activation)
@@ -288,13 +298,32 @@ def test_mxfp4_upcast_decodes_every_code_at_every_scale_exactly(rows_per_call):
 
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="the PTX decode runs on a GPU only")
+def test_fp8_row_decode_of_every_byte_is_exact():
+    """The CUDA-core path's FP8 decode (`_E4M3_ROW_ASM`, one row per call): all 256 float8_e4m3fn bytes, at block
+    scales from 2^-100 to 2^100 and a non-power of two, through one-hot activations that read each weight back
+    unrounded (the activation goes to fp16 as 4, each product and sum is exact) but for the output's bf16; the NaN
+    bytes stay NaN."""
+    from dflash_compile.kernels.moe import packed_linear
+
+    block_scales = torch.tensor([2.0**-100, 0.75, 1.0, 2.0**100])
+    codes = torch.arange(256, dtype=torch.uint8)[:, None].expand(256, 128 * block_scales.numel())
+    scales = block_scales[None, None, :].expand(1, 2, -1).contiguous()
+    weight = PackedWeight("fp8_block", codes.contiguous()[None].to(DEVICE), scales.to(DEVICE))
+    one_hot = torch.eye(codes.shape[1], dtype=torch.bfloat16, device=DEVICE)
+    actual = torch.cat([packed_linear(row, weight) for row in one_hot.split(1)]).T.float().cpu()
+    expected = weight.dequantize(torch.float32)[0].cpu().bfloat16().float()  # the output's dtype: x's
+    torch.testing.assert_close(actual, expected, atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="the PTX decode runs on a GPU only")
 @pytest.mark.parametrize("scale, outlier", [(1.0, None), (1e-3, None), (3e5, None), (1.0, 1e4)])
-def test_one_row_mxfp4_activations_of_any_magnitude(scale, outlier):
-    """One token times MXFP4 weights on the CUDA cores: activations go to fp16 scaled by a power of two chosen from
-    their largest magnitude, so tiny ones (1e-3), huge ones (3e5, past fp16's 65504) and one outlier among unit
-    values all stay within the bf16 path's 1e-2 of the reference."""
+@pytest.mark.parametrize("format", ["mxfp4", "fp8_block"])
+def test_one_row_activations_of_any_magnitude(format, scale, outlier):
+    """One token times MXFP4 or FP8 weights on the CUDA cores: activations go to fp16 scaled by a power of two
+    chosen from their largest magnitude, so tiny ones (1e-3), huge ones (3e5, past fp16's 65504) and one outlier
+    among unit values all stay within the bf16 path's 1e-2 of the reference."""
     experts, hidden, inter, top_k, _, interleaved, activation, bias = FAMILY_CASES["gpt_oss"]
-    gate_up, down = _experts("mxfp4", experts, hidden, inter, bias)
+    gate_up, down = _experts(format, experts, hidden, inter, bias)
     index, weights = _routing(1, experts, top_k)
     x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(1)) * scale
     if outlier is not None:
@@ -316,7 +345,7 @@ def _store_paired_columns(out, N: tl.constexpr):
 def test_paired_activations_are_the_row_paths_pairs():
     """Where gate/up stores activation column c for a down launch on the MXFP4 row path (`_paired_columns`): read
     back as 32-bit words, word 4w + i holds word w's fp16x2 pair i, columns 8w + _row_pairs()[i] and that + 2, low
-    half first: the order `_row_word_pairs` decodes a packed word's codes in."""
+    half first: the order `_e2m1_word_pairs` decodes a packed word's codes in."""
     positions = torch.empty(64, dtype=torch.int32, device=DEVICE)
     _store_paired_columns[(1,)](positions, N=64)
     column_at = {int(p): c for c, p in enumerate(positions.cpu())}
@@ -357,11 +386,12 @@ def test_paired_shift_puts_clamped_swiglus_bound_under_fp16s_top():
 
 @pytest.mark.parametrize("precision", [
     "fp32", pytest.param("bf16", marks=pytest.mark.skipif(DEVICE == "cpu", reason="the interpreter's bf16 is wrong"))])
-def test_blocks_of_two_rows_on_the_cuda_cores(precision):
-    """MXFP4 blocks of 2 rows (verify sizes with about one pair per expert) on the CUDA-core path: each row's
-    activations get their own fp16 scale, so tokens of very different magnitudes (1e-3, 1, 3e5) sharing an expert's
-    block all stay within tolerance, as does the padding row of a block with one pair."""
-    gate_up, down = _experts("mxfp4", 4, 256, 64, bias=True, seed=9)
+@pytest.mark.parametrize("format", ["mxfp4", "fp8_block"])
+def test_blocks_of_two_rows_on_the_cuda_cores(format, precision):
+    """MXFP4 or FP8 blocks of 2 rows (verify sizes with about one pair per expert) on the CUDA-core path: each
+    row's activations get their own fp16 scale, so tokens of very different magnitudes (1e-3, 1, 3e5) sharing an
+    expert's block all stay within tolerance, as does the padding row of a block with one pair."""
+    gate_up, down = _experts(format, 4, 256, 64, bias=True, seed=9)
     index = torch.tensor([[0, 1], [0, 2], [1, 3]])  # expert 0 and 1: two pairs each; 2 and 3: one (a padded block)
     weights = torch.softmax(torch.randn(3, 2, generator=torch.Generator().manual_seed(10)), dim=-1)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(11)) * torch.tensor([[1e-3], [1.0], [3e5]])
@@ -511,7 +541,7 @@ def test_split_k_with_fp16_operands_and_in_a_dense_layer():
     x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(1))
     expected = reference_moe(x, index, weights, gate_up, down, interleaved, activation)
     actual = fused_moe(x.to(DEVICE), index.to(DEVICE), weights.to(DEVICE), gate_up, down, interleaved=interleaved,
-                       activation=activation, compute_fp32=False, operands="fp16", split_k=4)
+                       activation=activation, compute_fp32=False, operands="fp16", split_k=4, block_m=16)
     assert (actual.cpu().double() - expected).norm() / expected.norm() <= 2e-3
     weight = PackedWeight(gate_up.format, gate_up.data[:1], gate_up.scales[:1], gate_up.bias[:1])
     row = x.to(DEVICE)
