@@ -418,6 +418,9 @@ def test_few_rows_per_block_follows_the_pairs_per_routed_expert():
     assert few_rows_per_block(24, 4, 32, weight_loads="tma") == 2  # 3.13
     assert few_rows_per_block(32, 4, 32, weight_loads="tma") is None  # 4.06
     # offload: experts without a slot cross PCIe per block that reads them, so only one token keeps blocks of one
+    assert few_rows_per_block(8, 8, 128, weight_loads="tma", format="fp8_block") == 2  # Qwen3-FP8, 8 tokens: 1.36
+    assert few_rows_per_block(16, 8, 128, weight_loads="tma", format="fp8_block") is None  # 1.51
+    assert few_rows_per_block(8, 8, 128, weight_loads="pointers", format="fp8_block") is None
     assert few_rows_per_block(4, 4, 32, reads_host=True) is None
     assert few_rows_per_block(1, 4, 32, reads_host=True) == 1
 
