@@ -1032,11 +1032,10 @@ def few_rows_per_block(tokens: int, top_k: int, experts: int, reads_host: bool =
     their third pair. TMA loads (session 17): they win 1.30x / 1.12x / 1.05x at 1.88 / 2.27 / 2.69 (20b, M = 12 /
     16 / 20) and 1.06x at 2.30 (120b, M = 64), and lost 0.92x at 3.13 (20b, M = 24); with the byte-permute decode
     (session 19) they win 1.04x at 3.20 (20b, M = 24) and lose 0.81x at 4.13 (M = 32). FP8 with TMA (session 21,
-    Qwen3-30B-A3B-FP8, 128-column tiles): 1.01-1.03x at 1.14 (M = 4), 1.09x at 1.36 (M = 8), a tie at 1.51 (M = 16, where
-    the tensor cores read at 74% of copy). `reads_host`: experts without
-    a slot are read from host memory (offload): no blocks of 2 beyond one token, since an expert's third pair would
-    cross PCIe again (~240 us for a gpt-oss expert at 55 GB/s), where one tensor-core block reads it once for up to
-    16 pairs."""
+    Qwen3-30B-A3B-FP8, 128-column tiles): 1.01-1.03x at 1.14 (M = 4), 1.09x at 1.36 (M = 8), a tie at 1.51 (M =
+    16, where the tensor cores read at 74% of copy). `reads_host`: experts without a slot are read from host memory
+    (offload): no blocks of 2 beyond one token, since an expert's third pair would cross PCIe again (~240 us for a
+    gpt-oss expert at 55 GB/s), where one tensor-core block reads it once for up to 16 pairs."""
     if tokens == 1:
         return 1
     if reads_host or format not in PAIRS_PER_EXPERT_ON_CUDA_CORES:
