@@ -30,7 +30,8 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_compile.kernels.moe import (  # noqa: E402
-    ACTIVATIONS, FORMATS, GROUPED, PAIR_PER_BLOCK, _moe_gemm_kernel, _paired_activations, tiles_for, tma_tile)
+    ACTIVATIONS, FORMATS, GROUPED, PAIR_PER_BLOCK, _moe_gemm_kernel, _paired_activations, _scan_width, tiles_for,
+    tma_tile)
 
 H200 = GPUTarget("cuda", 90, 32)
 POINTERS = {"x": "*bf16", "bias": "*fp32", "out": "*bf16", "pair_ids": "*i32", "block_expert": "*i32",
@@ -78,7 +79,7 @@ def compile_kernel(format: str, gated: bool, tiles: dict, host_fallback: bool = 
                      SPLIT_K=split_k,
                      BLOCK_M=tiles["block_m"], BLOCK_N=tiles["block_n"], BLOCK_K=tiles["block_k"],
                      NUM_STAGES=tiles["num_stages"], TMA_LOADS=tma_loads, DEPENDENT_LAUNCH=True,
-                     X_PAIRED=x_paired, PAIRED_SHIFT=paired_shift,
+                     X_PAIRED=x_paired, PAIRED_SHIFT=paired_shift, SCAN=_scan_width(2880),  # gpt-oss's K
                      column_stride=1)  # the JIT makes an argument equal to 1 a constant
     if not tma_loads:
         constants["words_tma"] = None

@@ -434,24 +434,24 @@ def _row_step_loads(words, scales, x_rows, rows, row_ok, k, stop, K, word, offse
     words per group], each group's scale [ROWS, GROUPS] in fp32 (MXFP4: 2^(e - 127) from its E8M0 exponent e; FP8:
     its 128 x 128 block's) and the activations: [BLOCK_M, GROUPS, words, pairs, 2 halves] in fp32, or with X_PAIRED
     (MXFP4) the fp16x2 pairs themselves [BLOCK_M, GROUPS, 4 words, 4 pairs] (`_paired_columns`). EVICTION: the
-    weights' L2 eviction policy."""
+    weights' L2 eviction policy. Masks by whole groups: per-word masks cost Triton 3.6 5% more loop instructions in
+    the MXFP4 launches and measured 0.86-0.94x for blocks of 2 on the H200 (session 21)."""
     CODES: tl.constexpr = 8 if FORMAT == 1 else 4  # per 4-byte word
-    first = k + word * CODES  # [GROUPS, words]: each word's first column
-    packed = tl.load(words + rows[:, None, None] * (K // CODES) + (first // CODES)[None, :, :],
-                     mask=row_ok[:, None, None] & (first < stop)[None, :, :], other=0, eviction_policy=EVICTION)
-    group = k + 32 * tl.arange(0, GROUPS)  # each group's first column
-    group_ok = row_ok[:, None] & (group < stop)[None, :]
+    group = k // 32 + tl.arange(0, GROUPS)
+    ok = row_ok[:, None] & (group[None, :] < stop // 32)  # whole groups: K is a multiple of 32
+    packed = tl.load(words + rows[:, None, None] * (K // CODES) + (k // CODES + word)[None, :, :], mask=ok[:, :, None],
+                     other=0, eviction_policy=EVICTION)
     if FORMAT == 1:
-        exponent = tl.load(scales + rows[:, None] * (K // 32) + (group // 32)[None, :], mask=group_ok, other=0,
+        exponent = tl.load(scales + rows[:, None] * (K // 32) + group[None, :], mask=ok, other=0,
                            eviction_policy=EVICTION).to(tl.int32)
         scale = (exponent << 23).to(tl.float32, bitcast=True)  # e = 0, 2^-127, becomes 0
     else:
-        scale = tl.load(scales + (rows // 128)[:, None] * tl.cdiv(K, 128) + (group // 128)[None, :], mask=group_ok,
+        scale = tl.load(scales + (rows // 128)[:, None] * tl.cdiv(K, 128) + (group // 4)[None, :], mask=ok,
                         other=0.0, eviction_policy=EVICTION)
     if X_PAIRED:
-        pair_words = first[:, :, None] // 2 + tl.arange(0, 4)[None, None, :]  # [GROUPS, 4 words, 4 pairs]
+        pair_words = (k + word * 8)[:, :, None] // 2 + tl.arange(0, 4)[None, None, :]  # [GROUPS, 4 words, 4 pairs]
         xs = tl.load(x_rows.to(tl.pointer_type(tl.int32))[:, None, None, None] + pair_words[None, :, :, :],
-                     mask=(first < stop)[None, :, :, None], other=0)
+                     mask=(k + word * 8 < stop)[None, :, :, None], other=0)
     else:
         xs = tl.load(x_rows[:, None, None, None, None] + k + offset[None, :, :, :, :],
                      mask=(k + offset < stop)[None, :, :, :, :], other=0.0).to(tl.float32)
@@ -529,7 +529,7 @@ def _pair_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_stop, words_tma, tma_rows,
                  FORMAT: tl.constexpr, COMPUTE_FP32: tl.constexpr, FP16_OPERANDS: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, TMA_LOADS: tl.constexpr,
-                 x_shifts, X_PAIRED: tl.constexpr):
+                 x_shifts, X_PAIRED: tl.constexpr, SCAN: tl.constexpr):
     """[BLOCK_M, BLOCK_ROWS] fp32 = x[pair_rows] @ W[rows]^T over K in [k_start, k_stop) for a few rows of
     activations (BLOCK_M < 16), W MXFP4 or FP8, on the CUDA cores: no tensor-core tile padded to 16 rows, the codes
     decoded to fp16 pairs (`_e2m1_word_pairs`, `_e4m3_word_pairs`) and half an fp16x2 multiply-add per code and row
@@ -570,9 +570,9 @@ def _row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_stop, w
     if X_PAIRED:
         shift = tl.load(x_shifts + pair_rows)
     else:
-        largest = tl.zeros((BLOCK_M, 4 * BLOCK_K), dtype=tl.float32)
-        for k in tl.range(k_start, k_stop, 4 * BLOCK_K):  # wide steps: fewer round trips before the first load
-            columns = k + tl.arange(0, 4 * BLOCK_K)
+        largest = tl.zeros((BLOCK_M, SCAN), dtype=tl.float32)
+        for k in tl.range(k_start, k_stop, SCAN):  # one round trip for up to 4096 columns: 1.01-1.07x at one token
+            columns = k + tl.arange(0, SCAN)
             step = tl.load(x_rows[:, None] + columns[None, :], mask=columns[None, :] < K, other=0.0)
             largest = tl.maximum(largest, tl.abs(step.to(tl.float32)))
         shift = _fp16_shift(tl.max(largest, axis=1), TOP)
@@ -686,14 +686,14 @@ def _tile_project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start,
 def _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start, k_stop, row_stride, column_stride,
              words_tma, tma_rows, FORMAT: tl.constexpr, COMPUTE_FP32: tl.constexpr, FP16_OPERANDS: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-             TMA_LOADS: tl.constexpr, x_shifts, X_PAIRED: tl.constexpr):
+             TMA_LOADS: tl.constexpr, x_shifts, X_PAIRED: tl.constexpr, SCAN: tl.constexpr):
     """[BLOCK_M, BLOCK_ROWS] fp32 = x[pair_rows] @ W[rows]^T over K in [k_start, k_stop), W the expert at `data` /
     `scales` (dense weights at any row / column strides, e.g. a transposed view of [E, in, out] parameters): on the
     tensor cores, or for a few rows of activations (BLOCK_M < 16) times MXFP4 or FP8 weights on the CUDA cores."""
     if FORMAT != 0 and BLOCK_M < 16:
         acc = _row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_stop, words_tma, tma_rows, FORMAT,
                            COMPUTE_FP32, FP16_OPERANDS, BLOCK_M, BLOCK_ROWS, BLOCK_K, NUM_STAGES, TMA_LOADS, x_shifts,
-                           X_PAIRED)
+                           X_PAIRED, SCAN)
     else:
         acc = _tile_project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start, k_stop, row_stride,
                             column_stride, FORMAT, COMPUTE_FP32, FP16_OPERANDS, BLOCK_M, BLOCK_ROWS, BLOCK_K,
@@ -716,7 +716,7 @@ def _moe_gemm_kernel(
     HAS_BIAS: tl.constexpr, APPLY_WEIGHT: tl.constexpr, COMPUTE_FP32: tl.constexpr, FP16_OPERANDS: tl.constexpr,
     HOST_FALLBACK: tl.constexpr, BLOCKING: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, TMA_LOADS: tl.constexpr,
-    DEPENDENT_LAUNCH: tl.constexpr, X_PAIRED: tl.constexpr, PAIRED_SHIFT: tl.constexpr,
+    DEPENDENT_LAUNCH: tl.constexpr, X_PAIRED: tl.constexpr, PAIRED_SHIFT: tl.constexpr, SCAN: tl.constexpr,
 ):
     _wait_for_previous_launch(DEPENDENT_LAUNCH)
     block = tl.program_id(0)
@@ -767,7 +767,7 @@ def _moe_gemm_kernel(
         rows = tl.where(row_ok, rows, 0)
         both = _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start, k_stop, row_stride,
                         column_stride, words_tma, tma_rows, FORMAT, COMPUTE_FP32, FP16_OPERANDS, BLOCK_M,
-                        2 * BLOCK_N, BLOCK_K, NUM_STAGES, TMA_LOADS, x_shifts, X_PAIRED)
+                        2 * BLOCK_N, BLOCK_K, NUM_STAGES, TMA_LOADS, x_shifts, X_PAIRED, SCAN)
         if HAS_BIAS:
             both += _first_split_bias(bias, rows, row_ok, split)[None, :]
         if SPLIT_K > 1:  # this split's partial sums, gate and up interleaved; `_finish_gate_up` adds and activates
@@ -787,7 +787,7 @@ def _moe_gemm_kernel(
         rows = tl.where(column_ok, columns, 0)
         result = _project(x, data, scales, rows, column_ok, pair_rows, pair_ok, K, k_start, k_stop, row_stride,
                           column_stride, words_tma, tma_rows, FORMAT, COMPUTE_FP32, FP16_OPERANDS, BLOCK_M, BLOCK_N,
-                          BLOCK_K, NUM_STAGES, TMA_LOADS, x_shifts, X_PAIRED)
+                          BLOCK_K, NUM_STAGES, TMA_LOADS, x_shifts, X_PAIRED, SCAN)
         out_width = N_OUT
         if HAS_BIAS:
             result += _first_split_bias(bias, rows, column_ok, split)[None, :]
@@ -842,10 +842,17 @@ def _launch(x, weight: PackedWeight, blocks: Blocks, pair_weights, rows_out, n_o
         HAS_BIAS=weight.bias is not None, APPLY_WEIGHT=pair_weights is not None, COMPUTE_FP32=compute_fp32,
         FP16_OPERANDS=fp16_operands, HOST_FALLBACK=slot_of is not None, BLOCKING=blocks.blocking,
         SPLIT_K=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
-        TMA_LOADS=tma_loads, X_PAIRED=x_shifts is not None, PAIRED_SHIFT=paired_shift, num_warps=num_warps,
+        TMA_LOADS=tma_loads, X_PAIRED=x_shifts is not None, PAIRED_SHIFT=paired_shift, SCAN=_scan_width(k_split),
+        num_warps=num_warps,
         **_dependent_launch(x.device),
     )
     return out if splits > 1 else out[0]
+
+
+def _scan_width(k_split: int) -> int:
+    """SCAN: columns per step of the row path's scan of its activations' largest magnitude (`_row_project`), the
+    whole share of K up to 4096 in one step: each step is a round trip before the first weights are asked for."""
+    return min(4096, triton.next_power_of_2(k_split))
 
 
 def tma_tile(gated: bool, interleaved: bool, block_n: int) -> tuple[int, int]:
@@ -870,6 +877,11 @@ def _words_descriptor(weight: PackedWeight, block_rows: int, block_k: int) -> Te
 def _row_bytes(weight: PackedWeight) -> int:
     """Bytes of one packed weight row (K / 2 for MXFP4, K for FP8)."""
     return weight.data[0, 0].numel() * weight.data.element_size()
+
+
+def _whole_groups(*weights: PackedWeight) -> bool:
+    """Whether every weight's K is a multiple of 32 (MXFP4's always is), as the row path reads them."""
+    return all(w.shape[2] % 32 == 0 for w in weights)
 
 
 def _tma_blocker(gate_up: PackedWeight, down: PackedWeight, compute_fp32: bool, host: tuple | None) -> str | None:
@@ -1045,16 +1057,16 @@ def few_rows_per_block(tokens: int, top_k: int, experts: int, reads_host: bool =
 
 
 def tiles_for(format: str, overrides: dict, few_rows: int | None = None, weight_loads: str = "pointers",
-              whole_words: bool = True) -> dict:
+              whole_groups: bool = True) -> dict:
     """The format's tiles with `overrides` applied, checked against what the kernel can run. `few_rows`: the rows
     per block for a launch with few rows per expert (one token: 1), taken where the format has a CUDA-core path for
     them (ROW_TILES, chosen by block_m < 16) and no block_m override; `weight_loads`: how that path reads the weight
-    words where no override says (the tensor-core tiles read through pointers); `whole_words`: whether the packed
-    weight rows are whole 4-byte words (`_row_bytes`), as that path reads them."""
+    words where no override says (the tensor-core tiles read through pointers); `whole_groups`: whether the weights'
+    K is a multiple of 32, as that path reads rows in whole 32-code groups (`_whole_groups`)."""
     known = set(TILES[format]) | {"weight_loads"}
     if set(overrides) - known:
         raise ValueError(f"unknown tile settings {sorted(set(overrides) - known)}; the kernel takes {sorted(known)}")
-    row_path = format in ROW_TILES and whole_words
+    row_path = format in ROW_TILES and whole_groups
     preferred = few_rows if few_rows is not None and row_path else TILES[format]["block_m"]
     block_m = overrides.get("block_m", preferred)
     if block_m < 1 or block_m & (block_m - 1):
@@ -1063,8 +1075,8 @@ def tiles_for(format: str, overrides: dict, few_rows: int | None = None, weight_
         raise ValueError(f"block_m must be >= 16 for {format} weights (tensor-core tiles; only "
                          f"{sorted(ROW_TILES)} have a CUDA-core path for fewer rows), got {block_m}")
     if block_m < 16 and not row_path:
-        raise ValueError(f"block_m must be >= 16 here: the CUDA-core path reads weight rows as 4-byte words, and "
-                         f"these rows are not (FP8: K a multiple of 4), got {block_m}")
+        raise ValueError(f"block_m must be >= 16 here: the CUDA-core path reads weight rows in whole 32-code groups, "
+                         f"and these rows are not (FP8: K a multiple of 32), got {block_m}")
     loads = _check_weight_loads(overrides.get("weight_loads", weight_loads if block_m < 16 else "pointers"))
     if loads == "tma" and block_m >= 16:
         raise ValueError(f"weight_loads='tma' is for the CUDA-core path (block_m < 16), got block_m {block_m}")
@@ -1116,7 +1128,7 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     compute_fp32 = hidden.dtype == torch.float32 if compute_fp32 is None else compute_fp32
     loads = _weight_loads(tiles, _tma_blocker(gate_up, down, compute_fp32, host))
     few_rows = few_rows_per_block(tokens, top_k, experts, host is not None, loads, gate_up.format)
-    settings = tiles_for(gate_up.format, tiles, few_rows, loads, all(_row_bytes(w) % 4 == 0 for w in (gate_up, down)))
+    settings = tiles_for(gate_up.format, tiles, few_rows, loads, _whole_groups(gate_up, down))
     blocks = _blocks(top_k_index, experts, settings["block_m"])
     splits = _splits(settings, blocks)
     settings |= dict(alpha=alpha, limit=limit, compute_fp32=compute_fp32, slot_of=slot_of, splits=splits)
@@ -1150,8 +1162,7 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, **tiles) -> torch.Tenso
     few_rows = rows.shape[0] if rows.shape[0] <= 2 else None  # one block of 1-2 rows: the weights read once
     compute_fp32 = x.dtype == torch.float32
     loads = _weight_loads(tiles, _tma_blocker(weight, weight, compute_fp32, None))
-    settings = tiles_for(weight.format, tiles, few_rows, loads, _row_bytes(weight) % 4 == 0) | dict(
-        compute_fp32=compute_fp32)
+    settings = tiles_for(weight.format, tiles, few_rows, loads, _whole_groups(weight)) | dict(compute_fp32=compute_fp32)
     rows = _activations(rows, settings)
     _, n, k = weight.shape
     blocks = Blocks(ROWS_IN_ORDER, triton.cdiv(rows.shape[0], settings["block_m"]))

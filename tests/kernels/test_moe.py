@@ -216,9 +216,9 @@ def test_tiles_the_kernel_cannot_run_are_refused():
                                          r"\['fp8_block', 'mxfp4'\] have a CUDA-core path for fewer rows\), got 4"):
         fused_moe(torch.zeros(1, 128, device=DEVICE), index.to(DEVICE), weights.to(DEVICE),
                   *_experts("dense", 2, 128, 64, bias=False), block_m=4)
-    odd_rows = _experts("fp8_block", 2, 130, 64, bias=False)  # rows of 130 bytes: not whole words
-    with pytest.raises(ValueError, match=r"block_m must be >= 16 here: the CUDA-core path reads weight rows as "
-                                         r"4-byte words, and these rows are not \(FP8: K a multiple of 4\), got 2"):
+    odd_rows = _experts("fp8_block", 2, 130, 64, bias=False)  # K = 130: not whole 32-code groups
+    with pytest.raises(ValueError, match=r"block_m must be >= 16 here: the CUDA-core path reads weight rows in whole "
+                                         r"32-code groups, and these rows are not \(FP8: K a multiple of 32\), got 2"):
         fused_moe(torch.zeros(1, 130, device=DEVICE), index.to(DEVICE), weights.to(DEVICE), *odd_rows, block_m=2)
     with pytest.raises(ValueError, match="block_m must be a power of two, got 3"):
         call(block_m=3)
