@@ -292,16 +292,19 @@ def tile_candidates(format: str):
             yield {"block_n": block_n, "block_k": 128, "num_warps": 4, "num_stages": 4, "operands": "fp16"}
 
 
-def row_candidates():
-    """Tiles of the CUDA-core path (ROW_TILES) for blocks of one or a few rows, either weight loads."""
+def row_candidates(format: str):
+    """Tiles of the CUDA-core path (ROW_TILES) for blocks of one or a few rows, either weight loads; FP8 TMA steps
+    also 128 wide (its best blocks of 2, session 21)."""
     for block_n in (8, 16, 32, 64):  # pointer loads, one K step in flight: stages lost 7-26% in session 14's sweep
         for num_warps in (1, 2, 4):
             for block_k in (128, 256):
                 yield {"block_n": block_n, "block_k": block_k, "num_warps": num_warps, "num_stages": 1,
                        "weight_loads": "pointers"}
-    for block_n in (16, 32, 64, 128):  # TMA: 128-wide steps lost 10-30% in session 17's sweep
+    for block_n in (16, 32, 64, 128):  # TMA: 128-wide MXFP4 steps lost 10-30% in session 17's sweep
         for num_warps in (2, 4, 8):
-            yield {"block_n": block_n, "block_k": 256, "num_warps": num_warps, "num_stages": 3, "weight_loads": "tma"}
+            for block_k in (128, 256) if format == "fp8_block" else (256,):
+                yield {"block_n": block_n, "block_k": block_k, "num_warps": num_warps, "num_stages": 3,
+                       "weight_loads": "tma"}
 
 
 def one_token_candidates(format: str, tensor_core: dict):
@@ -310,7 +313,7 @@ def one_token_candidates(format: str, tensor_core: dict):
     96 programs of 4 warps for the Qwen3-FP8 gate/up at block_n 64, 4 warps per SM in Nsight Compute, session 16);
     their K split is swept afterwards."""
     if format in ROW_TILES:
-        yield from row_candidates()
+        yield from row_candidates(format)
         return
     for block_n in (16, 32, 64):
         for num_warps in (2, 4, 8):
@@ -373,8 +376,8 @@ def main() -> None:
             continue
         if not args.one_token_only:
             tiles[format]["tensor_core"] = tune(name, [16], 2, list(tile_candidates(format)))
-            if format in ROW_TILES:  # blocks of 2 rows: gpt-oss-20b at M = 4 (1.19 pairs per routed expert)
-                tiles[format]["few_rows"] = tune(name, [4], 2, list(row_candidates()))
+            if format in ROW_TILES:  # blocks of 2 rows at M = 4 (1.19 / 1.14 pairs per routed expert: 20b / Qwen3)
+                tiles[format]["few_rows"] = tune(name, [4], 2, list(row_candidates(format)))
         best = tune(name, [1], 2, list(one_token_candidates(format, tiles[format]["tensor_core"])))
         tiles[format]["one_token"] = tune(name, [1], 2, [best | {"split_k": split_k} for split_k in SPLIT_K])
     print("tiles:", tiles)
