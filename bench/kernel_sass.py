@@ -3,6 +3,7 @@
     python bench/kernel_sass.py                         # every format, gate_up and down, the formats' TILES
     python bench/kernel_sass.py --format mxfp4 --tiles block_n=64 num_warps=8
     python bench/kernel_sass.py --format fp8_block --tiles operands=fp16
+    python bench/kernel_sass.py --one-token --digest     # + an md5 of each kernel's SASS: a refactor must keep it
 
 The kernels are bound by instruction issue rather than by memory at decode sizes: on the H200 (session 4 sweep) the
 FP8 kernel read 2.9x more bytes per second than the MXFP4 one at M = 16, and its K loop issues 2.9x more weight
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import hashlib
 import re
 import subprocess
 import sys
@@ -142,11 +144,13 @@ def main() -> None:
     parser.add_argument("--host-fallback", action="store_true", help="offload's slot table and host blobs")
     parser.add_argument("--one-token", action="store_true", help="a decode launch (tile split_k applies)")
     parser.add_argument("--concatenated", action="store_true", help="gate/up rows concatenated, not interleaved")
+    parser.add_argument("--digest", action="store_true", help="add an md5 of each kernel's SASS instructions")
     args = parser.parse_args()
     overrides = parse_tiles(args.tiles)
     print("| format | projection | tiles | loop instructions / thread | weight bytes / iteration | bytes / warp "
-          "instruction | registers / thread (CTAs per SM) | commonest opcodes |")
-    print("|---|---|---|---|---|---|---|---|")
+          "instruction | registers / thread (CTAs per SM) | commonest opcodes |"
+          + (" SASS md5 |" if args.digest else ""))
+    print("|---|---|---|---|---|---|---|---|" + ("---|" if args.digest else ""))
     for format in args.format:
         tiles = tiles_for(format, overrides, 1 if args.one_token else None,
                           "pointers" if args.host_fallback else "tma")  # as `fused_moe` picks them on the H200
@@ -160,8 +164,12 @@ def main() -> None:
             common = ", ".join(f"{name} {count}" for name, count in
                                collections.Counter(map(opcode, loop)).most_common(5))
             tile_text = " ".join(f"{key}={value}" for key, value in tiles.items())
+            digest = ""
+            if args.digest:  # the instructions alone: cuobjdump's header names the temporary file
+                instructions = "\n".join(line for line in sass.splitlines() if "/*" in line)
+                digest = f" {hashlib.md5(instructions.encode()).hexdigest()} |"
             print(f"| {format} | {'gate_up' if gated else 'down'} | {tile_text} | {len(loop)} | {weight_bytes:.0f} | "
-                  f"{weight_bytes / (len(loop) * tiles['num_warps']):.2f} | {registers} ({ctas}) | {common} |",
+                  f"{weight_bytes / (len(loop) * tiles['num_warps']):.2f} | {registers} ({ctas}) | {common} |{digest}",
                   flush=True)
 
 

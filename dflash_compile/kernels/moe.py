@@ -617,12 +617,9 @@ def _row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_stop, w
                             + _broadcast_slices(by_pair[1][:, None], shape))
             operands = operands + (tl.broadcast_to(scale[None, :, :], acc.shape), tl.broadcast_to(unscale, acc.shape),
                                    acc)
-            if FORMAT == 1:
-                acc = tl.inline_asm_elementwise(_E2M1_ROW_ASM, _E2M1_ROW_CONSTRAINTS, operands, dtype=tl.float32,
-                                                is_pure=True, pack=1)
-            else:
-                acc = tl.inline_asm_elementwise(_E4M3_ROW_ASM, _E4M3_ROW_CONSTRAINTS, operands, dtype=tl.float32,
-                                                is_pure=True, pack=1)
+            ROW_ASM: tl.constexpr = _E2M1_ROW_ASM if FORMAT == 1 else _E4M3_ROW_ASM
+            CONSTRAINTS: tl.constexpr = _E2M1_ROW_CONSTRAINTS if FORMAT == 1 else _E4M3_ROW_CONSTRAINTS
+            acc = tl.inline_asm_elementwise(ROW_ASM, CONSTRAINTS, operands, dtype=tl.float32, is_pure=True, pack=1)
         packed, scale, xs = next_packed, next_scale, next_xs
     return tl.sum(acc, axis=2)
 
