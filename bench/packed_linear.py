@@ -5,6 +5,7 @@ the FP8 bytes, K splits swept, and optionally another version of dflash_compile/
 
     python bench/packed_linear.py
     python bench/packed_linear.py --baseline old_moe.py   # e.g. git show REV:dflash_compile/kernels/moe.py > old_moe.py
+    python bench/packed_linear.py --tokens 1 --tiles block_m=1 --baseline old_moe.py   # the CUDA-core row path
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_compile.kernels.moe import packed_linear  # noqa: E402
+from kernel_sass import parse_tiles  # noqa: E402
 from moe_kernels import copy_bandwidth, graph_time_us, load_baseline, random_packed, read_time_us  # noqa: E402
 
 SHAPES = {  # name: (N, K)
@@ -43,7 +45,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 16])
     parser.add_argument("--baseline", type=Path, help="another moe.py whose packed_linear to time beside")
+    parser.add_argument("--tiles", nargs="*", default=[], help="tile overrides for this version, e.g. block_m=1")
     args = parser.parse_args()
+    tiles = parse_tiles(args.tiles)
     baseline = load_baseline(args.baseline).packed_linear if args.baseline else None
     copy_gbs = copy_bandwidth() / 1e9
     print(f"{torch.cuda.get_device_name()}, device-to-device copy {copy_gbs:.0f} GB/s\n")
@@ -59,9 +63,10 @@ def main() -> None:
         for tokens in args.tokens:
             x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
             expected = x.double() @ weights[0].dequantize(torch.float64)[0].T
-            error = ((packed_linear(x, weights[0]).double() - expected).norm() / expected.norm()).item()
-            auto = graph_time_us([lambda w=w: packed_linear(x, w) for w in weights])
-            swept = [graph_time_us([lambda w=w, s=s: packed_linear(x, w, split_k=s) for w in weights]) for s in SPLITS]
+            error = ((packed_linear(x, weights[0], **tiles).double() - expected).norm() / expected.norm()).item()
+            auto = graph_time_us([lambda w=w: packed_linear(x, w, **tiles) for w in weights])
+            swept = [graph_time_us([lambda w=w, s=s: packed_linear(x, w, split_k=s, **tiles) for w in weights])
+                     for s in SPLITS]
             old = graph_time_us([lambda w=w: baseline(x, w) for w in weights]) if baseline else float("nan")
             linear = graph_time_us([lambda d=d: torch.nn.functional.linear(x, d) for d in dense])
             read = read_time_us(nbytes, copies)

@@ -34,9 +34,9 @@ Blocks of one or two rows of activations times MXFP4 weights (a decode step's la
 get about one pair each, `few_rows_per_block`; a dense layer's one or two rows) run on the CUDA cores instead
 (`_row_project`, tiles `ROW_TILES`): no tensor-core tile padded to 16 rows, codes decoded to fp16 pairs by shifts
 and masks per word and a byte permute per pair (`_e2m1_word_pairs`, 11 instructions per 8 codes) and multiplied in
-fp16x2, the activations scaled by a power of two that keeps them in fp16's range. FP8 weights take the same path
-for one token (the hardware's e4m3x2 -> f16x2 conversion per pair of codes; 1.10x over the tensor-core tiles on
-the H200, session 21). On Hopper their
+fp16x2, the activations scaled by a power of two that keeps them in fp16's range. FP8 experts take the same path
+for one token and blocks of 2 (the hardware's e4m3x2 -> f16x2 conversion per pair of codes; 1.06-1.12x over the
+tensor-core tiles on the H200, session 21; FP8 dense layers only when block_m asks). On Hopper their
 weight words come through TMA descriptors (`weight_loads="tma"`, `_tma_blocker` says where not), a few K steps
 ahead into shared memory, which frees the warps' load instructions and registers: 1.05x at one token, 1.27-1.47x
 for blocks of 2 (session 17), which then beat the tensor cores up to ~3.3 pairs per routed expert (session 19).
@@ -1156,7 +1156,9 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, **tiles) -> torch.Tenso
     row on the one expert, blocks of rows in order (no grouping launch), K split to fill the GPU when the output
     has few column tiles (tile `split_k` fixes the count). x [..., K] -> [..., N] in x's dtype."""
     rows = x.reshape(-1, x.shape[-1])
-    few_rows = rows.shape[0] if rows.shape[0] <= 2 else None  # one block of 1-2 rows: the weights read once
+    # one block of 1-2 rows (the weights read once) on the row path: MXFP4's; FP8 dense layers keep the tensor
+    # cores until bench/packed_linear.py has measured theirs (block_m=1 or 2 asks for it)
+    few_rows = rows.shape[0] if rows.shape[0] <= 2 and weight.format == "mxfp4" else None
     compute_fp32 = x.dtype == torch.float32
     loads = _weight_loads(tiles, _tma_blocker(weight, weight, compute_fp32, None))
     settings = tiles_for(weight.format, tiles, few_rows, loads, _whole_groups(weight)) | dict(compute_fp32=compute_fp32)

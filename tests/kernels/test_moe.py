@@ -310,7 +310,7 @@ def test_fp8_row_decode_of_every_byte_is_exact():
     scales = block_scales[None, None, :].expand(1, 2, -1).contiguous()
     weight = PackedWeight("fp8_block", codes.contiguous()[None].to(DEVICE), scales.to(DEVICE))
     one_hot = torch.eye(codes.shape[1], dtype=torch.bfloat16, device=DEVICE)
-    actual = torch.cat([packed_linear(row, weight) for row in one_hot.split(1)]).T.float().cpu()
+    actual = torch.cat([packed_linear(row, weight, block_m=1) for row in one_hot.split(1)]).T.float().cpu()
     expected = weight.dequantize(torch.float32)[0].cpu().bfloat16().float()  # the output's dtype: x's
     torch.testing.assert_close(actual, expected, atol=0, rtol=0, equal_nan=True)
 
@@ -442,8 +442,9 @@ def test_packed_linear_matches_dequantize_then_matmul(format):
     assert (actual.cpu().double() - expected).norm() / expected.norm() <= 1e-4
     torch.testing.assert_close(packed_linear(x.to(DEVICE), weight, split_k=3), actual, atol=1e-5, rtol=1e-5)
     for rows in (1, 2):  # a decode step's single row, a block of two (MXFP4: the CUDA-core path for both)
-        few = packed_linear(x[:1, :rows].to(DEVICE), weight)
-        assert (few.cpu().double() - expected[:1, :rows]).norm() / expected[:1, :rows].norm() <= 1e-4
+        for tiles in ({}, {"block_m": rows}):  # FP8 takes the CUDA-core path when block_m asks for it
+            few = packed_linear(x[:1, :rows].to(DEVICE), weight, **tiles)
+            assert (few.cpu().double() - expected[:1, :rows]).norm() / expected[:1, :rows].norm() <= 1e-4
 
 
 @pytest.mark.parametrize("format", ["mxfp4", "fp8_block", "dense"])
