@@ -505,12 +505,13 @@ def _pair_rows_kernel(x, out, shifts, K, BLOCK: tl.constexpr, DEPENDENT_LAUNCH: 
     for k in range(0, K, BLOCK):
         columns = k + tl.arange(0, BLOCK)
         largest = tl.maximum(largest, tl.abs(tl.load(x + row * K + columns, mask=columns < K, other=0.0)))
-    scale = _exp2i(_fp16_shift(tl.max(largest)))
+    shift = _fp16_shift(tl.max(largest))
+    scale = _exp2i(shift)
     for k in range(0, K, BLOCK):
         columns = k + tl.arange(0, BLOCK)
         values = tl.load(x + row * K + columns, mask=columns < K, other=0.0).to(tl.float32) * scale
         tl.store(out + row * K + _paired_columns(columns), values, mask=columns < K)  # in out's fp16
-    tl.store(shifts + row, _fp16_shift(tl.max(largest)))
+    tl.store(shifts + row, shift)
 
 
 def _pair_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1000,9 +1001,9 @@ TILES = {
 # rows, by 12-60%. FP8 (session 21, Qwen3-30B-A3B-FP8; operands "fp16" as in TILES: the gate/up launch writes the
 # down launch's x as prescaled fp16): one row, 32 columns on 4 warps, 256-wide steps, 3 stages (18.1-18.8 us) beat
 # 16-64 columns on 2-8 warps, 128-1024-wide steps and 2-4 stages (18.7-35.0 us) and 2-3 shares (20.5, 23.4); two
-# rows (only where block_m asks for them: against the tensor cores they tie at M = 4 and 16, 1.05x at 8), 128
-# columns on 4 warps, 128-wide steps beat 32-64 columns on 2-8 warps. FP8 pointer loads: MXFP4's bytes per step,
-# not measured (only offload's host fallback reads so).
+# rows (up to 1.4 pairs per routed expert, `few_rows_per_block`), 128 columns on 4 warps, 128-wide steps beat
+# 32-64 columns on 2-8 warps. FP8 pointer loads: MXFP4's bytes per step, not measured (only offload's host
+# fallback reads so).
 _ROW_STEP = {"block_k": 256, "split_k": 1}
 _FP8_ROW_STEP = {"block_k": 128, "split_k": 1, "operands": "fp16"}
 ROW_TILES = {
