@@ -1,4 +1,4 @@
-"""Dense FP8 block-scaled linear layers (`packed_linear`, DeepSeek-V3 / Qwen3-FP8 attention and dense MLP shapes) at
+"""Dense FP8 block-scaled (or MXFP4) linear layers (`packed_linear`, DeepSeek-V3 / Qwen3-FP8 attention and dense MLP shapes) at
 decode and verify sizes on the H200: microseconds as CUDA-graph replays over weights rotated past L2, against bf16
 weights through torch's linear (cuBLAS: what runs once the checkpoint is dequantized), one graph-launched read of
 the FP8 bytes, K splits swept, and optionally another version of dflash_compile/kernels/moe.py.
@@ -6,6 +6,7 @@ the FP8 bytes, K splits swept, and optionally another version of dflash_compile/
     python bench/packed_linear.py
     python bench/packed_linear.py --baseline old_moe.py   # e.g. git show REV:dflash_compile/kernels/moe.py > old_moe.py
     python bench/packed_linear.py --tokens 1 --tiles block_m=1 --baseline old_moe.py   # the CUDA-core row path
+    python bench/packed_linear.py --format mxfp4 --tokens 1 2   # the same shapes packed as MXFP4
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def copies_past_l2(nbytes: int) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 16])
+    parser.add_argument("--format", default="fp8_block", choices=["fp8_block", "mxfp4"])
     parser.add_argument("--baseline", type=Path, help="another moe.py whose packed_linear to time beside")
     parser.add_argument("--tiles", nargs="*", default=[], help="tile overrides for this version, e.g. block_m=1")
     args = parser.parse_args()
@@ -55,10 +57,10 @@ def main() -> None:
           + " | baseline us | bf16 linear us | one read us | rel. error |")
     print("|---|---|---|---|---|" + "---|" * len(SPLITS) + "---|---|---|---|")
     for name, (n, k) in SHAPES.items():
-        weights = [random_packed("fp8_block", 1, n, k, bias=False)]
+        weights = [random_packed(args.format, 1, n, k, bias=False)]
         nbytes = weights[0].nbytes()
         copies = copies_past_l2(nbytes)
-        weights += [random_packed("fp8_block", 1, n, k, bias=False) for _ in range(copies - 1)]
+        weights += [random_packed(args.format, 1, n, k, bias=False) for _ in range(copies - 1)]
         dense = [w.dequantize(torch.bfloat16)[0] for w in weights[:copies_past_l2(2 * nbytes)]]
         for tokens in args.tokens:
             x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)

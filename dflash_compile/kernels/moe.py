@@ -36,7 +36,7 @@ get about one pair each, `few_rows_per_block`; a dense layer's one or two rows) 
 and masks per word and a byte permute per pair (`_e2m1_word_pairs`, 11 instructions per 8 codes) and multiplied in
 fp16x2, the activations scaled by a power of two that keeps them in fp16's range. FP8 experts take the same path
 for one token and blocks of 2 (the hardware's e4m3x2 -> f16x2 conversion per pair of codes; 1.06-1.12x over the
-tensor-core tiles on the H200, session 21; FP8 dense layers only when block_m asks). On Hopper their
+tensor-core tiles on the H200, session 21; FP8 dense layers for one row, 1.01-1.29x, session 22). On Hopper their
 weight words come through TMA descriptors (`weight_loads="tma"`, `_tma_blocker` says where not), a few K steps
 ahead into shared memory, which frees the warps' load instructions and registers: 1.05x at one token, 1.27-1.47x
 for blocks of 2 (session 17), which then beat the tensor cores up to ~3.3 pairs per routed expert (session 19).
@@ -949,15 +949,25 @@ def _splits(settings: dict, blocks: Blocks) -> int:
     return split_k if blocks.blocking == PAIR_PER_BLOCK else 1
 
 
-def _filling_splits(programs: int, k_steps: int, device: torch.device) -> int:
+def _filling_splits(programs: int, k_steps: int, device: torch.device, longest_share: int) -> int:
     """Shares of K for a dense layer's launch on the GPU: enough for about two programs per SM (DeepSeek-V3's
-    q_a_proj has 24 output tiles over a 7168-long K) and for at most 16 K steps per share (a long K is better read
-    by more, shorter programs: o_proj, the dense MLP), each share keeping at least two K steps. From
-    bench/packed_linear.py's sweep on the H200 (docs/benchmarks.md). One share elsewhere (the interpreter)."""
+    q_a_proj has 24 output tiles over a 7168-long K) and for at most `longest_share` K steps per share (a long K is
+    better read by more, shorter programs: o_proj, the dense MLP; `_longest_share`), each share keeping at least two
+    K steps. From bench/packed_linear.py's sweeps on the H200 (docs/benchmarks.md). One share elsewhere (the
+    interpreter)."""
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(k_steps // 2, max(2 * sms // programs, -(-k_steps // 16))))
+    return max(1, min(k_steps // 2, max(2 * sms // programs, -(-k_steps // longest_share))))
+
+
+def _longest_share(format: str, block_m: int) -> int:
+    """K steps per share at most in a dense layer's launch (`_filling_splits`), from bench/packed_linear.py on the
+    H200: 16 on the tensor cores (steps of 128, session 13) and on MXFP4's row path (steps of 256: its decode-bound
+    programs gain from more of them; 40 there lost 0.87-0.96x on DeepSeek-V3's o_proj and dense MLP shapes); 40 on
+    FP8's row path (o_proj and dense down_proj at one row 33.5 and 38.2 us in 2 shares against 40.1 and 44.1 in 4,
+    dense gate_proj 35.4 in one against 41.6 in 2; session 22)."""
+    return 40 if format == "fp8_block" and block_m < 16 else 16
 
 
 def _activations(x: torch.Tensor, settings: dict) -> torch.Tensor:
@@ -1152,16 +1162,20 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     return _sum_pairs(per_pair.view(splits, tokens, top_k, h), hidden.dtype)
 
 
+# A dense layer's rows at most in one block on the row path (its weights read once), by format and weight loads:
+# MXFP4's 1-2; FP8's one row with TMA loads, 1.01-1.31x over the tensor cores on DeepSeek-V3's and Qwen3's
+# projections (session 22; two rows and pointer loads not measured: block_m asks for them).
+ROWS_ON_CUDA_CORES = {"mxfp4": {"pointers": 2, "tma": 2}, "fp8_block": {"pointers": 0, "tma": 1}}
+
+
 def packed_linear(x: torch.Tensor, weight: PackedWeight, **tiles) -> torch.Tensor:
     """A dense linear layer over a packed [1, N, K] weight (FP8 block-scaled or MXFP4): the MoE kernel with every
     row on the one expert, blocks of rows in order (no grouping launch), K split to fill the GPU when the output
     has few column tiles (tile `split_k` fixes the count). x [..., K] -> [..., N] in x's dtype."""
     rows = x.reshape(-1, x.shape[-1])
-    # one block of 1-2 rows (the weights read once) on the row path: MXFP4's; FP8 dense layers keep the tensor
-    # cores until bench/packed_linear.py has measured theirs (block_m=1 or 2 asks for it)
-    few_rows = rows.shape[0] if rows.shape[0] <= 2 and weight.format == "mxfp4" else None
     compute_fp32 = x.dtype == torch.float32
     loads = _weight_loads(tiles, _tma_blocker(weight, weight, compute_fp32, None))
+    few_rows = rows.shape[0] if rows.shape[0] <= ROWS_ON_CUDA_CORES.get(weight.format, {}).get(loads, 0) else None
     settings = tiles_for(weight.format, tiles, few_rows, loads, _whole_groups(weight)) | dict(compute_fp32=compute_fp32)
     rows = _activations(rows, settings)
     _, n, k = weight.shape
@@ -1169,7 +1183,8 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, **tiles) -> torch.Tenso
     split_k = settings.pop("split_k")
     if "split_k" not in tiles:
         split_k = _filling_splits(blocks.count * triton.cdiv(n, settings["block_n"]),
-                                  triton.cdiv(k, settings["block_k"]), x.device)
+                                  triton.cdiv(k, settings["block_k"]), x.device,
+                                  _longest_share(weight.format, settings["block_m"]))
     out = _launch(rows, weight, blocks, None, rows.shape[0], n, 1, gated=False, interleaved=False,
                   activation="silu", alpha=0.0, limit=0.0, splits=split_k, out_dtype=x.dtype, **settings)
     if split_k > 1:

@@ -442,10 +442,27 @@ def test_packed_linear_matches_dequantize_then_matmul(format):
     assert (actual.cpu().double() - expected).norm() / expected.norm() <= 1e-4
     torch.testing.assert_close(packed_linear(x.to(DEVICE), weight, split_k=3), actual, atol=1e-5, rtol=1e-5)
     for rows in (1, 2):  # a decode step's single row, a block of two (MXFP4: the CUDA-core path for both)
-        for tiles in ({}, {"block_m": rows}):  # FP8 takes the CUDA-core path when block_m asks for it
+        for tiles in ({}, {"block_m": rows}):  # FP8 with pointer loads (fp32) when block_m asks for it
             few = packed_linear(x[:1, :rows].to(DEVICE), weight, **tiles)
             assert (few.cpu().double() - expected[:1, :rows]).norm() / expected[:1, :rows].norm() <= 1e-4
 
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="TMA loads and bf16 activations need the GPU")
+def test_fp8_dense_layers_take_the_row_path_for_one_row():
+    """A decode step's single bf16 row through an FP8 dense layer: the CUDA-core row path with TMA loads by
+    default (the same bits as asking for block_m=1), within bf16 tolerance of the reference; two rows keep the
+    tensor-core tiles (the same bits as block_m=16)."""
+    from dflash_compile.kernels.moe import packed_linear
+
+    generator = torch.Generator().manual_seed(6)
+    weight = PackedWeight.quantize(torch.randn(1, 300, 1024, generator=generator), "fp8_block")
+    weight = PackedWeight(weight.format, weight.data.to(DEVICE), weight.scales.to(DEVICE), None)
+    x = torch.randn(2, 1024, generator=generator).to(DEVICE, torch.bfloat16)
+    expected = x.double() @ weight.dequantize(torch.float64)[0].T
+    one = packed_linear(x[:1], weight)
+    assert (one.double() - expected[:1]).norm() / expected[:1].norm() <= 1e-2
+    torch.testing.assert_close(one, packed_linear(x[:1], weight, block_m=1, weight_loads="tma"), atol=0, rtol=0)
+    torch.testing.assert_close(packed_linear(x, weight), packed_linear(x, weight, block_m=16), atol=0, rtol=0)
 
 @pytest.mark.parametrize("format", ["mxfp4", "fp8_block", "dense"])
 def test_fused_moe_reads_experts_from_a_slot_pool(format):
