@@ -1,7 +1,8 @@
-"""Dense FP8 block-scaled (or MXFP4) linear layers (`packed_linear`, DeepSeek-V3 / Qwen3-FP8 attention and dense MLP shapes) at
-decode and verify sizes on the H200: microseconds as CUDA-graph replays over weights rotated past L2, against bf16
-weights through torch's linear (cuBLAS: what runs once the checkpoint is dequantized), one graph-launched read of
-the FP8 bytes, K splits swept, and optionally another version of dflash_compile/kernels/moe.py.
+"""Dense FP8 block-scaled (or MXFP4) linear layers (`packed_linear`, DeepSeek-V3 / Qwen3-FP8 attention and dense MLP
+shapes) at decode and verify sizes on the H200: microseconds as CUDA-graph replays over weights rotated past L2,
+against bf16 weights through torch's linear (cuBLAS: what runs once the checkpoint is dequantized), one
+graph-launched read of the packed bytes, K splits swept, and optionally another version of
+dflash_compile/kernels/moe.py.
 
     python bench/packed_linear.py
     python bench/packed_linear.py --baseline old_moe.py   # e.g. git show REV:dflash_compile/kernels/moe.py > old_moe.py
