@@ -152,9 +152,10 @@ def main() -> None:
           + (" SASS md5 |" if args.digest else ""))
     print("|---|---|---|---|---|---|---|---|" + ("---|" if args.digest else ""))
     for format in args.format:
-        tiles = tiles_for(format, overrides, 1 if args.one_token else None,
-                          "pointers" if args.host_fallback else "tma")  # as `fused_moe` picks them on the H200
+        projection_tiles = tiles_for(format, overrides, 1 if args.one_token else None,
+                                     "pointers" if args.host_fallback else "tma")  # as `fused_moe` picks them
         for gated in (True, False):
+            tiles = projection_tiles if gated else projection_tiles | projection_tiles["down_launch"]
             sass = disassemble(compile_kernel(format, gated, tiles, args.host_fallback, args.one_token,
                                                 not args.concatenated).asm["cubin"])
             loop = k_loop(sass)
@@ -163,7 +164,7 @@ def main() -> None:
             weight_bytes = rows * tiles["block_k"] * {"dense": 2, "mxfp4": 0.5, "fp8_block": 1}[format]
             common = ", ".join(f"{name} {count}" for name, count in
                                collections.Counter(map(opcode, loop)).most_common(5))
-            tile_text = " ".join(f"{key}={value}" for key, value in tiles.items())
+            tile_text = " ".join(f"{key}={value}" for key, value in tiles.items() if key != "down_launch")
             digest = ""
             if args.digest:  # the instructions alone: cuobjdump's header names the temporary file
                 instructions = "\n".join(line for line in sass.splitlines() if "/*" in line)

@@ -6,6 +6,7 @@ the fused kernel on those same bf16 weights (a candidate for resident bf16 exper
     python bench/moe_kernels.py --shapes gpt-oss-20b --tokens 1 16
     python bench/moe_kernels.py --no-tune --baseline old_moe.py   # TILES as they are; vs another kernel version
     python bench/moe_kernels.py --shapes gpt-oss-20b --tokens 1 --one-token-only   # sweep one token's tiles only
+    python bench/moe_kernels.py --no-tune --down-sweep --tokens 1   # one token's down launch on tiles of its own
     python bench/moe_kernels.py --no-tune --shapes gpt-oss-20b --tokens 4 8 --tiles block_m=2   # M > 1 overrides
     python bench/moe_kernels.py --no-tune --shapes gpt-oss-120b --tokens 4 16 --routing-skew 1   # a skewed router
 
@@ -321,6 +322,17 @@ def one_token_candidates(format: str, tensor_core: dict):
                 yield tensor_core | {"block_n": block_n, "num_warps": num_warps, "num_stages": num_stages}
 
 
+def down_candidates(format: str):
+    """One token's down launch apart from its gate/up launch (tile `down_launch`): columns, warps and shares of K
+    (added by the pair sum, no launch of their own); FP8 also in 128-wide steps."""
+    for block_n in (16, 32, 64):
+        for num_warps in (2, 4, 8):
+            for split_k in (1, 2):
+                yield {"block_n": block_n, "num_warps": num_warps, "split_k": split_k}
+            if format == "fp8_block":
+                yield {"block_n": block_n, "num_warps": num_warps, "block_k": 128}
+
+
 def tune(name: str, tokens_list, layers: int, candidates) -> dict:
     """Pick tile sizes and warps for a shape's format among `candidates` (one config per call: no autotuner, which
     fails in the interpreter): the best sum of CUDA-graph times over `tokens_list`, among configs whose bf16 result
@@ -329,7 +341,7 @@ def tune(name: str, tokens_list, layers: int, candidates) -> dict:
     activation = "clamped_swiglu" if gpt_oss else "silu"
     packed = [(random_packed(format, experts, 2 * inter, hidden, gpt_oss),
                random_packed(format, experts, hidden, inter, gpt_oss)) for _ in range(layers)]
-    totals = {}
+    totals, configs = {}, {}
     for tokens in tokens_list:
         index = random_routing(tokens, experts, top_k)
         weights = torch.softmax(torch.randn(tokens, top_k, device="cuda"), dim=-1)
@@ -344,10 +356,10 @@ def tune(name: str, tokens_list, layers: int, candidates) -> dict:
             except Exception as failure:  # e.g. out of shared memory: not a candidate
                 print(f"tune {name} {settings}: {type(failure).__name__}", flush=True)
                 error, us = float("nan"), float("inf")
-            key = tuple(settings.items())
-            totals[key] = totals.get(key, 0.0) + us
+            key = repr(settings)  # settings may hold a dict (down_launch)
+            configs[key], totals[key] = settings, totals.get(key, 0.0) + us
             print(f"tune {name} M={tokens} {settings}: {us:.1f} us, rel. error {error:.1e}", flush=True)
-    return dict(min(totals, key=totals.get))
+    return configs[min(totals, key=totals.get)]
 
 
 def main() -> None:
@@ -363,6 +375,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="print each kernel's time in one fused call (later timings read slower: A/B without it)")
     parser.add_argument("--one-token-only", action="store_true", help="sweep one token's tiles only")
+    parser.add_argument("--down-sweep", action="store_true",
+                        help="sweep one token's down launch apart (tile down_launch), also with --no-tune")
     parser.add_argument("--tiles", nargs="*", default=[],
                         help="overrides of the tiles for M > 1 with --no-tune, e.g. block_m=2 (the CUDA-core path)")
     args = parser.parse_args()
@@ -380,6 +394,11 @@ def main() -> None:
                 tiles[format]["few_rows"] = tune(name, [4], 2, list(row_candidates(format)))
         best = tune(name, [1], 2, list(one_token_candidates(format, tiles[format]["tensor_core"])))
         tiles[format]["one_token"] = tune(name, [1], 2, [best | {"split_k": split_k} for split_k in SPLIT_K])
+    for format, name in (("mxfp4", "gpt-oss-20b"), ("fp8_block", "qwen3-30b-a3b-fp8")) if args.down_sweep else ():
+        if format in {SHAPES[shape][4] for shape in args.shapes}:
+            one_token = tiles[format]["one_token"]
+            tiles[format]["one_token"] = tune(name, [1], 2, [one_token | {"down_launch": down}
+                                                            for down in down_candidates(format)])
     print("tiles:", tiles)
     rows = []
     baseline = load_baseline(args.baseline).fused_moe if args.baseline else None

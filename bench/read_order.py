@@ -34,8 +34,8 @@ def gate_up_us(buffers, experts: int, rows: int, row_bytes: int) -> float:
                             torch.zeros(experts, rows, dtype=torch.bfloat16, device="cuda")) for b in buffers]
     x = torch.randn(1, hidden, dtype=torch.bfloat16, device="cuda")
     blocks = Blocks(PAIR_PER_BLOCK, experts, block_expert=torch.arange(experts, dtype=torch.int32, device="cuda"))
-    settings = tiles_for("mxfp4", {}, 1, "tma")  # as `fused_moe` picks them on the H200
-    settings.pop("split_k")
+    settings = tiles_for("mxfp4", {}, 1, "tma")  # as `fused_moe` picks them on the H200 (gate/up's)
+    settings.pop("split_k"), settings.pop("down_launch")
     launch = lambda w: _launch(x, w, blocks, None, experts, rows // 2, experts, gated=True,  # noqa: E731
                                interleaved=True, activation="clamped_swiglu", alpha=1.702, limit=7.0,
                                compute_fp32=False, **settings)

@@ -942,10 +942,9 @@ def _gate_up_dtype(x_dtype: torch.dtype, compute_fp32: bool, fp16_operands: bool
     return torch.float16 if fp16_operands else x_dtype
 
 
-def _splits(settings: dict, blocks: Blocks) -> int:
-    """K splits for an MoE call, taking `split_k` out of the launch settings: only a single token's launches split
+def _splits(split_k: int, blocks: Blocks) -> int:
+    """K splits for an MoE call's launch from the tile `split_k`: only a single token's launches split
     (PAIR_PER_BLOCK), whose grids of top-k x column tiles leave SMs idle; larger calls fill the GPU already."""
-    split_k = settings.pop("split_k")
     return split_k if blocks.blocking == PAIR_PER_BLOCK else 1
 
 
@@ -1013,13 +1012,17 @@ TILES = {
 # 16-64 columns on 2-8 warps, 128-1024-wide steps and 2-4 stages (18.7-35.0 us) and 2-3 shares (20.5, 23.4); two
 # rows (up to 1.4 pairs per routed expert, `few_rows_per_block`), 128 columns on 4 warps, 128-wide steps beat
 # 32-64 columns on 2-8 warps. FP8 pointer loads: MXFP4's bytes per step, not measured (only offload's host
-# fallback reads so).
+# fallback reads so). One token's down launch apart (session 22, `--down-sweep`, tile "down_launch"): MXFP4's on
+# 16 columns and 2 warps took the gpt-oss-20b call from 29.4 to 27.4 us in the sweep (32 columns on 2 warps or 64
+# on 4, both in 2 shares, tied) and measured 1.09x / 1.06x (20b / 120b) against its gate/up tiles; FP8's gained
+# nothing beyond the noise (18.4-18.5 against 18.9 us), so it keeps them.
 _ROW_STEP = {"block_k": 256, "split_k": 1}
 _FP8_ROW_STEP = {"block_k": 128, "split_k": 1, "operands": "fp16"}
 ROW_TILES = {
     "mxfp4": {"pointers": {1: _COMMON | _ROW_STEP | {"block_n": 16, "num_warps": 2, "num_stages": 1},
                            2: _COMMON | _ROW_STEP | {"block_n": 32, "num_warps": 4, "num_stages": 1}},
-              "tma": {1: _COMMON | _ROW_STEP | {"block_n": 32, "num_warps": 8, "num_stages": 3},
+              "tma": {1: _COMMON | _ROW_STEP | {"block_n": 32, "num_warps": 8, "num_stages": 3,
+                                                "down_launch": {"block_n": 16, "num_warps": 2}},
                       2: _COMMON | _ROW_STEP | {"block_n": 64, "num_warps": 4, "num_stages": 3}}},
     "fp8_block": {"pointers": {1: _COMMON | _FP8_ROW_STEP | {"block_n": 16, "num_warps": 2, "num_stages": 1},
                                2: _COMMON | _FP8_ROW_STEP | {"block_n": 32, "num_warps": 4, "num_stages": 1}},
@@ -1027,6 +1030,10 @@ ROW_TILES = {
                           2: _COMMON | _FP8_ROW_STEP | {"block_n": 128, "num_warps": 4, "num_stages": 3}}},
 }
 WEIGHT_LOADS = ("pointers", "tma")
+# What an MoE call's down launch may set apart from its gate/up launch (tile "down_launch"): the projections
+# differ in shape (gpt-oss: 2 * 2880 gate/up rows per expert against 2880 down rows; Qwen3: K = 2048 against 768),
+# and down shares of K cost no launch (the pair sum adds them). The rows per block and the operands stay the call's.
+DOWN_TILES = ("block_n", "block_k", "num_warps", "num_stages", "split_k")
 
 
 def _check_weight_loads(loads: str) -> str:
@@ -1070,8 +1077,10 @@ def tiles_for(format: str, overrides: dict, few_rows: int | None = None, weight_
     per block for a launch with few rows per expert (one token: 1), taken where the format has a CUDA-core path for
     them (ROW_TILES, chosen by block_m < 16) and no block_m override; `weight_loads`: how that path reads the weight
     words where no override says (the tensor-core tiles read through pointers); `whole_groups`: whether the weights'
-    K is a multiple of 32, as that path reads rows in whole 32-code groups (`_whole_groups`)."""
-    known = set(TILES[format]) | {"weight_loads"}
+    K is a multiple of 32, as that path reads rows in whole 32-code groups (`_whole_groups`). A `down_launch` dict
+    (in the overrides or the chosen ROW_TILES entry) gives the down launch settings of its own (DOWN_TILES); the
+    result carries it as "down_launch", {} for none."""
+    known = set(TILES[format]) | {"weight_loads", "down_launch"}
     if set(overrides) - known:
         raise ValueError(f"unknown tile settings {sorted(set(overrides) - known)}; the kernel takes {sorted(known)}")
     row_path = format in ROW_TILES and whole_groups
@@ -1093,17 +1102,27 @@ def tiles_for(format: str, overrides: dict, few_rows: int | None = None, weight_
     else:
         by_rows = ROW_TILES[format][loads]
         base = by_rows[min(block_m, max(by_rows))]
+    down = base.get("down_launch", {}) | overrides.get("down_launch", {})
+    if set(down) - set(DOWN_TILES):
+        raise ValueError(f"unknown down tile settings {sorted(set(down) - set(DOWN_TILES))}; the down launch takes "
+                         f"its own {list(DOWN_TILES)}")
     tiles = base | overrides | {"block_m": block_m, "weight_loads": loads}
+    for checked in (tiles, tiles | down):
+        _check_steps(checked, format)
+    return tiles | {"down_launch": down}
+
+
+def _check_steps(tiles: dict, format: str) -> None:
+    """Errors for K steps and shares that the kernel cannot run with these tiles."""
     block_k = tiles["block_k"]
     if block_k % 32 or block_k & (block_k - 1):
         raise ValueError(f"block_k must be a power of two and a multiple of 32 (one MXFP4 group), got {block_k}")
-    if format == "fp8_block" and block_k > 128 and block_m >= 16:
+    if format == "fp8_block" and block_k > 128 and tiles["block_m"] >= 16:
         raise ValueError(f"fp8_block tensor-core tiles need block_k <= 128 (one scale per 128 columns), got {block_k}")
     if not isinstance(tiles["split_k"], int) or tiles["split_k"] < 1:
         raise ValueError(f"split_k must be a positive integer (shares of K), got {tiles['split_k']!r}")
     if tiles.get("operands", "bf16") not in ("bf16", "fp16"):
         raise ValueError(f"operands must be 'bf16' or 'fp16', got {tiles['operands']!r}")
-    return tiles
 
 
 def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up: PackedWeight,
@@ -1138,8 +1157,9 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     few_rows = few_rows_per_block(tokens, top_k, experts, host is not None, loads, gate_up.format)
     settings = tiles_for(gate_up.format, tiles, few_rows, loads, _whole_groups(gate_up, down))
     blocks = _blocks(top_k_index, experts, settings["block_m"])
-    splits = _splits(settings, blocks)
-    settings |= dict(alpha=alpha, limit=limit, compute_fp32=compute_fp32, slot_of=slot_of, splits=splits)
+    down_tiles, split_k = settings.pop("down_launch"), settings.pop("split_k")
+    splits, down_splits = _splits(split_k, blocks), _splits(down_tiles.pop("split_k", split_k), blocks)
+    settings |= dict(alpha=alpha, limit=limit, compute_fp32=compute_fp32, slot_of=slot_of)
     x, x_shifts = _activations(hidden, settings), None
     paired_shift, out_shifts = 0, None
     if gate_up.format == "mxfp4" and settings["block_m"] < 16 and not compute_fp32:  # the row path on the GPU
@@ -1150,7 +1170,7 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     intermediate = _launch(x, gate_up, blocks, None, tokens * top_k, two_i // 2, top_k,
                            gated=True, interleaved=interleaved, activation=activation,
                            host=host[0] if host else None, x_shifts=x_shifts, paired_shift=paired_shift,
-                           out_shifts=out_shifts, **settings)
+                           out_shifts=out_shifts, splits=splits, **settings)
     if splits > 1:
         fp16_operands = _fp16_operands(settings.get("operands", "bf16"), compute_fp32)
         intermediate = _finish_gate_up(intermediate, _gate_up_dtype(x.dtype, compute_fp32, fp16_operands),
@@ -1158,8 +1178,8 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     weights = top_k_weights.reshape(-1).contiguous()
     per_pair = _launch(intermediate, down, blocks, weights, tokens * top_k, h, 1,
                        gated=False, interleaved=False, activation="silu", host=host[1] if host else None,
-                       x_shifts=out_shifts, **settings)
-    return _sum_pairs(per_pair.view(splits, tokens, top_k, h), hidden.dtype)
+                       x_shifts=out_shifts, splits=down_splits, **settings | down_tiles)
+    return _sum_pairs(per_pair.view(down_splits, tokens, top_k, h), hidden.dtype)
 
 
 # A dense layer's rows at most in one block on the row path (its weights read once), by format and weight loads:
@@ -1177,6 +1197,7 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, **tiles) -> torch.Tenso
     loads = _weight_loads(tiles, _tma_blocker(weight, weight, compute_fp32, None))
     few_rows = rows.shape[0] if rows.shape[0] <= ROWS_ON_CUDA_CORES.get(weight.format, {}).get(loads, 0) else None
     settings = tiles_for(weight.format, tiles, few_rows, loads, _whole_groups(weight)) | dict(compute_fp32=compute_fp32)
+    settings.pop("down_launch")  # one projection: the tiles themselves
     rows = _activations(rows, settings)
     _, n, k = weight.shape
     blocks = Blocks(ROWS_IN_ORDER, triton.cdiv(rows.shape[0], settings["block_m"]))

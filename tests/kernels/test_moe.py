@@ -551,6 +551,38 @@ def test_one_token_split_over_k_matches_the_reference(format, family, split_k, p
     torch.testing.assert_close(run(slice(0, tokens), split_k=split_k), run(slice(0, tokens)), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("format", ["mxfp4", "fp8_block", "dense"])
+@pytest.mark.parametrize("family", ["gpt_oss", "silu_concatenated"])
+@pytest.mark.parametrize("precision", [
+    "fp32", pytest.param("bf16", marks=pytest.mark.skipif(DEVICE == "cpu", reason="the interpreter's bf16 is wrong"))])
+def test_down_launch_takes_tiles_of_its_own(format, family, precision):
+    """Tile `down_launch`: one token's down launch with narrower columns, other warps, 64-wide K steps and 2 shares of K
+    (the second empty for gpt-oss's K = 32) while the gate/up launch keeps its tiles, unsplit: the reference's
+    result, to rounding the default's; the same for a batch (which never splits); settings the down launch cannot
+    take alone are named."""
+    experts, hidden, inter, top_k, tokens, interleaved, activation, bias = FAMILY_CASES[family]
+    gate_up, down = _experts(format, experts, hidden, inter, bias)
+    if precision == "bf16" and format == "dense":
+        gate_up, down = (PackedWeight("dense", w.data.bfloat16(), None, w.bias) for w in (gate_up, down))
+    index, weights = _routing(tokens, experts, top_k)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1))
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    run = lambda rows, **tiles: fused_moe(x[rows].to(DEVICE, dtype), index[rows].to(DEVICE),  # noqa: E731
+                                          weights[rows].to(DEVICE), gate_up, down, interleaved=interleaved,
+                                          activation=activation, **tiles).cpu().double()
+    own = {"block_n": 16, "block_k": 64, "num_warps": 2, "split_k": 2}
+    tolerance = 1e-4 if precision == "fp32" else 1e-2
+    expected = reference_moe(x[:1], index[:1], weights[:1], gate_up, down, interleaved, activation)
+    apart = run(slice(0, 1), down_launch=own)
+    assert (apart - expected).norm() / expected.norm() <= tolerance
+    assert (apart - run(slice(0, 1))).norm() / expected.norm() <= (1e-5 if precision == "fp32" else 1e-2)
+    batch = reference_moe(x, index, weights, gate_up, down, interleaved, activation)
+    assert (run(slice(0, tokens), down_launch=own) - batch).norm() / batch.norm() <= tolerance
+    with pytest.raises(ValueError, match=r"unknown down tile settings \['block_m'\]; the down launch takes its own"):
+        run(slice(0, 1), down_launch={"block_m": 2})
+    with pytest.raises(ValueError, match="split_k must be a positive integer"):
+        run(slice(0, 1), down_launch={"split_k": 0})
+
 def test_split_k_with_fp16_operands_and_in_a_dense_layer():
     """The shares' sum meets the fp16 prescale (FP8, fp16 operands: gate/up's finishing launch writes the down
     launch's prescaled fp16 activations) and packed_linear's single row (its shares added by the pair sum)."""
