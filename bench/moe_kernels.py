@@ -6,7 +6,7 @@ the fused kernel on those same bf16 weights (a candidate for resident bf16 exper
     python bench/moe_kernels.py --shapes gpt-oss-20b --tokens 1 16
     python bench/moe_kernels.py --no-tune --baseline old_moe.py   # TILES as they are; vs another kernel version
     python bench/moe_kernels.py --shapes gpt-oss-20b --tokens 1 --one-token-only   # sweep one token's tiles only
-    python bench/moe_kernels.py --no-tune --down-sweep --tokens 1   # one token's down launch on tiles of its own
+    python bench/moe_kernels.py --no-tune --down-sweep --shapes gpt-oss-20b --tokens 1 16   # down launch apart
     python bench/moe_kernels.py --no-tune --shapes gpt-oss-20b --tokens 4 8 --tiles block_m=2   # M > 1 overrides
     python bench/moe_kernels.py --no-tune --shapes gpt-oss-120b --tokens 4 16 --routing-skew 1   # a skewed router
 
@@ -268,14 +268,19 @@ def run_shape(name, tokens_list, layers, tiles, copy_gbs, rows, baseline=None, p
 SPLIT_K = (1, 2, 3, 4, 6)  # shares of K for one token's launches, swept on the best tiles
 
 
-def path_tiles(tiles: dict, tokens: int, top_k: int, experts: int, format: str) -> dict:
-    """The tiles swept for the path `fused_moe` takes on a call of this size: one token's, the CUDA-core blocks of
-    few rows (`few_rows_per_block`, for formats with a row path: ROW_TILES), or the tensor cores'."""
+def path_of(tokens: int, top_k: int, experts: int, format: str) -> str:
+    """The path `fused_moe` takes on a call of this size: one token's, the CUDA-core blocks of few rows
+    (`few_rows_per_block`, for formats with a row path: ROW_TILES), or the tensor cores'."""
     if tokens == 1:
-        return tiles["one_token"]
+        return "one_token"
     few_rows = format in ROW_TILES and few_rows_per_block(tokens, top_k, experts, weight_loads="tma",  # H200: TMA
                                                           format=format)
-    return tiles["few_rows"] if few_rows else tiles["tensor_core"]
+    return "few_rows" if few_rows else "tensor_core"
+
+
+def path_tiles(tiles: dict, tokens: int, top_k: int, experts: int, format: str) -> dict:
+    """The tiles swept for the path a call of this size takes (`path_of`)."""
+    return tiles[path_of(tokens, top_k, experts, format)]
 
 
 def tile_candidates(format: str):
@@ -322,12 +327,12 @@ def one_token_candidates(format: str, tensor_core: dict):
                 yield tensor_core | {"block_n": block_n, "num_warps": num_warps, "num_stages": num_stages}
 
 
-def down_candidates(format: str):
-    """One token's down launch apart from its gate/up launch (tile `down_launch`): columns, warps and shares of K
-    (added by the pair sum, no launch of their own); FP8 also in 128-wide steps."""
+def down_candidates(format: str, one_token: bool):
+    """The down launch apart from its gate/up launch (tile `down_launch`): columns, warps and, for one token, shares
+    of K (added by the pair sum, no launch of their own); FP8 also in 128-wide steps."""
     for block_n in (16, 32, 64):
         for num_warps in (2, 4, 8):
-            for split_k in (1, 2):
+            for split_k in (1, 2) if one_token else (1,):
                 yield {"block_n": block_n, "num_warps": num_warps, "split_k": split_k}
             if format == "fp8_block":
                 yield {"block_n": block_n, "num_warps": num_warps, "block_k": 128}
@@ -376,7 +381,7 @@ def main() -> None:
                         help="print each kernel's time in one fused call (later timings read slower: A/B without it)")
     parser.add_argument("--one-token-only", action="store_true", help="sweep one token's tiles only")
     parser.add_argument("--down-sweep", action="store_true",
-                        help="sweep one token's down launch apart (tile down_launch), also with --no-tune")
+                        help="sweep the down launch apart (tile down_launch) at each --tokens, also with --no-tune")
     parser.add_argument("--tiles", nargs="*", default=[],
                         help="overrides of the tiles for M > 1 with --no-tune, e.g. block_m=2 (the CUDA-core path)")
     args = parser.parse_args()
@@ -394,11 +399,12 @@ def main() -> None:
                 tiles[format]["few_rows"] = tune(name, [4], 2, list(row_candidates(format)))
         best = tune(name, [1], 2, list(one_token_candidates(format, tiles[format]["tensor_core"])))
         tiles[format]["one_token"] = tune(name, [1], 2, [best | {"split_k": split_k} for split_k in SPLIT_K])
-    for format, name in (("mxfp4", "gpt-oss-20b"), ("fp8_block", "qwen3-30b-a3b-fp8")) if args.down_sweep else ():
-        if format in {SHAPES[shape][4] for shape in args.shapes}:
-            one_token = tiles[format]["one_token"]
-            tiles[format]["one_token"] = tune(name, [1], 2, [one_token | {"down_launch": down}
-                                                            for down in down_candidates(format)])
+    for name in args.shapes if args.down_sweep else ():  # each M's path, on that path's tiles
+        experts, top_k, _, _, format, _ = SHAPES[name]
+        for tokens in args.tokens:
+            path = path_of(tokens, top_k, experts, format)
+            tiles[format][path] = tune(name, [tokens], 2, [tiles[format][path] | {"down_launch": down}
+                                                           for down in down_candidates(format, tokens == 1)])
     print("tiles:", tiles)
     rows = []
     baseline = load_baseline(args.baseline).fused_moe if args.baseline else None
