@@ -98,7 +98,8 @@ FUSED_DTYPES = (torch.bfloat16, torch.float32)  # what the fused kernels compute
 
 def run_packed(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up: PackedWeight,
                down: PackedWeight, gate: Gate, cpu_kernels: bool = True) -> torch.Tensor:
-    """Routed experts on packed weights: the fused Triton kernel on CUDA; on a CPU the C++ kernel of
+    """Routed experts on packed weights: the fused Triton kernel on CUDA (`reference_packed` on GPUs it cannot run
+    the format on: FP8 before compute capability 8.9, `fused_blocker`); on a CPU the C++ kernel of
     `dflash::packed_moe` (csrc/) or, where it cannot be built or `cpu_kernels` is False (that op's own Python
     kernel, which must not re-enter the op), `reference_packed`."""
     devices = {t.device for t in (hidden, top_k_index, top_k_weights, gate_up.data, down.data)}
@@ -106,8 +107,15 @@ def run_packed(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
         raise ValueError(f"routed experts on {gate_up.data.device}/{down.data.device} but hidden states on "
                          f"{hidden.device} and routing on {top_k_index.device}: move them to one device")
     if hidden.is_cuda:
-        from .kernels.moe import fused_moe
+        from .kernels.moe import fused_blocker, fused_moe
 
+        blocker = fused_blocker(gate_up.format, hidden.device, hidden.dtype == torch.float32)
+        if blocker and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{blocker}, so these experts run the reference path, which reads the routing on the "
+                               "host and cannot be captured in a CUDA graph: compile with mode='default' (no CUDA "
+                               "graphs) on this GPU")
+        if blocker:
+            return reference_packed(hidden, top_k_index, top_k_weights, gate_up, down, gate)
         return fused_moe(hidden, top_k_index, top_k_weights, gate_up, down, interleaved=gate.interleaved,
                          activation=gate.activation, alpha=gate.alpha, limit=gate.limit)
     from .kernels import cpu

@@ -221,8 +221,9 @@ def _fp8_block_dequantize_fake(weight, scale_inv, block_n, block_k, dtype):
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
                      bias: torch.Tensor | None) -> torch.Tensor:
     """linear(x, weight * scale_inv per 128 x 128 block, bias) without materialising the weight: on CUDA the fused
-    Triton kernel reads the FP8 bytes tile by tile; on a CPU the C++ kernel (csrc/, registered for the CPU key once
-    built); elsewhere the reference dequantizes then multiplies."""
+    Triton kernel reads the FP8 bytes tile by tile (on GPUs of compute capability 8.9 or newer: `fused_blocker`);
+    on a CPU the C++ kernel (csrc/, registered for the CPU key once built); elsewhere the reference dequantizes then
+    multiplies."""
     from .kernels import cpu
 
     if x.device.type == "cpu" and cpu.load():  # built just now: the CPU key has its kernel from here on
@@ -230,9 +231,10 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
     packed = PackedWeight("fp8_block", weight.view(torch.uint8)[None], scale_inv.float()[None],
                           None if bias is None else bias[None])
     if x.is_cuda:
-        from .kernels.moe import packed_linear
+        from .kernels.moe import fused_blocker, packed_linear
 
-        return packed_linear(x, packed)
+        if not fused_blocker("fp8_block", x.device, x.dtype == torch.float32):
+            return packed_linear(x, packed)
     return torch.nn.functional.linear(x, packed.dequantize(x.dtype)[0], bias)
 
 

@@ -901,6 +901,20 @@ def _tma_blocker(gate_up: PackedWeight, down: PackedWeight, compute_fp32: bool, 
     return None
 
 
+def fused_blocker(format: str, device: torch.device, compute_fp32: bool = False) -> str | None:
+    """Why the fused kernels cannot run `format` weights on `device`, or None where they can: FP8 outside the fp32
+    path (the interpreter's, or fp32 activations, which decode arithmetically) needs the hardware's e4m3
+    conversions, compute capability 8.9 or newer (Ada, Hopper): Triton's float8e4nv and the row path's
+    cvt.rn.f16x2.e4m3x2 do not compile for sm_80 / sm_86."""
+    if format != "fp8_block" or compute_fp32 or device.type != "cuda":
+        return None
+    capability = torch.cuda.get_device_capability(device)
+    if capability >= (8, 9):
+        return None
+    return (f"FP8 weights need the e4m3 conversions of a GPU of compute capability 8.9 or newer (Ada, Hopper); "
+            f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}")
+
+
 def _weight_loads(tiles: dict, blocker: str | None) -> str:
     """The call's weight loads: "tma" unless `blocker` says why not, or the `weight_loads` tile asked for; asking
     for "tma" where it cannot run is an error naming why."""
@@ -1153,6 +1167,10 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
         raise ValueError(f"activation {activation!r} has no fused kernel; choose one of {sorted(ACTIVATIONS)}")
     tokens, top_k = top_k_index.shape
     compute_fp32 = hidden.dtype == torch.float32 if compute_fp32 is None else compute_fp32
+    blocker = fused_blocker(gate_up.format, hidden.device, compute_fp32)
+    if blocker:
+        raise ValueError(f"{blocker}: run these experts through dflash_compile.expert_store.run_packed, which "
+                         "dequantizes them there (reference_packed)")
     loads = _weight_loads(tiles, _tma_blocker(gate_up, down, compute_fp32, host))
     few_rows = few_rows_per_block(tokens, top_k, experts, host is not None, loads, gate_up.format)
     settings = tiles_for(gate_up.format, tiles, few_rows, loads, _whole_groups(gate_up, down))
@@ -1183,7 +1201,7 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
 
 
 # A dense layer's rows at most in one block on the row path (its weights read once), by format and weight loads:
-# MXFP4's 1-2; FP8's one row with TMA loads, 1.01-1.31x over the tensor cores on DeepSeek-V3's and Qwen3's
+# MXFP4's 1-2; FP8's one row with TMA loads, 1.01-1.29x over the tensor cores on DeepSeek-V3's and Qwen3's
 # projections (session 22; two rows and pointer loads not measured: block_m asks for them).
 ROWS_ON_CUDA_CORES = {"mxfp4": {"pointers": 2, "tma": 2}, "fp8_block": {"pointers": 0, "tma": 1}}
 
@@ -1192,12 +1210,18 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, **tiles) -> torch.Tenso
     """A dense linear layer over a packed [1, N, K] weight (FP8 block-scaled or MXFP4): the MoE kernel with every
     row on the one expert, blocks of rows in order (no grouping launch), K split to fill the GPU when the output
     has few column tiles (tile `split_k` fixes the count). x [..., K] -> [..., N] in x's dtype."""
+    if "down_launch" in tiles:
+        raise ValueError("down_launch sets an MoE call's down launch apart; a dense layer has one projection: pass "
+                         "its tiles directly")
     rows = x.reshape(-1, x.shape[-1])
     compute_fp32 = x.dtype == torch.float32
+    blocker = fused_blocker(weight.format, x.device, compute_fp32)
+    if blocker:
+        raise ValueError(f"{blocker}: use dflash::fp8_block_linear, which dequantizes the weight there")
     loads = _weight_loads(tiles, _tma_blocker(weight, weight, compute_fp32, None))
     few_rows = rows.shape[0] if rows.shape[0] <= ROWS_ON_CUDA_CORES.get(weight.format, {}).get(loads, 0) else None
     settings = tiles_for(weight.format, tiles, few_rows, loads, _whole_groups(weight)) | dict(compute_fp32=compute_fp32)
-    settings.pop("down_launch")  # one projection: the tiles themselves
+    settings.pop("down_launch")  # an MoE call's (MXFP4's one-row tiles have one): a dense layer runs on the tiles
     rows = _activations(rows, settings)
     _, n, k = weight.shape
     blocks = Blocks(ROWS_IN_ORDER, triton.cdiv(rows.shape[0], settings["block_m"]))

@@ -35,6 +35,8 @@ def reference_moe(hidden, index, weights, gate_up: PackedWeight, down: PackedWei
 
 
 # experts, hidden, intermediate, top-k, tokens, interleaved gate/up, activation, biases
+PRECISIONS = ["fp32", pytest.param("bf16", marks=pytest.mark.skipif(DEVICE == "cpu",
+                                                                    reason="the interpreter's bf16 is wrong"))]
 FAMILY_CASES = {
     "gpt_oss": (4, 2880, 32, 2, 2, True, "clamped_swiglu", True),  # K = 2880: not a multiple of 128
     "silu_concatenated": (3, 96, 160, 2, 3, False, "silu", False),  # 3 tokens sharing experts
@@ -71,8 +73,7 @@ def _routing(tokens, experts, top_k, seed=0):
 
 @pytest.mark.parametrize("format", ["mxfp4", "fp8_block", "dense"])
 @pytest.mark.parametrize("family", ["gpt_oss", "silu_concatenated"])
-@pytest.mark.parametrize("precision", [
-    "fp32", pytest.param("bf16", marks=pytest.mark.skipif(DEVICE == "cpu", reason="the interpreter's bf16 is wrong"))])
+@pytest.mark.parametrize("precision", PRECISIONS)
 def test_fused_moe_matches_the_reference(format, family, precision):
     """gpt-oss: interleaved gate/up, clamped SwiGLU, biases, K = 2880 (not a multiple of 128); the other families:
     concatenated gate/up with SiLU, no bias, 3 tokens sharing experts (several pairs per block). The fp32 path to
@@ -222,7 +223,60 @@ def test_tiles_the_kernel_cannot_run_are_refused():
         fused_moe(torch.zeros(1, 130, device=DEVICE), index.to(DEVICE), weights.to(DEVICE), *odd_rows, block_m=2)
     with pytest.raises(ValueError, match="block_m must be a power of two, got 3"):
         call(block_m=3)
+    from dflash_compile.kernels.moe import packed_linear
 
+    with pytest.raises(ValueError, match="down_launch sets an MoE call's down launch apart; a dense layer has one"):
+        packed_linear(torch.zeros(1, 64, device=DEVICE), PackedWeight("fp8_block", down.data[:1], down.scales[:1]),
+                      down_launch={"block_n": 16})
+
+
+def _older_gpu(monkeypatch, capability=(8, 0)):
+    """torch.cuda reporting an A100 (compute capability 8.0: no hardware e4m3 conversions)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+
+
+def test_fp8_kernels_need_hardware_e4m3_conversions(monkeypatch):
+    """`fused_blocker`: FP8 weights outside the fp32 path need compute capability 8.9 or newer, and below it the
+    reason names the GPU; MXFP4, the fp32 path and the CPU run anywhere."""
+    from dflash_compile.kernels.moe import fused_blocker
+
+    _older_gpu(monkeypatch)
+    cuda = torch.device("cuda", 0)
+    assert fused_blocker("fp8_block", cuda) == ("FP8 weights need the e4m3 conversions of a GPU of compute "
+                                                "capability 8.9 or newer (Ada, Hopper); NVIDIA A100-SXM4-80GB is 8.0")
+    assert fused_blocker("fp8_block", cuda, compute_fp32=True) is None
+    assert fused_blocker("mxfp4", cuda) is None
+    assert fused_blocker("fp8_block", torch.device("cpu")) is None
+    _older_gpu(monkeypatch, (8, 9))
+    assert fused_blocker("fp8_block", cuda) is None
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="the CUDA dispatch")
+def test_fp8_on_an_older_gpu_takes_the_reference_path(monkeypatch):
+    """On a GPU without e4m3 conversions (reported as an A100 here), FP8 experts and dense layers run the
+    reference's dequantize-then-matmul instead of a kernel that would not compile, and the fused entry points
+    refuse with the reason."""
+    from dflash_compile.expert_store import Gate, run_packed
+    from dflash_compile.kernels.moe import packed_linear
+    from dflash_compile.ops import fp8_block_linear
+
+    experts, hidden, inter, top_k, tokens, interleaved, activation, bias = FAMILY_CASES["silu_concatenated"]
+    gate_up, down = _experts("fp8_block", experts, hidden, inter, bias)
+    index, weights = _routing(tokens, experts, top_k)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1))
+    expected = reference_moe(x, index, weights, gate_up, down, interleaved, activation)
+    _older_gpu(monkeypatch)
+    rows = x.to(DEVICE, torch.bfloat16)
+    actual = run_packed(rows, index.to(DEVICE), weights.to(DEVICE), gate_up, down, Gate(interleaved, activation))
+    assert (actual.cpu().double() - expected).norm() / expected.norm() <= 1e-2
+    with pytest.raises(ValueError, match=r"FP8 weights need the e4m3 conversions .* A100-SXM4-80GB is 8.0: run these"):
+        fused_moe(rows, index.to(DEVICE), weights.to(DEVICE), gate_up, down)
+    linear = fp8_block_linear(rows, gate_up.data[0].view(torch.float8_e4m3fn), gate_up.scales[0], None)
+    dense = rows.double() @ gate_up.dequantize(torch.float64)[0].T
+    assert (linear.double() - dense).norm() / dense.norm() <= 1e-2
+    with pytest.raises(ValueError, match="use dflash::fp8_block_linear, which dequantizes the weight there"):
+        packed_linear(rows, PackedWeight("fp8_block", gate_up.data[:1], gate_up.scales[:1]))
 
 def test_tma_weight_loads_are_refused_where_they_cannot_run():
     """The TMA path (`weight_loads="tma"`) is chosen by itself where it runs; asked for elsewhere, the error says
@@ -384,8 +438,7 @@ def test_paired_shift_puts_clamped_swiglus_bound_under_fp16s_top():
     assert _paired_shift("silu", 1.702, 7.0) == 0
 
 
-@pytest.mark.parametrize("precision", [
-    "fp32", pytest.param("bf16", marks=pytest.mark.skipif(DEVICE == "cpu", reason="the interpreter's bf16 is wrong"))])
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("format", ["mxfp4", "fp8_block"])
 def test_blocks_of_two_rows_on_the_cuda_cores(format, precision):
     """MXFP4 or FP8 blocks of 2 rows (verify sizes with about one pair per expert) on the CUDA-core path: each
@@ -524,15 +577,10 @@ def test_fused_kernel_on_a_modules_own_bf16_layout(tiny, family):
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("format", ["mxfp4", "fp8_block", "dense"])
-@pytest.mark.parametrize("family, split_k", [("gpt_oss", 3), ("silu_concatenated", 2)])
-@pytest.mark.parametrize("precision", [
-    "fp32", pytest.param("bf16", marks=pytest.mark.skipif(DEVICE == "cpu", reason="the interpreter's bf16 is wrong"))])
-def test_one_token_split_over_k_matches_the_reference(format, family, split_k, precision):
-    """split_k: one token's launches split K into shares whose partial sums are added afterwards (gpt-oss: 23 K
-    steps of 128 in shares of 8, 8 and 7, MXFP4's 12 steps of 256 in 4, 4 and 4, biases added once, clamped SwiGLU
-    after the sum; K = 96 < block_k, so the second share is empty). The reference's result and, to rounding, the
-    unsplit kernel's; a batch does not split."""
+def _tiled_calls(format, family, precision):
+    """A family's experts, routing and activations for calls with tile overrides: `run(rows, **tiles)`, the fused
+    call on those tokens as fp64 on the CPU, `reference(rows)` the definition's, the call's relative tolerance, and
+    the token count."""
     experts, hidden, inter, top_k, tokens, interleaved, activation, bias = FAMILY_CASES[family]
     gate_up, down = _experts(format, experts, hidden, inter, bias)
     if precision == "bf16" and format == "dense":
@@ -543,9 +591,23 @@ def test_one_token_split_over_k_matches_the_reference(format, family, split_k, p
     run = lambda rows, **tiles: fused_moe(x[rows].to(DEVICE, dtype), index[rows].to(DEVICE),  # noqa: E731
                                           weights[rows].to(DEVICE), gate_up, down, interleaved=interleaved,
                                           activation=activation, **tiles).cpu().double()
-    expected = reference_moe(x[:1], index[:1], weights[:1], gate_up, down, interleaved, activation)
+    reference = lambda rows: reference_moe(x[rows], index[rows], weights[rows], gate_up, down,  # noqa: E731
+                                           interleaved, activation)
+    return run, reference, 1e-4 if precision == "fp32" else 1e-2, tokens
+
+
+@pytest.mark.parametrize("format", ["mxfp4", "fp8_block", "dense"])
+@pytest.mark.parametrize("family, split_k", [("gpt_oss", 3), ("silu_concatenated", 2)])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_one_token_split_over_k_matches_the_reference(format, family, split_k, precision):
+    """split_k: one token's launches split K into shares whose partial sums are added afterwards (gpt-oss: 23 K
+    steps of 128 in shares of 8, 8 and 7, MXFP4's 12 steps of 256 in 4, 4 and 4, biases added once, clamped SwiGLU
+    after the sum; K = 96 < block_k, so the second share is empty). The reference's result and, to rounding, the
+    unsplit kernel's; a batch does not split."""
+    run, reference, tolerance, tokens = _tiled_calls(format, family, precision)
+    expected = reference(slice(0, 1))
     split = run(slice(0, 1), split_k=split_k)
-    assert (split - expected).norm() / expected.norm() <= (1e-4 if precision == "fp32" else 1e-2)
+    assert (split - expected).norm() / expected.norm() <= tolerance
     unsplit = run(slice(0, 1))  # the same sums in another order round differently (fp32: 1.2e-6 on the H200)
     assert (split - unsplit).norm() / expected.norm() <= (1e-5 if precision == "fp32" else 1e-2)
     torch.testing.assert_close(run(slice(0, tokens), split_k=split_k), run(slice(0, tokens)), atol=0, rtol=0)
@@ -553,35 +615,25 @@ def test_one_token_split_over_k_matches_the_reference(format, family, split_k, p
 
 @pytest.mark.parametrize("format", ["mxfp4", "fp8_block", "dense"])
 @pytest.mark.parametrize("family", ["gpt_oss", "silu_concatenated"])
-@pytest.mark.parametrize("precision", [
-    "fp32", pytest.param("bf16", marks=pytest.mark.skipif(DEVICE == "cpu", reason="the interpreter's bf16 is wrong"))])
+@pytest.mark.parametrize("precision", PRECISIONS)
 def test_down_launch_takes_tiles_of_its_own(format, family, precision):
-    """Tile `down_launch`: one token's down launch with narrower columns, other warps, 64-wide K steps and 2 shares of K
-    (the second empty for gpt-oss's K = 32) while the gate/up launch keeps its tiles, unsplit: the reference's
+    """Tile `down_launch`: one token's down launch with narrower columns, other warps, 64-wide K steps and 2 shares
+    of K (the second empty for gpt-oss's K = 32) while the gate/up launch keeps its tiles, unsplit: the reference's
     result, to rounding the default's; the same for a batch (which never splits); settings the down launch cannot
     take alone are named."""
-    experts, hidden, inter, top_k, tokens, interleaved, activation, bias = FAMILY_CASES[family]
-    gate_up, down = _experts(format, experts, hidden, inter, bias)
-    if precision == "bf16" and format == "dense":
-        gate_up, down = (PackedWeight("dense", w.data.bfloat16(), None, w.bias) for w in (gate_up, down))
-    index, weights = _routing(tokens, experts, top_k)
-    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1))
-    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
-    run = lambda rows, **tiles: fused_moe(x[rows].to(DEVICE, dtype), index[rows].to(DEVICE),  # noqa: E731
-                                          weights[rows].to(DEVICE), gate_up, down, interleaved=interleaved,
-                                          activation=activation, **tiles).cpu().double()
+    run, reference, tolerance, tokens = _tiled_calls(format, family, precision)
     own = {"block_n": 16, "block_k": 64, "num_warps": 2, "split_k": 2}
-    tolerance = 1e-4 if precision == "fp32" else 1e-2
-    expected = reference_moe(x[:1], index[:1], weights[:1], gate_up, down, interleaved, activation)
+    expected = reference(slice(0, 1))
     apart = run(slice(0, 1), down_launch=own)
     assert (apart - expected).norm() / expected.norm() <= tolerance
     assert (apart - run(slice(0, 1))).norm() / expected.norm() <= (1e-5 if precision == "fp32" else 1e-2)
-    batch = reference_moe(x, index, weights, gate_up, down, interleaved, activation)
+    batch = reference(slice(0, tokens))
     assert (run(slice(0, tokens), down_launch=own) - batch).norm() / batch.norm() <= tolerance
     with pytest.raises(ValueError, match=r"unknown down tile settings \['block_m'\]; the down launch takes its own"):
         run(slice(0, 1), down_launch={"block_m": 2})
     with pytest.raises(ValueError, match="split_k must be a positive integer"):
         run(slice(0, 1), down_launch={"split_k": 0})
+
 
 def test_split_k_with_fp16_operands_and_in_a_dense_layer():
     """The shares' sum meets the fp16 prescale (FP8, fp16 operands: gate/up's finishing launch writes the down
