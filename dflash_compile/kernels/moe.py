@@ -19,7 +19,8 @@ most of the ~1-1.5 us gap between a layer's launches (one token 1.04-1.06x, sess
 A single token's launches can split K (tile `split_k`): each program takes one share of K, so a decode launch has
 split_k times the programs of its top-k x column-tile grid, which alone leaves SMs idle. The shares' fp32 partial
 sums are added in a fixed order (deterministic): for gate/up by one more small launch that also activates them, for
-down by the pair sum.
+down by the pair sum. The down launch may take tiles of its own (tile `down_launch`, DOWN_TILES), its shares then
+split alone at no extra launch.
 
 Offload's layout (`slot_of`): the weights are a slot pool on the device, a table maps experts to slots, and an
 expert without a slot is read by the kernel from its pinned host blob over PCIe (zero-copy; the GPU addresses
