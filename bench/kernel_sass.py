@@ -4,6 +4,7 @@
     python bench/kernel_sass.py --format mxfp4 --tiles block_n=64 num_warps=8
     python bench/kernel_sass.py --format fp8_block --tiles operands=fp16
     python bench/kernel_sass.py --one-token --digest     # + an md5 of each kernel's SASS: a refactor must keep it
+    python bench/kernel_sass.py --one-token --capability 80   # an A100: FP8's e4m3 conversions do not compile
 
 The kernels are bound by instruction issue rather than by memory at decode sizes: on the H200 (session 4 sweep) the
 FP8 kernel read 2.9x more bytes per second than the MXFP4 one at M = 16, and its K loop issues 2.9x more weight
@@ -23,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import hashlib
+import io
 import re
 import subprocess
 import sys
@@ -38,7 +41,7 @@ from dflash_compile.kernels.moe import (  # noqa: E402
     ACTIVATIONS, FORMATS, GROUPED, PAIR_PER_BLOCK, _moe_gemm_kernel, _paired_activations, _scan_width, tiles_for,
     tma_tile)
 
-H200 = GPUTarget("cuda", 90, 32)
+H200 = 90  # sm_90
 POINTERS = {"x": "*bf16", "bias": "*fp32", "out": "*bf16", "pair_ids": "*i32", "block_expert": "*i32",
             "pair_weights": "*fp32", "host_bias": "*fp32", "slot_of": "*i32", "x_shifts": "*i32",
             "out_shifts": "*i32"}
@@ -50,8 +53,8 @@ ALIGNED = ("x", "data", "scales", "bias", "out", "pair_ids", "block_expert", "pa
 
 
 def compile_kernel(format: str, gated: bool, tiles: dict, host_fallback: bool = False, one_token: bool = False,
-                   interleaved: bool = True):
-    """`_moe_gemm_kernel` for `format` compiled for sm_90, gpt-oss-style (clamped SwiGLU, biases; gate/up rows
+                   interleaved: bool = True, capability: int = H200):
+    """`_moe_gemm_kernel` for `format` compiled for sm_`capability`, gpt-oss-style (clamped SwiGLU, biases; gate/up rows
     `interleaved` or concatenated); `host_fallback`: with offload's slot table and host blobs; `one_token`: a decode
     launch (every pair its own block, K split by the tile `split_k`)."""
     data, scales = WEIGHT_POINTERS[format]
@@ -83,7 +86,7 @@ def compile_kernel(format: str, gated: bool, tiles: dict, host_fallback: bool = 
                      HOST_FALLBACK=host_fallback, BLOCKING=PAIR_PER_BLOCK if one_token else GROUPED,
                      SPLIT_K=split_k,
                      BLOCK_M=tiles["block_m"], BLOCK_N=tiles["block_n"], BLOCK_K=tiles["block_k"],
-                     NUM_STAGES=tiles["num_stages"], TMA_LOADS=tma_loads, DEPENDENT_LAUNCH=True,
+                     NUM_STAGES=tiles["num_stages"], TMA_LOADS=tma_loads, DEPENDENT_LAUNCH=capability >= 90,
                      X_PAIRED=x_paired, PAIRED_SHIFT=paired_shift, SCAN=_scan_width(2880),  # gpt-oss's K
                      column_stride=1)  # the JIT makes an argument equal to 1 a constant
     if not tma_loads:
@@ -94,8 +97,9 @@ def compile_kernel(format: str, gated: bool, tiles: dict, host_fallback: bool = 
         signature["words_tma"] = f"tensordesc<i32[{tile_rows}, {tiles['block_k'] // codes_per_word}]>"
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ALIGNED}
     source = ASTSource(_moe_gemm_kernel, signature, constexprs=constants, attrs=attrs)
-    return triton.compile(source, target=H200, options={"num_warps": tiles["num_warps"],
-                                                        "num_stages": tiles["num_stages"], "launch_pdl": True})
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32),
+                          options={"num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"],
+                                   "launch_pdl": capability >= 90})
 
 
 def disassemble(cubin: bytes) -> str:
@@ -132,6 +136,18 @@ def opcode(instruction: str) -> str:
     return re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0].split(".")[0]
 
 
+def compile_error(failure: BaseException) -> str:
+    """The first line of a failed compile that says what went wrong (ptxas's first error, or the innermost
+    exception's message)."""
+    chain = [failure]
+    while chain[-1].__cause__ or chain[-1].__context__:
+        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+    text = "\n".join(str(error) for error in chain)
+    errors = [line.split("error", 1)[1].strip(" :") for line in text.splitlines() if line.startswith("ptxas ")
+              and "error" in line]
+    return (errors[0] if errors else str(chain[-1]).strip().splitlines()[-1])[:200]
+
+
 def parse_tiles(items: list[str]) -> dict:
     """Tile overrides from the command line: ["block_n=64", "operands=fp16"] -> {"block_n": 64, "operands": "fp16"}."""
     return {key: int(value) if value.isdigit() else value for key, value in (item.split("=") for item in items)}
@@ -145,6 +161,8 @@ def main() -> None:
     parser.add_argument("--one-token", action="store_true", help="a decode launch (tile split_k applies)")
     parser.add_argument("--concatenated", action="store_true", help="gate/up rows concatenated, not interleaved")
     parser.add_argument("--digest", action="store_true", help="add an md5 of each kernel's SASS instructions")
+    parser.add_argument("--capability", type=int, default=H200,
+                        help="compile for sm_<this> instead (below 90: pointer loads, no dependent launch)")
     args = parser.parse_args()
     overrides = parse_tiles(args.tiles)
     print("| format | projection | tiles | loop instructions / thread | weight bytes / iteration | bytes / warp "
@@ -152,12 +170,19 @@ def main() -> None:
           + (" SASS md5 |" if args.digest else ""))
     print("|---|---|---|---|---|---|---|---|" + ("---|" if args.digest else ""))
     for format in args.format:
+        tma = not args.host_fallback and args.capability >= 90
         projection_tiles = tiles_for(format, overrides, 1 if args.one_token else None,
-                                     "pointers" if args.host_fallback else "tma")  # as `fused_moe` picks them
+                                     "tma" if tma else "pointers")  # as `fused_moe` picks them
         for gated in (True, False):
             tiles = projection_tiles if gated else projection_tiles | projection_tiles["down_launch"]
-            sass = disassemble(compile_kernel(format, gated, tiles, args.host_fallback, args.one_token,
-                                                not args.concatenated).asm["cubin"])
+            try:
+                with contextlib.redirect_stdout(io.StringIO()):  # a failing ptxas run prints the whole PTX
+                    sass = disassemble(compile_kernel(format, gated, tiles, args.host_fallback, args.one_token,
+                                                      not args.concatenated, args.capability).asm["cubin"])
+            except Exception as failure:  # e.g. an instruction this target lacks: say which, go on
+                print(f"| {format} | {'gate_up' if gated else 'down'} | does not compile for sm_{args.capability}: "
+                      f"{compile_error(failure)} |", flush=True)
+                continue
             loop = k_loop(sass)
             registers, ctas = resident_ctas(sass, tiles["num_warps"])
             rows = tiles["block_n"] * (2 if gated else 1)
