@@ -41,7 +41,7 @@ from dflash_compile.kernels.moe import (  # noqa: E402
     ACTIVATIONS, FORMATS, GROUPED, PAIR_PER_BLOCK, _moe_gemm_kernel, _paired_activations, _scan_width, tiles_for,
     tma_tile)
 
-H200 = 90  # sm_90
+H200 = 90  # the H200's compute capability: sm_90, the default target
 POINTERS = {"x": "*bf16", "bias": "*fp32", "out": "*bf16", "pair_ids": "*i32", "block_expert": "*i32",
             "pair_weights": "*fp32", "host_bias": "*fp32", "slot_of": "*i32", "x_shifts": "*i32",
             "out_shifts": "*i32"}
@@ -54,9 +54,9 @@ ALIGNED = ("x", "data", "scales", "bias", "out", "pair_ids", "block_expert", "pa
 
 def compile_kernel(format: str, gated: bool, tiles: dict, host_fallback: bool = False, one_token: bool = False,
                    interleaved: bool = True, capability: int = H200):
-    """`_moe_gemm_kernel` for `format` compiled for sm_`capability`, gpt-oss-style (clamped SwiGLU, biases; gate/up rows
-    `interleaved` or concatenated); `host_fallback`: with offload's slot table and host blobs; `one_token`: a decode
-    launch (every pair its own block, K split by the tile `split_k`)."""
+    """`_moe_gemm_kernel` for `format` compiled for sm_`capability`, gpt-oss-style (clamped SwiGLU, biases; gate/up
+    rows `interleaved` or concatenated); `host_fallback`: with offload's slot table and host blobs; `one_token`: a
+    decode launch (every pair its own block, K split by the tile `split_k`)."""
     data, scales = WEIGHT_POINTERS[format]
     names = _moe_gemm_kernel.arg_names
     fp16 = tiles.get("operands") == "fp16"

@@ -35,7 +35,8 @@ def gate_up_us(buffers, experts: int, rows: int, row_bytes: int) -> float:
     x = torch.randn(1, hidden, dtype=torch.bfloat16, device="cuda")
     blocks = Blocks(PAIR_PER_BLOCK, experts, block_expert=torch.arange(experts, dtype=torch.int32, device="cuda"))
     settings = tiles_for("mxfp4", {}, 1, "tma")  # as `fused_moe` picks them on the H200 (gate/up's)
-    settings.pop("split_k"), settings.pop("down_launch")
+    for one_token_only in ("split_k", "down_launch"):  # a single gate/up launch, unsplit
+        settings.pop(one_token_only)
     launch = lambda w: _launch(x, w, blocks, None, experts, rows // 2, experts, gated=True,  # noqa: E731
                                interleaved=True, activation="clamped_swiglu", alpha=1.702, limit=7.0,
                                compute_fp32=False, **settings)

@@ -609,14 +609,8 @@ def _row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_stop, w
             shape: tl.constexpr = (BLOCK_M, BLOCK_ROWS, GROUPS, WORDS)
             by_pair = _slices(pairs, PAIRS)  # pair i of every word: [BLOCK_M, GROUPS, WORDS] each
             operands = _broadcast_slices(packed[None, :, :, :], shape)
-            if PAIRS == 4:
-                operands = (operands + _broadcast_slices(by_pair[0][:, None], shape)
-                            + _broadcast_slices(by_pair[1][:, None], shape)
-                            + _broadcast_slices(by_pair[2][:, None], shape)
-                            + _broadcast_slices(by_pair[3][:, None], shape))
-            else:
-                operands = (operands + _broadcast_slices(by_pair[0][:, None], shape)
-                            + _broadcast_slices(by_pair[1][:, None], shape))
+            for i in tl.static_range(PAIRS):
+                operands = operands + _broadcast_slices(by_pair[i][:, None], shape)
             operands = operands + (tl.broadcast_to(scale[None, :, :], acc.shape), tl.broadcast_to(unscale, acc.shape),
                                    acc)
             ROW_ASM: tl.constexpr = _E2M1_ROW_ASM if FORMAT == 1 else _E4M3_ROW_ASM

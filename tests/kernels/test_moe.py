@@ -278,6 +278,7 @@ def test_fp8_on_an_older_gpu_takes_the_reference_path(monkeypatch):
     with pytest.raises(ValueError, match="use dflash::fp8_block_linear, which dequantizes the weight there"):
         packed_linear(rows, PackedWeight("fp8_block", gate_up.data[:1], gate_up.scales[:1]))
 
+
 def test_tma_weight_loads_are_refused_where_they_cannot_run():
     """The TMA path (`weight_loads="tma"`) is chosen by itself where it runs; asked for elsewhere, the error says
     why, before any launch."""
@@ -516,6 +517,7 @@ def test_fp8_dense_layers_take_the_row_path_for_one_row():
     assert (one.double() - expected[:1]).norm() / expected[:1].norm() <= 1e-2
     torch.testing.assert_close(one, packed_linear(x[:1], weight, block_m=1, weight_loads="tma"), atol=0, rtol=0)
     torch.testing.assert_close(packed_linear(x, weight), packed_linear(x, weight, block_m=16), atol=0, rtol=0)
+
 
 @pytest.mark.parametrize("format", ["mxfp4", "fp8_block", "dense"])
 def test_fused_moe_reads_experts_from_a_slot_pool(format):
