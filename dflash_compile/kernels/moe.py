@@ -974,7 +974,8 @@ def _longest_share(format: str, block_m: int) -> int:
     H200: 16 on the tensor cores (steps of 128, session 13) and on MXFP4's row path (steps of 256: its decode-bound
     programs gain from more of them; 40 there lost 0.87-0.96x on DeepSeek-V3's o_proj and dense MLP shapes); 40 on
     FP8's row path (o_proj and dense down_proj at one row 33.5 and 38.2 us in 2 shares against 40.1 and 44.1 in 4,
-    dense gate_proj 35.4 in one against 41.6 in 2; session 22)."""
+    dense gate_proj 35.4 in one against 41.6 in 2; session 22; two rows within 3% of the best share count on 7 of
+    9 shapes, session 23)."""
     return 40 if format == "fp8_block" and block_m < 16 else 16
 
 
@@ -1196,9 +1197,9 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
 
 
 # A dense layer's rows at most in one block on the row path (its weights read once), by format and weight loads:
-# MXFP4's 1-2; FP8's one row with TMA loads, 1.01-1.29x over the tensor cores on DeepSeek-V3's and Qwen3's
-# projections (session 22; two rows and pointer loads not measured: block_m asks for them).
-ROWS_ON_CUDA_CORES = {"mxfp4": {"pointers": 2, "tma": 2}, "fp8_block": {"pointers": 0, "tma": 1}}
+# MXFP4's 1-2; FP8's 1-2 with TMA loads, over the tensor cores on DeepSeek-V3's and Qwen3's projections one row
+# 1.01-1.29x (session 22), two rows 1.12-1.41x (session 23; pointer loads not measured: block_m asks for them).
+ROWS_ON_CUDA_CORES = {"mxfp4": {"pointers": 2, "tma": 2}, "fp8_block": {"pointers": 0, "tma": 2}}
 
 
 def packed_linear(x: torch.Tensor, weight: PackedWeight, **tiles) -> torch.Tensor:

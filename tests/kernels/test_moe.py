@@ -502,20 +502,22 @@ def test_packed_linear_matches_dequantize_then_matmul(format):
 
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="TMA loads and bf16 activations need the GPU")
-def test_fp8_dense_layers_take_the_row_path_for_one_row():
-    """A decode step's single bf16 row through an FP8 dense layer: the CUDA-core row path with TMA loads by
-    default (the same bits as asking for block_m=1), within bf16 tolerance of the reference; two rows keep the
-    tensor-core tiles (the same bits as block_m=16)."""
+def test_fp8_dense_layers_take_the_row_path_for_one_or_two_rows():
+    """A decode step's single bf16 row, or a verify step's two, through an FP8 dense layer: the CUDA-core row path
+    with TMA loads by default (the same bits as asking for block_m=1 / 2), within bf16 tolerance of the reference;
+    three rows take the tensor-core tiles (the same bits as block_m=16)."""
     from dflash_compile.kernels.moe import packed_linear
 
     generator = torch.Generator().manual_seed(6)
     weight = PackedWeight.quantize(torch.randn(1, 300, 1024, generator=generator), "fp8_block")
     weight = PackedWeight(weight.format, weight.data.to(DEVICE), weight.scales.to(DEVICE), None)
-    x = torch.randn(2, 1024, generator=generator).to(DEVICE, torch.bfloat16)
+    x = torch.randn(3, 1024, generator=generator).to(DEVICE, torch.bfloat16)
     expected = x.double() @ weight.dequantize(torch.float64)[0].T
-    one = packed_linear(x[:1], weight)
-    assert (one.double() - expected[:1]).norm() / expected[:1].norm() <= 1e-2
-    torch.testing.assert_close(one, packed_linear(x[:1], weight, block_m=1, weight_loads="tma"), atol=0, rtol=0)
+    for rows in (1, 2):
+        actual = packed_linear(x[:rows], weight)
+        assert (actual.double() - expected[:rows]).norm() / expected[:rows].norm() <= 1e-2
+        torch.testing.assert_close(actual, packed_linear(x[:rows], weight, block_m=rows, weight_loads="tma"),
+                                   atol=0, rtol=0)
     torch.testing.assert_close(packed_linear(x, weight), packed_linear(x, weight, block_m=16), atol=0, rtol=0)
 
 
