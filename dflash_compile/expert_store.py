@@ -110,11 +110,11 @@ def run_packed(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
         from .kernels.moe import fused_blocker, fused_moe
 
         blocker = fused_blocker(gate_up.format, hidden.device, hidden.dtype == torch.float32)
-        if blocker and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"{blocker}, so these experts run the reference path, which reads the routing on the "
-                               "host and cannot be captured in a CUDA graph: compile with mode='default' (no CUDA "
-                               "graphs) on this GPU")
         if blocker:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"{blocker}, so these experts run the reference path, which reads the routing on "
+                                   "the host and cannot be captured in a CUDA graph: compile with mode='default' (no "
+                                   "CUDA graphs) on this GPU")
             return reference_packed(hidden, top_k_index, top_k_weights, gate_up, down, gate)
         return fused_moe(hidden, top_k_index, top_k_weights, gate_up, down, interleaved=gate.interleaved,
                          activation=gate.activation, alpha=gate.alpha, limit=gate.limit)
