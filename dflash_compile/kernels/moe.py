@@ -1021,11 +1021,15 @@ TILES = {
 # down launch's x as prescaled fp16): one row, 32 columns on 4 warps, 256-wide steps, 3 stages (18.1-18.8 us) beat
 # 16-64 columns on 2-8 warps, 128-1024-wide steps and 2-4 stages (18.7-35.0 us) and 2-3 shares (20.5, 23.4); two
 # rows (up to 1.4 pairs per routed expert, `few_rows_per_block`), 128 columns on 4 warps, 128-wide steps beat
-# 32-64 columns on 2-8 warps. FP8 pointer loads: MXFP4's bytes per step, not measured (only offload's host
-# fallback reads so). One token's down launch apart (session 22, `--down-sweep`, tile "down_launch"): MXFP4's on
-# 16 columns and 2 warps took the gpt-oss-20b call from 29.4 to 27.4 us in the sweep (32 columns on 2 warps or 64
-# on 4, both in 2 shares, tied) and measured 1.09x / 1.06x (20b / 120b) against its gate/up tiles; FP8's gained
-# nothing beyond the noise (18.4-18.5 against 18.9 us), so it keeps them.
+# 32-64 columns on 2-8 warps. FP8 pointer loads (session 24, `bench/pointer_rows.py`: GPUs without TMA, offload's
+# host fallback): one row, 16 columns on 4 warps, 256-wide steps (19.6 us) beat 8-64 columns on 1-4 warps and
+# 128-wide steps (20.6-381 us; MXFP4's bytes per step, the earlier tiles, 23.2) and the tensor cores (20.1 us); two
+# rows (only by a block_m override: the tensor cores win, `PAIRS_PER_EXPERT_ON_CUDA_CORES`), 64 columns on 4 warps,
+# 128-wide steps (M = 4 / 8: 63.4 / 109.7 us) beat the earlier 32 columns (77.5 / 114.6). One token's down launch
+# apart (session 22, `--down-sweep`, tile "down_launch"): MXFP4's on 16 columns and 2 warps took the gpt-oss-20b
+# call from 29.4 to 27.4 us in the sweep (32 columns on 2 warps or 64 on 4, both in 2 shares, tied) and measured
+# 1.09x / 1.06x (20b / 120b) against its gate/up tiles; FP8's gained nothing beyond the noise (18.4-18.5 against
+# 18.9 us), so it keeps them.
 _ROW_STEP = {"block_k": 256, "split_k": 1}
 _FP8_ROW_STEP = {"block_k": 128, "split_k": 1, "operands": "fp16"}
 ROW_TILES = {
@@ -1034,8 +1038,9 @@ ROW_TILES = {
               "tma": {1: _COMMON | _ROW_STEP | {"block_n": 32, "num_warps": 8, "num_stages": 3,
                                                 "down_launch": {"block_n": 16, "num_warps": 2}},
                       2: _COMMON | _ROW_STEP | {"block_n": 64, "num_warps": 4, "num_stages": 3}}},
-    "fp8_block": {"pointers": {1: _COMMON | _FP8_ROW_STEP | {"block_n": 16, "num_warps": 2, "num_stages": 1},
-                               2: _COMMON | _FP8_ROW_STEP | {"block_n": 32, "num_warps": 4, "num_stages": 1}},
+    "fp8_block": {"pointers": {1: _COMMON | _FP8_ROW_STEP | {"block_n": 16, "num_warps": 4, "block_k": 256,
+                                                             "num_stages": 1},
+                               2: _COMMON | _FP8_ROW_STEP | {"block_n": 64, "num_warps": 4, "num_stages": 1}},
                   "tma": {1: _COMMON | _FP8_ROW_STEP | {"block_n": 32, "num_warps": 4, "block_k": 256, "num_stages": 3},
                           2: _COMMON | _FP8_ROW_STEP | {"block_n": 128, "num_warps": 4, "num_stages": 3}}},
 }
@@ -1053,7 +1058,8 @@ def _check_weight_loads(loads: str) -> str:
 
 
 # At most this many pairs per routed expert: blocks of 2 rows on the CUDA cores, by format and the row path's
-# weight loads (FP8 through pointers: not measured, so the tensor cores above one token).
+# weight loads (FP8 through pointers: the tensor cores above one token, 1.07x / 1.23x at M = 4 / 8 on
+# Qwen3-30B-A3B-FP8 over the best blocks of 2, session 24's `bench/pointer_rows.py`).
 PAIRS_PER_EXPERT_ON_CUDA_CORES = {"mxfp4": {"pointers": 1.3, "tma": 3.3}, "fp8_block": {"pointers": 0, "tma": 1.4}}
 
 
