@@ -55,7 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--format", default="fp8_block", choices=sorted(set(TILES) - {"dense"}))
     parser.add_argument("--shape", default="qwen3-30b-a3b-fp8", choices=list(MOE_SHAPES))
-    parser.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 8])
+    parser.add_argument("--tokens", nargs="*", type=int, default=[1, 4, 8])
     parser.add_argument("--dense-tokens", nargs="*", type=int, default=[1, 2])
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), flush=True)

@@ -658,3 +658,33 @@ def test_split_k_with_fp16_operands_and_in_a_dense_layer():
                                rtol=1e-5)
     with pytest.raises(ValueError, match=r"split_k must be a positive integer \(shares of K\), got 0"):
         packed_linear(row, weight, split_k=0)
+
+
+@pytest.mark.parametrize("format", ["mxfp4", "fp8_block", "dense"])
+@pytest.mark.parametrize("tiles", [{}, {"down_launch": {"split_k": 2}}])
+def test_one_tokens_down_launch_sums_its_pairs_itself(monkeypatch, format, tiles):
+    """One token's down launch adds the token's pairs (and K shares) itself, no `_sum_pairs` launch: the program
+    that brings a column tile's arrival count to top-k x shares sums them in `_sum_pairs`' order, so the bits are
+    those of the separate sum (taken when the counts are out of reach, ARRIVAL_COUNTS, and for blocks grouped by
+    expert); the counts are zero again after each call, and a dense layer's K shares are summed the same way."""
+    from dflash_compile.kernels import moe
+
+    run, reference, tolerance, tokens = _tiled_calls(format, "silu_concatenated", "fp32")  # 3 tokens, top-2
+    weight = _experts(format, 1, 96, 64, False)[0]
+    rows = torch.randn(2, 96, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    separate_sum = moe._sum_pairs
+
+    def no_separate_sum(*args):
+        raise AssertionError("the launch should have summed its pairs itself")
+
+    monkeypatch.setattr(moe, "_sum_pairs", no_separate_sum)
+    in_launch, dense = run(slice(0, 1), **tiles), moe.packed_linear(rows, weight, split_k=3)
+    expected = reference(slice(0, 1))
+    assert (in_launch - expected).norm() / expected.norm() <= tolerance
+    assert moe._ARRIVALS[rows.device].count_nonzero() == 0
+    with pytest.raises(AssertionError, match="should have summed"):  # a batch's blocks grouped by expert
+        run(slice(0, tokens))
+    monkeypatch.setattr(moe, "_sum_pairs", separate_sum)
+    monkeypatch.setattr(moe, "ARRIVAL_COUNTS", 0)
+    assert torch.equal(run(slice(0, 1), **tiles), in_launch)
+    assert torch.equal(moe.packed_linear(rows, weight, split_k=3), dense)
