@@ -226,7 +226,9 @@ def _sum_when_last(per_pair, out, arrivals, pairs, pair_ok, columns, column_ok, 
 
 
 # Arrival counts of `_sum_when_last`, one zeroed int32 buffer per device that the kernel leaves zeroed: a fixed
-# size, so that a CUDA graph captured over it never sees it replaced (calls needing more use `_sum_pairs`).
+# size, so that a CUDA graph captured over it never sees it replaced (calls needing more use `_sum_pairs`). One
+# launch uses them at a time: the launches of a device run on one stream, each waiting for the one before
+# (`_wait_for_previous_launch`); launches on concurrent streams would share the counts.
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}
 ARRIVAL_COUNTS = 1 << 16
 
@@ -858,7 +860,7 @@ def _launch(x, weight: PackedWeight, blocks: Blocks, pair_weights, rows_out, n_o
     splits [rows_out / sum_top_k, n_out] in `out_dtype`, added in the launch (`_sum_when_last`) where blocks are
     not grouped by expert (one token, dense rows), else by `_sum_pairs`. On the H200 (session 24) the in-launch sum
     took one token's call 1.02-1.05x faster (gpt-oss-20b 29.0 -> 27.6 us, Qwen3-30B-A3B-FP8 18.5 -> 17.8) and cost
-    M = 16's grouped blocks 0.98-1.01x (their last programs sum while the rest of the launch is done)."""
+    M = 16's grouped blocks 0.98-1.01x (there the sums fall to the launch's last programs)."""
     _, n, k = weight.shape
     fp16_operands = _fp16_operands(operands, compute_fp32)
     summed, arrivals = None, None
