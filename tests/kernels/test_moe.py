@@ -688,3 +688,44 @@ def test_one_tokens_down_launch_sums_its_pairs_itself(monkeypatch, format, tiles
     monkeypatch.setattr(moe, "ARRIVAL_COUNTS", 0)
     assert torch.equal(run(slice(0, 1), **tiles), in_launch)
     assert torch.equal(moe.packed_linear(rows, weight, split_k=3), dense)
+
+
+def test_arrival_counts_are_not_made_while_a_graph_is_captured(monkeypatch):
+    """Zeroing the counts during a CUDA-graph capture would only be recorded, not done: no counts then (the call
+    sums by `_sum_pairs`), and none kept for later calls."""
+    from dflash_compile.kernels import moe
+
+    monkeypatch.setattr(moe, "_ARRIVALS", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert moe._arrivals(torch.device("cuda", 0), 10) is None
+    assert moe._ARRIVALS == {}
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="CUDA graphs")
+def test_one_token_calls_replayed_from_cuda_graphs(monkeypatch):
+    """A graph captured before any arrival counts exist sums by `_sum_pairs`; one captured over the counts sums in
+    its down launch and leaves them zeroed after every replay: both replay the eager result, bit for bit."""
+    from dflash_compile.kernels import moe
+
+    gate_up, down = _experts("fp8_block", 4, 256, 128, False)
+    index, weights = (t.to(DEVICE) for t in _routing(1, 4, 2, seed=4))  # no host copies inside a capture
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(4)).to(DEVICE, torch.bfloat16)
+    call = lambda: fused_moe(x, index, weights, gate_up, down)  # noqa: E731
+    monkeypatch.setattr(moe, "_ARRIVALS", {})
+    monkeypatch.setattr(moe, "ARRIVAL_COUNTS", 0)
+    expected = call()  # compiles the separate sum's kernels before the capture
+    moe._ARRIVALS.clear()  # the first graph is captured before any counts exist
+    monkeypatch.setattr(moe, "ARRIVAL_COUNTS", 1 << 16)
+    graphs, outs = [torch.cuda.CUDAGraph() for _ in range(2)], []
+    for graph in graphs:
+        if outs:
+            torch.testing.assert_close(call(), expected, atol=0, rtol=0)  # makes the counts, compiles the sum
+        with torch.cuda.graph(graph):
+            outs.append(call())
+    for _ in range(3):
+        for graph, out in zip(graphs, outs):
+            out.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    assert moe._ARRIVALS[x.device].count_nonzero() == 0
