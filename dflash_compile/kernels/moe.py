@@ -188,17 +188,27 @@ def _blocks(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> Blocks
 
 
 @triton.jit
-def _sum_pairs_kernel(per_pair, out, H, split_stride, SPLITS: tl.constexpr, TOP_K: tl.constexpr,
-                      BLOCK: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
-    _wait_for_previous_launch(DEPENDENT_LAUNCH)
-    _let_next_launch(DEPENDENT_LAUNCH)  # one program or a few: no SMs to crowd
-    token, columns = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    total = tl.zeros((BLOCK,), dtype=tl.float32)
+def _token_sums(per_pair, tokens, columns, ok, P, H, TOP_K: tl.constexpr, SPLITS: tl.constexpr):
+    """[tokens, columns] fp32 where `ok`: each token's TOP_K consecutive pair rows of per_pair [SPLITS, P, H] fp32,
+    every split, added in one fixed order (split by split, pair by pair), the one `_sum_pairs` and `_sum_when_last`
+    share: both give the same bits. The loads bypass L1 (`.cg`): in-launch sums read other programs' stores."""
+    total = tl.zeros(ok.shape, dtype=tl.float32)
     for split in tl.static_range(SPLITS):
         for j in tl.static_range(TOP_K):
-            total += tl.load(per_pair + split * split_stride + (token * TOP_K + j) * H + columns, mask=columns < H,
-                             other=0.0)
-    tl.store(out + token * H + columns, total, mask=columns < H)  # in out's dtype
+            rows = split * P + tokens.to(tl.int64) * TOP_K + j
+            total += tl.load(per_pair + rows[:, None] * H + columns[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+    return total
+
+
+@triton.jit
+def _sum_pairs_kernel(per_pair, out, P, H, SPLITS: tl.constexpr, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+                      DEPENDENT_LAUNCH: tl.constexpr):
+    _wait_for_previous_launch(DEPENDENT_LAUNCH)
+    _let_next_launch(DEPENDENT_LAUNCH)  # one program or a few: no SMs to crowd
+    token, columns = tl.full((1,), tl.program_id(0), tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = (columns < H)[None, :]
+    total = _token_sums(per_pair, token, columns, ok, P, H, TOP_K, SPLITS)
+    tl.store(out + token[:, None] * H + columns[None, :], total, mask=ok)  # in out's dtype
 
 
 @triton.jit
@@ -206,9 +216,9 @@ def _sum_when_last(per_pair, out, arrivals, pairs, pair_ok, columns, column_ok, 
                    SPLITS: tl.constexpr):
     """`_sum_pairs` inside the launch that writes the partials: each program counts its pairs' partials of its
     column tile in `arrivals` (one int32 per token and column tile), and the program that brings a token's count to
-    TOP_K * SPLITS adds all of them for that tile (the order of `_sum_pairs_kernel`: the same bits) into `out` and
-    sets the count back to 0 for the next call. No program waits for another; the barrier and the acquire-release
-    count order every partial's store before its sum's loads (which bypass L1: `.cg`)."""
+    TOP_K * SPLITS adds all of them for that tile (`_token_sums`, as `_sum_pairs` does: the same bits) into `out`
+    and sets the count back to 0 for the next call. No program waits for another; the barrier and the
+    acquire-release count order every partial's store before its sum's loads."""
     tl.debug_barrier()
     tokens = pairs // TOP_K
     count = arrivals + tokens * tl.num_programs(1) + tl.program_id(1)
@@ -216,11 +226,7 @@ def _sum_when_last(per_pair, out, arrivals, pairs, pair_ok, columns, column_ok, 
     last = pair_ok & (arrived == TOP_K * SPLITS - 1)
     tl.debug_barrier()
     ok = last[:, None] & column_ok[None, :]
-    total = tl.zeros(ok.shape, dtype=tl.float32)
-    for split in tl.static_range(SPLITS):
-        for j in tl.static_range(TOP_K):
-            rows = split * P + tokens.to(tl.int64) * TOP_K + j
-            total += tl.load(per_pair + rows[:, None] * H + columns[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+    total = _token_sums(per_pair, tokens, columns, ok, P, H, TOP_K, SPLITS)
     tl.store(out + tokens[:, None].to(tl.int64) * H + columns[None, :], total, mask=ok)  # in out's dtype
     tl.store(count, 0, mask=last)
 
@@ -248,9 +254,8 @@ def _sum_pairs(per_pair: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     splits, tokens, top_k, h = per_pair.shape
     out = torch.empty(tokens, h, dtype=dtype, device=per_pair.device)
     block = min(1024, triton.next_power_of_2(h))
-    _sum_pairs_kernel[(tokens, triton.cdiv(h, block))](per_pair, out, h, tokens * top_k * h, SPLITS=splits,
-                                                       TOP_K=top_k, BLOCK=block,
-                                                       **_dependent_launch(per_pair.device))
+    _sum_pairs_kernel[(tokens, triton.cdiv(h, block))](per_pair, out, tokens * top_k, h, SPLITS=splits, TOP_K=top_k,
+                                                       BLOCK=block, **_dependent_launch(per_pair.device))
     return out
 
 

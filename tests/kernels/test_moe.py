@@ -711,11 +711,12 @@ def test_one_token_calls_replayed_from_cuda_graphs(monkeypatch):
     index, weights = (t.to(DEVICE) for t in _routing(1, 4, 2, seed=4))  # no host copies inside a capture
     x = torch.randn(1, 256, generator=torch.Generator().manual_seed(4)).to(DEVICE, torch.bfloat16)
     call = lambda: fused_moe(x, index, weights, gate_up, down)  # noqa: E731
+    counts = moe.ARRIVAL_COUNTS
     monkeypatch.setattr(moe, "_ARRIVALS", {})
     monkeypatch.setattr(moe, "ARRIVAL_COUNTS", 0)
     expected = call()  # compiles the separate sum's kernels before the capture
     moe._ARRIVALS.clear()  # the first graph is captured before any counts exist
-    monkeypatch.setattr(moe, "ARRIVAL_COUNTS", 1 << 16)
+    monkeypatch.setattr(moe, "ARRIVAL_COUNTS", counts)
     graphs, outs = [torch.cuda.CUDAGraph() for _ in range(2)], []
     for graph in graphs:
         if outs:
