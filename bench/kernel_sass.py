@@ -44,7 +44,7 @@ from dflash_compile.kernels.moe import (  # noqa: E402
 H200 = 90  # the H200's compute capability: sm_90, the default target
 POINTERS = {"x": "*bf16", "bias": "*fp32", "out": "*bf16", "pair_ids": "*i32", "block_expert": "*i32",
             "pair_weights": "*fp32", "host_bias": "*fp32", "slot_of": "*i32", "x_shifts": "*i32",
-            "out_shifts": "*i32"}
+            "out_shifts": "*i32", "summed": "*bf16", "arrivals": "*i32"}
 WEIGHT_POINTERS = {"dense": ("*bf16", "*fp32"), "mxfp4": ("*u8", "*u8"), "fp8_block": ("*u8", "*fp32")}
 # arguments the JIT sees as multiples of 16 on the benchmark shapes (pointers from the allocator, H, I, strides)
 ALIGNED = ("x", "data", "scales", "bias", "out", "pair_ids", "block_expert", "pair_weights", "host_data",
@@ -88,6 +88,7 @@ def compile_kernel(format: str, gated: bool, tiles: dict, host_fallback: bool = 
                      BLOCK_M=tiles["block_m"], BLOCK_N=tiles["block_n"], BLOCK_K=tiles["block_k"],
                      NUM_STAGES=tiles["num_stages"], TMA_LOADS=tma_loads, DEPENDENT_LAUNCH=capability >= 90,
                      X_PAIRED=x_paired, PAIRED_SHIFT=paired_shift, SCAN=_scan_width(2880),  # gpt-oss's K
+                     SUM_TOP_K=4 if one_token and not gated else 0,  # one token's down launch sums gpt-oss's top-4
                      column_stride=1)  # the JIT makes an argument equal to 1 a constant
     if not tma_loads:
         constants["words_tma"] = None
