@@ -8,11 +8,13 @@ dflash_compile/kernels/moe.py.
     python bench/packed_linear.py --baseline old_moe.py   # e.g. git show REV:dflash_compile/kernels/moe.py > old_moe.py
     python bench/packed_linear.py --tokens 1 --tiles block_m=1 --baseline old_moe.py   # the CUDA-core row path
     python bench/packed_linear.py --format mxfp4 --tokens 1 2   # the same shapes packed as MXFP4
+    python bench/packed_linear.py --tokens 8 16 --sweep block_n=32,64,128 num_warps=4,8   # best tiles per shape
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -49,8 +51,12 @@ def main() -> None:
     parser.add_argument("--format", default="fp8_block", choices=["fp8_block", "mxfp4"])
     parser.add_argument("--baseline", type=Path, help="another moe.py whose packed_linear to time beside")
     parser.add_argument("--tiles", nargs="*", default=[], help="tile overrides for this version, e.g. block_m=1")
+    parser.add_argument("--sweep", nargs="*", default=[],
+                        help="tile values to sweep with every share count (auto and SPLITS), e.g. num_stages=3,4")
     args = parser.parse_args()
     tiles = parse_tiles(args.tiles)
+    if args.sweep:
+        return sweep(args.tokens, args.format, tiles, args.sweep)
     baseline = load_baseline(args.baseline).packed_linear if args.baseline else None
     copy_gbs = copy_bandwidth() / 1e9
     print(f"{torch.cuda.get_device_name()}, device-to-device copy {copy_gbs:.0f} GB/s\n")
@@ -76,6 +82,27 @@ def main() -> None:
             print(f"| {name} | {tokens} | {nbytes / 1e6:.1f} | {auto:.1f} | {nbytes / auto / 1e3 / copy_gbs:.0%} | "
                   + " | ".join(f"{us:.1f}" for us in swept) + f" | {old:.1f} | {linear:.1f} | {read:.1f} | "
                   f"{error:.1e} |", flush=True)
+
+
+def sweep(token_counts: list[int], format: str, tiles: dict, values: list[str]) -> None:
+    """The fastest tiles per layer and M among every combination of the swept values, each with the automatic share
+    count and every count in SPLITS, next to the default tiles (auto shares)."""
+    names = [item.split("=")[0] for item in values]
+    grid = [parse_tiles([f"{name}={v}" for name, v in zip(names, combo)])
+            for combo in itertools.product(*(item.split("=")[1].split(",") for item in values))]
+    print("| layer | M | default us | best us | best tiles | speed-up |\n|---|---|---|---|---|---|")
+    for name, (n, k) in SHAPES.items():
+        weights = [random_packed(format, 1, n, k, bias=False)]
+        weights += [random_packed(format, 1, n, k, bias=False) for _ in range(copies_past_l2(weights[0].nbytes()) - 1)]
+        for tokens in token_counts:
+            x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+            timed = lambda t: graph_time_us([lambda w=w: packed_linear(x, w, **t) for w in weights])  # noqa: E731
+            default = timed(tiles)
+            candidates = [tiles | point | shares for point in grid
+                          for shares in [{}] + [{"split_k": s} for s in SPLITS]]
+            best_us, best = min((timed(candidate), i) for i, candidate in enumerate(candidates))
+            print(f"| {name} | {tokens} | {default:.1f} | {best_us:.1f} | {candidates[best]} | "
+                  f"{default / best_us:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

@@ -1033,14 +1033,30 @@ def _filling_splits(programs: int, k_steps: int, device: torch.device, longest_s
     return max(1, min(k_steps // 2, max(2 * sms // programs, -(-k_steps // longest_share))))
 
 
-def _longest_share(format: str, block_m: int) -> int:
+def _longest_share(format: str, block_m: int, block_n: int) -> int:
     """K steps per share at most in a dense layer's launch (`_filling_splits`), from bench/packed_linear.py on the
-    H200: 16 on the tensor cores (steps of 128, session 13) and on MXFP4's row path (steps of 256: its decode-bound
-    programs gain from more of them; 40 there lost 0.87-0.96x on DeepSeek-V3's o_proj and dense MLP shapes); 40 on
-    FP8's row path (o_proj and dense down_proj at one row 33.5 and 38.2 us in 2 shares against 40.1 and 44.1 in 4,
-    dense gate_proj 35.4 in one against 41.6 in 2; session 22; two rows within 3% of the best share count on 7 of
-    9 shapes, session 23)."""
-    return 40 if format == "fp8_block" and block_m < 16 else 16
+    H200: 16 on the tensor cores (steps of 128, session 13), 32 there with 128-column tiles (`_dense_tiles`: at
+    8-16 rows DeepSeek-V3's o_proj in 4 shares of 32 steps 37.0-38.1 us against 42.9-43.3 on 64 columns in 8 or 16,
+    session 25) and on MXFP4's row path (steps of 256: its decode-bound programs gain from more of them; 40 there
+    lost 0.87-0.96x on DeepSeek-V3's o_proj and dense MLP shapes); 40 on FP8's row path (o_proj and dense down_proj at
+    one row 33.5 and 38.2 us in 2 shares against 40.1 and 44.1 in 4, dense gate_proj 35.4 in one against 41.6 in 2;
+    session 22; two rows within 3% of the best share count on 7 of 9 shapes, session 23)."""
+    if format == "fp8_block" and block_m < 16:
+        return 40
+    return 32 if block_m >= 16 and block_n >= 128 else 16
+
+
+def _dense_tiles(rows: int, n: int) -> dict:
+    """Rows and output columns per program of an FP8 dense layer's tensor-core launch (3+ rows) by its rows and
+    output width, from bench/packed_linear.py's sweeps on the H200 (session 25): up to 16 rows, 32 columns for a
+    narrow layer (DeepSeek-V3's kv_a_proj_with_mqa, 576: more column tiles beside fewer K shares, 1.13-1.23x) and
+    TILES' 64 otherwise (128 measured 0.95-1.15x there); up to 64 rows, 128 columns from 4096 up (fewer programs
+    reading K in longer shares, `_longest_share`: 1.13-1.26x at 64 rows); above, blocks of 64 rows as well
+    (each weight tile read by a quarter as many programs: 1.12-1.38x at 256 rows)."""
+    if rows <= 16:
+        return {"block_n": 32 if n <= 1024 else 64}
+    tiles = {"block_n": 128 if n >= 4096 else 64}
+    return tiles | {"block_m": 64} if rows > 64 else tiles
 
 
 def _activations(x: torch.Tensor, settings: dict) -> torch.Tensor:
@@ -1285,16 +1301,18 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, **tiles) -> torch.Tenso
         raise ValueError(f"{blocker}: use dflash::fp8_block_linear, which dequantizes the weight there")
     loads = _weight_loads(tiles, _tma_blocker(weight, weight, compute_fp32, None))
     few_rows = rows.shape[0] if rows.shape[0] <= ROWS_ON_CUDA_CORES.get(weight.format, {}).get(loads, 0) else None
+    _, n, k = weight.shape
+    if weight.format == "fp8_block" and few_rows is None and tiles.get("block_m", 16) >= 16:
+        tiles = _dense_tiles(rows.shape[0], n) | tiles
     settings = tiles_for(weight.format, tiles, few_rows, loads, _whole_groups(weight)) | dict(compute_fp32=compute_fp32)
     settings.pop("down_launch")  # an MoE call's (MXFP4's one-row tiles have one): a dense layer runs on the tiles
     rows = _activations(rows, settings)
-    _, n, k = weight.shape
     blocks = Blocks(ROWS_IN_ORDER, triton.cdiv(rows.shape[0], settings["block_m"]))
     split_k = settings.pop("split_k")
     if "split_k" not in tiles:
         split_k = _filling_splits(blocks.count * triton.cdiv(n, settings["block_n"]),
                                   triton.cdiv(k, settings["block_k"]), x.device,
-                                  _longest_share(weight.format, settings["block_m"]))
+                                  _longest_share(weight.format, settings["block_m"], settings["block_n"]))
     out = _launch(rows, weight, blocks, None, rows.shape[0], n, 1, gated=False, interleaved=False,
                   activation="silu", alpha=0.0, limit=0.0, splits=split_k, out_dtype=x.dtype,
                   sum_top_k=1 if split_k > 1 else 0, **settings)

@@ -501,6 +501,24 @@ def test_packed_linear_matches_dequantize_then_matmul(format):
             assert (few.cpu().double() - expected[:1, :rows]).norm() / expected[:1, :rows].norm() <= 1e-4
 
 
+def test_fp8_dense_tiles_follow_rows_and_width():
+    """FP8 dense layers' tensor-core tiles by rows and output width (`_dense_tiles`), the caller's tiles first, and
+    blocks of 64 rows (above 64 rows) against the reference with a partial last block."""
+    from dflash_compile.kernels.moe import _dense_tiles, packed_linear
+
+    assert _dense_tiles(3, 576) == {"block_n": 32} and _dense_tiles(16, 7168) == {"block_n": 64}
+    assert _dense_tiles(64, 7168) == {"block_n": 128} and _dense_tiles(64, 2048) == {"block_n": 64}
+    assert _dense_tiles(256, 4096) == {"block_n": 128, "block_m": 64}
+    generator = torch.Generator().manual_seed(7)
+    weight = PackedWeight.quantize(torch.randn(1, 200, 352, generator=generator), "fp8_block")
+    weight = PackedWeight(weight.format, weight.data.to(DEVICE), weight.scales.to(DEVICE), None)
+    x = torch.randn(100, 352, generator=generator)
+    expected = x.double() @ weight.dequantize(torch.float64)[0].cpu().T
+    actual = packed_linear(x.to(DEVICE), weight)
+    assert (actual.cpu().double() - expected).norm() / expected.norm() <= 1e-4
+    torch.testing.assert_close(actual, packed_linear(x.to(DEVICE), weight, block_m=64, block_n=64), atol=0, rtol=0)
+
+
 @pytest.mark.skipif(DEVICE == "cpu", reason="TMA loads and bf16 activations need the GPU")
 def test_fp8_dense_layers_take_the_row_path_for_one_or_two_rows():
     """A decode step's single bf16 row, or a verify step's two, through an FP8 dense layer: the CUDA-core row path
