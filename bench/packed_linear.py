@@ -9,6 +9,7 @@ dflash_compile/kernels/moe.py.
     python bench/packed_linear.py --tokens 1 --tiles block_m=1 --baseline old_moe.py   # the CUDA-core row path
     python bench/packed_linear.py --format mxfp4 --tokens 1 2   # the same shapes packed as MXFP4
     python bench/packed_linear.py --tokens 8 16 --sweep block_n=32,64,128 num_warps=4,8   # best tiles per shape
+    python bench/packed_linear.py --tokens 64 128 256 --dequantize-rows 64 --baseline old_moe.py   # from 64 rows
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dflash_compile.kernels import moe  # noqa: E402
 from dflash_compile.kernels.moe import packed_linear  # noqa: E402
 from kernel_sass import parse_tiles  # noqa: E402
 from moe_kernels import copy_bandwidth, graph_time_us, load_baseline, random_packed, read_time_us  # noqa: E402
@@ -51,10 +53,13 @@ def main() -> None:
     parser.add_argument("--format", default="fp8_block", choices=["fp8_block", "mxfp4"])
     parser.add_argument("--baseline", type=Path, help="another moe.py whose packed_linear to time beside")
     parser.add_argument("--tiles", nargs="*", default=[], help="tile overrides for this version, e.g. block_m=1")
+    parser.add_argument("--dequantize-rows", type=int, help="DEQUANTIZE_ROWS for this version (`auto us`)")
     parser.add_argument("--sweep", nargs="*", default=[],
                         help="tile values to sweep with every share count (auto and SPLITS), e.g. num_stages=3,4")
     args = parser.parse_args()
     tiles = parse_tiles(args.tiles)
+    if args.dequantize_rows is not None:
+        moe.DEQUANTIZE_ROWS = args.dequantize_rows
     if args.sweep:
         return sweep(args.tokens, args.format, tiles, args.sweep)
     baseline = load_baseline(args.baseline).packed_linear if args.baseline else None

@@ -1287,10 +1287,49 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
 ROWS_ON_CUDA_CORES = {"mxfp4": {"pointers": 2, "tma": 2}, "fp8_block": {"pointers": 0, "tma": 2}}
 
 
+@triton.jit
+def _fp8_dequantize_kernel(data, scales, out, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           COMPUTE_FP32: tl.constexpr):
+    """Rows [program_id(0) * BLOCK_N, ...) of an FP8 block-scaled weight [N, K] times their 128 x 128 block's scale,
+    rounded once to out's dtype: `dequantize_fp8_block`'s bits."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    columns = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ok = (rows < N)[:, None] & (columns < K)[None, :]
+    values = _fp8_tile(data, rows, rows < N, columns, K, COMPUTE_FP32, False).to(tl.float32)
+    scale = tl.load(scales + (rows // 128)[:, None] * tl.cdiv(K, 128) + (columns // 128)[None, :], mask=ok, other=0.0)
+    tl.store(out + rows[:, None].to(tl.int64) * K + columns[None, :], values * scale, mask=ok)
+
+
+# Rows from which an FP8 dense layer is dequantized to x's dtype (in slabs of at most DEQUANTIZE_ELEMENTS, so the
+# transient copy stays small) and multiplied by torch (cuBLAS): at that many rows the fused launch is bound by its
+# math (fp8 converted to fp16 per tile). From bench/packed_linear.py --dequantize-rows on the H200 (session 25):
+# 1.19-1.88x faster on all nine DeepSeek-V3 / Qwen3 projections at 256 rows, 2.3-3.6x at 1024; at 128 rows
+# 0.69-1.44x (the large projections lose), at 64 0.46-0.86x.
+DEQUANTIZE_ROWS = 256
+DEQUANTIZE_ELEMENTS = 1 << 25
+
+
+def _dequantized_linear(rows: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+    """rows [M, K] @ dequantized FP8 weight [1, N, K]^T (+ bias), slab by slab of output columns."""
+    _, n, k = weight.shape
+    slab = max(128, DEQUANTIZE_ELEMENTS // k // 128 * 128)
+    bias = weight.bias[0].to(rows.dtype) if weight.bias is not None else None
+    outputs = []
+    for start in range(0, n, slab):
+        stop = min(n, start + slab)
+        dense = torch.empty(stop - start, k, dtype=rows.dtype, device=rows.device)
+        _fp8_dequantize_kernel[(triton.cdiv(stop - start, 64), triton.cdiv(k, 128))](
+            weight.data[0, start:], weight.scales[0, start // 128:], dense, stop - start, k, BLOCK_N=64, BLOCK_K=128,
+            COMPUTE_FP32=rows.dtype == torch.float32)
+        outputs.append(torch.nn.functional.linear(rows, dense, None if bias is None else bias[start:stop]))
+    return torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]
+
+
 def packed_linear(x: torch.Tensor, weight: PackedWeight, **tiles) -> torch.Tensor:
     """A dense linear layer over a packed [1, N, K] weight (FP8 block-scaled or MXFP4): the MoE kernel with every
     row on the one expert, blocks of rows in order (no grouping launch), K split to fill the GPU when the output
-    has few column tiles (tile `split_k` fixes the count). x [..., K] -> [..., N] in x's dtype."""
+    has few column tiles (tile `split_k` fixes the count); FP8 from DEQUANTIZE_ROWS rows without tiles given: the
+    weight dequantized slab by slab, then torch's linear. x [..., K] -> [..., N] in x's dtype."""
     if "down_launch" in tiles:
         raise ValueError("down_launch sets an MoE call's down launch apart; a dense layer has one projection: pass "
                          "its tiles directly")
@@ -1302,6 +1341,8 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, **tiles) -> torch.Tenso
     loads = _weight_loads(tiles, _tma_blocker(weight, weight, compute_fp32, None))
     few_rows = rows.shape[0] if rows.shape[0] <= ROWS_ON_CUDA_CORES.get(weight.format, {}).get(loads, 0) else None
     _, n, k = weight.shape
+    if weight.format == "fp8_block" and rows.shape[0] >= DEQUANTIZE_ROWS and not tiles:
+        return _dequantized_linear(rows, weight).view(*x.shape[:-1], n)
     if weight.format == "fp8_block" and few_rows is None and tiles.get("block_m", 16) >= 16:
         tiles = _dense_tiles(rows.shape[0], n) | tiles
     settings = tiles_for(weight.format, tiles, few_rows, loads, _whole_groups(weight)) | dict(compute_fp32=compute_fp32)

@@ -519,6 +519,29 @@ def test_fp8_dense_tiles_follow_rows_and_width():
     torch.testing.assert_close(actual, packed_linear(x.to(DEVICE), weight, block_m=64, block_n=64), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    DEVICE == "cpu", reason="the interpreter's bf16 is wrong"))])
+@pytest.mark.parametrize("slab_elements", [1 << 25, 1])
+def test_fp8_dense_layers_of_many_rows_dequantize_then_multiply(monkeypatch, slab_elements, dtype):
+    """From DEQUANTIZE_ROWS rows an FP8 dense layer is dequantized by the kernel (the reference dequantizer's bits,
+    slab by slab of 128 output rows when DEQUANTIZE_ELEMENTS is small, the last slab partial) and multiplied by
+    torch: the same result as torch's linear on the reference's dense weight; with tiles given the fused launch
+    runs instead, within tolerance."""
+    from dflash_compile.kernels import moe
+
+    monkeypatch.setattr(moe, "DEQUANTIZE_ELEMENTS", slab_elements)
+    generator = torch.Generator().manual_seed(8)
+    weight = PackedWeight.quantize(torch.randn(1, 200, 352, generator=generator), "fp8_block",
+                                   torch.randn(1, 200, generator=generator))
+    weight = PackedWeight(weight.format, weight.data.to(DEVICE), weight.scales.to(DEVICE), weight.bias.to(DEVICE))
+    x = torch.randn(2, moe.DEQUANTIZE_ROWS // 2, 352, generator=generator).to(DEVICE, dtype)
+    expected = torch.nn.functional.linear(x, weight.dequantize(dtype)[0], weight.bias[0].to(dtype))
+    torch.testing.assert_close(moe.packed_linear(x, weight), expected, atol=0, rtol=0)
+    fused = moe.packed_linear(x, weight, block_m=64)
+    assert (fused.double() - expected.double()).norm() / expected.double().norm() <= (1e-4 if dtype == torch.float32
+                                                                                     else 1e-2)
+
+
 @pytest.mark.skipif(DEVICE == "cpu", reason="TMA loads and bf16 activations need the GPU")
 def test_fp8_dense_layers_take_the_row_path_for_one_or_two_rows():
     """A decode step's single bf16 row, or a verify step's two, through an FP8 dense layer: the CUDA-core row path
