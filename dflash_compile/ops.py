@@ -221,8 +221,9 @@ def _fp8_block_dequantize_fake(weight, scale_inv, block_n, block_k, dtype):
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
                      bias: torch.Tensor | None) -> torch.Tensor:
     """linear(x, weight * scale_inv per 128 x 128 block, bias) without materialising the weight: on CUDA the fused
-    Triton kernel reads the FP8 bytes tile by tile (on GPUs of compute capability 8.9 or newer: `fused_blocker`);
-    on a CPU the C++ kernel (csrc/, registered for the CPU key once built); elsewhere the reference dequantizes then
+    Triton kernel reads the FP8 bytes tile by tile (on GPUs of compute capability 8.9 or newer: `fused_blocker`;
+    from `DEQUANTIZE_ROWS` rows, e.g. a prefill, it dequantizes slab by slab for torch's matmul instead); on a CPU
+    the C++ kernel (csrc/, registered for the CPU key once built); elsewhere the reference dequantizes then
     multiplies."""
     from .kernels import cpu
 
