@@ -1303,7 +1303,7 @@ def _fp8_dequantize_kernel(data, scales, out, N, K, BLOCK_N: tl.constexpr, BLOCK
 # Rows from which an FP8 dense layer is dequantized to x's dtype (in slabs of at most DEQUANTIZE_ELEMENTS, so the
 # transient copy stays small) and multiplied by torch (cuBLAS): at that many rows the fused launch is bound by its
 # math (fp8 converted to fp16 per tile). From bench/packed_linear.py --dequantize-rows on the H200 (session 25):
-# 1.19-1.88x faster on all nine DeepSeek-V3 / Qwen3 projections at 256 rows, 2.3-3.6x at 1024; at 128 rows
+# 1.19-1.88x faster on all nine DeepSeek-V3 / Qwen3 projections at 256 rows, 2.0-3.6x at 1024; at 128 rows
 # 0.69-1.44x (the large projections lose), at 64 0.46-0.86x.
 DEQUANTIZE_ROWS = 256
 DEQUANTIZE_ELEMENTS = 1 << 25
