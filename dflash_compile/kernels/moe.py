@@ -1291,14 +1291,17 @@ ROWS_ON_CUDA_CORES = {"mxfp4": {"pointers": 2, "tma": 2}, "fp8_block": {"pointer
 @triton.jit
 def _fp8_dequantize_kernel(data, scales, out, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            COMPUTE_FP32: tl.constexpr):
-    """Rows [program_id(0) * BLOCK_N, ...) of an FP8 block-scaled weight [N, K] times their 128 x 128 block's scale,
-    rounded once to out's dtype: `dequantize_fp8_block`'s bits."""
+    """Tile (program_id(0), program_id(1)) of an FP8 block-scaled weight [N, K] times its 128 x 128 block's scale,
+    rounded once to out's dtype: `dequantize_fp8_block`'s bits. The tile lies in one scale block, so its scale is
+    one load (per-element scale loads took 56 of the 696 instructions per thread on sm_90, Triton 3.6), and the
+    codes go through fp16 (exact for every e4m3 value), not bf16 (a further conversion each)."""
+    tl.static_assert(BLOCK_K == 128 and 128 % BLOCK_N == 0, "a tile inside one 128 x 128 scale block")
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     columns = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    ok = (rows < N)[:, None] & (columns < K)[None, :]
-    values = _fp8_tile(data, rows, rows < N, columns, K, COMPUTE_FP32, False).to(tl.float32)
-    scale = tl.load(scales + (rows // 128)[:, None] * tl.cdiv(K, 128) + (columns // 128)[None, :], mask=ok, other=0.0)
-    tl.store(out + rows[:, None].to(tl.int64) * K + columns[None, :], values * scale, mask=ok)
+    values = _fp8_tile(data, rows, rows < N, columns, K, COMPUTE_FP32, True).to(tl.float32)
+    scale = tl.load(scales + (tl.program_id(0) * BLOCK_N // 128) * tl.cdiv(K, 128) + tl.program_id(1))
+    tl.store(out + rows[:, None].to(tl.int64) * K + columns[None, :], values * scale,
+             mask=(rows < N)[:, None] & (columns < K)[None, :])
 
 
 # Rows from which an FP8 dense layer is dequantized to x's dtype (in slabs of at most DEQUANTIZE_ELEMENTS, so the
