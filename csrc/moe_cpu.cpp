@@ -15,7 +15,9 @@
 // output rows are split over threads (at::parallel_for), each thread decoding one weight row at a time into a
 // K-float buffer (AVX-512 decode where the build has it) and dotting it with every token routed to that expert;
 // dense weights stored input-major (gpt-oss's transposed views) go column by column instead
-// (`project_input_major`). A decode-sized call touches each routed weight byte once.
+// (`project_input_major`). A decode-sized call touches each routed weight byte once. From kGemmPairs pairs on one
+// expert (a prefill) the rows are decoded block by block into fp32 and each block goes through torch's GEMM
+// (`project_by_blocks`).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -231,10 +233,42 @@ void project_input_major(const PackedMatrix& weight, const float* in, int64_t pa
   });
 }
 
+// Pairs from which project() decodes blocks of weight rows into fp32 and multiplies each block by torch's GEMM
+// (at::mm): below, a row decoded once is dotted with every pair while it sits in L1; from here on those dots re-read
+// every pair's activations from cache for each weight row, where a GEMM blocks them. `bench/moe_cpu.py --dense` on
+// the 2-core machine (session 25): 1.17-2.09x at 32 rows, 1.47-2.36x at 64, 2.43-3.89x at 256 over the dots; at 8
+// and 16 rows between 0.66x and 1.42x by shape (the decoded fp32 block's round trip through memory against 1 byte
+// per weight), so those keep the dots.
+constexpr int64_t kGemmPairs = 32;
+constexpr int64_t kBlockElements = int64_t{1} << 22;  // fp32 values per decoded block: 16 MB
+
+// project() for kGemmPairs and more pairs: weight rows decoded block by block (rows split over threads), each block
+// multiplied by at::mm into its columns of out.
+void project_by_blocks(const PackedMatrix& weight, const float* in, int64_t pairs, const float* bias, float* out) {
+  const at::Tensor x = at::from_blob(const_cast<float*>(in), {pairs, weight.columns}, at::kFloat);
+  const at::Tensor result = at::from_blob(out, {pairs, weight.rows}, at::kFloat);
+  const int64_t block_rows = std::min(weight.rows, std::max<int64_t>(1, kBlockElements / weight.columns));
+  const at::Tensor block = at::empty({block_rows, weight.columns}, at::kFloat);
+  float* decoded = block.data_ptr<float>();
+  for (int64_t start = 0; start < weight.rows; start += block_rows) {
+    const int64_t rows = std::min(block_rows, weight.rows - start);
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) weight.decode_row(start + n, decoded + n * weight.columns);
+    });
+    at::Tensor product = at::mm(x, block.narrow(0, 0, rows).t());
+    if (bias) product.add_(at::from_blob(const_cast<float*>(bias) + start, {rows}, at::kFloat));
+    result.narrow(1, start, rows).copy_(product);
+  }
+}
+
 // out[p, n] = W[rows n] . in[p] (+ bias) for every pair p of one expert, rows split over threads.
 void project(const PackedMatrix& weight, const float* in, int64_t pairs, const float* bias, float* out) {
   if (weight.format == kDense && weight.column_stride != 1 && weight.row_bytes == c10::elementSize(weight.dtype)) {
     project_input_major(weight, in, pairs, bias, out);
+    return;
+  }
+  if (pairs >= kGemmPairs) {
+    project_by_blocks(weight, in, pairs, bias, out);
     return;
   }
   at::parallel_for(0, weight.rows, 16, [&](int64_t begin, int64_t end) {

@@ -11,6 +11,7 @@ from tests.kernels.test_moe import _experts, _routing, reference_moe
 LAYOUTS = {  # experts, hidden, intermediate, top-k, tokens, interleaved, activation, bias
     "gpt_oss": (4, 2880, 32, 2, 3, True, "clamped_swiglu", True),  # K = 2880: not a multiple of 128
     "silu_concatenated": (3, 96, 160, 2, 5, False, "silu", False),
+    "prefill": (3, 96, 64, 2, 60, True, "clamped_swiglu", True),  # ~40 pairs per expert: decoded blocks and a GEMM
 }
 
 
@@ -127,18 +128,22 @@ def test_without_the_kernels_the_reference_runs(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fp8_block_linear_cpu_kernel(dtype):
-    """A dense FP8 layer with partial 128-blocks in both directions, [B, T, K] activations, a bias."""
+@pytest.mark.parametrize("shape", [(300, 200, 3), (300, 200, 20), (1100, 4096, 20)])
+def test_fp8_block_linear_cpu_kernel(dtype, shape):
+    """A dense FP8 layer with partial 128-blocks in both directions, [B, T, K] activations, a bias: 6 rows (each
+    weight row dotted with them), 40 rows (weight rows decoded in blocks for a GEMM), and a weight of two such
+    blocks (1100 x 4096 values, blocks of 2^22)."""
     from dflash_compile.quant import dequantize_fp8_block, quantize_fp8_block
 
     assert cpu.load() and torch._C._dispatch_has_kernel_for_dispatch_key("dflash::fp8_block_linear", "CPU")
+    n, k, tokens = shape
     generator = torch.Generator().manual_seed(0)
-    weight, scale = quantize_fp8_block(torch.randn(300, 200, generator=generator))
-    x = torch.randn(2, 3, 200, generator=generator)
-    bias = torch.randn(300, generator=generator)
+    weight, scale = quantize_fp8_block(torch.randn(n, k, generator=generator))
+    x = torch.randn(2, tokens, k, generator=generator)
+    bias = torch.randn(n, generator=generator)
     expected = x.double() @ dequantize_fp8_block(weight, scale).double().T + bias.double()
     actual = torch.ops.dflash.fp8_block_linear(x.to(dtype), weight, scale, bias.to(dtype))
-    assert actual.shape == (2, 3, 300) and actual.dtype == dtype
+    assert actual.shape == (2, tokens, n) and actual.dtype == dtype
     error = (actual.double() - expected).norm() / expected.norm()
     assert error <= (1e-4 if dtype == torch.float32 else 1e-2), f"relative error {error:.2e}"
 
