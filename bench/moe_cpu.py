@@ -77,7 +77,8 @@ DENSE_SHAPES = {"deepseek-v3 q_a_proj": (1536, 7168), "qwen3-30b-a3b-fp8 q_proj"
 def dense_layers(token_counts: list[int], repeats: int) -> None:
     """`dflash::fp8_block_linear` (the C++ kernel) against the reference: the weight dequantized, then torch's
     linear."""
-    print("| layer | M | MB | C++ us | GB/s | reference us | speed-up | rel. difference |\n|---|---|---|---|---|---|---|---|")
+    print("| layer | M | MB | C++ us | GB/s | reference us | speed-up | rel. difference |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, (n, k) in DENSE_SHAPES.items():
         weight = random_packed("fp8_block", 1, n, k, bias=False, device="cpu")
         data, scales = weight.data[0].view(torch.float8_e4m3fn), weight.scales[0]
