@@ -128,11 +128,12 @@ def test_without_the_kernels_the_reference_runs(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(300, 200, 3), (300, 200, 20), (1100, 4096, 20)])
+@pytest.mark.parametrize("shape", [(300, 200, 3), (300, 2880, 3), (300, 200, 20), (1100, 4096, 20)])
 def test_fp8_block_linear_cpu_kernel(dtype, shape):
-    """A dense FP8 layer with partial 128-blocks in both directions, [B, T, K] activations, a bias: 6 rows (each
-    weight row dotted with them), 40 rows (weight rows decoded in blocks for a GEMM), and a weight of two such
-    blocks (1100 x 4096 values, blocks of 2^22)."""
+    """A dense FP8 layer with partial 128-blocks in both directions, [B, T, K] activations, a bias: 6 rows (weight
+    rows dotted with them in groups of 4, over K in chunks of 1024: one chunk, or three with a partial last one),
+    40 rows (weight rows decoded in blocks for a GEMM), and a weight of two such blocks (1100 x 4096 values,
+    blocks of 2^22)."""
     from dflash_compile.quant import dequantize_fp8_block, quantize_fp8_block
 
     assert cpu.load() and torch._C._dispatch_has_kernel_for_dispatch_key("dflash::fp8_block_linear", "CPU")
