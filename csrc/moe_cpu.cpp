@@ -13,7 +13,8 @@
 //
 // Work: experts one after another (so two experts never write the same output row at once); inside an expert the
 // output rows are split over threads (at::parallel_for), each thread decoding one weight row at a time into a
-// K-float buffer (AVX-512 decode where the build has it) and dotting it with every token routed to that expert;
+// K-float buffer (AVX-512 decode where the build has it) and dotting it with every token routed to that expert
+// (from kChunkPairs tokens, 4 rows at a time over chunks of K, so each token's activations are read once per group);
 // dense weights stored input-major (gpt-oss's transposed views) go column by column instead
 // (`project_input_major`). A decode-sized call touches each routed weight byte once. From kGemmPairs pairs on one
 // expert (a prefill) the rows are decoded block by block into fp32 and each block goes through torch's GEMM
