@@ -266,7 +266,7 @@ void project_by_blocks(const PackedMatrix& weight, const float* in, int64_t pair
 }
 
 // project()'s passes over rows and column chunks (below kGemmPairs pairs), from `bench/moe_cpu.py` on the 2-core
-// machine (session 25): FP8 dense layers at 4-16 rows 1.03-1.6x faster than row by row; MoE calls, whose experts
+// machine (session 25): FP8 dense layers at 4-16 rows 0.99-1.89x as fast as row by row; MoE calls, whose experts
 // mostly get 1-3 pairs, 0.83-1.24x with chunks from 2 pairs (MXFP4 rows of a few pairs lost), hence from 4.
 constexpr int64_t kChunkPairs = 4;
 constexpr int64_t kRowsPerPass = 4;
