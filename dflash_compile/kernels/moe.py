@@ -1318,10 +1318,11 @@ def _dequantized_linear(rows: torch.Tensor, weight: PackedWeight) -> torch.Tenso
     _, n, k = weight.shape
     slab = max(128, DEQUANTIZE_ELEMENTS // k // 128 * 128)
     bias = weight.bias[0].to(rows.dtype) if weight.bias is not None else None
-    outputs = []
+    # one buffer for every slab: on the one stream each slab's matmul reads it before the next slab is written
+    outputs, buffer = [], torch.empty(min(n, slab), k, dtype=rows.dtype, device=rows.device)
     for start in range(0, n, slab):
         stop = min(n, start + slab)
-        dense = torch.empty(stop - start, k, dtype=rows.dtype, device=rows.device)
+        dense = buffer[:stop - start]
         _fp8_dequantize_kernel[(triton.cdiv(stop - start, 64), triton.cdiv(k, 128))](
             weight.data[0, start:], weight.scales[0, start // 128:], dense, stop - start, k, BLOCK_N=64, BLOCK_K=128,
             COMPUTE_FP32=rows.dtype == torch.float32)
@@ -1342,11 +1343,11 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, **tiles) -> torch.Tenso
     blocker = fused_blocker(weight.format, x.device, compute_fp32)
     if blocker:
         raise ValueError(f"{blocker}: use dflash::fp8_block_linear, which dequantizes the weight there")
-    loads = _weight_loads(tiles, _tma_blocker(weight, weight, compute_fp32, None))
-    few_rows = rows.shape[0] if rows.shape[0] <= ROWS_ON_CUDA_CORES.get(weight.format, {}).get(loads, 0) else None
     _, n, k = weight.shape
     if weight.format == "fp8_block" and rows.shape[0] >= DEQUANTIZE_ROWS and not tiles:
         return _dequantized_linear(rows, weight).view(*x.shape[:-1], n)
+    loads = _weight_loads(tiles, _tma_blocker(weight, weight, compute_fp32, None))
+    few_rows = rows.shape[0] if rows.shape[0] <= ROWS_ON_CUDA_CORES.get(weight.format, {}).get(loads, 0) else None
     if weight.format == "fp8_block" and few_rows is None and tiles.get("block_m", 16) >= 16:
         tiles = _dense_tiles(rows.shape[0], n) | tiles
     settings = tiles_for(weight.format, tiles, few_rows, loads, _whole_groups(weight)) | dict(compute_fp32=compute_fp32)
