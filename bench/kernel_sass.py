@@ -27,6 +27,7 @@ import collections
 import contextlib
 import hashlib
 import io
+import itertools
 import re
 import subprocess
 import sys
@@ -152,6 +153,13 @@ def compile_error(failure: BaseException) -> str:
 def parse_tiles(items: list[str]) -> dict:
     """Tile overrides from the command line: ["block_n=64", "operands=fp16"] -> {"block_n": 64, "operands": "fp16"}."""
     return {key: int(value) if value.isdigit() else value for key, value in (item.split("=") for item in items)}
+
+
+def tile_grid(values: list[str]) -> list[dict]:
+    """Every combination of swept tile values: ["block_m=16,64", "num_warps=4,8"] -> four tile dicts."""
+    names = [item.split("=")[0] for item in values]
+    return [parse_tiles([f"{name}={value}" for name, value in zip(names, combo)])
+            for combo in itertools.product(*(item.split("=")[1].split(",") for item in values))]
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ the fused kernel on those same bf16 weights (a candidate for resident bf16 exper
     python bench/moe_kernels.py --no-tune --down-sweep --shapes gpt-oss-20b --tokens 1 16   # down launch apart
     python bench/moe_kernels.py --no-tune --shapes gpt-oss-20b --tokens 4 8 --tiles block_m=2   # M > 1 overrides
     python bench/moe_kernels.py --no-tune --shapes gpt-oss-120b --tokens 4 16 --routing-skew 1   # a skewed router
+    python bench/moe_kernels.py --no-tune --tokens 256 --sweep block_m=16,64 num_warps=4,8   # best tiles per shape, M
 
 Weights rotate over several layers so that L2 does not serve them. "bytes" are the routed experts' packed bytes
 (weights, scales, biases) that one call must read; GB/s is bytes / time, next to the device-to-device copy bandwidth
@@ -37,9 +38,9 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_compile.expert_store import Gate, expert_sum  # noqa: E402
 from dflash_compile.families import spec_for_experts_class  # noqa: E402
-from dflash_compile.kernels.moe import ROW_TILES, TILES, few_rows_per_block, fused_moe  # noqa: E402
+from dflash_compile.kernels.moe import ROW_TILES, TILES, fused_moe, rows_per_block  # noqa: E402
 from dflash_compile.packed import PackedWeight, expert_weights  # noqa: E402
-from kernel_sass import parse_tiles  # noqa: E402  (bench/, the script's own folder)
+from kernel_sass import parse_tiles, tile_grid  # noqa: E402  (bench/, the script's own folder)
 
 SHAPES = {  # experts, top-k, hidden, intermediate, format, gpt-oss layout
     "gpt-oss-20b": (32, 4, 2880, 2880, "mxfp4", True),
@@ -270,12 +271,11 @@ SPLIT_K = (1, 2, 3, 4, 6)  # shares of K for one token's launches, swept on the 
 
 def path_of(tokens: int, top_k: int, experts: int, format: str) -> str:
     """The path `fused_moe` takes on a call of this size: one token's, the CUDA-core blocks of few rows
-    (`few_rows_per_block`, for formats with a row path: ROW_TILES), or the tensor cores'."""
+    (`rows_per_block`, for formats with a row path: ROW_TILES), or the tensor cores' (blocks of 16 or WIDE_TILES')."""
     if tokens == 1:
         return "one_token"
-    few_rows = format in ROW_TILES and few_rows_per_block(tokens, top_k, experts, weight_loads="tma",  # H200: TMA
-                                                          format=format)
-    return "few_rows" if few_rows else "tensor_core"
+    rows = rows_per_block(tokens, top_k, experts, weight_loads="tma", format=format)  # H200: TMA loads
+    return "few_rows" if format in ROW_TILES and rows is not None and rows < 16 else "tensor_core"
 
 
 def path_tiles(tiles: dict, tokens: int, top_k: int, experts: int, format: str) -> dict:
@@ -340,8 +340,14 @@ def down_candidates(format: str, one_token: bool):
 
 def tune(name: str, tokens_list, layers: int, candidates) -> dict:
     """Pick tile sizes and warps for a shape's format among `candidates` (one config per call: no autotuner, which
-    fails in the interpreter): the best sum of CUDA-graph times over `tokens_list`, among configs whose bf16 result
-    stays within 1e-2 of the reference (a wrong variant must not win the sweep)."""
+    fails in the interpreter): the best sum of CUDA-graph times over `tokens_list` (`candidate_times`)."""
+    settings, _ = min(candidate_times(name, tokens_list, layers, candidates), key=lambda timed: timed[1])
+    return settings
+
+
+def candidate_times(name: str, tokens_list, layers: int, candidates) -> list[tuple[dict, float]]:
+    """Each candidate's sum of CUDA-graph times over `tokens_list`; inf where its bf16 result is not within 1e-2 of
+    the reference (a wrong variant must not win a sweep) or it fails to run."""
     experts, top_k, hidden, inter, format, gpt_oss = SHAPES[name]
     activation = "clamped_swiglu" if gpt_oss else "silu"
     packed = [(random_packed(format, experts, 2 * inter, hidden, gpt_oss),
@@ -364,7 +370,23 @@ def tune(name: str, tokens_list, layers: int, candidates) -> dict:
             key = repr(settings)  # settings may hold a dict (down_launch)
             configs[key], totals[key] = settings, totals.get(key, 0.0) + us
             print(f"tune {name} M={tokens} {settings}: {us:.1f} us, rel. error {error:.1e}", flush=True)
-    return configs[min(totals, key=totals.get)]
+    return [(configs[key], totals[key]) for key in configs]
+
+
+def sweep(shapes, tokens_list, layers: int, tiles: dict, values: list[str]) -> None:
+    """The fastest tiles per shape and M among every combination of the swept values (on the tiles of the path the
+    call takes), next to that path's tiles as they are."""
+    rows = []
+    for name in shapes:
+        experts, top_k, _, _, format, _ = SHAPES[name]
+        for tokens in tokens_list:
+            default = path_tiles(tiles[format], tokens, top_k, experts, format)
+            candidates = [default] + [default | point for point in tile_grid(values)]
+            timed = candidate_times(name, [tokens], layers, candidates)
+            best, best_us = min(timed, key=lambda candidate: candidate[1])
+            rows.append(f"| {name} | {tokens} | {timed[0][1]:.1f} | {best_us:.1f} | {best} | "
+                        f"{timed[0][1] / best_us:.2f}x |")
+    print("| shape | M | default us | best us | best tiles | speed-up |\n|---|---|---|---|---|---|", *rows, sep="\n")
 
 
 def main() -> None:
@@ -384,6 +406,8 @@ def main() -> None:
                         help="sweep the down launch apart (tile down_launch) at each --tokens, also with --no-tune")
     parser.add_argument("--tiles", nargs="*", default=[],
                         help="overrides of the tiles for M > 1 with --no-tune, e.g. block_m=2 (the CUDA-core path)")
+    parser.add_argument("--sweep", nargs="*", default=[],
+                        help="tile values to sweep at each --tokens on each --shapes, e.g. block_m=16,64 num_warps=4,8")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     copy_gbs = copy_bandwidth() / 1e9
@@ -406,6 +430,8 @@ def main() -> None:
             tiles[format][path] = tune(name, [tokens], 2, [tiles[format][path] | {"down_launch": down}
                                                            for down in down_candidates(format, tokens == 1)])
     print("tiles:", tiles)
+    if args.sweep:
+        return sweep(args.shapes, args.tokens, 2, tiles, args.sweep)
     rows = []
     baseline = load_baseline(args.baseline).fused_moe if args.baseline else None
     for name in args.shapes:

@@ -15,7 +15,6 @@ dflash_compile/kernels/moe.py.
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 from pathlib import Path
 
@@ -25,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_compile.kernels import moe  # noqa: E402
 from dflash_compile.kernels.moe import packed_linear  # noqa: E402
-from kernel_sass import parse_tiles  # noqa: E402
+from kernel_sass import parse_tiles, tile_grid  # noqa: E402
 from moe_kernels import copy_bandwidth, graph_time_us, load_baseline, random_packed, read_time_us  # noqa: E402
 
 SHAPES = {  # name: (N, K)
@@ -92,9 +91,7 @@ def main() -> None:
 def sweep(token_counts: list[int], format: str, tiles: dict, values: list[str]) -> None:
     """The fastest tiles per layer and M among every combination of the swept values, each with the automatic share
     count and every count in SPLITS, next to the default tiles (auto shares)."""
-    names = [item.split("=")[0] for item in values]
-    grid = [parse_tiles([f"{name}={v}" for name, v in zip(names, combo)])
-            for combo in itertools.product(*(item.split("=")[1].split(",") for item in values))]
+    grid = tile_grid(values)
     print("| layer | M | default us | best us | best tiles | speed-up |\n|---|---|---|---|---|---|")
     for name, (n, k) in SHAPES.items():
         weights = [random_packed(format, 1, n, k, bias=False)]

@@ -11,6 +11,8 @@ Each expert's weight tile is read once per block of pairs routed to it, so a dec
 once. The pair -> block assignment (`align_routing`) is computed on the device without a host sync, with the grid
 sized by its upper bound: blocks past the real count exit at once (CUDA-graph friendly); a single token needs none
 (each pair its own block). A third launch sums each token's pairs in fp32 and rounds once to the output dtype.
+Blocks hold 16 pairs (TILES); at prefill sizes MXFP4 experts get 128 (WIDE_TILES, `rows_per_block`), so each weight
+tile is decoded once per 128 pairs and multiplied by warpgroup MMAs.
 
 On Hopper every launch here is a programmatic dependent launch (`_dependent_launch`): the next kernel's programs
 start while the previous one's last programs finish, and wait in `gdc_wait` before touching memory, which takes
@@ -32,7 +34,7 @@ fp8 casts inside the kernel, which the interpreter gets wrong). On the GPU, MXFP
 straight into the register pairs of the MMA operand (`_E2M1_BF16_ASM`), FP8 codes by the hardware conversion.
 
 Blocks of one or two rows of activations times MXFP4 weights (a decode step's launches; verify sizes where experts
-get about one pair each, `few_rows_per_block`; a dense layer's one or two rows) run on the CUDA cores instead
+get about one pair each, `rows_per_block`; a dense layer's one or two rows) run on the CUDA cores instead
 (`_row_project`, tiles `ROW_TILES`): no tensor-core tile padded to 16 rows, codes decoded to fp16 pairs by shifts
 and masks per word and a byte permute per pair (`_e2m1_word_pairs`, 11 instructions per 8 codes) and multiplied in
 fp16x2, the activations scaled by a power of two that keeps them in fp16's range. FP8 experts take the same path
@@ -1101,7 +1103,7 @@ TILES = {
 # rows, by 12-60%. FP8 (session 21, Qwen3-30B-A3B-FP8; operands "fp16" as in TILES: the gate/up launch writes the
 # down launch's x as prescaled fp16): one row, 32 columns on 4 warps, 256-wide steps, 3 stages (18.1-18.8 us) beat
 # 16-64 columns on 2-8 warps, 128-1024-wide steps and 2-4 stages (18.7-35.0 us) and 2-3 shares (20.5, 23.4); two
-# rows (up to 1.4 pairs per routed expert, `few_rows_per_block`), 128 columns on 4 warps, 128-wide steps beat
+# rows (up to 1.4 pairs per routed expert, `rows_per_block`), 128 columns on 4 warps, 128-wide steps beat
 # 32-64 columns on 2-8 warps. FP8 pointer loads (session 24, `bench/pointer_rows.py`: GPUs without TMA, offload's
 # host fallback): one row, 16 columns on 4 warps, 256-wide steps (19.6 us) beat 8-64 columns on 1-4 warps and
 # 128-wide steps (20.6-381 us; MXFP4's bytes per step, the earlier tiles, 23.2) and the tensor cores (20.1 us); two
@@ -1143,13 +1145,24 @@ def _check_weight_loads(loads: str) -> str:
 # Qwen3-30B-A3B-FP8 over the best blocks of 2, session 24's `bench/pointer_rows.py`).
 PAIRS_PER_EXPERT_ON_CUDA_CORES = {"mxfp4": {"pointers": 1.3, "tma": 3.3}, "fp8_block": {"pointers": 0, "tma": 1.4}}
 
+# Prefill sizes: from this many pairs per routed expert, blocks of WIDE_TILES' rows (an expert's weight tiles decoded
+# once for 128 rows, not 8 times for 16; warpgroup MMAs of 64 rows per 4 warps) for 16-bit activations (fp32 tiles of
+# 128 rows would take 64 KB of shared memory per K step, 256 KB in 4 stages). Session 26 (H200, `bench/moe_kernels.py
+# --baseline`): at 128 / 256 pairs 1.23x / 1.41x (gpt-oss-20b, M = 1024 / 2048), 1.39x (Qwen3-30B-A3B MXFP4, M =
+# 2048); at 64 mixed: 0.99x / 0.97x (gpt-oss-20b / 120b), 1.11x (Qwen3); at 32 (`--sweep`) blocks of 64 or 128 rows
+# lost 0.78x / 0.56x. FP8 keeps its tiles: the wide blocks lost at 16 and 64 pairs (0.57x, 0.95x).
+PAIRS_PER_EXPERT_ON_WIDE_TILES = {"mxfp4": 96}
+WIDE_TILES = {"mxfp4": 64}
+WIDE_TILES = {"mxfp4": TILES["mxfp4"] | {"block_m": 128, "num_warps": 8}}
 
-def few_rows_per_block(tokens: int, top_k: int, experts: int, reads_host: bool = False,
-                       weight_loads: str = "pointers", format: str = "mxfp4") -> int | None:
-    """Rows per block for an MoE call whose experts get few pairs each, for formats with a CUDA-core path
-    (`tiles_for`'s few_rows): one token's pairs are a block each; up to PAIRS_PER_EXPERT_ON_CUDA_CORES pairs per
-    routed expert under uniform routing (E * (1 - (1 - k/E)^M) experts routed), blocks of 2 (most experts get one or
-    two pairs, so blocks of 16 on the tensor cores would be mostly padding). None: the tensor-core tiles. From
+
+def rows_per_block(tokens: int, top_k: int, experts: int, reads_host: bool = False,
+                   weight_loads: str = "pointers", format: str = "mxfp4", compute_fp32: bool = False) -> int | None:
+    """Rows per block for an MoE call whose experts get few or many pairs each (`tiles_for`'s rows), None for the
+    format's TILES. Few, for formats with a CUDA-core path: one token's pairs are a block each; up to
+    PAIRS_PER_EXPERT_ON_CUDA_CORES pairs per routed expert under uniform routing (E * (1 - (1 - k/E)^M) experts
+    routed), blocks of 2 (most experts get one or two pairs, so blocks of 16 on the tensor cores would be mostly
+    padding). Many, with 16-bit activations: from PAIRS_PER_EXPERT_ON_WIDE_TILES, WIDE_TILES' blocks. From
     bench/moe_kernels.py on the H200, gpt-oss-20b / 120b. Pointer loads (session 15): blocks of 2 beat the tensor
     cores by 1.25x / 1.26x at M = 4 (1.19 / 1.05 pairs per expert), 1.13x / 1.12x for 120b at M = 8 / 16 (1.13 /
     1.25); at 1.56 (20b, M = 8) by 1.05x only, and at 2.27 (20b, M = 16) they lose 1.26x, reading experts again for
@@ -1162,17 +1175,20 @@ def few_rows_per_block(tokens: int, top_k: int, experts: int, reads_host: bool =
     gpt-oss expert at 55 GB/s), where one tensor-core block reads it once for up to 16 pairs."""
     if tokens == 1:
         return 1
+    pairs_per_expert = tokens * top_k / (experts * (1 - (1 - top_k / experts) ** tokens))
+    if pairs_per_expert >= PAIRS_PER_EXPERT_ON_WIDE_TILES.get(format, math.inf) and not compute_fp32:
+        return WIDE_TILES[format]["block_m"]
     if reads_host or format not in PAIRS_PER_EXPERT_ON_CUDA_CORES:
         return None
-    routed = experts * (1 - (1 - top_k / experts) ** tokens)
-    return 2 if tokens * top_k / routed <= PAIRS_PER_EXPERT_ON_CUDA_CORES[format][weight_loads] else None
+    return 2 if pairs_per_expert <= PAIRS_PER_EXPERT_ON_CUDA_CORES[format][weight_loads] else None
 
 
-def tiles_for(format: str, overrides: dict, few_rows: int | None = None, weight_loads: str = "pointers",
+def tiles_for(format: str, overrides: dict, rows: int | None = None, weight_loads: str = "pointers",
               whole_groups: bool = True) -> dict:
-    """The format's tiles with `overrides` applied, checked against what the kernel can run. `few_rows`: the rows
-    per block for a launch with few rows per expert (one token: 1), taken where the format has a CUDA-core path for
-    them (ROW_TILES, chosen by block_m < 16) and no block_m override; `weight_loads`: how that path reads the weight
+    """The format's tiles with `overrides` applied, checked against what the kernel can run. `rows`: the rows per
+    block for a launch with few or many rows per expert (`rows_per_block`; one token: 1) where no block_m override
+    says: fewer than 16 where the format has a CUDA-core path for them (ROW_TILES), 64 or more on the format's
+    WIDE_TILES where it has them; `weight_loads`: how that path reads the weight
     words where no override says (the tensor-core tiles read through pointers); `whole_groups`: whether the weights'
     K is a multiple of 32, as that path reads rows in whole 32-code groups (`_whole_groups`). A `down_launch` dict
     (in the overrides or the chosen ROW_TILES entry) gives the down launch settings of its own (DOWN_TILES); the
@@ -1181,7 +1197,7 @@ def tiles_for(format: str, overrides: dict, few_rows: int | None = None, weight_
     if set(overrides) - known:
         raise ValueError(f"unknown tile settings {sorted(set(overrides) - known)}; the kernel takes {sorted(known)}")
     row_path = format in ROW_TILES and whole_groups
-    preferred = few_rows if few_rows is not None and row_path else TILES[format]["block_m"]
+    preferred = rows if rows is not None and (rows >= 16 or row_path) else TILES[format]["block_m"]
     block_m = overrides.get("block_m", preferred)
     if block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two, got {block_m}")
@@ -1194,7 +1210,9 @@ def tiles_for(format: str, overrides: dict, few_rows: int | None = None, weight_
     loads = _check_weight_loads(overrides.get("weight_loads", weight_loads if block_m < 16 else "pointers"))
     if loads == "tma" and block_m >= 16:
         raise ValueError(f"weight_loads='tma' is for the CUDA-core path (block_m < 16), got block_m {block_m}")
-    if block_m >= 16:
+    if block_m >= 64 and format in WIDE_TILES:
+        base = WIDE_TILES[format]
+    elif block_m >= 16:
         base = TILES[format]
     else:
         by_rows = ROW_TILES[format][loads]
@@ -1230,7 +1248,7 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     """Routed experts of one MoE layer: hidden [M, H], top_k_index / top_k_weights [M, k] -> [M, H] in
     hidden's dtype. gate_up is [E, 2I, H], down [E, H, I] (output-major), each packed in any format; `tiles`
     override the format's tiles for the call's size (`TILES`, or `ROW_TILES` for blocks of few rows, chosen by
-    `few_rows_per_block`; block_m < 16 picks the CUDA-core path for MXFP4 and FP8). With `slot_of` ([E] int32 on the
+    `rows_per_block`; block_m < 16 picks the CUDA-core path for MXFP4 and FP8). With `slot_of` ([E] int32 on the
     device: expert -> slot, -1 for none), gate_up and down are slot pools and `host` the (gate_up, down) views over
     all experts' host blobs (pinned memory on CUDA, same strides): experts without a slot are read from host memory
     by the kernel."""
@@ -1255,8 +1273,8 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
         raise ValueError(f"{blocker}: run these experts through dflash_compile.expert_store.run_packed, which "
                          "dequantizes them there (reference_packed)")
     loads = _weight_loads(tiles, _tma_blocker(gate_up, down, compute_fp32, host))
-    few_rows = few_rows_per_block(tokens, top_k, experts, host is not None, loads, gate_up.format)
-    settings = tiles_for(gate_up.format, tiles, few_rows, loads, _whole_groups(gate_up, down))
+    rows = rows_per_block(tokens, top_k, experts, host is not None, loads, gate_up.format, compute_fp32)
+    settings = tiles_for(gate_up.format, tiles, rows, loads, _whole_groups(gate_up, down))
     blocks = _blocks(top_k_index, experts, settings["block_m"])
     down_tiles, split_k = settings.pop("down_launch"), settings.pop("split_k")
     splits, down_splits = _splits(split_k, blocks), _splits(down_tiles.pop("split_k", split_k), blocks)

@@ -458,25 +458,62 @@ def test_blocks_of_two_rows_on_the_cuda_cores(format, precision):
         assert error <= (1e-4 if precision == "fp32" else 1e-2), f"token {token}: relative error {error:.2e}"
 
 
-def test_few_rows_per_block_follows_the_pairs_per_routed_expert():
+def test_rows_per_block_follows_the_pairs_per_routed_expert():
     """One token: a block per pair; about one pair per routed expert: blocks of 2 on the CUDA cores; more, or experts
-    read from host memory: None (tensor-core tiles of 16)."""
-    from dflash_compile.kernels.moe import few_rows_per_block
+    read from host memory: None (tensor-core tiles of 16); a prefill's 64+ pairs per MXFP4 expert: blocks of 128."""
+    from dflash_compile.kernels.moe import rows_per_block
 
-    assert few_rows_per_block(1, 4, 32) == 1
-    assert few_rows_per_block(4, 4, 32) == 2  # gpt-oss-20b verifying 4 tokens: 1.19 pairs per routed expert
-    assert few_rows_per_block(16, 4, 128) == 2  # gpt-oss-120b, 16 tokens: 1.25
-    assert few_rows_per_block(8, 4, 32) is None  # gpt-oss-20b, 8 tokens: 1.56
-    assert few_rows_per_block(64, 8, 128) is None
-    assert few_rows_per_block(16, 4, 32, weight_loads="tma") == 2  # the TMA row path holds up to 3.3 pairs
-    assert few_rows_per_block(24, 4, 32, weight_loads="tma") == 2  # 3.13
-    assert few_rows_per_block(32, 4, 32, weight_loads="tma") is None  # 4.06
+    assert rows_per_block(1, 4, 32) == 1
+    assert rows_per_block(4, 4, 32) == 2  # gpt-oss-20b verifying 4 tokens: 1.19 pairs per routed expert
+    assert rows_per_block(16, 4, 128) == 2  # gpt-oss-120b, 16 tokens: 1.25
+    assert rows_per_block(8, 4, 32) is None  # gpt-oss-20b, 8 tokens: 1.56
+    assert rows_per_block(64, 8, 128) is None
+    assert rows_per_block(16, 4, 32, weight_loads="tma") == 2  # the TMA row path holds up to 3.3 pairs
+    assert rows_per_block(24, 4, 32, weight_loads="tma") == 2  # 3.13
+    assert rows_per_block(32, 4, 32, weight_loads="tma") is None  # 4.06
     # offload: experts without a slot cross PCIe per block that reads them, so only one token keeps blocks of one
-    assert few_rows_per_block(8, 8, 128, weight_loads="tma", format="fp8_block") == 2  # Qwen3-FP8, 8 tokens: 1.36
-    assert few_rows_per_block(16, 8, 128, weight_loads="tma", format="fp8_block") is None  # 1.51
-    assert few_rows_per_block(8, 8, 128, weight_loads="pointers", format="fp8_block") is None
-    assert few_rows_per_block(4, 4, 32, reads_host=True) is None
-    assert few_rows_per_block(1, 4, 32, reads_host=True) == 1
+    assert rows_per_block(8, 8, 128, weight_loads="tma", format="fp8_block") == 2  # Qwen3-FP8, 8 tokens: 1.36
+    assert rows_per_block(16, 8, 128, weight_loads="tma", format="fp8_block") is None  # 1.51
+    assert rows_per_block(8, 8, 128, weight_loads="pointers", format="fp8_block") is None
+    assert rows_per_block(4, 4, 32, reads_host=True) is None
+    assert rows_per_block(1, 4, 32, reads_host=True) == 1
+    assert rows_per_block(1024, 4, 32) == 128  # gpt-oss-20b prefill: 128 pairs per routed expert
+    assert rows_per_block(2048, 8, 128) == 128  # Qwen3-30B-A3B MXFP4: 128
+    assert rows_per_block(1024, 4, 32, reads_host=True) == 128  # one read of an expert per 128 pairs
+    assert rows_per_block(1024, 8, 128) is None  # 64
+    assert rows_per_block(1024, 4, 32, compute_fp32=True) is None  # fp32 tiles of 128 rows: too much shared memory
+    assert rows_per_block(2048, 8, 128, weight_loads="tma", format="fp8_block") is None  # FP8 keeps its tiles
+
+
+def test_wide_tiles_for_mxfp4_blocks_of_64_rows_or_more():
+    """Blocks of 64+ MXFP4 rows take WIDE_TILES (8 warps: two warpgroups' MMAs), by size or by a block_m override;
+    other formats keep their TILES."""
+    from dflash_compile.kernels.moe import TILES, tiles_for
+
+    assert tiles_for("mxfp4", {}, 128)["block_m"] == 128 and tiles_for("mxfp4", {}, 128)["num_warps"] == 8
+    assert tiles_for("mxfp4", {"block_m": 64})["num_warps"] == 8
+    assert tiles_for("mxfp4", {"num_warps": 4}, 128)["num_warps"] == 4
+    assert tiles_for("fp8_block", {"block_m": 64})["num_warps"] == TILES["fp8_block"]["num_warps"]
+    assert tiles_for("mxfp4", {}, None)["block_m"] == 16
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_prefill_sized_calls_take_wide_blocks_and_match_the_reference(precision):
+    """256 tokens over 4 experts, top-2: 128 pairs per routed MXFP4 expert, so bf16 activations take blocks of 128
+    rows by default (one or two blocks per expert, the second mostly padding); the wide tiles by a block_m override
+    in the fp32 path (in 2 K steps in flight: fp32 tiles of 128 rows are twice the bytes). gpt-oss's interleaved
+    clamped SwiGLU with biases, K not a multiple of 128."""
+    gate_up, down = _experts("mxfp4", 4, 160, 64, bias=True, seed=12)
+    index, weights = _routing(256, 4, 2, seed=13)
+    x = torch.randn(256, 160, generator=torch.Generator().manual_seed(14))
+    expected = reference_moe(x, index, weights, gate_up, down, True, "clamped_swiglu")
+    dtype, wide = (torch.float32, dict(block_m=128, num_stages=2)) if precision == "fp32" else (torch.bfloat16, {})
+    inputs = x.to(DEVICE, dtype), index.to(DEVICE), weights.to(DEVICE), gate_up, down
+    actual = fused_moe(*inputs, interleaved=True, activation="clamped_swiglu", **wide)
+    assert (actual.cpu().double() - expected).norm() / expected.norm() <= (1e-4 if precision == "fp32" else 1e-2)
+    if precision == "bf16":  # the default is the wide tiles
+        torch.testing.assert_close(actual, fused_moe(*inputs, interleaved=True, activation="clamped_swiglu",
+                                                     block_m=128, num_warps=8), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("format", ["fp8_block", "mxfp4"])
@@ -535,7 +572,10 @@ def test_fp8_dense_layers_of_many_rows_dequantize_then_multiply(monkeypatch, sla
                                    torch.randn(1, 200, generator=generator))
     weight = PackedWeight(weight.format, weight.data.to(DEVICE), weight.scales.to(DEVICE), weight.bias.to(DEVICE))
     x = torch.randn(2, moe.DEQUANTIZE_ROWS // 2, 352, generator=generator).to(DEVICE, dtype)
-    expected = torch.nn.functional.linear(x, weight.dequantize(dtype)[0], weight.bias[0].to(dtype))
+    dense, bias = weight.dequantize(dtype)[0], weight.bias[0].to(dtype)
+    slabs = [slice(0, 200)] if slab_elements > 200 * 352 else [slice(0, 128), slice(128, 200)]
+    # torch's linear slab by slab too: cuBLAS may sum K in another order for another output width
+    expected = torch.cat([torch.nn.functional.linear(x, dense[slab], bias[slab]) for slab in slabs], dim=-1)
     torch.testing.assert_close(moe.packed_linear(x, weight), expected, atol=0, rtol=0)
     fused = moe.packed_linear(x, weight, block_m=64)
     assert (fused.double() - expected.double()).norm() / expected.double().norm() <= (1e-4 if dtype == torch.float32
