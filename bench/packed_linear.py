@@ -10,6 +10,7 @@ dflash_compile/kernels/moe.py.
     python bench/packed_linear.py --format mxfp4 --tokens 1 2   # the same shapes packed as MXFP4
     python bench/packed_linear.py --tokens 8 16 --sweep block_n=32,64,128 num_warps=4,8   # best tiles per shape
     python bench/packed_linear.py --tokens 64 128 256 --dequantize-rows 64 --baseline old_moe.py   # from 64 rows
+    python bench/packed_linear.py --tokens 256 1024 --dequantize-sweep BLOCK_N=64,128 num_warps=4,8
 """
 
 from __future__ import annotations
@@ -55,12 +56,15 @@ def main() -> None:
     parser.add_argument("--dequantize-rows", type=int, help="DEQUANTIZE_ROWS for this version (`auto us`)")
     parser.add_argument("--sweep", nargs="*", default=[],
                         help="tile values to sweep with every share count (auto and SPLITS), e.g. num_stages=3,4")
+    parser.add_argument("--dequantize-sweep", nargs="*", default=[],
+                        help="DEQUANTIZE_TILES values to sweep (the dequantize path, --tokens >= DEQUANTIZE_ROWS), "
+                             "e.g. BLOCK_N=64,128 num_warps=4,8")
     args = parser.parse_args()
     tiles = parse_tiles(args.tiles)
     if args.dequantize_rows is not None:
         moe.DEQUANTIZE_ROWS = args.dequantize_rows
-    if args.sweep:
-        return sweep(args.tokens, args.format, tiles, args.sweep)
+    if args.sweep or args.dequantize_sweep:
+        return sweep(args.tokens, args.format, tiles, args.sweep or args.dequantize_sweep, bool(args.dequantize_sweep))
     baseline = load_baseline(args.baseline).packed_linear if args.baseline else None
     copy_gbs = copy_bandwidth() / 1e9
     print(f"{torch.cuda.get_device_name()}, device-to-device copy {copy_gbs:.0f} GB/s\n")
@@ -88,23 +92,30 @@ def main() -> None:
                   f"{error:.1e} |", flush=True)
 
 
-def sweep(token_counts: list[int], format: str, tiles: dict, values: list[str]) -> None:
-    """The fastest tiles per layer and M among every combination of the swept values, each with the automatic share
-    count and every count in SPLITS, next to the default tiles (auto shares)."""
-    grid = tile_grid(values)
+def sweep(token_counts: list[int], format: str, tiles: dict, values: list[str], dequantize: bool = False) -> None:
+    """The fastest tiles per layer and M among every combination of the swept values, next to the defaults: the
+    fused launch's tiles, each with the automatic share count and every count in SPLITS, or (`dequantize`) the
+    dequantize kernel's DEQUANTIZE_TILES."""
+    grid, default_dequantize = tile_grid(values), moe.DEQUANTIZE_TILES
     print("| layer | M | default us | best us | best tiles | speed-up |\n|---|---|---|---|---|---|")
     for name, (n, k) in SHAPES.items():
         weights = [random_packed(format, 1, n, k, bias=False)]
         weights += [random_packed(format, 1, n, k, bias=False) for _ in range(copies_past_l2(weights[0].nbytes()) - 1)]
         for tokens in token_counts:
             x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
-            timed = lambda t: graph_time_us([lambda w=w: packed_linear(x, w, **t) for w in weights])  # noqa: E731
-            default = timed(tiles)
-            candidates = [tiles | point | shares for point in grid
-                          for shares in [{}] + [{"split_k": s} for s in SPLITS]]
-            best_us, best = min((timed(candidate), i) for i, candidate in enumerate(candidates))
-            print(f"| {name} | {tokens} | {default:.1f} | {best_us:.1f} | {candidates[best]} | "
-                  f"{default / best_us:.2f}x |", flush=True)
+
+            def timed(candidate: dict) -> float:
+                moe.DEQUANTIZE_TILES = default_dequantize | candidate if dequantize else default_dequantize
+                layer_tiles = tiles if dequantize else tiles | candidate
+                return graph_time_us([lambda w=w: packed_linear(x, w, **layer_tiles) for w in weights])
+
+            candidates = [{}] + (grid if dequantize else [point | shares for point in grid
+                                                          for shares in [{}] + [{"split_k": s} for s in SPLITS]])
+            times = [timed(candidate) for candidate in candidates]
+            best = min(range(len(times)), key=times.__getitem__)
+            print(f"| {name} | {tokens} | {times[0]:.1f} | {times[best]:.1f} | {candidates[best]} | "
+                  f"{times[0] / times[best]:.2f}x |", flush=True)
+    moe.DEQUANTIZE_TILES = default_dequantize
 
 
 if __name__ == "__main__":

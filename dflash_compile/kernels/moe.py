@@ -1331,6 +1331,12 @@ DEQUANTIZE_ROWS = 256
 DEQUANTIZE_ELEMENTS = 1 << 25
 
 
+# `_fp8_dequantize_kernel`'s tiles: rows of one 128 x 128 scale block per program (a divisor of 128), warps. 16-128
+# rows on 2-8 warps measured within 1.04x of these on every DeepSeek-V3 / Qwen3 shape at 256 and 1024 rows (session
+# 26, `bench/packed_linear.py --dequantize-sweep`).
+DEQUANTIZE_TILES = {"BLOCK_N": 64, "num_warps": 4}
+
+
 def _dequantized_linear(rows: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
     """rows [M, K] @ dequantized FP8 weight [1, N, K]^T (+ bias), slab by slab of output columns."""
     _, n, k = weight.shape
@@ -1341,9 +1347,9 @@ def _dequantized_linear(rows: torch.Tensor, weight: PackedWeight) -> torch.Tenso
     for start in range(0, n, slab):
         stop = min(n, start + slab)
         dense = buffer[:stop - start]
-        _fp8_dequantize_kernel[(triton.cdiv(stop - start, 64), triton.cdiv(k, 128))](
-            weight.data[0, start:], weight.scales[0, start // 128:], dense, stop - start, k, BLOCK_N=64, BLOCK_K=128,
-            COMPUTE_FP32=rows.dtype == torch.float32)
+        _fp8_dequantize_kernel[(triton.cdiv(stop - start, DEQUANTIZE_TILES["BLOCK_N"]), triton.cdiv(k, 128))](
+            weight.data[0, start:], weight.scales[0, start // 128:], dense, stop - start, k, BLOCK_K=128,
+            COMPUTE_FP32=rows.dtype == torch.float32, **DEQUANTIZE_TILES)
         outputs.append(torch.nn.functional.linear(rows, dense, None if bias is None else bias[start:stop]))
     return torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]
 
