@@ -1146,14 +1146,14 @@ def _check_weight_loads(loads: str) -> str:
 PAIRS_PER_EXPERT_ON_CUDA_CORES = {"mxfp4": {"pointers": 1.3, "tma": 3.3}, "fp8_block": {"pointers": 0, "tma": 1.4}}
 
 # Prefill sizes: from this many pairs per routed expert, blocks of WIDE_TILES' rows (an expert's weight tiles decoded
-# once for 128 rows, not 8 times for 16; warpgroup MMAs of 64 rows per 4 warps) for 16-bit activations (fp32 tiles of
-# 128 rows would take 64 KB of shared memory per K step, 256 KB in 4 stages). Session 26 (H200, `bench/moe_kernels.py
-# --baseline`): at 128 / 256 pairs 1.23x / 1.41x (gpt-oss-20b, M = 1024 / 2048), 1.39x (Qwen3-30B-A3B MXFP4, M =
-# 2048); at 64 mixed: 0.99x / 0.97x (gpt-oss-20b / 120b), 1.11x (Qwen3); at 32 (`--sweep`) blocks of 64 or 128 rows
-# lost 0.78x / 0.56x. FP8 keeps its tiles: the wide blocks lost at 16 and 64 pairs (0.57x, 0.95x).
+# once for 128 rows, not 8 times for 16; warpgroup MMAs) for 16-bit activations (fp32 tiles of 128 rows would take
+# 64 KB of shared memory per K step). Session 26 (H200, `bench/moe_kernels.py --sweep`, then `--baseline`): on 8
+# warps in 4 stages, at 128 / 256 pairs 1.23x / 1.41x (gpt-oss-20b, M = 1024 / 2048), 1.39x (Qwen3-30B-A3B MXFP4,
+# M = 2048), at 64 mixed: 0.97-1.11x; at 32 blocks of 64 or 128 rows lost 0.78x / 0.56x. Then on 4 warps in 2
+# stages, 64 columns: a further 1.38x / 1.41x / 1.22x over 8 warps in 4 stages (128 columns: 8 warps in 3 stages
+# 1.05-1.10x). FP8 keeps its tiles: the wide blocks lost at 16 and 64 pairs (0.57x, 0.95x).
 PAIRS_PER_EXPERT_ON_WIDE_TILES = {"mxfp4": 96}
-WIDE_TILES = {"mxfp4": 64}
-WIDE_TILES = {"mxfp4": TILES["mxfp4"] | {"block_m": 128, "num_warps": 8}}
+WIDE_TILES = {"mxfp4": TILES["mxfp4"] | {"block_m": 128, "num_stages": 2}}
 
 
 def rows_per_block(tokens: int, top_k: int, experts: int, reads_host: bool = False,

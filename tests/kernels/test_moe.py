@@ -486,14 +486,14 @@ def test_rows_per_block_follows_the_pairs_per_routed_expert():
 
 
 def test_wide_tiles_for_mxfp4_blocks_of_64_rows_or_more():
-    """Blocks of 64+ MXFP4 rows take WIDE_TILES (8 warps: two warpgroups' MMAs), by size or by a block_m override;
-    other formats keep their TILES."""
+    """Blocks of 64+ MXFP4 rows take WIDE_TILES (2 K steps in flight), by size or by a block_m override; other
+    formats keep their TILES."""
     from dflash_compile.kernels.moe import TILES, tiles_for
 
-    assert tiles_for("mxfp4", {}, 128)["block_m"] == 128 and tiles_for("mxfp4", {}, 128)["num_warps"] == 8
-    assert tiles_for("mxfp4", {"block_m": 64})["num_warps"] == 8
-    assert tiles_for("mxfp4", {"num_warps": 4}, 128)["num_warps"] == 4
-    assert tiles_for("fp8_block", {"block_m": 64})["num_warps"] == TILES["fp8_block"]["num_warps"]
+    assert tiles_for("mxfp4", {}, 128)["block_m"] == 128 and tiles_for("mxfp4", {}, 128)["num_stages"] == 2
+    assert tiles_for("mxfp4", {"block_m": 64})["num_stages"] == 2
+    assert tiles_for("mxfp4", {"num_stages": 3}, 128)["num_stages"] == 3
+    assert tiles_for("fp8_block", {"block_m": 64})["num_stages"] == TILES["fp8_block"]["num_stages"]
     assert tiles_for("mxfp4", {}, None)["block_m"] == 16
 
 
@@ -501,19 +501,19 @@ def test_wide_tiles_for_mxfp4_blocks_of_64_rows_or_more():
 def test_prefill_sized_calls_take_wide_blocks_and_match_the_reference(precision):
     """256 tokens over 4 experts, top-2: 128 pairs per routed MXFP4 expert, so bf16 activations take blocks of 128
     rows by default (one or two blocks per expert, the second mostly padding); the wide tiles by a block_m override
-    in the fp32 path (in 2 K steps in flight: fp32 tiles of 128 rows are twice the bytes). gpt-oss's interleaved
-    clamped SwiGLU with biases, K not a multiple of 128."""
+    in the fp32 path (2 K steps in flight hold its 128-row fp32 tiles too). gpt-oss's interleaved clamped SwiGLU with
+    biases, K not a multiple of 128."""
     gate_up, down = _experts("mxfp4", 4, 160, 64, bias=True, seed=12)
     index, weights = _routing(256, 4, 2, seed=13)
     x = torch.randn(256, 160, generator=torch.Generator().manual_seed(14))
     expected = reference_moe(x, index, weights, gate_up, down, True, "clamped_swiglu")
-    dtype, wide = (torch.float32, dict(block_m=128, num_stages=2)) if precision == "fp32" else (torch.bfloat16, {})
+    dtype, wide = (torch.float32, dict(block_m=128)) if precision == "fp32" else (torch.bfloat16, {})
     inputs = x.to(DEVICE, dtype), index.to(DEVICE), weights.to(DEVICE), gate_up, down
     actual = fused_moe(*inputs, interleaved=True, activation="clamped_swiglu", **wide)
     assert (actual.cpu().double() - expected).norm() / expected.norm() <= (1e-4 if precision == "fp32" else 1e-2)
     if precision == "bf16":  # the default is the wide tiles
         torch.testing.assert_close(actual, fused_moe(*inputs, interleaved=True, activation="clamped_swiglu",
-                                                     block_m=128, num_warps=8), atol=0, rtol=0)
+                                                     block_m=128), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("format", ["fp8_block", "mxfp4"])
