@@ -460,7 +460,7 @@ def test_blocks_of_two_rows_on_the_cuda_cores(format, precision):
 
 def test_rows_per_block_follows_the_pairs_per_routed_expert():
     """One token: a block per pair; about one pair per routed expert: blocks of 2 on the CUDA cores; more, or experts
-    read from host memory: None (tensor-core tiles of 16); a prefill's 64+ pairs per MXFP4 expert: blocks of 128."""
+    read from host memory: None (tensor-core tiles of 16); a prefill's 96+ pairs per MXFP4 expert: blocks of 128."""
     from dflash_compile.kernels.moe import rows_per_block
 
     assert rows_per_block(1, 4, 32) == 1
