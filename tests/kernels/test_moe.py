@@ -621,8 +621,8 @@ def test_fused_moe_reads_experts_from_a_slot_pool(format):
 @pytest.mark.parametrize("format", ["mxfp4", "fp8_block", "dense"])
 def test_experts_without_a_slot_are_read_from_their_host_blobs(format):
     """slot_of: two of four experts in a slot pool, the other two read by the kernel from their host blobs (pinned
-    memory read over PCIe on a GPU; on a CPU both are CPU memory), in one call; slot_of and host only together,
-    with matching strides."""
+    memory read over PCIe on a GPU; on a CPU both are CPU memory), in one call, also in MXFP4's 128-row blocks (a
+    prefill's); slot_of and host only together, with matching strides."""
     gate_up, down = _experts(format, 4, 256, 64, bias=True, seed=6)
     layout, host = _blobs(gate_up, down, pin_memory=DEVICE == "cuda")
     slot_of = torch.tensor([1, -1, 0, -1], dtype=torch.int32)  # experts 2 and 0 in slots 0 and 1, 1 and 3 on host
@@ -631,9 +631,10 @@ def test_experts_without_a_slot_are_read_from_their_host_blobs(format):
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(8))
     expected = reference_moe(x, index, weights, gate_up, down, False, "silu")
     pooled, on_host = layout.weights(pool, format), layout.weights(host, format)
-    for rows in (slice(0, 3), slice(0, 1)):  # one token: MXFP4 on the CUDA-core path
+    wide = [(slice(0, 3), {"block_m": 128})] if format == "mxfp4" else []
+    for rows, tiles in [(slice(0, 3), {}), (slice(0, 1), {})] + wide:  # one token: MXFP4 on the CUDA-core path
         actual = fused_moe(x[rows].to(DEVICE), index[rows].to(DEVICE), weights[rows].to(DEVICE), *pooled,
-                           compute_fp32=True, host=on_host, slot_of=slot_of.to(DEVICE))
+                           compute_fp32=True, host=on_host, slot_of=slot_of.to(DEVICE), **tiles)
         assert (actual.cpu().double() - expected[rows]).norm() / expected[rows].norm() <= 1e-4
     with pytest.raises(ValueError, match="slot_of and host come together"):
         fused_moe(x.to(DEVICE), index.to(DEVICE), weights.to(DEVICE), *pooled, slot_of=slot_of.to(DEVICE))
