@@ -346,19 +346,21 @@ def tune(name: str, tokens_list, layers: int, candidates) -> dict:
 
 
 def candidate_times(name: str, tokens_list, layers: int, candidates) -> list[tuple[dict, float]]:
-    """Each candidate's sum of CUDA-graph times over `tokens_list`; inf where its bf16 result is not within 1e-2 of
-    the reference (a wrong variant must not win a sweep) or it fails to run."""
+    """Each distinct candidate's sum of CUDA-graph times over `tokens_list`, in the order given (a repeated one is
+    timed once, not summed twice); inf where its bf16 result is not within 1e-2 of the reference (a wrong variant
+    must not win a sweep) or it fails to run."""
     experts, top_k, hidden, inter, format, gpt_oss = SHAPES[name]
     activation = "clamped_swiglu" if gpt_oss else "silu"
     packed = [(random_packed(format, experts, 2 * inter, hidden, gpt_oss),
                random_packed(format, experts, hidden, inter, gpt_oss)) for _ in range(layers)]
-    totals, configs = {}, {}
+    configs = {repr(settings): settings for settings in candidates}  # settings may hold a dict (down_launch)
+    totals = dict.fromkeys(configs, 0.0)
     for tokens in tokens_list:
         index = random_routing(tokens, experts, top_k)
         weights = torch.softmax(torch.randn(tokens, top_k, device="cuda"), dim=-1)
         x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
         expected = reference(x[:2], index[:2], weights[:2], *packed[0], gpt_oss, activation)
-        for settings in candidates:
+        for key, settings in configs.items():
             run = lambda g, d: fused_moe(x, index, weights, g, d, interleaved=gpt_oss,  # noqa: E731
                                          activation=activation, **settings)
             try:
@@ -367,8 +369,7 @@ def candidate_times(name: str, tokens_list, layers: int, candidates) -> list[tup
             except Exception as failure:  # e.g. out of shared memory: not a candidate
                 print(f"tune {name} {settings}: {type(failure).__name__}", flush=True)
                 error, us = float("nan"), float("inf")
-            key = repr(settings)  # settings may hold a dict (down_launch)
-            configs[key], totals[key] = settings, totals.get(key, 0.0) + us
+            totals[key] += us
             print(f"tune {name} M={tokens} {settings}: {us:.1f} us, rel. error {error:.1e}", flush=True)
     return [(configs[key], totals[key]) for key in configs]
 
