@@ -11,8 +11,8 @@ Each expert's weight tile is read once per block of pairs routed to it, so a dec
 once. The pair -> block assignment (`align_routing`) is computed on the device without a host sync, with the grid
 sized by its upper bound: blocks past the real count exit at once (CUDA-graph friendly); a single token needs none
 (each pair its own block). A third launch sums each token's pairs in fp32 and rounds once to the output dtype.
-Blocks hold 16 pairs (TILES); at prefill sizes MXFP4 experts get 128 (WIDE_TILES, `rows_per_block`), so each weight
-tile is decoded once per 128 pairs and multiplied by warpgroup MMAs.
+Blocks hold 16 pairs (TILES); at prefill sizes more (WIDE_TILES, `rows_per_block`: MXFP4 64 or 128, FP8 32), so each
+weight tile is decoded once for that many pairs and multiplied by warpgroup MMAs.
 
 On Hopper every launch here is a programmatic dependent launch (`_dependent_launch`): the next kernel's programs
 start while the previous one's last programs finish, and wait in `gdc_wait` before touching memory, which takes
@@ -1145,15 +1145,25 @@ def _check_weight_loads(loads: str) -> str:
 # Qwen3-30B-A3B-FP8 over the best blocks of 2, session 24's `bench/pointer_rows.py`).
 PAIRS_PER_EXPERT_ON_CUDA_CORES = {"mxfp4": {"pointers": 1.3, "tma": 3.3}, "fp8_block": {"pointers": 0, "tma": 1.4}}
 
-# Prefill sizes: from this many pairs per routed expert, blocks of WIDE_TILES' rows (an expert's weight tiles decoded
-# once for 128 rows, not 8 times for 16; warpgroup MMAs) for 16-bit activations (fp32 tiles of 128 rows would take
-# 64 KB of shared memory per K step). Session 26 (H200, `bench/moe_kernels.py --sweep`, then `--baseline`): on 8
-# warps in 4 stages, at 128 / 256 pairs 1.23x / 1.41x (gpt-oss-20b, M = 1024 / 2048), 1.39x (Qwen3-30B-A3B MXFP4,
-# M = 2048), at 64 mixed: 0.97-1.11x; at 32 blocks of 64 or 128 rows lost 0.78x / 0.56x. Then on 4 warps in 2
-# stages, 64 columns: a further 1.38x / 1.41x / 1.22x over 8 warps in 4 stages (128 columns: 8 warps in 3 stages
-# 1.05-1.10x). FP8 keeps its tiles: the wide blocks lost at 16 and 64 pairs (0.57x, 0.95x).
-PAIRS_PER_EXPERT_ON_WIDE_TILES = {"mxfp4": 96}
-WIDE_TILES = {"mxfp4": TILES["mxfp4"] | {"block_m": 128, "num_stages": 2}}
+# Prefill sizes: (from this many pairs per routed expert, tiles) by format, in rising order; the last threshold
+# reached gives blocks of its tiles' rows (an expert's weight tiles decoded once for more rows; warpgroup MMAs) for
+# 16-bit activations (fp32 tiles of 128 rows would take 64 KB of shared memory per K step). H200, `bench/
+# moe_kernels.py --sweep`. Session 26: MXFP4 on blocks of 128 rows in 4 warps, 2 stages, 64 columns, at 128 / 256
+# pairs 1.74x / 2.14x over blocks of 16 (gpt-oss-20b, M = 1024 / 2048), 1.74x (Qwen3-30B-A3B MXFP4, M = 2048).
+# Session 27, the same tiles on 64 rows: at 64 pairs 1.33x / 1.43x / 1.44x over 16 rows (20b M = 512, 120b M = 2048,
+# Qwen3-MXFP4 M = 1024; 128 rows 1.29x / 1.38x / 1.42x), at 32 1.07x / 1.15x / 1.17x, at 16 0.70x / 0.69x /
+# 0.77x; at 128 / 256 pairs 128 rows beat 64 by 1.07-1.16x. FP8 on blocks of 32 rows in 3 stages: 1.04x / 1.07x /
+# 1.13x at 32 / 64 / 128 pairs (Qwen3-30B-A3B-FP8, M = 512 / 1024 / 2048), 0.90x at 16; 64 rows 1.03x / 1.10x
+# at 64 / 128 pairs, 0.86-0.88x at 32.
+WIDE_TILES = {"mxfp4": ((32, TILES["mxfp4"] | {"block_m": 64, "num_stages": 2}),
+                        (96, TILES["mxfp4"] | {"block_m": 128, "num_stages": 2})),
+              "fp8_block": ((32, TILES["fp8_block"] | {"block_m": 32, "num_stages": 3}),)}
+
+
+def _wide_tiles(format: str, block_m: int) -> dict | None:
+    """The WIDE_TILES entry of the most rows up to block_m, None for none."""
+    fitting = [tiles for _, tiles in WIDE_TILES.get(format, ()) if tiles["block_m"] <= block_m]
+    return fitting[-1] if fitting else None
 
 
 def rows_per_block(tokens: int, top_k: int, experts: int, reads_host: bool = False,
@@ -1162,7 +1172,7 @@ def rows_per_block(tokens: int, top_k: int, experts: int, reads_host: bool = Fal
     format's TILES. Few, for formats with a CUDA-core path: one token's pairs are a block each; up to
     PAIRS_PER_EXPERT_ON_CUDA_CORES pairs per routed expert under uniform routing (E * (1 - (1 - k/E)^M) experts
     routed), blocks of 2 (most experts get one or two pairs, so blocks of 16 on the tensor cores would be mostly
-    padding). Many, with 16-bit activations: from PAIRS_PER_EXPERT_ON_WIDE_TILES, WIDE_TILES' blocks. From
+    padding). Many, with 16-bit activations: the rows of the last WIDE_TILES threshold reached. From
     bench/moe_kernels.py on the H200, gpt-oss-20b / 120b. Pointer loads (session 15): blocks of 2 beat the tensor
     cores by 1.25x / 1.26x at M = 4 (1.19 / 1.05 pairs per expert), 1.13x / 1.12x for 120b at M = 8 / 16 (1.13 /
     1.25); at 1.56 (20b, M = 8) by 1.05x only, and at 2.27 (20b, M = 16) they lose 1.26x, reading experts again for
@@ -1176,8 +1186,9 @@ def rows_per_block(tokens: int, top_k: int, experts: int, reads_host: bool = Fal
     if tokens == 1:
         return 1
     pairs_per_expert = tokens * top_k / (experts * (1 - (1 - top_k / experts) ** tokens))
-    if pairs_per_expert >= PAIRS_PER_EXPERT_ON_WIDE_TILES.get(format, math.inf) and not compute_fp32:
-        return WIDE_TILES[format]["block_m"]
+    wide = [tiles["block_m"] for least, tiles in WIDE_TILES.get(format, ()) if pairs_per_expert >= least]
+    if wide and not compute_fp32:
+        return wide[-1]
     if reads_host or format not in PAIRS_PER_EXPERT_ON_CUDA_CORES:
         return None
     return 2 if pairs_per_expert <= PAIRS_PER_EXPERT_ON_CUDA_CORES[format][weight_loads] else None
@@ -1187,8 +1198,8 @@ def tiles_for(format: str, overrides: dict, rows: int | None = None, weight_load
               whole_groups: bool = True) -> dict:
     """The format's tiles with `overrides` applied, checked against what the kernel can run. `rows`: the rows per
     block for a launch with few or many rows per expert (`rows_per_block`; one token: 1) where no block_m override
-    says: fewer than 16 where the format has a CUDA-core path for them (ROW_TILES), 64 or more on the format's
-    WIDE_TILES where it has them; `weight_loads`: how that path reads the weight
+    says: fewer than 16 where the format has a CUDA-core path for them (ROW_TILES), the WIDE_TILES entry of the
+    most rows up to block_m where the format has one; `weight_loads`: how that path reads the weight
     words where no override says (the tensor-core tiles read through pointers); `whole_groups`: whether the weights'
     K is a multiple of 32, as that path reads rows in whole 32-code groups (`_whole_groups`). A `down_launch` dict
     (in the overrides or the chosen ROW_TILES entry) gives the down launch settings of its own (DOWN_TILES); the
@@ -1210,10 +1221,8 @@ def tiles_for(format: str, overrides: dict, rows: int | None = None, weight_load
     loads = _check_weight_loads(overrides.get("weight_loads", weight_loads if block_m < 16 else "pointers"))
     if loads == "tma" and block_m >= 16:
         raise ValueError(f"weight_loads='tma' is for the CUDA-core path (block_m < 16), got block_m {block_m}")
-    if block_m >= 64 and format in WIDE_TILES:
-        base = WIDE_TILES[format]
-    elif block_m >= 16:
-        base = TILES[format]
+    if block_m >= 16:
+        base = _wide_tiles(format, block_m) or TILES[format]
     else:
         by_rows = ROW_TILES[format][loads]
         base = by_rows[min(block_m, max(by_rows))]

@@ -460,7 +460,8 @@ def test_blocks_of_two_rows_on_the_cuda_cores(format, precision):
 
 def test_rows_per_block_follows_the_pairs_per_routed_expert():
     """One token: a block per pair; about one pair per routed expert: blocks of 2 on the CUDA cores; more, or experts
-    read from host memory: None (tensor-core tiles of 16); a prefill's 96+ pairs per MXFP4 expert: blocks of 128."""
+    read from host memory: None (tensor-core tiles of 16); a prefill's 32+ pairs per expert: WIDE_TILES' blocks
+    (MXFP4 64, from 96 pairs 128; FP8 32)."""
     from dflash_compile.kernels.moe import rows_per_block
 
     assert rows_per_block(1, 4, 32) == 1
@@ -480,40 +481,49 @@ def test_rows_per_block_follows_the_pairs_per_routed_expert():
     assert rows_per_block(1024, 4, 32) == 128  # gpt-oss-20b prefill: 128 pairs per routed expert
     assert rows_per_block(2048, 8, 128) == 128  # Qwen3-30B-A3B MXFP4: 128
     assert rows_per_block(1024, 4, 32, reads_host=True) == 128  # one read of an expert per 128 pairs
-    assert rows_per_block(1024, 8, 128) is None  # 64
+    assert rows_per_block(1024, 8, 128) == 64  # 64
+    assert rows_per_block(256, 4, 32) == 64  # 32
+    assert rows_per_block(128, 4, 32) is None  # 16
     assert rows_per_block(1024, 4, 32, compute_fp32=True) is None  # fp32 tiles of 128 rows: too much shared memory
-    assert rows_per_block(2048, 8, 128, weight_loads="tma", format="fp8_block") is None  # FP8 keeps its tiles
+    assert rows_per_block(2048, 8, 128, weight_loads="tma", format="fp8_block") == 32  # Qwen3-FP8 prefill: 128
+    assert rows_per_block(256, 8, 128, weight_loads="tma", format="fp8_block") is None  # 16
+    assert rows_per_block(2048, 8, 128, format="dense") is None  # no wide tiles
 
 
-def test_wide_tiles_for_mxfp4_blocks_of_64_rows_or_more():
-    """Blocks of 64+ MXFP4 rows take WIDE_TILES (2 K steps in flight), by size or by a block_m override; other
-    formats keep their TILES."""
+def test_wide_tiles_by_rows_per_block():
+    """Blocks of WIDE_TILES' rows or more take the entry of the most rows up to theirs (MXFP4 64+ and FP8 32+:
+    fewer K steps in flight), by size or by a block_m override; fewer rows and other formats keep their TILES."""
     from dflash_compile.kernels.moe import TILES, tiles_for
 
     assert tiles_for("mxfp4", {}, 128)["block_m"] == 128 and tiles_for("mxfp4", {}, 128)["num_stages"] == 2
     assert tiles_for("mxfp4", {"block_m": 64})["num_stages"] == 2
     assert tiles_for("mxfp4", {"num_stages": 3}, 128)["num_stages"] == 3
-    assert tiles_for("fp8_block", {"block_m": 64})["num_stages"] == TILES["fp8_block"]["num_stages"]
+    assert tiles_for("mxfp4", {"block_m": 32})["num_stages"] == TILES["mxfp4"]["num_stages"]
+    assert tiles_for("fp8_block", {}, 32)["num_stages"] == 3
+    assert tiles_for("fp8_block", {"block_m": 64})["num_stages"] == 3
+    assert tiles_for("dense", {"block_m": 64})["num_stages"] == TILES["dense"]["num_stages"]
     assert tiles_for("mxfp4", {}, None)["block_m"] == 16
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_prefill_sized_calls_take_wide_blocks_and_match_the_reference(precision):
-    """256 tokens over 4 experts, top-2: 128 pairs per routed MXFP4 expert, so bf16 activations take blocks of 128
-    rows by default (one or two blocks per expert, the second mostly padding); the wide tiles by a block_m override
-    in the fp32 path (2 K steps in flight hold its 128-row fp32 tiles too). gpt-oss's interleaved clamped SwiGLU with
-    biases, K not a multiple of 128."""
-    gate_up, down = _experts("mxfp4", 4, 160, 64, bias=True, seed=12)
-    index, weights = _routing(256, 4, 2, seed=13)
-    x = torch.randn(256, 160, generator=torch.Generator().manual_seed(14))
-    expected = reference_moe(x, index, weights, gate_up, down, True, "clamped_swiglu")
-    dtype, wide = (torch.float32, dict(block_m=128)) if precision == "fp32" else (torch.bfloat16, {})
+@pytest.mark.parametrize("format, tokens, rows", [("mxfp4", 256, 128), ("mxfp4", 128, 64), ("fp8_block", 128, 32)])
+def test_prefill_sized_calls_take_wide_blocks_and_match_the_reference(precision, format, tokens, rows):
+    """`tokens` over 4 experts, top-2: tokens / 2 pairs per routed expert, so bf16 activations take WIDE_TILES'
+    blocks of `rows` by default (MXFP4: 128 from 96 pairs, 64 from 32; FP8: 32; an expert's last block partly
+    padding); the same tiles by a block_m override in the fp32 path (fewer K steps in flight hold its fp32 tiles
+    too). MXFP4 as gpt-oss (interleaved clamped SwiGLU with biases), FP8 as Qwen3 (SiLU); K not a multiple of 128."""
+    mxfp4 = format == "mxfp4"
+    gate_up, down = _experts(format, 4, 160, 64, bias=mxfp4, seed=12)
+    index, weights = _routing(tokens, 4, 2, seed=13)
+    x = torch.randn(tokens, 160, generator=torch.Generator().manual_seed(14))
+    layout = dict(interleaved=mxfp4, activation="clamped_swiglu" if mxfp4 else "silu")
+    expected = reference_moe(x, index, weights, gate_up, down, layout["interleaved"], layout["activation"])
+    dtype, wide = (torch.float32, dict(block_m=rows)) if precision == "fp32" else (torch.bfloat16, {})
     inputs = x.to(DEVICE, dtype), index.to(DEVICE), weights.to(DEVICE), gate_up, down
-    actual = fused_moe(*inputs, interleaved=True, activation="clamped_swiglu", **wide)
+    actual = fused_moe(*inputs, **layout, **wide)
     assert (actual.cpu().double() - expected).norm() / expected.norm() <= (1e-4 if precision == "fp32" else 1e-2)
     if precision == "bf16":  # the default is the wide tiles
-        torch.testing.assert_close(actual, fused_moe(*inputs, interleaved=True, activation="clamped_swiglu",
-                                                     block_m=128), atol=0, rtol=0)
+        torch.testing.assert_close(actual, fused_moe(*inputs, **layout, block_m=rows), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("format", ["fp8_block", "mxfp4"])
