@@ -34,18 +34,27 @@ class Row:
 def timed(fn, repeats: int, device="cpu"):
     """(last result, median seconds) of `repeats` calls after one warm-up call (compilation, caches); CUDA work is
     synchronised around every call."""
+    return timed_together([fn], repeats, device)[0]
+
+
+def timed_together(fns, repeats: int, device="cpu") -> list[tuple]:
+    """`timed` for functions to compare: one warm-up call each, then the repeats round-robin (A B, B A, A B, ...),
+    so a machine that speeds up or slows down during the run (a shared 2-core CPU: plain decoding of the bundled
+    pair read 214-334 tok/s within minutes) moves both sides' medians alike instead of the ratio."""
     cuda = str(device).startswith("cuda")
-    result = fn()
-    times = []
-    for _ in range(repeats):
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        result = fn()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return result, statistics.median(times)
+    results = [fn() for fn in fns]
+    times = [[] for _ in fns]
+    for repeat in range(repeats):
+        order = range(len(fns)) if repeat % 2 == 0 else reversed(range(len(fns)))
+        for i in order:
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            results[i] = fns[i]()
+            if cuda:
+                torch.cuda.synchronize()
+            times[i].append(time.perf_counter() - start)
+    return [(result, statistics.median(seconds)) for result, seconds in zip(results, times)]
 
 
 def _generated_per_second(generate, ids, repeats: int, device) -> tuple[float, torch.Tensor, float]:

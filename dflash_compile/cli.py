@@ -38,7 +38,7 @@ def _load(args) -> torch.nn.Module:
 
 def explain_command(args) -> int:
     from . import dflash_backend, explain
-    from .benchmark import timed
+    from .benchmark import timed_together
 
     model = _load(args)
     ids = torch.randint(0, model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0))
@@ -48,9 +48,9 @@ def explain_command(args) -> int:
         for i, graph in enumerate(report.graphs):
             print(f"\n--- graph {i} after the passes ---\n{graph.after}")
     with torch.no_grad():
-        expected, eager_s = timed(lambda: model(ids).logits, args.repeats, ids.device)
         compiled = torch.compile(model, backend=dflash_backend, fullgraph=report.graph_break_count == 0)
-        actual, compiled_s = timed(lambda: compiled(ids).logits, args.repeats, ids.device)
+        (expected, eager_s), (actual, compiled_s) = timed_together(
+            [lambda: model(ids).logits, lambda: compiled(ids).logits], args.repeats, ids.device)
     difference = (actual.float() - expected.float()).abs().max().item()
     print(f"max |compiled - eager| logits: {difference:.3g}")
     print(f"forward over {args.tokens} tokens, median of {args.repeats}: eager {eager_s * 1e3:.2f} ms, "
@@ -67,7 +67,7 @@ def generate_command(args) -> int:
     from transformers import TextStreamer
 
     from . import optimize
-    from .benchmark import timed
+    from .benchmark import timed_together
     from .pair import load_target, pair_paths
 
     if (args.model is None) != (args.drafter is None):
@@ -81,13 +81,13 @@ def generate_command(args) -> int:
     ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(device)
     streamer = TextStreamer(tokenizer) if args.stream else None
     output = fast.generate(ids, max_new_tokens=args.max_new_tokens, streamer=streamer)  # also compiles
-    stats = fast.last_stats
     if not args.stream:
         print(tokenizer.decode(output[0]))
     new_tokens = output.shape[1] - ids.shape[1]
-    plain, plain_seconds = timed(lambda: model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False),
-                                 args.repeats, device)
-    _, ours_seconds = timed(lambda: fast.generate(ids, max_new_tokens=args.max_new_tokens), args.repeats, device)
+    (plain, plain_seconds), (_, ours_seconds) = timed_together(
+        [lambda: model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False),
+         lambda: fast.generate(ids, max_new_tokens=args.max_new_tokens)], args.repeats, device)
+    stats = fast.last_stats  # the last timed run's (the width chooser keeps learning from run to run)
     widths = ", ".join(f"{w} tokens x {stats.widths.count(w)}" for w in sorted(set(stats.widths), reverse=True))
     print(f"\n--- {new_tokens} new tokens, block {stats.block_size}, {stats.steps} verify steps ({widths}), "
           f"mean accepted length {stats.tau:.2f}")
@@ -262,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="compile the verify step (default: on CUDA only; on a CPU compiling takes longer "
                                "than a short generation saves)")
     generate.add_argument("--stream", action="store_true", help="print tokens as each verify step commits them")
-    generate.add_argument("--repeats", type=int, default=3, help="timed generations per side")
+    generate.add_argument("--repeats", type=int, default=5, help="timed generations per side (alternating)")
     generate.add_argument("--gpu-memory", help="offload routed experts to host memory under this budget, e.g. 20GiB")
     generate.add_argument("--offload-manager", choices=MANAGERS, default="auto",
                           help="who manages the offloaded experts' cache: the host, reading each layer's routing, or "

@@ -103,3 +103,15 @@ def test_bench_writes_a_report_and_plots(tmp_path, capsys):
 def test_build_kernels_command(capsys):
     assert main(["build-kernels"]) == 0
     assert capsys.readouterr().out.strip() == "C++ CPU kernels loaded"
+
+
+def test_timed_together_alternates_the_sides():
+    """One warm-up call each, then the repeats round-robin in alternating order, so drift of the machine's speed
+    during a run moves both medians alike; each side's last result comes back with its median."""
+    from dflash_compile.benchmark import timed_together
+
+    calls = []
+    sides = [lambda: calls.append("a") or len(calls), lambda: calls.append("b") or len(calls)]
+    (a, a_seconds), (b, b_seconds) = timed_together(sides, repeats=3)
+    assert "".join(calls) == "ab" + "ab" + "ba" + "ab"
+    assert (a, b) == (7, 8) and a_seconds >= 0 and b_seconds >= 0
