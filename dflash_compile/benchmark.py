@@ -10,6 +10,7 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -57,12 +58,6 @@ def timed_together(fns, repeats: int, device="cpu") -> list[tuple]:
     return [(result, statistics.median(seconds)) for result, seconds in zip(results, times)]
 
 
-def _generated_per_second(generate, ids, repeats: int, device) -> tuple[float, torch.Tensor, float]:
-    """(generated tokens / median seconds, output, median seconds)."""
-    out, seconds = timed(lambda: generate(ids), repeats, device)
-    return (out.shape[1] - ids.shape[1]) / seconds, out, seconds
-
-
 def shuffled_drafter(model, drafter_dir: Path, directory: Path) -> Path:
     """The drafter's config with each weight's rows shuffled: the same cost, drafts the target rejects."""
     drafter, _ = load_drafter(drafter_dir, model)
@@ -89,19 +84,19 @@ def compare(model, prompt_ids: list[torch.Tensor], drafter_dir: Path, new_tokens
                                                         "adaptive": True}
         rows = {name: Row(name) for name in setups}
         for ids in prompt_ids:
-            speed, expected, _ = _generated_per_second(
-                lambda i: model.generate(i, max_new_tokens=new_tokens, do_sample=False), ids, repeats, device)
-            rows["transformers generate"].tokens_per_second.append(speed)
-            for name, options in setups.items():
-                if options is None:
+            fasts = {name: optimize(model, compile=compile, **options) for name, options in setups.items()
+                     if options is not None}
+            runs = [partial(fasts[name].generate, ids, max_new_tokens=new_tokens) if name in fasts
+                    else partial(model.generate, ids, max_new_tokens=new_tokens, do_sample=False) for name in rows]
+            timings = dict(zip(rows, timed_together(runs, repeats, device)))  # alternating: drift moves all alike
+            expected = timings["transformers generate"][0]
+            for name, (out, seconds) in timings.items():
+                rows[name].tokens_per_second.append((out.shape[1] - ids.shape[1]) / seconds)
+                if name not in fasts:
                     continue
-                fast = optimize(model, compile=compile, **options)
-                speed, out, seconds = _generated_per_second(lambda i: fast.generate(i, max_new_tokens=new_tokens), ids,
-                                                             repeats, device)
                 if not torch.equal(out, expected):
                     raise AssertionError(f"{name}: the output differs from transformers' generate")
-                stats, row = fast.last_stats, rows[name]
-                row.tokens_per_second.append(speed)
+                stats, row = fasts[name].last_stats, rows[name]
                 row.accepted += [a for step in stats.accepted for a in step if a is not None]
                 row.widths += stats.widths
                 row.step_seconds.append(seconds / max(stats.steps, 1))
