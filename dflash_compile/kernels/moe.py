@@ -1055,11 +1055,12 @@ def _dense_tiles(rows: int, n: int) -> dict:
     TILES' 64 otherwise (128 measured 0.95-1.15x there); up to 64 rows, 128 columns from 4096 up (fewer programs
     reading K in longer shares, `_longest_share`: 1.13-1.26x at 64 rows); above, blocks of 64 rows as well
     (each weight tile read by a quarter as many programs: 1.12-1.38x at 256 rows, where without tiles given the
-    layer is now dequantized instead, DEQUANTIZE_ROWS)."""
+    layer is now dequantized instead, DEQUANTIZE_ROWS), in TILES' K steps in flight (as measured; an MoE call's blocks
+    of 32+ rows take WIDE_TILES' fewer)."""
     if rows <= 16:
         return {"block_n": 32 if n <= 1024 else 64}
     tiles = {"block_n": 128 if n >= 4096 else 64}
-    return tiles | {"block_m": 64} if rows > 64 else tiles
+    return tiles | {"block_m": 64, "num_stages": TILES["fp8_block"]["num_stages"]} if rows > 64 else tiles
 
 
 def _activations(x: torch.Tensor, settings: dict) -> torch.Tensor:

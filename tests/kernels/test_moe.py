@@ -555,7 +555,7 @@ def test_fp8_dense_tiles_follow_rows_and_width():
 
     assert _dense_tiles(3, 576) == {"block_n": 32} and _dense_tiles(16, 7168) == {"block_n": 64}
     assert _dense_tiles(64, 7168) == {"block_n": 128} and _dense_tiles(64, 2048) == {"block_n": 64}
-    assert _dense_tiles(256, 4096) == {"block_n": 128, "block_m": 64}
+    assert _dense_tiles(256, 4096) == {"block_n": 128, "block_m": 64, "num_stages": 4}
     generator = torch.Generator().manual_seed(7)
     weight = PackedWeight.quantize(torch.randn(1, 200, 352, generator=generator), "fp8_block")
     weight = PackedWeight(weight.format, weight.data.to(DEVICE), weight.scales.to(DEVICE), None)
