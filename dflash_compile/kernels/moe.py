@@ -1282,6 +1282,8 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     if blocker:
         raise ValueError(f"{blocker}: run these experts through dflash_compile.expert_store.run_packed, which "
                          "dequantizes them there (reference_packed)")
+    if tokens == 0:  # nothing routed: the grids would be empty
+        return hidden.new_empty(hidden.shape)
     loads = _weight_loads(tiles, _tma_blocker(gate_up, down, compute_fp32, host))
     rows = rows_per_block(tokens, top_k, experts, host is not None, loads, gate_up.format, compute_fp32)
     settings = tiles_for(gate_up.format, tiles, rows, loads, _whole_groups(gate_up, down))
@@ -1378,6 +1380,8 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, **tiles) -> torch.Tenso
     if blocker:
         raise ValueError(f"{blocker}: use dflash::fp8_block_linear, which dequantizes the weight there")
     _, n, k = weight.shape
+    if rows.shape[0] == 0:  # as torch's linear: no rows, no launch
+        return x.new_empty(*x.shape[:-1], n)
     if weight.format == "fp8_block" and rows.shape[0] >= DEQUANTIZE_ROWS and not tiles:
         return _dequantized_linear(rows, weight).view(*x.shape[:-1], n)
     loads = _weight_loads(tiles, _tma_blocker(weight, weight, compute_fp32, None))

@@ -458,6 +458,21 @@ def test_blocks_of_two_rows_on_the_cuda_cores(format, precision):
         assert error <= (1e-4 if precision == "fp32" else 1e-2), f"token {token}: relative error {error:.2e}"
 
 
+@pytest.mark.parametrize("format", ["mxfp4", "fp8_block", "dense"])
+def test_empty_inputs_give_empty_outputs(format):
+    """No tokens: an MoE call and a dense layer return empty outputs of the right shape and dtype, as torch's linear
+    and the CPU kernels do (the grids would be empty, and the pairs per expert a division by zero)."""
+    from dflash_compile.kernels.moe import packed_linear
+
+    gate_up, down = _experts(format, 4, 64, 32, bias=False)
+    index, weights = torch.zeros(0, 2, dtype=torch.int64, device=DEVICE), torch.zeros(0, 2, device=DEVICE)
+    out = fused_moe(torch.zeros(0, 64, device=DEVICE), index, weights, gate_up, down)
+    assert out.shape == (0, 64) and out.dtype == torch.float32
+    for shape in ((0, 64), (2, 0, 64)):
+        out = packed_linear(torch.zeros(shape, device=DEVICE), gate_up.select([0]))
+        assert out.shape == (*shape[:-1], 64) and out.dtype == torch.float32
+
+
 def test_rows_per_block_follows_the_pairs_per_routed_expert():
     """One token: a block per pair; about one pair per routed expert: blocks of 2 on the CUDA cores; more, or experts
     read from host memory: None (tensor-core tiles of 16); a prefill's 32+ pairs per expert: WIDE_TILES' blocks
