@@ -1274,6 +1274,12 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
                          f"[E, H, I] = {[gate_up.shape[0], h, two_i // 2]}")
     if hidden.shape[-1] != h:
         raise ValueError(f"hidden size {hidden.shape[-1]} differs from the experts' {h}")
+    if hidden.ndim != 2 or top_k_index.ndim != 2 or top_k_weights.shape != top_k_index.shape \
+            or top_k_index.shape[0] != hidden.shape[0]:
+        raise ValueError(f"hidden {list(hidden.shape)}, top_k_index {list(top_k_index.shape)} and top_k_weights "
+                         f"{list(top_k_weights.shape)} must be [M, H], [M, k] and [M, k]: flatten the tokens first")
+    if top_k_index.dtype.is_floating_point or top_k_index.dtype == torch.bool:
+        raise ValueError(f"top_k_index must hold integer expert ids, got {top_k_index.dtype}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation!r} has no fused kernel; choose one of {sorted(ACTIVATIONS)}")
     tokens, top_k = top_k_index.shape

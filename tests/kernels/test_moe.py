@@ -473,6 +473,19 @@ def test_empty_inputs_give_empty_outputs(format):
         assert out.shape == (*shape[:-1], 64) and out.dtype == torch.float32
 
 
+def test_inconsistent_routing_shapes_are_named():
+    """Routing that does not match the hidden states is refused before any launch, with the shapes it got."""
+    gate_up, down = _experts("mxfp4", 4, 64, 32, bias=False)
+    x, index, weights = torch.zeros(3, 64), torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, 2)
+    bad = {"rows": (x, index[:2], weights[:2]), "weights": (x, index, weights[:, :1]),
+           "tokens not flattened": (x[None], index, weights)}
+    for name, (hidden, top_k_index, top_k_weights) in bad.items():
+        with pytest.raises(ValueError, match=r"must be \[M, H\], \[M, k\] and \[M, k\]: flatten the tokens first"):
+            fused_moe(hidden.to(DEVICE), top_k_index.to(DEVICE), top_k_weights.to(DEVICE), gate_up, down)
+    with pytest.raises(ValueError, match="top_k_index must hold integer expert ids, got torch.float32"):
+        fused_moe(x.to(DEVICE), index.float().to(DEVICE), weights.to(DEVICE), gate_up, down)
+
+
 def test_rows_per_block_follows_the_pairs_per_routed_expert():
     """One token: a block per pair; about one pair per routed expert: blocks of 2 on the CUDA cores; more, or experts
     read from host memory: None (tensor-core tiles of 16); a prefill's 32+ pairs per expert: WIDE_TILES' blocks
