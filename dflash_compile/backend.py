@@ -105,7 +105,19 @@ def compile_graph(
         warn_dense(type(dense).__name__)
     if on_graph:
         on_graph(GraphReport(matches, before, graph_text(gm)))
+    _make_lasting_buffers(example_inputs)
     return _lower(gm, example_inputs, parsed, mode)
+
+
+def _make_lasting_buffers(example_inputs) -> None:
+    """The fused kernels' buffers that live for the process, made now for the graph's CUDA devices
+    (`make_arrival_counts`): its first run may be a CUDA-graph warm-up, whose allocations must not outlive it."""
+    devices = {t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda}
+    if devices:
+        from .kernels.moe import make_arrival_counts
+
+        for device in devices:
+            make_arrival_counts(device)
 
 
 def dflash_backend(gm: GraphModule, example_inputs, options: dict | None = None, mode: str | None = None):

@@ -250,6 +250,14 @@ def _arrivals(device: torch.device, needed: int) -> torch.Tensor | None:
     return counts if needed <= ARRIVAL_COUNTS else None
 
 
+def make_arrival_counts(device: torch.device) -> None:
+    """Make the device's arrival counts now, in eager code (the dflash backend does when it compiles a graph for the
+    device). Made by the first one-token call instead, inside a compiled step's CUDA-graph warm-up
+    ("reduce-overhead"), they came from the graph tree's private pool, outlived the run, and the step raised
+    "tensor(s) in the cudagraph pool not tracked as outputs"."""
+    _arrivals(device, 0)
+
+
 def _sum_pairs(per_pair: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[S, T, k, H] fp32 (S K splits) -> [T, H] in `dtype`: each token's pairs and splits summed in fp32 in a fixed
     order, rounded once, in one launch."""
