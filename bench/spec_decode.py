@@ -33,6 +33,7 @@ import torch
 import transformers
 
 import dflash_compile
+from dflash_compile.attention import grouped_attention
 from dflash_compile.benchmark import timed
 from dflash_compile.cache import TargetCache
 from dflash_compile.cost_model import (BITS_PER_WEIGHT, HARDWARE, REFERENCE_CONFIGS, B, C, Hardware, ModelSizes,
@@ -154,7 +155,8 @@ def step_inputs(model, decoder, args, block: int):
 
 
 def step_times(model, decoder, args, bandwidth, expert_bits: float = 16.0):
-    """Decode and verify step times with uniform routing, next to their memory floors."""
+    """Decode and verify step times with uniform routing, as `generate` runs them (`grouped_attention`) and with
+    transformers' own attention (its key/value copies), next to their memory floors."""
     routing = UniformRouting(model)
     rows = []
     for block in args.step_blocks:
@@ -164,12 +166,16 @@ def step_times(model, decoder, args, bandwidth, expert_bits: float = 16.0):
             decoder._target_forward(tokens, cache)  # eager pass to count the experts a block touches
         routing.record = False
         distinct = statistics.mean(routing.distinct)
-        _, seconds = timed(lambda: decoder.verify_step(tokens, cache, active), args.repeats * 3, args.device)
+        step = lambda: decoder.verify_step(tokens, cache, active)  # noqa: E731
+        # one side after the other: alternating two CUDA-graph trees while the other's outputs live is refused
+        _, repeating = timed(step, args.repeats * 3, args.device)  # transformers' attention: repeat_kv copies
+        with grouped_attention(model):  # as `generate` runs the step
+            _, seconds = timed(step, args.repeats * 3, args.device)
         floor = floor_seconds(model, block, args.prompt, bandwidth, expert_bits)
         sizes = ModelSizes.of(model.config)
         experts, top_k = sizes.experts, sizes.top_k
         expected = experts * (1 - (1 - top_k / experts) ** block)
-        rows.append((block, seconds, floor, distinct, expected))
+        rows.append((block, seconds, repeating, floor, distinct, expected))
     routing.remove()
     return rows
 
@@ -182,13 +188,14 @@ def profile_decode(model, args) -> None:
     decoder = dflash_compile.optimize(model).decoder
     tokens, cache, active = step_inputs(model, decoder, args, 1)
     synchronize = torch.cuda.synchronize if args.device == "cuda" else lambda: None
-    for _ in range(3):
-        decoder.verify_step(tokens, cache, active)
-    synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
+    with grouped_attention(model):  # as `generate` runs the step
+        for _ in range(3):
             decoder.verify_step(tokens, cache, active)
         synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                decoder.verify_step(tokens, cache, active)
+            synchronize()
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
 
@@ -304,19 +311,20 @@ def main():
 
     if bandwidth:
         print(f"\ndevice-to-device copy: {bandwidth / 1e9:.0f} GB/s")
-        print("\n| step (uniform routing) | experts | ms | memory floor ms | floor / measured | experts/layer | "
-              "expected | predicted ms (h200 profile) | predicted / measured |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("\n| step (uniform routing) | experts | ms | ms with repeat_kv | memory floor ms | floor / measured | "
+              "experts/layer | expected | predicted ms (h200 profile) | predicted / measured |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         bits = BITS_PER_WEIGHT[args.experts]
         runs = [(f"dflash fused kernel, {args.experts}", step_times(target, plain.decoder, args, bandwidth, bits),
                  bits)]
         runs += [("transformers grouped_mm", grouped_steps, 16.0)] if grouped_steps else []
         for experts, steps, bits in runs:
             predict = StepCost(ModelSizes.of(model.config), HARDWARE["h200"], expert_bits=bits)  # fitted overheads
-            for block, seconds, floor, distinct, expected_experts in steps:
+            for block, seconds, repeating, floor, distinct, expected_experts in steps:
                 name = "decode (1 token)" if block == 1 else f"verify {block}"
                 predicted = predict.evaluate(block, args.prompt)["t_step_us"] * 1e-6
-                print(f"| {name} | {experts} | {seconds * 1e3:.2f} | {floor * 1e3:.2f} | {floor / seconds:.2f} | "
+                print(f"| {name} | {experts} | {seconds * 1e3:.2f} | {repeating * 1e3:.2f} | {floor * 1e3:.2f} | "
+                      f"{floor / seconds:.2f} | "
                       f"{distinct:.1f} | {expected_experts:.1f} | {predicted * 1e3:.2f} | {predicted / seconds:.2f} |")
 
 

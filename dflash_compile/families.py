@@ -55,6 +55,9 @@ class FamilySpec:
     attention_kinds: Callable[[object], list[AttentionKind]]  # config -> attention kind of every decoder layer
     # (norm, mixer) attribute names of a linear-attention decoder layer, for replaying its recurrence
     linear_attention: tuple[str, str] | None = None
+    # the attention's softmax takes one learned logit per head (`sinks`, passed as `s_aux`) and drops it after, in
+    # the family's eager attention (dflash_compile.attention reproduces it without copying keys and values)
+    attention_sinks: bool = False
 
 
 def _all_layers(config) -> list[int]:
@@ -119,6 +122,7 @@ FAMILIES: dict[str, FamilySpec] = {
             None,
             _all_layers,
             _declared_layer_types,  # alternating 128-token "sliding_attention" and "full_attention", with sinks
+            attention_sinks=True,
         ),
         FamilySpec(
             "glm4_moe", ("glm4_moe",), "Glm4MoeExperts", _SWIGLU, _DEEPSEEK_ROUTER, "shared_experts",

@@ -1,0 +1,109 @@
+"""Grouped-query attention over the cache's keys and values as they are, for the target's forwards.
+
+transformers' SDPA and gpt-oss's eager attention repeat every key/value head for the query heads of its group
+(`repeat_kv`) before attending, whenever a mask is given, which our forwards always give: each layer of each step
+copies its whole cache, every slot of its capacity, `num_key_value_groups` times over (gpt-oss-20b and
+Qwen3-30B-A3B: 8), two kernels a layer on a GPU. Here the group's query heads are folded into the query length
+instead, [b, heads, t, d] -> [b, kv heads, groups * t, d], so the queries of one group attend to their one
+key/value head directly; the result is unfolded back. The same products and sums per query, without the copies.
+
+`grouped_attention(model)` makes the model's attention layers use this while the decoder runs them, for the
+implementations it reproduces: "sdpa" (torch's scaled_dot_product_attention, folded) and, for families whose
+attention has sinks (`FamilySpec.attention_sinks`: gpt-oss, which runs "eager"), the sink softmax of gpt-oss's
+eager attention (one learned logit per head joins each query's softmax and is dropped after it). Other
+implementations (flash, flex, a family's own eager) run as the user chose.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from .families import spec_for_model
+
+NAME = "dflash_grouped"
+
+
+def _fold(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[b, heads, t, d] -> [b, kv_heads, groups * t, d]: each key/value head's query heads one after another."""
+    b, heads, t, d = query.shape
+    return query.reshape(b, kv_heads, heads // kv_heads * t, d)
+
+
+def _unfold(out: torch.Tensor, heads: int, t: int) -> torch.Tensor:
+    """[b, kv_heads, groups * t, d] -> [b, t, heads, d], as transformers' attention functions return."""
+    return out.reshape(out.shape[0], heads, t, out.shape[-1]).transpose(1, 2).contiguous()
+
+
+def _folded_mask(mask: torch.Tensor, kv_heads: int, groups: int) -> torch.Tensor:
+    """An additive [b, 1 or heads, t, s] mask for the folded queries: [b, 1 or kv_heads, groups * t, s]."""
+    b, mask_heads, t, s = mask.shape
+    if mask_heads == 1:
+        return mask[:, :, None].expand(b, 1, groups, t, s).reshape(b, 1, groups * t, s)
+    return mask.reshape(b, kv_heads, groups * t, s)
+
+
+def _sink_attention(query, key, value, mask, sinks, scaling: float, dropout: float, training: bool):
+    """gpt-oss's eager attention with sinks on folded queries [b, kv_heads, groups * t, d]: the scores viewed as
+    [b, kv_heads, groups, t, s] take the [b, 1, t, s] mask and each head's sink by broadcasting, no copies."""
+    b, kv_heads, rows, _ = query.shape
+    groups = sinks.numel() // kv_heads
+    t = rows // groups
+    scores = (torch.matmul(query, key.transpose(2, 3)) * scaling).view(b, kv_heads, groups, t, -1)
+    if mask is not None:
+        scores = scores + (mask[:, :, None] if mask.shape[1] == 1 else mask.view(b, kv_heads, groups, t, -1))
+    sink_logits = sinks.reshape(1, kv_heads, groups, 1, 1).expand(b, -1, -1, t, -1).to(scores.dtype)
+    logits = torch.cat([scores, sink_logits], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]  # the sink's share is dropped
+    probs = torch.nn.functional.dropout(probs, p=dropout, training=training).to(value.dtype)
+    return torch.matmul(probs.reshape(b, kv_heads, rows, -1), value)
+
+
+def grouped_query_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
+                            scaling: float | None = None, s_aux: torch.Tensor | None = None, **kwargs):
+    """A transformers attention function (registered as NAME): query [b, heads, t, d], key/value [b, kv_heads, s,
+    d] -> ([b, t, heads, d], None). With `s_aux` (gpt-oss's sinks) the sink softmax, else torch's SDPA; without a
+    mask (causal by flag), or where the folded mask would outweigh the key/value copies it saves (a long prefill:
+    the mask grows by groups x t x s, the copies by heads x s x d), transformers' SDPA as it is."""
+    heads, t, kv_heads = query.shape[1], query.shape[2], key.shape[1]
+    groups = heads // kv_heads
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if s_aux is not None:
+        out = _sink_attention(_fold(query, kv_heads), key, value, attention_mask, s_aux, scaling, dropout,
+                              module.training)
+        return _unfold(out, heads, t), None
+    if attention_mask is None or groups * t > 2 * heads * key.shape[-1]:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        _fold(query, kv_heads), key, value, attn_mask=_folded_mask(attention_mask, kv_heads, groups),
+        dropout_p=dropout, scale=scaling)
+    return _unfold(out, heads, t), None
+
+
+AttentionInterface.register(NAME, grouped_query_attention)
+
+
+def _replaces(model, implementation: str | None) -> bool:
+    """Whether `grouped_query_attention` reproduces the model's attention implementation."""
+    spec = spec_for_model(model)
+    return implementation == "sdpa" or (implementation == "eager" and spec is not None and spec.attention_sinks)
+
+
+@contextlib.contextmanager
+def grouped_attention(model):
+    """Within: the model's attention layers run `grouped_query_attention` where it reproduces their implementation
+    (`_replaces`); the user's implementation is back afterwards (their own `model.generate` runs it unchanged)."""
+    config = model.config.get_text_config()
+    implementation = config._attn_implementation
+    if not _replaces(model, implementation):
+        yield
+        return
+    config._attn_implementation = NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = implementation
