@@ -11,7 +11,7 @@ import torch
 
 import dflash_compile
 from dflash_compile.expert_store import ExpertStore
-from dflash_compile.families import FAMILIES
+from dflash_compile.families import FAMILIES, experts_modules, router_of
 from tests.conftest import FAMILIES as FAMILY_NAMES
 from tests.conftest import token_ids
 
@@ -39,6 +39,9 @@ def test_compiled_logits_match_eager(tiny, family, dtype, dispatch_calls):
     moe_layers = FAMILIES[family].moe_layers(model.config)
     ids = token_ids()
     with torch.no_grad():
+        if dtype == torch.bfloat16:  # decisive routing: compiled and eager bf16 round differently, and a near-tie
+            for name in experts_modules(model):  # between two experts' scores (glm4_moe's last token on an AMD
+                router_of(model, name).weight.mul_(4)  # EPYC, 0.07 off) flips a discrete choice, not the math
         expected = model(ids).logits
         compiled = torch.compile(model, backend="dflash", fullgraph=True)
         actual = compiled(ids).logits
