@@ -167,7 +167,7 @@ def step_times(model, decoder, args, bandwidth, expert_bits: float = 16.0):
         routing.record = False
         distinct = statistics.mean(routing.distinct)
         step = lambda: decoder.verify_step(tokens, cache, active)  # noqa: E731
-        # one side after the other: alternating two CUDA-graph trees while the other's outputs live is refused
+        # one side after the other, each on its own compiled graphs (the attention implementation is guarded)
         _, repeating = timed(step, args.repeats * 3, args.device)  # transformers' attention: repeat_kv copies
         with grouped_attention(model):  # as `generate` runs the step
             _, seconds = timed(step, args.repeats * 3, args.device)
