@@ -8,7 +8,7 @@ from .checkpoint import pack_experts_expanded_at_load
 from .drafter import load_drafter
 from .families import spec_for_model, supported_families
 from .offload import offload_experts
-from .speculative import GenerationStats, SpeculativeDecoder
+from .speculative import PREFILL_CHUNK, GenerationStats, SpeculativeDecoder
 
 
 class OptimizedModel:
@@ -34,7 +34,7 @@ class OptimizedModel:
 
 
 def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode: str | None = None,
-             prefill_chunk: int = 256, gpu_memory=None, device=None, offload_policy: str = "lru",
+             prefill_chunk: int = PREFILL_CHUNK, gpu_memory=None, device=None, offload_policy: str = "lru",
              offload_prefetch: int = 1, offload_cpu_compute: str = "off", offload_manager: str = "auto",
              fused_experts: bool = True,
              adaptive=True) -> OptimizedModel:

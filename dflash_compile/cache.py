@@ -86,6 +86,10 @@ class TargetCache(Cache):
         self.pending_recurrent: dict[int, torch.Tensor] = {}
         self.conv_width: dict[int, int] = {}
         self.spare: dict[tuple[str, int], torch.Tensor] = {}  # a previous generation's states, reused by `reset`
+        # Slots an eager forward attends over when the host knows that no row has more (the prefill): the first
+        # `visible` of each full-length buffer, as transformers' own cache grows. None (the compiled steps, whose
+        # shapes must not follow the lengths): every slot.
+        self.visible: int | None = None
 
     def reset(self, pad: torch.Tensor) -> None:
         """Ready for a new generation on the same buffers (a compiled step captured in CUDA graphs then replays on
@@ -110,7 +114,10 @@ class TargetCache(Cache):
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         self.rows.write(layer_idx, key_states, value_states)
-        return self.rows.kv(layer_idx)
+        keys, values = self.rows.kv(layer_idx)
+        if self.visible is None or layer_idx in self.rows.sizes:  # a ring is read whole
+            return keys, values
+        return keys[:, :, :self.visible], values[:, :, :self.visible]
 
     # transformers' linear-attention cache interface (Qwen3.5 GatedDeltaNet)
     def get_conv_state(self, layer_idx: int, state_idx: int = 0):
@@ -175,7 +182,7 @@ class TargetCache(Cache):
                 ring = torch.arange(self.ring_size, device=device)[None, None, :]
                 key = query - (query - ring).remainder(self.ring_size)
             else:
-                key = torch.arange(self.rows.max_len, device=device)[None, None, :]
+                key = torch.arange(self.visible or self.rows.max_len, device=device)[None, None, :]
             ok = (key <= query) & (key >= pad)
             if window:
                 ok &= query - key < window

@@ -92,6 +92,13 @@ def _eos_ids(eos_token_id) -> set[int]:
 
 STEP_GRAPHS = 64  # compiled verify steps kept per decoder code object before Dynamo falls back to eager
 SMALLEST_CACHE = 16
+# Tokens per prefill forward of a model with sliding-window layers, whose rings keep W - 1 + this many slots. H200,
+# 4-layer gpt-oss-20b, against transformers' one forward: a 2048-token prompt 0.46-0.59x in chunks of 256 (each
+# chunk reads every expert again), 1.19-1.22x in chunks of 1024, 1.00-1.09x in chunks of 2048; 4096 tokens 1.61x /
+# 1.39x / 1.07x in chunks of 1024 / 2048 / 4096 (the scores grow with the chunk). The price is paid by the decode
+# steps' sliding layers, whose ring grows from 383 to 1151 slots: 5.5 us more per layer for one token, 14 us for
+# 8 (compiled attention; docs/benchmarks.md, session 29).
+PREFILL_CHUNK = 1024
 
 
 def cache_capacity(tokens: int) -> int:
@@ -125,7 +132,7 @@ def default_mode(model) -> str:
 
 class SpeculativeDecoder:
     def __init__(self, model, drafter: DFlashDrafter | None, layer_ids: tuple[int, ...], compile: bool = True,
-                 mode: str | None = None, prefill_chunk: int = 256, adaptive: bool | WidthChooser = True,
+                 mode: str | None = None, prefill_chunk: int = PREFILL_CHUNK, adaptive: bool | WidthChooser = True,
                  fused_experts: bool = True):
         self.model = model
         self.drafter = drafter
@@ -200,14 +207,19 @@ class SpeculativeDecoder:
         return cache
 
     def _prefill(self, input_ids: torch.Tensor, cache: TargetCache):
-        """The prompt through the target, in chunks that fit the sliding rings. Returns the last position's
-        logits and the captured features of every prompt position."""
+        """The prompt through the target, in chunks that fit the sliding rings, each attending over the slots
+        filled so far only (`TargetCache.visible`). Returns the last position's logits and the captured features of
+        every prompt position."""
         prompt = input_ids.shape[1]
         chunk = self.prefill_chunk if cache.ring_size else prompt
         features = []
         for start in range(0, prompt, chunk):
             ids = input_ids[:, start: start + chunk]
-            logits, chunk_features, _ = self._target_forward(ids, cache)
+            cache.visible = start + ids.shape[1]  # every row's length is `start` (padding included)
+            try:
+                logits, chunk_features, _ = self._target_forward(ids, cache)
+            finally:
+                cache.visible = None
             kept = torch.full((ids.shape[0],), ids.shape[1], device=ids.device)
             cache.rows.commit(kept)
             cache.commit_linear(kept, ids.shape[1])

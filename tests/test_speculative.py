@@ -161,6 +161,32 @@ def test_sliding_layers_keep_a_ring_of_window_minus_one_plus_block(tiny, monkeyp
     assert torch.equal(out, expected) == (ring_slack == 0)
 
 
+def test_prefill_chunks_attend_over_the_slots_filled_so_far(tiny, monkeypatch):
+    """Each prefill chunk's full-attention layer reads the slots written so far, as transformers' growing cache does,
+    not the cache's whole capacity (which doubled a 2048-token prompt's attention on the H200); the decode steps,
+    whose shapes must not follow the lengths, read every slot."""
+    from dflash_compile.cache import TargetCache
+    from dflash_compile.speculative import cache_capacity
+
+    model = tiny("gpt_oss")
+    ids, mask = prompts(3)
+    expected = reference(model, ids, mask)
+    slots = []
+    update = TargetCache.update
+
+    def recorded(self, key_states, value_states, layer_idx, *args, **kwargs):
+        keys, values = update(self, key_states, value_states, layer_idx, *args, **kwargs)
+        if layer_idx == 1:  # full attention (layer 0 slides, over its ring)
+            slots.append(keys.shape[2])
+        return keys, values
+
+    monkeypatch.setattr(TargetCache, "update", recorded)
+    fast = dflash_compile.optimize(model, adaptive=False, compile=False, prefill_chunk=4)
+    assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
+    assert slots[:3] == [4, 8, 9]
+    assert set(slots[3:]) == {cache_capacity(ids.shape[1] + NEW_TOKENS + 1)}
+
+
 def test_generations_of_other_lengths_reuse_the_compiled_step(tiny):
     """Caches come in power-of-two capacities, so new prompt and output lengths inside one bucket run the graph
     already compiled (exact capacities compiled a new step per length, and fell back to eager after 8)."""

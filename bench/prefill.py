@@ -1,0 +1,97 @@
+"""The prompt's forward before the first new token (prefill): transformers' `model(ids, use_cache=True)`, what
+`model.generate` runs first, against the decoder's `_prefill` as `optimize(model).generate` runs it (its cache, its
+attention, and for models with sliding-window layers chunks of `prefill_chunk` tokens), on the GPU:
+
+    python bench/prefill.py --model gpt-oss-20b --layers 4 --prompt 2048 --chunks 256 1024 2048
+    python bench/prefill.py --model qwen3-30b-a3b --layers 4 --prompt 2048 --experts bf16 mxfp4 --profile
+
+Milliseconds (medians of --repeats after a warm-up call) per prefill chunk size, our experts kept bf16 or packed
+(`--experts`; transformers' side runs them dequantized to bf16, as bench/spec_decode.py does), and the ratio to
+transformers' forward; `--profile` adds each side's heaviest CUDA kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from spec_decode import build_model, packed_twin  # noqa: E402
+
+import dflash_compile  # noqa: E402
+from dflash_compile.attention import grouped_attention  # noqa: E402
+from dflash_compile.benchmark import timed  # noqa: E402
+from dflash_compile.speculative import cache_capacity  # noqa: E402
+
+
+def ours(target, ids, chunk: int, new: int):
+    """A call of the decoder's prefill on a fresh cache, as `generate` makes and runs it."""
+    decoder = dflash_compile.optimize(target, compile=False, prefill_chunk=chunk).decoder
+    max_len = cache_capacity(ids.shape[1] + new + decoder.block_size)
+    pad = torch.zeros(ids.shape[0], dtype=torch.int64, device=ids.device)
+
+    def run():
+        with torch.inference_mode(), grouped_attention(target):
+            cache = decoder._cache(ids.shape[0], max_len, target.dtype, ids.device, pad)
+            return decoder._prefill(ids, cache)[0]
+
+    return run
+
+
+def heaviest_kernels(fn, count: int = 8) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=count, max_name_column_width=70)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt-oss-20b")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--prompt", type=int, default=2048)
+    parser.add_argument("--new", type=int, default=64, help="sizes the cache as a generation of this many tokens")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[256, 2048])
+    parser.add_argument("--experts", nargs="+", default=["bf16"], choices=["bf16", "mxfp4", "fp8_block"])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--profile", action="store_true", help="each side's heaviest CUDA kernels")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = build_model(args.model, args.device, args.layers)
+    ids = torch.randint(0, model.config.vocab_size, (1, args.prompt), device=args.device)
+    print(f"# {args.model}, {args.layers} layers, prompt {args.prompt}, {args.device}, torch "
+          f"{torch.__version__}, transformers {transformers.__version__}")
+
+    def plain():
+        with torch.no_grad():
+            return model(ids, use_cache=True).logits[:, -1]
+
+    print("| experts | prefill chunk | ms | transformers ms | speed-up | max logit difference |")
+    print("|---|---|---|---|---|---|")
+    for experts in args.experts:
+        target = model if experts == "bf16" else packed_twin(model, experts)  # `model` now holds its values
+        expected, base = timed(plain, args.repeats, args.device)
+        for chunk in args.chunks:
+            logits, seconds = timed(ours(target, ids, chunk, args.new), args.repeats, args.device)
+            difference = (logits.float() - expected.float()).abs().max().item()
+            print(f"| {experts} | {chunk} | {seconds * 1e3:.2f} | {base * 1e3:.2f} | {base / seconds:.2f}x | "
+                  f"{difference:.3g} |", flush=True)
+        if args.profile and args.device == "cuda":
+            print(f"\n## transformers\n{heaviest_kernels(plain)}")
+            for chunk in args.chunks:
+                table = heaviest_kernels(ours(target, ids, chunk, args.new))
+                print(f"\n## ours, {experts} experts, chunk {chunk}\n{table}")
+        del target
+
+
+if __name__ == "__main__":
+    main()
