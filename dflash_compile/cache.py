@@ -6,11 +6,12 @@ keys/values at `lengths[b], lengths[b] + 1, ...` (`dflash::kv_write`) without mo
 dead: masked out of attention and overwritten by the next write. That is the whole rollback for full attention,
 and it needs no host sync: lengths stay on the device.
 
-Sliding-window layers keep a ring of W - 1 + C slots (C: the most tokens one forward writes, the block or a prefill
-chunk); token slot p lives at ring slot p mod (W - 1 + C). A forward's writes then never overwrite a key that any
-of its queries, or any later query, still needs, and a rolled-back tail is overwritten by the tokens that replace
-it: a key inside a query's window was written at most W - 1 slots before it and the block reaches at most C - 1
-slots past it.
+Sliding-window layers keep a ring of W - 1 + C slots (C: the most tokens one step writes, the block); token slot p
+lives at ring slot p mod (W - 1 + C). A step's writes then never overwrite a key that any of its queries, or any
+later query, still needs, and a rolled-back tail is overwritten by the tokens that replace it: a key inside a
+query's window was written at most W - 1 slots before it and the block reaches at most C - 1 slots past it. A
+prefill chunk, which may be longer than the ring, attends over the ring as it was followed by the chunk's own keys,
+and the ring then keeps the chunk's last tokens.
 
 `RowCache` is the storage (the drafter uses it directly for its context K/V); `TargetCache` plugs it into
 transformers models through their `Cache.update` interface, with masks built here and passed in as 4-D tensors.
@@ -57,10 +58,14 @@ class RowCache:
             store[layer] = _static(torch.zeros(shape, dtype=like.dtype, device=like.device))
         return store[layer]
 
-    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Write [b, heads, n, d] keys/values at each row's length (not committed)."""
-        torch.ops.dflash.kv_write(self._buffer(self.keys, layer, key), self._buffer(self.values, layer, value), key,
-                                  value, self.lengths)
+    def buffers(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's key and value buffers, made on its first keys and values."""
+        return self._buffer(self.keys, layer, key), self._buffer(self.values, layer, value)
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, offset: int = 0) -> None:
+        """Write [b, heads, n, d] keys/values at each row's length + offset (not committed)."""
+        lengths = self.lengths + offset if offset else self.lengths
+        torch.ops.dflash.kv_write(*self.buffers(layer, key, value), key, value, lengths)
 
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[layer], self.values[layer]
@@ -86,9 +91,10 @@ class TargetCache(Cache):
         self.pending_recurrent: dict[int, torch.Tensor] = {}
         self.conv_width: dict[int, int] = {}
         self.spare: dict[tuple[str, int], torch.Tensor] = {}  # a previous generation's states, reused by `reset`
-        # Slots an eager forward attends over when the host knows that no row has more (the prefill): the first
-        # `visible` of each full-length buffer, as transformers' own cache grows. None (the compiled steps, whose
-        # shapes must not follow the lengths): every slot.
+        # Set during the prefill (eager; the host knows that no row has more slots filled): a forward attends over
+        # the first `visible` slots of each full-length buffer, as transformers' own cache grows, and over a ring
+        # followed by its own keys (`_prefill_ring`). None (the compiled steps, whose shapes must not follow the
+        # lengths): every slot.
         self.visible: int | None = None
 
     def reset(self, pad: torch.Tensor) -> None:
@@ -113,11 +119,25 @@ class TargetCache(Cache):
         return self.rows.lengths
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        ring = self.rows.sizes.get(layer_idx)
+        if ring and self.visible is not None:
+            return self._prefill_ring(key_states, value_states, layer_idx, ring)
         self.rows.write(layer_idx, key_states, value_states)
         keys, values = self.rows.kv(layer_idx)
-        if self.visible is None or layer_idx in self.rows.sizes:  # a ring is read whole
+        if self.visible is None:
             return keys, values
         return keys[:, :, :self.visible], values[:, :, :self.visible]
+
+    def _prefill_ring(self, key_states, value_states, layer_idx: int, ring: int):
+        """A prefill chunk on a sliding layer's ring, which may have fewer slots than the chunk has tokens: the
+        queries attend over the ring as it was (tokens before the chunk) followed by the chunk's own keys (`masks`
+        says which of them each query sees), and the ring then keeps the chunk's last `ring` tokens."""
+        old_keys, old_values = self.rows.buffers(layer_idx, key_states, value_states)
+        keys, values = torch.cat([old_keys, key_states], dim=2), torch.cat([old_values, value_states], dim=2)
+        tokens = key_states.shape[2]
+        skipped = max(tokens - ring, 0)
+        self.rows.write(layer_idx, key_states[:, :, skipped:], value_states[:, :, skipped:], offset=skipped)
+        return keys, values
 
     # transformers' linear-attention cache interface (Qwen3.5 GatedDeltaNet)
     def get_conv_state(self, layer_idx: int, state_idx: int = 0):
@@ -178,9 +198,14 @@ class TargetCache(Cache):
             if kind == "linear_attention":
                 masks[kind] = query[:, :, 0] >= self.pad[:, None]
                 continue
-            if window and self.ring_size:  # ring slot j holds the newest token slot = j (mod ring) up to the query
+            if window and self.ring_size:
                 ring = torch.arange(self.ring_size, device=device)[None, None, :]
-                key = query - (query - ring).remainder(self.ring_size)
+                if self.visible is None:  # ring slot j holds the newest token slot = j (mod ring) up to the query
+                    key = query - (query - ring).remainder(self.ring_size)
+                else:  # a prefill chunk: the ring as it was (slots before the chunk: negative in an empty ring),
+                    last = self.lengths[:, None, None] - 1  # then the chunk's own keys (`_prefill_ring`)
+                    before = (last - (last - ring).remainder(self.ring_size)).expand(-1, width, -1)
+                    key = torch.cat([before, query.transpose(1, 2).expand(-1, width, -1)], dim=2)
             else:
                 key = torch.arange(self.visible or self.rows.max_len, device=device)[None, None, :]
             ok = (key <= query) & (key >= pad)

@@ -92,12 +92,10 @@ def _eos_ids(eos_token_id) -> set[int]:
 
 STEP_GRAPHS = 64  # compiled verify steps kept per decoder code object before Dynamo falls back to eager
 SMALLEST_CACHE = 16
-# Tokens per prefill forward of a model with sliding-window layers, whose rings keep W - 1 + this many slots. H200,
-# 4-layer gpt-oss-20b, against transformers' one forward: a 2048-token prompt 0.46-0.59x in chunks of 256 (each
-# chunk reads every expert again), 1.19-1.22x in chunks of 1024, 1.00-1.09x in chunks of 2048; 4096 tokens 1.61x /
-# 1.39x / 1.07x in chunks of 1024 / 2048 / 4096 (the scores grow with the chunk). The price is paid by the decode
-# steps' sliding layers, whose ring grows from 383 to 1151 slots: 5.5 us more per layer for one token, 14 us for
-# 8 (compiled attention; docs/benchmarks.md, session 29).
+# Tokens per prefill forward of a model with sliding-window layers (others take the prompt in one). H200, 4-layer
+# gpt-oss-20b, against transformers' one forward: a 2048-token prompt 0.46-0.59x in chunks of 256 (each chunk reads
+# every expert again), 1.24-1.30x in chunks of 1024, 1.07-1.13x in chunks of 2048 or one; 4096 tokens 1.66x / 1.45x
+# in chunks of 1024 / 2048 (its eager attention's scores grow with the chunk; docs/benchmarks.md, session 29).
 PREFILL_CHUNK = 1024
 
 
@@ -189,8 +187,8 @@ class SpeculativeDecoder:
         return out.logits, features, linear_inputs
 
     def _new_cache(self, batch: int, max_len: int, dtype, device) -> TargetCache:
-        """Sliding layers keep a ring of window - 1 + (the most tokens one forward writes) slots."""
-        ring = self.window - 1 + max(self.block_size, self.prefill_chunk) if self.sliding_layers else 0
+        """Sliding layers keep a ring of window - 1 + (the most tokens one step writes) slots."""
+        ring = self.window - 1 + self.block_size if self.sliding_layers else 0
         if not 0 < ring < max_len:  # a ring no shorter than the whole sequence saves nothing
             return TargetCache(batch, max_len, dtype, device)
         return TargetCache(batch, max_len, dtype, device, self.sliding_layers, ring)

@@ -138,9 +138,9 @@ def test_dense_model_is_refused(tiny):
 
 @pytest.mark.parametrize("ring_slack", [0, -1])
 def test_sliding_layers_keep_a_ring_of_window_minus_one_plus_block(tiny, monkeypatch, ring_slack):
-    """gpt-oss sliding layers (window 8) keep W - 1 + max(block, prefill chunk) = 13 slots while 57 tokens pass:
-    the ring wraps several times and rolled-back tails are overwritten, yet generate's tokens come out. One slot
-    fewer loses a key a query still needs, and the output changes: the bound is tight."""
+    """gpt-oss sliding layers (window 8) keep W - 1 + block = 13 slots while 57 tokens pass: the ring wraps several
+    times and rolled-back tails are overwritten, yet generate's tokens come out. One slot fewer loses a key a query
+    still needs, and the output changes: the bound is tight."""
     from dflash_compile.cache import TargetCache
 
     model = tiny("gpt_oss")
@@ -159,6 +159,22 @@ def test_sliding_layers_keep_a_ring_of_window_minus_one_plus_block(tiny, monkeyp
     out = fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
     assert sizes[0] == ((0,), 8 - 1 + 6)  # layer 0 slides; layer 1 is full attention
     assert torch.equal(out, expected) == (ring_slack == 0)
+
+
+@pytest.mark.parametrize("prefill_chunk", [12, 40])
+def test_prefill_chunks_longer_than_the_ring(tiny, prefill_chunk):
+    """A 40-token prompt in chunks of 12 or in one, through sliding layers (window 8) whose ring keeps W - 1 + block
+    = 10 slots: each chunk attends over the ring as it was and its own keys, and the ring keeps its last tokens."""
+    model = tiny("gpt_oss")
+    ids = torch.randint(3, 127, (2, 40), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    ids = ids * mask
+    expected = reference(model, ids, mask)
+    fast = dflash_compile.optimize(model, adaptive=False, prefill_chunk=prefill_chunk,
+                                   drafter=OracleDrafter(expected, mask, 3, corruption=0.3, vocab_size=128))
+    assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
+    assert fast.decoder.target_cache.ring_size == 8 - 1 + 3
 
 
 def test_prefill_chunks_attend_over_the_slots_filled_so_far(tiny, monkeypatch):
