@@ -9,6 +9,13 @@ if not torch.cuda.is_available():
 
 from dflash_compile.testing import TINY_CONFIGS, load_tiny_model, save_tiny_model
 
+# Under pytest-xdist (the README's `-n 2`: one worker per core of the CI machine) each worker computes on one thread
+# and compiles in its own process: two workers' intra-op threads and Inductor's compile pools on two cores slowed the
+# longest tests 2-3x.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+    torch._inductor.config.compile_threads = 1
+
 FAMILIES = sorted(TINY_CONFIGS)
 
 # Triton kernels run on CPU tensors only in the interpreter, which stays off where CUDA is (the GPU tests need it off).

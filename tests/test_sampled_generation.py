@@ -9,7 +9,7 @@ from dflash_compile.sampling import processed_probs, warpers
 from dflash_compile.testing import OracleDrafter, random_drafter_weights, save_drafter, tiny_drafter_config
 
 SETTINGS = dict(temperature=0.7, top_k=2, top_p=1.0)  # 2 candidates per step: 8 joint outcomes of 3 tokens
-ROWS, NEW = 100_000, 3
+ROWS, NEW = 50_000, 3  # a 2% bias then gives p ~ 2e-11 (1e-19 at 100k rows; 3e-3 at 20k)
 PROMPT = torch.tensor([[5, 17, 42, 99]])
 
 
