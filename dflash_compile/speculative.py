@@ -205,9 +205,10 @@ class SpeculativeDecoder:
         return cache
 
     def _prefill(self, input_ids: torch.Tensor, cache: TargetCache):
-        """The prompt through the target, in chunks that fit the sliding rings, each attending over the slots
-        filled so far only (`TargetCache.visible`). Returns the last position's logits and the captured features of
-        every prompt position."""
+        """The prompt through the target: in one forward, or for models with sliding layers in chunks of
+        `prefill_chunk` tokens (their eager attention's scores grow with the chunk), each attending over the slots
+        filled so far only (`TargetCache.visible`; a sliding layer over its ring and the chunk's own keys). Returns
+        the last position's logits and the captured features of every prompt position."""
         prompt = input_ids.shape[1]
         chunk = self.prefill_chunk if cache.ring_size else prompt
         features = []
