@@ -4,15 +4,19 @@ attention, and for models with sliding-window layers chunks of `prefill_chunk` t
 
     python bench/prefill.py --model gpt-oss-20b --layers 4 --prompt 2048 --chunks 256 1024 2048
     python bench/prefill.py --model qwen3-30b-a3b --layers 4 --prompt 2048 --experts bf16 mxfp4 --profile
+    python bench/prefill.py --model qwen3-30b-a3b --layers 4 --prompt 4096 --chunks 4096 --with-mask
 
 Milliseconds (medians of --repeats after a warm-up call) per prefill chunk size, our experts kept bf16 or packed
 (`--experts`; transformers' side runs them dequantized to bf16, as bench/spec_decode.py does), and the ratio to
-transformers' forward; `--profile` adds each side's heaviest CUDA kernels.
+transformers' forward; `--profile` adds each side's heaviest CUDA kernels. The prompts have no left padding, so
+SDPA models attend by SDPA's causal flag in the first chunk; `--with-mask` also times them with the explicit mask
+that a left-padded batch takes.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -29,8 +33,9 @@ from dflash_compile.benchmark import timed  # noqa: E402
 from dflash_compile.speculative import cache_capacity  # noqa: E402
 
 
-def ours(target, ids, chunk: int, new: int):
-    """A call of the decoder's prefill on a fresh cache, as `generate` makes and runs it."""
+def ours(target, ids, chunk: int, new: int, padded: bool = False):
+    """A call of the decoder's prefill on a fresh cache, as `generate` makes and runs it (`padded`: as for a
+    left-padded batch, with explicit masks)."""
     decoder = dflash_compile.optimize(target, compile=False, prefill_chunk=chunk).decoder
     max_len = cache_capacity(ids.shape[1] + new + decoder.block_size)
     pad = torch.zeros(ids.shape[0], dtype=torch.int64, device=ids.device)
@@ -38,7 +43,7 @@ def ours(target, ids, chunk: int, new: int):
     def run():
         with torch.inference_mode(), grouped_attention(target):
             cache = decoder._cache(ids.shape[0], max_len, target.dtype, ids.device, pad)
-            return decoder._prefill(ids, cache)[0]
+            return decoder._prefill(ids, cache, padded)[0]
 
     return run
 
@@ -62,6 +67,7 @@ def main() -> None:
     parser.add_argument("--experts", nargs="+", default=["bf16"], choices=["bf16", "mxfp4", "fp8_block"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--profile", action="store_true", help="each side's heaviest CUDA kernels")
+    parser.add_argument("--with-mask", action="store_true", help="also time our prefill with explicit masks")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
@@ -75,16 +81,16 @@ def main() -> None:
         with torch.no_grad():
             return model(ids, use_cache=True).logits[:, -1]
 
-    print("| experts | prefill chunk | ms | transformers ms | speed-up | max logit difference |")
-    print("|---|---|---|---|---|---|")
+    print("| experts | prefill chunk | masks | ms | transformers ms | speed-up | max logit difference |")
+    print("|---|---|---|---|---|---|---|")
     for experts in args.experts:
         target = model if experts == "bf16" else packed_twin(model, experts)  # `model` now holds its values
         expected, base = timed(plain, args.repeats, args.device)
-        for chunk in args.chunks:
-            logits, seconds = timed(ours(target, ids, chunk, args.new), args.repeats, args.device)
+        for chunk, padded in itertools.product(args.chunks, (False, True) if args.with_mask else (False,)):
+            logits, seconds = timed(ours(target, ids, chunk, args.new, padded), args.repeats, args.device)
             difference = (logits.float() - expected.float()).abs().max().item()
-            print(f"| {experts} | {chunk} | {seconds * 1e3:.2f} | {base * 1e3:.2f} | {base / seconds:.2f}x | "
-                  f"{difference:.3g} |", flush=True)
+            print(f"| {experts} | {chunk} | {'explicit' if padded else 'unpadded'} | {seconds * 1e3:.2f} | "
+                  f"{base * 1e3:.2f} | {base / seconds:.2f}x | {difference:.3g} |", flush=True)
         if args.profile and args.device == "cuda":
             print(f"\n## transformers\n{heaviest_kernels(plain)}")
             for chunk in args.chunks:

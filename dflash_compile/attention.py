@@ -93,6 +93,14 @@ def _replaces(model, implementation: str | None) -> bool:
     return implementation == "sdpa" or (implementation == "eager" and spec is not None and spec.attention_sinks)
 
 
+def unmasked_is_causal(model) -> bool:
+    """Whether, inside `grouped_attention(model)`, a forward's layers may take no mask for causal attention over the
+    forward's own keys: the model's attention is SDPA, which `grouped_query_attention` then runs by SDPA's causal
+    flag (its flash kernels, no mask in memory). transformers builds no mask of its own for an implementation
+    outside its mask registry (ours), so a missing mask reaches the layers as it is."""
+    return model.config.get_text_config()._attn_implementation == "sdpa"
+
+
 @contextlib.contextmanager
 def grouped_attention(model):
     """Within: the model's attention layers run `grouped_query_attention` where it reproduces their implementation

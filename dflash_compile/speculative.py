@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .adaptive import WidthChooser
-from .attention import grouped_attention
+from .attention import grouped_attention, unmasked_is_causal
 from .backend import dflash_backend_with
 from .cache import RowCache, TargetCache
 from .drafter import DFlashDrafter, context_features
@@ -156,6 +156,7 @@ class SpeculativeDecoder:
         self.window = window = getattr(config, "sliding_window", None)
         self.windows = {kind: window if kind == "sliding_attention" else None for kind in dict.fromkeys(kinds)}
         self.per_kind_masks = getattr(config, "layer_types", None) is not None  # the model takes {kind: mask}
+        self.unmasked_is_causal = unmasked_is_causal(model)
         self.max_positions = getattr(config, "max_position_embeddings", None)
         self.verify_step = self._verify_step
         self.backend = dflash_backend_with(fused_experts=fused_experts)
@@ -171,9 +172,9 @@ class SpeculativeDecoder:
         self.sampler: Sampler | None = None  # the running generate call's sampling settings
         self.target_cache: TargetCache | None = None  # kept between generate calls (see `_cache`)
 
-    def _target_forward(self, ids: torch.Tensor, cache: TargetCache):
+    def _target_forward(self, ids: torch.Tensor, cache: TargetCache, causal_prompt: bool = False):
         width = ids.shape[1]
-        masks = cache.masks(width, self.windows)
+        masks = cache.masks(width, self.windows, causal_prompt)
         out = self.model(
             input_ids=ids,
             position_ids=cache.positions(width),
@@ -204,11 +205,14 @@ class SpeculativeDecoder:
         cache.reset(pad)
         return cache
 
-    def _prefill(self, input_ids: torch.Tensor, cache: TargetCache):
+    def _prefill(self, input_ids: torch.Tensor, cache: TargetCache, padded: bool = True):
         """The prompt through the target: in one forward, or for models with sliding layers in chunks of
         `prefill_chunk` tokens (their eager attention's scores grow with the chunk), each attending over the slots
-        filled so far only (`TargetCache.visible`; a sliding layer over its ring and the chunk's own keys). Returns
-        the last position's logits and the captured features of every prompt position."""
+        filled so far only (`TargetCache.visible`; a sliding layer over its ring and the chunk's own keys). A prompt
+        without left padding (not `padded`) on SDPA attention takes SDPA's causal flag instead of a mask where it
+        can (`TargetCache.masks`): its flash kernels, and no [b, 1, P, P] mask. Returns the last position's logits
+        and the captured features of every prompt position."""
+        causal_prompt = self.unmasked_is_causal and not padded
         prompt = input_ids.shape[1]
         chunk = self.prefill_chunk if cache.ring_size else prompt
         features = []
@@ -216,7 +220,7 @@ class SpeculativeDecoder:
             ids = input_ids[:, start: start + chunk]
             cache.visible = start + ids.shape[1]  # every row's length is `start` (padding included)
             try:
-                logits, chunk_features, _ = self._target_forward(ids, cache)
+                logits, chunk_features, _ = self._target_forward(ids, cache, causal_prompt)
             finally:
                 cache.visible = None
             kept = torch.full((ids.shape[0],), ids.shape[1], device=ids.device)
@@ -348,7 +352,7 @@ class SpeculativeDecoder:
         device, dtype = input_ids.device, self.model.dtype
         max_len = cache_capacity(prompt + max_new_tokens + self.block_size)
         cache = self._cache(batch, max_len, dtype, device, pad)
-        logits, features = self._prefill(input_ids, cache)
+        logits, features = self._prefill(input_ids, cache, padded=bool(pad.any()))
         anchor = sampler.draw(processed_probs(logits, sampler.chain)) if sampler else logits.argmax(dim=-1)
 
         drafter_cache = None

@@ -5,6 +5,7 @@ import torch
 
 import dflash_compile
 from dflash_compile.adaptive import WidthChooser
+from dflash_compile.families import spec_for_model
 from dflash_compile.testing import OracleDrafter, random_drafter_weights, save_drafter, tiny_drafter_config
 from tests.conftest import token_ids
 
@@ -35,14 +36,17 @@ def reference(model, ids, mask, **kwargs):
         return model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW_TOKENS, **kwargs)
 
 
-@pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize("family", SPECULATIVE_FAMILIES)
+# A batch of one row also where the attention is special: gpt-oss's sliding rings and sinks, Qwen3.5's linear
+# attention (the unpadded prompts of the other families: `test_unpadded_prompts_attend_by_sdpas_causal_flag`).
+@pytest.mark.parametrize("family, batch", [(family, 3) for family in SPECULATIVE_FAMILIES]
+                         + [("gpt_oss", 1), ("qwen3_5_moe", 1)])
 def test_greedy_identity_random_and_oracle_drafter(tiny, family, batch, random_drafter):
+    """Both drafters verify 6 tokens a step: one compiled step shape for the two."""
     model = tiny(family)
     ids, mask = prompts(batch)
     expected = reference(model, ids, mask)
 
-    fast = dflash_compile.optimize(model, adaptive=False, drafter=random_drafter(model))
+    fast = dflash_compile.optimize(model, adaptive=False, drafter=random_drafter(model, block_size=6))
     assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
     assert fast.last_stats.tau < 1.5  # drafts almost always rejected: the all-rejected path ran
 
@@ -201,6 +205,34 @@ def test_prefill_chunks_attend_over_the_slots_filled_so_far(tiny, monkeypatch):
     assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
     assert slots[:3] == [4, 8, 9]
     assert set(slots[3:]) == {cache_capacity(ids.shape[1] + NEW_TOKENS + 1)}
+
+
+@pytest.mark.parametrize("family", [family for family in SPECULATIVE_FAMILIES if family != "gpt_oss"])  # SDPA
+def test_unpadded_prompts_attend_by_sdpas_causal_flag(tiny, family, monkeypatch):
+    """On SDPA attention, a prompt without left padding goes in without a mask, by SDPA's causal flag (its flash
+    kernels on a GPU; no [b, 1, P, P] mask); a left-padded batch keeps its explicit mask, and so do the decode
+    steps. The same tokens as transformers either way (Qwen3.5's linear-attention layers too, DeepSeek-V3's
+    values narrower than its queries and keys)."""
+    model = tiny(family)
+    assert model.config._attn_implementation == "sdpa"
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recorded(query, key, value, attn_mask=None, *args, is_causal=False, **kwargs):
+        calls.append((key.shape[2], attn_mask is None, is_causal))
+        return sdpa(query, key, value, attn_mask, *args, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
+    fast = dflash_compile.optimize(model, adaptive=False, compile=False)
+    layers = sum(kind == "full_attention" for kind in spec_for_model(model).attention_kinds(model.config))
+    for batch, masked_prefill in ((2, True), (1, False)):
+        ids, mask = prompts(batch)
+        expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8)
+        calls.clear()
+        assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=8), expected)
+        prefill, steps = calls[:layers], calls[layers:]
+        assert prefill == [(ids.shape[1], not masked_prefill, not masked_prefill)] * layers
+        assert steps and all(not unmasked and not causal for _, unmasked, causal in steps)
 
 
 def test_generations_of_other_lengths_reuse_the_compiled_step(tiny):
