@@ -94,11 +94,14 @@ def _replaces(model, implementation: str | None) -> bool:
 
 
 def unmasked_is_causal(model) -> bool:
-    """Whether, inside `grouped_attention(model)`, a forward's layers may take no mask for causal attention over the
-    forward's own keys: the model's attention is SDPA, which `grouped_query_attention` then runs by SDPA's causal
-    flag (its flash kernels, no mask in memory). transformers builds no mask of its own for an implementation
-    outside its mask registry (ours), so a missing mask reaches the layers as it is."""
-    return model.config.get_text_config()._attn_implementation == "sdpa"
+    """Whether a forward's layers may now take no mask for causal attention over the forward's own keys:
+    `grouped_attention(model)` is running them in place of SDPA (not of a sink attention), and
+    `grouped_query_attention` then calls SDPA by its causal flag (its flash kernels, no mask in memory).
+    transformers builds no mask of its own for an implementation outside its mask registry (ours), so a missing
+    mask reaches the layers as it is."""
+    spec = spec_for_model(model)
+    return (model.config.get_text_config()._attn_implementation == NAME
+            and not (spec is not None and spec.attention_sinks))
 
 
 @contextlib.contextmanager

@@ -156,7 +156,6 @@ class SpeculativeDecoder:
         self.window = window = getattr(config, "sliding_window", None)
         self.windows = {kind: window if kind == "sliding_attention" else None for kind in dict.fromkeys(kinds)}
         self.per_kind_masks = getattr(config, "layer_types", None) is not None  # the model takes {kind: mask}
-        self.unmasked_is_causal = unmasked_is_causal(model)
         self.max_positions = getattr(config, "max_position_embeddings", None)
         self.verify_step = self._verify_step
         self.backend = dflash_backend_with(fused_experts=fused_experts)
@@ -212,7 +211,7 @@ class SpeculativeDecoder:
         without left padding (not `padded`) on SDPA attention takes SDPA's causal flag instead of a mask where it
         can (`TargetCache.masks`): its flash kernels, and no [b, 1, P, P] mask. Returns the last position's logits
         and the captured features of every prompt position."""
-        causal_prompt = self.unmasked_is_causal and not padded
+        causal_prompt = not padded and unmasked_is_causal(self.model)  # read inside `grouped_attention`
         prompt = input_ids.shape[1]
         chunk = self.prefill_chunk if cache.ring_size else prompt
         features = []

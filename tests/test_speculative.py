@@ -233,6 +233,9 @@ def test_unpadded_prompts_attend_by_sdpas_causal_flag(tiny, family, monkeypatch)
         prefill, steps = calls[:layers], calls[layers:]
         assert prefill == [(ids.shape[1], not masked_prefill, not masked_prefill)] * layers
         assert steps and all(not unmasked and not causal for _, unmasked, causal in steps)
+    model.set_attn_implementation("eager")  # after optimize: the prefill follows, with masks for eager attention
+    expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8)
+    assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=8), expected)
 
 
 def test_generations_of_other_lengths_reuse_the_compiled_step(tiny):
