@@ -196,7 +196,10 @@ def profile_decode(model, args) -> None:
             for _ in range(10):
                 decoder.verify_step(tokens, cache, active)
             synchronize()
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
+    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0 and e.device_type.name == "CUDA"]
+    print(f"per step: {sum(e.count for e in kernels) / 10:.0f} kernels, "
+          f"{sum(e.self_device_time_total for e in kernels) / 10 / 1e3:.2f} ms of kernel time")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
 
 

@@ -73,6 +73,10 @@ class RowCache:
     def commit(self, counts: torch.Tensor) -> None:
         torch.ops.dflash.kv_commit(self.lengths, counts)
 
+    def reset(self) -> None:
+        """Empty every row, in place: the buffers keep their addresses (and stale slots past the lengths)."""
+        self.lengths.zero_()
+
 
 class TargetCache(Cache):
     """The target model's cache during speculative decoding: a RowCache behind transformers' Cache interface.

@@ -7,7 +7,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from dflash_compile.testing import TINY_CONFIGS, load_tiny_model, save_tiny_model
+from dflash_compile.testing import (TINY_CONFIGS, load_tiny_model, random_drafter_weights, save_drafter,
+                                    save_tiny_model, tiny_drafter_config)
 
 # Under pytest-xdist (the README's `-n 2`: one worker per core of the CI machine) each worker computes on one thread
 # and compiles in its own process: two workers' intra-op threads and Inductor's compile pools on two cores slowed the
@@ -54,3 +55,13 @@ def tiny(tiny_dirs):
 
 def token_ids(batch=2, length=9, vocab=128, seed=1):
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture
+def random_drafter(tmp_path):
+    """A random DFlash drafter for `model` saved in a temp dir: make(model, block_size=4, **config overrides)."""
+    def make(model, block_size=4, **kwargs):
+        config = tiny_drafter_config(model.config, block_size=block_size, **kwargs)
+        return save_drafter(tmp_path / "drafter", config, random_drafter_weights(config))
+
+    return make

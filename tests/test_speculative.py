@@ -6,7 +6,7 @@ import torch
 import dflash_compile
 from dflash_compile.adaptive import WidthChooser
 from dflash_compile.families import spec_for_model
-from dflash_compile.testing import OracleDrafter, random_drafter_weights, save_drafter, tiny_drafter_config
+from dflash_compile.testing import OracleDrafter
 from tests.conftest import token_ids
 
 SPECULATIVE_FAMILIES = ["mixtral", "qwen3_moe", "qwen3_5_moe", "gpt_oss", "glm4_moe", "deepseek_v3", "olmoe"]
@@ -20,15 +20,6 @@ def prompts(batch: int, seed: int = 3):
     for b in range(batch):
         mask[b, : 2 * b] = 0
     return ids * mask, mask
-
-
-@pytest.fixture
-def random_drafter(tmp_path):
-    def make(model, block_size=4, **kwargs):
-        config = tiny_drafter_config(model.config, block_size=block_size, **kwargs)
-        return save_drafter(tmp_path / "drafter", config, random_drafter_weights(config))
-
-    return make
 
 
 def reference(model, ids, mask, **kwargs):
