@@ -29,10 +29,13 @@ import transformers
 from spec_decode import build_model, step_inputs
 
 import dflash_compile
+from dflash_compile.backend import dflash_backend_with
 from dflash_compile.benchmark import timed_together
 from dflash_compile.attention import grouped_attention
 from dflash_compile.families import experts_modules
 from dflash_compile.packed import PackedWeight, attach_packed, expert_weights
+from dflash_compile.passes import PIPELINE
+from dflash_compile.step_graphs import StepGraphs
 from dflash_compile.testing import random_drafter_weights, save_drafter, tiny_drafter_config
 
 
@@ -85,54 +88,69 @@ def main():
           f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     ids = torch.randint(0, model.config.vocab_size, (1, args.prompt), device=args.device)
     with torch.no_grad():
-        graphed = dflash_compile.optimize(model)  # StepGraphs on CUDA
-        trees = as_before(dflash_compile.optimize(model))
         plain = dflash_compile.optimize(model, mode="default").decoder
-        runners = {"torch.compile reduce-overhead (CUDA-graph trees)": trees.decoder.verify_step,
-                   "StepGraphs (one torch.cuda.CUDAGraph per shape)": graphed.decoder.verify_step,
-                   "compiled without CUDA graphs": plain.verify_step}
         rows, outputs = [], []
         with grouped_attention(model):  # as `generate` runs the steps
             tokens, cache, active = step_inputs(model, plain, args, 1)
-            for name, step in runners.items():
-                call = lambda: step(tokens, cache, active)  # noqa: E731
-                for _ in range(3):
-                    call()
-                outputs.append([t.clone() for t in call()[:2]])
-                rows.append((name, timings(call, args.steps)))
+            for name, variant in VARIANTS.items():
+                step = variant(dflash_compile.optimize(model)).decoder.verify_step
+                rows.append((name, step_timings(lambda: step(tokens, cache, active), args.steps, outputs)))
+            rows.append(("compiled without CUDA graphs", step_timings(lambda: plain.verify_step(tokens, cache, active),
+                                                                      args.steps, outputs)))
         same = all(torch.equal(a, b) for output in outputs[1:] for a, b in zip(outputs[0], output))
         print(f"same accepted counts and tokens from every runner: {same}")
-        print("\n| runner | synced ms | back to back ms | host ms per call |\n|---|---|---|---|")
+        print("\n| decode step | synced ms | back to back ms | host ms per call |\n|---|---|---|---|")
         for name, t in rows:
             print(f"| {name} | {t['synced']:.3f} | {t['back to back']:.3f} | {t['host']:.3f} |")
 
         with tempfile.TemporaryDirectory() as tmp:
             drafter = random_drafter(model, args.block, tmp)
-            pairs = {"no drafter": (as_before(dflash_compile.optimize(model)), graphed),
-                     f"random DFlash drafter, block {args.block}": (
-                         as_before(dflash_compile.optimize(model, drafter, adaptive=False)),
-                         dflash_compile.optimize(model, drafter, adaptive=False))}
-        print(f"\n`generate`, {args.new} tokens after {args.prompt}, medians of 3:\n\n| drafter | tok/s before (trees, "
-              "drafter without graphs) | tok/s StepGraphs | speed-up | ms per step before / after | same tokens |\n"
-              "|---|---|---|---|---|---|")
-        for name, (before, after) in pairs.items():
-            (old, old_s), (new, new_s) = timed_together(
-                [lambda: before.generate(ids, max_new_tokens=args.new),
-                 lambda: after.generate(ids, max_new_tokens=args.new)], 3, args.device)
-            steps = [statistics.median(f.last_stats.step_seconds) * 1e3 for f in (before, after)]
-            print(f"| {name} | {args.new / old_s:.1f} | {args.new / new_s:.1f} | {old_s / new_s:.2f}x | "
-                  f"{steps[0]:.2f} / {steps[1]:.2f} | {torch.equal(old, new)} |")
+            drafters = {"no drafter": {}, f"random DFlash drafter, block {args.block}": dict(drafter=drafter,
+                                                                                            adaptive=False)}
+            runs = {(d, v): variant(dflash_compile.optimize(model, **options))
+                    for d, options in drafters.items() for v, variant in VARIANTS.items()}
+        print(f"\n`generate`, {args.new} tokens after {args.prompt}, medians of 3 (round robin):\n\n"
+              "| drafter | steps | tok/s | vs session 30 | ms per step | same tokens |\n|---|---|---|---|---|---|")
+        for drafter in drafters:
+            fasts = {v: fast for (d, v), fast in runs.items() if d == drafter}
+            timed_runs = timed_together([lambda f=f: f.generate(ids, max_new_tokens=args.new) for f in fasts.values()],
+                                        3, args.device)
+            first = timed_runs[0]
+            for (name, fast), (out, seconds) in zip(fasts.items(), timed_runs):
+                step = statistics.median(fast.last_stats.step_seconds) * 1e3
+                print(f"| {drafter} | {name} | {args.new / seconds:.1f} | {first[1] / seconds:.2f}x | {step:.2f} | "
+                      f"{torch.equal(out, first[0])} |")
 
 
-def as_before(fast):
-    """`fast` with its steps compiled as before `StepGraphs` (session 30): the verify step on torch.compile's
-    CUDA-graph trees, the drafter's calls without CUDA graphs."""
-    decoder = fast.decoder
-    decoder.verify_step = decoder._compiled(decoder._verify_step, decoder.backend, "reduce-overhead")
-    if decoder.context_step is not None:
-        decoder.draft_logits = decoder._compiled(decoder.drafter.draft_logits, "inductor", "default")
-        decoder.context_step = decoder._compiled(decoder.drafter.add_context, "inductor", "default")
-    return fast
+def step_timings(call, steps: int, outputs: list) -> dict:
+    """`timings` of a step after three warm-up calls; its accepted counts and tokens go to `outputs`."""
+    for _ in range(3):
+        call()
+    outputs.append([t.clone() for t in call()[:2]])
+    return timings(call, steps)
+
+
+def as_compiled(graphs: bool, projection_fusion: bool):
+    """A function setting an optimized model's steps up as one of the VARIANTS: the verify step on `StepGraphs`
+    or on torch.compile's CUDA-graph trees (the drafter's calls then without CUDA graphs, as in session 30), with
+    or without pass `projection_fusion`."""
+    def variant(fast):
+        decoder = fast.decoder
+        backend = dflash_backend_with(fused_experts=True, passes=tuple(
+            name for name in PIPELINE if projection_fusion or name != "projection_fusion"))
+        step = decoder._compiled(decoder._verify_step, backend, "default" if graphs else "reduce-overhead")
+        decoder.verify_step = StepGraphs(step, decoder._step_state) if graphs else step
+        if decoder.context_step is not None and not graphs:
+            decoder.draft_logits = decoder._compiled(decoder.drafter.draft_logits, "inductor", "default")
+            decoder.context_step = decoder._compiled(decoder.drafter.add_context, "inductor", "default")
+        return fast
+
+    return variant
+
+
+VARIANTS = {"session 30: CUDA-graph trees, projections apart": as_compiled(False, False),
+            "StepGraphs, projections apart": as_compiled(True, False),
+            "StepGraphs, projection_fusion (optimize's default)": as_compiled(True, True)}
 
 
 def random_drafter(model, block: int, directory: str) -> str:

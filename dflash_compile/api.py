@@ -8,6 +8,7 @@ from .checkpoint import pack_experts_expanded_at_load
 from .drafter import load_drafter
 from .families import spec_for_model, supported_families
 from .offload import offload_experts
+from .projections import share_storage
 from .speculative import PREFILL_CHUNK, GenerationStats, SpeculativeDecoder
 
 
@@ -57,8 +58,10 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
     (the default) each step verifies as many drafts as measured step times and acceptance say pay best, none when
     the drafter does not pay (`dflash_compile.adaptive`; the choices are in `last_stats.widths`); pass a
     `WidthChooser` to set its options. With `compile`, a DFlash drafter's forward is compiled too (Inductor; CUDA
-    graphs as above). A model that transformers loaded from an MXFP4 checkpoint by expanding its experts gets them
-    packed again (losslessly; `pack_experts_expanded_at_load`).
+    graphs as above), and each layer's q/k/v (and dense gate/up) projections are laid out in one buffer, same values
+    and memory, for one GEMM per group (`projections.share_storage`, pass `projection_fusion`). A model that
+    transformers loaded from an MXFP4 checkpoint by expanding its experts gets them packed again (losslessly;
+    `pack_experts_expanded_at_load`).
     `fused_experts` (default): resident bf16 / fp32 experts run dflash's fused kernels on their own weights in the
     compiled steps (Triton on CUDA, C++ on a CPU; fp16 experts keep transformers' path, the kernels would round them
     to bf16); False keeps transformers' grouped_mm (CUDA) or the reference loop.
@@ -81,6 +84,8 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
                                prefetch=offload_prefetch, cpu_compute=offload_cpu_compute, manager=offload_manager)
         if isinstance(drafter, torch.nn.Module):
             drafter.to(device)
+    if compile:
+        share_storage(model)  # q/k/v and gate/up in one buffer each: one GEMM per group (pass projection_fusion)
     decoder = SpeculativeDecoder(model, drafter, layer_ids, compile=compile, mode=mode, prefill_chunk=prefill_chunk,
                                  adaptive=adaptive, fused_experts=fused_experts)
     return OptimizedModel(model, decoder, compile)

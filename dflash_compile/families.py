@@ -58,6 +58,9 @@ class FamilySpec:
     # the attention's softmax takes one learned logit per head (`sinks`, passed as `s_aux`) and drops it after, in
     # the family's eager attention (dflash_compile.attention reproduces it without copying keys and values)
     attention_sinks: bool = False
+    # groups of sibling linear layers that read one input, laid out in one buffer by `optimize` so that one GEMM
+    # serves each group (`projections.share_storage`, pass `projection_fusion`); absent names are skipped
+    shared_input_linears: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def _all_layers(config) -> list[int]:
@@ -131,6 +134,8 @@ FAMILIES: dict[str, FamilySpec] = {
         FamilySpec(
             "deepseek_v3", ("deepseek_v3",), "DeepseekV3Experts", _SWIGLU, _DEEPSEEK_ROUTER, "shared_experts",
             _after_first_k_dense, _full_attention,  # multi-head latent attention: one latent K/V per token
+            shared_input_linears=(("q_a_proj", "kv_a_proj_with_mqa"), ("q_proj", "kv_a_proj_with_mqa"),
+                                  ("gate_proj", "up_proj")),  # q_proj where there is no q_lora_rank
         ),
         FamilySpec("olmoe", ("olmoe",), "OlmoeExperts", _SWIGLU, _SOFTMAX, None, _all_layers, _full_attention),
     )

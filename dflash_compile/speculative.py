@@ -174,9 +174,9 @@ class SpeculativeDecoder:
             if self.draft_logits is not None:  # Inductor alone (no experts to rewrite)
                 self.draft_logits = self._compiled(drafter.draft_logits, "inductor", "default")
                 self.context_step = self._compiled(drafter.add_context, "inductor", "default")
-                if graphed:  # the drafter reads nothing but its arguments and its own weights
-                    self.draft_logits = StepGraphs(self.draft_logits, tuple)
-                    self.context_step = StepGraphs(self.context_step, tuple)
+                if graphed:  # the drafter reads nothing but its arguments, its weights and its training flag
+                    self.draft_logits = StepGraphs(self.draft_logits, lambda: drafter.training)
+                    self.context_step = StepGraphs(self.context_step, lambda: drafter.training)
         self.last_stats = GenerationStats(block_size=self.block_size)
         self.sampler: Sampler | None = None  # the running generate call's sampling settings
         self.target_cache: TargetCache | None = None  # kept between generate calls (see `_cache`)
@@ -192,9 +192,11 @@ class SpeculativeDecoder:
 
     def _step_state(self) -> tuple:
         """What the compiled verify step reads besides its arguments, part of `StepGraphs`' keys: the target's
-        attention implementation (`grouped_attention` switches it) and the running generation's sampling warpers."""
+        attention implementation (`grouped_attention` switches it), its training flag and the running generation's
+        sampling warpers."""
         chain = self.sampler.chain if self.sampler else ()
-        return self.model.config._attn_implementation, tuple((type(w).__name__, repr(vars(w))) for w in chain)
+        warpers = tuple((type(w).__name__, repr(vars(w))) for w in chain)
+        return self.model.config._attn_implementation, self.model.training, warpers
 
     def _target_forward(self, ids: torch.Tensor, cache: TargetCache, causal_prompt: bool = False):
         width = ids.shape[1]

@@ -2,6 +2,7 @@
 
 1. expert_dispatch  routed-expert regions -> one dflash::moe_dispatch node per MoE layer
 2. dequant_fusion   linear(x, fp8_block_dequantize(w, s)) -> one dflash::fp8_block_linear node
+3. projection_fusion  linears on one input over adjacent rows of one buffer (q/k/v, gate/up) -> one linear + split
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ from torch.fx import GraphModule
 from .context import PassContext
 from .dequant_fusion import dequant_fusion
 from .expert_dispatch import expert_dispatch
+from .projection_fusion import projection_fusion
 
 GraphPass = Callable[[GraphModule, PassContext], int]
 
 PIPELINE: dict[str, GraphPass] = {
     "expert_dispatch": expert_dispatch,
     "dequant_fusion": dequant_fusion,
+    "projection_fusion": projection_fusion,
 }
 
 
