@@ -1,6 +1,8 @@
 """Verify steps replayed from CUDA graphs of their own (`StepGraphs`, the CUDA default): the tokens stay
 `model.generate`'s, and everything a step's graph depends on besides its arguments' shapes selects its own graph."""
 
+import logging
+
 import pytest
 import torch
 
@@ -9,13 +11,14 @@ from dflash_compile.step_graphs import StepGraphs
 from dflash_compile.testing import OracleDrafter
 from tests.test_speculative import NEW_TOKENS, prompts, reference
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def captured(decoder, step: str = "verify_step") -> int:
     return sum(graph is not None for graph in getattr(decoder, step).graphs.values())
 
 
+@needs_cuda
 @pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
 def test_steps_replay_from_graphs_and_keep_generates_tokens(tiny, family):
     model = tiny(family).cuda()
@@ -32,6 +35,7 @@ def test_steps_replay_from_graphs_and_keep_generates_tokens(tiny, family):
     assert captured(oracle.decoder) == 1
 
 
+@needs_cuda
 def test_the_drafters_calls_replay_from_graphs_too(tiny, random_drafter):
     """The drafter's `draft_logits` and `add_context` of a step's tokens get graphs of their own, over a drafter
     cache that the next generation of the same shape empties and reuses."""
@@ -46,6 +50,7 @@ def test_the_drafters_calls_replay_from_graphs_too(tiny, random_drafter):
     assert captured(fast.decoder, "draft_logits") == 1 and captured(fast.decoder, "context_step") == 1
 
 
+@needs_cuda
 def test_sampling_settings_select_their_own_graph(tiny):
     """A graph replays its capture's temperature: a later generation at another one must not reuse it."""
     model = tiny("qwen3_moe").cuda()
@@ -64,6 +69,7 @@ def test_sampling_settings_select_their_own_graph(tiny):
     assert torch.equal(hot, sampled(dflash_compile.optimize(model), 3.0))  # a fresh decoder: no graph yet
 
 
+@needs_cuda
 def test_a_new_cache_drops_the_old_caches_graphs(tiny):
     """The graphs write the cache they were captured with; a generation that needs a cache of another capacity
     makes a new one, and the old one's graphs go with it."""
@@ -85,6 +91,7 @@ def test_a_new_cache_drops_the_old_caches_graphs(tiny):
     assert torch.equal(out, reference(model, long_ids, long_mask))
 
 
+@needs_cuda
 @pytest.mark.parametrize("family", ["qwen3_5_moe"])
 def test_linear_attention_keeps_torch_compiles_cuda_graphs(tiny, family):
     """Its steps' replay of accepted tokens replaces cache tensors between steps: a captured graph would write the
@@ -94,3 +101,21 @@ def test_linear_attention_keeps_torch_compiles_cuda_graphs(tiny, family):
     assert fast.decoder.mode == "reduce-overhead" and not isinstance(fast.decoder.verify_step, StepGraphs)
     ids, mask = (t.cuda() for t in prompts(2))
     assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), reference(model, ids, mask))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA graph capture of CPU work would succeed (empty)")
+def test_a_signature_whose_capture_fails_runs_as_compiled(caplog):
+    """Without CUDA the capture fails: the call runs the function, warns once for the signature, and does not try
+    again; another state is another signature."""
+    state, module = ["greedy"], torch.nn.Identity()
+    steps = StepGraphs(lambda x, layer: layer(x) * 2, lambda: state[0])
+    with caplog.at_level(logging.WARNING, logger="dflash_compile.step_graphs"):
+        for i in range(4):
+            assert torch.equal(steps(torch.full((3,), float(i)), module), torch.full((3,), 2.0 * i))
+        assert len(caplog.records) == 1 and "capture failed" in caplog.records[0].getMessage()
+        state[0] = "sampled"
+        for i in range(3):
+            assert torch.equal(steps(torch.full((2,), float(i)), module), torch.full((2,), 2.0 * i))
+    assert len(caplog.records) == 2 and len(steps.graphs) == 2 and set(steps.graphs.values()) == {None}
+    steps.clear()
+    assert not steps.graphs and not steps.objects
