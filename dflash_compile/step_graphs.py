@@ -59,24 +59,27 @@ class StepGraphs:
 
     def __init__(self, function: Callable, state: Callable[[], Hashable]):
         self.function, self.state = function, state
-        self.graphs: dict[Hashable, _Captured | None] = {}  # None: not captured (the first call ran, or it failed)
-        self.objects: dict[Hashable, tuple] = {}  # the objects a key names by identity, kept alive with it
+        self.graphs: dict[Hashable, _Captured] = {}
+        self.failed: set[Hashable] = set()  # keys whose capture failed: they run `function`
+        # each key's first arguments: the objects it names by identity stay alive (their ids are not reused)
+        self.objects: dict[Hashable, tuple] = {}
 
     def __call__(self, *args):
         key = (self.state(), torch.is_grad_enabled(), torch.is_inference_mode_enabled(), *map(_signature, args))
-        if key not in self.graphs:
-            self.graphs[key], self.objects[key] = None, args
+        if key not in self.objects:
+            self.objects[key] = args
             return self.function(*args)
-        captured = self.graphs[key]
-        if captured is None and self.objects[key] is not None:
-            self.objects[key] = None  # one capture attempt per key
+        captured = self.graphs.get(key)
+        if captured is None and key not in self.failed:
             try:
                 captured = self.graphs[key] = _Captured(self.function, args)
             except RuntimeError as error:
+                self.failed.add(key)
                 log.warning("running a compiled step without a CUDA graph: its capture failed (%s)", error)
         return self.function(*args) if captured is None else captured.replay(args)
 
     def clear(self) -> None:
-        """Drop every graph (and the objects they hold), e.g. when the cache they write is replaced."""
+        """Drop every graph and the objects the keys hold, e.g. when the cache they write is replaced."""
         self.graphs.clear()
+        self.failed.clear()
         self.objects.clear()
