@@ -203,13 +203,18 @@ def profile_decode(model, args) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
 
 
-def native_dflash(model, args, ids):
-    """transformers' own DFlash path with a random drafter in its format (batch 1)."""
-    config = tiny_drafter_config(model.config, block_size=args.block, sliding_window=4096)
+def random_drafter(model, block: int, directory: str, transformers_format: bool = False) -> str:
+    """A random DFlash drafter of two layers at the target's hidden size, saved in `directory`."""
+    config = tiny_drafter_config(model.config, block_size=block, sliding_window=4096)
     config.update(hidden_size=model.config.hidden_size, intermediate_size=2 * model.config.hidden_size,
                   num_attention_heads=8, num_key_value_heads=2, head_dim=128)
+    return save_drafter(directory, config, random_drafter_weights(config), transformers_format=transformers_format)
+
+
+def native_dflash(model, args, ids):
+    """transformers' own DFlash path with a random drafter in its format (batch 1)."""
     with tempfile.TemporaryDirectory() as tmp:
-        path = save_drafter(tmp, config, random_drafter_weights(config), transformers_format=True)
+        path = random_drafter(model, args.block, tmp, transformers_format=True)
         assistant = transformers.AutoModel.from_pretrained(path, dtype=model.dtype).to(args.device).eval()
     return lambda: model.generate(ids, do_sample=False, max_new_tokens=args.new, assistant_model=assistant,
                                   speculation_type="dflash")

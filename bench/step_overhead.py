@@ -26,25 +26,14 @@ import time
 
 import torch
 import transformers
-from spec_decode import build_model, step_inputs
+from spec_decode import build_model, packed_twin, random_drafter, step_inputs
 
 import dflash_compile
 from dflash_compile.backend import dflash_backend_with
 from dflash_compile.benchmark import timed_together
 from dflash_compile.attention import grouped_attention
-from dflash_compile.families import experts_modules
-from dflash_compile.packed import PackedWeight, attach_packed, expert_weights
 from dflash_compile.passes import PIPELINE
 from dflash_compile.step_graphs import StepGraphs
-from dflash_compile.testing import random_drafter_weights, save_drafter, tiny_drafter_config
-
-
-def pack_experts(model, format: str) -> None:
-    """Quantize the routed experts to `format` and attach them packed (the fused kernel reads those)."""
-    with torch.no_grad():
-        for experts in experts_modules(model).values():
-            weights = expert_weights(experts)
-            attach_packed(experts, *[PackedWeight.quantize(w.data.float(), format, w.bias) for w in weights])
 
 
 def timings(call, steps: int) -> dict:
@@ -82,8 +71,8 @@ def main():
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
     model = build_model(args.model, args.device, args.layers)
-    if args.experts != "bf16":
-        pack_experts(model, args.experts)
+    if args.experts != "bf16":  # a copy with its experts packed; the bf16 original goes
+        model = packed_twin(model, args.experts)
     print(f"# {args.model}, {model.config.num_hidden_layers} layers, experts {args.experts}, prompt {args.prompt}, "
           f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     ids = torch.randint(0, model.config.vocab_size, (1, args.prompt), device=args.device)
@@ -152,13 +141,6 @@ VARIANTS = {"session 30: CUDA-graph trees, projections apart": as_compiled(False
             "StepGraphs, projections apart": as_compiled(True, False),
             "StepGraphs, projection_fusion (optimize's default)": as_compiled(True, True)}
 
-
-def random_drafter(model, block: int, directory: str) -> str:
-    """A random DFlash drafter of two layers at the target's hidden size (spec_decode.py's native row's shape)."""
-    config = tiny_drafter_config(model.config, block_size=block, sliding_window=4096)
-    config.update(hidden_size=model.config.hidden_size, intermediate_size=2 * model.config.hidden_size,
-                  num_attention_heads=8, num_key_value_heads=2, head_dim=128)
-    return save_drafter(directory, config, random_drafter_weights(config))
 
 if __name__ == "__main__":
     main()

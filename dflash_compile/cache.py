@@ -52,6 +52,11 @@ class RowCache:
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
 
+    @property
+    def shape(self) -> tuple:
+        """(batch, max_len, dtype, device): what a generation needs to reuse this cache."""
+        return self.batch, self.max_len, self.dtype, self.lengths.device
+
     def _buffer(self, store: dict, layer: int, like: torch.Tensor) -> torch.Tensor:
         if layer not in store:
             shape = (self.batch, like.shape[1], self.sizes.get(layer, self.max_len), like.shape[3])

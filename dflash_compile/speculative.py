@@ -129,7 +129,11 @@ def default_mode(model) -> str:
     offload ops for offloaded experts) for a model on CUDA, where a step launched op by op from Python is bound by
     launch overhead (H200, docs/benchmarks.md: gpt-oss-20b decode steps 34.3 ms without graphs, 6.67 ms with;
     Qwen3-30B-A3B with 25% of its experts resident 65.5 -> 83.7 decode tokens/s), "default" elsewhere."""
-    return "reduce-overhead" if next(model.parameters()).device.type == "cuda" else "default"
+    return "reduce-overhead" if _on_cuda(model) else "default"
+
+
+def _on_cuda(model) -> bool:
+    return next(model.parameters()).device.type == "cuda"
 
 
 class SpeculativeDecoder:
@@ -187,8 +191,7 @@ class SpeculativeDecoder:
         step keeps its buffers. Offloaded experts take host-side ops that must leave the graph, and linear-attention
         layers' replay replaces cache tensors between steps (`_commit_linear`): those keep torch.compile's CUDA-graph
         trees, which partition the graph and check its inputs on every call."""
-        on_cuda = next(self.model.parameters()).device.type == "cuda"
-        return on_cuda and not hasattr(self.model, "dflash_offload") and not self.linear_layers
+        return _on_cuda(self.model) and not hasattr(self.model, "dflash_offload") and not self.linear_layers
 
     def _step_state(self) -> tuple:
         """What the compiled verify step reads besides its arguments, part of `StepGraphs`' keys: the target's
@@ -225,8 +228,7 @@ class SpeculativeDecoder:
         (its buffers keep their addresses, so CUDA graphs of the step replay rather than record again); else a
         new one, which the decoder then keeps until a generation needs another shape."""
         cache = self.target_cache
-        if cache is None or (cache.rows.batch, cache.rows.max_len, cache.rows.dtype, cache.lengths.device) != (
-                batch, max_len, dtype, device):
+        if cache is None or cache.rows.shape != (batch, max_len, dtype, device):
             cache = self.target_cache = self._new_cache(batch, max_len, dtype, device)
             self._clear_graphs(self.verify_step)  # their graphs write the old cache's buffers
         cache.reset(pad)
@@ -236,8 +238,7 @@ class SpeculativeDecoder:
         """The generation's drafter cache: the previous generation's, emptied in place, when its shape is the same
         (as `_cache`: the drafter's graphs keep replaying); else a new one."""
         cache = self.drafter_cache
-        if cache is None or (cache.batch, cache.max_len, cache.dtype, cache.lengths.device) != (
-                batch, max_len, dtype, device):
+        if cache is None or cache.shape != (batch, max_len, dtype, device):
             cache = self.drafter_cache = self.drafter.new_cache(batch, max_len, dtype, device)
             self._clear_graphs(self.draft_logits, self.context_step)
         cache.reset()

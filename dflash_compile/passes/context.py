@@ -14,6 +14,10 @@ from ..expert_store import ExpertStore, store_for
 _MODULE_PATH = re.compile(r"^(?P<scope>[LG])\['(?P<name>[^']+)'\](?P<indices>(\[\d+\])*)\.?(?P<rest>.*)$")
 
 
+# How a linear layer's call appears in a Dynamo graph (nn.Linear's forward, or F.linear called directly).
+LINEAR_CALLS = (torch._C._nn.linear, torch.nn.functional.linear)
+
+
 @dataclass
 class PassContext:
     frame_locals: dict
@@ -59,7 +63,10 @@ class PassContext:
     def store(self, root: torch.nn.Module) -> ExpertStore:
         return store_for(root)
 
+    def input_values(self, graph: torch.fx.Graph) -> dict[torch.fx.Node, object]:
+        """The real value behind each placeholder (a parameter, a buffer or a user input)."""
+        return dict(zip([n for n in graph.nodes if n.op == "placeholder"], self.example_inputs))
+
     def input_value(self, node: torch.fx.Node):
-        """The real value behind a placeholder (a parameter, a buffer or a user input)."""
-        placeholders = [n for n in node.graph.nodes if n.op == "placeholder"]
-        return self.example_inputs[placeholders.index(node)]
+        """The real value behind one placeholder (`input_values` for many)."""
+        return self.input_values(node.graph)[node]

@@ -19,10 +19,9 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule
 
-from .context import PassContext
+from .context import LINEAR_CALLS, PassContext
 
 _DEQUANTIZE = (torch.ops.dflash.fp8_block_dequantize, torch.ops.dflash.fp8_block_dequantize.default)
-_LINEARS = (torch._C._nn.linear, torch.nn.functional.linear)
 
 
 def _fusable(dequantize: torch.fx.Node) -> bool:
@@ -31,7 +30,8 @@ def _fusable(dequantize: torch.fx.Node) -> bool:
         return False
     _, _, block_n, block_k, _ = dequantize.args
     return (block_n, block_k) == (128, 128) and bool(dequantize.users) and all(
-        user.op == "call_function" and user.target in _LINEARS and len(user.args) >= 2 and user.args[1] is dequantize
+        user.op == "call_function" and user.target in LINEAR_CALLS and len(user.args) >= 2
+        and user.args[1] is dequantize
         and dequantize not in (user.args[0], *user.args[2:], *user.kwargs.values())
         for user in dequantize.users)
 

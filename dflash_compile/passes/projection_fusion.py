@@ -29,14 +29,15 @@ from torch._dynamo.source import AttrSource
 from torch.fx import GraphModule, Node
 
 from ..projections import rows_adjacent
-from .context import PassContext
+from .context import LINEAR_CALLS, PassContext
 
-_LINEARS = (torch._C._nn.linear, torch.nn.functional.linear)
+Parts = tuple[Node, Node, Node | None]  # a linear call's input, weight and bias
 
 
-def _parts(node: Node) -> tuple[Node, Node, Node | None] | None:
+def _parts(node: Node) -> Parts | None:
     """(input, weight, bias) of a linear call whose weight and bias are graph inputs, else None."""
-    if node.op != "call_function" or node.target not in _LINEARS or set(node.kwargs) - {"bias"} or len(node.args) < 2:
+    if (node.op != "call_function" or node.target not in LINEAR_CALLS or set(node.kwargs) - {"bias"}
+            or len(node.args) < 2):
         return None
     x, weight, *rest = node.args
     bias = rest[0] if rest else node.kwargs.get("bias")
@@ -45,16 +46,17 @@ def _parts(node: Node) -> tuple[Node, Node, Node | None] | None:
     return x, weight, bias
 
 
-def _runs(linears: list[Node], ctx: PassContext) -> list[list[Node]]:
+def _runs(linears: dict[Node, Parts], values: dict[Node, object]) -> list[list[Node]]:
     """The linears (all on one input) in runs of two or more whose weights, and biases, are adjacent rows."""
-    value = lambda node, part: ctx.input_value(_parts(node)[part]) if _parts(node)[part] is not None else None  # noqa: E731
-    ordered = sorted(linears, key=lambda node: (value(node, 1).untyped_storage().data_ptr(),
-                                                value(node, 1).storage_offset()))
+    weight = lambda node: values[linears[node][1]]  # noqa: E731
+    bias = lambda node: values.get(linears[node][2])  # noqa: E731  (None for none)
+    ordered = sorted(linears, key=lambda node: (weight(node).untyped_storage().data_ptr(),
+                                                weight(node).storage_offset()))
     runs, run = [], [ordered[0]]
     for node in ordered[1:]:
         candidate = run + [node]
-        biases = [value(n, 2) for n in candidate]
-        together = rows_adjacent([value(n, 1) for n in candidate]) and (
+        biases = [bias(n) for n in candidate]
+        together = rows_adjacent([weight(n) for n in candidate]) and (
             all(b is None for b in biases) or (None not in biases and rows_adjacent(biases)))
         if together:
             run = candidate
@@ -65,12 +67,12 @@ def _runs(linears: list[Node], ctx: PassContext) -> list[list[Node]]:
     return [run for run in runs if len(run) > 1]
 
 
-def _buffer(gm: GraphModule, name: str, parts: list[Node], ctx: PassContext) -> Node:
+def _buffer(gm: GraphModule, name: str, parts: list[Node], values: dict[Node, object]) -> Node:
     """A graph-module attribute viewing the parts' storage as their concatenation, and its get_attr node. In a
     Dynamo graph AOTAutograd lifts each attribute by its source, as Dynamo registers its own: here one under the
     first part's (guards are never made from it: the attribute is no graph input)."""
-    first = ctx.input_value(parts[0])
-    shape = (sum(ctx.input_value(part).shape[0] for part in parts), *first.shape[1:])
+    first = values[parts[0]]
+    shape = (sum(values[part].shape[0] for part in parts), *first.shape[1:])
     gm.register_buffer(name, first.detach().as_strided(shape, first.stride(), first.storage_offset()))
     sources = getattr(gm, "_param_name_to_source", None)
     if sources is not None:
@@ -78,18 +80,17 @@ def _buffer(gm: GraphModule, name: str, parts: list[Node], ctx: PassContext) -> 
     return gm.graph.get_attr(name)
 
 
-def _fuse(gm: GraphModule, run: list[Node], ctx: PassContext, index: int) -> None:
+def _fuse(gm: GraphModule, run: list[Node], linears: dict[Node, Parts], values: dict[Node, object],
+          first: Node, index: int) -> None:
+    """Replace the run's linears (in storage order; `first` the earliest in the graph) by one linear and a split."""
     graph = gm.graph
-    order = {node: i for i, node in enumerate(graph.nodes)}
-    first = min(run, key=order.__getitem__)
-    x, _, bias = _parts(first)
-    weights = [_parts(node)[1] for node in run]
+    x, _, bias = linears[first]
+    weights = [linears[node][1] for node in run]
     with graph.inserting_before(first):
-        weight = _buffer(gm, f"fused_weight_{index}", weights, ctx)
-        bias = _buffer(gm, f"fused_bias_{index}", [_parts(node)[2] for node in run], ctx) if bias else None
+        weight = _buffer(gm, f"fused_weight_{index}", weights, values)
+        bias = _buffer(gm, f"fused_bias_{index}", [linears[node][2] for node in run], values) if bias else None
         fused = graph.call_function(torch._C._nn.linear, (x, weight, bias))
-        rows = [ctx.input_value(w).shape[0] for w in weights]
-        split = graph.call_function(torch.split, (fused, rows), {"dim": -1})
+        split = graph.call_function(torch.split, (fused, [values[w].shape[0] for w in weights]), {"dim": -1})
         examples = [node.meta.get("example_value") for node in run]  # Dynamo's fake tensors
         fake_mode = getattr(examples[0], "fake_mode", None)
         if fake_mode is not None:
@@ -104,14 +105,16 @@ def _fuse(gm: GraphModule, run: list[Node], ctx: PassContext, index: int) -> Non
 
 
 def projection_fusion(gm: GraphModule, ctx: PassContext) -> int:
-    by_input: dict[Node, list[Node]] = defaultdict(list)
+    values = ctx.input_values(gm.graph)
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    by_input: dict[Node, dict[Node, Parts]] = defaultdict(dict)
     for node in gm.graph.nodes:
         parts = _parts(node)
-        if parts is not None and isinstance(ctx.input_value(parts[1]), torch.Tensor):
-            by_input[parts[0]].append(node)
-    runs = [run for linears in by_input.values() if len(linears) > 1 for run in _runs(linears, ctx)]
-    for index, run in enumerate(runs):
-        _fuse(gm, run, ctx, index)
+        if parts is not None and isinstance(values[parts[1]], torch.Tensor):
+            by_input[parts[0]][node] = parts
+    runs = [(run, linears) for linears in by_input.values() if len(linears) > 1 for run in _runs(linears, values)]
+    for index, (run, linears) in enumerate(runs):
+        _fuse(gm, run, linears, values, min(run, key=order.__getitem__), index)
     if runs:
         gm.graph.lint()
         gm.recompile()
