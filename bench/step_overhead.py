@@ -9,12 +9,12 @@ work), on the same inputs for every runner, timed three ways:
     step);
   * back to back: --steps calls, one sync at the end (the device's own time per step once the host keeps ahead);
   * host: the host's time to issue one call (no sync after it).
-Runners: the step on torch.compile's CUDA-graph trees (mode "reduce-overhead" as torch runs it: Dynamo's guards and
-the trees' input checks on every call; `optimize`'s default before session 31), on `StepGraphs` (the same step
-compiled without CUDA graphs, captured once per shape in a plain `torch.cuda.CUDAGraph`: `optimize`'s default now),
-and compiled without CUDA graphs. Then `generate` (--new tokens, greedy) before and after, without a drafter and with a
-random DFlash drafter (every draft rejected: each step drafts, verifies --block tokens and keeps one), tokens
-compared.
+Runners (VARIANTS): the step on `StepGraphs` (compiled without CUDA graphs, captured once per shape in a plain
+`torch.cuda.CUDAGraph`: `optimize`'s default since session 31) without passes `projection_fusion` and `small_top_k`,
+without `small_top_k`, and with every pass (the default); then compiled without CUDA graphs. (Session 31 also timed
+torch.compile's CUDA-graph trees, mode "reduce-overhead" as torch runs it: `as_compiled(False, ...)`.) Then
+`generate` (--new tokens, greedy) for each variant, without a drafter and with a random DFlash drafter (every draft
+rejected: each step drafts, verifies --block tokens and keeps one), tokens compared.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def main():
             runs = {(d, v): variant(dflash_compile.optimize(model, **options))
                     for d, options in drafters.items() for v, variant in VARIANTS.items()}
         print(f"\n`generate`, {args.new} tokens after {args.prompt}, medians of 3 (round robin):\n\n"
-              "| drafter | steps | tok/s | vs session 30 | ms per step | same tokens |\n|---|---|---|---|---|---|")
+              "| drafter | steps | tok/s | vs the first | ms per step | same tokens |\n|---|---|---|---|---|---|")
         for drafter in drafters:
             fasts = {v: fast for (d, v), fast in runs.items() if d == drafter}
             timed_runs = timed_together([lambda f=f: f.generate(ids, max_new_tokens=args.new) for f in fasts.values()],
@@ -119,14 +119,14 @@ def step_timings(call, steps: int, outputs: list) -> dict:
     return timings(call, steps)
 
 
-def as_compiled(graphs: bool, projection_fusion: bool):
+def as_compiled(graphs: bool, without: tuple[str, ...] = ()):
     """A function setting an optimized model's steps up as one of the VARIANTS: the verify step on `StepGraphs`
     or on torch.compile's CUDA-graph trees (the drafter's calls then without CUDA graphs, as in session 30), with
-    or without pass `projection_fusion`."""
+    the dflash passes but those named in `without`."""
     def variant(fast):
         decoder = fast.decoder
-        backend = dflash_backend_with(fused_experts=True, passes=tuple(
-            name for name in PIPELINE if projection_fusion or name != "projection_fusion"))
+        passes = tuple(name for name in PIPELINE if name not in without)
+        backend = dflash_backend_with(fused_experts=True, passes=passes)
         step = decoder._compiled(decoder._verify_step, backend, "default" if graphs else "reduce-overhead")
         decoder.verify_step = StepGraphs(step, decoder._step_state) if graphs else step
         if decoder.context_step is not None and not graphs:
@@ -137,9 +137,9 @@ def as_compiled(graphs: bool, projection_fusion: bool):
     return variant
 
 
-VARIANTS = {"session 30: CUDA-graph trees, projections apart": as_compiled(False, False),
-            "StepGraphs, projections apart": as_compiled(True, False),
-            "StepGraphs, projection_fusion (optimize's default)": as_compiled(True, True)}
+VARIANTS = {"StepGraphs, projections apart, torch.topk": as_compiled(True, ("projection_fusion", "small_top_k")),
+            "StepGraphs, projection_fusion, torch.topk": as_compiled(True, ("small_top_k",)),
+            "StepGraphs, projection_fusion, small_top_k (optimize's default)": as_compiled(True)}
 
 
 if __name__ == "__main__":

@@ -100,6 +100,25 @@ def _kv_commit_fake(lengths, counts):
     torch._check(lengths.shape == counts.shape, lambda: "one count per row expected")
 
 
+@torch.library.custom_op("dflash::top_k", mutates_args=())
+def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk(x, k, dim=-1): the k largest of each row, sorted, and their indices. On CUDA one Triton launch
+    (`kernels.top_k`, for rows of at most its `MAX_WIDTH`; equal values in index order) instead of torch's two."""
+    if x.is_cuda:
+        from .kernels.top_k import MAX_WIDTH, top_k as top_k_kernel
+
+        if x.shape[-1] <= MAX_WIDTH:
+            return top_k_kernel(x, k)
+    return torch.topk(x, k, dim=-1)
+
+
+@top_k.register_fake
+def _top_k_fake(x, k):
+    torch._check(0 <= k <= x.shape[-1], lambda: f"top_k: k = {k} exceeds the last dimension ({x.shape[-1]})")
+    shape = (*x.shape[:-1], k)
+    return x.new_empty(shape), x.new_empty(shape, dtype=torch.int64)
+
+
 @torch.library.custom_op("dflash::greedy_accept", mutates_args=())
 def greedy_accept(block: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy acceptance over a verify block, per row.

@@ -58,9 +58,11 @@ def test_one_dispatch_node_per_moe_layer_whatever_experts_implementation(tiny, f
     moe_layers = FAMILIES[family].moe_layers(model.config)
     assert report.graph_break_count == 0
     assert len(report.graphs) == 1
+    routers_top_k = 3 if FAMILIES[family].router.grouped_top_k else 1  # DeepSeek's: group scores, groups, experts
     assert report.matches == {"expert_dispatch": len(moe_layers), "dequant_fusion": 0,
-                              "projection_fusion": 0}
+                              "projection_fusion": 0, "small_top_k": routers_top_k * len(moe_layers)}
     after = report.graphs[0].after
+    assert "topk(" not in after  # every router's topk is dflash::top_k
     assert after.count("torch.ops.dflash.moe_dispatch.default(") == len(moe_layers)
     assert "grouped_mm" not in after and "gate_up_proj[" not in after  # no expert math left in the graph
     with torch.no_grad():

@@ -92,6 +92,17 @@ def test_opcheck_kv_ops():
     torch.library.opcheck(torch.ops.dflash.kv_commit.default, (lengths.clone(), torch.tensor([2, 0])))
 
 
+def test_opcheck_top_k():
+    scores = torch.randn(2, 3, 32)
+    torch.library.opcheck(torch.ops.dflash.top_k.default, (scores, 4))
+    assert all(torch.equal(a, b) for a, b in zip(torch.ops.dflash.top_k(scores, 4), torch.topk(scores, 4)))
+
+
+def test_top_k_rejects_k_beyond_the_row_at_trace_time():
+    with pytest.raises(RuntimeError, match=r"top_k: k = 9 exceeds the last dimension \(8\)"):
+        torch.compile(lambda x: torch.ops.dflash.top_k(x, 9), backend="aot_eager", fullgraph=True)(torch.randn(2, 8))
+
+
 def test_kv_write_writes_each_row_at_its_length_and_commit_moves_only_lengths():
     keys, values = torch.zeros(2, 1, 8, 1), torch.zeros(2, 1, 8, 1)
     new = torch.arange(1.0, 4.0).view(1, 1, 3, 1).repeat(2, 1, 1, 1)

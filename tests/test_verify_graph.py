@@ -30,8 +30,10 @@ class TestVerifyStepGraph(TestCase):
     def test_gpt_oss_verify_step(self):
         self.assertExpectedInline(verify_step_ops("gpt_oss"), """\
 %kv_write = torch.ops.dflash.kv_write(%arg.cache_rows_keys_0, %arg.cache_rows_values_0, %k_embed, %value_states, %arg.cache_rows_lengths)
+%top_k_default: (f32[8, 2], i64[8, 2]) = torch.ops.dflash.top_k.default(%router_logits, 2)
 %moe_dispatch_default: f32[8, 64] = torch.ops.dflash.moe_dispatch.default(%hidden_states_9, %router_indices, %router_scores, store, 0)
 %kv_write_1 = torch.ops.dflash.kv_write(%arg.cache_rows_keys_1, %arg.cache_rows_values_1, %k_embed_1, %value_states_2, %arg.cache_rows_lengths)
+%top_k_default_1: (f32[8, 2], i64[8, 2]) = torch.ops.dflash.top_k.default(%router_logits_1, 2)
 %moe_dispatch_default_1: f32[8, 64] = torch.ops.dflash.moe_dispatch.default(%hidden_states_22, %router_indices_1, %router_scores_1, store, 1)
 %greedy_accept: (i64[2], i64[2, 4]) = torch.ops.dflash.greedy_accept(%arg.block, %logits)
 %kv_commit = torch.ops.dflash.kv_commit(%arg.cache_rows_lengths, %mul_39)

@@ -3,6 +3,7 @@
 1. expert_dispatch  routed-expert regions -> one dflash::moe_dispatch node per MoE layer
 2. dequant_fusion   linear(x, fp8_block_dequantize(w, s)) -> one dflash::fp8_block_linear node
 3. projection_fusion  linears on one input over adjacent rows of one buffer (q/k/v, gate/up) -> one linear + split
+4. small_top_k      torch.topk over a short last dimension (a router's scores) -> one dflash::top_k node
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from .context import PassContext
 from .dequant_fusion import dequant_fusion
 from .expert_dispatch import expert_dispatch
 from .projection_fusion import projection_fusion
+from .small_top_k import small_top_k
 
 GraphPass = Callable[[GraphModule, PassContext], int]
 
@@ -22,6 +24,7 @@ PIPELINE: dict[str, GraphPass] = {
     "expert_dispatch": expert_dispatch,
     "dequant_fusion": dequant_fusion,
     "projection_fusion": projection_fusion,
+    "small_top_k": small_top_k,
 }
 
 

@@ -1,0 +1,65 @@
+"""Pass `small_top_k`: torch.topk over a short last dimension (a router's scores) becomes one `dflash::top_k` node.
+
+Before (gpt-oss's router; Inductor has no lowering for topk and calls aten.topk, two kernels on CUDA):
+
+    %router_logits: f32[3, 4] = torch._C._nn.linear(%hidden, %router.weight, %router.bias)
+    %topk: (f32[3, 2], i64[3, 2]) = torch.topk(%router_logits, 2, dim=-1)
+    %router_top_value = operator.getitem(%topk, 0)
+
+After (one Triton launch on CUDA, `kernels.top_k`; torch.topk elsewhere):
+
+    %top_k: (f32[3, 2], i64[3, 2]) = torch.ops.dflash.top_k.default(%router_logits, 2)
+    %router_top_value = operator.getitem(%top_k, 0)
+
+Matched: `torch.topk(x, k, ...)` and `x.topk(k, ...)` taking the largest k along the last dimension, k a constant,
+that dimension static and at most `kernels.top_k.MAX_WIDTH` long, every use an index into the result. `sorted=False`
+(DeepSeek's and GLM's group and expert choice) is matched too: sorted is one of the orders it allows. No family
+knowledge: any such topk qualifies, a sampler's over the vocabulary does not.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx import GraphModule, Node
+
+from ..kernels.top_k import MAX_WIDTH
+from .context import PassContext
+
+_PARAMETERS = ("input", "k", "dim", "largest", "sorted")
+
+
+def _arguments(node: Node) -> dict | None:
+    """torch.topk's arguments of a topk call by name, else None."""
+    if node.op == "call_function" and node.target is torch.topk or node.op == "call_method" and node.target == "topk":
+        return dict(zip(_PARAMETERS, node.args)) | node.kwargs
+    return None
+
+
+def _small(node: Node) -> bool:
+    arguments = _arguments(node)
+    if arguments is None or set(arguments) - set(_PARAMETERS) or not arguments.get("largest", True):
+        return False
+    x, k = arguments["input"], arguments["k"]
+    example = x.meta.get("example_value") if isinstance(x, Node) else None
+    if not isinstance(example, torch.Tensor) or not isinstance(k, int) or not example.dtype.is_floating_point:
+        return False
+    width = example.shape[-1] if example.dim() else None
+    return (isinstance(width, int) and width <= MAX_WIDTH and arguments.get("dim", -1) in (-1, example.dim() - 1)
+            and all(user.op == "call_function" and user.target is operator.getitem for user in node.users))
+
+
+def small_top_k(gm: GraphModule, ctx: PassContext) -> int:
+    matches = [node for node in gm.graph.nodes if _small(node)]
+    for node in matches:
+        arguments = _arguments(node)
+        with gm.graph.inserting_before(node):
+            top_k = gm.graph.call_function(torch.ops.dflash.top_k.default, (arguments["input"], arguments["k"]))
+        top_k.meta.update(node.meta)
+        node.replace_all_uses_with(top_k)
+        gm.graph.erase_node(node)
+    if matches:
+        gm.graph.lint()
+        gm.recompile()
+    return len(matches)

@@ -1,0 +1,32 @@
+"""The CUDA kernel of `dflash::top_k` (kernels/top_k.py) against torch.topk."""
+
+import pytest
+import torch
+
+from dflash_compile.kernels.top_k import top_k
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("shape, k", [((37, 32), 4), ((2, 3, 128), 8), ((5, 256), 8), ((3, 7), 7), ((0, 32), 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_match_torch_topk(shape, k, dtype):
+    """Distinct values (no ties): the same values, in the same order, at the same indices; any leading shape, rows
+    not filling the last program, k up to the width, no rows at all."""
+    ranks = torch.rand(shape, generator=torch.Generator().manual_seed(0)).argsort(dim=-1)
+    x = (ranks - shape[-1] // 2).to(dtype)  # each row a permutation of integers, exact in bf16
+    values, indices = top_k(x.to(DEVICE), k)
+    expected_values, expected_indices = torch.topk(x, k, dim=-1)
+    assert values.dtype == dtype and indices.dtype == torch.int64 and values.shape == (*shape[:-1], k)
+    assert torch.equal(values.cpu(), expected_values) and torch.equal(indices.cpu(), expected_indices)
+
+
+def test_equal_values_come_in_index_order_and_nan_ranks_with_inf():
+    nan, inf = float("nan"), float("inf")
+    x = torch.tensor([[1.0, 2.0, 2.0, 0.5, 2.0, 1.0],  # three 2s: indices 1, 2, 4 in that order, then the first 1
+                      [-inf, 3.0, -inf, nan, -inf, 0.0],  # NaN, 3, 0, then -inf by index
+                      [-inf] * 6])
+    values, indices = top_k(x.to(DEVICE), 4)
+    assert indices.tolist() == [[1, 2, 4, 0], [3, 1, 5, 0], [0, 1, 2, 3]]
+    assert torch.equal(values.cpu().nan_to_num(), x.gather(1, indices.cpu()).nan_to_num())
+    assert values[1, 0].isnan()
