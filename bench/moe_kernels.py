@@ -53,6 +53,9 @@ SHAPES = {  # experts, top-k, hidden, intermediate, format, gpt-oss layout
 def random_packed(format: str, experts: int, rows: int, columns: int, bias: bool, device="cuda") -> PackedWeight:
     """Random packed bytes made where they are used (quantizing 100s of MB would only cost time)."""
     b = torch.randn(experts, rows, device=device, dtype=torch.bfloat16) * 0.1 if bias else None
+    if format == "dense":  # bf16 weights through the same kernel
+        return PackedWeight("dense", torch.randn(experts, rows, columns, device=device, dtype=torch.bfloat16) * 0.02,
+                            None, b)
     if format == "mxfp4":
         data = torch.randint(0, 256, (experts, rows, columns // 32, 16), dtype=torch.uint8, device=device)
         scales = torch.randint(118, 124, (experts, rows, columns // 32), dtype=torch.uint8, device=device)

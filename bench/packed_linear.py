@@ -11,6 +11,7 @@ dflash_compile/kernels/moe.py.
     python bench/packed_linear.py --tokens 8 16 --sweep block_n=32,64,128 num_warps=4,8   # best tiles per shape
     python bench/packed_linear.py --tokens 64 128 256 --dequantize-rows 64 --baseline old_moe.py   # from 64 rows
     python bench/packed_linear.py --tokens 256 1024 --dequantize-sweep BLOCK_N=64,128 num_warps=4,8
+    python bench/packed_linear.py --format dense --layers gpt-oss qwen3-30b-a3b --tokens 1 8 16   # bf16 projections
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ SHAPES = {  # name: (N, K)
     "deepseek-v3 dense down_proj": (7168, 18432),
     "qwen3-30b-a3b-fp8 q_proj": (4096, 2048),
     "qwen3-30b-a3b-fp8 o_proj": (2048, 4096),
+    # bf16 in these checkpoints (--format dense): q/k/v as pass projection_fusion runs them, o_proj, the router
+    "gpt-oss-20b q/k/v": (5120, 2880),
+    "gpt-oss-20b o_proj": (2880, 4096),
+    "gpt-oss-20b router": (32, 2880),
+    "qwen3-30b-a3b q/k/v": (5120, 2048),
+    "qwen3-30b-a3b o_proj": (2048, 4096),
+    "qwen3-30b-a3b router": (128, 2048),
 }
 SPLITS = (1, 2, 4, 8)
 
@@ -50,7 +58,8 @@ def copies_past_l2(nbytes: int) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 16])
-    parser.add_argument("--format", default="fp8_block", choices=["fp8_block", "mxfp4"])
+    parser.add_argument("--format", default="fp8_block", choices=["fp8_block", "mxfp4", "dense"])
+    parser.add_argument("--layers", nargs="*", default=[], help="only the SHAPES whose names start with one of these")
     parser.add_argument("--baseline", type=Path, help="another moe.py whose packed_linear to time beside")
     parser.add_argument("--tiles", nargs="*", default=[], help="tile overrides for this version, e.g. block_m=1")
     parser.add_argument("--dequantize-rows", type=int, help="DEQUANTIZE_ROWS for this version (`auto us`)")
@@ -60,6 +69,8 @@ def main() -> None:
                         help="DEQUANTIZE_TILES values to sweep (the dequantize path, --tokens >= DEQUANTIZE_ROWS), "
                              "e.g. BLOCK_N=64,128 num_warps=4,8")
     args = parser.parse_args()
+    for name in [name for name in SHAPES if args.layers and not name.startswith(tuple(args.layers))]:
+        del SHAPES[name]
     tiles = parse_tiles(args.tiles)
     if args.dequantize_rows is not None:
         moe.DEQUANTIZE_ROWS = args.dequantize_rows

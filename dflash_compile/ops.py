@@ -104,7 +104,7 @@ def _kv_commit_fake(lengths, counts):
 def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.topk(x, k, dim=-1): the k largest of each row, sorted, and their indices. On CUDA one Triton launch
     (`kernels.top_k`, for rows of at most its `MAX_WIDTH`; equal values in index order) instead of torch's two."""
-    if x.is_cuda:
+    if x.is_cuda and x.is_floating_point():
         from .kernels.top_k import MAX_WIDTH, top_k as top_k_kernel
 
         if x.shape[-1] <= MAX_WIDTH:
