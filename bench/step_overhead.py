@@ -2,6 +2,7 @@
 
     python3 bench/step_overhead.py --model gpt-oss-20b --experts mxfp4
     python3 bench/step_overhead.py --model qwen3-30b-a3b
+    python3 bench/step_overhead.py --model gpt-oss-20b --experts mxfp4 --default-only --inductor combo_kernels=True
 
 One decode step (batch 1, one token, after a --prompt-token prefill, nothing committed so every call does the same
 work), on the same inputs for every runner, timed three ways:
@@ -11,7 +12,8 @@ work), on the same inputs for every runner, timed three ways:
   * host: the host's time to issue one call (no sync after it).
 Runners (VARIANTS): the step on `StepGraphs` (compiled without CUDA graphs, captured once per shape in a plain
 `torch.cuda.CUDAGraph`: `optimize`'s default since session 31) without passes `projection_fusion` and `small_top_k`,
-without `small_top_k`, and with every pass (the default); then compiled without CUDA graphs. (Session 31 also timed
+without `small_top_k`, and with every pass (the default); with --inductor, the default's passes under those Inductor
+options too; then compiled without CUDA graphs. (Session 31 also timed
 torch.compile's CUDA-graph trees, mode "reduce-overhead" as torch runs it: `as_compiled(False, ...)`.) Then
 `generate` (--new tokens, greedy) for each variant, without a drafter and with a random DFlash drafter (every draft
 rejected: each step drafts, verifies --block tokens and keeps one), tokens compared.
@@ -20,6 +22,7 @@ rejected: each step drafts, verifies --block tokens and keeps one), tokens compa
 from __future__ import annotations
 
 import argparse
+import ast
 import statistics
 import tempfile
 import time
@@ -66,7 +69,15 @@ def main():
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--block", type=int, default=8)
+    parser.add_argument("--default-only", action="store_true",
+                        help="time only optimize's default of the VARIANTS (and the --inductor variant)")
+    parser.add_argument("--inductor", nargs="*", default=[],
+                        help="Inductor options of one more variant, the default's passes, e.g. combo_kernels=True")
     args = parser.parse_args()
+    variants = dict(list(VARIANTS.items())[-1:] if args.default_only else VARIANTS.items())
+    if args.inductor:
+        options = {key: ast.literal_eval(value) for key, value in (item.split("=", 1) for item in args.inductor)}
+        variants[f"StepGraphs, every pass, Inductor {options}"] = as_compiled(True, inductor=options)
     args.device = "cuda"
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
@@ -81,7 +92,7 @@ def main():
         rows, outputs = [], []
         with grouped_attention(model):  # as `generate` runs the steps
             tokens, cache, active = step_inputs(model, plain, args, 1)
-            for name, variant in VARIANTS.items():
+            for name, variant in variants.items():
                 step = variant(dflash_compile.optimize(model)).decoder.verify_step
                 rows.append((name, step_timings(lambda: step(tokens, cache, active), args.steps, outputs)))
             rows.append(("compiled without CUDA graphs", step_timings(lambda: plain.verify_step(tokens, cache, active),
@@ -97,7 +108,7 @@ def main():
             drafters = {"no drafter": {}, f"random DFlash drafter, block {args.block}": dict(drafter=drafter,
                                                                                             adaptive=False)}
             runs = {(d, v): variant(dflash_compile.optimize(model, **options))
-                    for d, options in drafters.items() for v, variant in VARIANTS.items()}
+                    for d, options in drafters.items() for v, variant in variants.items()}
         print(f"\n`generate`, {args.new} tokens after {args.prompt}, medians of 3 (round robin):\n\n"
               "| drafter | steps | tok/s | vs the first | ms per step | same tokens |\n|---|---|---|---|---|---|")
         for drafter in drafters:
@@ -119,14 +130,15 @@ def step_timings(call, steps: int, outputs: list) -> dict:
     return timings(call, steps)
 
 
-def as_compiled(graphs: bool, without: tuple[str, ...] = ()):
+def as_compiled(graphs: bool, without: tuple[str, ...] = (), inductor: dict | None = None):
     """A function setting an optimized model's steps up as one of the VARIANTS: the verify step on `StepGraphs`
     or on torch.compile's CUDA-graph trees (the drafter's calls then without CUDA graphs, as in session 30), with
-    the dflash passes but those named in `without`."""
+    the dflash passes but those named in `without`, and these Inductor options."""
     def variant(fast):
         decoder = fast.decoder
         passes = tuple(name for name in PIPELINE if name not in without)
-        backend = dflash_backend_with(fused_experts=True, passes=passes)
+        extra = {"inductor": tuple(inductor.items())} if inductor else {}  # hashable: dflash_backend_with caches
+        backend = dflash_backend_with(fused_experts=True, passes=passes, **extra)
         step = decoder._compiled(decoder._verify_step, backend, "default" if graphs else "reduce-overhead")
         decoder.verify_step = StepGraphs(step, decoder._step_state) if graphs else step
         if decoder.context_step is not None and not graphs:
