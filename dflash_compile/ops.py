@@ -103,11 +103,12 @@ def _kv_commit_fake(lengths, counts):
 @torch.library.custom_op("dflash::top_k", mutates_args=())
 def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.topk(x, k, dim=-1): the k largest of each row, sorted, and their indices. On CUDA one Triton launch
-    (`kernels.top_k`, for rows of at most its `MAX_WIDTH`; equal values in index order) instead of torch's two."""
+    (`kernels.top_k`, for rows of at most its `MAX_WIDTH` and k of at most `MAX_K`; equal values in index order)
+    instead of torch's two."""
     if x.is_cuda and x.is_floating_point():
-        from .kernels.top_k import MAX_WIDTH, top_k as top_k_kernel
+        from .kernels.top_k import MAX_K, MAX_WIDTH, top_k as top_k_kernel
 
-        if x.shape[-1] <= MAX_WIDTH:
+        if x.shape[-1] <= MAX_WIDTH and k <= MAX_K:
             return top_k_kernel(x, k)
     return torch.topk(x, k, dim=-1)
 

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 MAX_WIDTH = 1024  # longest row one program holds (a router has at most a few hundred experts)
+MAX_K = 32  # most rounds worth a pass over the row each (routers pick 1-10 experts; a sampler's top-k is torch's)
 
 
 @triton.jit
@@ -22,9 +23,9 @@ def _top_k_kernel(x, values, indices, M, N, K: tl.constexpr, BLOCK_ROWS: tl.cons
     ok = (rows[:, None] < M) & (columns[None, :] < N)
     row_values = tl.load(x + rows[:, None].to(tl.int64) * N + columns[None, :], mask=ok, other=float("-inf"))
     keys = row_values.to(tl.float32)
-    keys = tl.where(keys != keys, float("inf"), keys)  # NaN first
+    keys = tl.where(keys != keys, float("inf"), keys)  # NaN ranks with +inf
     taken = columns[None, :] >= N
-    for j in tl.static_range(K):
+    for j in tl.static_range(K):  # K <= MAX_K rounds, unrolled
         best = tl.max(tl.where(taken, float("-inf"), keys), axis=1)
         hits = (keys == best[:, None]) & ~taken
         index = tl.min(tl.where(hits, columns[None, :], BLOCK_N), axis=1)
@@ -36,8 +37,8 @@ def _top_k_kernel(x, values, indices, M, N, K: tl.constexpr, BLOCK_ROWS: tl.cons
 
 
 def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch.topk(x, k, dim=-1) (largest, sorted) for a last dimension of at most MAX_WIDTH; equal values in
-    index order."""
+    """torch.topk(x, k, dim=-1) (largest, sorted) for a last dimension of at most MAX_WIDTH and k at most MAX_K;
+    equal values in index order."""
     width = x.shape[-1]
     rows = x.reshape(-1, width).contiguous()
     values = x.new_empty(*x.shape[:-1], k)

@@ -11,10 +11,11 @@ After (one Triton launch on CUDA, `kernels.top_k`; torch.topk elsewhere):
     %top_k: (f32[3, 2], i64[3, 2]) = torch.ops.dflash.top_k.default(%router_logits, 2)
     %router_top_value = operator.getitem(%top_k, 0)
 
-Matched: `torch.topk(x, k, ...)` and `x.topk(k, ...)` taking the largest k along the last dimension, k a constant,
-that dimension static and at most `kernels.top_k.MAX_WIDTH` long, every use an index into the result. `sorted=False`
-(DeepSeek's and GLM's group and expert choice) is matched too: sorted is one of the orders it allows. No family
-knowledge: any such topk qualifies, a sampler's over the vocabulary does not.
+Matched: `torch.topk(x, k, ...)` and `x.topk(k, ...)` taking the largest k (a constant, at most
+`kernels.top_k.MAX_K`) along the last dimension, that dimension static and at most `kernels.top_k.MAX_WIDTH` long,
+floating-point values, every use an index into the result. `sorted=False` (DeepSeek's and GLM's group and expert
+choice) is matched too: sorted is one of the orders it allows. No family knowledge: any such topk qualifies, a
+sampler's over the vocabulary does not.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
-from ..kernels.top_k import MAX_WIDTH
+from ..kernels.top_k import MAX_K, MAX_WIDTH
 from .context import PassContext
 
 _PARAMETERS = ("input", "k", "dim", "largest", "sorted")
@@ -43,7 +44,8 @@ def _small(node: Node) -> bool:
         return False
     x, k = arguments["input"], arguments["k"]
     example = x.meta.get("example_value") if isinstance(x, Node) else None
-    if not isinstance(example, torch.Tensor) or not isinstance(k, int) or not example.dtype.is_floating_point:
+    if (not isinstance(example, torch.Tensor) or not isinstance(k, int) or k > MAX_K
+            or not example.dtype.is_floating_point):
         return False
     width = example.shape[-1] if example.dim() else None
     return (isinstance(width, int) and width <= MAX_WIDTH and arguments.get("dim", -1) in (-1, example.dim() - 1)

@@ -1,5 +1,5 @@
 """Golden graph of `small_top_k`: a router's topk over a few experts becomes `dflash::top_k`; a topk over a
-vocabulary-sized row, or along another dimension, stays."""
+vocabulary-sized row, of many values, or along another dimension, stays."""
 
 import torch
 from expecttest import TestCase
@@ -8,8 +8,8 @@ import dflash_compile
 
 
 class Router(torch.nn.Module):
-    """gpt-oss's routing (topk, then softmax over the chosen), DeepSeek's unsorted choice as a method call, and two
-    topk calls the pass leaves alone: one over 2048 values, one along the first dimension."""
+    """gpt-oss's routing (topk, then softmax over the chosen), DeepSeek's unsorted choice as a method call, and three
+    topk calls the pass leaves alone: one over 2048 values, one of 40 values, one along the first dimension."""
 
     def __init__(self):
         super().__init__()
@@ -21,8 +21,10 @@ class Router(torch.nn.Module):
         top_value, top_index = torch.topk(logits, 2, dim=-1)
         unsorted_index = logits.sigmoid().topk(3, dim=-1, sorted=False)[1]
         vocabulary_top = torch.topk(vocabulary_logits, 4)[0]
+        many_top = torch.topk(vocabulary_logits[:, :64], 40)[0]
         first_dimension_top = torch.topk(logits, 1, dim=0)[1]
-        return top_value.softmax(dim=-1), top_index, unsorted_index.sort(dim=-1)[0], vocabulary_top, first_dimension_top
+        return (top_value.softmax(dim=-1), top_index, unsorted_index.sort(dim=-1)[0], vocabulary_top, many_top,
+                first_dimension_top)
 
 
 class TestSmallTopKGolden(TestCase):
@@ -45,12 +47,15 @@ class TestSmallTopKGolden(TestCase):
 %unsorted_index: i64[3, 3] = operator.getitem(%top_k_default_1, 1)
 %topk_2: (f32[3, 4], i64[3, 4]) = torch.topk(%arg.vocabulary_logits, 4)
 %vocabulary_top: f32[3, 4] = operator.getitem(%topk_2, 0)
-%topk_3: (f32[1, 8], i64[1, 8]) = torch.topk(%logits, 1, dim=0)
-%first_dimension_top: i64[1, 8] = operator.getitem(%topk_3, 1)
+%getitem_6: f32[3, 64] = operator.getitem(%arg.vocabulary_logits, (slice(None, None, None), slice(None, 64, None)))
+%topk_3: (f32[3, 40], i64[3, 40]) = torch.topk(%getitem_6, 40)
+%many_top: f32[3, 40] = operator.getitem(%topk_3, 0)
+%topk_4: (f32[1, 8], i64[1, 8]) = torch.topk(%logits, 1, dim=0)
+%first_dimension_top: i64[1, 8] = operator.getitem(%topk_4, 1)
 %softmax: f32[3, 2] = .softmax(%top_value, dim=-1)
 %sort: (i64[3, 3], i64[3, 3]) = .sort(%unsorted_index, dim=-1)
-%getitem_8: i64[3, 3] = operator.getitem(%sort, 0)
-return (%softmax, %top_index, %getitem_8, %vocabulary_top, %first_dimension_top)
+%getitem_11: i64[3, 3] = operator.getitem(%sort, 0)
+return (%softmax, %top_index, %getitem_11, %vocabulary_top, %many_top, %first_dimension_top)
 """)
         with torch.no_grad():
             for actual, reference in zip(torch.compile(router, backend="dflash")(*inputs), expected):
