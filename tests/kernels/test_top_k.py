@@ -8,7 +8,8 @@ from dflash_compile.kernels.top_k import top_k
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("shape, k", [((37, 32), 4), ((2, 3, 128), 8), ((5, 256), 8), ((3, 7), 7), ((4, 40), 32), ((0, 32), 4)])
+@pytest.mark.parametrize("shape, k", [((37, 32), 4), ((2, 3, 128), 8), ((5, 256), 8), ((3, 7), 7), ((4, 40), 32),
+                                      ((0, 32), 4)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rows_match_torch_topk(shape, k, dtype):
     """Distinct values (no ties): the same values, in the same order, at the same indices; any leading shape, rows
