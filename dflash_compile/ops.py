@@ -100,16 +100,20 @@ def _kv_commit_fake(lengths, counts):
     torch._check(lengths.shape == counts.shape, lambda: "one count per row expected")
 
 
+# What `dflash::top_k` takes to its kernel: one program holds a whole row (a router has at most a few hundred
+# experts), and each of the k rounds is a pass over it (routers pick 1-10 experts; a sampler's top-k stays torch's).
+TOP_K_MAX_WIDTH, TOP_K_MAX_K = 1024, 32
+
+
 @torch.library.custom_op("dflash::top_k", mutates_args=())
 def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch.topk(x, k, dim=-1): the k largest of each row, sorted, and their indices. On CUDA one Triton launch
-    (`kernels.top_k`, for rows of at most its `MAX_WIDTH` and k of at most `MAX_K`; equal values in index order)
-    instead of torch's two."""
-    if x.is_cuda and x.is_floating_point():
-        from .kernels.top_k import MAX_K, MAX_WIDTH, top_k as top_k_kernel
+    """torch.topk(x, k, dim=-1): the k largest of each row, sorted, and their indices. On CUDA, for floating-point
+    rows within the limits above, one Triton launch (`kernels.top_k`; equal values in index order) instead of
+    torch's two."""
+    if x.is_cuda and x.is_floating_point() and x.shape[-1] <= TOP_K_MAX_WIDTH and k <= TOP_K_MAX_K:
+        from .kernels.top_k import top_k as top_k_kernel
 
-        if x.shape[-1] <= MAX_WIDTH and k <= MAX_K:
-            return top_k_kernel(x, k)
+        return top_k_kernel(x, k)
     return torch.topk(x, k, dim=-1)
 
 

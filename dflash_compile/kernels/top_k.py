@@ -12,9 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_WIDTH = 1024  # longest row one program holds (a router has at most a few hundred experts)
-MAX_K = 32  # most rounds worth a pass over the row each (routers pick 1-10 experts; a sampler's top-k is torch's)
-
 
 @triton.jit
 def _top_k_kernel(x, values, indices, M, N, K: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -25,7 +22,7 @@ def _top_k_kernel(x, values, indices, M, N, K: tl.constexpr, BLOCK_ROWS: tl.cons
     keys = row_values.to(tl.float32)
     keys = tl.where(keys != keys, float("inf"), keys)  # NaN ranks with +inf
     taken = columns[None, :] >= N
-    for j in tl.static_range(K):  # K <= MAX_K rounds, unrolled
+    for j in tl.static_range(K):  # unrolled: ops.TOP_K_MAX_K rounds at most
         best = tl.max(tl.where(taken, float("-inf"), keys), axis=1)
         hits = (keys == best[:, None]) & ~taken
         index = tl.min(tl.where(hits, columns[None, :], BLOCK_N), axis=1)
@@ -37,8 +34,8 @@ def _top_k_kernel(x, values, indices, M, N, K: tl.constexpr, BLOCK_ROWS: tl.cons
 
 
 def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch.topk(x, k, dim=-1) (largest, sorted) for a last dimension of at most MAX_WIDTH and k at most MAX_K;
-    equal values in index order."""
+    """torch.topk(x, k, dim=-1) (largest, sorted), equal values in index order; for rows within `ops.TOP_K_MAX_WIDTH`
+    (one program holds whole rows) and k within `ops.TOP_K_MAX_K`."""
     width = x.shape[-1]
     rows = x.reshape(-1, width).contiguous()
     values = x.new_empty(*x.shape[:-1], k)

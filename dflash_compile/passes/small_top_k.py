@@ -12,7 +12,7 @@ After (one Triton launch on CUDA, `kernels.top_k`; torch.topk elsewhere):
     %router_top_value = operator.getitem(%top_k, 0)
 
 Matched: `torch.topk(x, k, ...)` and `x.topk(k, ...)` taking the largest k (a constant, at most
-`kernels.top_k.MAX_K`) along the last dimension, that dimension static and at most `kernels.top_k.MAX_WIDTH` long,
+`ops.TOP_K_MAX_K`) along the last dimension, that dimension static and at most `ops.TOP_K_MAX_WIDTH` long,
 floating-point values, every use an index into the result. `sorted=False` (DeepSeek's and GLM's group and expert
 choice) is matched too: sorted is one of the orders it allows. No family knowledge: any such topk qualifies, a
 sampler's over the vocabulary does not.
@@ -25,7 +25,7 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
-from ..kernels.top_k import MAX_K, MAX_WIDTH
+from ..ops import TOP_K_MAX_K, TOP_K_MAX_WIDTH
 from .context import PassContext
 
 _PARAMETERS = ("input", "k", "dim", "largest", "sorted")
@@ -40,15 +40,15 @@ def _arguments(node: Node) -> dict | None:
 
 def _small(node: Node) -> bool:
     arguments = _arguments(node)
-    if arguments is None or set(arguments) - set(_PARAMETERS) or not arguments.get("largest", True):
+    if arguments is None or set(arguments) - set(_PARAMETERS) or arguments.get("largest", True) is not True:
         return False
     x, k = arguments["input"], arguments["k"]
     example = x.meta.get("example_value") if isinstance(x, Node) else None
-    if (not isinstance(example, torch.Tensor) or not isinstance(k, int) or k > MAX_K
+    if (not isinstance(example, torch.Tensor) or not isinstance(k, int) or k > TOP_K_MAX_K
             or not example.dtype.is_floating_point):
         return False
     width = example.shape[-1] if example.dim() else None
-    return (isinstance(width, int) and width <= MAX_WIDTH and arguments.get("dim", -1) in (-1, example.dim() - 1)
+    return (isinstance(width, int) and width <= TOP_K_MAX_WIDTH and arguments.get("dim", -1) in (-1, example.dim() - 1)
             and all(user.op == "call_function" and user.target is operator.getitem for user in node.users))
 
 
