@@ -31,3 +31,14 @@ def test_equal_values_come_in_index_order_and_nan_ranks_with_inf():
     assert indices.tolist() == [[1, 2, 4, 0], [3, 1, 5, 0], [0, 1, 2, 3]]
     assert torch.equal(values.cpu().nan_to_num(), x.gather(1, indices.cpu()).nan_to_num())
     assert values[1, 0].isnan()
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="torch.topk's choice among equal values on CUDA is the reference")
+def test_among_equal_values_the_same_experts_as_torch_topk_on_cuda():
+    """bf16 scores with many ties at the k-th value: the same chosen set as torch's radix select (lowest indices
+    first), so routing matches the eager model's; values in the same order."""
+    scores = torch.randint(-3, 4, (4096, 32), generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    values, indices = top_k(scores.cuda(), 4)
+    expected_values, expected_indices = torch.topk(scores.cuda(), 4, dim=-1)
+    assert torch.equal(values, expected_values)
+    assert torch.equal(indices.sort(dim=-1).values, expected_indices.sort(dim=-1).values)
