@@ -1,4 +1,5 @@
-"""The pass pipeline, in order. Each pass takes (GraphModule, PassContext) and returns how many places it rewrote.
+"""The pass pipeline, in order. Each pass takes (GraphModule, PassContext), rewrites the graph and returns how many
+places it rewrote; the pipeline lints and recompiles a graph after every pass that rewrote something.
 
 1. expert_dispatch  routed-expert regions -> one dflash::moe_dispatch node per MoE layer
 2. dequant_fusion   linear(x, fp8_block_dequantize(w, s)) -> one dflash::fp8_block_linear node
@@ -38,7 +39,14 @@ def run_pipeline(gm: GraphModule, ctx: PassContext, enabled: Sequence[str] | Non
     """Run the enabled passes (all by default) in pipeline order; returns {pass name: match count}."""
     enabled = list(PIPELINE) if enabled is None else list(enabled)
     check_pass_names(enabled)
-    return {name: pass_fn(gm, ctx) for name, pass_fn in PIPELINE.items() if name in enabled}
+    matches = {}
+    for name, pass_fn in PIPELINE.items():
+        if name in enabled:
+            matches[name] = pass_fn(gm, ctx)
+            if matches[name]:
+                gm.graph.lint()
+                gm.recompile()
+    return matches
 
 
 __all__ = ["PIPELINE", "PassContext", "run_pipeline", "check_pass_names"]

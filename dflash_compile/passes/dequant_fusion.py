@@ -52,7 +52,4 @@ def dequant_fusion(gm: GraphModule, ctx: PassContext) -> int:
             gm.graph.erase_node(linear)
             fused += 1
         gm.graph.erase_node(dequantize)
-    if fused:
-        gm.graph.lint()
-        gm.recompile()
     return fused

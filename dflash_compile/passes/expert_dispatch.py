@@ -116,7 +116,4 @@ def expert_dispatch(gm: GraphModule, ctx: PassContext) -> int:
     regions = find_expert_regions(gm.graph)
     for region in regions:
         _replace(gm, region, ctx)
-    if regions:
-        gm.graph.lint()
-        gm.recompile()
     return len(regions)

@@ -115,7 +115,4 @@ def projection_fusion(gm: GraphModule, ctx: PassContext) -> int:
     runs = [(run, linears) for linears in by_input.values() if len(linears) > 1 for run in _runs(linears, values)]
     for index, (run, linears) in enumerate(runs):
         _fuse(gm, run, linears, values, min(run, key=order.__getitem__), index)
-    if runs:
-        gm.graph.lint()
-        gm.recompile()
     return len(runs)

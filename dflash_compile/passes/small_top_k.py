@@ -61,7 +61,4 @@ def small_top_k(gm: GraphModule, ctx: PassContext) -> int:
         top_k.meta.update(node.meta)
         node.replace_all_uses_with(top_k)
         gm.graph.erase_node(node)
-    if matches:
-        gm.graph.lint()
-        gm.recompile()
     return len(matches)
