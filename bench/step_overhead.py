@@ -13,8 +13,8 @@ work), on the same inputs for every runner, timed three ways:
 Runners (VARIANTS): the step on `StepGraphs` (compiled without CUDA graphs, captured once per shape in a plain
 `torch.cuda.CUDAGraph`: `optimize`'s default since session 31) without passes `projection_fusion` and `small_top_k`,
 without `small_top_k`, and with every pass (the default); with --inductor, the default's passes under those Inductor
-options too; then compiled without CUDA graphs. (Session 31 also timed
-torch.compile's CUDA-graph trees, mode "reduce-overhead" as torch runs it: `as_compiled(False, ...)`.) Then
+options too; then compiled without CUDA graphs. (Session 31 also timed torch.compile's CUDA-graph trees, mode
+"reduce-overhead" as torch runs it: `as_compiled(False, ...)`.) Then
 `generate` (--new tokens, greedy) for each variant, without a drafter and with a random DFlash drafter (every draft
 rejected: each step drafts, verifies --block tokens and keeps one), tokens compared.
 """

@@ -19,15 +19,15 @@ def _top_k_kernel(x, values, indices, M, N, K: tl.constexpr, BLOCK_ROWS: tl.cons
     columns = tl.arange(0, BLOCK_N)
     ok = (rows[:, None] < M) & (columns[None, :] < N)
     row_values = tl.load(x + rows[:, None].to(tl.int64) * N + columns[None, :], mask=ok, other=float("-inf"))
-    keys = row_values.to(tl.float32)
-    keys = tl.where(keys != keys, float("inf"), keys)  # NaN ranks with +inf
+    as_float = row_values.to(tl.float32)
+    keys = tl.where(as_float != as_float, float("inf"), as_float)  # NaN ranks with +inf
     taken = columns[None, :] >= N
     for j in tl.static_range(K):  # unrolled: ops.TOP_K_MAX_K rounds at most
         best = tl.max(tl.where(taken, float("-inf"), keys), axis=1)
         hits = (keys == best[:, None]) & ~taken
         index = tl.min(tl.where(hits, columns[None, :], BLOCK_N), axis=1)
         chosen = columns[None, :] == index[:, None]
-        value = tl.sum(tl.where(chosen, row_values.to(tl.float32), 0.0), axis=1)  # its own value, NaN too
+        value = tl.sum(tl.where(chosen, as_float, 0.0), axis=1)  # its own value, NaN too
         tl.store(values + rows * K + j, value.to(values.dtype.element_ty), mask=rows < M)
         tl.store(indices + rows * K + j, index.to(tl.int64), mask=rows < M)
         taken = taken | chosen

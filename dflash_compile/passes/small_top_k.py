@@ -38,26 +38,27 @@ def _arguments(node: Node) -> dict | None:
     return None
 
 
-def _small(node: Node) -> bool:
+def _small(node: Node) -> tuple[Node, int] | None:
+    """(input, k) of a topk call the pass rewrites, else None."""
     arguments = _arguments(node)
     if arguments is None or set(arguments) - set(_PARAMETERS) or arguments.get("largest", True) is not True:
-        return False
+        return None
     x, k = arguments["input"], arguments["k"]
     example = x.meta.get("example_value") if isinstance(x, Node) else None
     if (not isinstance(example, torch.Tensor) or not isinstance(k, int) or k > TOP_K_MAX_K
             or not example.dtype.is_floating_point):
-        return False
+        return None
     width = example.shape[-1] if example.dim() else None
-    return (isinstance(width, int) and width <= TOP_K_MAX_WIDTH and arguments.get("dim", -1) in (-1, example.dim() - 1)
-            and all(user.op == "call_function" and user.target is operator.getitem for user in node.users))
+    small = (isinstance(width, int) and width <= TOP_K_MAX_WIDTH and arguments.get("dim", -1) in (-1, example.dim() - 1)
+             and all(user.op == "call_function" and user.target is operator.getitem for user in node.users))
+    return (x, k) if small else None
 
 
 def small_top_k(gm: GraphModule, ctx: PassContext) -> int:
-    matches = [node for node in gm.graph.nodes if _small(node)]
-    for node in matches:
-        arguments = _arguments(node)
+    matches = [(node, match) for node in gm.graph.nodes if (match := _small(node)) is not None]
+    for node, (x, k) in matches:
         with gm.graph.inserting_before(node):
-            top_k = gm.graph.call_function(torch.ops.dflash.top_k.default, (arguments["input"], arguments["k"]))
+            top_k = gm.graph.call_function(torch.ops.dflash.top_k.default, (x, k))
         top_k.meta.update(node.meta)
         node.replace_all_uses_with(top_k)
         gm.graph.erase_node(node)
