@@ -3,6 +3,7 @@
     python3 bench/step_overhead.py --model gpt-oss-20b --experts mxfp4
     python3 bench/step_overhead.py --model qwen3-30b-a3b
     python3 bench/step_overhead.py --model gpt-oss-20b --experts mxfp4 --default-only --inductor combo_kernels=True
+    python3 bench/step_overhead.py --model gpt-oss-20b --experts mxfp4 --default-only --torch-attention
 
 One decode step (batch 1, one token, after a --prompt-token prefill, nothing committed so every call does the same
 work), on the same inputs for every runner, timed three ways:
@@ -73,11 +74,15 @@ def main():
                         help="time only optimize's default of the VARIANTS (and the --inductor variant)")
     parser.add_argument("--inductor", nargs="*", default=[],
                         help="Inductor options of one more variant, the default's passes, e.g. combo_kernels=True")
+    parser.add_argument("--torch-attention", action="store_true",
+                        help="attention in torch's math, not the decode kernel (a run to set beside one without)")
     args = parser.parse_args()
     variants = dict(list(VARIANTS.items())[-1:] if args.default_only else VARIANTS.items())
     if args.inductor:
         options = {key: ast.literal_eval(value) for key, value in (item.split("=", 1) for item in args.inductor)}
         variants[f"StepGraphs, every pass, Inductor {options}"] = as_compiled(True, inductor=options)
+    if args.torch_attention:  # read when the steps are traced: no folded rows take the kernel
+        dflash_compile.attention.DECODE_KERNEL_MAX_ROWS = 0
     args.device = "cuda"
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
@@ -85,7 +90,8 @@ def main():
     if args.experts != "bf16":  # a copy with its experts packed; the bf16 original goes
         model = packed_twin(model, args.experts)
     print(f"# {args.model}, {model.config.num_hidden_layers} layers, experts {args.experts}, prompt {args.prompt}, "
-          f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+          f"attention {'torch' if args.torch_attention else 'decode kernel'}, torch {torch.__version__}, "
+          f"{torch.cuda.get_device_name()}")
     ids = torch.randint(0, model.config.vocab_size, (1, args.prompt), device=args.device)
     with torch.no_grad():
         plain = dflash_compile.optimize(model, mode="default").decoder

@@ -63,25 +63,52 @@ def _sink_attention(query, key, value, mask, sinks, scaling: float, dropout: flo
     return torch.matmul(probs.reshape(b, kv_heads, rows, -1), value)
 
 
+# What `dflash::decode_attention` takes to its CUDA kernel: one program holds a head's folded query rows (a verify
+# block of gpt-oss-20b or Qwen3-30B-A3B: 8 groups x 16 tokens) and their fp32 outputs in registers.
+DECODE_KERNEL_MAX_ROWS = 128
+
+
+def decode_kernel_takes(query, key, value, mask) -> bool:
+    """Whether `dflash::decode_attention` runs its CUDA kernel for these: bf16 or fp16 on CUDA, at most
+    DECODE_KERNEL_MAX_ROWS folded query rows, one head dim for queries, keys and values (a power of two from 16 to
+    256), and an additive mask [b, 1, t, s] over exactly the keys."""
+    d = query.shape[-1]
+    return (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and mask is not None
+            and mask.is_floating_point() and mask.dim() == 4 and mask.shape[1] == 1
+            and mask.shape[-1] == key.shape[2] and key.shape[-1] == value.shape[-1] == d and 16 <= d <= 256
+            and d & (d - 1) == 0 and query.shape[1] // key.shape[1] * query.shape[2] <= DECODE_KERNEL_MAX_ROWS)
+
+
+def folded_attention(query, key, value, mask, sinks, scaling: float, dropout: float = 0.0,
+                     training: bool = False) -> torch.Tensor:
+    """Grouped-query attention in torch's math: query [b, heads, t, d], key/value [b, kv_heads, s, d], an additive
+    [b, 1 or heads, t, s] mask or None, sinks [heads] or None -> [b, t, heads, d]. The queries folded by group,
+    then gpt-oss's sink softmax with sinks, else torch's SDPA with the folded mask."""
+    heads, t, kv_heads = query.shape[1], query.shape[2], key.shape[1]
+    folded = _fold(query, kv_heads)
+    if sinks is not None:
+        out = _sink_attention(folded, key, value, mask, sinks, scaling, dropout, training)
+    else:
+        folded_mask = None if mask is None else _folded_mask(mask, kv_heads, heads // kv_heads)
+        out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=folded_mask,
+                                                               dropout_p=dropout, scale=scaling)
+    return _unfold(out, heads, t)
+
+
 def grouped_query_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
                             scaling: float | None = None, s_aux: torch.Tensor | None = None, **kwargs):
     """A transformers attention function (registered as NAME): query [b, heads, t, d], key/value [b, kv_heads, s,
     d] -> ([b, t, heads, d], None). With `s_aux` (gpt-oss's sinks) the sink softmax, else torch's SDPA; without a
     mask (causal by flag), or where the folded mask would outweigh the key/value copies it saves (a long prefill:
-    the mask grows by groups x t x s, the copies by heads x s x d), transformers' SDPA as it is."""
+    the mask grows by groups x t x s, the copies by heads x s x d), transformers' SDPA as it is. A few new tokens
+    on CUDA (`decode_kernel_takes`: decode and verify steps) take `dflash::decode_attention`'s one launch."""
     heads, t, kv_heads = query.shape[1], query.shape[2], key.shape[1]
-    groups = heads // kv_heads
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    if s_aux is not None:
-        out = _sink_attention(_fold(query, kv_heads), key, value, attention_mask, s_aux, scaling, dropout,
-                              module.training)
-        return _unfold(out, heads, t), None
-    if attention_mask is None or groups * t > 2 * heads * key.shape[-1]:
+    if s_aux is None and (attention_mask is None or heads // kv_heads * t > 2 * heads * key.shape[-1]):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        _fold(query, kv_heads), key, value, attn_mask=_folded_mask(attention_mask, kv_heads, groups),
-        dropout_p=dropout, scale=scaling)
-    return _unfold(out, heads, t), None
+    if not (dropout and module.training) and decode_kernel_takes(query, key, value, attention_mask):
+        return torch.ops.dflash.decode_attention(query, key, value, attention_mask, s_aux, scaling), None
+    return folded_attention(query, key, value, attention_mask, s_aux, scaling, dropout, module.training), None
 
 
 AttentionInterface.register(NAME, grouped_query_attention)

@@ -114,7 +114,7 @@ def _make_lasting_buffers(example_inputs) -> None:
     (`make_arrival_counts`): its first run may be a CUDA-graph warm-up, whose allocations must not outlive it."""
     devices = {t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda}
     if devices:
-        from .kernels.moe import make_arrival_counts
+        from .kernels.arrivals import make_arrival_counts
 
         for device in devices:
             make_arrival_counts(device)

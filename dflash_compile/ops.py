@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .attention import _fold, _unfold, decode_kernel_takes, folded_attention
 from .expert_store import Gate, get_store, run_packed
 from .packed import PackedWeight
 from .quant import dequantize_fp8_block, dequantize_mxfp4
@@ -122,6 +123,31 @@ def _top_k_fake(x, k):
     torch._check(0 <= k <= x.shape[-1], lambda: f"top_k: k = {k} exceeds the last dimension ({x.shape[-1]})")
     shape = (*x.shape[:-1], k)
     return x.new_empty(shape), x.new_empty(shape, dtype=torch.int64)
+
+
+@torch.library.custom_op("dflash::decode_attention", mutates_args=())
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                     sinks: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    """Grouped-query attention of a few new tokens over the cache: query [b, heads, t, d], key/value [b, kv_heads,
+    s, d], additive mask [b, 1, t, s], sinks [heads] or None (gpt-oss) -> [b, t, heads, d], as
+    `attention.folded_attention` computes it. Where `attention.decode_kernel_takes` them (decode and verify steps on
+    CUDA), one Triton launch split over the slots (`kernels.decode_attention`) instead of torch's GEMM, softmax and
+    GEMM over the whole score matrix."""
+    if decode_kernel_takes(query, key, value, mask):
+        from .kernels.decode_attention import decode_attention as decode_attention_kernel
+
+        heads, t = query.shape[1], query.shape[2]
+        folded = decode_attention_kernel(_fold(query, key.shape[1]).contiguous(), key, value, mask, t, scaling, sinks)
+        return _unfold(folded, heads, t)
+    return folded_attention(query, key, value, mask, sinks, scaling)
+
+
+@decode_attention.register_fake
+def _decode_attention_fake(query, key, value, mask, sinks, scaling):
+    b, heads, t, _ = query.shape
+    torch._check(heads % key.shape[1] == 0, lambda: "query heads must be a multiple of key/value heads")
+    torch._check(mask.shape[-2:] == (t, key.shape[2]), lambda: "the mask must be [b, 1, new tokens, slots]")
+    return query.new_empty(b, t, heads, value.shape[-1])
 
 
 @torch.library.custom_op("dflash::greedy_accept", mutates_args=())

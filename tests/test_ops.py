@@ -103,6 +103,25 @@ def test_top_k_rejects_k_beyond_the_row_at_trace_time():
         torch.compile(lambda x: torch.ops.dflash.top_k(x, 9), backend="aot_eager", fullgraph=True)(torch.randn(2, 8))
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("sinks", [False, True])
+def test_opcheck_decode_attention(device, sinks):
+    """torch's math on a CPU, the Triton kernel on CUDA (bf16, within `decode_kernel_takes`' limits)."""
+    from dflash_compile.attention import decode_kernel_takes, folded_attention
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 2, 8, 16, generator=generator).transpose(1, 2).to(device, dtype)
+    key, value = (torch.randn(1, 2, 20, 16, generator=generator).to(device, dtype) for _ in range(2))
+    mask = torch.where(torch.rand(1, 1, 2, 20, generator=generator) > 0.3, 0.0, -1e4).to(device, dtype)
+    sink_logits = torch.randn(8, generator=generator).to(device, dtype) if sinks else None
+    assert decode_kernel_takes(query, key, value, mask) == (device == "cuda")
+    args = (query, key, value, mask, sink_logits, 0.25)
+    torch.library.opcheck(torch.ops.dflash.decode_attention.default, args)
+    torch.testing.assert_close(torch.ops.dflash.decode_attention(*args), folded_attention(*args),
+                               rtol=2e-2 if device == "cuda" else 0, atol=2e-2 if device == "cuda" else 0)
+
+
 def test_kv_write_writes_each_row_at_its_length_and_commit_moves_only_lengths():
     keys, values = torch.zeros(2, 1, 8, 1), torch.zeros(2, 1, 8, 1)
     new = torch.arange(1.0, 4.0).view(1, 1, 3, 1).repeat(2, 1, 1, 1)

@@ -362,14 +362,14 @@ def test_a_first_decode_step_under_cuda_graphs_makes_its_buffers_outside_the_gra
     """The first one-token MoE call of a process, in the compiled step's CUDA-graph warm-up, makes the kernels'
     arrival counts; made in the graph tree's pool they outlived the run and the step raised "tensor(s) in the
     cudagraph pool not tracked as outputs" (gpt-oss-20b, session 28)."""
-    from dflash_compile.kernels import moe
+    from dflash_compile.kernels import arrivals
 
     model = tiny(family).cuda()
     ids = torch.randint(3, 127, (1, 9), generator=torch.Generator().manual_seed(0)).cuda()
     expected = reference(model, ids, None)
-    monkeypatch.setattr(moe, "_ARRIVALS", {})
+    monkeypatch.setattr(arrivals, "_COUNTS", {})
     fast = dflash_compile.optimize(model)
     assert fast.decoder.mode == "reduce-overhead"
     for _ in range(2):
         assert torch.equal(fast.generate(ids, max_new_tokens=NEW_TOKENS), expected)
-    assert moe._ARRIVALS[ids.device].count_nonzero() == 0
+    assert arrivals._COUNTS[ids.device].count_nonzero() == 0

@@ -70,6 +70,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..packed import PackedWeight
+from .arrivals import arrival_counts
 
 FORMATS = {"dense": 0, "mxfp4": 1, "fp8_block": 2}
 FP16_PRESCALE = tl.constexpr(2.0**-8)  # activations times this are fp16 operands (see FP16_OPERANDS)
@@ -231,31 +232,6 @@ def _sum_when_last(per_pair, out, arrivals, pairs, pair_ok, columns, column_ok, 
     total = _token_sums(per_pair, tokens, columns, ok, P, H, TOP_K, SPLITS)
     tl.store(out + tokens[:, None].to(tl.int64) * H + columns[None, :], total, mask=ok)  # in out's dtype
     tl.store(count, 0, mask=last)
-
-
-# Arrival counts of `_sum_when_last`, one zeroed int32 buffer per device that the kernel leaves zeroed: a fixed
-# size, so that a CUDA graph captured over it never sees it replaced (calls needing more use `_sum_pairs`). One
-# launch uses them at a time: the launches of a device run on one stream, each waiting for the one before
-# (`_wait_for_previous_launch`); launches on concurrent streams would share the counts.
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-ARRIVAL_COUNTS = 1 << 16
-
-
-def _arrivals(device: torch.device, needed: int) -> torch.Tensor | None:
-    """The device's arrival counts for a launch needing `needed` of them, or None: more than ARRIVAL_COUNTS, or
-    none made yet while a CUDA graph is being captured (zeroing them then would only be recorded)."""
-    counts = _ARRIVALS.get(device)
-    if counts is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        counts = _ARRIVALS[device] = torch.zeros(ARRIVAL_COUNTS, dtype=torch.int32, device=device)
-    return counts if needed <= ARRIVAL_COUNTS else None
-
-
-def make_arrival_counts(device: torch.device) -> None:
-    """Make the device's arrival counts now, in eager code (the dflash backend does when it compiles a graph for the
-    device). Made by the first one-token call instead, inside a compiled step's CUDA-graph warm-up
-    ("reduce-overhead"), they came from the graph tree's private pool, outlived the run, and the step raised
-    "tensor(s) in the cudagraph pool not tracked as outputs"."""
-    _arrivals(device, 0)
 
 
 def _sum_pairs(per_pair: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -882,7 +858,7 @@ def _launch(x, weight: PackedWeight, blocks: Blocks, pair_weights, rows_out, n_o
     if sum_top_k:
         tokens = rows_out // sum_top_k
         if blocks.blocking != GROUPED:
-            arrivals = _arrivals(x.device, tokens * triton.cdiv(n_out, block_n))
+            arrivals = arrival_counts(x.device, tokens * triton.cdiv(n_out, block_n))
         summed = torch.empty(tokens, n_out, dtype=out_dtype, device=x.device) if arrivals is not None else None
         sum_dtype, out_dtype = out_dtype, torch.float32
     if splits > 1:

@@ -788,9 +788,9 @@ def test_split_k_with_fp16_operands_and_in_a_dense_layer():
 def test_one_tokens_down_launch_sums_its_pairs_itself(monkeypatch, format, tiles):
     """One token's down launch adds the token's pairs (and K shares) itself, no `_sum_pairs` launch: the program
     that brings a column tile's arrival count to top-k x shares sums them in `_sum_pairs`' order, so the bits are
-    those of the separate sum (taken when the counts are out of reach, ARRIVAL_COUNTS, and for blocks grouped by
+    those of the separate sum (taken when the counts are out of reach, `arrivals.SIZE`, and for blocks grouped by
     expert); the counts are zero again after each call, and a dense layer's K shares are summed the same way."""
-    from dflash_compile.kernels import moe
+    from dflash_compile.kernels import arrivals, moe
 
     run, reference, tolerance, tokens = _tiled_calls(format, "silu_concatenated", "fp32")  # 3 tokens, top-2
     weight = _experts(format, 1, 96, 64, False)[0]
@@ -804,11 +804,11 @@ def test_one_tokens_down_launch_sums_its_pairs_itself(monkeypatch, format, tiles
     in_launch, dense = run(slice(0, 1), **tiles), moe.packed_linear(rows, weight, split_k=3)
     expected = reference(slice(0, 1))
     assert (in_launch - expected).norm() / expected.norm() <= tolerance
-    assert moe._ARRIVALS[rows.device].count_nonzero() == 0
+    assert arrivals._COUNTS[rows.device].count_nonzero() == 0
     with pytest.raises(AssertionError, match="should have summed"):  # a batch's blocks grouped by expert
         run(slice(0, tokens))
     monkeypatch.setattr(moe, "_sum_pairs", separate_sum)
-    monkeypatch.setattr(moe, "ARRIVAL_COUNTS", 0)
+    monkeypatch.setattr(arrivals, "SIZE", 0)
     assert torch.equal(run(slice(0, 1), **tiles), in_launch)
     assert torch.equal(moe.packed_linear(rows, weight, split_k=3), dense)
 
@@ -816,30 +816,30 @@ def test_one_tokens_down_launch_sums_its_pairs_itself(monkeypatch, format, tiles
 def test_arrival_counts_are_not_made_while_a_graph_is_captured(monkeypatch):
     """Zeroing the counts during a CUDA-graph capture would only be recorded, not done: no counts then (the call
     sums by `_sum_pairs`), and none kept for later calls."""
-    from dflash_compile.kernels import moe
+    from dflash_compile.kernels import arrivals
 
-    monkeypatch.setattr(moe, "_ARRIVALS", {})
+    monkeypatch.setattr(arrivals, "_COUNTS", {})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert moe._arrivals(torch.device("cuda", 0), 10) is None
-    assert moe._ARRIVALS == {}
+    assert arrivals.arrival_counts(torch.device("cuda", 0), 10) is None
+    assert arrivals._COUNTS == {}
 
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="CUDA graphs")
 def test_one_token_calls_replayed_from_cuda_graphs(monkeypatch):
     """A graph captured before any arrival counts exist sums by `_sum_pairs`; one captured over the counts sums in
     its down launch and leaves them zeroed after every replay: both replay the eager result, bit for bit."""
-    from dflash_compile.kernels import moe
+    from dflash_compile.kernels import arrivals
 
     gate_up, down = _experts("fp8_block", 4, 256, 128, False)
     index, weights = (t.to(DEVICE) for t in _routing(1, 4, 2, seed=4))  # no host copies inside a capture
     x = torch.randn(1, 256, generator=torch.Generator().manual_seed(4)).to(DEVICE, torch.bfloat16)
     call = lambda: fused_moe(x, index, weights, gate_up, down)  # noqa: E731
-    counts = moe.ARRIVAL_COUNTS
-    monkeypatch.setattr(moe, "_ARRIVALS", {})
-    monkeypatch.setattr(moe, "ARRIVAL_COUNTS", 0)
+    counts = arrivals.SIZE
+    monkeypatch.setattr(arrivals, "_COUNTS", {})
+    monkeypatch.setattr(arrivals, "SIZE", 0)
     expected = call()  # compiles the separate sum's kernels before the capture
-    moe._ARRIVALS.clear()  # the first graph is captured before any counts exist
-    monkeypatch.setattr(moe, "ARRIVAL_COUNTS", counts)
+    arrivals._COUNTS.clear()  # the first graph is captured before any counts exist
+    monkeypatch.setattr(arrivals, "SIZE", counts)
     graphs, outs = [torch.cuda.CUDAGraph() for _ in range(2)], []
     for graph in graphs:
         if outs:
@@ -852,4 +852,4 @@ def test_one_token_calls_replayed_from_cuda_graphs(monkeypatch):
             graph.replay()
             torch.cuda.synchronize()
             torch.testing.assert_close(out, expected, atol=0, rtol=0)
-    assert moe._ARRIVALS[x.device].count_nonzero() == 0
+    assert arrivals._COUNTS[x.device].count_nonzero() == 0

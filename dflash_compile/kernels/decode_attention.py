@@ -1,0 +1,137 @@
+"""Grouped-query attention of a few new tokens (decode, verify) over the cache's slots, for `dflash::decode_attention`
+on CUDA: one Triton launch, split over the slots flash-decoding style. What the compiled step ran before (the
+torch math of `attention.folded_attention`: a QK^T GEMM, a softmax and a PV GEMM, plus the mask's and the sinks'
+elementwise kernels) read the whole [rows, slots] score matrix three times through memory and left most SMs idle at
+one token; here each program holds its scores in registers.
+
+Queries come folded by group, as `attention.folded_attention` folds them ([b, kv heads, groups * t, d]): each
+program takes one (batch row, key/value head) and a share of the slots, with an online softmax in fp32 (the additive
+mask read as given), and writes its share's partial output and softmax statistics. The last program of a head to
+arrive (`arrivals`) merges the shares, and gpt-oss's sinks join each query's softmax there; without arrival counts
+(a CUDA graph captured before any were made) a second launch merges.
+
+Rows that see no slot (padding queries under an additive finfo.min mask) come out as the torch math makes them: all
+their scores tie, so a uniform average of the values (or, with sinks, zeros).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .arrivals import arrival_counts
+
+# fp32's finfo.min: below every masked score (finfo.min of the mask's dtype), so rows seeing no slot tie as in torch
+_LOWEST = tl.constexpr(-3.4028234663852886e38)
+
+
+@triton.jit
+def _split_kernel(q, k, v, mask, acc_out, stats_out, sinks, out, counts, scaling, R, T, S, CHUNK, GROUPS,
+                  q_b, q_h, q_r, k_b, k_h, k_s, v_b, v_h, v_s, m_b, m_t, m_s,
+                  KV_HEADS: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr, MERGE_IN_LAUNCH: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    row_head, split = tl.program_id(0), tl.program_id(1)
+    b, h = row_head // KV_HEADS, row_head % KV_HEADS
+    rows, dims = tl.arange(0, BLOCK_R), tl.arange(0, D)
+    row_ok = rows < R
+    queries = tl.load(q + b * q_b + h * q_h + rows[:, None] * q_r + dims[None, :], mask=row_ok[:, None], other=0.0)
+    largest = tl.full([BLOCK_R], _LOWEST, tl.float32)  # finite: a share's padding slots (-inf) make no NaN
+    total = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, D], tl.float32)
+    start = split * CHUNK
+    stop = tl.minimum(start + CHUNK, S)
+    for first in range(start, stop, BLOCK_S):
+        slots = first + tl.arange(0, BLOCK_S)
+        slot_ok = slots < stop
+        keys = tl.load(k + b * k_b + h * k_h + slots[:, None] * k_s + dims[None, :], mask=slot_ok[:, None], other=0.0)
+        scores = tl.dot(queries, tl.trans(keys), input_precision=PRECISION) * scaling
+        bias = tl.load(mask + b * m_b + (rows % T)[:, None] * m_t + slots[None, :] * m_s,
+                       mask=row_ok[:, None] & slot_ok[None, :], other=0.0)
+        scores = tl.where(slot_ok[None, :], scores + bias.to(tl.float32), float("-inf"))
+        new_largest = tl.maximum(largest, tl.max(scores, axis=1))
+        shrink = tl.exp(largest - new_largest)
+        p = tl.exp(scores - new_largest[:, None])
+        total = total * shrink + tl.sum(p, axis=1)
+        values = tl.load(v + b * v_b + h * v_h + slots[:, None] * v_s + dims[None, :], mask=slot_ok[:, None],
+                         other=0.0)
+        acc = acc * shrink[:, None] + tl.dot(p.to(values.dtype), values, input_precision=PRECISION)
+        largest = new_largest
+    part = row_head * SPLITS + split
+    tl.store(acc_out + (part * BLOCK_R + rows[:, None]) * D + dims[None, :], acc)
+    tl.store(stats_out + (part * 2) * BLOCK_R + rows, largest)
+    tl.store(stats_out + (part * 2 + 1) * BLOCK_R + rows, total)
+    if MERGE_IN_LAUNCH:  # the last of a head's programs to arrive merges (acquire-release orders the partials)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counts + row_head, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:
+            _merge(acc_out, stats_out, sinks, out, row_head, R, T, GROUPS, KV_HEADS, SPLITS, D, BLOCK_R, HAS_SINKS)
+            tl.store(counts + row_head, 0)  # zero again for the next launch
+
+
+@triton.jit
+def _merge_kernel(acc_in, stats_in, sinks, out, R, T, GROUPS, KV_HEADS: tl.constexpr, SPLITS: tl.constexpr,
+                  D: tl.constexpr, BLOCK_R: tl.constexpr, HAS_SINKS: tl.constexpr):
+    _merge(acc_in, stats_in, sinks, out, tl.program_id(0), R, T, GROUPS, KV_HEADS, SPLITS, D, BLOCK_R, HAS_SINKS)
+
+
+@triton.jit
+def _merge(acc_in, stats_in, sinks, out, row_head, R, T, GROUPS, KV_HEADS: tl.constexpr, SPLITS: tl.constexpr,
+           D: tl.constexpr, BLOCK_R: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """A head's output rows from its SPLITS partials (and its sinks' logits), in a fixed order."""
+    rows, dims = tl.arange(0, BLOCK_R), tl.arange(0, D)
+    largest = tl.full([BLOCK_R], _LOWEST, tl.float32)
+    for split in tl.static_range(SPLITS):
+        largest = tl.maximum(largest, tl.load(stats_in + ((row_head * SPLITS + split) * 2) * BLOCK_R + rows))
+    if HAS_SINKS:
+        sink = tl.load(sinks + (row_head % KV_HEADS) * GROUPS + rows // T, mask=rows < R, other=0.0).to(tl.float32)
+        largest = tl.maximum(largest, sink)
+        total = tl.exp(sink - largest)
+    else:
+        total = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, D], tl.float32)
+    for split in tl.static_range(SPLITS):
+        part = row_head * SPLITS + split
+        weight = tl.exp(tl.load(stats_in + (part * 2) * BLOCK_R + rows) - largest)
+        total += weight * tl.load(stats_in + (part * 2 + 1) * BLOCK_R + rows)
+        acc += weight[:, None] * tl.load(acc_in + (part * BLOCK_R + rows[:, None]) * D + dims[None, :])
+    total = tl.where(total == 0, 1.0, total)  # a row seeing nothing at all (a -inf mask) gives zeros
+    tl.store(out + (row_head * R + rows[:, None]) * D + dims[None, :], (acc / total[:, None]).to(out.dtype.element_ty),
+             mask=rows[:, None] < R)
+
+
+def _splits(slots: int, block_s: int, heads: int, device: torch.device) -> int:
+    """Shares of the slots per (batch row, key/value head): about two programs per SM in all, whole tiles each."""
+    programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(1, min(triton.cdiv(slots, block_s), programs // heads))
+
+
+def decode_attention(folded: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, t: int,
+                     scaling: float, sinks: torch.Tensor | None = None, splits: int | None = None,
+                     block_s: int = 64) -> torch.Tensor:
+    """folded queries [b, kv heads, groups * t, d] (`attention._fold`), key/value [b, kv heads, S, d] (any strides),
+    additive mask [b, 1, t, S], sinks [heads] or None -> [b, kv heads, groups * t, d] in the queries' dtype.
+    `splits`: shares of the slots per head (default: `_splits`)."""
+    b, kv_heads, rows, d = folded.shape
+    slots = key.shape[2]
+    block_r = max(16, triton.next_power_of_2(rows))  # tl.dot's smallest tile
+    chunk = triton.cdiv(triton.cdiv(slots, splits or _splits(slots, block_s, b * kv_heads, folded.device)),
+                        block_s) * block_s
+    splits = triton.cdiv(slots, chunk)
+    acc = torch.empty(b * kv_heads, splits, block_r, d, device=folded.device, dtype=torch.float32)
+    stats = torch.empty(b * kv_heads, splits, 2, block_r, device=folded.device, dtype=torch.float32)
+    out = torch.empty(b, kv_heads, rows, d, device=folded.device, dtype=folded.dtype)
+    counts = arrival_counts(folded.device, b * kv_heads)
+    sinks_or_any = sinks if sinks is not None else acc  # an unread pointer without sinks
+    _split_kernel[(b * kv_heads, splits)](
+        folded, key, value, mask, acc, stats, sinks_or_any, out, counts if counts is not None else acc, scaling, rows,
+        t, slots, chunk, rows // t, *folded.stride()[:3], *key.stride()[:3], *value.stride()[:3], mask.stride(0),
+        mask.stride(2), mask.stride(3), KV_HEADS=kv_heads, SPLITS=splits, D=d, BLOCK_R=block_r, BLOCK_S=block_s,
+        HAS_SINKS=sinks is not None, MERGE_IN_LAUNCH=counts is not None,
+        PRECISION="ieee" if folded.dtype == torch.float32 else "tf32",
+        num_warps=8 if block_r * d >= 8192 else 4)  # a verify block's rows x head dim of fp32 accumulators
+    if counts is None:
+        _merge_kernel[(b * kv_heads,)](acc, stats, sinks_or_any, out, rows, t, rows // t, KV_HEADS=kv_heads,
+                                       SPLITS=splits, D=d, BLOCK_R=block_r, HAS_SINKS=sinks is not None, num_warps=4)
+    return out

@@ -1,0 +1,64 @@
+"""The CUDA kernel of `dflash::decode_attention` (kernels/decode_attention.py) against torch's math
+(`attention.folded_attention`): fp32 in Triton's interpreter on a CPU, bf16 on a GPU."""
+
+import pytest
+import torch
+
+from dflash_compile.attention import _fold, _unfold, folded_attention
+from dflash_compile.cache import additive_mask
+from dflash_compile.kernels import arrivals
+from dflash_compile.kernels.decode_attention import decode_attention
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+TOLERANCE = 2e-2 if DEVICE == "cuda" else 1e-5
+
+
+def _inputs(heads, kv_heads, t, slots, d=16, sinks=False, batch=2, seed=0):
+    """Queries, a cache viewed from a larger one (strided, as the cache's layers are), a mask showing each row a
+    prefix of the slots plus the new tokens causally (row 1 left-padded, its first query seeing nothing), sinks."""
+    generator = torch.Generator().manual_seed(seed)
+    query = torch.randn(batch, t, heads, d, generator=generator).transpose(1, 2)
+    key, value = (torch.randn(batch, kv_heads, slots + 5, d, generator=generator)[:, :, :slots] for _ in range(2))
+    query_slot = slots - t + torch.arange(t)[:, None]
+    visible = (torch.arange(slots) <= query_slot).expand(batch, t, slots).clone()
+    visible[1, 0] = False  # a padding query
+    sink_logits = torch.randn(heads, generator=generator) if sinks else None
+    tensors = [x if x is None else x.to(DEVICE, DTYPE) for x in (query, key, value, sink_logits)]
+    return *tensors[:3], additive_mask(visible.to(DEVICE), DTYPE), tensors[3]
+
+
+def _kernel(query, key, value, mask, sinks, **kwargs):
+    heads, t = query.shape[1], query.shape[2]
+    return _unfold(decode_attention(_fold(query, key.shape[1]).contiguous(), key, value, mask, t, 0.25, sinks,
+                                    **kwargs), heads, t)
+
+
+@pytest.mark.parametrize("merge_in_launch", [True, False])
+@pytest.mark.parametrize("t, slots, splits", [(1, 100, 1), (3, 100, 3), (3, 37, None), (4, 40, 2)])
+@pytest.mark.parametrize("heads, kv_heads, sinks", [(8, 2, True), (4, 4, False), (8, 1, False)])
+def test_matches_torch_math(monkeypatch, heads, kv_heads, sinks, t, slots, splits, merge_in_launch):
+    """One or several shares of the slots (the last one partial), merged by the last program to arrive or by a
+    second launch (no arrival counts), with and without sinks; padding queries as torch makes them; the arrival
+    counts left zeroed."""
+    if not merge_in_launch:
+        monkeypatch.setattr(arrivals, "SIZE", 0)
+    query, key, value, mask, sink_logits = _inputs(heads, kv_heads, t, slots, sinks=sinks)
+    out = _kernel(query, key, value, mask, sink_logits, splits=splits, block_s=16)
+    expected = folded_attention(query, key, value, mask, sink_logits, 0.25)
+    assert out.shape == expected.shape == (2, t, heads, 16) and out.dtype == DTYPE
+    torch.testing.assert_close(out, expected, rtol=TOLERANCE, atol=TOLERANCE)
+    if merge_in_launch:
+        assert arrivals._COUNTS[key.device].count_nonzero() == 0
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="bf16 and the default tiles and shares on a GPU")
+@pytest.mark.parametrize("heads, kv_heads, d, sinks", [(64, 8, 64, True), (32, 4, 128, False)])
+@pytest.mark.parametrize("t", [1, 16])
+def test_model_shapes_on_cuda(heads, kv_heads, d, sinks, t):
+    """gpt-oss-20b's and Qwen3-30B-A3B's heads, one token and a verify block of 16, 1000 slots."""
+    query, key, value, mask, sink_logits = _inputs(heads, kv_heads, t, 1000, d=d, sinks=sinks, batch=1)
+    out = _kernel(query, key, value, mask, sink_logits)
+    expected = folded_attention(query.float(), key.float(), value.float(), mask.float(),
+                                None if sink_logits is None else sink_logits.float(), 0.25)
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
