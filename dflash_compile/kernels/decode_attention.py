@@ -65,6 +65,7 @@ def _split_kernel(q, k, v, mask, acc_out, stats_out, sinks, out, counts, scaling
     if MERGE_IN_LAUNCH:  # the last of a head's programs to arrive merges (acquire-release orders the partials)
         tl.debug_barrier()
         arrived = tl.atomic_add(counts + row_head, 1, sem="acq_rel", scope="gpu")
+        tl.debug_barrier()  # every thread's loads of the merge after the acquire, as `moe._sum_when_last` orders them
         if arrived == SPLITS - 1:
             _merge(acc_out, stats_out, sinks, out, row_head, R, T, GROUPS, KV_HEADS, SPLITS, D, BLOCK_R, HAS_SINKS)
             tl.store(counts + row_head, 0)  # zero again for the next launch
