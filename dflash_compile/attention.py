@@ -69,12 +69,17 @@ DECODE_KERNEL_MAX_ROWS = 128
 
 
 def decode_kernel_takes(query, key, value, mask) -> bool:
-    """Whether `dflash::decode_attention` runs its CUDA kernel for these: bf16 or fp16 on CUDA, at most
-    DECODE_KERNEL_MAX_ROWS folded query rows, one head dim for queries, keys and values (a power of two from 16 to
-    256), and an additive mask [b, 1, t, s] over exactly the keys."""
+    """Whether `dflash::decode_attention` runs its CUDA kernel for these: bf16 or fp16 on CUDA, in shapes the
+    kernel holds (`decode_kernel_shapes`)."""
+    return (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
+            and decode_kernel_shapes(query, key, value, mask))
+
+
+def decode_kernel_shapes(query, key, value, mask) -> bool:
+    """At most DECODE_KERNEL_MAX_ROWS folded query rows, one head dim for queries, keys and values (a power of two
+    from 16 to 256), and an additive mask [b, 1, t, s] over exactly the keys."""
     d = query.shape[-1]
-    return (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and mask is not None
-            and mask.is_floating_point() and mask.dim() == 4 and mask.shape[1] == 1
+    return (mask is not None and mask.is_floating_point() and mask.dim() == 4 and mask.shape[1] == 1
             and mask.shape[-1] == key.shape[2] and key.shape[-1] == value.shape[-1] == d and 16 <= d <= 256
             and d & (d - 1) == 0 and query.shape[1] // key.shape[1] * query.shape[2] <= DECODE_KERNEL_MAX_ROWS)
 

@@ -4,6 +4,7 @@
 import pytest
 import torch
 
+import dflash_compile
 from dflash_compile.attention import _fold, _unfold, folded_attention
 from dflash_compile.cache import additive_mask
 from dflash_compile.kernels import arrivals
@@ -62,3 +63,31 @@ def test_model_shapes_on_cuda(heads, kv_heads, d, sinks, t):
     expected = folded_attention(query.float(), key.float(), value.float(), mask.float(),
                                 None if sink_logits is None else sink_logits.float(), 0.25)
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the CPU models run the kernel in Triton's interpreter")
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_the_decoder_through_the_kernel_keeps_generates_tokens(tiny, random_drafter, family, monkeypatch):
+    """The kernel inside the real decoder (fp32, interpreter): the cache's masks, gpt-oss's sliding-window rings and
+    sinks, decode steps and verify blocks, a left-padded batch -- the same tokens as `model.generate`."""
+    from dflash_compile import attention, ops
+
+    calls = []
+
+    def takes(query, key, value, mask):
+        fits = attention.decode_kernel_shapes(query, key, value, mask)
+        calls.append(fits)
+        return fits
+
+    monkeypatch.setattr(attention, "decode_kernel_takes", takes)
+    monkeypatch.setattr(ops, "decode_kernel_takes", takes)
+    model = tiny(family)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 127, (2, 9), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=10)
+    fast = dflash_compile.optimize(model, random_drafter(model), compile=False)
+    assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=10), expected)
+    assert any(calls)
