@@ -83,17 +83,24 @@ def test_the_decoder_never_repeats_keys_and_values(tiny, family, module, monkeyp
     assert torch.equal(fast.generate(ids, max_new_tokens=12), expected)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the decode kernel runs on CUDA")
-@pytest.mark.parametrize("t, kernel", [(1, True), (16, True), (17, False)])
-@pytest.mark.parametrize("sinks", [False, True])
-def test_a_few_new_tokens_take_the_decode_kernel_on_cuda(monkeypatch, t, kernel, sinks):
-    """Up to DECODE_KERNEL_MAX_ROWS folded query rows (16 tokens of 8 query heads per key/value head) run the
-    Triton kernel of `dflash::decode_attention`; more run torch's math. Both give transformers' numbers."""
+@pytest.fixture
+def decode_kernel_calls(monkeypatch):
+    """The folded row counts of the decode kernel's calls, as they happen."""
     from dflash_compile.kernels import decode_attention
 
     calls = []
     kernel_call = decode_attention.decode_attention
-    monkeypatch.setattr(decode_attention, "decode_attention", lambda *args: calls.append(t) or kernel_call(*args))
+    monkeypatch.setattr(decode_attention, "decode_attention",
+                        lambda folded, *args: calls.append(folded.shape[2]) or kernel_call(folded, *args))
+    return calls
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the decode kernel runs on CUDA")
+@pytest.mark.parametrize("t, kernel", [(1, True), (16, True), (17, False)])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_a_few_new_tokens_take_the_decode_kernel_on_cuda(decode_kernel_calls, t, kernel, sinks):
+    """Up to DECODE_KERNEL_MAX_ROWS folded query rows (16 tokens of 8 query heads per key/value head) run the
+    Triton kernel of `dflash::decode_attention`; more run torch's math. Both give transformers' numbers."""
     module, query, key, value, mask = attention_inputs(heads=16, kv_heads=2, t=t, slots=64)
     if sinks:
         expected, _ = modeling_gpt_oss.eager_attention_forward(module, query, key, value, mask, scaling=0.25)
@@ -102,24 +109,19 @@ def test_a_few_new_tokens_take_the_decode_kernel_on_cuda(monkeypatch, t, kernel,
     bf16_mask = mask.clamp(min=torch.finfo(torch.bfloat16).min)  # fp32's finfo.min is -inf in bf16
     on_gpu = [x.cuda().bfloat16() for x in (query, key, value, bf16_mask, module.sinks)]
     out, _ = grouped_query_attention(module, *on_gpu[:4], scaling=0.25, s_aux=on_gpu[4] if sinks else None)
-    assert calls == ([t] if kernel else [])
+    assert decode_kernel_calls == ([8 * t] if kernel else [])
     torch.testing.assert_close(out.float().cpu(), expected, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the decode kernel runs on CUDA")
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
-def test_bf16_decoding_with_the_decode_kernel_matches_generate(tiny, family, random_drafter, monkeypatch):
+def test_bf16_decoding_with_the_decode_kernel_matches_generate(tiny, family, random_drafter, decode_kernel_calls):
     """A bf16 model on CUDA decodes and verifies through the decode kernel (inside the compiled steps' CUDA
     graphs) and keeps `model.generate`'s tokens."""
-    from dflash_compile.kernels import decode_attention
-
-    calls = []
-    kernel_call = decode_attention.decode_attention
-    monkeypatch.setattr(decode_attention, "decode_attention", lambda *args: calls.append(1) or kernel_call(*args))
     model = tiny(family).cuda().bfloat16()
     ids = torch.randint(3, 127, (1, 9), generator=torch.Generator().manual_seed(0)).cuda()
     with torch.no_grad():
         expected = model.generate(ids, do_sample=False, max_new_tokens=12)
     fast = dflash_compile.optimize(model, random_drafter(model))
     assert torch.equal(fast.generate(ids, max_new_tokens=12), expected)
-    assert calls
+    assert decode_kernel_calls
