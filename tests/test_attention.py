@@ -115,10 +115,12 @@ def test_a_few_new_tokens_take_the_decode_kernel_on_cuda(decode_kernel_calls, t,
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the decode kernel runs on CUDA")
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
-def test_bf16_decoding_with_the_decode_kernel_matches_generate(tiny, family, random_drafter, decode_kernel_calls):
-    """A bf16 model on CUDA decodes and verifies through the decode kernel (inside the compiled steps' CUDA
-    graphs) and keeps `model.generate`'s tokens."""
-    model = tiny(family).cuda().bfloat16()
+def test_fp16_decoding_with_the_decode_kernel_matches_generate(tiny, family, random_drafter, decode_kernel_calls):
+    """A half-precision model on CUDA decodes and verifies through the decode kernel (inside the compiled steps'
+    CUDA graphs) and keeps `model.generate`'s tokens. fp16, not bf16: the tiny gpt_oss in bf16 ties two logits
+    exactly at its 10th new token for this prompt, so any other rounding (torch's math in the decoder too, on the
+    CPU as well) may pick the other token (`python3 bench/tiny_identity.py`)."""
+    model = tiny(family).cuda().half()
     ids = torch.randint(3, 127, (1, 9), generator=torch.Generator().manual_seed(0)).cuda()
     with torch.no_grad():
         expected = model.generate(ids, do_sample=False, max_new_tokens=12)
