@@ -5,6 +5,7 @@
     python3 bench/step_overhead.py --model gpt-oss-20b --experts mxfp4 --default-only --inductor combo_kernels=True
     python3 bench/step_overhead.py --model gpt-oss-20b --experts mxfp4 --default-only --torch-attention
     python3 bench/step_overhead.py --model gpt-oss-20b --experts mxfp4 --default-only --torch-attention --prompt 4096
+    python3 bench/step_overhead.py --model gpt-oss-20b --experts mxfp4 --default-only --without split_k_linear
 
 One decode step (batch 1, one token, after a --prompt-token prefill, nothing committed so every call does the same
 work), on the same inputs for every runner, timed three ways:
@@ -15,10 +16,10 @@ work), on the same inputs for every runner, timed three ways:
 Runners (VARIANTS): the step on `StepGraphs` (compiled without CUDA graphs, captured once per shape in a plain
 `torch.cuda.CUDAGraph`: `optimize`'s default since session 31) without passes `projection_fusion` and `small_top_k`,
 without `small_top_k`, and with every pass (the default); with --inductor, the default's passes under those Inductor
-options too; with --torch-attention, the default with attention in torch's math rather than `dflash::decode_attention`
-(session 33 timed the two in separate processes and their `generate` disagreed with their steps); then compiled
-without CUDA graphs. (Session 31 also timed torch.compile's CUDA-graph trees, mode
-"reduce-overhead" as torch runs it: `as_compiled(False, ...)`.) Then
+options too; with --without, the default without those passes; with --torch-attention, the default with attention
+in torch's math rather than `dflash::decode_attention` (session 33 timed the two in separate processes and their
+`generate` disagreed with their steps); then compiled without CUDA graphs. (Session 31 also timed torch.compile's
+CUDA-graph trees, mode "reduce-overhead" as torch runs it: `as_compiled(False, ...)`.) Then
 `generate` (--new tokens, greedy) for each variant, without a drafter and with a random DFlash drafter (every draft
 rejected: each step drafts, verifies --block tokens and keeps one), tokens compared, with the milliseconds of a
 `generate` spent outside its steps (prefill, set-up, the host's loop).
@@ -81,6 +82,8 @@ def main():
                         help="time only optimize's default of the VARIANTS (and the --inductor variant)")
     parser.add_argument("--inductor", nargs="*", default=[],
                         help="Inductor options of one more variant, the default's passes, e.g. combo_kernels=True")
+    parser.add_argument("--without", nargs="*", default=[], choices=list(PIPELINE),
+                        help="one more variant: the default without these passes")
     parser.add_argument("--torch-attention", action="store_true",
                         help="one more variant: the default with attention in torch's math, not the decode kernel")
     args = parser.parse_args()
@@ -88,6 +91,8 @@ def main():
     if args.inductor:
         options = {key: ast.literal_eval(value) for key, value in (item.split("=", 1) for item in args.inductor)}
         variants[f"StepGraphs, every pass, Inductor {options}"] = as_compiled(True, inductor=options)
+    if args.without:
+        variants[f"StepGraphs, every pass but {', '.join(args.without)}"] = as_compiled(True, tuple(args.without))
     if args.torch_attention:
         variants["StepGraphs, every pass, attention in torch's math"] = as_compiled(True, torch_attention=True)
     args.device = "cuda"

@@ -125,6 +125,36 @@ def _top_k_fake(x, k):
     return x.new_empty(shape), x.new_empty(shape, dtype=torch.int64)
 
 
+# What pass `split_k_linear` hands to `dflash::split_k_linear`: decode and verify rows, one tile of the kernel's rows
+# (verify blocks have at most 16 tokens).
+SPLIT_K_LINEAR_MAX_ROWS = 16
+
+
+@torch.library.custom_op("dflash::split_k_linear", mutates_args=())
+def split_k_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """torch's linear(x, weight, bias), for a few rows and a weight with more columns than rows (K > N: a router,
+    o_proj, a dense down projection). On CUDA in bf16 / fp16, the packed-linear kernel on the weight as it is
+    (`kernels.moe.packed_linear`, format "dense"): K split over enough programs to fill the GPU and the shares added
+    in the same launch, where cuBLAS runs a split-K GEMV and then a reduce launch. Elsewhere torch's linear."""
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
+        from .kernels.moe import packed_linear
+
+        return packed_linear(x, PackedWeight("dense", weight[None], None, None if bias is None else bias[None]))
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def _linear_output(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The fake output of a linear layer's op: x [..., K], weight [N, K] -> [..., N]."""
+    torch._check(x.shape[-1] == weight.shape[1],
+                 lambda: f"x has {x.shape[-1]} features, weight takes {weight.shape[1]}")
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@split_k_linear.register_fake
+def _split_k_linear_fake(x, weight, bias):
+    return _linear_output(x, weight)
+
+
 @torch.library.custom_op("dflash::decode_attention", mutates_args=())
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
                      sinks: torch.Tensor | None, scaling: float) -> torch.Tensor:
@@ -291,5 +321,4 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
 
 @fp8_block_linear.register_fake
 def _fp8_block_linear_fake(x, weight, scale_inv, bias):
-    torch._check(x.shape[-1] == weight.shape[1], lambda: f"x has {x.shape[-1]} features, weight takes {weight.shape[1]}")
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+    return _linear_output(x, weight)

@@ -122,6 +122,26 @@ def test_opcheck_decode_attention(device, sinks):
                                rtol=2e-2 if device == "cuda" else 0, atol=2e-2 if device == "cuda" else 0)
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("rows, k, n", [(1, 2880, 32), (16, 4096, 2880)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_opcheck_split_k_linear(device, rows, k, n, bias):
+    """torch's linear on a CPU; on CUDA in bf16 the packed-linear kernel (K split, the shares added in its launch),
+    against the fp32 product: gpt-oss-20b's router for one token and its o_proj for a verify block of 16."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, k, generator=generator)
+    weight = torch.randn(n, k, generator=generator) * k ** -0.5
+    bias_or_none = torch.randn(n, generator=generator) if bias else None
+    args = [t if t is None else t.to(device, dtype) for t in (x, weight, bias_or_none)]
+    torch.library.opcheck(torch.ops.dflash.split_k_linear.default, args)
+    out = torch.ops.dflash.split_k_linear(*args)
+    assert out.dtype == dtype and out.shape == (rows, n)
+    expected = torch.nn.functional.linear(*[t if t is None else t.float() for t in args])
+    torch.testing.assert_close(out.float(), expected.to(device), rtol=1e-2 if device == "cuda" else 1e-5,
+                               atol=1e-2 if device == "cuda" else 1e-5)
+
+
 def test_kv_write_writes_each_row_at_its_length_and_commit_moves_only_lengths():
     keys, values = torch.zeros(2, 1, 8, 1), torch.zeros(2, 1, 8, 1)
     new = torch.arange(1.0, 4.0).view(1, 1, 3, 1).repeat(2, 1, 1, 1)

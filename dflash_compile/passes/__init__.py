@@ -5,6 +5,7 @@ places it rewrote; the pipeline lints and recompiles a graph after every pass th
 2. dequant_fusion   linear(x, fp8_block_dequantize(w, s)) -> one dflash::fp8_block_linear node
 3. projection_fusion  linears on one input over adjacent rows of one buffer (q/k/v, gate/up) -> one linear + split
 4. small_top_k      torch.topk over a short last dimension (a router's scores) -> one dflash::top_k node
+5. split_k_linear   linear of a few rows with K > N (routers, o_proj) -> one dflash::split_k_linear node
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from .dequant_fusion import dequant_fusion
 from .expert_dispatch import expert_dispatch
 from .projection_fusion import projection_fusion
 from .small_top_k import small_top_k
+from .split_k_linear import split_k_linear
 
 GraphPass = Callable[[GraphModule, PassContext], int]
 
@@ -26,6 +28,7 @@ PIPELINE: dict[str, GraphPass] = {
     "dequant_fusion": dequant_fusion,
     "projection_fusion": projection_fusion,
     "small_top_k": small_top_k,
+    "split_k_linear": split_k_linear,
 }
 
 

@@ -32,7 +32,8 @@ class TestDequantFusionGolden(TestCase):
         layer = fp8_linear()
         x = torch.randn(3, 160)
         report = dflash_compile.explain(layer, x)
-        self.assertEqual(report.matches, {"expert_dispatch": 0, "dequant_fusion": 1, "projection_fusion": 0, "small_top_k": 0})
+        self.assertEqual(report.matches, {"expert_dispatch": 0, "dequant_fusion": 1, "projection_fusion": 0,
+                                          "small_top_k": 0, "split_k_linear": 0})
         self.assertExpectedInline(report.graphs[0].before, """\
 %arg.self.weight: u8[200, 160] = input
 %arg.self.weight_scale_inv: f32[2, 2] = input
