@@ -192,7 +192,7 @@ def as_compiled(graphs: bool, without: tuple[str, ...] = (), inductor: dict | No
 
 VARIANTS = {"StepGraphs, projections apart, torch.topk": as_compiled(True, ("projection_fusion", "small_top_k")),
             "StepGraphs, projection_fusion, torch.topk": as_compiled(True, ("small_top_k",)),
-            "StepGraphs, projection_fusion, small_top_k (optimize's default)": as_compiled(True)}
+            "StepGraphs, every pass (optimize's default)": as_compiled(True)}
 
 
 if __name__ == "__main__":
