@@ -63,9 +63,8 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
     top-k runs as one launch on CUDA (pass `small_top_k`), and so does each linear of a decode or verify step
     with more inputs than outputs (routers, o_proj: pass `split_k_linear`). On CUDA each attention layer of a
     bf16 / fp16 decode or verify step is one launch too (`dflash::decode_attention`, split over the cache's slots).
-    A model that
-    transformers loaded from an MXFP4 checkpoint by expanding its experts gets them packed again (losslessly;
-    `pack_experts_expanded_at_load`).
+    A model that transformers loaded from an MXFP4 checkpoint by expanding its experts gets them packed again
+    (losslessly; `pack_experts_expanded_at_load`).
     `fused_experts` (default): resident bf16 / fp32 experts run dflash's fused kernels on their own weights in the
     compiled steps (Triton on CUDA, C++ on a CPU; fp16 experts keep transformers' path, the kernels would round them
     to bf16); False keeps transformers' grouped_mm (CUDA) or the reference loop.
