@@ -11,8 +11,10 @@ One decode step (batch 1, one token, after a --prompt-token prefill, nothing com
 work), on the same inputs for every runner, timed three ways:
   * synced: a device sync before and after every call, as `generate` pays it (it reads the accepted counts each
     step);
-  * back to back: --steps calls, one sync at the end (the device's own time per step once the host keeps ahead);
+  * back to back: calls with one sync at the end of each turn (the device's own time per step once the host keeps
+    ahead);
   * host: the host's time to issue one call (no sync after it).
+The runners take turns, --steps calls each in all (`timings`).
 Runners (VARIANTS): the step on `StepGraphs` (compiled without CUDA graphs, captured once per shape in a plain
 `torch.cuda.CUDAGraph`: `optimize`'s default since session 31) without passes `projection_fusion` and `small_top_k`,
 without `small_top_k`, and with every pass (the default); with --inductor, the default's passes under those Inductor
@@ -48,25 +50,29 @@ from dflash_compile.passes import PIPELINE
 from dflash_compile.step_graphs import StepGraphs
 
 
-def timings(call, steps: int) -> dict:
-    """Median synced ms per call, back-to-back ms per call, median host ms to issue a call."""
-    synced, host = [], []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        call()
-        issued = time.perf_counter()
-        torch.cuda.synchronize()
-        synced.append(time.perf_counter() - start)
-        host.append(issued - start)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        call()
-    torch.cuda.synchronize()
-    together = (time.perf_counter() - start) / steps
-    return {"synced": statistics.median(synced) * 1e3, "back to back": together * 1e3,
-            "host": statistics.median(host) * 1e3}
+def timings(calls: list, steps: int, rounds: int = 5) -> list[dict]:
+    """Per call: median synced ms per call, back-to-back ms per call (median of the rounds), median host ms to issue
+    a call. The calls take turns: `rounds` rounds (A B, B A, ...) of steps / rounds calls each, so that a device or
+    host drifting during the run moves every runner alike."""
+    samples = [{"synced": [], "back to back": [], "host": []} for _ in calls]
+    per_round = max(1, steps // rounds)
+    for round_ in range(rounds):
+        for i in range(len(calls)) if round_ % 2 == 0 else reversed(range(len(calls))):
+            call, sample = calls[i], samples[i]
+            for _ in range(per_round):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                call()
+                issued = time.perf_counter()
+                torch.cuda.synchronize()
+                sample["synced"].append(time.perf_counter() - start)
+                sample["host"].append(issued - start)
+            start = time.perf_counter()
+            for _ in range(per_round):
+                call()
+            torch.cuda.synchronize()
+            sample["back to back"].append((time.perf_counter() - start) / per_round)
+    return [{key: statistics.median(values) * 1e3 for key, values in sample.items()} for sample in samples]
 
 
 def main():
@@ -78,6 +84,7 @@ def main():
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--block", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3, help="`generate` calls per runner (medians)")
     parser.add_argument("--default-only", action="store_true",
                         help="time only optimize's default of the VARIANTS (and the --inductor variant)")
     parser.add_argument("--inductor", nargs="*", default=[],
@@ -107,19 +114,21 @@ def main():
     ids = torch.randint(0, model.config.vocab_size, (1, args.prompt), device=args.device)
     with torch.no_grad():
         plain = dflash_compile.optimize(model, mode="default").decoder
-        rows, outputs = [], []
+        calls, outputs = {}, []
         with grouped_attention(model):  # as `generate` runs the steps
             tokens, cache, active = step_inputs(model, plain, args, 1)
             for name, variant in variants.items():
                 step = variant(dflash_compile.optimize(model)).decoder.verify_step
                 call = functools.partial(step, tokens, cache, active)
-                rows.append((name, step_timings(in_torch_attention(call) if variant.torch_attention else call,
-                                                args.steps, outputs)))
-            rows.append(("compiled without CUDA graphs", step_timings(lambda: plain.verify_step(tokens, cache, active),
-                                                                      args.steps, outputs)))
+                calls[name] = in_torch_attention(call) if variant.torch_attention else call
+            calls["compiled without CUDA graphs"] = functools.partial(plain.verify_step, tokens, cache, active)
+            for call in calls.values():
+                outputs.append(warm_output(call))
+            rows = zip(calls, timings(list(calls.values()), args.steps))
         same = all(torch.equal(a, b) for output in outputs[1:] for a, b in zip(outputs[0], output))
         print(f"same accepted counts and tokens from every runner: {same}")
-        print("\n| decode step | synced ms | back to back ms | host ms per call |\n|---|---|---|---|")
+        print(f"\n{args.steps} steps each, in turns:\n\n"
+              "| decode step | synced ms | back to back ms | host ms per call |\n|---|---|---|---|")
         for name, t in rows:
             print(f"| {name} | {t['synced']:.3f} | {t['back to back']:.3f} | {t['host']:.3f} |")
 
@@ -129,13 +138,13 @@ def main():
                                                                                             adaptive=False)}
             runs = {(d, v): variant(dflash_compile.optimize(model, **options))
                     for d, options in drafters.items() for v, variant in variants.items()}
-        print(f"\n`generate`, {args.new} tokens after {args.prompt}, medians of 3 (round robin):\n\n"
+        print(f"\n`generate`, {args.new} tokens after {args.prompt}, medians of {args.repeats} (round robin):\n\n"
               "| drafter | steps | tok/s | vs the first | ms per step | ms outside steps | same tokens |\n"
               "|---|---|---|---|---|---|---|")
         for drafter in drafters:
             fasts = {v: fast for (d, v), fast in runs.items() if d == drafter}
             timed_runs = timed_together([lambda f=f: f.generate(ids, max_new_tokens=args.new) for f in fasts.values()],
-                                        3, args.device)
+                                        args.repeats, args.device)
             first = timed_runs[0]
             for (name, fast), (out, seconds) in zip(fasts.items(), timed_runs):
                 stats = fast.last_stats
@@ -145,12 +154,11 @@ def main():
                       f"{outside:.1f} | {torch.equal(out, first[0])} |")
 
 
-def step_timings(call, steps: int, outputs: list) -> dict:
-    """`timings` of a step after three warm-up calls; its accepted counts and tokens go to `outputs`."""
+def warm_output(call) -> list[torch.Tensor]:
+    """A step's accepted counts and tokens, after three warm-up calls (compiling and capturing it)."""
     for _ in range(3):
         call()
-    outputs.append([t.clone() for t in call()[:2]])
-    return timings(call, steps)
+    return [t.clone() for t in call()[:2]]
 
 
 def in_torch_attention(call):
