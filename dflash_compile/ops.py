@@ -133,10 +133,11 @@ SPLIT_K_LINEAR_MAX_ROWS = 16
 @torch.library.custom_op("dflash::split_k_linear", mutates_args=())
 def split_k_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """torch's linear(x, weight, bias), for a few rows and a weight with more columns than rows (K > N: a router,
-    o_proj, a dense down projection). On CUDA in bf16 / fp16, the packed-linear kernel on the weight as it is
+    o_proj, a dense down projection). On CUDA in bf16, the packed-linear kernel on the weight as it is
     (`kernels.moe.packed_linear`, format "dense"): K split over enough programs to fill the GPU and the shares added
-    in the same launch, where cuBLAS runs a split-K GEMV and then a reduce launch. Elsewhere torch's linear."""
-    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
+    in the same launch, where cuBLAS runs a split-K GEMV and then a reduce launch. Elsewhere torch's linear (fp16
+    too: the kernel's dense tiles multiply bf16 operands, which would round fp16 weights)."""
+    if x.is_cuda and x.dtype == weight.dtype == torch.bfloat16:
         from .kernels.moe import packed_linear
 
         return packed_linear(x, PackedWeight("dense", weight[None], None, None if bias is None else bias[None]))

@@ -142,6 +142,13 @@ def test_opcheck_split_k_linear(device, rows, k, n, bias):
                                atol=1e-2 if device == "cuda" else 1e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel runs on CUDA")
+def test_split_k_linear_leaves_fp16_to_torch():
+    """fp16 runs torch's linear, bit for bit: the kernel's dense tiles multiply bf16 operands."""
+    x, weight = (torch.randn(shape, device="cuda", dtype=torch.float16) for shape in ((1, 2880), (32, 2880)))
+    assert torch.equal(torch.ops.dflash.split_k_linear(x, weight, None), torch.nn.functional.linear(x, weight))
+
+
 def test_kv_write_writes_each_row_at_its_length_and_commit_moves_only_lengths():
     keys, values = torch.zeros(2, 1, 8, 1), torch.zeros(2, 1, 8, 1)
     new = torch.arange(1.0, 4.0).view(1, 1, 3, 1).repeat(2, 1, 1, 1)

@@ -5,7 +5,8 @@ Before (gpt-oss's router in a decode step, one token; likewise o_proj, 4096 -> 2
 
     %router_logits: bf16[1, 32] = torch._C._nn.linear(%hidden, %router.weight, %router.bias)
 
-After (on CUDA one Triton launch, `kernels.moe.packed_linear` on the weight as it is; torch's linear elsewhere):
+After (on CUDA in bf16 one Triton launch, `kernels.moe.packed_linear` on the weight as it is; torch's linear
+elsewhere):
 
     %router_logits: bf16[1, 32] = torch.ops.dflash.split_k_linear.default(%hidden, %router.weight, %router.bias)
 
