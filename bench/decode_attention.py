@@ -4,6 +4,7 @@ under torch.compile: a QK^T GEMM, a softmax and a PV GEMM over the whole score m
 
     python bench/decode_attention.py                      # H200: gpt-oss-20b (sinks) and Qwen3-30B-A3B layers
     python bench/decode_attention.py --slots 512 4096 --tokens 1 16
+    python bench/decode_attention.py --shapes qwen3-30b-a3b --tokens 8 16 --block-r 128 64 32   # rows per program
 
 The mask shows the first half of the slots plus the new tokens causally, as a decode step's additive mask over the
 cache's capacity.
@@ -12,12 +13,14 @@ cache's capacity.
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 import triton
 
 from dflash_compile.attention import folded_attention
 from dflash_compile.cache import additive_mask
+from dflash_compile.kernels.decode_attention import grouped_decode_attention
 
 SHAPES = {"gpt-oss-20b": (64, 8, 64, True), "qwen3-30b-a3b": (32, 4, 128, False)}  # heads, kv heads, d, sinks
 
@@ -37,20 +40,32 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 16])
     parser.add_argument("--slots", nargs="+", type=int, default=[512, 1024, 4096, 8192])
+    parser.add_argument("--block-r", nargs="+", type=int, default=[None],
+                        help="folded rows per program of the kernel, each timed (default: all of a head's, as the op)")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
-    print("| shape | tokens | slots | compiled torch math us | decode_attention us | speed-up | max difference |")
-    print("|---|---|---|---|---|---|---|")
+    print("| shape | tokens | slots | rows per program | compiled torch math us | decode_attention us | speed-up | "
+          "max difference |")
+    print("|---|---|---|---|---|---|---|---|")
     compiled = torch.compile(folded_attention)
     for shape in args.shapes:
         for tokens in args.tokens:
             for slots in args.slots:
                 tensors = inputs(shape, tokens, slots)
-                sides = (lambda: compiled(*tensors), lambda: torch.ops.dflash.decode_attention(*tensors))
-                times = [triton.testing.do_bench_cudagraph(side) * 1e3 for side in sides]
-                difference = (sides[0]().float() - sides[1]().float()).abs().max().item()
-                print(f"| {shape} | {tokens} | {slots} | {times[0]:.1f} | {times[1]:.1f} | "
-                      f"{times[0] / times[1]:.2f}x | {difference:.1e} |", flush=True)
+                torch_time = triton.testing.do_bench_cudagraph(lambda: compiled(*tensors)) * 1e3
+                for block_r in args.block_r:
+                    kernel = functools.partial(kernel_call, *tensors, block_r=block_r)
+                    kernel_time = triton.testing.do_bench_cudagraph(kernel) * 1e3
+                    difference = (compiled(*tensors).float() - kernel().float()).abs().max().item()
+                    print(f"| {shape} | {tokens} | {slots} | {block_r or 'all'} | {torch_time:.1f} | "
+                          f"{kernel_time:.1f} | {torch_time / kernel_time:.2f}x | {difference:.1e} |", flush=True)
+
+
+def kernel_call(query, key, value, mask, sinks, scaling, block_r):
+    """`dflash::decode_attention` as the op runs it, or its kernel with `block_r` folded rows per program."""
+    if block_r is None:
+        return torch.ops.dflash.decode_attention(query, key, value, mask, sinks, scaling)
+    return grouped_decode_attention(query, key, value, mask, sinks, scaling, block_r=block_r)
 
 
 if __name__ == "__main__":

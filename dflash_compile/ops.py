@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import _fold, _unfold, decode_kernel_takes, folded_attention
+from .attention import decode_kernel_takes, folded_attention
 from .expert_store import Gate, get_store, run_packed
 from .packed import PackedWeight
 from .quant import dequantize_fp8_block, dequantize_mxfp4
@@ -165,11 +165,9 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     CUDA), one Triton launch split over the slots (`kernels.decode_attention`) instead of torch's GEMM, softmax and
     GEMM over the whole score matrix."""
     if decode_kernel_takes(query, key, value, mask):
-        from .kernels.decode_attention import decode_attention as decode_attention_kernel
+        from .kernels.decode_attention import grouped_decode_attention
 
-        heads, t = query.shape[1], query.shape[2]
-        folded = decode_attention_kernel(_fold(query, key.shape[1]).contiguous(), key, value, mask, t, scaling, sinks)
-        return _unfold(folded, heads, t)
+        return grouped_decode_attention(query, key, value, mask, sinks, scaling)
     return folded_attention(query, key, value, mask, sinks, scaling)
 
 

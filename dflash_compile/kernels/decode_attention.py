@@ -5,10 +5,11 @@ elementwise kernels) read the whole [rows, slots] score matrix three times throu
 one token; here each program holds its scores in registers.
 
 Queries come folded by group, as `attention.folded_attention` folds them ([b, kv heads, groups * t, d]): each
-program takes one (batch row, key/value head) and a share of the slots, with an online softmax in fp32 (the additive
-mask read as given), and writes its share's partial output and softmax statistics. The last program of a head to
-arrive (`arrivals`) merges the shares, and gpt-oss's sinks join each query's softmax there; without arrival counts
-(a CUDA graph captured before any were made) a second launch merges.
+program takes one (batch row, key/value head) -- all its folded rows, or a group of `block_r` of them -- and a
+share of the slots, with an online softmax in fp32 (the additive mask read as given), and writes its share's partial
+output and softmax statistics. The last program of a group to arrive (`arrivals`) merges the shares, and gpt-oss's
+sinks join each query's softmax there; without arrival counts (a CUDA graph captured before any were made) a second
+launch merges.
 
 Rows that see no slot (padding queries under an additive finfo.min mask) come out as the torch math makes them: all
 their scores tie, so a uniform average of the values (or, with sinks, zeros).
@@ -20,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..attention import _fold, _unfold
 from .arrivals import arrival_counts
 
 # fp32's finfo.min: below every masked score (finfo.min of the mask's dtype), so rows seeing no slot tie as in torch
@@ -29,12 +31,14 @@ _LOWEST = tl.constexpr(-3.4028234663852886e38)
 @triton.jit
 def _split_kernel(q, k, v, mask, acc_out, stats_out, sinks, out, counts, scaling, R, T, S, CHUNK, GROUPS,
                   q_b, q_h, q_r, k_b, k_h, k_s, v_b, v_h, v_s, m_b, m_t, m_s,
-                  KV_HEADS: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr, MERGE_IN_LAUNCH: tl.constexpr,
+                  KV_HEADS: tl.constexpr, PARTS: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr, MERGE_IN_LAUNCH: tl.constexpr,
                   PRECISION: tl.constexpr):
-    row_head, split = tl.program_id(0), tl.program_id(1)
+    group, split = tl.program_id(0), tl.program_id(1)  # group: a (batch row, kv head)'s part of the folded rows
+    row_head = group // PARTS
     b, h = row_head // KV_HEADS, row_head % KV_HEADS
-    rows, dims = tl.arange(0, BLOCK_R), tl.arange(0, D)
+    local, dims = tl.arange(0, BLOCK_R), tl.arange(0, D)
+    rows = group % PARTS * BLOCK_R + local
     row_ok = rows < R
     queries = tl.load(q + b * q_b + h * q_h + rows[:, None] * q_r + dims[None, :], mask=row_ok[:, None], other=0.0)
     largest = tl.full([BLOCK_R], _LOWEST, tl.float32)  # finite: a share's padding slots (-inf) make no NaN
@@ -58,33 +62,37 @@ def _split_kernel(q, k, v, mask, acc_out, stats_out, sinks, out, counts, scaling
                          other=0.0)
         acc = acc * shrink[:, None] + tl.dot(p.to(values.dtype), values, input_precision=PRECISION)
         largest = new_largest
-    part = row_head * SPLITS + split
-    tl.store(acc_out + (part * BLOCK_R + rows[:, None]) * D + dims[None, :], acc)
-    tl.store(stats_out + (part * 2) * BLOCK_R + rows, largest)
-    tl.store(stats_out + (part * 2 + 1) * BLOCK_R + rows, total)
-    if MERGE_IN_LAUNCH:  # the last of a head's programs to arrive merges (acquire-release orders the partials)
+    part = group * SPLITS + split
+    tl.store(acc_out + (part * BLOCK_R + local[:, None]) * D + dims[None, :], acc)
+    tl.store(stats_out + (part * 2) * BLOCK_R + local, largest)
+    tl.store(stats_out + (part * 2 + 1) * BLOCK_R + local, total)
+    if MERGE_IN_LAUNCH:  # the last of a group's programs to arrive merges (acquire-release orders the partials)
         tl.debug_barrier()
-        arrived = tl.atomic_add(counts + row_head, 1, sem="acq_rel", scope="gpu")
+        arrived = tl.atomic_add(counts + group, 1, sem="acq_rel", scope="gpu")
         tl.debug_barrier()  # every thread's loads of the merge after the acquire, as `moe._sum_when_last` orders them
         if arrived == SPLITS - 1:
-            _merge(acc_out, stats_out, sinks, out, row_head, R, T, GROUPS, KV_HEADS, SPLITS, D, BLOCK_R, HAS_SINKS)
-            tl.store(counts + row_head, 0)  # zero again for the next launch
+            _merge(acc_out, stats_out, sinks, out, group, R, T, GROUPS, KV_HEADS, PARTS, SPLITS, D, BLOCK_R,
+                   HAS_SINKS)
+            tl.store(counts + group, 0)  # zero again for the next launch
 
 
 @triton.jit
-def _merge_kernel(acc_in, stats_in, sinks, out, R, T, GROUPS, KV_HEADS: tl.constexpr, SPLITS: tl.constexpr,
-                  D: tl.constexpr, BLOCK_R: tl.constexpr, HAS_SINKS: tl.constexpr):
-    _merge(acc_in, stats_in, sinks, out, tl.program_id(0), R, T, GROUPS, KV_HEADS, SPLITS, D, BLOCK_R, HAS_SINKS)
+def _merge_kernel(acc_in, stats_in, sinks, out, R, T, GROUPS, KV_HEADS: tl.constexpr, PARTS: tl.constexpr,
+                  SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, HAS_SINKS: tl.constexpr):
+    _merge(acc_in, stats_in, sinks, out, tl.program_id(0), R, T, GROUPS, KV_HEADS, PARTS, SPLITS, D, BLOCK_R,
+           HAS_SINKS)
 
 
 @triton.jit
-def _merge(acc_in, stats_in, sinks, out, row_head, R, T, GROUPS, KV_HEADS: tl.constexpr, SPLITS: tl.constexpr,
-           D: tl.constexpr, BLOCK_R: tl.constexpr, HAS_SINKS: tl.constexpr):
-    """A head's output rows from its SPLITS partials (and its sinks' logits), in a fixed order."""
-    rows, dims = tl.arange(0, BLOCK_R), tl.arange(0, D)
+def _merge(acc_in, stats_in, sinks, out, group, R, T, GROUPS, KV_HEADS: tl.constexpr, PARTS: tl.constexpr,
+           SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """A group's output rows from its SPLITS partials (and its sinks' logits), in a fixed order."""
+    row_head = group // PARTS
+    local, dims = tl.arange(0, BLOCK_R), tl.arange(0, D)
+    rows = group % PARTS * BLOCK_R + local
     largest = tl.full([BLOCK_R], _LOWEST, tl.float32)
     for split in tl.static_range(SPLITS):
-        largest = tl.maximum(largest, tl.load(stats_in + ((row_head * SPLITS + split) * 2) * BLOCK_R + rows))
+        largest = tl.maximum(largest, tl.load(stats_in + ((group * SPLITS + split) * 2) * BLOCK_R + local))
     if HAS_SINKS:
         sink = tl.load(sinks + (row_head % KV_HEADS) * GROUPS + rows // T, mask=rows < R, other=0.0).to(tl.float32)
         largest = tl.maximum(largest, sink)
@@ -93,10 +101,10 @@ def _merge(acc_in, stats_in, sinks, out, row_head, R, T, GROUPS, KV_HEADS: tl.co
         total = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, D], tl.float32)
     for split in tl.static_range(SPLITS):
-        part = row_head * SPLITS + split
-        weight = tl.exp(tl.load(stats_in + (part * 2) * BLOCK_R + rows) - largest)
-        total += weight * tl.load(stats_in + (part * 2 + 1) * BLOCK_R + rows)
-        acc += weight[:, None] * tl.load(acc_in + (part * BLOCK_R + rows[:, None]) * D + dims[None, :])
+        part = group * SPLITS + split
+        weight = tl.exp(tl.load(stats_in + (part * 2) * BLOCK_R + local) - largest)
+        total += weight * tl.load(stats_in + (part * 2 + 1) * BLOCK_R + local)
+        acc += weight[:, None] * tl.load(acc_in + (part * BLOCK_R + local[:, None]) * D + dims[None, :])
     total = tl.where(total == 0, 1.0, total)  # a row seeing nothing at all (a -inf mask) gives zeros
     tl.store(out + (row_head * R + rows[:, None]) * D + dims[None, :], (acc / total[:, None]).to(out.dtype.element_ty),
              mask=rows[:, None] < R)
@@ -110,29 +118,44 @@ def _splits(slots: int, block_s: int, heads: int, device: torch.device) -> int:
 
 def decode_attention(folded: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, t: int,
                      scaling: float, sinks: torch.Tensor | None = None, splits: int | None = None,
-                     block_s: int = 64) -> torch.Tensor:
+                     block_s: int = 64, block_r: int | None = None) -> torch.Tensor:
     """folded queries [b, kv heads, groups * t, d] (`attention._fold`), key/value [b, kv heads, S, d] (any strides),
     additive mask [b, 1, t, S], sinks [heads] or None -> [b, kv heads, groups * t, d] in the queries' dtype.
-    `splits`: shares of the slots per head (default: `_splits`)."""
+    `splits`: shares of the slots per group of rows (default: `_splits`); `block_r`: folded rows per program, a
+    power of two from 16 (default: all of a head's; fewer hold fewer accumulators, and read the keys and values
+    once per group of rows)."""
     b, kv_heads, rows, d = folded.shape
     slots = key.shape[2]
-    block_r = max(16, triton.next_power_of_2(rows))  # tl.dot's smallest tile
-    chunk = triton.cdiv(triton.cdiv(slots, splits or _splits(slots, block_s, b * kv_heads, folded.device)),
+    whole = max(16, triton.next_power_of_2(rows))  # tl.dot's smallest tile
+    block_r = min(block_r or whole, whole)
+    if block_r < 16 or block_r & (block_r - 1):
+        raise ValueError(f"block_r must be a power of two from 16, got {block_r}")
+    groups = b * kv_heads * triton.cdiv(rows, block_r)
+    chunk = triton.cdiv(triton.cdiv(slots, splits or _splits(slots, block_s, groups, folded.device)),
                         block_s) * block_s
     splits = triton.cdiv(slots, chunk)
-    acc = torch.empty(b * kv_heads, splits, block_r, d, device=folded.device, dtype=torch.float32)
-    stats = torch.empty(b * kv_heads, splits, 2, block_r, device=folded.device, dtype=torch.float32)
+    acc = torch.empty(groups, splits, block_r, d, device=folded.device, dtype=torch.float32)
+    stats = torch.empty(groups, splits, 2, block_r, device=folded.device, dtype=torch.float32)
     out = torch.empty(b, kv_heads, rows, d, device=folded.device, dtype=folded.dtype)
-    counts = arrival_counts(folded.device, b * kv_heads)
+    counts = arrival_counts(folded.device, groups)
     sinks_or_any = sinks if sinks is not None else acc  # an unread pointer without sinks
-    _split_kernel[(b * kv_heads, splits)](
+    shape = dict(KV_HEADS=kv_heads, PARTS=groups // (b * kv_heads), SPLITS=splits, D=d, BLOCK_R=block_r,
+                 HAS_SINKS=sinks is not None)
+    _split_kernel[(groups, splits)](
         folded, key, value, mask, acc, stats, sinks_or_any, out, counts if counts is not None else acc, scaling, rows,
         t, slots, chunk, rows // t, *folded.stride()[:3], *key.stride()[:3], *value.stride()[:3], mask.stride(0),
-        mask.stride(2), mask.stride(3), KV_HEADS=kv_heads, SPLITS=splits, D=d, BLOCK_R=block_r, BLOCK_S=block_s,
-        HAS_SINKS=sinks is not None, MERGE_IN_LAUNCH=counts is not None,
+        mask.stride(2), mask.stride(3), **shape, BLOCK_S=block_s, MERGE_IN_LAUNCH=counts is not None,
         PRECISION="ieee" if folded.dtype == torch.float32 else "tf32",
         num_warps=8 if block_r * d >= 8192 else 4)  # a verify block's rows x head dim of fp32 accumulators
     if counts is None:
-        _merge_kernel[(b * kv_heads,)](acc, stats, sinks_or_any, out, rows, t, rows // t, KV_HEADS=kv_heads,
-                                       SPLITS=splits, D=d, BLOCK_R=block_r, HAS_SINKS=sinks is not None, num_warps=4)
+        _merge_kernel[(groups,)](acc, stats, sinks_or_any, out, rows, t, rows // t, **shape, num_warps=4)
     return out
+
+
+def grouped_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                             sinks: torch.Tensor | None, scaling: float, **tiles) -> torch.Tensor:
+    """query [b, heads, t, d] -> [b, t, heads, d], as `attention.folded_attention` takes and returns them: the
+    queries folded for `decode_attention`, its output unfolded. `tiles`: its splits, block_s, block_r."""
+    heads, t = query.shape[1], query.shape[2]
+    folded = decode_attention(_fold(query, key.shape[1]).contiguous(), key, value, mask, t, scaling, sinks, **tiles)
+    return _unfold(folded, heads, t)

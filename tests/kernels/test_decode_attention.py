@@ -5,10 +5,10 @@ import pytest
 import torch
 
 import dflash_compile
-from dflash_compile.attention import _fold, _unfold, folded_attention
+from dflash_compile.attention import folded_attention
 from dflash_compile.cache import additive_mask
 from dflash_compile.kernels import arrivals
-from dflash_compile.kernels.decode_attention import decode_attention
+from dflash_compile.kernels.decode_attention import grouped_decode_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
@@ -30,10 +30,8 @@ def _inputs(heads, kv_heads, t, slots, d=16, sinks=False, batch=2, seed=0):
     return *tensors[:3], additive_mask(visible.to(DEVICE), DTYPE), tensors[3]
 
 
-def _kernel(query, key, value, mask, sinks, **kwargs):
-    heads, t = query.shape[1], query.shape[2]
-    return _unfold(decode_attention(_fold(query, key.shape[1]).contiguous(), key, value, mask, t, 0.25, sinks,
-                                    **kwargs), heads, t)
+def _kernel(query, key, value, mask, sinks, **tiles):
+    return grouped_decode_attention(query, key, value, mask, sinks, 0.25, **tiles)
 
 
 @pytest.mark.parametrize("merge_in_launch", [True, False])
@@ -55,6 +53,27 @@ def test_matches_torch_math(monkeypatch, heads, kv_heads, sinks, t, slots, split
     torch.testing.assert_close(out, expected, rtol=TOLERANCE, atol=TOLERANCE)
     if merge_in_launch:
         assert arrivals._COUNTS[key.device].count_nonzero() == 0
+
+
+@pytest.mark.parametrize("merge_in_launch", [True, False])
+@pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.parametrize("t", [3, 4])
+def test_rows_over_several_programs(monkeypatch, sinks, t, merge_in_launch):
+    """A head's 24 or 32 folded rows in programs of 16 (the last one partial for 24), each merged on its own,
+    sinks found by the rows' global index."""
+    if not merge_in_launch:
+        monkeypatch.setattr(arrivals, "SIZE", 0)
+    query, key, value, mask, sink_logits = _inputs(8, 1, t, 40, sinks=sinks)
+    out = _kernel(query, key, value, mask, sink_logits, splits=2, block_s=16, block_r=16)
+    expected = folded_attention(query, key, value, mask, sink_logits, 0.25)
+    expected[1, 0] = 0 if sinks else value[1].float().mean(1)  # the padding query, as in test_matches_torch_math
+    torch.testing.assert_close(out, expected, rtol=TOLERANCE, atol=TOLERANCE)
+
+
+def test_rows_per_program_must_be_a_power_of_two_from_16():
+    query, key, value, mask, _ = _inputs(8, 1, 4, 40)
+    with pytest.raises(ValueError, match="block_r must be a power of two from 16, got 24"):
+        _kernel(query, key, value, mask, None, block_r=24)
 
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="bf16 and the default tiles and shares on a GPU")
