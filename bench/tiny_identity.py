@@ -34,13 +34,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         config = tiny_drafter_config(model.config, block_size=4)
         drafter = save_drafter(tmp, config, random_drafter_weights(config))
+        runs = {"decode kernel": dflash_compile.optimize(model, drafter).generate,
+                "torch's math": in_torch_attention(dflash_compile.optimize(model, drafter).generate)}
         for seed in range(args.seeds):
             ids = torch.randint(3, 127, (1, 9), generator=torch.Generator().manual_seed(seed)).to(args.device)
             with torch.no_grad():
                 reference = model.generate(ids, do_sample=False, max_new_tokens=args.new, output_logits=True,
                                            return_dict_in_generate=True)
-            for name, wrap in (("decode kernel", lambda f: f), ("torch's math", in_torch_attention)):
-                tokens = wrap(dflash_compile.optimize(model, drafter).generate)(ids, max_new_tokens=args.new)
+            for name, generate in runs.items():
+                tokens = generate(ids, max_new_tokens=args.new)
                 print(f"| {seed} | {name} | {', '.join(_difference(reference, tokens, ids.shape[1]))} |")
 
 

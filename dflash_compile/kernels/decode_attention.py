@@ -29,16 +29,23 @@ _LOWEST = tl.constexpr(-3.4028234663852886e38)
 
 
 @triton.jit
+def _group_rows(group, PARTS: tl.constexpr, BLOCK_R: tl.constexpr):
+    """A group (a (batch row, kv head)'s part of its folded rows)'s (batch row, kv head) index, its rows' places in
+    the group's partials, and their folded row indices."""
+    local = tl.arange(0, BLOCK_R)
+    return group // PARTS, local, group % PARTS * BLOCK_R + local
+
+
+@triton.jit
 def _split_kernel(q, k, v, mask, acc_out, stats_out, sinks, out, counts, scaling, R, T, S, CHUNK, GROUPS,
                   q_b, q_h, q_r, k_b, k_h, k_s, v_b, v_h, v_s, m_b, m_t, m_s,
                   KV_HEADS: tl.constexpr, PARTS: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr,
                   BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr, MERGE_IN_LAUNCH: tl.constexpr,
                   PRECISION: tl.constexpr):
-    group, split = tl.program_id(0), tl.program_id(1)  # group: a (batch row, kv head)'s part of the folded rows
-    row_head = group // PARTS
+    group, split = tl.program_id(0), tl.program_id(1)
+    row_head, local, rows = _group_rows(group, PARTS, BLOCK_R)
     b, h = row_head // KV_HEADS, row_head % KV_HEADS
-    local, dims = tl.arange(0, BLOCK_R), tl.arange(0, D)
-    rows = group % PARTS * BLOCK_R + local
+    dims = tl.arange(0, D)
     row_ok = rows < R
     queries = tl.load(q + b * q_b + h * q_h + rows[:, None] * q_r + dims[None, :], mask=row_ok[:, None], other=0.0)
     largest = tl.full([BLOCK_R], _LOWEST, tl.float32)  # finite: a share's padding slots (-inf) make no NaN
@@ -87,9 +94,8 @@ def _merge_kernel(acc_in, stats_in, sinks, out, R, T, GROUPS, KV_HEADS: tl.const
 def _merge(acc_in, stats_in, sinks, out, group, R, T, GROUPS, KV_HEADS: tl.constexpr, PARTS: tl.constexpr,
            SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, HAS_SINKS: tl.constexpr):
     """A group's output rows from its SPLITS partials (and its sinks' logits), in a fixed order."""
-    row_head = group // PARTS
-    local, dims = tl.arange(0, BLOCK_R), tl.arange(0, D)
-    rows = group % PARTS * BLOCK_R + local
+    row_head, local, rows = _group_rows(group, PARTS, BLOCK_R)
+    dims = tl.arange(0, D)
     largest = tl.full([BLOCK_R], _LOWEST, tl.float32)
     for split in tl.static_range(SPLITS):
         largest = tl.maximum(largest, tl.load(stats_in + ((group * SPLITS + split) * 2) * BLOCK_R + local))
