@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 16])
     parser.add_argument("--slots", nargs="+", type=int, default=[512, 1024, 4096, 8192])
     parser.add_argument("--block-r", nargs="+", type=int, default=[None],
-                        help="folded rows per program of the kernel, each timed (default: all of a head's, as the op)")
+                        help="folded rows per program of the kernel, each timed (default: the op, 16)")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     print("| shape | tokens | slots | rows per program | compiled torch math us | decode_attention us | speed-up | "
@@ -57,7 +57,7 @@ def main() -> None:
                     kernel = functools.partial(kernel_call, *tensors, block_r=block_r)
                     kernel_time = triton.testing.do_bench_cudagraph(kernel) * 1e3
                     difference = (compiled(*tensors).float() - kernel().float()).abs().max().item()
-                    print(f"| {shape} | {tokens} | {slots} | {block_r or 'all'} | {torch_time:.1f} | "
+                    print(f"| {shape} | {tokens} | {slots} | {block_r or 'op'} | {torch_time:.1f} | "
                           f"{kernel_time:.1f} | {torch_time / kernel_time:.2f}x | {difference:.1e} |", flush=True)
 
 

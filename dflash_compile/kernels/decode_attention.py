@@ -5,7 +5,7 @@ elementwise kernels) read the whole [rows, slots] score matrix three times throu
 one token; here each program holds its scores in registers.
 
 Queries come folded by group, as `attention.folded_attention` folds them ([b, kv heads, groups * t, d]): each
-program takes one (batch row, key/value head) -- all its folded rows, or a group of `block_r` of them -- and a
+program takes one (batch row, key/value head)'s group of `block_r` folded rows (16 by default) and a
 share of the slots, with an online softmax in fp32 (the additive mask read as given), and writes its share's partial
 output and softmax statistics. The last program of a group to arrive (`arrivals`) merges the shares, and gpt-oss's
 sinks join each query's softmax there; without arrival counts (a CUDA graph captured before any were made) a second
@@ -124,16 +124,17 @@ def _splits(slots: int, block_s: int, heads: int, device: torch.device) -> int:
 
 def decode_attention(folded: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, t: int,
                      scaling: float, sinks: torch.Tensor | None = None, splits: int | None = None,
-                     block_s: int = 64, block_r: int | None = None) -> torch.Tensor:
+                     block_s: int = 64, block_r: int = 16) -> torch.Tensor:
     """folded queries [b, kv heads, groups * t, d] (`attention._fold`), key/value [b, kv heads, S, d] (any strides),
     additive mask [b, 1, t, S], sinks [heads] or None -> [b, kv heads, groups * t, d] in the queries' dtype.
     `splits`: shares of the slots per group of rows (default: `_splits`); `block_r`: folded rows per program, a
-    power of two from 16 (default: all of a head's; fewer hold fewer accumulators, and read the keys and values
-    once per group of rows)."""
+    power of two from 16. Each group of rows reads the keys and values again, yet 16 (tl.dot's smallest tile) is
+    the fastest on the H200 for verify blocks (session 35: 1.3-5.9x over a program per head's 64-128 rows, whose
+    fp32 accumulators spill; 0.99x at worst)."""
     b, kv_heads, rows, d = folded.shape
     slots = key.shape[2]
     whole = max(16, triton.next_power_of_2(rows))  # tl.dot's smallest tile
-    block_r = min(block_r or whole, whole)
+    block_r = min(block_r, whole)
     if block_r < 16 or block_r & (block_r - 1):
         raise ValueError(f"block_r must be a power of two from 16, got {block_r}")
     groups = b * kv_heads * triton.cdiv(rows, block_r)

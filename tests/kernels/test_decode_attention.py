@@ -58,13 +58,14 @@ def test_matches_torch_math(monkeypatch, heads, kv_heads, sinks, t, slots, split
 @pytest.mark.parametrize("merge_in_launch", [True, False])
 @pytest.mark.parametrize("sinks", [False, True])
 @pytest.mark.parametrize("t", [3, 4])
-def test_rows_over_several_programs(monkeypatch, sinks, t, merge_in_launch):
-    """A head's 24 or 32 folded rows in programs of 16 (the last one partial for 24), each merged on its own,
-    sinks found by the rows' global index."""
+@pytest.mark.parametrize("block_r", [16, 32])
+def test_rows_over_several_programs(monkeypatch, sinks, t, merge_in_launch, block_r):
+    """A head's 24 or 32 folded rows in programs of 16 (the default; the last one partial for 24), each merged on
+    its own, sinks found by the rows' global index; or all in one program of 32."""
     if not merge_in_launch:
         monkeypatch.setattr(arrivals, "SIZE", 0)
     query, key, value, mask, sink_logits = _inputs(8, 1, t, 40, sinks=sinks)
-    out = _kernel(query, key, value, mask, sink_logits, splits=2, block_s=16, block_r=16)
+    out = _kernel(query, key, value, mask, sink_logits, splits=2, block_s=16, block_r=block_r)
     expected = folded_attention(query, key, value, mask, sink_logits, 0.25)
     expected[1, 0] = 0 if sinks else value[1].float().mean(1)  # the padding query, as in test_matches_torch_math
     torch.testing.assert_close(out, expected, rtol=TOLERANCE, atol=TOLERANCE)
