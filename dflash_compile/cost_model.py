@@ -90,15 +90,15 @@ REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
     "gpt-oss-20b": lambda: transformers.GptOssConfig(
         hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
         num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4, vocab_size=201088,
-        sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 12, max_position_embeddings=4096),
+        sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 12, max_position_embeddings=131072),
     "gpt-oss-120b": lambda: transformers.GptOssConfig(
         hidden_size=2880, intermediate_size=2880, num_hidden_layers=36, num_attention_heads=64,
         num_key_value_heads=8, head_dim=64, num_local_experts=128, num_experts_per_tok=4, vocab_size=201088,
-        sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 18, max_position_embeddings=4096),
+        sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 18, max_position_embeddings=131072),
     "qwen3-30b-a3b": lambda: transformers.Qwen3MoeConfig(
         hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
         num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
-        vocab_size=151936, norm_topk_prob=True, max_position_embeddings=4096),
+        vocab_size=151936, norm_topk_prob=True, max_position_embeddings=40960),
 }
 
 
