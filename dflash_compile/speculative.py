@@ -201,7 +201,10 @@ class SpeculativeDecoder:
         warpers = tuple((type(w).__name__, repr(vars(w))) for w in chain)
         return self.model.config._attn_implementation, self.model.training, warpers
 
-    def _target_forward(self, ids: torch.Tensor, cache: TargetCache, causal_prompt: bool = False):
+    def _target_forward(self, ids: torch.Tensor, cache: TargetCache, causal_prompt: bool = False,
+                        logits_to_keep: int = 0):
+        """The target over `ids`: logits of its last `logits_to_keep` positions (0: all), drafter features, and the
+        linear-attention layers' inputs."""
         width = ids.shape[1]
         masks = cache.masks(width, self.windows, causal_prompt)
         out = self.model(
@@ -211,6 +214,7 @@ class SpeculativeDecoder:
             cache=cache,
             use_cache=True,
             output_hidden_states=bool(self.layer_ids or self.linear_layers),
+            logits_to_keep=logits_to_keep,
         )
         features = context_features(out.hidden_states, self.layer_ids) if self.layer_ids else None
         linear_inputs = {i: out.hidden_states[i] for i in self.linear_layers}  # what each linear layer was fed
@@ -265,7 +269,9 @@ class SpeculativeDecoder:
             ids = input_ids[:, start: start + chunk]
             cache.visible = start + ids.shape[1]  # every row's length is `start` (padding included)
             try:
-                logits, chunk_features, _ = self._target_forward(ids, cache, causal_prompt)
+                # the last position's logits only: a whole prompt's take prompt x vocabulary (1.2 GB of bf16 for a
+                # 4096-token Qwen3 prompt) and the lm_head's largest GEMM
+                logits, chunk_features, _ = self._target_forward(ids, cache, causal_prompt, logits_to_keep=1)
             finally:
                 cache.visible = None
             kept = torch.full((ids.shape[0],), ids.shape[1], device=ids.device)

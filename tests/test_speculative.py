@@ -198,6 +198,21 @@ def test_prefill_chunks_attend_over_the_slots_filled_so_far(tiny, monkeypatch):
     assert set(slots[3:]) == {cache_capacity(ids.shape[1] + NEW_TOKENS + 1)}
 
 
+def test_prefill_takes_the_last_positions_logits_only(tiny):
+    """Each prefill chunk runs the lm_head on its last position only (a whole prompt's logits are prompt x
+    vocabulary); the verify steps on all of their block's."""
+    model = tiny("gpt_oss")
+    ids, mask = prompts(3)
+    expected = reference(model, ids, mask)
+    positions = []
+    model.lm_head.register_forward_hook(lambda module, args, out: positions.append(args[0].shape[1]))
+    fast = dflash_compile.optimize(model, adaptive=False, compile=False, prefill_chunk=4,
+                                   drafter=OracleDrafter(expected, mask, 3, corruption=0.3, vocab_size=128))
+    assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
+    assert positions[:3] == [1, 1, 1]  # 9 prompt tokens in chunks of 4
+    assert set(positions[3:]) == {3}
+
+
 @pytest.mark.parametrize("family", [family for family in SPECULATIVE_FAMILIES if family != "gpt_oss"])  # SDPA
 def test_unpadded_prompts_attend_by_sdpas_causal_flag(tiny, family, monkeypatch):
     """On SDPA attention, a prompt without left padding goes in without a mask, by SDPA's causal flag (its flash
