@@ -10,7 +10,8 @@ key/value head directly; the result is unfolded back. The same products and sums
 `grouped_attention(model)` makes the model's attention layers use this while the decoder runs them, for the
 implementations it reproduces: "sdpa" (torch's scaled_dot_product_attention, folded) and, for families whose
 attention has sinks (`FamilySpec.attention_sinks`: gpt-oss, which runs "eager"), the sink softmax of gpt-oss's
-eager attention (one learned logit per head joins each query's softmax and is dropped after it). Other
+eager attention (one learned logit per head joins each query's softmax and is dropped after it), also by SDPA:
+on a 2-core CPU 4-9x faster than that eager math in bf16 for 1-256 new tokens (docs/benchmarks.md). Other
 implementations (flash, flex, a family's own eager) run as the user chose.
 """
 
@@ -25,6 +26,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from .families import spec_for_model
 
 NAME = "dflash_grouped"
+_SINK_DIMS = 8  # query/key dimensions added for the sink logit (`_sink_attention`)
 
 
 def _fold(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -46,21 +48,36 @@ def _folded_mask(mask: torch.Tensor, kv_heads: int, groups: int) -> torch.Tensor
     return mask.reshape(b, kv_heads, groups * t, s)
 
 
+def _mask_with_sink(mask: torch.Tensor) -> torch.Tensor:
+    """An additive [..., s] mask plus the sink's slot, visible: [..., s + 1], in rows of whole multiples of 16
+    elements, as SDPA's memory-efficient kernel takes a mask without copying it."""
+    slots = mask.shape[-1]
+    rows = mask.new_zeros(*mask.shape[:-1], (slots + 16) // 16 * 16)
+    rows[..., :slots] = mask
+    return rows[..., :slots + 1]
+
+
 def _sink_attention(query, key, value, mask, sinks, scaling: float, dropout: float, training: bool):
-    """gpt-oss's eager attention with sinks on folded queries [b, kv_heads, groups * t, d]: the scores viewed as
-    [b, kv_heads, groups, t, s] take the [b, 1, t, s] mask and each head's sink by broadcasting, no copies."""
-    b, kv_heads, rows, _ = query.shape
+    """gpt-oss's sink softmax on folded queries [b, kv_heads, groups * t, d] by torch's SDPA (fused kernels, no
+    [rows, slots] score tensors in memory, where the eager math makes eight passes over them): each head's sink is
+    one more key slot, always visible, whose value is zero, so its share of the softmax is dropped. Its score is
+    the sink logit: a padding dimension holds 1 in the sink's key (0 in every other key) and the row's sink logit
+    in the query, whose other dimensions come pre-scaled (`scale=1`: exact for gpt-oss's power-of-four head dims).
+    Padding dimensions come in eights, as SDPA's fused kernels take head dims. A row that sees no slot sees the
+    sink alone and gives zeros, as the eager math does."""
+    b, kv_heads, rows, d = query.shape
     groups = sinks.numel() // kv_heads
-    t = rows // groups
-    scores = (torch.matmul(query, key.transpose(2, 3)) * scaling).view(b, kv_heads, groups, t, -1)
+    row_sinks = sinks.to(query.dtype).view(1, kv_heads, groups, 1).expand(b, -1, -1, rows // groups)
+    query = torch.cat([query * scaling, row_sinks.reshape(b, kv_heads, rows, 1),
+                       query.new_zeros(b, kv_heads, rows, _SINK_DIMS - 1)], dim=-1)
+    sink_key = key.new_zeros(b, kv_heads, 1, d + _SINK_DIMS)
+    sink_key[..., d] = 1
+    key = torch.cat([torch.nn.functional.pad(key, (0, _SINK_DIMS)), sink_key], dim=2)
+    value = torch.cat([value, value.new_zeros(b, kv_heads, 1, value.shape[-1])], dim=2)
     if mask is not None:
-        scores = scores + (mask[:, :, None] if mask.shape[1] == 1 else mask.view(b, kv_heads, groups, t, -1))
-    sink_logits = sinks.reshape(1, kv_heads, groups, 1, 1).expand(b, -1, -1, t, -1).to(scores.dtype)
-    logits = torch.cat([scores, sink_logits], dim=-1)
-    logits = logits - logits.max(dim=-1, keepdim=True).values
-    probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]  # the sink's share is dropped
-    probs = torch.nn.functional.dropout(probs, p=dropout, training=training).to(value.dtype)
-    return torch.matmul(probs.reshape(b, kv_heads, rows, -1), value)
+        mask = _mask_with_sink(_folded_mask(mask, kv_heads, groups))
+    return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask,
+                                                            dropout_p=dropout if training else 0.0, scale=1.0)
 
 
 # What `dflash::decode_attention` takes to its CUDA kernel: one program holds a head's folded query rows (a verify
@@ -88,7 +105,7 @@ def folded_attention(query, key, value, mask, sinks, scaling: float, dropout: fl
                      training: bool = False) -> torch.Tensor:
     """Grouped-query attention in torch's math: query [b, heads, t, d], key/value [b, kv_heads, s, d], an additive
     [b, 1 or heads, t, s] mask or None, sinks [heads] or None -> [b, t, heads, d]. The queries folded by group,
-    then gpt-oss's sink softmax with sinks, else torch's SDPA with the folded mask."""
+    then torch's SDPA with the folded mask, with sinks as one more key slot (`_sink_attention`)."""
     heads, t, kv_heads = query.shape[1], query.shape[2], key.shape[1]
     folded = _fold(query, kv_heads)
     if sinks is not None:

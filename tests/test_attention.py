@@ -35,10 +35,15 @@ def test_sdpa_numbers_without_the_copies(t, per_head_mask):
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("t", [1, 5])
-def test_sink_softmax_is_gpt_oss_eager_attention(t):
-    module, query, key, value, mask = attention_inputs(t=t)
+@pytest.mark.parametrize("per_head_mask", [False, True])
+@pytest.mark.parametrize("t", [1, 5, 40])
+def test_sink_softmax_is_gpt_oss_eager_attention(t, per_head_mask):
+    """The sink as one more key slot of SDPA (`_sink_attention`) gives gpt-oss's eager numbers, zeros for a query
+    that sees no slot (the first)."""
+    module, query, key, value, mask = attention_inputs(t=t, per_head_mask=per_head_mask)
+    mask[:, :, 0] = MIN
     expected, _ = modeling_gpt_oss.eager_attention_forward(module, query, key, value, mask, scaling=0.25)
+    assert not expected[:, 0].any()
     out, _ = grouped_query_attention(module, query, key, value, mask, scaling=0.25, s_aux=module.sinks)
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
 
