@@ -11,7 +11,7 @@ key/value head directly; the result is unfolded back. The same products and sums
 implementations it reproduces: "sdpa" (torch's scaled_dot_product_attention, folded) and, for families whose
 attention has sinks (`FamilySpec.attention_sinks`: gpt-oss, which runs "eager"), the sink softmax of gpt-oss's
 eager attention (one learned logit per head joins each query's softmax and is dropped after it), also by SDPA:
-on a 2-core CPU 4-9x faster than that eager math in bf16 for 1-256 new tokens (docs/benchmarks.md). Other
+on a 2-core CPU 4-12x faster than that eager math in bf16 for 1-256 new tokens (docs/benchmarks.md). Other
 implementations (flash, flex, a family's own eager) run as the user chose.
 """
 
