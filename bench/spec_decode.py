@@ -148,7 +148,7 @@ def step_inputs(model, decoder, args, block: int):
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt), device=args.device)
     cache = TargetCache(1, args.prompt + 64, model.dtype, args.device)
     with torch.no_grad():
-        decoder._target_forward(prompt, cache)
+        decoder._target_forward(prompt, cache, logits_to_keep=1)
     cache.rows.commit(torch.full((1,), args.prompt, device=args.device))
     tokens = torch.randint(0, model.config.vocab_size, (1, block), device=args.device)
     return tokens, cache, torch.zeros(1, dtype=torch.int64, device=args.device)
