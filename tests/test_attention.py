@@ -48,6 +48,19 @@ def test_sink_softmax_is_gpt_oss_eager_attention(t, per_head_mask):
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
 
 
+def test_sink_softmax_in_bf16_is_as_close_to_fp32_as_gpt_oss_eager_attention():
+    """In bf16 the SDPA sink path stays at least as close to the fp32 numbers as transformers' own bf16 eager
+    attention (whose score tensors round to bf16 between the mask, the max and the softmax)."""
+    module, query, key, value, mask = attention_inputs(heads=16, kv_heads=2, t=24, slots=256, d=64)
+    expected, _ = modeling_gpt_oss.eager_attention_forward(module, query, key, value, mask, scaling=0.125)
+    bf16 = [x.bfloat16() for x in (query, key, value, mask)]
+    module.sinks = module.sinks.bfloat16()
+    theirs, _ = modeling_gpt_oss.eager_attention_forward(module, *bf16, scaling=0.125)
+    ours, _ = grouped_query_attention(module, *bf16, scaling=0.125, s_aux=module.sinks)
+    assert ours.dtype == torch.bfloat16
+    assert (ours.float() - expected).abs().max() <= (theirs.float() - expected).abs().max()
+
+
 def test_long_prefills_and_unmasked_calls_take_transformers_sdpa(monkeypatch):
     """A folded mask grows by groups x t x slots: past the key/value copies it saves, transformers' path runs."""
     calls = []
