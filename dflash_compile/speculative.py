@@ -160,6 +160,9 @@ class SpeculativeDecoder:
         self.linear_layers = [i for i, kind in enumerate(kinds) if kind == "linear_attention"]
         self.linear_modules = spec.linear_attention
         self.sliding_layers = [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
+        # the hidden states a forward reads (transformers' index: i + 1 is layer i's output, i its input); only
+        # these are kept, not every layer's until the forward ends (a long prompt's prefill: prompt x hidden each)
+        self.hidden_states_read = sorted({i + 1 for i in layer_ids} | set(self.linear_layers))
         self.prefill_chunk = prefill_chunk
         self.window = window = getattr(config, "sliding_window", None)
         self.windows = {kind: window if kind == "sliding_attention" else None for kind in dict.fromkeys(kinds)}
@@ -213,7 +216,7 @@ class SpeculativeDecoder:
             attention_mask=masks if self.per_kind_masks else next(iter(masks.values())),
             cache=cache,
             use_cache=True,
-            output_hidden_states=bool(self.layer_ids or self.linear_layers),
+            output_hidden_states=self.hidden_states_read or False,
             logits_to_keep=logits_to_keep,
         )
         features = context_features(out.hidden_states, self.layer_ids) if self.layer_ids else None

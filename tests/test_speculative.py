@@ -198,6 +198,36 @@ def test_prefill_chunks_attend_over_the_slots_filled_so_far(tiny, monkeypatch):
     assert set(slots[3:]) == {cache_capacity(ids.shape[1] + NEW_TOKENS + 1)}
 
 
+def test_forwards_keep_only_the_hidden_states_they_read(tiny, random_drafter, monkeypatch):
+    """A target forward keeps the drafter's layers' outputs and the linear layers' inputs, the others come back
+    None (not held until the forward ends: a long prompt's prefill holds prompt x hidden a layer); its drafter
+    features and linear inputs are those of a forward that keeps every hidden state."""
+    model = tiny("qwen3_5_moe")  # layer 0 linear attention (reads hidden state 0), the drafter reads layer 1's (2)
+    decoder = dflash_compile.optimize(model, adaptive=False, compile=False,
+                                      drafter=random_drafter(model, block_size=4, target_layer_ids=[1])).decoder
+    ids, _ = prompts(2)
+    returned = []
+    forward = model.forward
+
+    def recorded(*args, **kwargs):
+        returned.append(out := forward(*args, **kwargs))
+        return out
+
+    monkeypatch.setattr(model, "forward", recorded)
+    results, read_by_default = [], decoder.hidden_states_read
+    for read in (read_by_default, True):
+        monkeypatch.setattr(decoder, "hidden_states_read", read)
+        cache = decoder._new_cache(2, 32, model.dtype, ids.device)
+        cache.reset(torch.zeros(2, dtype=torch.int64))
+        results.append(decoder._target_forward(ids, cache))
+    kept = [i for i, state in enumerate(returned[0].hidden_states) if state is not None]
+    assert kept == read_by_default == [0, 2] and len(returned[1].hidden_states) == 3
+    (_, features, linear_inputs), (_, all_features, all_linear_inputs) = results
+    assert torch.equal(features, all_features)
+    assert linear_inputs.keys() == all_linear_inputs.keys() == set(decoder.linear_layers)
+    assert all(torch.equal(linear_inputs[i], all_linear_inputs[i]) for i in linear_inputs)
+
+
 def test_prefill_takes_the_last_positions_logits_only(tiny):
     """Each prefill chunk runs the lm_head on its last position only (a whole prompt's logits are prompt x
     vocabulary); the verify steps on all of their block's."""
