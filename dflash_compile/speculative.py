@@ -160,9 +160,6 @@ class SpeculativeDecoder:
         self.linear_layers = [i for i, kind in enumerate(kinds) if kind == "linear_attention"]
         self.linear_modules = spec.linear_attention
         self.sliding_layers = [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
-        # the hidden states a forward reads (transformers' index: i + 1 is layer i's output, i its input); only
-        # these are kept, not every layer's until the forward ends (a long prompt's prefill: prompt x hidden each)
-        self.hidden_states_read = sorted({i + 1 for i in layer_ids} | set(self.linear_layers))
         self.prefill_chunk = prefill_chunk
         self.window = window = getattr(config, "sliding_window", None)
         self.windows = {kind: window if kind == "sliding_attention" else None for kind in dict.fromkeys(kinds)}
@@ -203,6 +200,13 @@ class SpeculativeDecoder:
         chain = self.sampler.chain if self.sampler else ()
         warpers = tuple((type(w).__name__, repr(vars(w))) for w in chain)
         return self.model.config._attn_implementation, self.model.training, warpers
+
+    @property
+    def hidden_states_read(self) -> list[int]:
+        """The hidden states a forward reads (transformers' index: i + 1 is layer i's output, i its input): the
+        drafter's layers' outputs and the linear layers' inputs. Only these are kept, not every layer's until the
+        forward ends (a long prompt's prefill: prompt x hidden a layer)."""
+        return sorted({i + 1 for i in self.layer_ids} | set(self.linear_layers))
 
     def _target_forward(self, ids: torch.Tensor, cache: TargetCache, causal_prompt: bool = False,
                         logits_to_keep: int = 0):

@@ -216,7 +216,7 @@ def test_forwards_keep_only_the_hidden_states_they_read(tiny, random_drafter, mo
     monkeypatch.setattr(model, "forward", recorded)
     results, read_by_default = [], decoder.hidden_states_read
     for read in (read_by_default, True):
-        monkeypatch.setattr(decoder, "hidden_states_read", read)
+        monkeypatch.setattr(type(decoder), "hidden_states_read", read)
         cache = decoder._new_cache(2, 32, model.dtype, ids.device)
         cache.reset(torch.zeros(2, dtype=torch.int64))
         results.append(decoder._target_forward(ids, cache))
