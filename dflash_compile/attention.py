@@ -80,8 +80,9 @@ def _sink_attention(query, key, value, mask, sinks, scaling: float, dropout: flo
                                                             dropout_p=dropout if training else 0.0, scale=1.0)
 
 
-# What `dflash::decode_attention` takes to its CUDA kernel: one program holds a head's folded query rows (a verify
-# block of gpt-oss-20b or Qwen3-30B-A3B: 8 groups x 16 tokens) and their fp32 outputs in registers.
+# What `dflash::decode_attention` takes to its CUDA kernel: a decode or verify step's folded query rows per key/value
+# head (a verify block of gpt-oss-20b or Qwen3-30B-A3B: 8 groups x 16 tokens), in programs of 16 rows. More (a
+# prefill chunk) stay with SDPA's fused kernels: the kernel was never timed against them there.
 DECODE_KERNEL_MAX_ROWS = 128
 
 
