@@ -40,6 +40,14 @@ def _unfold(out: torch.Tensor, heads: int, t: int) -> torch.Tensor:
     return out.reshape(out.shape[0], heads, t, out.shape[-1]).transpose(1, 2).contiguous()
 
 
+def folding_pays(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether folding the queries [b, heads, t, d] over keys [b, kv_heads, s, d] saves memory traffic with a mask:
+    the folded mask grows by groups x t x s, the key/value copies it saves by heads x s x d (a long prefill
+    chunk: the copies are cheaper)."""
+    heads, t, kv_heads = query.shape[1], query.shape[2], key.shape[1]
+    return heads // kv_heads * t <= 2 * heads * key.shape[-1]
+
+
 def _folded_mask(mask: torch.Tensor, kv_heads: int, groups: int) -> torch.Tensor:
     """An additive [b, 1 or heads, t, s] mask for the folded queries: [b, 1 or kv_heads, groups * t, s]."""
     b, mask_heads, t, s = mask.shape
@@ -64,9 +72,10 @@ def _sink_attention(query, key, value, mask, sinks, scaling: float, dropout: flo
     the sink logit: a padding dimension holds 1 in the sink's key (0 in every other key) and the row's sink logit
     in the query, whose other dimensions come pre-scaled (`scale=1`: exact for gpt-oss's power-of-four head dims).
     Padding dimensions come in eights, as SDPA's fused kernels take head dims. A row that sees no slot sees the
-    sink alone and gives zeros, as the eager math does."""
+    sink alone and gives zeros, as the eager math does. Queries may also come unfolded ([b, heads, t, d], key/value
+    heads repeated to match: `folded_attention` where the folded mask would outweigh the copies)."""
     b, kv_heads, rows, d = query.shape
-    groups = sinks.numel() // kv_heads
+    groups = sinks.numel() // kv_heads  # query heads per row block of a head: 1 for unfolded queries
     row_sinks = sinks.to(query.dtype).view(1, kv_heads, groups, 1).expand(b, -1, -1, rows // groups)
     query = torch.cat([query * scaling, row_sinks.reshape(b, kv_heads, rows, 1),
                        query.new_zeros(b, kv_heads, rows, _SINK_DIMS - 1)], dim=-1)
@@ -106,8 +115,14 @@ def folded_attention(query, key, value, mask, sinks, scaling: float, dropout: fl
                      training: bool = False) -> torch.Tensor:
     """Grouped-query attention in torch's math: query [b, heads, t, d], key/value [b, kv_heads, s, d], an additive
     [b, 1 or heads, t, s] mask or None, sinks [heads] or None -> [b, t, heads, d]. The queries folded by group,
-    then torch's SDPA with the folded mask, with sinks as one more key slot (`_sink_attention`)."""
+    then torch's SDPA with the folded mask, with sinks as one more key slot (`_sink_attention`); sinks with a mask
+    that folding would outweigh (`folding_pays`) on unfolded queries and repeated keys and values instead."""
     heads, t, kv_heads = query.shape[1], query.shape[2], key.shape[1]
+    if sinks is not None and mask is not None and not folding_pays(query, key):
+        repeat = heads // kv_heads
+        out = _sink_attention(query, key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1),
+                              mask, sinks, scaling, dropout, training)
+        return _unfold(out, heads, t)
     folded = _fold(query, kv_heads)
     if sinks is not None:
         out = _sink_attention(folded, key, value, mask, sinks, scaling, dropout, training)
@@ -122,12 +137,11 @@ def grouped_query_attention(module, query, key, value, attention_mask, dropout: 
                             scaling: float | None = None, s_aux: torch.Tensor | None = None, **kwargs):
     """A transformers attention function (registered as NAME): query [b, heads, t, d], key/value [b, kv_heads, s,
     d] -> ([b, t, heads, d], None). With `s_aux` (gpt-oss's sinks) the sink softmax, else torch's SDPA; without a
-    mask (causal by flag), or where the folded mask would outweigh the key/value copies it saves (a long prefill:
-    the mask grows by groups x t x s, the copies by heads x s x d), transformers' SDPA as it is. A few new tokens
+    mask (causal by flag), or where the folded mask would outweigh the key/value copies it saves (`folding_pays`: a
+    long prefill), transformers' SDPA as it is. A few new tokens
     on CUDA (`decode_kernel_takes`: decode and verify steps) take `dflash::decode_attention`'s one launch."""
-    heads, t, kv_heads = query.shape[1], query.shape[2], key.shape[1]
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    if s_aux is None and (attention_mask is None or heads // kv_heads * t > 2 * heads * key.shape[-1]):
+    if s_aux is None and (attention_mask is None or not folding_pays(query, key)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if not (dropout and module.training) and decode_kernel_takes(query, key, value, attention_mask):
         return torch.ops.dflash.decode_attention(query, key, value, attention_mask, s_aux, scaling), None

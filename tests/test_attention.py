@@ -36,10 +36,10 @@ def test_sdpa_numbers_without_the_copies(t, per_head_mask):
 
 
 @pytest.mark.parametrize("per_head_mask", [False, True])
-@pytest.mark.parametrize("t", [1, 5, 40])
+@pytest.mark.parametrize("t", [1, 5, 40, 80])
 def test_sink_softmax_is_gpt_oss_eager_attention(t, per_head_mask):
     """The sink as one more key slot of SDPA (`_sink_attention`) gives gpt-oss's eager numbers, zeros for a query
-    that sees no slot (the first)."""
+    that sees no slot (the first); folded queries up to 64 tokens here (`folding_pays`), unfolded beyond."""
     module, query, key, value, mask = attention_inputs(t=t, per_head_mask=per_head_mask)
     mask[:, :, 0] = MIN
     expected, _ = modeling_gpt_oss.eager_attention_forward(module, query, key, value, mask, scaling=0.25)
@@ -72,6 +72,22 @@ def test_long_prefills_and_unmasked_calls_take_transformers_sdpa(monkeypatch):
     module, query, key, value, mask = attention_inputs(heads=4, kv_heads=1, t=8, slots=64, d=4)
     grouped_query_attention(module, query, key, value, mask)  # 32 rows: folded
     assert calls == [40, 40]
+
+
+@pytest.mark.parametrize("t, mask_rows", [(64, 4 * 64), (65, 65)])
+def test_long_sink_calls_keep_one_mask_row_per_token(monkeypatch, t, mask_rows):
+    """Past `folding_pays` the sink path repeats keys and values per query head instead of its mask per group: SDPA
+    gets one mask row per token, broadcast over the heads."""
+    sdpa, masks = torch.nn.functional.scaled_dot_product_attention, []
+
+    def recording_sdpa(*args, attn_mask, **kwargs):
+        masks.append(attn_mask.shape)
+        return sdpa(*args, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
+    module, query, key, value, mask = attention_inputs(t=t)  # 8 heads over 2: folding pays up to 64 tokens
+    grouped_query_attention(module, query, key, value, mask, scaling=0.25, s_aux=module.sinks)
+    assert masks[0][1:3] == (1, mask_rows)
 
 
 @pytest.mark.parametrize("family, implementation, replaced", [
