@@ -10,14 +10,17 @@ the fused kernel on those same bf16 weights (a candidate for resident bf16 exper
     python bench/moe_kernels.py --no-tune --shapes gpt-oss-20b --tokens 4 8 --tiles block_m=2   # M > 1 overrides
     python bench/moe_kernels.py --no-tune --shapes gpt-oss-120b --tokens 4 16 --routing-skew 1   # a skewed router
     python bench/moe_kernels.py --no-tune --tokens 256 --sweep block_m=16,64 num_warps=4,8   # best tiles per shape, M
+    python bench/moe_kernels.py --no-tune --tokens 2048 4096 --dequantize-pairs 1 --baseline old_moe.py   # prefill
 
 Weights rotate over several layers so that L2 does not serve them. "bytes" are the routed experts' packed bytes
 (weights, scales, biases) that one call must read; GB/s is bytes / time, next to the device-to-device copy bandwidth
 measured in the same run ((read + write) / time of a 2 GiB copy) and to one kernel that only reads as many bytes
 (`_read_tile`, rotated the same way): about the most a single launch streams at that size. Fused and grouped_mm
-times are CUDA-graph replays of all rotated layers divided by the layer count (how a compiled decode step runs them);
-(a) syncs on the host, so it is timed plainly. Numerics: fused (bf16 activations) against reference dequantization +
-fp64 math. `--baseline` times a second copy of dflash_compile/kernels/moe.py (e.g. `git show
+times are CUDA-graph replays of all rotated layers divided by the layer count (how a compiled decode step runs them),
+except calls that dequantize their experts for a grouped GEMM (from DEQUANTIZE_PAIRS pairs per routed expert,
+`--dequantize-pairs`): like a prefill, which runs eagerly, they and their baseline are timed plainly (that path
+syncs on the host); (a) syncs on the host, so it is timed plainly. Numerics: fused (bf16 activations) against
+reference dequantization + fp64 math. `--baseline` times a second copy of dflash_compile/kernels/moe.py (e.g. `git show
 REV:dflash_compile/kernels/moe.py > old.py`) on the same inputs and tiles, so a kernel change is measured against
 what it replaces in one run.
 """
@@ -38,7 +41,8 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_compile.expert_store import Gate, expert_sum  # noqa: E402
 from dflash_compile.families import spec_for_experts_class  # noqa: E402
-from dflash_compile.kernels.moe import ROW_TILES, TILES, fused_moe, rows_per_block  # noqa: E402
+from dflash_compile.kernels import moe  # noqa: E402
+from dflash_compile.kernels.moe import ROW_TILES, TILES, fused_moe, pairs_per_routed_expert, rows_per_block  # noqa: E402
 from dflash_compile.packed import PackedWeight, expert_weights  # noqa: E402
 from kernel_sass import parse_tiles, tile_grid  # noqa: E402  (bench/, the script's own folder)
 
@@ -141,6 +145,11 @@ def graph_time_us(calls) -> float:
     return triton.testing.do_bench_cudagraph(lambda: [call() for call in calls]) * 1e3 / len(calls)
 
 
+def plain_time_us(calls) -> float:
+    """Median time of all `calls` in sequence launched from the host, divided by their count."""
+    return triton.testing.do_bench(lambda: [call() for call in calls]) * 1e3 / len(calls)
+
+
 def copy_bandwidth() -> float:
     source = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     target = torch.empty_like(source)
@@ -228,14 +237,16 @@ def run_shape(name, tokens_list, layers, tiles, copy_gbs, rows, baseline=None, p
         error = ((actual - expected).norm() / expected.norm()).item()
         touched = index.unique().numel()
         moved = touched * per_expert
-        fused_us = graph_time_us([lambda g=g, d=d: fused(g, d) for g, d in packed])
+        dequantized = not tuning and pairs_per_routed_expert(tokens, top_k, experts) >= moe.DEQUANTIZE_PAIRS[format]
+        timer = plain_time_us if dequantized else graph_time_us
+        fused_us = timer([lambda g=g, d=d: fused(g, d) for g, d in packed])
         read_us = read_time_us(moved, layers)
         if baseline is not None:
             run_baseline = lambda g, d: baseline(x, index, weights, g, d, interleaved=gpt_oss,  # noqa: E731
                                                  activation=activation, **tuning)
-            baseline_us = graph_time_us([lambda g=g, d=d: run_baseline(g, d) for g, d in packed])
-            print(f"{name:18s} M={tokens:3d} fused {fused_us:8.1f} us, baseline {baseline_us:8.1f} us: "
-                  f"{baseline_us / fused_us:.2f}x", flush=True)
+            baseline_us = timer([lambda g=g, d=d: run_baseline(g, d) for g, d in packed])
+            print(f"{name:18s} M={tokens:3d} {'dequantized, plain' if dequantized else 'fused, graphs'} "
+                  f"{fused_us:8.1f} us, baseline {baseline_us:8.1f} us: {baseline_us / fused_us:.2f}x", flush=True)
         eager_us = triton.testing.do_bench(lambda: fused(*packed[tokens % layers])) * 1e3
         dequant_us = triton.testing.do_bench(
             lambda: dequantize_then_matmul(x, index, weights, *packed[0], gpt_oss, activation)) * 1e3
@@ -412,7 +423,10 @@ def main() -> None:
                         help="overrides of the tiles for M > 1 with --no-tune, e.g. block_m=2 (the CUDA-core path)")
     parser.add_argument("--sweep", nargs="*", default=[],
                         help="tile values to sweep at each --tokens on each --shapes, e.g. block_m=16,64 num_warps=4,8")
+    parser.add_argument("--dequantize-pairs", type=float, help="DEQUANTIZE_PAIRS for this version, every format")
     args = parser.parse_args()
+    if args.dequantize_pairs is not None:
+        moe.DEQUANTIZE_PAIRS = dict.fromkeys(moe.DEQUANTIZE_PAIRS, args.dequantize_pairs)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     copy_gbs = copy_bandwidth() / 1e9
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s")

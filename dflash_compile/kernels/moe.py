@@ -12,7 +12,9 @@ once. The pair -> block assignment (`align_routing`) is computed on the device w
 sized by its upper bound: blocks past the real count exit at once (CUDA-graph friendly); a single token needs none
 (each pair its own block). A third launch sums each token's pairs in fp32 and rounds once to the output dtype.
 Blocks hold 16 pairs (TILES); at prefill sizes more (WIDE_TILES, `rows_per_block`: MXFP4 64 or 128, FP8 32), so each
-weight tile is decoded once for that many pairs and multiplied by warpgroup MMAs.
+weight tile is decoded once for that many pairs and multiplied by warpgroup MMAs. From DEQUANTIZE_PAIRS pairs per
+routed expert (a long prefill chunk) the experts are dequantized to bf16 instead and multiplied by torch's grouped
+GEMM (cuBLAS), the activation and the pair sum in launches of their own (`_dequantized_moe`).
 
 On Hopper every launch here is a programmatic dependent launch (`_dependent_launch`): the next kernel's programs
 start while the previous one's last programs finish, and wait in `gdc_wait` before touching memory, which takes
@@ -60,6 +62,7 @@ than the best bf16 tiles on the H200 (Qwen3-30B-A3B-FP8 layer, M = 1 / 16; docs/
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import NamedTuple
 
@@ -258,18 +261,25 @@ def _activate(gate, up, ACTIVATION: tl.constexpr, alpha, limit):
 
 
 @triton.jit
-def _finish_gate_up_kernel(partials, out, P, N, alpha, limit, SPLITS: tl.constexpr, ACTIVATION: tl.constexpr,
-                           FP16_OPERANDS: tl.constexpr, BLOCK: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
+def _finish_gate_up_kernel(partials, out, bias, expert_of_row, P, N, alpha, limit, SPLITS: tl.constexpr,
+                           ACTIVATION: tl.constexpr, FP16_OPERANDS: tl.constexpr, INTERLEAVED: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
     _wait_for_previous_launch(DEPENDENT_LAUNCH)
     _let_next_launch(DEPENDENT_LAUNCH)  # one program or a few: no SMs to crowd
     pair, columns = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = columns < N
+    gate_columns = 2 * columns if INTERLEAVED else columns
+    up_columns = gate_columns + 1 if INTERLEAVED else columns + N
     gate = tl.zeros((BLOCK,), dtype=tl.float32)
     up = tl.zeros((BLOCK,), dtype=tl.float32)
     for split in tl.static_range(SPLITS):
         row = partials + (split * P + pair) * (2 * N)
-        gate += tl.load(row + 2 * columns, mask=ok, other=0.0)
-        up += tl.load(row + 2 * columns + 1, mask=ok, other=0.0)
+        gate += tl.load(row + gate_columns, mask=ok, other=0.0).to(tl.float32)
+        up += tl.load(row + up_columns, mask=ok, other=0.0).to(tl.float32)
+    if HAS_BIAS:  # the row's expert's
+        row_bias = bias + tl.load(expert_of_row + pair).to(tl.int64) * (2 * N)
+        gate += tl.load(row_bias + gate_columns, mask=ok, other=0.0).to(tl.float32)
+        up += tl.load(row_bias + up_columns, mask=ok, other=0.0).to(tl.float32)
     result = _activate(gate, up, ACTIVATION, alpha, limit)
     if FP16_OPERANDS:  # the down launch's activations
         result = result * FP16_PRESCALE
@@ -277,17 +287,39 @@ def _finish_gate_up_kernel(partials, out, P, N, alpha, limit, SPLITS: tl.constex
 
 
 def _finish_gate_up(partials: torch.Tensor, dtype: torch.dtype, activation: str, alpha: float, limit: float,
-                    fp16_operands: bool) -> torch.Tensor:
-    """[S, P, 2N] gate/up partial sums of S K splits (gate and up interleaved) -> [P, N] activations in `dtype`,
-    as the unsplit gate/up launch writes them."""
+                    fp16_operands: bool, interleaved: bool = True, bias: torch.Tensor | None = None,
+                    expert_of_row: torch.Tensor | None = None) -> torch.Tensor:
+    """[S, P, 2N] gate/up partial sums of S K splits (gate and up interleaved, or concatenated), plus each row's
+    expert's bias [E, 2N] where given, -> [P, N] activations in `dtype`, as the unsplit gate/up launch writes them."""
     splits, pairs, two_n = partials.shape
     out = torch.empty(pairs, two_n // 2, dtype=dtype, device=partials.device)
     block = min(1024, triton.next_power_of_2(two_n // 2))
     _finish_gate_up_kernel[(pairs, triton.cdiv(two_n // 2, block))](
-        partials, out, pairs, two_n // 2, float(alpha), float(limit), SPLITS=splits,
-        ACTIVATION=ACTIVATIONS[activation], FP16_OPERANDS=fp16_operands, BLOCK=block,
-        **_dependent_launch(partials.device))
+        partials, out, bias, expert_of_row, pairs, two_n // 2, float(alpha), float(limit), SPLITS=splits,
+        ACTIVATION=ACTIVATIONS[activation], FP16_OPERANDS=fp16_operands, INTERLEAVED=interleaved,
+        HAS_BIAS=bias is not None, BLOCK=block, **_dependent_launch(partials.device))
     return out
+
+
+@triton.jit
+def _sum_sorted_pairs_kernel(projected, row_of_pair, expert_of_pair, pair_weights, bias, out, H, E,
+                             TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """Token program_id(0), columns tile program_id(1): its TOP_K pairs' down projections (rows of `projected` at
+    `row_of_pair`) plus their expert's bias, times their routing weights, summed in fp32 in pair order, rounded once.
+    Pairs of ids past the E experts (expert-parallel sentinels) add nothing."""
+    token, columns = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = columns < H
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        pair = token * TOP_K + j
+        expert = tl.load(expert_of_pair + pair).to(tl.int64)
+        local = ok & (columns * 0 + expert < E)  # the comparison broadcast: a scalar mask part fails in the interpreter
+        row = tl.load(row_of_pair + pair).to(tl.int64)
+        y = tl.load(projected + row * H + columns, mask=local, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            y += tl.load(bias + expert * H + columns, mask=local, other=0.0).to(tl.float32)
+        total += y * tl.load(pair_weights + pair).to(tl.float32)
+    tl.store(out + token * H + columns, total, mask=ok)  # in out's dtype
 
 
 @triton.jit
@@ -1151,6 +1183,11 @@ def _wide_tiles(format: str, block_m: int) -> dict | None:
     return fitting[-1] if fitting else None
 
 
+def pairs_per_routed_expert(tokens: int, top_k: int, experts: int) -> float:
+    """Under uniform routing: tokens x top_k pairs over the E * (1 - (1 - k/E)^M) experts routed."""
+    return tokens * top_k / (experts * (1 - (1 - top_k / experts) ** tokens))
+
+
 def rows_per_block(tokens: int, top_k: int, experts: int, reads_host: bool = False,
                    weight_loads: str = "pointers", format: str = "mxfp4", compute_fp32: bool = False) -> int | None:
     """Rows per block for an MoE call whose experts get few or many pairs each (`tiles_for`'s rows), None for the
@@ -1170,7 +1207,7 @@ def rows_per_block(tokens: int, top_k: int, experts: int, reads_host: bool = Fal
     gpt-oss expert at 55 GB/s), where one tensor-core block reads it once for up to 16 pairs."""
     if tokens == 1:
         return 1
-    pairs_per_expert = tokens * top_k / (experts * (1 - (1 - top_k / experts) ** tokens))
+    pairs_per_expert = pairs_per_routed_expert(tokens, top_k, experts)
     wide = [tiles["block_m"] for least, tiles in WIDE_TILES.get(format, ()) if pairs_per_expert >= least]
     if wide and not compute_fp32:
         return wide[-1]
@@ -1242,10 +1279,11 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     """Routed experts of one MoE layer: hidden [M, H], top_k_index / top_k_weights [M, k] -> [M, H] in
     hidden's dtype. gate_up is [E, 2I, H], down [E, H, I] (output-major), each packed in any format; `tiles`
     override the format's tiles for the call's size (`TILES`, or `ROW_TILES` for blocks of few rows, chosen by
-    `rows_per_block`; block_m < 16 picks the CUDA-core path for MXFP4 and FP8). With `slot_of` ([E] int32 on the
-    device: expert -> slot, -1 for none), gate_up and down are slot pools and `host` the (gate_up, down) views over
-    all experts' host blobs (pinned memory on CUDA, same strides): experts without a slot are read from host memory
-    by the kernel."""
+    `rows_per_block`; block_m < 16 picks the CUDA-core path for MXFP4 and FP8). Without tiles, resident experts
+    with DEQUANTIZE_PAIRS pairs or more each are dequantized for torch's grouped GEMM (`_dequantized_moe`). With
+    `slot_of` ([E] int32 on the device: expert -> slot, -1 for none), gate_up and down are slot pools and `host` the
+    (gate_up, down) views over all experts' host blobs (pinned memory on CUDA, same strides): experts without a slot
+    are read from host memory by the kernel."""
     if (host is None) != (slot_of is None):
         raise ValueError("slot_of and host come together: the slot table and the host blobs it falls back to")
     if host is not None and any(_strides(on_host) != _strides(pooled)
@@ -1274,6 +1312,11 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
                          "dequantizes them there (reference_packed)")
     if tokens == 0:  # nothing routed: the grids would be empty
         return hidden.new_empty(hidden.shape)
+    if (not tiles and host is None and compute_fp32 == (hidden.dtype == torch.float32)
+            and pairs_per_routed_expert(tokens, top_k, experts) >= DEQUANTIZE_PAIRS[gate_up.format]
+            and not (hidden.is_cuda and torch.cuda.is_current_stream_capturing())):
+        return _dequantized_moe(hidden, top_k_index, top_k_weights, gate_up, down, interleaved, activation, alpha,
+                                limit)
     loads = _weight_loads(tiles, _tma_blocker(gate_up, down, compute_fp32, host))
     rows = rows_per_block(tokens, top_k, experts, host is not None, loads, gate_up.format, compute_fp32)
     settings = tiles_for(gate_up.format, tiles, rows, loads, _whole_groups(gate_up, down))
@@ -1302,6 +1345,72 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
                    out_dtype=hidden.dtype, sum_top_k=top_k, **settings | down_tiles)
 
 
+# Pairs per routed expert, by format, from which an MoE call (prefill sizes) dequantizes its experts to the
+# activations' dtype and multiplies them by torch's grouped GEMM (cuBLAS on Hopper) rather than the fused launches,
+# which are bound by their math there; the experts go a group at a time, at most DEQUANTIZE_EXPERT_ELEMENTS values
+# (1 GiB of bf16: gpt-oss-20b's 32 experts at once). H200, `bench/moe_kernels.py --dequantize-pairs 1` (session 36):
+# gpt-oss-20b at 128 / 256 / 512 pairs 0.62x / 0.93x / 1.25x of the fused launches (a layer's dequantize alone
+# takes 669 us at 3 TB/s; its GEMMs 1370 us at 4096 tokens), gpt-oss-120b 0.36x / 0.47x / 0.69x at 32 / 64 / 128,
+# Qwen3-30B-A3B-FP8 0.52x / 0.79x / 1.33x at 64 / 128 / 256. Dense weights need no dequantize: transformers'
+# grouped_mm experts (the same GEMMs) beat the fused launches on bf16 weights from 32 pairs (0.53x fused at 32,
+# 0.19-0.31x at 128-512; sessions 26 and 36).
+DEQUANTIZE_PAIRS = {"mxfp4": 384, "fp8_block": 256, "dense": 32}
+DEQUANTIZE_EXPERT_ELEMENTS = 1 << 29
+
+
+def _expert_run(weight: PackedWeight, first: int, stop: int, buffer: torch.Tensor | None) -> torch.Tensor:
+    """Experts [first, stop) of `weight` as a float [experts, N, K] tensor: dense weights as they are, packed ones
+    dequantized into the front of `buffer`."""
+    if weight.format == "dense":
+        return weight.data[first:stop]
+    _, n, k = weight.shape
+    out = buffer[:(stop - first) * n * k].view(stop - first, n, k)
+    return _dequantize(weight.format, weight.data[first:stop], weight.scales[first:stop], out)
+
+
+def _dequantized_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                     gate_up: PackedWeight, down: PackedWeight, interleaved: bool, activation: str, alpha: float,
+                     limit: float) -> torch.Tensor:
+    """`fused_moe` for many pairs per routed expert: the pairs' rows sorted by expert, then per group of experts (at
+    most DEQUANTIZE_EXPERT_ELEMENTS gate/up values; one buffer, reused by each projection) their weights dequantized
+    (`_expert_run`) and each projection one `torch._grouped_mm` over the group's rows, the gate/up's biases and
+    activation in one launch (`_finish_gate_up`); then each token's pairs, with the down biases and routing weights,
+    summed in fp32 in pair order (`_sum_sorted_pairs_kernel`). One host sync (the experts' pair counts), so never
+    inside a CUDA graph capture."""
+    tokens, top_k = top_k_index.shape
+    experts, two_i, h = gate_up.shape
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # ids past the experts (expert-parallel sentinels) sort last, unused
+    row_of_pair = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    expert_of_row = flat[order]
+    counts = torch.bincount(flat, minlength=experts)[:experts].tolist()
+    x = hidden[order // top_k]
+    projected = []
+    group = max(1, DEQUANTIZE_EXPERT_ELEMENTS // (two_i * h))
+    buffer = None if gate_up.format == "dense" else hidden.new_empty(min(group, experts) * two_i * h)
+    start = 0
+    for first in range(0, experts, group):
+        stop = min(experts, first + group)
+        ends = list(itertools.accumulate(counts[first:stop]))
+        rows = slice(start, start + ends[-1])
+        start = rows.stop
+        if rows.start == rows.stop:
+            continue
+        offsets = torch.tensor(ends, dtype=torch.int32, device=hidden.device)
+        gated = torch._grouped_mm(x[rows], _expert_run(gate_up, first, stop, buffer).transpose(1, 2), offs=offsets)
+        activated = _finish_gate_up(gated[None], hidden.dtype, activation, alpha, limit, False, interleaved,
+                                    gate_up.bias, expert_of_row[rows])
+        projected.append(torch._grouped_mm(activated, _expert_run(down, first, stop, buffer).transpose(1, 2),
+                                           offs=offsets))
+    projected = projected[0] if len(projected) == 1 else torch.cat(projected)  # rows of the routed pairs
+    out = torch.empty_like(hidden)
+    block = min(1024, triton.next_power_of_2(h))
+    _sum_sorted_pairs_kernel[(tokens, triton.cdiv(h, block))](
+        projected, row_of_pair, flat, top_k_weights.reshape(-1), down.bias, out, h, experts, TOP_K=top_k,
+        HAS_BIAS=down.bias is not None, BLOCK=block)
+    return out
+
+
 # A dense layer's rows at most in one block on the row path (its weights read once), by format and weight loads:
 # MXFP4's 1-2; FP8's 1-2 with TMA loads, over the tensor cores on DeepSeek-V3's and Qwen3's projections one row
 # 1.01-1.29x (session 22), two rows 1.12-1.41x (session 23; pointer loads not measured: block_m asks for them).
@@ -1309,19 +1418,37 @@ ROWS_ON_CUDA_CORES = {"mxfp4": {"pointers": 2, "tma": 2}, "fp8_block": {"pointer
 
 
 @triton.jit
-def _fp8_dequantize_kernel(data, scales, out, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           COMPUTE_FP32: tl.constexpr):
-    """Tile (program_id(0), program_id(1)) of an FP8 block-scaled weight [N, K] times its 128 x 128 block's scale,
-    rounded once to out's dtype: `dequantize_fp8_block`'s bits. The tile lies in one scale block, so its scale is
+def _dequantize_kernel(data, scales, out, N, K, expert_data, expert_scales, FORMAT: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPUTE_FP32: tl.constexpr):
+    """Tile (program_id(0), program_id(1)) of expert program_id(2) of an MXFP4 or FP8 block-scaled weight [E, N, K]
+    (experts `expert_data` / `expert_scales` elements apart), scaled and rounded once to out's dtype (out [E, N, K]
+    contiguous): the reference dequantizers' bits. An FP8 tile lies in one 128 x 128 scale block, so its scale is
     one load (per-element scale loads took 56 of the 696 instructions per thread on sm_90, Triton 3.6), and the
     codes go through fp16 (exact for every e4m3 value), not bf16 (a further conversion each)."""
-    tl.static_assert(BLOCK_K == 128 and 128 % BLOCK_N == 0, "a tile inside one 128 x 128 scale block")
+    expert = tl.program_id(2).to(tl.int64)
+    data += expert * expert_data
+    scales += expert * expert_scales
+    out += expert * N * K
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     columns = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    values = _fp8_tile(data, rows, rows < N, columns, K, COMPUTE_FP32, True).to(tl.float32)
-    scale = tl.load(scales + (tl.program_id(0) * BLOCK_N // 128) * tl.cdiv(K, 128) + tl.program_id(1))
-    tl.store(out + rows[:, None].to(tl.int64) * K + columns[None, :], values * scale,
+    if FORMAT == 1:
+        values = _mxfp4_tile(data, scales, rows, rows < N, tl.program_id(1) * BLOCK_K, K, COMPUTE_FP32, BLOCK_K)
+    else:
+        tl.static_assert(BLOCK_K == 128 and 128 % BLOCK_N == 0, "a tile inside one 128 x 128 scale block")
+        values = _fp8_tile(data, rows, rows < N, columns, K, COMPUTE_FP32, True).to(tl.float32)
+        values *= tl.load(scales + (tl.program_id(0) * BLOCK_N // 128) * tl.cdiv(K, 128) + tl.program_id(1))
+    tl.store(out + rows[:, None].to(tl.int64) * K + columns[None, :], values,
              mask=(rows < N)[:, None] & (columns < K)[None, :])
+
+
+def _dequantize(format: str, data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Packed expert weights (`data` / `scales`: a run of experts, or of one expert's rows from a multiple of 128)
+    into out [experts, N, K] of a float dtype, by `_dequantize_kernel`."""
+    experts, n, k = out.shape
+    _dequantize_kernel[(triton.cdiv(n, DEQUANTIZE_TILES["BLOCK_N"]), triton.cdiv(k, 128), experts)](
+        data, scales, out, n, k, data.stride(0), scales.stride(0), FORMAT=FORMATS[format], BLOCK_K=128,
+        COMPUTE_FP32=out.dtype == torch.float32, **DEQUANTIZE_TILES)
+    return out
 
 
 # Rows from which an FP8 dense layer is dequantized to x's dtype (in slabs of at most DEQUANTIZE_ELEMENTS, so the
@@ -1333,7 +1460,7 @@ DEQUANTIZE_ROWS = 256
 DEQUANTIZE_ELEMENTS = 1 << 25
 
 
-# `_fp8_dequantize_kernel`'s tiles: rows of one 128 x 128 scale block per program (a divisor of 128), warps. 16-128
+# `_dequantize_kernel`'s tiles: rows of one 128 x 128 scale block per program (a divisor of 128), warps. 16-128
 # rows on 2-8 warps measured within 1.04x of these on every DeepSeek-V3 / Qwen3 shape at 256 and 1024 rows (session
 # 26, `bench/packed_linear.py --dequantize-sweep`).
 DEQUANTIZE_TILES = {"BLOCK_N": 64, "num_warps": 4}
@@ -1348,10 +1475,8 @@ def _dequantized_linear(rows: torch.Tensor, weight: PackedWeight) -> torch.Tenso
     outputs, buffer = [], torch.empty(min(n, slab), k, dtype=rows.dtype, device=rows.device)
     for start in range(0, n, slab):
         stop = min(n, start + slab)
-        dense = buffer[:stop - start]
-        _fp8_dequantize_kernel[(triton.cdiv(stop - start, DEQUANTIZE_TILES["BLOCK_N"]), triton.cdiv(k, 128))](
-            weight.data[0, start:], weight.scales[0, start // 128:], dense, stop - start, k, BLOCK_K=128,
-            COMPUTE_FP32=rows.dtype == torch.float32, **DEQUANTIZE_TILES)
+        dense = _dequantize(weight.format, weight.data[:1, start:stop], weight.scales[:1, start // 128:],
+                            buffer[None, :stop - start])[0]
         outputs.append(torch.nn.functional.linear(rows, dense, None if bias is None else bias[start:stop]))
     return torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]
 

@@ -557,6 +557,49 @@ def test_prefill_sized_calls_take_wide_blocks_and_match_the_reference(precision,
         torch.testing.assert_close(actual, fused_moe(*inputs, **layout, block_m=rows), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("format", ["mxfp4", "fp8_block", "dense"])
+@pytest.mark.parametrize("group_elements, grouped_gemms", [(2 * 64 * 160, 6), (1 << 29, 2)])
+def test_many_pairs_per_expert_dequantize_for_a_grouped_gemm(monkeypatch, precision, format, group_elements,
+                                                              grouped_gemms):
+    """From DEQUANTIZE_PAIRS pairs per routed expert (lowered here) a call runs `_dequantized_moe`: experts
+    dequantized a group at a time (one expert per group, an unrouted expert's group skipped, or all at once:
+    DEQUANTIZE_EXPERT_ELEMENTS) and two `torch._grouped_mm` calls per group. MXFP4 as gpt-oss (interleaved clamped
+    SwiGLU, biases), FP8 and dense weights with SiLU; K = 160, not a multiple of 128."""
+    from dflash_compile.kernels import moe
+
+    monkeypatch.setattr(moe, "DEQUANTIZE_PAIRS", dict.fromkeys(moe.DEQUANTIZE_PAIRS, 8))
+    monkeypatch.setattr(moe, "DEQUANTIZE_EXPERT_ELEMENTS", group_elements)
+    grouped_mm, calls = torch._grouped_mm, []
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *args, **kwargs: calls.append(1) or grouped_mm(*args, **kwargs))
+    mxfp4 = format == "mxfp4"
+    gate_up, down = _experts(format, 4, 160, 64, bias=mxfp4, seed=15)
+    index, weights = _routing(48, 3, 2, seed=16)  # experts 0-2 of 4: 32 pairs each
+    x = torch.randn(48, 160, generator=torch.Generator().manual_seed(17))
+    layout = dict(interleaved=mxfp4, activation="clamped_swiglu" if mxfp4 else "silu")
+    expected = reference_moe(x, index, weights, gate_up, down, layout["interleaved"], layout["activation"])
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    if format == "dense":
+        gate_up, down = (PackedWeight("dense", w.data.to(dtype), None, w.bias) for w in (gate_up, down))
+    actual = fused_moe(x.to(DEVICE, dtype), index.to(DEVICE), weights.to(DEVICE), gate_up, down, **layout)
+    assert len(calls) == grouped_gemms and actual.dtype == dtype
+    error = (actual.cpu().double() - expected).norm() / expected.norm()
+    assert error <= (1e-4 if precision == "fp32" else 1e-2), f"relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    DEVICE == "cpu", reason="the interpreter's bf16 is wrong"))])
+@pytest.mark.parametrize("format", ["mxfp4", "fp8_block"])
+def test_dequantize_kernel_gives_the_reference_dequantizers_bits(format, dtype):
+    """`_dequantize` over a run of experts (N and K with partial 128-blocks) is `PackedWeight.dequantize`."""
+    from dflash_compile.kernels.moe import _dequantize
+
+    weight, _ = _experts(format, 3, 352, 96, bias=False, seed=18)  # gate/up [3, 192, 352]
+    out = torch.empty(2, 192, 352, dtype=dtype, device=DEVICE)
+    _dequantize(format, weight.data[1:], weight.scales[1:], out)
+    torch.testing.assert_close(out, weight.dequantize(dtype)[1:], atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("format", ["fp8_block", "mxfp4"])
 def test_packed_linear_matches_dequantize_then_matmul(format):
     """The dense-layer use of the kernel (every row on one expert, blocks of rows in order): N and K with partial
