@@ -96,11 +96,13 @@ def _eos_ids(eos_token_id) -> set[int]:
 
 STEP_GRAPHS = 64  # compiled verify steps kept per decoder code object before Dynamo falls back to eager
 SMALLEST_CACHE = 16
-# Tokens per prefill forward of a model with sliding-window layers (others take the prompt in one). H200, 4-layer
-# gpt-oss-20b, against transformers' one forward: a 2048-token prompt 0.46-0.59x in chunks of 256 (each chunk reads
-# every expert again), 1.24-1.30x in chunks of 1024, 1.07-1.13x in chunks of 2048 or one; 4096 tokens 1.66x / 1.45x
-# in chunks of 1024 / 2048 (its eager attention's scores grow with the chunk; docs/benchmarks.md, session 29).
-PREFILL_CHUNK = 1024
+# Tokens per prefill forward of a model with sliding-window layers (others take the prompt in one): a chunk attends
+# densely over its ring and its own keys, but every chunk reads every expert again. H200, 24-layer gpt-oss-20b, MXFP4
+# experts, sinks by SDPA (session 36, bench/prefill.py): a 2048-token prompt 150 ms in chunks of 1024 against 76 in
+# one; 4096 tokens 179 / 152 / 162 ms in chunks of 1024 / 2048 / 4096 (fused experts), 8192 tokens 533 / 320 / 289
+# / 302 ms in chunks of 1024 / 2048 / 4096 / 8192 (4096: experts dequantized for cuBLAS, `kernels.moe`'s
+# DEQUANTIZE_PAIRS); transformers' one forward 192 / 588 / 1929 ms.
+PREFILL_CHUNK = 4096
 
 
 def cache_capacity(tokens: int) -> int:
@@ -263,7 +265,7 @@ class SpeculativeDecoder:
 
     def _prefill(self, input_ids: torch.Tensor, cache: TargetCache, padded: bool = True):
         """The prompt through the target: in one forward, or for models with sliding layers in chunks of
-        `prefill_chunk` tokens (their eager attention's scores grow with the chunk), each attending over the slots
+        `prefill_chunk` tokens (a chunk's sliding layers attend densely over it), each attending over the slots
         filled so far only (`TargetCache.visible`; a sliding layer over its ring and the chunk's own keys). A prompt
         without left padding (not `padded`) on SDPA attention takes SDPA's causal flag instead of a mask where it
         can (`TargetCache.masks`): its flash kernels, and no [b, 1, P, P] mask. Returns the last position's logits
