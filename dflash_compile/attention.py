@@ -138,8 +138,8 @@ def grouped_query_attention(module, query, key, value, attention_mask, dropout: 
     """A transformers attention function (registered as NAME): query [b, heads, t, d], key/value [b, kv_heads, s,
     d] -> ([b, t, heads, d], None). With `s_aux` (gpt-oss's sinks) the sink softmax, else torch's SDPA; without a
     mask (causal by flag), or where the folded mask would outweigh the key/value copies it saves (`folding_pays`: a
-    long prefill), transformers' SDPA as it is. A few new tokens
-    on CUDA (`decode_kernel_takes`: decode and verify steps) take `dflash::decode_attention`'s one launch."""
+    long prefill), transformers' SDPA as it is. A few new tokens on CUDA (`decode_kernel_takes`: decode and verify
+    steps) take `dflash::decode_attention`'s one launch."""
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     if s_aux is None and (attention_mask is None or not folding_pays(query, key)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
