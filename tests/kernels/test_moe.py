@@ -565,7 +565,7 @@ def test_many_pairs_per_expert_dequantize_for_a_grouped_gemm(monkeypatch, precis
     """From DEQUANTIZE_PAIRS pairs per routed expert (lowered here) a call runs `_dequantized_moe`: experts
     dequantized a group at a time (one expert per group, an unrouted expert's group skipped, or all at once:
     DEQUANTIZE_EXPERT_ELEMENTS) and two `torch._grouped_mm` calls per group. MXFP4 as gpt-oss (interleaved clamped
-    SwiGLU, biases), FP8 and dense weights with SiLU; K = 160, not a multiple of 128."""
+    SwiGLU, biases), FP8 and dense weights (stored transposed) with SiLU; K = 160, not a multiple of 128."""
     from dflash_compile.kernels import moe
 
     monkeypatch.setattr(moe, "DEQUANTIZE_PAIRS", dict.fromkeys(moe.DEQUANTIZE_PAIRS, 8))
@@ -579,8 +579,9 @@ def test_many_pairs_per_expert_dequantize_for_a_grouped_gemm(monkeypatch, precis
     layout = dict(interleaved=mxfp4, activation="clamped_swiglu" if mxfp4 else "silu")
     expected = reference_moe(x, index, weights, gate_up, down, layout["interleaved"], layout["activation"])
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
-    if format == "dense":
-        gate_up, down = (PackedWeight("dense", w.data.to(dtype), None, w.bias) for w in (gate_up, down))
+    if format == "dense":  # stored [E, K, N] as gpt-oss keeps bf16 experts: [E, N, K] views of other strides
+        gate_up, down = (PackedWeight("dense", w.data.to(dtype).transpose(1, 2).contiguous().transpose(1, 2), None,
+                                      w.bias) for w in (gate_up, down))
     actual = fused_moe(x.to(DEVICE, dtype), index.to(DEVICE), weights.to(DEVICE), gate_up, down, **layout)
     assert len(calls) == grouped_gemms and actual.dtype == dtype
     error = (actual.cpu().double() - expected).norm() / expected.norm()
