@@ -72,19 +72,25 @@ def _sink_attention(query, key, value, mask, sinks, scaling: float, dropout: flo
     the sink logit: a padding dimension holds 1 in the sink's key (0 in every other key) and the row's sink logit
     in the query, whose other dimensions come pre-scaled (`scale=1`: exact for gpt-oss's power-of-four head dims).
     Padding dimensions come in eights, as SDPA's fused kernels take head dims. A row that sees no slot sees the
-    sink alone and gives zeros, as the eager math does. Queries may also come unfolded ([b, heads, t, d], key/value
-    heads repeated to match: `folded_attention` where the folded mask would outweigh the copies)."""
-    b, kv_heads, rows, d = query.shape
-    groups = sinks.numel() // kv_heads  # query heads per row block of a head: 1 for unfolded queries
-    row_sinks = sinks.to(query.dtype).view(1, kv_heads, groups, 1).expand(b, -1, -1, rows // groups)
-    query = torch.cat([query * scaling, row_sinks.reshape(b, kv_heads, rows, 1),
-                       query.new_zeros(b, kv_heads, rows, _SINK_DIMS - 1)], dim=-1)
-    sink_key = key.new_zeros(b, kv_heads, 1, d + _SINK_DIMS)
-    sink_key[..., d] = 1
-    key = torch.cat([torch.nn.functional.pad(key, (0, _SINK_DIMS)), sink_key], dim=2)
-    value = torch.cat([value, value.new_zeros(b, kv_heads, 1, value.shape[-1])], dim=2)
+    sink alone and gives zeros, as the eager math does. Queries may also come unfolded ([b, heads, t, d]:
+    `folded_attention` where the folded mask would outweigh the copies): each key/value head is then written once per
+    query head into the padded keys and values, which are copies anyway."""
+    b, query_heads, rows, d = query.shape
+    kv_heads, slots = key.shape[1], key.shape[2]
+    repeat = query_heads // kv_heads  # 1 for folded queries
+    groups = sinks.numel() // query_heads  # query heads per row block of a head: 1 for unfolded queries
+    row_sinks = sinks.to(query.dtype).view(1, query_heads, groups, 1).expand(b, -1, -1, rows // groups)
+    query = torch.cat([query * scaling, row_sinks.reshape(b, query_heads, rows, 1),
+                       query.new_zeros(b, query_heads, rows, _SINK_DIMS - 1)], dim=-1)
+    padded_key = key.new_zeros(b, kv_heads, repeat, slots + 1, d + _SINK_DIMS)
+    padded_key[..., :slots, :d] = key[:, :, None]
+    padded_key[..., slots, d] = 1
+    padded_value = value.new_zeros(b, kv_heads, repeat, slots + 1, value.shape[-1])
+    padded_value[..., :slots, :] = value[:, :, None]
+    key = padded_key.view(b, query_heads, slots + 1, d + _SINK_DIMS)
+    value = padded_value.view(b, query_heads, slots + 1, value.shape[-1])
     if mask is not None:
-        mask = _mask_with_sink(_folded_mask(mask, kv_heads, groups))
+        mask = _mask_with_sink(_folded_mask(mask, query_heads, groups))
     return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask,
                                                             dropout_p=dropout if training else 0.0, scale=1.0)
 
@@ -116,13 +122,10 @@ def folded_attention(query, key, value, mask, sinks, scaling: float, dropout: fl
     """Grouped-query attention in torch's math: query [b, heads, t, d], key/value [b, kv_heads, s, d], an additive
     [b, 1 or heads, t, s] mask or None, sinks [heads] or None -> [b, t, heads, d]. The queries folded by group,
     then torch's SDPA with the folded mask, with sinks as one more key slot (`_sink_attention`); sinks with a mask
-    that folding would outweigh (`folding_pays`) on unfolded queries and repeated keys and values instead."""
+    that folding would outweigh (`folding_pays`) on unfolded queries instead."""
     heads, t, kv_heads = query.shape[1], query.shape[2], key.shape[1]
     if sinks is not None and mask is not None and not folding_pays(query, key):
-        repeat = heads // kv_heads
-        out = _sink_attention(query, key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1),
-                              mask, sinks, scaling, dropout, training)
-        return _unfold(out, heads, t)
+        return _unfold(_sink_attention(query, key, value, mask, sinks, scaling, dropout, training), heads, t)
     folded = _fold(query, kv_heads)
     if sinks is not None:
         out = _sink_attention(folded, key, value, mask, sinks, scaling, dropout, training)
