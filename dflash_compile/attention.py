@@ -11,8 +11,11 @@ key/value head directly; the result is unfolded back. The same products and sums
 implementations it reproduces: "sdpa" (torch's scaled_dot_product_attention, folded) and, for families whose
 attention has sinks (`FamilySpec.attention_sinks`: gpt-oss, which runs "eager"), the sink softmax of gpt-oss's
 eager attention (one learned logit per head joins each query's softmax and is dropped after it), also by SDPA:
-on a 2-core CPU 4-12x faster than that eager math in bf16 for 1-256 new tokens (docs/benchmarks.md). Other
-implementations (flash, flex, a family's own eager) run as the user chose.
+on a 2-core CPU 4-12x faster than that eager math in bf16 for 1-256 new tokens (docs/benchmarks.md). A prompt's
+first chunk without left padding comes without a mask (`unmasked_is_causal`): SDPA by its causal flag, and sinks by
+flash attention's causal flag with each row's log-sum-exp, the sink's share of the softmax taken out after (sliding
+layers by blocks of their window), 2.2x faster than the sink as a key slot under a mask at 4096 tokens on the H200.
+Other implementations (flash, flex, a family's own eager) run as the user chose.
 """
 
 from __future__ import annotations
@@ -95,6 +98,76 @@ def _sink_attention(query, key, value, mask, sinks, scaling: float, dropout: flo
                                                             dropout_p=dropout if training else 0.0, scale=1.0)
 
 
+def _attention_and_lse(query, key, value, mask, causal: bool, scale: float):
+    """SDPA over queries [b, h, t, d] and keys/values of as many heads, with each row's log-sum-exp of its scaled
+    scores ([b, h, t], fp32), from the fused kernels that return it: flash on the CPU, and on CUDA flash for half
+    precision without a mask, else memory-efficient."""
+    aten = torch.ops.aten
+    if not query.is_cuda:
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, causal, attn_mask=mask,
+                                                                    scale=scale)
+    elif mask is None and query.dtype in (torch.float16, torch.bfloat16):
+        out, lse = aten._scaled_dot_product_flash_attention(query, key, value, 0.0, causal, False, scale=scale)[:2]
+    else:
+        out, lse = aten._scaled_dot_product_efficient_attention(query, key, value, mask, True, 0.0, causal,
+                                                                scale=scale)[:2]
+    return out, lse[..., :query.shape[2]]  # the memory-efficient kernel pads rows to multiples of 32
+
+
+def _repeated(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[b, kv_heads, s, d] -> [b, heads, s, d]: each key/value head once per query head of its group."""
+    b, kv_heads, s, d = x.shape
+    return x[:, :, None].expand(b, kv_heads, heads // kv_heads, s, d).reshape(b, heads, s, d)
+
+
+def _windowed_attention_and_lse(query, key, value, window: int, scale: float):
+    """Causal attention inside `window` of queries [b, heads, t, d] over their own keys/values [b, kv_heads, t, d],
+    as batched blocks: queries in blocks of w (the window rounded up to eights, as the memory-efficient kernel takes
+    mask rows), each block's queries of one key/value head folded together over the 2w keys of its block and the
+    one before, with one [2w]-wide mask row per query. A prompt of t tokens then costs t x 2w scores a head, not
+    t x t. -> (out [b, heads, t, d], lse [b, heads, t])."""
+    b, heads, t, d = query.shape
+    kv_heads = key.shape[1]
+    groups, w = heads // kv_heads, -(-window // 8) * 8
+    blocks = -(-t // w)
+    padded = blocks * w
+    folded = torch.nn.functional.pad(query, (0, 0, 0, padded - t)).view(b, kv_heads, groups, blocks, w, d)
+    folded = folded.permute(0, 3, 1, 2, 4, 5).reshape(b * blocks, kv_heads, groups * w, d)
+
+    def block_keys(x):  # [b, kv_heads, t, dx] -> [b * blocks, kv_heads, 2w, dx]: tokens (j - 1)w .. (j + 1)w - 1
+        x = torch.nn.functional.pad(x, (0, 0, w, padded - t)).unfold(2, 2 * w, w)
+        return x.permute(0, 2, 1, 4, 3).reshape(b * blocks, kv_heads, 2 * w, x.shape[3])
+
+    row = torch.arange(w, 2 * w, device=query.device)[:, None]  # a query's index among its block's keys
+    column = torch.arange(2 * w, device=query.device)
+    first_token = torch.arange(-w, padded - w, w, device=query.device)[:, None, None]  # each block's first key
+    visible = (column <= row) & (row - column < window) & (first_token + column >= 0)  # [blocks, w, 2w]
+    mask = torch.zeros(visible.shape, dtype=query.dtype, device=query.device).masked_fill(
+        ~visible, torch.finfo(query.dtype).min)
+    mask = mask[None, :, None, None].expand(b, blocks, 1, groups, w, 2 * w).reshape(b * blocks, 1, groups * w, 2 * w)
+    mask = mask.expand(-1, kv_heads, -1, -1)  # the memory-efficient kernel broadcasts no head dimension
+    out, lse = _attention_and_lse(folded, block_keys(key), block_keys(value), mask, False, scale)
+    out = out.reshape(b, blocks, kv_heads, groups, w, -1).permute(0, 2, 3, 1, 4, 5).reshape(b, heads, padded, -1)
+    lse = lse.reshape(b, blocks, kv_heads, groups, w).permute(0, 2, 3, 1, 4).reshape(b, heads, padded)
+    return out[:, :, :t], lse[..., :t]
+
+
+def causal_sink_attention(query, key, value, sinks, scaling: float, window: int | None = None) -> torch.Tensor:
+    """gpt-oss's sink softmax for queries [b, heads, t, d] that attend causally (inside `window` where given) over
+    the last t of the keys/values [b, kv_heads, s, d] -- their own, as a prompt's first chunk has them -- without a
+    mask: attention without the sink by SDPA's fused kernels with each row's log-sum-exp (flash by its causal flag;
+    a window shorter than the prompt by blocks, `_windowed_attention_and_lse`), then each row scaled by its share
+    of the softmax outside the sink, sigmoid(lse - sink). -> [b, t, heads, d]."""
+    heads, t = query.shape[1], query.shape[2]
+    key, value = key[:, :, -t:], value[:, :, -t:]
+    if window is not None and window < t:
+        out, lse = _windowed_attention_and_lse(query, key, value, window, scaling)
+    else:
+        out, lse = _attention_and_lse(query, _repeated(key, heads), _repeated(value, heads), None, True, scaling)
+    share = torch.sigmoid(lse - sinks.float()[None, :, None])
+    return (out.float() * share[..., None]).to(query.dtype).transpose(1, 2).contiguous()
+
+
 # What `dflash::decode_attention` takes to its CUDA kernel: a decode or verify step's folded query rows per key/value
 # head (a verify block of gpt-oss-20b or Qwen3-30B-A3B: 8 groups x 16 tokens), in programs of 16 rows. More (a
 # prefill chunk) stay with SDPA's fused kernels: the kernel was never timed against them there.
@@ -139,11 +212,14 @@ def folded_attention(query, key, value, mask, sinks, scaling: float, dropout: fl
 def grouped_query_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
                             scaling: float | None = None, s_aux: torch.Tensor | None = None, **kwargs):
     """A transformers attention function (registered as NAME): query [b, heads, t, d], key/value [b, kv_heads, s,
-    d] -> ([b, t, heads, d], None). With `s_aux` (gpt-oss's sinks) the sink softmax, else torch's SDPA; without a
-    mask (causal by flag), or where the folded mask would outweigh the key/value copies it saves (`folding_pays`: a
-    long prefill), transformers' SDPA as it is. A few new tokens on CUDA (`decode_kernel_takes`: decode and verify
-    steps) take `dflash::decode_attention`'s one launch."""
+    d] -> ([b, t, heads, d], None). With `s_aux` (gpt-oss's sinks) the sink softmax (without a mask: causal over
+    the last t keys, `causal_sink_attention`), else torch's SDPA; without a mask (causal by flag), or where the
+    folded mask would outweigh the key/value copies it saves (`folding_pays`: a long prefill), transformers' SDPA
+    as it is. A few new tokens on CUDA (`decode_kernel_takes`: decode and verify steps) take
+    `dflash::decode_attention`'s one launch."""
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if s_aux is not None and attention_mask is None:
+        return causal_sink_attention(query, key, value, s_aux, scaling, kwargs.get("sliding_window")), None
     if s_aux is None and (attention_mask is None or not folding_pays(query, key)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if not (dropout and module.training) and decode_kernel_takes(query, key, value, attention_mask):
@@ -161,14 +237,19 @@ def _replaces(model, implementation: str | None) -> bool:
 
 
 def unmasked_is_causal(model) -> bool:
-    """Whether a forward's layers may now take no mask for causal attention over the forward's own keys:
-    `grouped_attention(model)` is running them in place of SDPA (not of a sink attention), and
-    `grouped_query_attention` then calls SDPA by its causal flag (its flash kernels, no mask in memory).
+    """Whether a forward's layers may now take no mask for causal attention over the forward's own keys (the last
+    of the keys they get): `grouped_attention(model)` is running them, and `grouped_query_attention` then calls
+    SDPA by its causal flag (its flash kernels, no mask in memory), or for sinks `causal_sink_attention`.
     transformers builds no mask of its own for an implementation outside its mask registry (ours), so a missing
     mask reaches the layers as it is."""
+    return model.config.get_text_config()._attn_implementation == NAME
+
+
+def unmasked_windows(model) -> bool:
+    """Whether, beyond `unmasked_is_causal`, sliding layers may take no mask for causal attention inside their
+    window: `causal_sink_attention` reads the window transformers passes it (gpt-oss); SDPA has no window flag."""
     spec = spec_for_model(model)
-    return (model.config.get_text_config()._attn_implementation == NAME
-            and not (spec is not None and spec.attention_sinks))
+    return unmasked_is_causal(model) and spec is not None and spec.attention_sinks
 
 
 @contextlib.contextmanager

@@ -195,21 +195,22 @@ class TargetCache(Cache):
         """Position ids [b, width] of the next `width` tokens: slot minus left padding."""
         return self.lengths[:, None] - self.pad[:, None] + torch.arange(width, device=self.lengths.device)
 
-    def masks(self, width: int, windows: dict[str, int | None], causal_prompt: bool = False
-              ) -> dict[str, torch.Tensor | None]:
+    def masks(self, width: int, windows: dict[str, int | None], causal_prompt: bool = False,
+              causal_windows: bool = False) -> dict[str, torch.Tensor | None]:
         """Masks for the next `width` tokens, one per attention kind: additive [b, 1, width, slots], causal over
         the row's own tokens (and inside the window, over the ring, for sliding kinds); a 2-D padding mask of the
         new tokens for linear attention. `causal_prompt`: the prompt has no left padding and the attention reads a
-        missing mask as causal (`attention.unmasked_is_causal`); then a prompt's first chunk gets None for every
-        kind whose mask would be plain causal over the chunk's own keys (all but a window shorter than the chunk,
-        or a ring, whose keys come after the old ring's slots)."""
+        missing mask as causal over the last of its keys (`attention.unmasked_is_causal`); then a prompt's first
+        chunk gets None for every kind whose mask would be plain causal over the chunk's own keys (all but a window
+        shorter than the chunk, or a ring, whose keys come after the old ring's slots), and with `causal_windows`
+        (`attention.unmasked_windows`: the attention keeps to its window itself) for sliding kinds too."""
         device = self.lengths.device
         first_chunk = causal_prompt and self.visible == width
         query = (self.lengths[:, None] + torch.arange(width, device=device))[:, :, None]  # slots of the new tokens
         pad = self.pad[:, None, None]
         masks = {}
         for kind, window in windows.items():
-            if first_chunk and not (window and (self.ring_size or width > window)):
+            if first_chunk and (causal_windows or not (window and (self.ring_size or width > window))):
                 masks[kind] = None
                 continue
             if kind == "linear_attention":

@@ -274,6 +274,32 @@ def test_unpadded_prompts_attend_by_sdpas_causal_flag(tiny, family, monkeypatch)
     assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=8), expected)
 
 
+@pytest.mark.parametrize("prefill_chunk", [4096, 4])
+def test_unpadded_prompts_take_gpt_oss_sinks_without_masks(tiny, monkeypatch, prefill_chunk):
+    """gpt-oss's sink attention takes a prompt without left padding unmasked in its first chunk, its sliding
+    layers too (`causal_sink_attention` keeps to the window that transformers passes it: the 9-token prompt is
+    longer than the test model's 8-token window, so its sliding layer attends by blocks); later chunks, a left-padded
+    batch and the decode steps keep their masks (one unmasked call a layer). The same tokens as transformers."""
+    from dflash_compile import attention
+
+    model = tiny("gpt_oss")
+    calls = []
+    sink_attention = attention.causal_sink_attention
+
+    def recorded(query, key, value, sinks, scaling, window=None):
+        calls.append((query.shape[2], window))
+        return sink_attention(query, key, value, sinks, scaling, window)
+
+    monkeypatch.setattr(attention, "causal_sink_attention", recorded)
+    fast = dflash_compile.optimize(model, adaptive=False, compile=False, prefill_chunk=prefill_chunk)
+    for batch, unmasked in ((2, []), (1, [(min(9, prefill_chunk), None), (min(9, prefill_chunk), 8)])):
+        ids, mask = prompts(batch)
+        expected = reference(model, ids, mask)
+        calls.clear()
+        assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
+        assert sorted(calls, key=str) == sorted(unmasked, key=str)
+
+
 def test_generations_of_other_lengths_reuse_the_compiled_step(tiny):
     """Caches come in power-of-two capacities, so new prompt and output lengths inside one bucket run the graph
     already compiled (exact capacities compiled a new step per length, and fell back to eager after 8)."""
