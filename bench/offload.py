@@ -4,8 +4,9 @@
     python bench/offload.py --model tiny-qwen3_moe --device cpu                        # plumbing check on a CPU
 
 For each fraction of the routed experts that fits on the device (the budget is the dense weights plus that
-fraction of all experts): greedy tokens/s with the prefill and decode alone (a whole generation minus one that stops
-after the prefill), decode bytes fetched per token and decode time against the PCIe floor for those bytes, achieved
+fraction of all experts): greedy tokens/s with the prefill, the prefill alone (a generation that stops after the
+prefill's token; `--prefill-chunk` sizes for models with sliding-window layers) and decode alone (a whole generation
+minus that one), decode bytes fetched per token and decode time against the PCIe floor for those bytes, achieved
 host-to-device GB/s, hit rate;
 the same with DFlash verify blocks (an oracle drafter at --corruption, so acceptance is controlled): bytes per
 committed token; and accelerate (`dispatch_model` with `infer_auto_device_map(max_memory=...)`, what
@@ -34,6 +35,7 @@ import dflash_compile  # noqa: E402
 from dflash_compile.benchmark import timed  # noqa: E402
 from dflash_compile.kernels import blob_copy  # noqa: E402
 from dflash_compile.offload import MANAGERS, OffloadStats, choose_manager, plan_offload  # noqa: E402
+from dflash_compile.speculative import PREFILL_CHUNK  # noqa: E402
 from dflash_compile.testing import OracleDrafter  # noqa: E402
 
 
@@ -165,17 +167,19 @@ def run(args) -> list[dict]:
         copy_programs = args.copy_programs or [blob_copy.PROGRAMS]
         setups = [(f"{policy}, prefetch {ahead}, {manager}-managed"
                    + (f" ({programs} copy programs)" if args.copy_programs and manager == "device" else "")
-                   + f", {name}", policy, ahead, manager, programs, drafter, adaptive)
+                   + f", {name}" + (f", prefill chunks of {chunk}" if len(args.prefill_chunk) > 1 else ""),
+                   policy, ahead, manager, programs, drafter, adaptive, chunk)
                   for policy in args.policy for ahead in args.prefetch
                   for manager in managers(args.manager, args.device, policy, args.cpu_compute)
                   for programs in (copy_programs if manager == "device" else copy_programs[:1])
-                  for name, drafter, adaptive in [("decode", None, False), *speculative]]
-        for name, policy, ahead, manager, programs, drafter, adaptive in setups:
+                  for name, drafter, adaptive in [("decode", None, False), *speculative]
+                  for chunk in args.prefill_chunk]
+        for name, policy, ahead, manager, programs, drafter, adaptive, chunk in setups:
             blob_copy.PROGRAMS = programs
             fast = dflash_compile.optimize(copy.deepcopy(host_model), drafter, gpu_memory=budget, device=args.device,
                                            adaptive=adaptive, offload_policy=policy, offload_prefetch=ahead,
                                            offload_manager=manager, offload_cpu_compute=args.cpu_compute,
-                                           mode=args.mode)
+                                           mode=args.mode, prefill_chunk=chunk)
             out, whole_s, prefill_s, whole, prefill = decode_measurement(fast, ids.to(args.device), args.new,
                                                                          args.repeats)
             decode_s, decode_bytes = whole_s - prefill_s, whole.bytes_fetched - prefill.bytes_fetched
@@ -183,6 +187,7 @@ def run(args) -> list[dict]:
                 decode_s = float("nan")
             rows.append({
                 "setup": f"dflash offload {fraction:.0%} resident, {name}", "tokens_per_s": args.new / whole_s,
+                "prefill_ms": prefill_s * 1e3,
                 "decode_tokens_per_s": (args.new - 1) / decode_s, "bytes_per_token": decode_bytes / (args.new - 1),
                 "h2d_gb_s": whole.bytes_fetched / whole_s / 1e9, "hit_rate": whole.hit_rate,
                 "tau": fast.last_stats.tau, "coverage": whole.coverage, "waste": whole.waste,
@@ -242,6 +247,8 @@ def main() -> None:
                         help="new tokens for the accelerate rows (default --new; 0 skips them)")
     parser.add_argument("--mode", help="torch.compile mode of the verify step (default: optimize's, CUDA graphs around "
                                        'the offload ops on CUDA; "default": every kernel launched from Python)')
+    parser.add_argument("--prefill-chunk", type=int, nargs="+", default=[PREFILL_CHUNK],
+                        help="prefill chunk sizes to time (models with sliding-window layers prefill in chunks)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--trace", type=Path, help="a folder: write each setup's Chrome trace (CUDA) there and print "
                                                     "how long copies, kernels and neither kept the GPU busy")
@@ -249,12 +256,12 @@ def main() -> None:
     rows = run(args)
     print(f"# {args.model} ({args.layers or 'all'} layers) on {args.device}, prompt {args.prompt}, {args.new} new "
           f"tokens, median of {args.repeats}")
-    print("| setup | tok/s (with prefill) | decode tok/s | decode bytes/token | decode time / PCIe floor | H2D GB/s | "
-          "hit rate | coverage | waste | tau | check |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| setup | tok/s (with prefill) | prefill ms | decode tok/s | decode bytes/token | decode time / PCIe floor "
+          "| H2D GB/s | hit rate | coverage | waste | tau | check |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         cells = [f"{row.get(k):.3g}" if isinstance(row.get(k), float) else str(row.get(k, "-"))
-                 for k in ("tokens_per_s", "decode_tokens_per_s", "bytes_per_token", "floor_ratio", "h2d_gb_s",
-                           "hit_rate", "coverage", "waste", "tau")]
+                 for k in ("tokens_per_s", "prefill_ms", "decode_tokens_per_s", "bytes_per_token", "floor_ratio",
+                           "h2d_gb_s", "hit_rate", "coverage", "waste", "tau")]
         print(f"| {row['setup']} | " + " | ".join(cells) + f" | {row.get('check', 'reference')} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
