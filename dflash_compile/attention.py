@@ -152,20 +152,34 @@ def _windowed_attention_and_lse(query, key, value, window: int, scale: float):
     return out[:, :, :t], lse[..., :t]
 
 
+def _with_sink(parts, sinks) -> torch.Tensor:
+    """Rows' attention outputs [b, heads, t, d] over disjoint sets of keys, each with its log-sum-exp, as one
+    softmax over all of them and each head's sink logit (whose value is zero): each part weighted by its share,
+    softmax([lse_1, .., sink]) (one part: sigmoid(lse - sink)). -> [b, t, heads, d]."""
+    lse = torch.stack([lse for _, lse in parts] + [sinks.float()[None, :, None].expand_as(parts[0][1])])
+    shares = torch.softmax(lse, dim=0)
+    out = sum(part.float() * share[..., None] for (part, _), share in zip(parts, shares))
+    return out.to(parts[0][0].dtype).transpose(1, 2).contiguous()
+
+
 def causal_sink_attention(query, key, value, sinks, scaling: float, window: int | None = None) -> torch.Tensor:
-    """gpt-oss's sink softmax for queries [b, heads, t, d] that attend causally (inside `window` where given) over
-    the last t of the keys/values [b, kv_heads, s, d] -- their own, as a prompt's first chunk has them -- without a
-    mask: attention without the sink by SDPA's fused kernels with each row's log-sum-exp (flash by its causal flag;
-    a window shorter than the prompt by blocks, `_windowed_attention_and_lse`), then each row scaled by its share
-    of the softmax outside the sink, sigmoid(lse - sink). -> [b, t, heads, d]."""
-    heads, t = query.shape[1], query.shape[2]
-    key, value = key[:, :, -t:], value[:, :, -t:]
+    """gpt-oss's sink softmax without a mask for queries [b, heads, t, d], the last t positions of the keys/values
+    [b, kv_heads, s, d]: causal over those t keys (a prompt chunk's own), and every earlier key visible (a later
+    chunk's full layers) -- or, with a `window`, causal inside it over the chunk's own keys only (a first chunk,
+    where a ring's earlier slots are empty). By SDPA's fused kernels that return each row's log-sum-exp (flash by
+    its causal flag; a window shorter than the chunk by blocks, `_windowed_attention_and_lse`), merged with the
+    sink's logit by `_with_sink`. -> [b, t, heads, d]."""
+    heads, t, earlier = query.shape[1], query.shape[2], key.shape[2] - query.shape[2]
+    own_key, own_value = key[:, :, earlier:], value[:, :, earlier:]
     if window is not None and window < t:
-        out, lse = _windowed_attention_and_lse(query, key, value, window, scaling)
+        parts = [_windowed_attention_and_lse(query, own_key, own_value, window, scaling)]
     else:
-        out, lse = _attention_and_lse(query, _repeated(key, heads), _repeated(value, heads), None, True, scaling)
-    share = torch.sigmoid(lse - sinks.float()[None, :, None])
-    return (out.float() * share[..., None]).to(query.dtype).transpose(1, 2).contiguous()
+        parts = [_attention_and_lse(query, _repeated(own_key, heads), _repeated(own_value, heads), None, True,
+                                    scaling)]
+    if earlier and window is None:
+        parts.append(_attention_and_lse(query, _repeated(key[:, :, :earlier], heads),
+                                        _repeated(value[:, :, :earlier], heads), None, False, scaling))
+    return _with_sink(parts, sinks)
 
 
 # What `dflash::decode_attention` takes to its CUDA kernel: a decode or verify step's folded query rows per key/value
@@ -245,9 +259,11 @@ def unmasked_is_causal(model) -> bool:
     return model.config.get_text_config()._attn_implementation == NAME
 
 
-def unmasked_windows(model) -> bool:
+def unmasked_chunks(model) -> bool:
     """Whether, beyond `unmasked_is_causal`, sliding layers may take no mask for causal attention inside their
-    window: `causal_sink_attention` reads the window transformers passes it (gpt-oss); SDPA has no window flag."""
+    window over a first chunk's own keys, and full layers none in later chunks too (every earlier key visible):
+    `causal_sink_attention` reads the window transformers passes it (gpt-oss); SDPA has no window flag and aligns
+    its causal flag to the first key."""
     spec = spec_for_model(model)
     return unmasked_is_causal(model) and spec is not None and spec.attention_sinks
 

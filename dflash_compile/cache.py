@@ -196,21 +196,24 @@ class TargetCache(Cache):
         return self.lengths[:, None] - self.pad[:, None] + torch.arange(width, device=self.lengths.device)
 
     def masks(self, width: int, windows: dict[str, int | None], causal_prompt: bool = False,
-              causal_windows: bool = False) -> dict[str, torch.Tensor | None]:
+              causal_chunks: bool = False) -> dict[str, torch.Tensor | None]:
         """Masks for the next `width` tokens, one per attention kind: additive [b, 1, width, slots], causal over
         the row's own tokens (and inside the window, over the ring, for sliding kinds); a 2-D padding mask of the
         new tokens for linear attention. `causal_prompt`: the prompt has no left padding and the attention reads a
         missing mask as causal over the last of its keys (`attention.unmasked_is_causal`); then a prompt's first
         chunk gets None for every kind whose mask would be plain causal over the chunk's own keys (all but a window
-        shorter than the chunk, or a ring, whose keys come after the old ring's slots), and with `causal_windows`
-        (`attention.unmasked_windows`: the attention keeps to its window itself) for sliding kinds too."""
+        shorter than the chunk, or a ring, whose keys come after the old ring's slots). With `causal_chunks`
+        (`attention.unmasked_chunks`: the attention keeps to a window itself, and sees every key before the chunk's
+        own) sliding kinds get None in the first chunk too, and full kinds in every chunk."""
         device = self.lengths.device
         first_chunk = causal_prompt and self.visible == width
+        later_chunk = causal_chunks and self.visible is not None and self.visible > width
         query = (self.lengths[:, None] + torch.arange(width, device=device))[:, :, None]  # slots of the new tokens
         pad = self.pad[:, None, None]
         masks = {}
         for kind, window in windows.items():
-            if first_chunk and (causal_windows or not (window and (self.ring_size or width > window))):
+            if ((first_chunk and (causal_chunks or not (window and (self.ring_size or width > window))))
+                    or (later_chunk and not window)):
                 masks[kind] = None
                 continue
             if kind == "linear_attention":

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .adaptive import WidthChooser
-from .attention import grouped_attention, unmasked_is_causal, unmasked_windows
+from .attention import grouped_attention, unmasked_is_causal, unmasked_chunks
 from .backend import dflash_backend_with
 from .cache import RowCache, TargetCache
 from .drafter import DFlashDrafter, context_features
@@ -211,11 +211,11 @@ class SpeculativeDecoder:
         return sorted({i + 1 for i in self.layer_ids} | set(self.linear_layers))
 
     def _target_forward(self, ids: torch.Tensor, cache: TargetCache, causal_prompt: bool = False,
-                        causal_windows: bool = False, logits_to_keep: int = 0):
+                        causal_chunks: bool = False, logits_to_keep: int = 0):
         """The target over `ids`: logits of its last `logits_to_keep` positions (0: all), drafter features, and the
         linear-attention layers' inputs."""
         width = ids.shape[1]
-        masks = cache.masks(width, self.windows, causal_prompt, causal_windows)
+        masks = cache.masks(width, self.windows, causal_prompt, causal_chunks)
         out = self.model(
             input_ids=ids,
             position_ids=cache.positions(width),
@@ -269,10 +269,9 @@ class SpeculativeDecoder:
         filled so far only (`TargetCache.visible`; a sliding layer over its ring and the chunk's own keys). A prompt
         without left padding (not `padded`) on SDPA or sink attention takes no mask where it can
         (`TargetCache.masks`): SDPA's causal flag and its flash kernels, sinks by `causal_sink_attention`, and no
-        [b, 1, P, P] mask. Returns the last position's logits
-        and the captured features of every prompt position."""
+        [b, 1, P, P] mask. Returns the last position's logits and the captured features of every prompt position."""
         causal_prompt = not padded and unmasked_is_causal(self.model)  # read inside `grouped_attention`
-        causal_windows = causal_prompt and unmasked_windows(self.model)
+        causal_chunks = causal_prompt and unmasked_chunks(self.model)
         prompt = input_ids.shape[1]
         chunk = self.prefill_chunk if cache.ring_size else prompt
         features = []
@@ -282,7 +281,7 @@ class SpeculativeDecoder:
             try:
                 # the last position's logits only: a whole prompt's take prompt x vocabulary (1.2 GB of bf16 for a
                 # 4096-token Qwen3 prompt) and the lm_head's largest GEMM
-                logits, chunk_features, _ = self._target_forward(ids, cache, causal_prompt, causal_windows,
+                logits, chunk_features, _ = self._target_forward(ids, cache, causal_prompt, causal_chunks,
                                                                  logits_to_keep=1)
             finally:
                 cache.visible = None

@@ -62,22 +62,26 @@ def test_sink_softmax_in_bf16_is_as_close_to_fp32_as_gpt_oss_eager_attention():
 
 
 def causal_mask(t: int, window: int | None, before: int = 0) -> torch.Tensor:
-    """An additive [1, 1, t, before + t] mask: `before` slots nobody sees, then causal (inside `window`)."""
+    """An additive [1, 1, t, before + t] mask: causal (inside `window`) over the last t slots; the `before` slots
+    earlier visible to every query without a window (a later prompt chunk's full layers), to none with one (a first
+    chunk's empty ring)."""
     i = torch.arange(t)
     visible = (i[None] <= i[:, None]) & ((i[:, None] - i[None] < window) if window else True)
-    return torch.where(torch.cat([torch.zeros(t, before, dtype=torch.bool), visible], 1), 0.0, MIN)[None, None]
+    earlier = torch.full((t, before), window is None)
+    return torch.where(torch.cat([earlier, visible], 1), 0.0, MIN)[None, None]
 
 
 CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
-@pytest.mark.parametrize("t, window, before", [(1, None, 0), (5, None, 0), (40, None, 3), (8, 8, 0), (5, 8, 2),
-                                               (37, 8, 0), (40, 8, 9), (19, 5, 0)])
+@pytest.mark.parametrize("t, window, before", [(1, None, 0), (5, None, 0), (40, None, 3), (1, None, 7), (8, 8, 0),
+                                               (5, 8, 2), (37, 8, 0), (40, 8, 9), (19, 5, 0)])
 def test_unmasked_sinks_attend_causally_over_the_last_keys(t, window, before, device):
-    """Without a mask the sink softmax is causal over the last t keys (a prompt's first chunk; a ring's slots come
-    first), inside the window where transformers passes one -- by blocks where the window is the shorter -- and
-    gives gpt-oss's eager numbers with the explicit mask (CUDA: by the memory-efficient kernel in fp32)."""
+    """Without a mask the sink softmax is causal over the last t keys, with every earlier key visible (a later
+    prompt chunk: the parts merged by their log-sum-exps) -- or inside the window where transformers passes one, by
+    blocks where the window is the shorter, over the last t keys only (a first chunk after a ring's empty slots) --
+    and gives gpt-oss's eager numbers with the explicit mask (CUDA: by the memory-efficient kernel in fp32)."""
     module, query, key, value, _ = attention_inputs(t=t, slots=before + t)
     expected, _ = modeling_gpt_oss.eager_attention_forward(module, query, key, value, causal_mask(t, window, before),
                                                            scaling=0.25)
@@ -88,11 +92,11 @@ def test_unmasked_sinks_attend_causally_over_the_last_keys(t, window, before, de
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
-@pytest.mark.parametrize("window", [None, 16])
-def test_unmasked_sinks_in_bf16_are_as_close_to_fp32_as_gpt_oss_eager_attention(window, device):
-    """(CUDA: the flash kernel without a window, the memory-efficient one by blocks with it.)"""
-    module, query, key, value, _ = attention_inputs(heads=16, kv_heads=2, t=72, slots=72, d=64)
-    mask = causal_mask(72, window)
+@pytest.mark.parametrize("window, before", [(None, 0), (None, 40), (16, 0)])
+def test_unmasked_sinks_in_bf16_are_as_close_to_fp32_as_gpt_oss_eager_attention(window, before, device):
+    """(CUDA: flash kernels without a window, the memory-efficient one by blocks with it.)"""
+    module, query, key, value, _ = attention_inputs(heads=16, kv_heads=2, t=72, slots=before + 72, d=64)
+    mask = causal_mask(72, window, before)
     expected, _ = modeling_gpt_oss.eager_attention_forward(module, query, key, value, mask, scaling=0.125)
     bf16 = [x.bfloat16() for x in (query, key, value, mask)]
     module.sinks = module.sinks.bfloat16()
