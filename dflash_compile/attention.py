@@ -11,10 +11,11 @@ key/value head directly; the result is unfolded back. The same products and sums
 implementations it reproduces: "sdpa" (torch's scaled_dot_product_attention, folded) and, for families whose
 attention has sinks (`FamilySpec.attention_sinks`: gpt-oss, which runs "eager"), the sink softmax of gpt-oss's
 eager attention (one learned logit per head joins each query's softmax and is dropped after it), also by SDPA:
-on a 2-core CPU 4-12x faster than that eager math in bf16 for 1-256 new tokens (docs/benchmarks.md). A prompt's
-first chunk without left padding comes without a mask (`unmasked_is_causal`): SDPA by its causal flag, and sinks by
-flash attention's causal flag with each row's log-sum-exp, the sink's share of the softmax taken out after (sliding
-layers by blocks of their window), 2.2x faster than the sink as a key slot under a mask at 4096 tokens on the H200.
+on a 2-core CPU 4-12x faster than that eager math in bf16 for 1-256 new tokens (docs/benchmarks.md). A prompt
+without left padding comes without a mask (`unmasked_is_causal`): SDPA by its causal flag, and sinks, in every
+prefill chunk (`unmasked_chunks`), by flash attention's causal flag with each row's log-sum-exp, the sink's share of
+the softmax applied after (sliding layers by blocks of their window), 2.2x faster than the sink as a key slot under
+a mask at 4096 tokens on the H200.
 Other implementations (flash, flex, a family's own eager) run as the user chose.
 """
 
@@ -121,27 +122,27 @@ def _repeated(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _windowed_attention_and_lse(query, key, value, window: int, scale: float):
-    """Causal attention inside `window` of queries [b, heads, t, d] over their own keys/values [b, kv_heads, t, d],
-    as batched blocks: queries in blocks of w (the window rounded up to eights, as the memory-efficient kernel takes
-    mask rows), each block's queries of one key/value head folded together over the 2w keys of its block and the
-    one before, with one [2w]-wide mask row per query. A prompt of t tokens then costs t x 2w scores a head, not
-    t x t. -> (out [b, heads, t, d], lse [b, heads, t])."""
+    """Causal attention inside `window` of queries [b, heads, t, d], the last t positions of keys/values [b,
+    kv_heads, s, d], as batched blocks: queries in blocks of w (the window rounded up to eights, as the
+    memory-efficient kernel takes mask rows), each block's queries of one key/value head folded together over the
+    2w keys of its block and the one before, with one [2w]-wide mask row per query. A chunk of t tokens then costs
+    t x 2w scores a head, not t x s. -> (out [b, heads, t, d], lse [b, heads, t])."""
     b, heads, t, d = query.shape
-    kv_heads = key.shape[1]
+    kv_heads, earlier = key.shape[1], key.shape[2] - t
     groups, w = heads // kv_heads, -(-window // 8) * 8
     blocks = -(-t // w)
     padded = blocks * w
     folded = torch.nn.functional.pad(query, (0, 0, 0, padded - t)).view(b, kv_heads, groups, blocks, w, d)
     folded = folded.permute(0, 3, 1, 2, 4, 5).reshape(b * blocks, kv_heads, groups * w, d)
 
-    def block_keys(x):  # [b, kv_heads, t, dx] -> [b * blocks, kv_heads, 2w, dx]: tokens (j - 1)w .. (j + 1)w - 1
-        x = torch.nn.functional.pad(x, (0, 0, w, padded - t)).unfold(2, 2 * w, w)
+    def block_keys(x):  # [b, kv_heads, s, dx] -> [b * blocks, kv_heads, 2w, dx]: chunk tokens (j - 1)w .. (j + 1)w - 1
+        x = torch.nn.functional.pad(x, (0, 0, w, padded - t))[:, :, earlier:].unfold(2, 2 * w, w)
         return x.permute(0, 2, 1, 4, 3).reshape(b * blocks, kv_heads, 2 * w, x.shape[3])
 
     row = torch.arange(w, 2 * w, device=query.device)[:, None]  # a query's index among its block's keys
     column = torch.arange(2 * w, device=query.device)
-    first_token = torch.arange(-w, padded - w, w, device=query.device)[:, None, None]  # each block's first key
-    visible = (column <= row) & (row - column < window) & (first_token + column >= 0)  # [blocks, w, 2w]
+    first_key = torch.arange(earlier - w, earlier - w + padded, w, device=query.device)[:, None, None]  # of each block
+    visible = (column <= row) & (row - column < window) & (first_key + column >= 0)  # [blocks, w, 2w]
     mask = torch.zeros(visible.shape, dtype=query.dtype, device=query.device).masked_fill(
         ~visible, torch.finfo(query.dtype).min)
     mask = mask[None, :, None, None].expand(b, blocks, 1, groups, w, 2 * w).reshape(b * blocks, 1, groups * w, 2 * w)
@@ -164,19 +165,16 @@ def _with_sink(parts, sinks) -> torch.Tensor:
 
 def causal_sink_attention(query, key, value, sinks, scaling: float, window: int | None = None) -> torch.Tensor:
     """gpt-oss's sink softmax without a mask for queries [b, heads, t, d], the last t positions of the keys/values
-    [b, kv_heads, s, d]: causal over those t keys (a prompt chunk's own), and every earlier key visible (a later
-    chunk's full layers) -- or, with a `window`, causal inside it over the chunk's own keys only (a first chunk,
-    where a ring's earlier slots are empty). By SDPA's fused kernels that return each row's log-sum-exp (flash by
-    its causal flag; a window shorter than the chunk by blocks, `_windowed_attention_and_lse`), merged with the
-    sink's logit by `_with_sink`. -> [b, t, heads, d]."""
-    heads, t, earlier = query.shape[1], query.shape[2], key.shape[2] - query.shape[2]
-    own_key, own_value = key[:, :, earlier:], value[:, :, earlier:]
-    if window is not None and window < t:
-        parts = [_windowed_attention_and_lse(query, own_key, own_value, window, scaling)]
-    else:
-        parts = [_attention_and_lse(query, _repeated(own_key, heads), _repeated(own_value, heads), None, True,
-                                    scaling)]
-    if earlier and window is None:
+    [b, kv_heads, s, d] (every earlier key a real earlier token: a prompt chunk after the ones before it): causal,
+    inside `window` where given. By SDPA's fused kernels that return each row's log-sum-exp -- flash by its causal
+    flag over the chunk's own keys and without it over the earlier ones; a window shorter than the keys by blocks,
+    `_windowed_attention_and_lse` -- merged with the sink's logit by `_with_sink`. -> [b, t, heads, d]."""
+    heads, earlier = query.shape[1], key.shape[2] - query.shape[2]
+    if window is not None and window < key.shape[2]:
+        return _with_sink([_windowed_attention_and_lse(query, key, value, window, scaling)], sinks)
+    parts = [_attention_and_lse(query, _repeated(key[:, :, earlier:], heads), _repeated(value[:, :, earlier:], heads),
+                                None, True, scaling)]
+    if earlier:
         parts.append(_attention_and_lse(query, _repeated(key[:, :, :earlier], heads),
                                         _repeated(value[:, :, :earlier], heads), None, False, scaling))
     return _with_sink(parts, sinks)
@@ -260,10 +258,10 @@ def unmasked_is_causal(model) -> bool:
 
 
 def unmasked_chunks(model) -> bool:
-    """Whether, beyond `unmasked_is_causal`, sliding layers may take no mask for causal attention inside their
-    window over a first chunk's own keys, and full layers none in later chunks too (every earlier key visible):
-    `causal_sink_attention` reads the window transformers passes it (gpt-oss); SDPA has no window flag and aligns
-    its causal flag to the first key."""
+    """Whether, beyond `unmasked_is_causal`, every layer of every prefill chunk may take no mask: causal for the
+    chunk's tokens after every earlier key, inside the window of a sliding layer. `causal_sink_attention` reads
+    the window transformers passes it (gpt-oss); SDPA has no window flag and aligns its causal flag to the first
+    key."""
     spec = spec_for_model(model)
     return unmasked_is_causal(model) and spec is not None and spec.attention_sinks
 

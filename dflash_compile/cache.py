@@ -139,11 +139,15 @@ class TargetCache(Cache):
 
     def _prefill_ring(self, key_states, value_states, layer_idx: int, ring: int):
         """A prefill chunk on a sliding layer's ring, which may have fewer slots than the chunk has tokens: the
-        queries attend over the ring as it was (tokens before the chunk) followed by the chunk's own keys (`masks`
-        says which of them each query sees), and the ring then keeps the chunk's last `ring` tokens."""
-        old_keys, old_values = self.rows.buffers(layer_idx, key_states, value_states)
-        keys, values = torch.cat([old_keys, key_states], dim=2), torch.cat([old_values, value_states], dim=2)
+        queries attend over the tokens the ring holds from before the chunk, in order (the last min(start, ring)),
+        followed by the chunk's own keys (`masks` says which of them each query sees), and the ring then keeps the
+        chunk's last `ring` tokens. Every row's length is the chunk's start (`visible`: padding included)."""
         tokens = key_states.shape[2]
+        start = self.visible - tokens
+        held = torch.arange(start - min(start, ring), start, device=key_states.device) % ring  # slot of each token
+        old_keys, old_values = (buffer.index_select(2, held)
+                                for buffer in self.rows.buffers(layer_idx, key_states, value_states))
+        keys, values = torch.cat([old_keys, key_states], dim=2), torch.cat([old_values, value_states], dim=2)
         skipped = max(tokens - ring, 0)
         self.rows.write(layer_idx, key_states[:, :, skipped:], value_states[:, :, skipped:], offset=skipped)
         return keys, values
@@ -202,9 +206,9 @@ class TargetCache(Cache):
         new tokens for linear attention. `causal_prompt`: the prompt has no left padding and the attention reads a
         missing mask as causal over the last of its keys (`attention.unmasked_is_causal`); then a prompt's first
         chunk gets None for every kind whose mask would be plain causal over the chunk's own keys (all but a window
-        shorter than the chunk, or a ring, whose keys come after the old ring's slots). With `causal_chunks`
-        (`attention.unmasked_chunks`: the attention keeps to a window itself, and sees every key before the chunk's
-        own) sliding kinds get None in the first chunk too, and full kinds in every chunk."""
+        shorter than the chunk, or a ring). With `causal_chunks` (`attention.unmasked_chunks`: the attention keeps
+        to a window itself, and sees the keys before the chunk's own, every one a real earlier token: a ring's in
+        order, `_prefill_ring`) every attention kind gets None in every chunk."""
         device = self.lengths.device
         first_chunk = causal_prompt and self.visible == width
         later_chunk = causal_chunks and self.visible is not None and self.visible > width
@@ -213,20 +217,18 @@ class TargetCache(Cache):
         masks = {}
         for kind, window in windows.items():
             if ((first_chunk and (causal_chunks or not (window and (self.ring_size or width > window))))
-                    or (later_chunk and not window)):
+                    or (later_chunk and kind != "linear_attention")):
                 masks[kind] = None
                 continue
             if kind == "linear_attention":
                 masks[kind] = query[:, :, 0] >= self.pad[:, None]
                 continue
-            if window and self.ring_size:
+            if window and self.ring_size and self.visible is None:
                 ring = torch.arange(self.ring_size, device=device)[None, None, :]
-                if self.visible is None:  # ring slot j holds the newest token slot = j (mod ring) up to the query
-                    key = query - (query - ring).remainder(self.ring_size)
-                else:  # a prefill chunk: the ring as it was (slots before the chunk: negative in an empty ring),
-                    last = self.lengths[:, None, None] - 1  # then the chunk's own keys (`_prefill_ring`)
-                    before = (last - (last - ring).remainder(self.ring_size)).expand(-1, width, -1)
-                    key = torch.cat([before, query.transpose(1, 2).expand(-1, width, -1)], dim=2)
+                key = query - (query - ring).remainder(self.ring_size)  # slot j: the newest token slot = j (mod ring)
+            elif window and self.ring_size:  # a prefill chunk: the tokens the ring holds from before it, in order,
+                start = self.visible - width  # then the chunk's own (`_prefill_ring`)
+                key = torch.arange(start - min(start, self.ring_size), self.visible, device=device)[None, None, :]
             else:
                 key = torch.arange(self.visible or self.rows.max_len, device=device)[None, None, :]
             ok = (key <= query) & (key >= pad)

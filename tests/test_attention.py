@@ -62,13 +62,10 @@ def test_sink_softmax_in_bf16_is_as_close_to_fp32_as_gpt_oss_eager_attention():
 
 
 def causal_mask(t: int, window: int | None, before: int = 0) -> torch.Tensor:
-    """An additive [1, 1, t, before + t] mask: causal (inside `window`) over the last t slots; the `before` slots
-    earlier visible to every query without a window (a later prompt chunk's full layers), to none with one (a first
-    chunk's empty ring)."""
-    i = torch.arange(t)
-    visible = (i[None] <= i[:, None]) & ((i[:, None] - i[None] < window) if window else True)
-    earlier = torch.full((t, before), window is None)
-    return torch.where(torch.cat([earlier, visible], 1), 0.0, MIN)[None, None]
+    """An additive [1, 1, t, before + t] mask for the last t of before + t positions: causal, inside `window`."""
+    query, key = torch.arange(before, before + t)[:, None], torch.arange(before + t)[None]
+    visible = (key <= query) & ((query - key < window) if window else True)
+    return torch.where(visible, 0.0, MIN)[None, None]
 
 
 CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))
@@ -76,12 +73,12 @@ CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("t, window, before", [(1, None, 0), (5, None, 0), (40, None, 3), (1, None, 7), (8, 8, 0),
-                                               (5, 8, 2), (37, 8, 0), (40, 8, 9), (19, 5, 0)])
+                                               (5, 8, 2), (37, 8, 0), (40, 8, 9), (19, 5, 0), (1, 8, 20), (3, 16, 4)])
 def test_unmasked_sinks_attend_causally_over_the_last_keys(t, window, before, device):
-    """Without a mask the sink softmax is causal over the last t keys, with every earlier key visible (a later
-    prompt chunk: the parts merged by their log-sum-exps) -- or inside the window where transformers passes one, by
-    blocks where the window is the shorter, over the last t keys only (a first chunk after a ring's empty slots) --
-    and gives gpt-oss's eager numbers with the explicit mask (CUDA: by the memory-efficient kernel in fp32)."""
+    """Without a mask the sink softmax is causal for queries at the last t positions of the keys (a prompt chunk
+    after the earlier ones: its own keys and the earlier ones in two calls, merged by their log-sum-exps), inside
+    the window where transformers passes one (by blocks where the window is the shorter), and gives gpt-oss's
+    eager numbers with the explicit mask (CUDA: by the memory-efficient kernel in fp32)."""
     module, query, key, value, _ = attention_inputs(t=t, slots=before + t)
     expected, _ = modeling_gpt_oss.eager_attention_forward(module, query, key, value, causal_mask(t, window, before),
                                                            scaling=0.25)
@@ -92,7 +89,7 @@ def test_unmasked_sinks_attend_causally_over_the_last_keys(t, window, before, de
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
-@pytest.mark.parametrize("window, before", [(None, 0), (None, 40), (16, 0)])
+@pytest.mark.parametrize("window, before", [(None, 0), (None, 40), (16, 0), (16, 40)])
 def test_unmasked_sinks_in_bf16_are_as_close_to_fp32_as_gpt_oss_eager_attention(window, before, device):
     """(CUDA: flash kernels without a window, the memory-efficient one by blocks with it.)"""
     module, query, key, value, _ = attention_inputs(heads=16, kv_heads=2, t=72, slots=before + 72, d=64)

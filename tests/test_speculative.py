@@ -276,11 +276,11 @@ def test_unpadded_prompts_attend_by_sdpas_causal_flag(tiny, family, monkeypatch)
 
 @pytest.mark.parametrize("prefill_chunk", [4096, 4])
 def test_unpadded_prompts_take_gpt_oss_sinks_without_masks(tiny, monkeypatch, prefill_chunk):
-    """gpt-oss's sink attention takes a prompt without left padding unmasked in its first chunk, its sliding
-    layers too (`causal_sink_attention` keeps to the window that transformers passes it: the 9-token prompt is
-    longer than the test model's 8-token window, so its sliding layer attends by blocks), and its full layers in
-    later chunks (chunks of 4: 4 + 4 + 1 tokens); later chunks' sliding layers (their rings), a left-padded batch
-    and the decode steps keep their masks. The same tokens as transformers."""
+    """gpt-oss's sink attention takes a prompt without left padding unmasked, every layer in every chunk (chunks
+    of 4: 4 + 4 + 1 tokens, later ones over the earlier keys, a ring's in order): `causal_sink_attention` keeps to
+    the window that transformers passes a sliding layer (the 9-token prompt is longer than the test model's 8-token
+    window, so that layer attends by blocks). A left-padded batch and the decode steps keep their masks. The same
+    tokens as transformers."""
     from dflash_compile import attention
 
     model = tiny("gpt_oss")
@@ -293,8 +293,8 @@ def test_unpadded_prompts_take_gpt_oss_sinks_without_masks(tiny, monkeypatch, pr
 
     monkeypatch.setattr(attention, "causal_sink_attention", recorded)
     fast = dflash_compile.optimize(model, adaptive=False, compile=False, prefill_chunk=prefill_chunk)
-    first, later = min(9, prefill_chunk), [(4, None), (1, None)] if prefill_chunk < 9 else []
-    for batch, unmasked in ((2, []), (1, [(first, None), (first, 8), *later])):
+    chunks = [9] if prefill_chunk > 9 else [4, 4, 1]
+    for batch, unmasked in ((2, []), (1, [(t, window) for t in chunks for window in (None, 8)])):
         ids, mask = prompts(batch)
         expected = reference(model, ids, mask)
         calls.clear()
