@@ -211,13 +211,12 @@ class TargetCache(Cache):
         order, `_prefill_ring`) every attention kind gets None in every chunk."""
         device = self.lengths.device
         first_chunk = causal_prompt and self.visible == width
-        later_chunk = causal_chunks and self.visible is not None and self.visible > width
+        every_chunk = causal_chunks and self.visible is not None
         query = (self.lengths[:, None] + torch.arange(width, device=device))[:, :, None]  # slots of the new tokens
         pad = self.pad[:, None, None]
         masks = {}
         for kind, window in windows.items():
-            if ((first_chunk and (causal_chunks or not (window and (self.ring_size or width > window))))
-                    or (later_chunk and kind != "linear_attention")):
+            if every_chunk or (first_chunk and not (window and (self.ring_size or width > window))):
                 masks[kind] = None
                 continue
             if kind == "linear_attention":
