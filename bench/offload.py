@@ -35,7 +35,6 @@ import dflash_compile  # noqa: E402
 from dflash_compile.benchmark import timed  # noqa: E402
 from dflash_compile.kernels import blob_copy  # noqa: E402
 from dflash_compile.offload import MANAGERS, OffloadStats, choose_manager, plan_offload  # noqa: E402
-from dflash_compile.speculative import PREFILL_CHUNK  # noqa: E402
 from dflash_compile.testing import OracleDrafter  # noqa: E402
 
 
@@ -247,8 +246,9 @@ def main() -> None:
                         help="new tokens for the accelerate rows (default --new; 0 skips them)")
     parser.add_argument("--mode", help="torch.compile mode of the verify step (default: optimize's, CUDA graphs around "
                                        'the offload ops on CUDA; "default": every kernel launched from Python)')
-    parser.add_argument("--prefill-chunk", type=int, nargs="+", default=[PREFILL_CHUNK],
-                        help="prefill chunk sizes to time (models with sliding-window layers prefill in chunks)")
+    parser.add_argument("--prefill-chunk", type=int, nargs="+", default=[None],
+                        help="prefill chunk sizes to time (models with sliding-window layers prefill in chunks; "
+                             "default: optimize's, the whole prompt where it goes unmasked)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--trace", type=Path, help="a folder: write each setup's Chrome trace (CUDA) there and print "
                                                     "how long copies, kernels and neither kept the GPU busy")

@@ -9,7 +9,7 @@ from .drafter import load_drafter
 from .families import spec_for_model, supported_families
 from .offload import offload_experts
 from .projections import share_storage
-from .speculative import PREFILL_CHUNK, GenerationStats, SpeculativeDecoder
+from .speculative import GenerationStats, SpeculativeDecoder
 
 
 class OptimizedModel:
@@ -35,7 +35,7 @@ class OptimizedModel:
 
 
 def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode: str | None = None,
-             prefill_chunk: int = PREFILL_CHUNK, gpu_memory=None, device=None, offload_policy: str = "lru",
+             prefill_chunk: int | None = None, gpu_memory=None, device=None, offload_policy: str = "lru",
              offload_prefetch: int = 1, offload_cpu_compute: str = "off", offload_manager: str = "auto",
              fused_experts: bool = True,
              adaptive=True) -> OptimizedModel:
@@ -47,7 +47,9 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
     without / with a drafter), the drafter's calls too; offloaded and linear-attention models keep torch.compile's
     CUDA-graph trees. Weights updated in place are read by the graphs; parameter tensors replaced after the first
     generation are not. Models with sliding-window layers prefill in chunks of
-    `prefill_chunk` tokens, and their sliding layers keep window - 1 + block slots. With `gpu_memory` ("20GiB",
+    `prefill_chunk` tokens (by default the whole prompt in one forward where it goes without masks, as an unpadded
+    gpt-oss prompt does, else chunks of 4096: `speculative.PREFILL_CHUNK`; a smaller chunk bounds the prefill's
+    activation memory), and their sliding layers keep window - 1 + block slots. With `gpu_memory` ("20GiB",
     bytes or an accelerate max_memory dict) the routed experts are offloaded to host memory behind a slot pool on
     `device` (default: cuda when available) that fits the budget with the dense weights (`offload_experts`;
     `offload_policy` "lru" or "lfu", `offload_prefetch` copies the predicted experts of that many layers ahead,
@@ -79,7 +81,7 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
     layer_ids: tuple[int, ...] = ()
     if drafter is not None:
         drafter, layer_ids = load_drafter(drafter, model)
-    if prefill_chunk < 1:
+    if prefill_chunk is not None and prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
     if gpu_memory is not None:  # checks the budget before it moves anything
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")

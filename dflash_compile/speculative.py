@@ -96,13 +96,14 @@ def _eos_ids(eos_token_id) -> set[int]:
 
 STEP_GRAPHS = 64  # compiled verify steps kept per decoder code object before Dynamo falls back to eager
 SMALLEST_CACHE = 16
-# Tokens per prefill forward of a model with sliding-window layers (others take the prompt in one): a masked
-# chunk attends densely over its ring and its own keys, and every chunk reads every expert again. H200, 24-layer
-# gpt-oss-20b, MXFP4 experts, sinks by SDPA (session 36, bench/prefill.py): a 2048-token prompt 150 ms in chunks of
-# 1024 against 76 in one; 4096 tokens 179 / 152 / 162 ms in chunks of 1024 / 2048 / 4096 (fused experts), 8192
-# tokens 533 / 320 / 289 / 302 ms in chunks of 1024 / 2048 / 4096 / 8192 (4096: experts dequantized for cuBLAS,
-# `kernels.moe`'s DEQUANTIZE_PAIRS); transformers' one forward 192 / 588 / 1929 ms. Not re-swept since unpadded
-# prompts' chunks go unmasked (session 37).
+# Tokens per masked prefill forward of a model with sliding-window layers (a left-padded batch; others, and unpadded
+# prompts that go unmasked, take the prompt in one unless `prefill_chunk` is given): a masked chunk attends densely
+# over its ring and its own keys, and every chunk reads every expert again. H200, 24-layer gpt-oss-20b, MXFP4
+# experts, sinks by SDPA (session 36, bench/prefill.py): a 2048-token prompt 150 ms in chunks of 1024 against 76 in
+# one; 4096 tokens 179 / 152 / 162 ms in chunks of 1024 / 2048 / 4096 (fused experts), 8192 tokens 533 / 320 / 289 /
+# 302 ms in chunks of 1024 / 2048 / 4096 / 8192 (4096: experts dequantized for cuBLAS, `kernels.moe`'s
+# DEQUANTIZE_PAIRS); transformers' one forward 192 / 588 / 1929 ms. Unmasked (session 38): 8192 tokens 293.7 /
+# 216.2 / 180.0 ms in chunks of 2048 / 4096 / 8192, 12288 tokens 350.3 / 264.4 in chunks of 4096 / 12288.
 PREFILL_CHUNK = 4096
 
 
@@ -141,7 +142,7 @@ def _on_cuda(model) -> bool:
 
 class SpeculativeDecoder:
     def __init__(self, model, drafter: DFlashDrafter | None, layer_ids: tuple[int, ...], compile: bool = True,
-                 mode: str | None = None, prefill_chunk: int = PREFILL_CHUNK, adaptive: bool | WidthChooser = True,
+                 mode: str | None = None, prefill_chunk: int | None = None, adaptive: bool | WidthChooser = True,
                  fused_experts: bool = True):
         self.model = model
         self.drafter = drafter
@@ -266,15 +267,18 @@ class SpeculativeDecoder:
 
     def _prefill(self, input_ids: torch.Tensor, cache: TargetCache, padded: bool = True):
         """The prompt through the target: in one forward, or for models with sliding layers in chunks of
-        `prefill_chunk` tokens (a masked chunk's sliding layers attend densely over it), each attending over the
-        slots filled so far only (`TargetCache.visible`; a sliding layer over its ring and the chunk's own keys).
+        `prefill_chunk` tokens, by default PREFILL_CHUNK when the chunks take masks (a masked chunk's sliding layers
+        attend densely over it), each attending over the slots filled so far only (`TargetCache.visible`; a sliding
+        layer over its ring and the chunk's own keys).
         A prompt without left padding (not `padded`) on SDPA or sink attention takes no mask where it can
         (`TargetCache.masks`): SDPA's causal flag and its flash kernels, sinks by `causal_sink_attention`, and no
         [b, 1, P, P] mask. Returns the last position's logits and the captured features of every prompt position."""
         causal_prompt = not padded and unmasked_is_causal(self.model)  # read inside `grouped_attention`
         causal_chunks = causal_prompt and unmasked_chunks(self.model)
         prompt = input_ids.shape[1]
-        chunk = self.prefill_chunk if cache.ring_size else prompt
+        chunk = prompt
+        if cache.ring_size:
+            chunk = self.prefill_chunk or (prompt if causal_chunks else PREFILL_CHUNK)
         features = []
         for start in range(0, prompt, chunk):
             ids = input_ids[:, start: start + chunk]

@@ -274,17 +274,18 @@ def test_unpadded_prompts_attend_by_sdpas_causal_flag(tiny, family, monkeypatch)
     assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=8), expected)
 
 
-@pytest.mark.parametrize("prefill_chunk", [4096, 4])
+@pytest.mark.parametrize("prefill_chunk", [None, 4])
 def test_unpadded_prompts_take_gpt_oss_sinks_without_masks(tiny, monkeypatch, prefill_chunk):
-    """gpt-oss's sink attention takes a prompt without left padding unmasked, every layer in every chunk (chunks
-    of 4: 4 + 4 + 1 tokens, later ones over the earlier keys, a ring's in order): `causal_sink_attention` keeps to
-    the window that transformers passes a sliding layer (the 9-token prompt is longer than the test model's 8-token
-    window, so that layer attends by blocks). A left-padded batch and the decode steps keep their masks. The same
-    tokens as transformers."""
-    from dflash_compile import attention
+    """gpt-oss's sink attention takes a prompt without left padding unmasked, every layer in every chunk: by default
+    the whole prompt in one forward (chunks of `PREFILL_CHUNK`, here 4, only for masked prompts), or in the given
+    chunks of 4: 4 + 4 + 1 tokens, later ones over the earlier keys, a ring's in order. `causal_sink_attention` keeps
+    to the window that transformers passes a sliding layer (the 9-token prompt is longer than the test model's
+    8-token window, so that layer attends by blocks). A left-padded batch and the decode steps keep their masks. The
+    same tokens as transformers."""
+    from dflash_compile import attention, speculative
 
     model = tiny("gpt_oss")
-    calls = []
+    calls, forwards = [], []
     sink_attention = attention.causal_sink_attention
 
     def recorded(query, key, value, sinks, scaling, window=None):
@@ -292,14 +293,19 @@ def test_unpadded_prompts_take_gpt_oss_sinks_without_masks(tiny, monkeypatch, pr
         return sink_attention(query, key, value, sinks, scaling, window)
 
     monkeypatch.setattr(attention, "causal_sink_attention", recorded)
+    monkeypatch.setattr(speculative, "PREFILL_CHUNK", 4)
     fast = dflash_compile.optimize(model, adaptive=False, compile=False, prefill_chunk=prefill_chunk)
-    chunks = [9] if prefill_chunk > 9 else [4, 4, 1]
+    model.register_forward_pre_hook(lambda module, args, kwargs: forwards.append(kwargs["input_ids"].shape[1]),
+                                    with_kwargs=True)
+    chunks = [9] if prefill_chunk is None else [4, 4, 1]
     for batch, unmasked in ((2, []), (1, [(t, window) for t in chunks for window in (None, 8)])):
         ids, mask = prompts(batch)
         expected = reference(model, ids, mask)
         calls.clear()
+        forwards.clear()
         assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
         assert sorted(calls, key=str) == sorted(unmasked, key=str)
+        assert forwards[:len(chunks) if unmasked else 3] == (chunks if unmasked else [4, 4, 1])
 
 
 def test_generations_of_other_lengths_reuse_the_compiled_step(tiny):
