@@ -81,15 +81,17 @@ class DeviceSlotTable:
         """(experts, slots, valid), each [E]: the copy list of plans for `layer` made `distance` layers before it."""
         return tuple(rows[layer, distance - 1] for rows in (self.copy_experts, self.copy_slots, self.copy_valid))
 
-    def plan(self, layer: int, predicted: torch.Tensor, distance: int = 1) -> int:
+    def plan(self, layer: int, predicted: torch.Tensor, distance: int = 1, staged: bool = False) -> int:
         """Slots for `layer`'s `predicted` experts that have none (least recently used unprotected slots, their
         owners evicted), planned by the call `distance` layers before it; the copies are written to that copy list
         (`copy_list`), whose first returned-count rows a copy kernel must run. Predicted experts already in a slot
-        are stamped (kept)."""
+        are stamped (kept). `staged`: the layer's own routed experts, planned by its call after `use` (counted as
+        its misses there, not as prefetches, and used)."""
         from .kernels.slot_table import plan_slots
 
         return plan_slots(self.table(layer), predicted, self.slot_of, self.owner, self.stamp, self.used, self.clock,
-                          self.counts, *self.copy_list(layer, distance), layer * self.experts, self.candidates)
+                          self.counts, *self.copy_list(layer, distance), layer * self.experts, self.candidates,
+                          staged)
 
     def drain(self) -> list[int]:
         """[hits, misses, prefetched, wasted] since the last drain (reads the device: a sync)."""

@@ -337,6 +337,33 @@ def test_device_managed_cache_is_token_identical(tiny, family):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_device_managed_prompts_copy_their_experts_into_slots_first(tiny, family, monkeypatch):
+    """A prompt's forward (20 pairs per routed expert, past STAGED_PAIRS) copies each layer's routed experts that
+    have no slot into slots before its kernel runs (which would read them from host memory once per block of
+    pairs); the decode steps keep reading their misses from host memory. The resident model's tokens."""
+    from dflash_compile.offload import STAGED_PAIRS, OffloadedExperts
+
+    ids = token_ids(batch=1, length=80)
+    expected = tiny(family).generate(ids, max_new_tokens=4, do_sample=False)
+    model = _offloaded(tiny, family, manager="device")
+    calls = []  # (tokens, routed experts without a slot when the kernel ran)
+    run = OffloadedExperts._run_device_managed
+
+    def recorded(self, layer, hidden, top_k_index, top_k_weights, gate):
+        out = run(self, layer, hidden, top_k_index, top_k_weights, gate)  # the call's slots are its own till the end
+        calls.append((hidden.shape[0], int((self.slot_table.table(layer)[top_k_index.unique()] < 0).sum())))
+        return out
+
+    monkeypatch.setattr(OffloadedExperts, "_run_device_managed", recorded)
+    assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), expected)
+    assert 80 * 2 / 8 > STAGED_PAIRS
+    prompt, steps = [missing for tokens, missing in calls if tokens == 80], [m for t, m in calls if t == 1]
+    assert len(prompt) == len(model.dflash_offload.layers) and not any(prompt)
+    assert any(steps)
+
+
+@needs_interpreter
 @pytest.mark.parametrize("family", ["olmoe", "qwen3_moe"])
 def test_device_managed_cache_choosing_victims_in_chunks_is_token_identical(tiny, family, monkeypatch):
     """A pool cut into chunks for the victim choice (as pools above 512 slots are; here chunks of 4-8 of its 10

@@ -101,7 +101,7 @@ def _use_kernel(table, index, count, stamp, used, clock, counts, E, BLOCK_E: tl.
 @triton.jit
 def _plan_kernel(table, predicted, count, slot_of, owner, stamp, used, clock, counts, copy_experts, copy_slots,
                  copy_valid, first_key, E, S, rows, candidates, n_candidates, BLOCK_E: tl.constexpr,
-                 BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, CANDIDATES: tl.constexpr):
+                 BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, CANDIDATES: tl.constexpr, STAGED: tl.constexpr):
     now = tl.load(clock)
     experts = tl.arange(0, BLOCK_E)
     slot = tl.load(table + experts, mask=experts < E, other=-1)
@@ -134,8 +134,9 @@ def _plan_kernel(table, predicted, count, slot_of, owner, stamp, used, clock, co
     tl.store(slot_of + key, victim.to(tl.int32), mask=valid)
     tl.store(owner + victim, key, mask=valid)
     tl.store(stamp + victim, tl.full([BLOCK_E], 0, tl.int64) + now, mask=valid)
-    tl.store(used + victim, tl.full([BLOCK_E], 0, tl.uint8), mask=valid)
-    _add(counts, 2, valid)
+    tl.store(used + victim, tl.full([BLOCK_E], STAGED, tl.uint8), mask=valid)
+    if not STAGED:
+        _add(counts, 2, valid)
     tl.store(copy_valid + row, valid.to(tl.int32), mask=row_ok)
 
 
@@ -155,11 +156,12 @@ def _sort_warps(keys: int) -> int:
 def plan_slots(table: torch.Tensor, predicted: torch.Tensor, slot_of: torch.Tensor, owner: torch.Tensor,
                stamp: torch.Tensor, used: torch.Tensor, clock: torch.Tensor, counts: torch.Tensor,
                copy_experts: torch.Tensor, copy_slots: torch.Tensor, copy_valid: torch.Tensor, first_key: int,
-               candidates: torch.Tensor) -> int:
+               candidates: torch.Tensor, staged: bool = False) -> int:
     """Slots for the `predicted` experts of the layer whose slots are `table` (a view of `slot_of` from `first_key`)
     that have none: the least recently stamped unprotected slots, their owners evicted. Writes the copy rows
     (`copy_experts`, `copy_slots`, `copy_valid`, each [E]; the slot of a row that is not valid means nothing) and
-    returns how many a copy kernel must run.
+    returns how many a copy kernel must run. `staged`: the experts are the planning call's own, which reads their
+    slots (marked used) and counted them as misses (not counted as prefetched).
     `candidates` ([`candidate_rows`] int64) takes the oldest-keys pass's keys when the pool is cut into chunks."""
     experts, slots = table.numel(), stamp.numel()
     rows = min(predicted.numel(), experts)
@@ -173,5 +175,5 @@ def plan_slots(table: torch.Tensor, predicted: torch.Tensor, slot_of: torch.Tens
     _plan_kernel[(1,)](table, predicted.reshape(-1).contiguous(), predicted.numel(), slot_of, owner, stamp, used,
                        clock, counts, copy_experts, copy_slots, copy_valid, first_key, experts, slots, rows,
                        candidates, keys, BLOCK_E=triton.next_power_of_2(experts), BLOCK_P=BLOCK_P, BLOCK_S=block_s,
-                       CANDIDATES=chunk < slots, num_warps=_sort_warps(block_s))
+                       CANDIDATES=chunk < slots, STAGED=staged, num_warps=_sort_warps(block_s))
     return rows
