@@ -4,13 +4,13 @@ attention, and for models with sliding-window layers chunks of `prefill_chunk` t
 
     python bench/prefill.py --model gpt-oss-20b --layers 4 --prompt 2048 --chunks 256 1024 2048
     python bench/prefill.py --model qwen3-30b-a3b --layers 4 --prompt 2048 --experts bf16 mxfp4 --profile
-    python bench/prefill.py --model qwen3-30b-a3b --layers 4 --prompt 4096 --chunks 4096 --with-mask
+    python bench/prefill.py --model qwen3-30b-a3b --layers 4 --prompt 4096 --chunks 4096 --masks unpadded rows explicit
 
 Milliseconds (medians of --repeats after a warm-up call) per prefill chunk size, our experts kept bf16 or packed
 (`--experts`; transformers' side runs them dequantized to bf16, as bench/spec_decode.py does), and the ratio to
 transformers' forward; `--profile` adds each side's heaviest CUDA kernels. The prompts have no left padding, so
-SDPA models attend by SDPA's causal flag in the first chunk; `--with-mask` also times them with the explicit mask
-that a left-padded batch takes.
+SDPA models attend by SDPA's causal flag in the first chunk; `--masks rows explicit` also times the paths of a
+left-padded batch (row by row without masks, or with explicit masks).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
+from unittest.mock import patch
 from pathlib import Path
 
 import torch
@@ -30,20 +31,24 @@ from spec_decode import build_model, packed_twin  # noqa: E402
 import dflash_compile  # noqa: E402
 from dflash_compile.attention import grouped_attention  # noqa: E402
 from dflash_compile.benchmark import timed  # noqa: E402
+from dflash_compile import speculative  # noqa: E402
 from dflash_compile.speculative import cache_capacity  # noqa: E402
 
 
-def ours(target, ids, chunk: int, new: int, padded: bool = False):
-    """A call of the decoder's prefill on a fresh cache, as `generate` makes and runs it (`padded`: as for a
-    left-padded batch, with explicit masks)."""
+def ours(target, ids, chunk: int, new: int, masks: str = "unpadded"):
+    """A call of the decoder's prefill on a fresh cache, as `generate` makes and runs it. `masks`: "unpadded", or as
+    for a left-padded batch "rows" (row by row without masks, from ROWS_WITHOUT_MASKS tokens) or "explicit" (with
+    [b, 1, t, slots] masks)."""
     decoder = dflash_compile.optimize(target, compile=False, prefill_chunk=chunk).decoder
     max_len = cache_capacity(ids.shape[1] + new + decoder.block_size)
     pad = torch.zeros(ids.shape[0], dtype=torch.int64, device=ids.device)
+    rows_from = speculative.ROWS_WITHOUT_MASKS if masks != "explicit" else ids.shape[1] + 1
 
     def run():
-        with torch.inference_mode(), grouped_attention(target):
+        with torch.inference_mode(), grouped_attention(target), patch.object(speculative, "ROWS_WITHOUT_MASKS",
+                                                                              rows_from):
             cache = decoder._cache(ids.shape[0], max_len, target.dtype, ids.device, pad)
-            return decoder._prefill(ids, cache, padded)[0]
+            return decoder._prefill(ids, cache, masks != "unpadded")[0]
 
     return run
 
@@ -62,19 +67,22 @@ def main() -> None:
     parser.add_argument("--model", default="gpt-oss-20b")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--prompt", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=1, help="rows of the prompt (no padding; see --masks)")
     parser.add_argument("--new", type=int, default=64, help="sizes the cache as a generation of this many tokens")
     parser.add_argument("--chunks", type=int, nargs="+", default=[256, 2048])
     parser.add_argument("--experts", nargs="+", default=["bf16"], choices=["bf16", "mxfp4", "fp8_block"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--profile", action="store_true", help="each side's heaviest CUDA kernels")
-    parser.add_argument("--with-mask", action="store_true", help="also time our prefill with explicit masks")
+    parser.add_argument("--masks", nargs="+", default=["unpadded"], choices=["unpadded", "rows", "explicit"],
+                        help="our prefill as for an unpadded prompt, or for a left-padded batch row by row or with "
+                             "explicit masks")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
     model = build_model(args.model, args.device, args.layers)
-    ids = torch.randint(0, model.config.vocab_size, (1, args.prompt), device=args.device)
-    print(f"# {args.model}, {args.layers} layers, prompt {args.prompt}, {args.device}, torch "
+    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt), device=args.device)
+    print(f"# {args.model}, {args.layers} layers, {args.batch} x prompt {args.prompt}, {args.device}, torch "
           f"{torch.__version__}, transformers {transformers.__version__}")
 
     def plain():
@@ -86,10 +94,10 @@ def main() -> None:
     for experts in args.experts:
         target = model if experts == "bf16" else packed_twin(model, experts)  # `model` now holds its values
         expected, base = timed(plain, args.repeats, args.device)
-        for chunk, padded in itertools.product(args.chunks, (False, True) if args.with_mask else (False,)):
-            logits, seconds = timed(ours(target, ids, chunk, args.new, padded), args.repeats, args.device)
+        for chunk, masks in itertools.product(args.chunks, args.masks):
+            logits, seconds = timed(ours(target, ids, chunk, args.new, masks), args.repeats, args.device)
             difference = (logits.float() - expected.float()).abs().max().item()
-            print(f"| {experts} | {chunk} | {'explicit' if padded else 'unpadded'} | {seconds * 1e3:.2f} | "
+            print(f"| {experts} | {chunk} | {masks} | {seconds * 1e3:.2f} | "
                   f"{base * 1e3:.2f} | {base / seconds:.2f}x | {difference:.3g} |", flush=True)
         if args.profile and args.device == "cuda":
             print(f"\n## transformers\n{heaviest_kernels(plain)}")

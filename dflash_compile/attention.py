@@ -180,6 +180,33 @@ def causal_sink_attention(query, key, value, sinks, scaling: float, window: int 
     return _with_sink(parts, sinks)
 
 
+def row_starts(first: list[int]) -> torch.Tensor:
+    """What a prefill forward of a left-padded batch passes its attention layers in place of a mask: causal
+    attention over the last t keys, as a missing mask means, for row b from its key first[b] on (its padding
+    before it). An int64 [b, 1, 1, 1] tensor on the CPU: transformers hands a 4-D mask through as it is, and the
+    attention reads it without a sync."""
+    return torch.tensor(first, dtype=torch.int64)[:, None, None, None]
+
+
+def _is_row_starts(mask) -> bool:
+    return mask is not None and mask.dtype == torch.int64 and mask.dim() == 4 and mask.shape[1:] == (1, 1, 1)
+
+
+def _by_rows(attend, query, key, value, starts: torch.Tensor) -> torch.Tensor:
+    """`attend` (queries [1, heads, t', d], the last t' positions of keys/values [1, kv_heads, s', d] -> [1, t',
+    heads, d]) row by row over each row's real keys (`row_starts`); queries of padding get zeros. -> [b, t, heads,
+    d]."""
+    b, heads, t, _ = query.shape
+    out = query.new_zeros(b, t, heads, value.shape[-1])
+    earlier = key.shape[2] - t
+    for row, first in enumerate(starts.flatten().tolist()):
+        real = max(first - earlier, 0)  # the row's first real query
+        if real < t:
+            out[row, real:] = attend(query[row:row + 1, :, real:], key[row:row + 1, :, first:],
+                                     value[row:row + 1, :, first:])[0]
+    return out
+
+
 # What `dflash::decode_attention` takes to its CUDA kernel: a decode or verify step's folded query rows per key/value
 # head (a verify block of gpt-oss-20b or Qwen3-30B-A3B: 8 groups x 16 tokens), in programs of 16 rows. More (a
 # prefill chunk) stay with SDPA's fused kernels: the kernel was never timed against them there.
@@ -224,12 +251,18 @@ def folded_attention(query, key, value, mask, sinks, scaling: float, dropout: fl
 def grouped_query_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
                             scaling: float | None = None, s_aux: torch.Tensor | None = None, **kwargs):
     """A transformers attention function (registered as NAME): query [b, heads, t, d], key/value [b, kv_heads, s,
-    d] -> ([b, t, heads, d], None). With `s_aux` (gpt-oss's sinks) the sink softmax (without a mask: causal over
-    the last t keys, `causal_sink_attention`), else torch's SDPA; without a mask (causal by flag), or where the
+    d] -> ([b, t, heads, d], None). A left-padded prefill's `row_starts` row by row, each as without a mask. With
+    `s_aux` (gpt-oss's sinks) the sink softmax (without a mask: causal over the last t keys,
+    `causal_sink_attention`), else torch's SDPA; without a mask (causal by flag), or where the
     folded mask would outweigh the key/value copies it saves (`folding_pays`: a long prefill), transformers' SDPA
     as it is. A few new tokens on CUDA (`decode_kernel_takes`: decode and verify steps) take
     `dflash::decode_attention`'s one launch."""
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if _is_row_starts(attention_mask):
+        def attend(*rows):
+            return grouped_query_attention(module, *rows, None, dropout, scaling, s_aux, **kwargs)[0]
+
+        return _by_rows(attend, query, key, value, attention_mask), None
     if s_aux is not None and attention_mask is None:
         return causal_sink_attention(query, key, value, s_aux, scaling, kwargs.get("sliding_window")), None
     if s_aux is None and (attention_mask is None or not folding_pays(query, key)):

@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
+from .attention import row_starts
+
 
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[b, q, k] booleans -> [b, 1, q, k] additive mask. finfo.min, not -inf: a row with nothing visible (a padding
@@ -200,15 +202,16 @@ class TargetCache(Cache):
         return self.lengths[:, None] - self.pad[:, None] + torch.arange(width, device=self.lengths.device)
 
     def masks(self, width: int, windows: dict[str, int | None], causal_prompt: bool = False,
-              causal_chunks: bool = False) -> dict[str, torch.Tensor | None]:
+              causal_chunks: bool = False, pads: list[int] | None = None) -> dict[str, torch.Tensor | None]:
         """Masks for the next `width` tokens, one per attention kind: additive [b, 1, width, slots], causal over
         the row's own tokens (and inside the window, over the ring, for sliding kinds); a 2-D padding mask of the
-        new tokens for linear attention. `causal_prompt`: the prompt has no left padding and the attention reads a
-        missing mask as causal over the last of its keys (`attention.unmasked_is_causal`); then a prompt's first
-        chunk gets None for every kind whose mask would be plain causal over the chunk's own keys (all but a window
-        shorter than the chunk, or a ring). With `causal_chunks` (`attention.unmasked_chunks`: the attention keeps
-        to a window itself, and sees the keys before the chunk's own, every one a real earlier token: a ring's in
-        order, `_prefill_ring`) every attention kind gets None in every chunk."""
+        new tokens for linear attention. `causal_prompt`: the attention reads a missing mask as causal over the
+        last of its keys (`attention.unmasked_is_causal`); then a prompt's first chunk gets None for every kind whose
+        mask would be plain causal over the chunk's own keys (all but a window shorter than the chunk, or a ring).
+        With `causal_chunks` (`attention.unmasked_chunks`: the attention keeps to a window itself, and sees the keys
+        before the chunk's own, every one a real earlier token: a ring's in order, `_prefill_ring`) every attention
+        kind gets None in every chunk. With `pads` (the rows' left padding, on the host) such a kind gets
+        `attention.row_starts` instead: each row's first real key among the keys the layer sees."""
         device = self.lengths.device
         first_chunk = causal_prompt and self.visible == width
         every_chunk = causal_chunks and self.visible is not None
@@ -216,18 +219,25 @@ class TargetCache(Cache):
         pad = self.pad[:, None, None]
         masks = {}
         for kind, window in windows.items():
+            ring_keys = window and self.ring_size  # the keys a sliding layer sees come from its ring
+            first_key = 0  # the slot of the first key the layer sees
+            if ring_keys and self.visible is not None:  # a prefill chunk: what the ring holds of the tokens before it
+                first_key = max(self.visible - width - self.ring_size, 0)
             if every_chunk or (first_chunk and not (window and (self.ring_size or width > window))):
-                masks[kind] = None
-                continue
+                if pads is None:
+                    masks[kind] = None
+                    continue
+                if kind != "linear_attention":
+                    masks[kind] = row_starts([max(p - first_key, 0) for p in pads])
+                    continue
             if kind == "linear_attention":
                 masks[kind] = query[:, :, 0] >= self.pad[:, None]
                 continue
-            if window and self.ring_size and self.visible is None:
+            if ring_keys and self.visible is None:
                 ring = torch.arange(self.ring_size, device=device)[None, None, :]
                 key = query - (query - ring).remainder(self.ring_size)  # slot j: the newest token slot = j (mod ring)
-            elif window and self.ring_size:  # a prefill chunk: the tokens the ring holds from before it, in order,
-                start = self.visible - width  # then the chunk's own (`_prefill_ring`)
-                key = torch.arange(start - min(start, self.ring_size), self.visible, device=device)[None, None, :]
+            elif ring_keys:  # a prefill chunk: the ring's tokens in order, then the chunk's own (`_prefill_ring`)
+                key = torch.arange(first_key, self.visible, device=device)[None, None, :]
             else:
                 key = torch.arange(self.visible or self.rows.max_len, device=device)[None, None, :]
             ok = (key <= query) & (key >= pad)

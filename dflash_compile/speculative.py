@@ -105,6 +105,12 @@ SMALLEST_CACHE = 16
 # DEQUANTIZE_PAIRS); transformers' one forward 192 / 588 / 1929 ms. Unmasked (session 38): 8192 tokens 293.7 /
 # 216.2 / 180.0 ms in chunks of 2048 / 4096 / 8192, 12288 tokens 350.3 / 264.4 in chunks of 4096 / 12288.
 PREFILL_CHUNK = 4096
+# A left-padded prompt at least this long attends row by row without masks (`attention.row_starts`: each row's
+# fused causal kernels from its first real token) rather than batched under a [b, 1, t, slots] mask. Estimated,
+# not yet timed: per row and layer a handful of launches (~0.1 ms of host time in the eager prefill) against the
+# masked path's dense t x slots term (gpt-oss-20b, H200: 1.6 ms a layer at 4096 tokens under the mask, 0.73 ms
+# unmasked; session 37).
+ROWS_WITHOUT_MASKS = 1024
 
 
 def cache_capacity(tokens: int) -> int:
@@ -213,11 +219,11 @@ class SpeculativeDecoder:
         return sorted({i + 1 for i in self.layer_ids} | set(self.linear_layers))
 
     def _target_forward(self, ids: torch.Tensor, cache: TargetCache, causal_prompt: bool = False,
-                        causal_chunks: bool = False, logits_to_keep: int = 0):
+                        causal_chunks: bool = False, pads: list[int] | None = None, logits_to_keep: int = 0):
         """The target over `ids`: logits of its last `logits_to_keep` positions (0: all), drafter features, and the
-        linear-attention layers' inputs."""
+        linear-attention layers' inputs. The flags and `pads` as `TargetCache.masks` takes them."""
         width = ids.shape[1]
-        masks = cache.masks(width, self.windows, causal_prompt, causal_chunks)
+        masks = cache.masks(width, self.windows, causal_prompt, causal_chunks, pads)
         out = self.model(
             input_ids=ids,
             position_ids=cache.positions(width),
@@ -270,12 +276,15 @@ class SpeculativeDecoder:
         `prefill_chunk` tokens, by default PREFILL_CHUNK when the chunks take masks (a masked chunk's sliding layers
         attend densely over it), each attending over the slots filled so far only (`TargetCache.visible`; a sliding
         layer over its ring and the chunk's own keys).
-        A prompt without left padding (not `padded`) on SDPA or sink attention takes no mask where it can
-        (`TargetCache.masks`): SDPA's causal flag and its flash kernels, sinks by `causal_sink_attention`, and no
-        [b, 1, P, P] mask. Returns the last position's logits and the captured features of every prompt position."""
-        causal_prompt = not padded and unmasked_is_causal(self.model)  # read inside `grouped_attention`
-        causal_chunks = causal_prompt and unmasked_chunks(self.model)
+        On SDPA or sink attention a prompt takes no mask where it can (`TargetCache.masks`): SDPA's causal flag and
+        its flash kernels, sinks by `causal_sink_attention`, and no [b, 1, P, P] mask; a left-padded batch of at
+        least ROWS_WITHOUT_MASKS tokens likewise row by row from each row's first real token (`row_starts`).
+        Returns the last position's logits and the captured features of every prompt position."""
         prompt = input_ids.shape[1]
+        causal = unmasked_is_causal(self.model)  # read inside `grouped_attention`
+        pads = cache.pad.tolist() if causal and padded and prompt >= ROWS_WITHOUT_MASKS else None
+        causal_prompt = causal and (not padded or pads is not None)
+        causal_chunks = causal_prompt and unmasked_chunks(self.model)
         chunk = prompt
         if cache.ring_size:
             chunk = self.prefill_chunk or (prompt if causal_chunks else PREFILL_CHUNK)
@@ -286,7 +295,7 @@ class SpeculativeDecoder:
             try:
                 # the last position's logits only: a whole prompt's take prompt x vocabulary (1.2 GB of bf16 for a
                 # 4096-token Qwen3 prompt) and the lm_head's largest GEMM
-                logits, chunk_features, _ = self._target_forward(ids, cache, causal_prompt, causal_chunks,
+                logits, chunk_features, _ = self._target_forward(ids, cache, causal_prompt, causal_chunks, pads,
                                                                  logits_to_keep=1)
             finally:
                 cache.visible = None

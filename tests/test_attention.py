@@ -9,7 +9,7 @@ from transformers.integrations import sdpa_attention
 from transformers.models.gpt_oss import modeling_gpt_oss
 
 import dflash_compile
-from dflash_compile.attention import NAME, grouped_attention, grouped_query_attention
+from dflash_compile.attention import NAME, grouped_attention, grouped_query_attention, row_starts
 
 MIN = torch.finfo(torch.float32).min
 
@@ -102,6 +102,29 @@ def test_unmasked_sinks_in_bf16_are_as_close_to_fp32_as_gpt_oss_eager_attention(
                                       s_aux=module.sinks.to(device), sliding_window=window)
     assert ours.dtype == torch.bfloat16
     assert (ours.float().cpu() - expected).abs().max() <= (theirs.float() - expected).abs().max()
+
+
+@pytest.mark.parametrize("sinks, window, before", [(True, None, 0), (True, None, 5), (True, 4, 0), (True, 4, 6),
+                                                    (False, None, 0)])
+def test_row_starts_attend_each_row_from_its_first_real_key(sinks, window, before):
+    """A left-padded prefill's `row_starts` in place of a mask: each row causally over its keys from its first real
+    one (a chunk's queries after earlier keys too, inside the window transformers passes a sliding sink layer), the
+    numbers of gpt-oss's eager attention / transformers' SDPA with the explicit mask; padding queries get zeros."""
+    t, firsts = 12, [0, 3, before + 7]  # the last row's padding reaches into the chunk's queries
+    rows = [attention_inputs(t=t, slots=before + t, seed=seed) for seed in range(3)]
+    module = rows[0][0]
+    query, key, value = (torch.cat([row[i] for row in rows]) for i in (1, 2, 3))
+    out, _ = grouped_query_attention(module, query, key, value, row_starts(firsts), scaling=0.25,
+                                     s_aux=module.sinks if sinks else None, sliding_window=window)
+    for row, first in enumerate(firsts):
+        mask = causal_mask(t, window, before)
+        mask[..., :first] = MIN
+        args = (module, query[row:row + 1], key[row:row + 1], value[row:row + 1], mask)
+        reference = modeling_gpt_oss.eager_attention_forward if sinks else sdpa_attention.sdpa_attention_forward
+        expected, _ = reference(*args, scaling=0.25)
+        real = max(first - before, 0)
+        torch.testing.assert_close(out[row, real:], expected[0, real:], rtol=1e-5, atol=1e-5)
+        assert not out[row, :real].any()
 
 
 def test_long_prefills_and_unmasked_calls_take_transformers_sdpa(monkeypatch):

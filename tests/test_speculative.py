@@ -308,6 +308,36 @@ def test_unpadded_prompts_take_gpt_oss_sinks_without_masks(tiny, monkeypatch, pr
         assert forwards[:len(chunks) if unmasked else 3] == (chunks if unmasked else [4, 4, 1])
 
 
+@pytest.mark.parametrize("family, prefill_chunk", [(family, None) for family in SPECULATIVE_FAMILIES]
+                         + [("gpt_oss", 4)])
+def test_left_padded_prompts_attend_row_by_row_without_masks(tiny, monkeypatch, family, prefill_chunk):
+    """A left-padded batch of at least ROWS_WITHOUT_MASKS tokens (here any) takes no mask either: each attention
+    layer gets each row's first real key (`row_starts`) and attends row by row as an unpadded prompt would, in
+    every chunk of gpt-oss (chunks of 4: 4 + 4 + 1 tokens, the third row's first chunk all padding), in the one
+    forward of the SDPA families (Qwen3.5's linear attention keeps its padding mask). The same tokens as
+    transformers."""
+    from dflash_compile import attention, speculative
+
+    monkeypatch.setattr(speculative, "ROWS_WITHOUT_MASKS", 0)
+    model = tiny(family)
+    calls = []
+    by_rows = attention._by_rows
+
+    def recorded(attend, query, key, value, starts):
+        calls.append((query.shape[2], starts.flatten().tolist()))
+        return by_rows(attend, query, key, value, starts)
+
+    monkeypatch.setattr(attention, "_by_rows", recorded)
+    fast = dflash_compile.optimize(model, adaptive=False, compile=False, prefill_chunk=prefill_chunk)
+    ids, mask = prompts(3)
+    expected = reference(model, ids, mask)
+    assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
+    kinds = [kind for kind in spec_for_model(model).attention_kinds(model.config) if kind != "linear_attention"]
+    chunks = [9] if prefill_chunk is None else [4, 4, 1]
+    assert [t for t, _ in calls] == [t for t in chunks for _ in kinds]
+    assert calls[kinds.index("full_attention")][1] == [0, 2, 4]  # each row's padding
+
+
 def test_generations_of_other_lengths_reuse_the_compiled_step(tiny):
     """Caches come in power-of-two capacities, so new prompt and output lengths inside one bucket run the graph
     already compiled (exact capacities compiled a new step per length, and fell back to eager after 8)."""
