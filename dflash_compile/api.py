@@ -77,12 +77,12 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
             f"{type(model).__name__} is not a Mixture-of-Experts model of a supported family "
             f"({', '.join(supported_families())}); dflash_compile.optimize needs one"
         )
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be at least 1 token (or None: optimize's choice), got {prefill_chunk}")
     pack_experts_expanded_at_load(model)
     layer_ids: tuple[int, ...] = ()
     if drafter is not None:
         drafter, layer_ids = load_drafter(drafter, model)
-    if prefill_chunk is not None and prefill_chunk < 1:
-        raise ValueError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
     if gpu_memory is not None:  # checks the budget before it moves anything
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         model = offload_experts(model, gpu_memory, device=device, policy=offload_policy,

@@ -104,9 +104,10 @@ def test_unmasked_sinks_in_bf16_are_as_close_to_fp32_as_gpt_oss_eager_attention(
     assert (ours.float().cpu() - expected).abs().max() <= (theirs.float() - expected).abs().max()
 
 
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("sinks, window, before", [(True, None, 0), (True, None, 5), (True, 4, 0), (True, 4, 6),
                                                     (False, None, 0)])
-def test_row_starts_attend_each_row_from_its_first_real_key(sinks, window, before):
+def test_row_starts_attend_each_row_from_its_first_real_key(sinks, window, before, device):
     """A left-padded prefill's `row_starts` in place of a mask: each row causally over its keys from its first real
     one (a chunk's queries after earlier keys too, inside the window transformers passes a sliding sink layer), the
     numbers of gpt-oss's eager attention / transformers' SDPA with the explicit mask; padding queries get zeros."""
@@ -114,8 +115,10 @@ def test_row_starts_attend_each_row_from_its_first_real_key(sinks, window, befor
     rows = [attention_inputs(t=t, slots=before + t, seed=seed) for seed in range(3)]
     module = rows[0][0]
     query, key, value = (torch.cat([row[i] for row in rows]) for i in (1, 2, 3))
-    out, _ = grouped_query_attention(module, query, key, value, row_starts(firsts), scaling=0.25,
-                                     s_aux=module.sinks if sinks else None, sliding_window=window)
+    out, _ = grouped_query_attention(module, *(x.to(device) for x in (query, key, value)), row_starts(firsts),
+                                     scaling=0.25, s_aux=module.sinks.to(device) if sinks else None,
+                                     sliding_window=window)
+    out = out.cpu()
     for row, first in enumerate(firsts):
         mask = causal_mask(t, window, before)
         mask[..., :first] = MIN

@@ -131,6 +131,15 @@ def test_dense_model_is_refused(tiny):
         dflash_compile.optimize(transformers.AutoModelForCausalLM.from_config(config), adaptive=False)
 
 
+def test_a_bad_prefill_chunk_is_refused_before_anything_changes(tiny, monkeypatch):
+    from dflash_compile import api
+
+    monkeypatch.setattr(api, "pack_experts_expanded_at_load", lambda model: pytest.fail("the model was touched"))
+    with pytest.raises(ValueError, match=r"prefill_chunk must be at least 1 token \(or None: optimize's choice\), "
+                                         "got 0"):
+        dflash_compile.optimize(tiny("gpt_oss"), prefill_chunk=0)
+
+
 @pytest.mark.parametrize("ring_slack", [0, -1])
 def test_sliding_layers_keep_a_ring_of_window_minus_one_plus_block(tiny, monkeypatch, ring_slack):
     """gpt-oss sliding layers (window 8) keep W - 1 + block = 13 slots while 57 tokens pass: the ring wraps several
