@@ -342,7 +342,7 @@ class OffloadedExperts:
             self._stats.hits += hits
             self._stats.misses += misses
             self._stats.prefetched += prefetched
-            self._stats.prefetch_hits += hits  # only prefetches fill its slots
+            self._stats.prefetch_hits += hits  # only prefetches (and a prompt's own staged copies) fill its slots
             self._stats.prefetch_wasted += wasted
             self._stats.bytes_fetched += (prefetched + misses) * self.layers[0].host.shape[1]
         return self._stats
@@ -543,9 +543,10 @@ class OffloadedExperts:
 
     def _run_device_managed(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor, gate) -> torch.Tensor:
-        """The layer with the device-managed cache (`slot_table`): nothing read on the host. Copies for the next
-        `prefetch` layers' predicted experts go out on the side stream first; this layer waits for its own (planned
-        by the previous layer) and reads the experts that have no slot from host memory."""
+        """The layer with the device-managed cache (`slot_table`): nothing read on the host. A call of more than
+        STAGED_PAIRS pairs per routed expert (a prompt's) first copies its own experts that have no slot into slots
+        (`_stage`). Copies for the next `prefetch` layers' predicted experts go out on the side stream; this layer
+        waits for its own (planned by the previous layer) and reads the experts that have no slot from host memory."""
         from .expert_store import run_packed
         from .kernels.moe import fused_moe, pairs_per_routed_expert
 

@@ -12,6 +12,9 @@ copies: one sync per MoE layer, and the step cannot be one CUDA graph. Here a la
    copy kernel on a side stream reads (`kernels.blob_copy`);
 3. runs the fused kernel with its `slot_of` row: experts without a slot come from pinned host memory.
 
+A call with many pairs per expert (a prompt's) first plans slots for its own routed experts (`plan(...,
+staged=True)`) and waits for their copies, since the kernel would read a host blob once per block of pairs.
+
 Only predicted experts enter the cache; a miss is read over PCIe once and not kept. Layers that nothing predicts (the
 first MoE layer) would miss every time: `pin` gives their experts slots for good while the pool keeps a full layer's
 worth free for the others. Every update has a fixed shape (the copy lists a fixed length, rows marked valid or
