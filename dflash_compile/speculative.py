@@ -96,14 +96,14 @@ def _eos_ids(eos_token_id) -> set[int]:
 
 STEP_GRAPHS = 64  # compiled verify steps kept per decoder code object before Dynamo falls back to eager
 SMALLEST_CACHE = 16
-# Tokens per masked prefill forward of a model with sliding-window layers (a left-padded batch; others, and unpadded
-# prompts that go unmasked, take the prompt in one unless `prefill_chunk` is given): a masked chunk attends densely
-# over its ring and its own keys, and every chunk reads every expert again. H200, 24-layer gpt-oss-20b, MXFP4
-# experts, sinks by SDPA (session 36, bench/prefill.py): a 2048-token prompt 150 ms in chunks of 1024 against 76 in
-# one; 4096 tokens 179 / 152 / 162 ms in chunks of 1024 / 2048 / 4096 (fused experts), 8192 tokens 533 / 320 / 289 /
-# 302 ms in chunks of 1024 / 2048 / 4096 / 8192 (4096: experts dequantized for cuBLAS, `kernels.moe`'s
-# DEQUANTIZE_PAIRS); transformers' one forward 192 / 588 / 1929 ms. Unmasked (session 38): 8192 tokens 293.7 /
-# 216.2 / 180.0 ms in chunks of 2048 / 4096 / 8192, 12288 tokens 350.3 / 264.4 in chunks of 4096 / 12288.
+# Tokens per masked prefill forward of a model with sliding-window layers (a left-padded batch shorter than
+# ROWS_WITHOUT_MASKS; others, and prompts that go unmasked, take the prompt in one unless `prefill_chunk` is given): a
+# masked chunk attends densely over its ring and its own keys, and every chunk reads every expert again. H200,
+# 24-layer gpt-oss-20b, MXFP4 experts, sinks by SDPA (session 36, bench/prefill.py): a 2048-token prompt 150 ms in
+# chunks of 1024 against 76 in one; 4096 tokens 179 / 152 / 162 ms in chunks of 1024 / 2048 / 4096 (fused experts),
+# 8192 tokens 533 / 320 / 289 / 302 ms in chunks of 1024 / 2048 / 4096 / 8192 (4096: experts dequantized for cuBLAS,
+# `kernels.moe`'s DEQUANTIZE_PAIRS); transformers' one forward 192 / 588 / 1929 ms. Unmasked (session 38): 8192 tokens
+# 293.7 / 216.2 / 180.0 ms in chunks of 2048 / 4096 / 8192, 12288 tokens 350.3 / 264.4 in chunks of 4096 / 12288.
 PREFILL_CHUNK = 4096
 # A left-padded prompt at least this long attends row by row without masks (`attention.row_starts`: each row's
 # fused causal kernels from its first real token) rather than batched under a [b, 1, t, slots] mask. Estimated,
