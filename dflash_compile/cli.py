@@ -77,7 +77,7 @@ def generate_command(args) -> int:
     model, tokenizer = load_target(target_dir, "cpu" if args.gpu_memory else device, DTYPES[args.dtype])
     compile = args.compile if args.compile is not None else device.startswith("cuda")
     fast = optimize(model, drafter=drafter_dir, compile=compile, gpu_memory=args.gpu_memory, device=device,
-                    offload_manager=args.offload_manager)
+                    offload_manager=args.offload_manager, prefill_chunk=args.prefill_chunk)
     ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(device)
     streamer = TextStreamer(tokenizer) if args.stream else None
     output = fast.generate(ids, max_new_tokens=args.max_new_tokens, streamer=streamer)  # also compiles
@@ -264,6 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--stream", action="store_true", help="print tokens as each verify step commits them")
     generate.add_argument("--repeats", type=int, default=5, help="timed generations per side (alternating)")
     generate.add_argument("--gpu-memory", help="offload routed experts to host memory under this budget, e.g. 20GiB")
+    generate.add_argument("--prefill-chunk", type=int,
+                          help="tokens per prompt forward for models with sliding-window layers, to bound the "
+                               "prefill's memory (default: the whole prompt where it goes without masks)")
     generate.add_argument("--offload-manager", choices=MANAGERS, default="auto",
                           help="who manages the offloaded experts' cache: the host, reading each layer's routing, or "
                                "the GPU itself (no host read per layer; the whole step one CUDA graph); auto: the GPU "

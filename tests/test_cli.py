@@ -46,6 +46,9 @@ def test_generate_streams_the_tokens(capsys):
 def test_generate_argument_errors():
     with pytest.raises(SystemExit, match="give both --model and --drafter"):
         main(["generate", "--model", "somewhere"])
+    with pytest.raises(SystemExit, match=r"dflash-compile generate: prefill_chunk must be at least 1 token \(or "
+                                         r"None: optimize's choice\), got 0"):
+        main(["generate", "--prefill-chunk", "0"])
 
 
 def test_train_drafter_writes_a_loadable_checkpoint(tmp_path, capsys):
