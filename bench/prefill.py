@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
-from unittest.mock import patch
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 import transformers
@@ -29,10 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from spec_decode import build_model, packed_twin  # noqa: E402
 
 import dflash_compile  # noqa: E402
+from dflash_compile import speculative  # noqa: E402
 from dflash_compile.attention import grouped_attention  # noqa: E402
 from dflash_compile.benchmark import timed  # noqa: E402
-from dflash_compile import speculative  # noqa: E402
-from dflash_compile.speculative import cache_capacity  # noqa: E402
 
 
 def ours(target, ids, chunk: int, new: int, masks: str = "unpadded"):
@@ -40,7 +39,7 @@ def ours(target, ids, chunk: int, new: int, masks: str = "unpadded"):
     for a left-padded batch "rows" (row by row without masks, from ROWS_WITHOUT_MASKS tokens) or "explicit" (with
     [b, 1, t, slots] masks)."""
     decoder = dflash_compile.optimize(target, compile=False, prefill_chunk=chunk).decoder
-    max_len = cache_capacity(ids.shape[1] + new + decoder.block_size)
+    max_len = speculative.cache_capacity(ids.shape[1] + new + decoder.block_size)
     pad = torch.zeros(ids.shape[0], dtype=torch.int64, device=ids.device)
     rows_from = speculative.ROWS_WITHOUT_MASKS if masks != "explicit" else ids.shape[1] + 1
 

@@ -61,10 +61,11 @@ def test_sink_softmax_in_bf16_is_as_close_to_fp32_as_gpt_oss_eager_attention():
     assert (ours.float() - expected).abs().max() <= (theirs.float() - expected).abs().max()
 
 
-def causal_mask(t: int, window: int | None, before: int = 0) -> torch.Tensor:
-    """An additive [1, 1, t, before + t] mask for the last t of before + t positions: causal, inside `window`."""
+def causal_mask(t: int, window: int | None, before: int = 0, first: int = 0) -> torch.Tensor:
+    """An additive [1, 1, t, before + t] mask for the last t of before + t positions: causal, inside `window`, no
+    key before `first` (a row's left padding)."""
     query, key = torch.arange(before, before + t)[:, None], torch.arange(before + t)[None]
-    visible = (key <= query) & ((query - key < window) if window else True)
+    visible = (key <= query) & ((query - key < window) if window else True) & (key >= first)
     return torch.where(visible, 0.0, MIN)[None, None]
 
 
@@ -120,9 +121,7 @@ def test_row_starts_attend_each_row_from_its_first_real_key(sinks, window, befor
                                      sliding_window=window)
     out = out.cpu()
     for row, first in enumerate(firsts):
-        mask = causal_mask(t, window, before)
-        mask[..., :first] = MIN
-        args = (module, query[row:row + 1], key[row:row + 1], value[row:row + 1], mask)
+        args = (module, query[row:row + 1], key[row:row + 1], value[row:row + 1], causal_mask(t, window, before, first))
         reference = modeling_gpt_oss.eager_attention_forward if sinks else sdpa_attention.sdpa_attention_forward
         expected, _ = reference(*args, scaling=0.25)
         real = max(first - before, 0)

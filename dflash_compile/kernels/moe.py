@@ -267,21 +267,22 @@ def _finish_gate_up_kernel(partials, out, bias, expert_of_row, P, N, alpha, limi
     _wait_for_previous_launch(DEPENDENT_LAUNCH)
     _let_next_launch(DEPENDENT_LAUNCH)  # one program or a few: no SMs to crowd
     pair, columns = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = (columns < N)[:, None]
+    inside = columns < N
     # each column's gate and up as one [BLOCK, 2] load: interleaved pairs are adjacent, so no stride-2 loads
     up_offset = 1 if INTERLEAVED else N
     both_columns = (2 * columns if INTERLEAVED else columns)[:, None] + tl.arange(0, 2)[None, :] * up_offset
     both = tl.zeros((BLOCK, 2), dtype=tl.float32)
     for split in tl.static_range(SPLITS):
-        both += tl.load(partials + (split * P + pair) * (2 * N) + both_columns, mask=ok, other=0.0).to(tl.float32)
+        both += tl.load(partials + (split * P + pair) * (2 * N) + both_columns, mask=inside[:, None],
+                        other=0.0).to(tl.float32)
     if HAS_BIAS:  # the row's expert's
         row_bias = bias + tl.load(expert_of_row + pair).to(tl.int64) * (2 * N)
-        both += tl.load(row_bias + both_columns, mask=ok, other=0.0).to(tl.float32)
+        both += tl.load(row_bias + both_columns, mask=inside[:, None], other=0.0).to(tl.float32)
     gate, up = tl.split(both)
     result = _activate(gate, up, ACTIVATION, alpha, limit)
     if FP16_OPERANDS:  # the down launch's activations
         result = result * FP16_PRESCALE
-    tl.store(out + pair * N + columns, result, mask=columns < N)  # in out's dtype
+    tl.store(out + pair * N + columns, result, mask=inside)  # in out's dtype
 
 
 def _finish_gate_up(partials: torch.Tensor, dtype: torch.dtype, activation: str, alpha: float, limit: float,
