@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import re
 import statistics
@@ -33,6 +34,7 @@ from spec_decode import build_model, first_mismatch, width_summary  # noqa: E402
 
 import dflash_compile  # noqa: E402
 from dflash_compile.benchmark import timed  # noqa: E402
+from dflash_compile import offload  # noqa: E402
 from dflash_compile.kernels import blob_copy  # noqa: E402
 from dflash_compile.offload import MANAGERS, OffloadStats, choose_manager, plan_offload  # noqa: E402
 from dflash_compile.testing import OracleDrafter  # noqa: E402
@@ -163,18 +165,21 @@ def run(args) -> list[dict]:
                                                     oracle, False)]
         if args.adaptive and not args.decode_only:
             speculative.append((f"DFlash adaptive width, oracle p={args.corruption}", oracle, True))
-        copy_programs = args.copy_programs or [blob_copy.PROGRAMS]
+        copy_programs = list(itertools.product(args.copy_programs or [blob_copy.PROGRAMS],
+                                               args.staged_copy_programs or [offload.STAGED_COPY_PROGRAMS]))
+        compared = args.copy_programs or args.staged_copy_programs
         setups = [(f"{policy}, prefetch {ahead}, {manager}-managed"
-                   + (f" ({programs} copy programs)" if args.copy_programs and manager == "device" else "")
+                   + (f" ({programs} / {staged} copy programs ahead / staged)" if compared and manager == "device"
+                      else "")
                    + f", {name}" + (f", prefill chunks of {chunk}" if len(args.prefill_chunk) > 1 else ""),
-                   policy, ahead, manager, programs, drafter, adaptive, chunk)
+                   policy, ahead, manager, programs, staged, drafter, adaptive, chunk)
                   for policy in args.policy for ahead in args.prefetch
                   for manager in managers(args.manager, args.device, policy, args.cpu_compute)
-                  for programs in (copy_programs if manager == "device" else copy_programs[:1])
+                  for programs, staged in (copy_programs if manager == "device" else copy_programs[:1])
                   for name, drafter, adaptive in [("decode", None, False), *speculative]
                   for chunk in args.prefill_chunk]
-        for name, policy, ahead, manager, programs, drafter, adaptive, chunk in setups:
-            blob_copy.PROGRAMS = programs
+        for name, policy, ahead, manager, programs, staged, drafter, adaptive, chunk in setups:
+            blob_copy.PROGRAMS, offload.STAGED_COPY_PROGRAMS = programs, staged
             fast = dflash_compile.optimize(copy.deepcopy(host_model), drafter, gpu_memory=budget, device=args.device,
                                            adaptive=adaptive, offload_policy=policy, offload_prefetch=ahead,
                                            offload_manager=manager, offload_cpu_compute=args.cpu_compute,
@@ -238,6 +243,9 @@ def main() -> None:
     parser.add_argument("--copy-programs", type=int, nargs="+",
                         help="programs of the device manager's copy kernel (default kernels.blob_copy.PROGRAMS); "
                              "several compare them")
+    parser.add_argument("--staged-copy-programs", type=int, nargs="+",
+                        help="programs of a prompt layer's copy of its own experts (default "
+                             "offload.STAGED_COPY_PROGRAMS); several compare them")
     parser.add_argument("--adaptive", action="store_true", help="also run DFlash with the adaptive verify width")
     parser.add_argument("--decode-only", action="store_true", help="plain decoding only (no DFlash rows)")
     parser.add_argument("--cpu-compute", default="off", choices=["off", "auto", "always"],

@@ -36,12 +36,12 @@ from dflash_compile.benchmark import timed  # noqa: E402
 
 def ours(target, ids, chunk: int, new: int, masks: str = "unpadded"):
     """A call of the decoder's prefill on a fresh cache, as `generate` makes and runs it. `masks`: "unpadded", or as
-    for a left-padded batch "rows" (row by row without masks, from ROWS_WITHOUT_MASKS tokens) or "explicit" (with
-    [b, 1, t, slots] masks)."""
+    for a left-padded batch "rows" (row by row without masks, at any length: ROWS_WITHOUT_MASKS set to 0) or
+    "explicit" (with [b, 1, t, slots] masks)."""
     decoder = dflash_compile.optimize(target, compile=False, prefill_chunk=chunk).decoder
     max_len = speculative.cache_capacity(ids.shape[1] + new + decoder.block_size)
     pad = torch.zeros(ids.shape[0], dtype=torch.int64, device=ids.device)
-    rows_from = speculative.ROWS_WITHOUT_MASKS if masks != "explicit" else ids.shape[1] + 1
+    rows_from = 0 if masks == "rows" else ids.shape[1] + 1
 
     def run():
         with torch.inference_mode(), grouped_attention(target), patch.object(speculative, "ROWS_WITHOUT_MASKS",

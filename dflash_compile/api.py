@@ -48,7 +48,7 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
     CUDA-graph trees. Weights updated in place are read by the graphs; parameter tensors replaced after the first
     generation are not. Models with sliding-window layers prefill in chunks of `prefill_chunk` tokens (by default
     the whole prompt in one forward where it goes without masks, as gpt-oss prompts do unless a left-padded batch is
-    shorter than 1024 tokens, else chunks of 4096: `speculative.PREFILL_CHUNK`; a smaller chunk bounds the
+    shorter than 2048 tokens, else chunks of 4096: `speculative.PREFILL_CHUNK`; a smaller chunk bounds the
     prefill's activation memory), and their sliding layers keep window - 1 + block slots. With `gpu_memory`
     ("20GiB", bytes or an accelerate max_memory dict) the routed experts are offloaded to host memory behind a slot
     pool on `device` (default: cuda when available) that fits the budget with the dense weights (`offload_experts`;

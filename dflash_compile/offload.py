@@ -231,6 +231,10 @@ PREFETCH_TRIAL, PREFETCH_MIN_PRECISION = 64, 0.5
 # cores' rows), so past one block the copy (one PCIe read) wins: H200, gpt-oss-20b (4 layers, bf16 experts, 25%
 # resident), an 8192-token prefill took 4.1 s reading them over PCIe block by block (session 38).
 STAGED_PAIRS = 16
+# Programs of a staged copy (`_stage`): the compute stream waits for it, so unlike a prefetch (blob_copy.PROGRAMS,
+# sized to leave SMs to the compute beside it) it takes every SM. H200 (132 SMs), gpt-oss-20b (4 layers, bf16
+# experts, 25% resident), an 8192-token prefill: 213.6 / 194.2 / 194.6 ms with 64 / 132 / 264 programs (session 39).
+STAGED_COPY_PROGRAMS = 132
 
 
 @dataclass(frozen=True)
@@ -578,12 +582,12 @@ class OffloadedExperts:
         if layer in self.landing:
             torch.cuda.current_stream(self.device).wait_event(self.landing.pop(layer))
         rows = self.slot_table.plan(layer, top_k_index, staged=True)
-        self._copy_planned(layer, 1, rows)
+        self._copy_planned(layer, 1, rows, STAGED_COPY_PROGRAMS)
 
-    def _copy_planned(self, layer: int, distance: int, rows: int) -> None:
+    def _copy_planned(self, layer: int, distance: int, rows: int, programs: int | None = None) -> None:
         """Run the copies `slot_table.plan` listed for `layer` from `distance` layers before it: on CUDA a copy kernel
-        on the side stream after everything queued so far (the victims' previous experts are no longer read), whose
-        event `layer` waits for."""
+        (of `programs` programs, by default blob_copy's) on the side stream after everything queued so far (the
+        victims' previous experts are no longer read), whose event `layer` waits for."""
         host = self.layers[layer].host
         experts, slots, valid = (part[:rows] for part in self.slot_table.copy_list(layer, distance))
         if self.copy_stream is None:
@@ -594,7 +598,7 @@ class OffloadedExperts:
 
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream):
-            copy_blobs(host, self.pool, experts, slots, valid)
+            copy_blobs(host, self.pool, experts, slots, valid, programs)
             self.landing[layer] = torch.cuda.Event()
             self.landing[layer].record()
 

@@ -106,11 +106,12 @@ SMALLEST_CACHE = 16
 # 293.7 / 216.2 / 180.0 ms in chunks of 2048 / 4096 / 8192, 12288 tokens 350.3 / 264.4 in chunks of 4096 / 12288.
 PREFILL_CHUNK = 4096
 # A left-padded prompt at least this long attends row by row without masks (`attention.row_starts`: each row's
-# fused causal kernels from its first real token) rather than batched under a [b, 1, t, slots] mask. Estimated,
-# not yet timed: per row and layer a handful of launches (~0.1 ms of host time in the eager prefill) against the
-# masked path's dense t x slots term (gpt-oss-20b, H200: 1.6 ms a layer at 4096 tokens under the mask, 0.73 ms
-# unmasked; session 37).
-ROWS_WITHOUT_MASKS = 1024
+# fused causal kernels from its first real token) rather than batched under a [b, 1, t, slots] mask: per row and
+# layer a handful of launches against the masked path's dense t x slots term. H200, 4 rows, 8 layers, rows / masks
+# (`bench/prefill.py --batch 4 --masks rows explicit`, session 39): gpt-oss-20b (MXFP4) at 256 / 512 / 1024 / 2048
+# tokens 42.9 / 34.3 / 36.9 / 58.7 ms against 24.5 / 24.0 / 35.5 / 62.4; Qwen3-30B-A3B (bf16) at 256 / 1024 / 2048
+# 16.0 / 25.2 / 38.8 against 13.7 / 24.5 / 43.3.
+ROWS_WITHOUT_MASKS = 2048
 
 
 def cache_capacity(tokens: int) -> int:

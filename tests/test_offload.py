@@ -587,6 +587,30 @@ def test_device_managed_copies_land_when_plans_run_far_ahead_of_them(tmp_path, m
 
 
 @cuda
+def test_device_managed_prompts_stage_their_experts_on_the_gpu(tmp_path, monkeypatch):
+    """A 160-token prompt (top-2 of 16 experts: 20 pairs per routed expert, past STAGED_PAIRS) on real streams: each
+    prompt layer's copy of its own experts (every SM's programs, on the side stream) lands before its kernel reads
+    the slots, and the copies planned for the layers ahead do not overwrite them. Slots hold the blobs their table
+    names; the resident model's tokens."""
+    from dflash_compile import offload
+
+    staged = []
+    stage = offload.OffloadedExperts._stage
+
+    def recorded(self, layer, top_k_index):
+        staged.append(layer)
+        stage(self, layer, top_k_index)
+
+    monkeypatch.setattr(offload.OffloadedExperts, "_stage", recorded)
+    ids, load = token_ids(batch=1, length=160), lambda: _cuda_model(tmp_path)
+    expected, _ = _cuda_generate(load, ids, 8)
+    tokens, model = _cuda_generate(load, ids, 8, extra_slots=2, offload_manager="device")
+    assert staged == list(range(len(model.dflash_offload.layers)))  # the prompt's layers, once each
+    assert not model.dflash_offload.stale_slots()
+    assert torch.equal(tokens, expected)
+
+
+@cuda
 @pytest.mark.parametrize("manager", ["host", "device"])
 def test_expert_copies_overlap_compute(tmp_path, manager):
     """Profiler trace of an offloaded decode whose budget is one layer of experts (every layer misses): expert
