@@ -261,7 +261,7 @@ def _activate(gate, up, ACTIVATION: tl.constexpr, alpha, limit):
 
 
 @triton.jit
-def _finish_gate_up_kernel(partials, out, bias, expert_of_row, P, N, alpha, limit, SPLITS: tl.constexpr,
+def _finish_gate_up_kernel(partials, out, bias, bias_stride, expert_of_row, P, N, alpha, limit, SPLITS: tl.constexpr,
                            ACTIVATION: tl.constexpr, FP16_OPERANDS: tl.constexpr, INTERLEAVED: tl.constexpr,
                            HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
     _wait_for_previous_launch(DEPENDENT_LAUNCH)
@@ -276,7 +276,7 @@ def _finish_gate_up_kernel(partials, out, bias, expert_of_row, P, N, alpha, limi
         both += tl.load(partials + (split * P + pair) * (2 * N) + both_columns, mask=inside[:, None],
                         other=0.0).to(tl.float32)
     if HAS_BIAS:  # the row's expert's
-        row_bias = bias + tl.load(expert_of_row + pair).to(tl.int64) * (2 * N)
+        row_bias = bias + tl.load(expert_of_row + pair).to(tl.int64) * bias_stride
         both += tl.load(row_bias + both_columns, mask=inside[:, None], other=0.0).to(tl.float32)
     gate, up = tl.split(both)
     result = _activate(gate, up, ACTIVATION, alpha, limit)
@@ -289,22 +289,25 @@ def _finish_gate_up(partials: torch.Tensor, dtype: torch.dtype, activation: str,
                     fp16_operands: bool, interleaved: bool = True, bias: torch.Tensor | None = None,
                     expert_of_row: torch.Tensor | None = None) -> torch.Tensor:
     """[S, P, 2N] gate/up partial sums of S K splits (gate and up interleaved, or concatenated), plus each row's
-    expert's bias [E, 2N] where given, -> [P, N] activations in `dtype`, as the unsplit gate/up launch writes them."""
+    expert's bias [E, 2N] where given (its experts any stride apart: slot-pool views), -> [P, N] activations in
+    `dtype`, as the unsplit gate/up launch writes them."""
     splits, pairs, two_n = partials.shape
     out = torch.empty(pairs, two_n // 2, dtype=dtype, device=partials.device)
     block = min(1024, triton.next_power_of_2(two_n // 2))
     _finish_gate_up_kernel[(pairs, triton.cdiv(two_n // 2, block))](
-        partials, out, bias, expert_of_row, pairs, two_n // 2, float(alpha), float(limit), SPLITS=splits,
+        partials, out, bias, 0 if bias is None else bias.stride(0), expert_of_row, pairs, two_n // 2, float(alpha),
+        float(limit), SPLITS=splits,
         ACTIVATION=ACTIVATIONS[activation], FP16_OPERANDS=fp16_operands, INTERLEAVED=interleaved,
         HAS_BIAS=bias is not None, BLOCK=block, **_dependent_launch(partials.device))
     return out
 
 
 @triton.jit
-def _sum_sorted_pairs_kernel(projected, row_of_pair, expert_of_pair, pair_weights, bias, out, H, E,
+def _sum_sorted_pairs_kernel(projected, row_of_pair, expert_of_pair, pair_weights, bias, bias_stride, out, H, E,
                              TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     """Token program_id(0), columns tile program_id(1): its TOP_K pairs' down projections (rows of `projected` at
-    `row_of_pair`) plus their expert's bias, times their routing weights, summed in fp32 in pair order, rounded once.
+    `row_of_pair`) plus their expert's bias (experts `bias_stride` apart), times their routing weights, summed in
+    fp32 in pair order, rounded once.
     Pairs of ids past the E experts (expert-parallel sentinels) add nothing."""
     token, columns = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = columns < H
@@ -316,7 +319,7 @@ def _sum_sorted_pairs_kernel(projected, row_of_pair, expert_of_pair, pair_weight
         row = tl.load(row_of_pair + pair).to(tl.int64)
         y = tl.load(projected + row * H + columns, mask=local, other=0.0).to(tl.float32)
         if HAS_BIAS:
-            y += tl.load(bias + expert * H + columns, mask=local, other=0.0).to(tl.float32)
+            y += tl.load(bias + expert * bias_stride + columns, mask=local, other=0.0).to(tl.float32)
         total += y * tl.load(pair_weights + pair).to(tl.float32)
     tl.store(out + token * H + columns, total, mask=ok)  # in out's dtype
 
@@ -1405,7 +1408,8 @@ def _dequantized_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
     out = torch.empty_like(hidden)
     block = min(1024, triton.next_power_of_2(h))
     _sum_sorted_pairs_kernel[(tokens, triton.cdiv(h, block))](
-        projected, row_of_pair, flat, top_k_weights.reshape(-1), down.bias, out, h, experts, TOP_K=top_k,
+        projected, row_of_pair, flat, top_k_weights.reshape(-1), down.bias,
+        0 if down.bias is None else down.bias.stride(0), out, h, experts, TOP_K=top_k,
         HAS_BIAS=down.bias is not None, BLOCK=block)
     return out
 

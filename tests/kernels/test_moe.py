@@ -588,6 +588,30 @@ def test_many_pairs_per_expert_dequantize_for_a_grouped_gemm(monkeypatch, precis
     assert error <= (1e-4 if precision == "fp32" else 1e-2), f"relative error {error:.2e}"
 
 
+@pytest.mark.parametrize("dequantize", [True, False])
+@pytest.mark.parametrize("format", ["mxfp4", "fp8_block", "dense"])
+def test_experts_read_from_slot_pool_views_give_the_same_bits(monkeypatch, format, dequantize):
+    """Experts as views over an offload slot pool (`BlobLayout.weights`: each expert's weights, scales and biases a
+    blob apart, in slots other than their ids, ids routed through their slots) give the bits of the same experts
+    stored one after another, on the fused launches and on `_dequantized_moe` (whose bias reads once assumed
+    [E, N] contiguous biases: a pool's gave other experts' biases)."""
+    from dflash_compile.kernels import moe
+
+    monkeypatch.setattr(moe, "DEQUANTIZE_PAIRS", dict.fromkeys(moe.DEQUANTIZE_PAIRS, 8 if dequantize else 1 << 20))
+    gate_up, down = _experts(format, 4, 160, 64, bias=True, seed=18)
+    layout, blobs = _blobs(gate_up, down)
+    slot_of = torch.tensor([4, 0, 5, 2])
+    pool = torch.zeros(6, blobs.shape[1], dtype=blobs.dtype)
+    pool[slot_of] = blobs
+    pooled = layout.weights(pool.to(DEVICE), format)
+    index, weights = _routing(48, 4, 2, seed=19)
+    x = torch.randn(48, 160, generator=torch.Generator().manual_seed(20)).to(DEVICE)
+    calls = dict(interleaved=True, activation="clamped_swiglu")
+    expected = fused_moe(x, index.to(DEVICE), weights.to(DEVICE), gate_up, down, **calls)
+    actual = fused_moe(x, slot_of[index].to(DEVICE), weights.to(DEVICE), *pooled, **calls)
+    assert torch.equal(actual, expected)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
     DEVICE == "cpu", reason="the interpreter's bf16 is wrong"))])
 @pytest.mark.parametrize("format", ["mxfp4", "fp8_block"])
