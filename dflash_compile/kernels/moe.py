@@ -296,9 +296,8 @@ def _finish_gate_up(partials: torch.Tensor, dtype: torch.dtype, activation: str,
     block = min(1024, triton.next_power_of_2(two_n // 2))
     _finish_gate_up_kernel[(pairs, triton.cdiv(two_n // 2, block))](
         partials, out, bias, 0 if bias is None else bias.stride(0), expert_of_row, pairs, two_n // 2, float(alpha),
-        float(limit), SPLITS=splits,
-        ACTIVATION=ACTIVATIONS[activation], FP16_OPERANDS=fp16_operands, INTERLEAVED=interleaved,
-        HAS_BIAS=bias is not None, BLOCK=block, **_dependent_launch(partials.device))
+        float(limit), SPLITS=splits, ACTIVATION=ACTIVATIONS[activation], FP16_OPERANDS=fp16_operands,
+        INTERLEAVED=interleaved, HAS_BIAS=bias is not None, BLOCK=block, **_dependent_launch(partials.device))
     return out
 
 
