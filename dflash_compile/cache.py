@@ -164,6 +164,9 @@ class TargetCache(Cache):
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
 
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        """transformers >= 5.25 counts a one-token in-place conv update here; `lengths` count tokens already."""
+
     def update_conv_state(self, conv_input, layer_idx: int, conv_kernel_size: int | None = None, **kwargs):
         """The conv input with the committed window in front; kept pending until `commit_linear`."""
         old = self.conv.get(layer_idx)

@@ -22,6 +22,13 @@ def _quantized(family, format, tmp_path):
     return model, quantize(model, tmp_path / format, format)
 
 
+def _transformers_dequantized_load(directory):
+    """transformers' own load of an MXFP4 checkpoint, its experts dequantized (transformers 5.24 does so on a CPU
+    by itself; 5.25 would fetch its hub kernels unless asked)."""
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32, quantization_config=transformers.Mxfp4Config(dequantize=True))
+
+
 def test_mxfp4_gpt_oss_loads_packed_and_matches_transformers_dequantized_load(tmp_path):
     _, directory = _quantized("gpt_oss", "mxfp4", tmp_path)
     packed = load_packed(directory, dtype=torch.float32)
@@ -29,8 +36,7 @@ def test_mxfp4_gpt_oss_loads_packed_and_matches_transformers_dequantized_load(tm
     assert weight_bytes * 8 / weights == 4.25
     assert packed_weights(packed.model.layers[0].mlp.experts)[0].data.dtype == torch.uint8
     assert not hasattr(packed.model.layers[0].mlp.experts, "gate_up_proj")  # never expanded
-    # transformers dequantizes MXFP4 at load on a CPU: an independent reading of the same checkpoint
-    reference = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    reference = _transformers_dequantized_load(directory)  # an independent reading of the same checkpoint
     ids = token_ids()
     with torch.no_grad():
         torch.testing.assert_close(packed(ids).logits, reference(ids).logits, atol=1e-5, rtol=1e-5)
@@ -38,10 +44,10 @@ def test_mxfp4_gpt_oss_loads_packed_and_matches_transformers_dequantized_load(tm
 
 def test_optimize_packs_again_the_mxfp4_experts_transformers_expanded_at_load(tmp_path):
     """The issue's own example: `AutoModelForCausalLM.from_pretrained` of an MXFP4 checkpoint expands the experts
-    (transformers without its kernels) and drops quantization_config; optimize packs them again, losslessly, so the
-    fused MXFP4 kernel runs them and generation is unchanged."""
+    (asked to, as transformers 5.24 does on a CPU anyway) and drops quantization_config; optimize packs them again,
+    losslessly, so the fused MXFP4 kernel runs them and generation is unchanged."""
     _, directory = _quantized("gpt_oss", "mxfp4", tmp_path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    model = _transformers_dequantized_load(directory).eval()
     ids = token_ids()
     with torch.no_grad():
         logits = model(ids).logits
