@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .checkpoint import pack_experts_expanded_at_load
+from .checkpoint import pack_experts_expanded_at_load, refuse_hub_kernel_experts
 from .drafter import load_drafter
 from .families import spec_for_model, supported_families
 from .offload import offload_experts
@@ -66,7 +66,8 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
     step with more inputs than outputs (routers, o_proj: pass `split_k_linear`). On CUDA each attention layer of a
     bf16 / fp16 decode or verify step is one launch too (`dflash::decode_attention`, split over the cache's slots).
     A model that transformers loaded from an MXFP4 checkpoint by expanding its experts gets them packed again
-    (losslessly; `pack_experts_expanded_at_load`).
+    (losslessly; `pack_experts_expanded_at_load`); one whose experts transformers' MXFP4 hub kernels hold is refused
+    with the loads that work (`refuse_hub_kernel_experts`).
     `fused_experts` (default): resident bf16 / fp32 experts run dflash's fused kernels on their own weights in the
     compiled steps (Triton on CUDA, C++ on a CPU; fp16 experts keep transformers' path, the kernels would round them
     to bf16); False keeps transformers' grouped_mm (CUDA) or the reference loop.
@@ -79,6 +80,7 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
         )
     if prefill_chunk is not None and prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be at least 1 token (or None: optimize's choice), got {prefill_chunk}")
+    refuse_hub_kernel_experts(model)
     pack_experts_expanded_at_load(model)
     layer_ids: tuple[int, ...] = ()
     if drafter is not None:

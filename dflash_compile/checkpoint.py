@@ -144,6 +144,22 @@ def _checkpoint_format(quantization) -> str:
                      f"({FORMATS}); load the model with transformers instead")
 
 
+def refuse_hub_kernel_experts(model: torch.nn.Module) -> None:
+    """Refuse experts that transformers loaded from an MXFP4 checkpoint with its hub kernels (`Mxfp4GptOssExperts`,
+    wherever the `kernels` package is installed, which transformers 5.25 requires): their weights are in a layout
+    only those kernels read, so dflash could neither pack nor run them. The error names the loads dflash runs."""
+    from transformers.integrations.mxfp4 import Mxfp4GptOssExperts
+
+    hub = [name for name, module in model.named_modules() if isinstance(module, Mxfp4GptOssExperts)]
+    if hub:
+        directory = getattr(model.config, "_name_or_path", "") or "the checkpoint"
+        raise ValueError(
+            f"{hub[0]} ({len(hub)} experts modules in all) holds experts transformers loaded with its MXFP4 hub "
+            "kernels (Mxfp4GptOssExperts), in a layout only those kernels read; load with "
+            f"dflash_compile.from_pretrained({directory!r}) (experts kept packed, dflash's fused kernels) or pass "
+            "transformers quantization_config=Mxfp4Config(dequantize=True)")
+
+
 def pack_experts_expanded_at_load(model: torch.nn.Module) -> None:
     """Undo transformers' expansion of an MXFP4 / FP8 checkpoint's routed experts: without its own kernels it loads
     them in the model dtype and drops `quantization_config` (the checkpoint's config.json still names the format).

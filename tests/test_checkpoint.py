@@ -65,6 +65,24 @@ def test_optimize_packs_again_the_mxfp4_experts_transformers_expanded_at_load(tm
     assert torch.equal(fast.generate(ids, max_new_tokens=8), expected)
 
 
+def test_experts_on_transformers_mxfp4_hub_kernels_are_refused_naming_the_loads_that_work(tmp_path):
+    """transformers with the `kernels` package (a dependency from 5.25) loads an MXFP4 checkpoint into its hub
+    kernels' experts (`Mxfp4GptOssExperts`, swizzled weights); optimize refuses them before changing anything."""
+    from transformers.integrations.mxfp4 import Mxfp4GptOssExperts, Mxfp4GptOssMLP
+
+    _, directory = _quantized("gpt_oss", "mxfp4", tmp_path)
+    model = _transformers_dequantized_load(directory)
+    for layer in model.model.layers:  # as transformers' replace_with_mxfp4_linear swaps them in
+        layer.mlp = Mxfp4GptOssMLP(layer.mlp.router, Mxfp4GptOssExperts(model.config))
+    before = {name: type(module) for name, module in model.named_modules()}
+    message = (rf"model.layers.0.mlp.experts \({len(model.model.layers)} experts modules in all\) holds experts "
+               rf"transformers loaded with its MXFP4 hub kernels .* dflash_compile.from_pretrained\('{directory}'\) "
+               r".* quantization_config=Mxfp4Config\(dequantize=True\)")
+    with pytest.raises(ValueError, match=message):
+        dflash_compile.optimize(model, compile=False)
+    assert {name: type(module) for name, module in model.named_modules()} == before
+
+
 def test_optimize_names_the_packed_load_when_transformers_expanded_fp8_experts(tmp_path):
     """FP8 block scales are arbitrary, so expanded FP8 experts cannot be packed again exactly: a warning names the
     load that keeps them packed."""
