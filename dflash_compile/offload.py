@@ -562,8 +562,7 @@ class OffloadedExperts:
             distance = ahead - layer
             rows = table.plan(ahead, predict_experts(self.layers[ahead].router, hidden), distance)
             self._copy_planned(ahead, distance, rows)
-        if layer in self.landing:
-            torch.cuda.current_stream(self.device).wait_event(self.landing.pop(layer))
+        self._wait_for_copies(layer)
         spec, slot_of = self.layers[layer], table.table(layer)
         if hidden.is_cuda:
             return fused_moe(hidden, top_k_index, top_k_weights, *spec.pooled, host=spec.on_host, slot_of=slot_of,
@@ -579,10 +578,14 @@ class OffloadedExperts:
         """Slots for the call's routed experts that have none (planned first, before any layer ahead takes the
         least recently used slots) and their copies, which the call waits for. The copy list is the one the previous
         layer's plan for this layer filled, so its copies must have landed first."""
-        if layer in self.landing:
-            torch.cuda.current_stream(self.device).wait_event(self.landing.pop(layer))
+        self._wait_for_copies(layer)
         rows = self.slot_table.plan(layer, top_k_index, staged=True)
         self._copy_planned(layer, 1, rows, STAGED_COPY_PROGRAMS)
+
+    def _wait_for_copies(self, layer: int) -> None:
+        """The compute stream waits for the copies planned for `layer` (if any are still landing)."""
+        if layer in self.landing:
+            torch.cuda.current_stream(self.device).wait_event(self.landing.pop(layer))
 
     def _copy_planned(self, layer: int, distance: int, rows: int, programs: int | None = None) -> None:
         """Run the copies `slot_table.plan` listed for `layer` from `distance` layers before it: on CUDA a copy kernel

@@ -1407,9 +1407,8 @@ def _dequantized_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
     out = torch.empty_like(hidden)
     block = min(1024, triton.next_power_of_2(h))
     _sum_sorted_pairs_kernel[(tokens, triton.cdiv(h, block))](
-        projected, row_of_pair, flat, top_k_weights.reshape(-1), down.bias,
-        0 if down.bias is None else down.bias.stride(0), out, h, experts, TOP_K=top_k,
-        HAS_BIAS=down.bias is not None, BLOCK=block)
+        projected, row_of_pair, flat, top_k_weights.reshape(-1), down.bias, _strides(down)[2], out, h, experts,
+        TOP_K=top_k, HAS_BIAS=down.bias is not None, BLOCK=block)
     return out
 
 
