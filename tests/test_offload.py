@@ -465,14 +465,14 @@ def test_auto_cpu_compute_follows_the_measured_costs(tiny):
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _cuda_model(tmp_path, size=512):
+def _cuda_model(tmp_path, size=512, top_k=2):
     """gpt-oss with experts large next to its activations (3 MiB blobs at size 512): a budget breach would show."""
     from dflash_compile.testing import load_tiny_model, save_tiny_model
 
-    directory = tmp_path / f"m{size}"
+    directory = tmp_path / f"m{size}-top{top_k}"
     if not directory.exists():
         save_tiny_model("gpt_oss", directory, hidden_size=size, intermediate_size=size, num_local_experts=16,
-                        num_hidden_layers=4, layer_types=["full_attention"] * 4)
+                        num_experts_per_tok=top_k, num_hidden_layers=4, layer_types=["full_attention"] * 4)
     return load_tiny_model("gpt_oss", torch.bfloat16, directory=directory)
 
 
@@ -587,11 +587,14 @@ def test_device_managed_copies_land_when_plans_run_far_ahead_of_them(tmp_path, m
 
 
 @cuda
-def test_device_managed_prompts_stage_their_experts_on_the_gpu(tmp_path, monkeypatch):
-    """A 160-token prompt (top-2 of 16 experts: 20 pairs per routed expert, past STAGED_PAIRS) on real streams: each
-    prompt layer's copy of its own experts (every SM's programs, on the side stream) lands before its kernel reads
-    the slots, and the copies planned for the layers ahead do not overwrite them. Slots hold the blobs their table
-    names; the resident model's tokens."""
+@pytest.mark.parametrize("top_k", [2, 4])
+def test_device_managed_prompts_stage_their_experts_on_the_gpu(tmp_path, monkeypatch, top_k):
+    """A 160-token prompt (top-2 / top-4 of 16 experts: 20 / 40 pairs per routed expert, past STAGED_PAIRS) on real
+    streams: each prompt layer's copy of its own experts (every SM's programs, on the side stream) lands before its
+    kernel reads the slots, and the copies planned for the layers ahead do not overwrite them. The layer then reads
+    the pool as its experts: at top-4 (past DEQUANTIZE_PAIRS["dense"] for the pool's 18 slots and the model's 16
+    experts) torch's grouped GEMM runs them on either side, at top-2 the fused kernel. Slots hold the blobs their
+    table names; the resident model's tokens."""
     from dflash_compile import offload
 
     staged = []
@@ -602,7 +605,7 @@ def test_device_managed_prompts_stage_their_experts_on_the_gpu(tmp_path, monkeyp
         stage(self, layer, top_k_index)
 
     monkeypatch.setattr(offload.OffloadedExperts, "_stage", recorded)
-    ids, load = token_ids(batch=1, length=160), lambda: _cuda_model(tmp_path)
+    ids, load = token_ids(batch=1, length=160), lambda: _cuda_model(tmp_path, top_k=top_k)
     expected, _ = _cuda_generate(load, ids, 8)
     tokens, model = _cuda_generate(load, ids, 8, extra_slots=2, offload_manager="device")
     assert staged == list(range(len(model.dflash_offload.layers)))  # the prompt's layers, once each
