@@ -570,8 +570,8 @@ class OffloadedExperts:
         spec, slot_of = self.layers[layer], table.table(layer)
         if hidden.is_cuda:
             index, reads = (top_k_index, dict(host=spec.on_host, slot_of=slot_of))
-            if staged:  # every routed expert is in a slot: the pool read as the experts, nothing from the host
-                index, reads = slot_of[top_k_index].to(top_k_index.dtype), {}
+            if staged:  # every routed expert is in a slot: the pool read as the layer's experts, none from the host
+                index, reads = slot_of[top_k_index].to(top_k_index.dtype), dict(routed_experts=table.experts)
             return fused_moe(hidden, index, top_k_weights, *spec.pooled, **reads, interleaved=gate.interleaved,
                              activation=gate.activation, alpha=gate.alpha, limit=gate.limit)
         # CPU ("device" and host both CPU memory, for the logic): each pair's blob from its slot or its host blob

@@ -1276,7 +1276,7 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
               down: PackedWeight, *, interleaved: bool = False, activation: str = "silu", alpha: float = 1.702,
               limit: float = 7.0, compute_fp32: bool | None = None,
               host: tuple[PackedWeight, PackedWeight] | None = None, slot_of: torch.Tensor | None = None,
-              **tiles) -> torch.Tensor:
+              routed_experts: int | None = None, **tiles) -> torch.Tensor:
     """Routed experts of one MoE layer: hidden [M, H], top_k_index / top_k_weights [M, k] -> [M, H] in
     hidden's dtype. gate_up is [E, 2I, H], down [E, H, I] (output-major), each packed in any format; `tiles`
     override the format's tiles for the call's size (`TILES`, or `ROW_TILES` for blocks of few rows, chosen by
@@ -1284,13 +1284,18 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     with DEQUANTIZE_PAIRS pairs or more each are dequantized for torch's grouped GEMM (`_dequantized_moe`). With
     `slot_of` ([E] int32 on the device: expert -> slot, -1 for none), gate_up and down are slot pools and `host` the
     (gate_up, down) views over all experts' host blobs (pinned memory on CUDA, same strides): experts without a slot
-    are read from host memory by the kernel."""
+    are read from host memory by the kernel. `routed_experts`: how many distinct experts top_k_index can name when
+    that is fewer than the weights hold (a slot pool read as one layer's experts: its E of the pool's slots), for
+    the estimates of pairs per routed expert that pick the kernel."""
+    if routed_experts is not None and routed_experts < 1:
+        raise ValueError(f"routed_experts must be at least 1 (or None: every expert), got {routed_experts}")
     if (host is None) != (slot_of is None):
         raise ValueError("slot_of and host come together: the slot table and the host blobs it falls back to")
     if host is not None and any(_strides(on_host) != _strides(pooled)
                                 for on_host, pooled in zip(host, (gate_up, down))):
         raise ValueError("the host weights must have the slot pool's strides (one blob layout for both)")
     experts = gate_up.shape[0] if slot_of is None else slot_of.numel()
+    routable = min(experts, routed_experts or experts)
     _, two_i, h = gate_up.shape
     if down.shape != (gate_up.shape[0], h, two_i // 2):
         raise ValueError(f"down weight {list(down.shape)} does not match gate_up {list(gate_up.shape)}: expected "
@@ -1314,12 +1319,12 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     if tokens == 0:  # nothing routed: the grids would be empty
         return hidden.new_empty(hidden.shape)
     if (not tiles and host is None and compute_fp32 == (hidden.dtype == torch.float32)
-            and pairs_per_routed_expert(tokens, top_k, experts) >= DEQUANTIZE_PAIRS[gate_up.format]
+            and pairs_per_routed_expert(tokens, top_k, routable) >= DEQUANTIZE_PAIRS[gate_up.format]
             and not (hidden.is_cuda and torch.cuda.is_current_stream_capturing())):
         return _dequantized_moe(hidden, top_k_index, top_k_weights, gate_up, down, interleaved, activation, alpha,
                                 limit)
     loads = _weight_loads(tiles, _tma_blocker(gate_up, down, compute_fp32, host))
-    rows = rows_per_block(tokens, top_k, experts, host is not None, loads, gate_up.format, compute_fp32)
+    rows = rows_per_block(tokens, top_k, routable, host is not None, loads, gate_up.format, compute_fp32)
     settings = tiles_for(gate_up.format, tiles, rows, loads, _whole_groups(gate_up, down))
     blocks = _blocks(top_k_index, experts, settings["block_m"])
     down_tiles, split_k = settings.pop("down_launch"), settings.pop("split_k")
@@ -1359,22 +1364,38 @@ DEQUANTIZE_PAIRS = {"mxfp4": 384, "fp8_block": 256, "dense": 32}
 DEQUANTIZE_EXPERT_ELEMENTS = 1 << 29
 
 
-def _expert_run(weight: PackedWeight, first: int, stop: int, buffer: torch.Tensor | None) -> torch.Tensor:
-    """Experts [first, stop) of `weight` as a float [experts, N, K] tensor: dense weights as they are, packed ones
-    dequantized into the front of `buffer`."""
+def _expert_run(weight: PackedWeight, experts: list[int], buffer: torch.Tensor | None) -> torch.Tensor:
+    """`experts` (ascending) of `weight` as a float [len(experts), N, K] tensor: dense weights as they are (a view:
+    `experts` a run of consecutive ids), packed ones dequantized into the front of `buffer`."""
+    first, stop = experts[0], experts[-1] + 1
     if weight.format == "dense":
         return weight.data[first:stop]
     _, n, k = weight.shape
-    out = buffer[:(stop - first) * n * k].view(stop - first, n, k)
-    return _dequantize(weight.format, weight.data[first:stop], weight.scales[first:stop], out)
+    out = buffer[:len(experts) * n * k].view(len(experts), n, k)
+    if stop - first == len(experts):
+        return _dequantize(weight.format, weight.data[first:stop], weight.scales[first:stop], out)
+    ids = torch.tensor(experts, dtype=torch.int32, device=buffer.device)
+    return _dequantize(weight.format, weight.data, weight.scales, out, ids)
+
+
+def _expert_groups(counts: list[int], format: str, group: int) -> list[list[int]]:
+    """The experts `_dequantized_moe` runs, in groups of at most `group` ascending ids that hold every pair once:
+    packed experts with pairs only (`group` fills the dequantize buffer; an expert without pairs, such as a slot
+    pool's expert of another layer, is never dequantized), dense ones as views of consecutive experts (an expert
+    without pairs is an empty group to torch's grouped GEMM, free), groups without pairs left out."""
+    if format == "dense":
+        windows = [range(first, min(len(counts), first + group)) for first in range(0, len(counts), group)]
+        return [list(window) for window in windows if any(counts[e] for e in window)]
+    routed = [e for e, count in enumerate(counts) if count]
+    return [routed[first: first + group] for first in range(0, len(routed), group)]
 
 
 def _dequantized_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                      gate_up: PackedWeight, down: PackedWeight, interleaved: bool, activation: str, alpha: float,
                      limit: float) -> torch.Tensor:
-    """`fused_moe` for many pairs per routed expert: the pairs' rows sorted by expert, then per group of experts (at
-    most DEQUANTIZE_EXPERT_ELEMENTS gate/up values; one buffer, reused by each projection) their weights dequantized
-    (`_expert_run`) and each projection one `torch._grouped_mm` over the group's rows, the gate/up's biases and
+    """`fused_moe` for many pairs per routed expert: the pairs' rows sorted by expert, then per group of experts
+    (`_expert_groups`) their weights (`_expert_run`: packed ones dequantized into one buffer, reused by each
+    projection) and each projection one `torch._grouped_mm` over the group's rows, the gate/up's biases and
     activation in one launch (`_finish_gate_up`); then each token's pairs, with the down biases and routing weights,
     summed in fp32 in pair order (`_sum_sorted_pairs_kernel`). One host sync (the experts' pair counts), so never
     inside a CUDA graph capture."""
@@ -1390,18 +1411,16 @@ def _dequantized_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
     group = max(1, DEQUANTIZE_EXPERT_ELEMENTS // (two_i * h))
     buffer = None if gate_up.format == "dense" else hidden.new_empty(min(group, experts) * two_i * h)
     start = 0
-    for first in range(0, experts, group):
-        stop = min(experts, first + group)
-        ends = list(itertools.accumulate(counts[first:stop]))
+    for experts_of_group in _expert_groups(counts, gate_up.format, group):
+        ends = list(itertools.accumulate(counts[e] for e in experts_of_group))
         rows = slice(start, start + ends[-1])
         start = rows.stop
-        if rows.start == rows.stop:
-            continue
         offsets = torch.tensor(ends, dtype=torch.int32, device=hidden.device)
-        gated = torch._grouped_mm(x[rows], _expert_run(gate_up, first, stop, buffer).transpose(1, 2), offs=offsets)
+        gated = torch._grouped_mm(x[rows], _expert_run(gate_up, experts_of_group, buffer).transpose(1, 2),
+                                  offs=offsets)
         activated = _finish_gate_up(gated[None], hidden.dtype, activation, alpha, limit, False, interleaved,
                                     gate_up.bias, expert_of_row[rows])
-        projected.append(torch._grouped_mm(activated, _expert_run(down, first, stop, buffer).transpose(1, 2),
+        projected.append(torch._grouped_mm(activated, _expert_run(down, experts_of_group, buffer).transpose(1, 2),
                                            offs=offsets))
     projected = projected[0] if len(projected) == 1 else torch.cat(projected)  # rows of the routed pairs
     out = torch.empty_like(hidden)
@@ -1419,17 +1438,20 @@ ROWS_ON_CUDA_CORES = {"mxfp4": {"pointers": 2, "tma": 2}, "fp8_block": {"pointer
 
 
 @triton.jit
-def _dequantize_kernel(data, scales, out, N, K, expert_data, expert_scales, FORMAT: tl.constexpr,
+def _dequantize_kernel(data, scales, out, N, K, expert_data, expert_scales, expert_ids, FORMAT: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPUTE_FP32: tl.constexpr):
-    """Tile (program_id(0), program_id(1)) of expert program_id(2) of an MXFP4 or FP8 block-scaled weight [E, N, K]
-    (experts `expert_data` / `expert_scales` elements apart), scaled and rounded once to out's dtype (out [E, N, K]
+    """Tile (program_id(0), program_id(1)) of expert program_id(2) (or of expert `expert_ids`[program_id(2)]) of an
+    MXFP4 or FP8 block-scaled weight [E, N, K] (experts `expert_data` / `expert_scales` elements apart) into
+    out[program_id(2)], scaled and rounded once to out's dtype (out [E, N, K]
     contiguous): the reference dequantizers' bits. An FP8 tile lies in one 128 x 128 scale block, so its scale is
     one load (per-element scale loads took 56 of the 696 instructions per thread on sm_90, Triton 3.6), and the
     codes go through fp16 (exact for every e4m3 value), not bf16 (a further conversion each)."""
     expert = tl.program_id(2).to(tl.int64)
+    out += expert * N * K
+    if expert_ids is not None:
+        expert = tl.load(expert_ids + expert).to(tl.int64)
     data += expert * expert_data
     scales += expert * expert_scales
-    out += expert * N * K
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     columns = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     if FORMAT == 1:
@@ -1442,12 +1464,14 @@ def _dequantize_kernel(data, scales, out, N, K, expert_data, expert_scales, FORM
              mask=(rows < N)[:, None] & (columns < K)[None, :])
 
 
-def _dequantize(format: str, data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Packed expert weights (`data` / `scales`: a run of experts, or of one expert's rows from a multiple of 128)
-    into out [experts, N, K] of a float dtype, by `_dequantize_kernel`."""
+def _dequantize(format: str, data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
+                expert_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Packed expert weights (`data` / `scales`: a run of experts, or of one expert's rows from a multiple of 128;
+    with `expert_ids` (int32 on the device), those experts of them) into out [experts, N, K] of a float dtype, by
+    `_dequantize_kernel`."""
     experts, n, k = out.shape
     _dequantize_kernel[(triton.cdiv(n, DEQUANTIZE_TILES["BLOCK_N"]), triton.cdiv(k, 128), experts)](
-        data, scales, out, n, k, data.stride(0), scales.stride(0), FORMAT=FORMATS[format], BLOCK_K=128,
+        data, scales, out, n, k, data.stride(0), scales.stride(0), expert_ids, FORMAT=FORMATS[format], BLOCK_K=128,
         COMPUTE_FP32=out.dtype == torch.float32, **DEQUANTIZE_TILES)
     return out
 

@@ -189,6 +189,9 @@ def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match="activation 'gelu' has no fused kernel"):
         fused_moe(torch.zeros(1, 64), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1), gate_up, down,
                   activation="gelu")
+    with pytest.raises(ValueError, match=r"routed_experts must be at least 1 \(or None: every expert\), got 0"):
+        fused_moe(torch.zeros(1, 64), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1), gate_up, down,
+                  routed_experts=0)
 
 
 @pytest.mark.parametrize("format, block_n, block_k", [("mxfp4", 16, 256), ("mxfp4", 64, 32), ("fp8_block", 16, 128),
@@ -594,10 +597,18 @@ def test_experts_read_from_slot_pool_views_give_the_same_bits(monkeypatch, forma
     """Experts as views over an offload slot pool (`BlobLayout.weights`: each expert's weights, scales and biases a
     blob apart, in slots other than their ids, ids routed through their slots) give the bits of the same experts
     stored one after another, on the fused launches and on `_dequantized_moe` (whose bias reads once assumed
-    [E, N] contiguous biases: a pool's gave other experts' biases)."""
+    [E, N] contiguous biases: a pool's gave other experts' biases). The pool's call names its 4 experts
+    (`routed_experts`): 24 pairs per routed expert, as the contiguous call estimates, not 16 over 6 slots, so with
+    DEQUANTIZE_PAIRS 20 both calls dequantize; and the pool's dequantizes its 4 routed slots only, never the 2
+    empty ones."""
     from dflash_compile.kernels import moe
 
-    monkeypatch.setattr(moe, "DEQUANTIZE_PAIRS", dict.fromkeys(moe.DEQUANTIZE_PAIRS, 8 if dequantize else 1 << 20))
+    monkeypatch.setattr(moe, "DEQUANTIZE_PAIRS", dict.fromkeys(moe.DEQUANTIZE_PAIRS, 20 if dequantize else 1 << 20))
+    paths, dequantized = [], []
+    dequantized_moe, dequantize_experts = moe._dequantized_moe, moe._dequantize
+    monkeypatch.setattr(moe, "_dequantized_moe", lambda *args: paths.append("dequantized") or dequantized_moe(*args))
+    monkeypatch.setattr(moe, "_dequantize", lambda format, data, scales, out, ids=None: dequantized.append(
+        out.shape[0]) or dequantize_experts(format, data, scales, out, ids))
     gate_up, down = _experts(format, 4, 160, 64, bias=True, seed=18)
     layout, blobs = _blobs(gate_up, down)
     slot_of = torch.tensor([4, 0, 5, 2])
@@ -608,21 +619,27 @@ def test_experts_read_from_slot_pool_views_give_the_same_bits(monkeypatch, forma
     x = torch.randn(48, 160, generator=torch.Generator().manual_seed(20)).to(DEVICE)
     calls = dict(interleaved=True, activation="clamped_swiglu")
     expected = fused_moe(x, index.to(DEVICE), weights.to(DEVICE), gate_up, down, **calls)
-    actual = fused_moe(x, slot_of[index].to(DEVICE), weights.to(DEVICE), *pooled, **calls)
+    paths.clear(), dequantized.clear()
+    actual = fused_moe(x, slot_of[index].to(DEVICE), weights.to(DEVICE), *pooled, routed_experts=4, **calls)
     assert torch.equal(actual, expected)
+    assert paths == (["dequantized"] if dequantize else [])
+    assert dequantized == ([4, 4] if dequantize and format != "dense" else [])  # gate/up, down: the routed slots
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
     DEVICE == "cpu", reason="the interpreter's bf16 is wrong"))])
 @pytest.mark.parametrize("format", ["mxfp4", "fp8_block"])
 def test_dequantize_kernel_gives_the_reference_dequantizers_bits(format, dtype):
-    """`_dequantize` over a run of experts (N and K with partial 128-blocks) is `PackedWeight.dequantize`."""
+    """`_dequantize` over a run of experts (N and K with partial 128-blocks), and over experts by id, is
+    `PackedWeight.dequantize`."""
     from dflash_compile.kernels.moe import _dequantize
 
     weight, _ = _experts(format, 3, 352, 96, bias=False, seed=18)  # gate/up [3, 192, 352]
     out = torch.empty(2, 192, 352, dtype=dtype, device=DEVICE)
     _dequantize(format, weight.data[1:], weight.scales[1:], out)
     torch.testing.assert_close(out, weight.dequantize(dtype)[1:], atol=0, rtol=0)
+    _dequantize(format, weight.data, weight.scales, out, torch.tensor([2, 0], dtype=torch.int32, device=DEVICE))
+    torch.testing.assert_close(out, weight.dequantize(dtype)[[2, 0]], atol=0, rtol=0)  # experts by id
 
 
 @pytest.mark.parametrize("format", ["fp8_block", "mxfp4"])
