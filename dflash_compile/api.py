@@ -46,10 +46,10 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
     graph of dflash's own (`StepGraphs`: no guard or input checks per step, 1.12x / 1.21x tokens/s on gpt-oss-20b
     without / with a drafter), the drafter's calls too; offloaded and linear-attention models keep torch.compile's
     CUDA-graph trees. Weights updated in place are read by the graphs; parameter tensors replaced after the first
-    generation are not. Models with sliding-window layers prefill in chunks of `prefill_chunk` tokens (by default
-    the whole prompt in one forward where it goes without masks, as gpt-oss prompts do unless a left-padded batch is
-    shorter than 2048 tokens, else chunks of 4096: `speculative.PREFILL_CHUNK`; a smaller chunk bounds the
-    prefill's activation memory), and their sliding layers keep window - 1 + block slots. With `gpu_memory`
+    generation are not. The prompt goes in forwards of `prefill_chunk` tokens (a smaller chunk bounds the
+    prefill's activation memory; by default the whole prompt in one, except on models with sliding-window layers
+    when it takes masks, as a left-padded batch shorter than 2048 tokens does: chunks of 4096,
+    `speculative.PREFILL_CHUNK`), and sliding layers keep window - 1 + block slots. With `gpu_memory`
     ("20GiB", bytes or an accelerate max_memory dict) the routed experts are offloaded to host memory behind a slot
     pool on `device` (default: cuda when available) that fits the budget with the dense weights (`offload_experts`;
     `offload_policy` "lru" or "lfu", `offload_prefetch` copies the predicted experts of that many layers ahead,

@@ -265,8 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--repeats", type=int, default=5, help="timed generations per side (alternating)")
     generate.add_argument("--gpu-memory", help="offload routed experts to host memory under this budget, e.g. 20GiB")
     generate.add_argument("--prefill-chunk", type=int,
-                          help="tokens per prompt forward for models with sliding-window layers, to bound the "
-                               "prefill's memory (default: the whole prompt where it goes without masks)")
+                          help="tokens per prompt forward, to bound the prefill's memory (default: the whole "
+                               "prompt, or 4096 for a masked prompt of a model with sliding-window layers)")
     generate.add_argument("--offload-manager", choices=MANAGERS, default="auto",
                           help="who manages the offloaded experts' cache: the host, reading each layer's routing, or "
                                "the GPU itself (no host read per layer; the whole step one CUDA graph); auto: the GPU "

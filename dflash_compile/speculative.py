@@ -273,10 +273,10 @@ class SpeculativeDecoder:
                 step.clear()
 
     def _prefill(self, input_ids: torch.Tensor, cache: TargetCache, padded: bool = True):
-        """The prompt through the target: in one forward, or for models with sliding layers in chunks of
-        `prefill_chunk` tokens, by default PREFILL_CHUNK when the chunks take masks (a masked chunk's sliding layers
-        attend densely over it), each attending over the slots filled so far only (`TargetCache.visible`; a sliding
-        layer over its ring and the chunk's own keys).
+        """The prompt through the target: in one forward, or in chunks of `prefill_chunk` tokens (by default, for
+        models with sliding layers, PREFILL_CHUNK when the chunks take masks: a masked chunk's sliding layers attend
+        densely over it), each attending over the slots filled so far only (`TargetCache.visible`; a sliding layer
+        over its ring and the chunk's own keys).
         On SDPA or sink attention a prompt takes no mask where it can (`TargetCache.masks`): SDPA's causal flag and
         its flash kernels, sinks by `causal_sink_attention`, and no [b, 1, P, P] mask; a left-padded batch of at
         least ROWS_WITHOUT_MASKS tokens likewise row by row from each row's first real token (`row_starts`).
@@ -286,9 +286,7 @@ class SpeculativeDecoder:
         pads = cache.pad.tolist() if causal and padded and prompt >= ROWS_WITHOUT_MASKS else None
         causal_prompt = causal and (not padded or pads is not None)
         causal_chunks = causal_prompt and unmasked_chunks(self.model)
-        chunk = prompt
-        if cache.ring_size:
-            chunk = self.prefill_chunk or (prompt if causal_chunks else PREFILL_CHUNK)
+        chunk = self.prefill_chunk or (PREFILL_CHUNK if cache.ring_size and not causal_chunks else prompt)
         features = []
         for start in range(0, prompt, chunk):
             ids = input_ids[:, start: start + chunk]

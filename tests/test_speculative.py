@@ -181,6 +181,25 @@ def test_prefill_chunks_longer_than_the_ring(tiny, prefill_chunk):
     assert fast.decoder.target_cache.ring_size == 8 - 1 + 3
 
 
+@pytest.mark.parametrize("padded", [True, False])
+@pytest.mark.parametrize("family", SPECULATIVE_FAMILIES)
+def test_prefill_chunk_bounds_every_familys_prefill(tiny, family, padded):
+    """`prefill_chunk` holds for every family, not only those with sliding layers (it bounds a long prompt's
+    activation memory): 9 prompt tokens go in forwards of 4, 4 and 1 tokens, left-padded or not, linear attention's
+    states carried from chunk to chunk, and the tokens are transformers'."""
+    model = tiny(family)
+    ids, mask = prompts(3)
+    if not padded:
+        ids, mask = ids[2:].clamp(min=3), torch.ones_like(mask[2:])
+    expected = reference(model, ids, mask)
+    fast = dflash_compile.optimize(model, adaptive=False, compile=False, prefill_chunk=4)
+    forward, lengths = fast.decoder._target_forward, []
+    fast.decoder._target_forward = lambda ids, *args, **kwargs: lengths.append(ids.shape[1]) or forward(
+        ids, *args, **kwargs)
+    assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
+    assert lengths[:3] == [4, 4, 1]
+
+
 def test_prefill_chunks_attend_over_the_slots_filled_so_far(tiny, monkeypatch):
     """Each prefill chunk's full-attention layer reads the slots written so far, as transformers' growing cache does,
     not the cache's whole capacity (which doubled a 2048-token prompt's attention on the H200); the decode steps,
