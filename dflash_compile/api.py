@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from .checkpoint import pack_experts_expanded_at_load, refuse_hub_kernel_experts
@@ -56,15 +58,16 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
     `offload_cpu_compute` "auto" / "always" runs missed experts on the CPU, `offload_manager` "device" keeps the
     cache on the device so that no layer reads its routing back; "auto", the default, picks it on CUDA when the
     policy is LRU without CPU compute, else "host"). Every check runs before any state is built: an unsupported
-    family, a drafter made for another target or a budget too small raises with nothing changed. With `adaptive`
-    (the default) each step verifies as many drafts as measured step times and acceptance say pay best, none when
-    the drafter does not pay (`dflash_compile.adaptive`; the choices are in `last_stats.widths`); pass a
-    `WidthChooser` to set its options. With `compile`, a DFlash drafter's forward is compiled too (Inductor; CUDA
-    graphs as above), and each layer's q/k/v (and dense gate/up) projections are laid out in one buffer, same values
-    and memory, for one GEMM per group (`projections.share_storage`, pass `projection_fusion`); every router's
-    top-k runs as one launch on CUDA (pass `small_top_k`), and so does each bf16 linear of a decode or verify
-    step with more inputs than outputs (routers, o_proj: pass `split_k_linear`). On CUDA each attention layer of a
-    bf16 / fp16 decode or verify step is one launch too (`dflash::decode_attention`, split over the cache's slots).
+    family, a drafter made for another target, a budget too small or offload options without a budget raises with
+    nothing changed. With `adaptive` (the default) each step verifies as many drafts as measured step times and
+    acceptance say pay best, none when the drafter does not pay (`dflash_compile.adaptive`; the choices are in
+    `last_stats.widths`); pass a `WidthChooser` to set its options. With `compile`, a DFlash drafter's forward is
+    compiled too (Inductor; CUDA graphs as above), and each layer's q/k/v (and dense gate/up) projections are laid
+    out in one buffer, same values and memory, for one GEMM per group (`projections.share_storage`, pass
+    `projection_fusion`); every router's top-k runs as one launch on CUDA (pass `small_top_k`), and so does each
+    bf16 linear of a decode or verify step with more inputs than outputs (routers, o_proj: pass `split_k_linear`).
+    On CUDA each attention layer of a bf16 / fp16 decode or verify step is one launch too
+    (`dflash::decode_attention`, split over the cache's slots).
     A model that transformers loaded from an MXFP4 checkpoint by expanding its experts gets them packed again
     (losslessly; `pack_experts_expanded_at_load`); one whose experts transformers' MXFP4 hub kernels hold is refused
     with the loads that work (`refuse_hub_kernel_experts`).
@@ -80,6 +83,10 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
         )
     if prefill_chunk is not None and prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be at least 1 token (or None: optimize's choice), got {prefill_chunk}")
+    if gpu_memory is None:
+        _refuse_offload_options_without_a_budget(offload_policy=offload_policy, offload_prefetch=offload_prefetch,
+                                                 offload_cpu_compute=offload_cpu_compute,
+                                                 offload_manager=offload_manager)
     refuse_hub_kernel_experts(model)
     pack_experts_expanded_at_load(model)
     layer_ids: tuple[int, ...] = ()
@@ -96,6 +103,16 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
     decoder = SpeculativeDecoder(model, drafter, layer_ids, compile=compile, mode=mode, prefill_chunk=prefill_chunk,
                                  adaptive=adaptive, fused_experts=fused_experts)
     return OptimizedModel(model, decoder, compile)
+
+
+def _refuse_offload_options_without_a_budget(**options) -> None:
+    """Offload options other than `optimize`'s defaults, given without `gpu_memory` (nothing offloaded: they would
+    do nothing), are a mistake: raise naming them."""
+    defaults = inspect.signature(optimize).parameters
+    given = [f"{name}={value!r}" for name, value in options.items() if value != defaults[name].default]
+    if given:
+        raise ValueError(f"offload options ({', '.join(given)}) apply only to experts offloaded to host memory, and "
+                         "without gpu_memory nothing is offloaded: pass gpu_memory (e.g. '20GiB') or leave them out")
 
 
 def from_pretrained(path, drafter=None, *, gpu_memory=None, dtype: torch.dtype = torch.bfloat16, device=None,

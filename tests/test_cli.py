@@ -49,6 +49,9 @@ def test_generate_argument_errors():
     with pytest.raises(SystemExit, match=r"dflash-compile generate: prefill_chunk must be at least 1 token \(or "
                                          r"None: optimize's choice\), got 0"):
         main(["generate", "--prefill-chunk", "0"])
+    with pytest.raises(SystemExit, match=r"dflash-compile generate: offload options \(offload_manager='host'\) "
+                                         "apply only to experts offloaded to host memory, and without gpu_memory"):
+        main(["generate", "--offload-manager", "host"])
 
 
 def test_train_drafter_writes_a_loadable_checkpoint(tmp_path, capsys):

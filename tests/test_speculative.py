@@ -131,13 +131,17 @@ def test_dense_model_is_refused(tiny):
         dflash_compile.optimize(transformers.AutoModelForCausalLM.from_config(config), adaptive=False)
 
 
-def test_a_bad_prefill_chunk_is_refused_before_anything_changes(tiny, monkeypatch):
+def test_bad_options_are_refused_before_anything_changes(tiny, monkeypatch):
     from dflash_compile import api
 
     monkeypatch.setattr(api, "pack_experts_expanded_at_load", lambda model: pytest.fail("the model was touched"))
     with pytest.raises(ValueError, match=r"prefill_chunk must be at least 1 token \(or None: optimize's choice\), "
                                          "got 0"):
         dflash_compile.optimize(tiny("gpt_oss"), prefill_chunk=0)
+    with pytest.raises(ValueError, match=r"offload options \(offload_policy='lfu', offload_manager='device'\) apply "
+                                         r"only to experts offloaded to host memory, and without gpu_memory nothing "
+                                         r"is offloaded: pass gpu_memory \(e.g. '20GiB'\) or leave them out"):
+        dflash_compile.optimize(tiny("gpt_oss"), offload_policy="lfu", offload_manager="device")
 
 
 @pytest.mark.parametrize("ring_slack", [0, -1])
