@@ -58,16 +58,16 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
     `offload_cpu_compute` "auto" / "always" runs missed experts on the CPU, `offload_manager` "device" keeps the
     cache on the device so that no layer reads its routing back; "auto", the default, picks it on CUDA when the
     policy is LRU without CPU compute, else "host"). Every check runs before any state is built: an unsupported
-    family, a drafter made for another target, a budget too small or offload options without a budget raises with
-    nothing changed. With `adaptive` (the default) each step verifies as many drafts as measured step times and
-    acceptance say pay best, none when the drafter does not pay (`dflash_compile.adaptive`; the choices are in
-    `last_stats.widths`); pass a `WidthChooser` to set its options. With `compile`, a DFlash drafter's forward is
-    compiled too (Inductor; CUDA graphs as above), and each layer's q/k/v (and dense gate/up) projections are laid
-    out in one buffer, same values and memory, for one GEMM per group (`projections.share_storage`, pass
-    `projection_fusion`); every router's top-k runs as one launch on CUDA (pass `small_top_k`), and so does each
-    bf16 linear of a decode or verify step with more inputs than outputs (routers, o_proj: pass `split_k_linear`).
-    On CUDA each attention layer of a bf16 / fp16 decode or verify step is one launch too
-    (`dflash::decode_attention`, split over the cache's slots).
+    family, a drafter made for another target, a budget too small, offload options without a budget or a mode
+    torch.compile lacks raises with nothing changed. With `adaptive` (the default) each step verifies as many drafts
+    as measured step times and acceptance say pay best, none when the drafter does not pay
+    (`dflash_compile.adaptive`; the choices are in `last_stats.widths`); pass a `WidthChooser` to set its options.
+    With `compile`, a DFlash drafter's forward is compiled too (Inductor; CUDA graphs as above), and each layer's
+    q/k/v (and dense gate/up) projections are laid out in one buffer, same values and memory, for one GEMM per group
+    (`projections.share_storage`, pass `projection_fusion`); every router's top-k runs as one launch on CUDA (pass
+    `small_top_k`), and so does each bf16 linear of a decode or verify step with more inputs than outputs (routers,
+    o_proj: pass `split_k_linear`). On CUDA each attention layer of a bf16 / fp16 decode or verify step is one
+    launch too (`dflash::decode_attention`, split over the cache's slots).
     A model that transformers loaded from an MXFP4 checkpoint by expanding its experts gets them packed again
     (losslessly; `pack_experts_expanded_at_load`); one whose experts transformers' MXFP4 hub kernels hold is refused
     with the loads that work (`refuse_hub_kernel_experts`).
@@ -83,6 +83,7 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
         )
     if prefill_chunk is not None and prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be at least 1 token (or None: optimize's choice), got {prefill_chunk}")
+    _check_mode(mode, compile)
     if gpu_memory is None:
         _refuse_offload_options_without_a_budget(offload_policy=offload_policy, offload_prefetch=offload_prefetch,
                                                  offload_cpu_compute=offload_cpu_compute,
@@ -103,6 +104,22 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
     decoder = SpeculativeDecoder(model, drafter, layer_ids, compile=compile, mode=mode, prefill_chunk=prefill_chunk,
                                  adaptive=adaptive, fused_experts=fused_experts)
     return OptimizedModel(model, decoder, compile)
+
+
+def _check_mode(mode: str | None, compile: bool) -> None:
+    """A `mode` torch.compile knows (it would fail only at the first generation, inside the backend), and only with
+    `compile`."""
+    if mode is None:
+        return
+    if not compile:
+        raise ValueError(f"mode={mode!r} sets how the steps compile, and with compile=False nothing compiles: drop "
+                         "mode or leave compile on")
+    from torch._inductor import list_mode_options
+
+    modes = sorted(list_mode_options())
+    if mode not in modes:
+        raise ValueError(f"mode={mode!r} is not a torch.compile mode: choose one of {modes} (or None: "
+                         "optimize's choice)")
 
 
 def _refuse_offload_options_without_a_budget(**options) -> None:

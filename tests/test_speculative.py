@@ -142,6 +142,12 @@ def test_bad_options_are_refused_before_anything_changes(tiny, monkeypatch):
                                          r"only to experts offloaded to host memory, and without gpu_memory nothing "
                                          r"is offloaded: pass gpu_memory \(e.g. '20GiB'\) or leave them out"):
         dflash_compile.optimize(tiny("gpt_oss"), offload_policy="lfu", offload_manager="device")
+    with pytest.raises(ValueError, match=r"mode='fast' is not a torch.compile mode: choose one of \[.*'default'.*"
+                                         r"'reduce-overhead'\] \(or None: optimize's choice\)"):
+        dflash_compile.optimize(tiny("gpt_oss"), mode="fast")
+    with pytest.raises(ValueError, match="mode='default' sets how the steps compile, and with compile=False nothing "
+                                         "compiles: drop mode or leave compile on"):
+        dflash_compile.optimize(tiny("gpt_oss"), mode="default", compile=False)
 
 
 @pytest.mark.parametrize("ring_slack", [0, -1])
