@@ -6,6 +6,7 @@ import inspect
 
 import torch
 
+from .adaptive import WidthChooser
 from .checkpoint import pack_experts_expanded_at_load, refuse_hub_kernel_experts
 from .drafter import load_drafter
 from .families import spec_for_model, supported_families
@@ -84,6 +85,8 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
     if prefill_chunk is not None and prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be at least 1 token (or None: optimize's choice), got {prefill_chunk}")
     _check_mode(mode, compile)
+    if not isinstance(adaptive, (bool, WidthChooser)):
+        raise ValueError(f"adaptive must be True, False or a dflash_compile.adaptive.WidthChooser, got {adaptive!r}")
     if gpu_memory is None:
         _refuse_offload_options_without_a_budget(offload_policy=offload_policy, offload_prefetch=offload_prefetch,
                                                  offload_cpu_compute=offload_cpu_compute,

@@ -373,6 +373,21 @@ class SpeculativeDecoder:
         return torch._dynamo.config.patch(recompile_limit=STEP_GRAPHS)(torch.compile(
             function, backend=backend, fullgraph=True, dynamic=False, mode=mode))
 
+    def _check_ids(self, input_ids: torch.Tensor) -> None:
+        """Token ids the embedding can read: [batch, length] integers in [0, vocabulary), at least one a row."""
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [batch, length], got shape {list(input_ids.shape)}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise ValueError(f"input_ids must hold integer token ids, got {input_ids.dtype}; a tokenizer's "
+                             "return_tensors='pt' gives them")
+        if input_ids.shape[1] == 0:
+            raise ValueError("input_ids has no tokens: every prompt needs at least one")
+        vocabulary = self.model.get_input_embeddings().num_embeddings
+        low, high = input_ids.min().item(), input_ids.max().item()
+        if low < 0 or high >= vocabulary:
+            raise ValueError(f"token id {low if low < 0 else high} is outside the model's vocabulary of {vocabulary}: "
+                             "was the prompt tokenized for another model?")
+
     def _check_lengths(self, prompt: int, max_new_tokens: int) -> None:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
@@ -406,8 +421,7 @@ class SpeculativeDecoder:
         """Greedy: the same tensor as `model.generate(..., do_sample=False)`. Sampled (`do_sample=True`): tokens
         distributed exactly as the target's own sampling with the same temperature / top-k / top-p.
         `streamer` (transformers' TextStreamer interface, batch 1) gets the prompt, then each step's new tokens."""
-        if input_ids.ndim != 2:
-            raise ValueError(f"input_ids must be [batch, length], got shape {list(input_ids.shape)}")
+        self._check_ids(input_ids)
         if streamer is not None and input_ids.shape[0] != 1:
             raise ValueError(f"a streamer takes one row, got a batch of {input_ids.shape[0]}; stream one prompt")
         sampler = self._sampler(do_sample, temperature, top_k, top_p, generator, argmax_drafts)

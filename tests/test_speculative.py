@@ -148,6 +148,22 @@ def test_bad_options_are_refused_before_anything_changes(tiny, monkeypatch):
     with pytest.raises(ValueError, match="mode='default' sets how the steps compile, and with compile=False nothing "
                                          "compiles: drop mode or leave compile on"):
         dflash_compile.optimize(tiny("gpt_oss"), mode="default", compile=False)
+    with pytest.raises(ValueError, match="adaptive must be True, False or a dflash_compile.adaptive.WidthChooser, got "
+                                         "'yes'"):
+        dflash_compile.optimize(tiny("gpt_oss"), adaptive="yes")
+
+
+def test_prompts_the_embedding_cannot_read_are_refused(tiny):
+    fast = dflash_compile.optimize(tiny("qwen3_moe"), adaptive=False, compile=False)
+    with pytest.raises(ValueError, match=r"input_ids must hold integer token ids, got torch.float32; a tokenizer's "
+                                         r"return_tensors='pt' gives them"):
+        fast.generate(torch.ones(1, 3))
+    with pytest.raises(ValueError, match="input_ids has no tokens: every prompt needs at least one"):
+        fast.generate(torch.ones(1, 0, dtype=torch.long))
+    for wrong in (128, -1):  # the tiny models' vocabulary is 128
+        with pytest.raises(ValueError, match=f"token id {wrong} is outside the model's vocabulary of 128: was the "
+                                             "prompt tokenized for another model?"):
+            fast.generate(torch.tensor([[5, wrong, 7]]))
 
 
 @pytest.mark.parametrize("ring_slack", [0, -1])
