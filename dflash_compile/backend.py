@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -106,7 +107,25 @@ def compile_graph(
     if on_graph:
         on_graph(GraphReport(matches, before, graph_text(gm)))
     _make_lasting_buffers(example_inputs)
-    return _lower(gm, example_inputs, parsed, mode)
+    if not (torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)):
+        return _lower(gm, example_inputs, parsed, mode)
+    # A model straight from from_pretrained has parameters that require grad, and grad mode is on outside
+    # torch.no_grad(): lowered as is, AOTAutograd would trace a backward through the inference-only dflash ops.
+    warnings.warn("dflash compiles inference graphs: outputs of this compiled model do not track gradients (run it "
+                  "under torch.no_grad() or torch.inference_mode() to silence this warning)", stacklevel=2)
+    with torch.no_grad():
+        return _without_grad(_lower(gm, example_inputs, parsed, mode))
+
+
+def _without_grad(compiled: Callable) -> Callable:
+    """`compiled`, called under torch.no_grad(), in the same calling convention (Inductor's may be boxed)."""
+
+    def run(*args):
+        with torch.no_grad():
+            return compiled(*args)
+
+    run._boxed_call = getattr(compiled, "_boxed_call", False)
+    return run
 
 
 def _make_lasting_buffers(example_inputs) -> None:

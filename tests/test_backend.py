@@ -49,6 +49,24 @@ def test_compiled_logits_match_eager(tiny, family, dtype, dispatch_calls):
     assert dispatch_calls == list(range(len(moe_layers)))  # one dispatch per MoE layer, in layer order
 
 
+@pytest.mark.parametrize("lowering", ["inductor", "aot_eager"])
+def test_a_model_with_grad_enabled_compiles_for_inference(tiny, lowering):
+    """As README shows it: a model from from_pretrained (parameters that require grad) called outside
+    torch.no_grad(). The graph compiles for inference (the dflash ops have no backward) with a warning that says
+    so, and gives the eager model's logits."""
+    model = tiny("gpt_oss")
+    assert all(parameter.requires_grad for parameter in model.parameters()) and torch.is_grad_enabled()
+    ids = token_ids()
+    with torch.no_grad():
+        expected = model(ids).logits
+    compiled = torch.compile(model, backend="dflash", options={"lowering": lowering})
+    with pytest.warns(UserWarning, match="dflash compiles inference graphs: outputs of this compiled model do not "
+                                         r"track gradients \(run it under torch.no_grad\(\)"):
+        actual = compiled(ids).logits
+    assert not actual.requires_grad
+    assert (actual - expected).abs().max().item() <= TOLERANCE[torch.float32]
+
+
 @pytest.mark.parametrize("implementation", ["eager", "batched_mm", "grouped_mm"])
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_one_dispatch_node_per_moe_layer_whatever_experts_implementation(tiny, family, implementation):
