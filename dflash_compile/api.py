@@ -33,7 +33,14 @@ class OptimizedModel:
     def generate(self, input_ids, attention_mask=None, max_new_tokens: int = 20, **kwargs) -> torch.Tensor:
         """Greedy: the tokens `model.generate(input_ids, attention_mask=..., do_sample=False, ...)` returns.
         With do_sample=True (temperature, top_k, top_p, generator, argmax_drafts): samples distributed exactly as
-        the target's own `generate(do_sample=True, ...)`."""
+        the target's own `generate(do_sample=True, ...)`. Other `model.generate` settings (beams, penalties,
+        max_length, ...) are refused by name."""
+        supported = inspect.signature(self.decoder.generate).parameters
+        unsupported = sorted(set(kwargs) - set(supported))
+        if unsupported:
+            raise ValueError(f"generate does not take {unsupported}; it takes input_ids, attention_mask and "
+                             f"{sorted(set(supported) - {'input_ids', 'attention_mask'})} (greedy or sampled "
+                             "decoding): run model.generate for the others")
         return self.decoder.generate(input_ids, attention_mask, max_new_tokens, **kwargs)
 
 

@@ -155,6 +155,10 @@ def test_bad_options_are_refused_before_anything_changes(tiny, monkeypatch):
 
 def test_prompts_the_embedding_cannot_read_are_refused(tiny):
     fast = dflash_compile.optimize(tiny("qwen3_moe"), adaptive=False, compile=False)
+    with pytest.raises(ValueError, match=r"generate does not take \['max_length', 'num_beams'\]; it takes input_ids, "
+                                         r"attention_mask and \[.*'max_new_tokens'.*'temperature'.*\] \(greedy or "
+                                         r"sampled decoding\): run model.generate for the others"):
+        fast.generate(torch.ones(1, 3, dtype=torch.long), num_beams=4, max_length=20)
     with pytest.raises(ValueError, match=r"input_ids must hold integer token ids, got torch.float32; a tokenizer's "
                                          r"return_tensors='pt' gives them"):
         fast.generate(torch.ones(1, 3))
