@@ -383,7 +383,7 @@ class SpeculativeDecoder:
         if input_ids.shape[1] == 0:
             raise ValueError("input_ids has no tokens: every prompt needs at least one")
         vocabulary = self.model.get_input_embeddings().num_embeddings
-        low, high = input_ids.min().item(), input_ids.max().item()
+        low, high = (bound.item() for bound in torch.aminmax(input_ids))
         if low < 0 or high >= vocabulary:
             raise ValueError(f"token id {low if low < 0 else high} is outside the model's vocabulary of {vocabulary}: "
                              "was the prompt tokenized for another model?")
