@@ -144,7 +144,8 @@ def _refuse_offload_options_without_a_budget(**options) -> None:
 
 def from_pretrained(path, drafter=None, *, gpu_memory=None, dtype: torch.dtype = torch.bfloat16, device=None,
                     **options) -> OptimizedModel:
-    """Load a checkpoint directory and `optimize` it: quantized (MXFP4 / FP8) checkpoints keep their experts packed
+    """Load a checkpoint directory or a Hugging Face Hub repo id (`checkpoint.checkpoint_directory`: its top-level
+    files only) and `optimize` it: quantized (MXFP4 / FP8) checkpoints keep their experts packed
     (`load_packed`); with `gpu_memory` the routed experts stay in host memory, layer by layer, behind a GPU slot pool
     that fits the budget, and only the dense weights go to the GPU."""
     from .pair import load_model

@@ -223,10 +223,27 @@ def _set(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
+def checkpoint_directory(path: str | Path) -> Path:
+    """`path` when it is a directory; else a Hugging Face Hub repo id, whose top-level files (config, safetensors
+    weights, tokenizer; not the copies in subfolders, such as gpt-oss's original/ and metal/ weights) are fetched
+    into the Hub cache, or found there when offline."""
+    if Path(path).is_dir():
+        return Path(path)
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(str(path))
+    except HFValidationError:
+        raise FileNotFoundError(f"{path} is neither a checkpoint directory nor a Hugging Face Hub repo id") from None
+    return Path(snapshot_download(str(path), ignore_patterns=["*/*"]))
+
+
 def load_packed(path: str | Path, dtype: torch.dtype = torch.bfloat16, device="cpu") -> transformers.PreTrainedModel:
-    """A quantized checkpoint (gpt-oss MXFP4 or FP8 block-scaled) with routed experts kept packed: MXFP4 at 4.25
-    bits and FP8 at 8 bits per parameter. FP8 linear layers stay FP8 (`FP8Linear`); the rest is loaded in `dtype`."""
-    path = Path(path)
+    """A quantized checkpoint (gpt-oss MXFP4 or FP8 block-scaled; a directory or a Hub repo id) with routed experts
+    kept packed: MXFP4 at 4.25 bits and FP8 at 8 bits per parameter. FP8 linear layers stay FP8 (`FP8Linear`); the
+    rest is loaded in `dtype`."""
+    path = checkpoint_directory(path)
     config = transformers.AutoConfig.from_pretrained(path)
     format = _checkpoint_format(getattr(config, "quantization_config", None))
     del config.quantization_config

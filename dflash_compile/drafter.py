@@ -27,6 +27,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
 from .cache import RowCache, additive_mask
+from .checkpoint import checkpoint_directory
 from .sampling import processed_probs
 
 # transformers' MuseGlimmerAssistantModel names the context projection differently from z-lab checkpoints.
@@ -401,7 +402,7 @@ def load_drafter(drafter, target: nn.Module, dtype: torch.dtype | None = None) -
     if hasattr(drafter, "propose") and hasattr(drafter, "add_context"):  # a drafter needing no target features
         return drafter, ()
     if isinstance(drafter, (str, Path)):
-        raw, weights = _read_checkpoint(Path(drafter))
+        raw, weights = _read_checkpoint(checkpoint_directory(drafter))
     elif isinstance(drafter, nn.Module) and hasattr(drafter, "config"):
         raw, weights = drafter.config.to_dict(), drafter.state_dict()
     else:

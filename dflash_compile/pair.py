@@ -32,21 +32,26 @@ def heldout_prompts(directory: str | Path | None = None) -> list[str]:
 
 
 def load_model(path: str | Path, device="cpu", dtype: torch.dtype = torch.float32):
-    """A causal LM from a checkpoint directory; MXFP4 and FP8 block-scaled checkpoints load with their experts
-    packed (`load_packed`)."""
+    """A causal LM from a checkpoint directory or a Hub repo id (`checkpoint_directory`); MXFP4 and FP8
+    block-scaled checkpoints load with their experts packed (`load_packed`)."""
     import transformers
 
-    from .checkpoint import load_packed
+    from .checkpoint import checkpoint_directory, load_packed
 
+    path = checkpoint_directory(path)
     if getattr(transformers.AutoConfig.from_pretrained(path), "quantization_config", None):
         return load_packed(path, dtype, device)
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
 
 
 def load_target(path: str | Path, device="cpu", dtype: torch.dtype = torch.float32):
-    """(model, tokenizer) from a checkpoint directory, the tokenizer padding on the left as batched decoding needs."""
+    """(model, tokenizer) from a checkpoint directory or a Hub repo id, the tokenizer padding on the left as batched
+    decoding needs."""
     import transformers
 
+    from .checkpoint import checkpoint_directory
+
+    path = checkpoint_directory(path)
     return load_model(path, device, dtype), transformers.AutoTokenizer.from_pretrained(path, padding_side="left")
 
 

@@ -147,6 +147,32 @@ def test_packed_models_compile_and_generate(family, format, tmp_path):
                        packed.generate(ids[:1], max_new_tokens=6, do_sample=False))
 
 
+def test_checkpoints_load_by_hub_repo_id(tmp_path, monkeypatch):
+    """A Hugging Face Hub repo id instead of a directory: `dflash_compile.from_pretrained` resolves it through
+    huggingface_hub (here offline, from a Hub cache laid out as huggingface_hub writes it) and loads the MXFP4
+    checkpoint packed, as from its directory. A path that is neither a directory nor a repo id is named."""
+    import huggingface_hub
+
+    from dflash_compile.checkpoint import checkpoint_directory
+
+    commit = "0" * 40
+    repo = tmp_path / "hub" / "models--someone--tiny-gpt-oss"
+    model = load_tiny_model("gpt_oss", directory=save_tiny_model("gpt_oss", tmp_path / "m", **SIZES["gpt_oss"]))
+    snapshot = quantize(model, repo / "snapshots" / commit, "mxfp4")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert checkpoint_directory("someone/tiny-gpt-oss") == snapshot.resolve()
+    by_id = dflash_compile.from_pretrained("someone/tiny-gpt-oss", dtype=torch.float32, device="cpu", compile=False)
+    by_directory = dflash_compile.from_pretrained(snapshot, dtype=torch.float32, device="cpu", compile=False)
+    assert packed_weights(by_id.model.model.layers[0].mlp.experts)[0].data.dtype == torch.uint8  # kept packed
+    ids = token_ids()[:1]
+    assert torch.equal(by_id.generate(ids, max_new_tokens=6), by_directory.generate(ids, max_new_tokens=6))
+    with pytest.raises(FileNotFoundError, match="is neither a checkpoint directory nor a Hugging Face Hub repo id"):
+        checkpoint_directory(tmp_path / "nowhere")
+
+
 def test_format_errors_name_the_fix(tmp_path):
     model = load_tiny_model("gpt_oss", directory=save_tiny_model("gpt_oss", tmp_path / "m", **SIZES["gpt_oss"]))
     with pytest.raises(ValueError, match="gpt_oss has no public fp8_block checkpoint layout: use mxfp4"):
