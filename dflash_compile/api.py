@@ -66,9 +66,9 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
     `offload_cpu_compute` "auto" / "always" runs missed experts on the CPU, `offload_manager` "device" keeps the
     cache on the device so that no layer reads its routing back; "auto", the default, picks it on CUDA when the
     policy is LRU without CPU compute, else "host"). Every check runs before any state is built: an unsupported
-    family, a drafter made for another target, a budget too small, offload options without a budget or a mode
-    torch.compile lacks raises with nothing changed. With `adaptive` (the default) each step verifies as many drafts
-    as measured step times and acceptance say pay best, none when the drafter does not pay
+    family, a drafter made for another target, a budget too small, offload options or another device without a
+    budget, or a mode torch.compile lacks raises with nothing changed. With `adaptive` (the default) each step
+    verifies as many drafts as measured step times and acceptance say pay best, none when the drafter does not pay
     (`dflash_compile.adaptive`; the choices are in `last_stats.widths`); pass a `WidthChooser` to set its options.
     With `compile`, a DFlash drafter's forward is compiled too (Inductor; CUDA graphs as above), and each layer's
     q/k/v (and dense gate/up) projections are laid out in one buffer, same values and memory, for one GEMM per group
@@ -95,6 +95,7 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
     if not isinstance(adaptive, (bool, WidthChooser)):
         raise ValueError(f"adaptive must be True, False or a dflash_compile.adaptive.WidthChooser, got {adaptive!r}")
     if gpu_memory is None:
+        _refuse_a_move_without_a_budget(model, device)
         _refuse_offload_options_without_a_budget(offload_policy=offload_policy, offload_prefetch=offload_prefetch,
                                                  offload_cpu_compute=offload_cpu_compute,
                                                  offload_manager=offload_manager)
@@ -130,6 +131,18 @@ def _check_mode(mode: str | None, compile: bool) -> None:
     if mode not in modes:
         raise ValueError(f"mode={mode!r} is not a torch.compile mode: choose one of {modes} (or None: "
                          "optimize's choice)")
+
+
+def _refuse_a_move_without_a_budget(model: torch.nn.Module, device) -> None:
+    """`device` names where an offloaded model's slot pool goes; without `gpu_memory` nothing moves, so a device
+    other than the model's would be silently ignored: raise naming both."""
+    if device is None:
+        return
+    wanted, held = torch.device(device), next(model.parameters()).device
+    if wanted.type != held.type or None not in (wanted.index, held.index) and wanted.index != held.index:
+        raise ValueError(f"the model is on {held} but device={str(device)!r}: without gpu_memory optimize does not "
+                         f"move it; call model.to({str(device)!r}) first, or pass gpu_memory to offload its experts "
+                         "to that device")
 
 
 def _refuse_offload_options_without_a_budget(**options) -> None:

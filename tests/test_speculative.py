@@ -142,6 +142,10 @@ def test_bad_options_are_refused_before_anything_changes(tiny, monkeypatch):
                                          r"only to experts offloaded to host memory, and without gpu_memory nothing "
                                          r"is offloaded: pass gpu_memory \(e.g. '20GiB'\) or leave them out"):
         dflash_compile.optimize(tiny("gpt_oss"), offload_policy="lfu", offload_manager="device")
+    with pytest.raises(ValueError, match=r"the model is on cpu but device='meta': without gpu_memory optimize does not "
+                                         r"move it; call model.to\('meta'\) first, or pass gpu_memory to offload its "
+                                         "experts to that device"):
+        dflash_compile.optimize(tiny("gpt_oss"), device="meta")
     with pytest.raises(ValueError, match=r"mode='fast' is not a torch.compile mode: choose one of \[.*'default'.*"
                                          r"'reduce-overhead'\] \(or None: optimize's choice\)"):
         dflash_compile.optimize(tiny("gpt_oss"), mode="fast")
