@@ -1408,10 +1408,11 @@ def _dequantized_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
     counts = torch.bincount(flat, minlength=experts)[:experts].tolist()
     x = hidden[order // top_k]
     projected = []
-    group = max(1, DEQUANTIZE_EXPERT_ELEMENTS // (two_i * h))
-    buffer = None if gate_up.format == "dense" else hidden.new_empty(min(group, experts) * two_i * h)
+    groups = _expert_groups(counts, gate_up.format, max(1, DEQUANTIZE_EXPERT_ELEMENTS // (two_i * h)))
+    largest = max(map(len, groups), default=0)  # a pool's unrouted slots take no room
+    buffer = None if gate_up.format == "dense" else hidden.new_empty(largest * two_i * h)
     start = 0
-    for experts_of_group in _expert_groups(counts, gate_up.format, group):
+    for experts_of_group in groups:
         ends = list(itertools.accumulate(counts[e] for e in experts_of_group))
         rows = slice(start, start + ends[-1])
         start = rows.stop
