@@ -12,11 +12,20 @@ the same with DFlash verify blocks (an oracle drafter at --corruption, so accept
 committed token; and accelerate (`dispatch_model` with `infer_auto_device_map(max_memory=...)`, what
 `device_map="auto"` does) on the same model and budget. Every output is checked against the resident model's
 greedy tokens. Medians of --repeats after a warm-up.
+
+`--experts mxfp4` / `fp8_block` offloads packed experts (quantized on the device from the random bf16 weights; the
+resident reference and accelerate run those values dequantized to bf16), and `--pool-estimate layer slots` times a
+prompt layer that reads the slot pool as its experts with the kernel choice estimated over the layer's experts (the
+library's) or over the pool's slots (before 3636aff):
+
+    python bench/offload.py --model gpt-oss-20b --layers 4 --experts mxfp4 --resident 0.75 --prompt 8192 --new 8 \
+        --decode-only --accelerate-new 0 --pool-estimate layer slots
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import itertools
 import json
@@ -25,17 +34,18 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from spec_decode import build_model, first_mismatch, width_summary  # noqa: E402
+from spec_decode import build_model, first_mismatch, packed_twin, width_summary  # noqa: E402
 
 import dflash_compile  # noqa: E402
 from dflash_compile.benchmark import timed  # noqa: E402
 from dflash_compile import offload  # noqa: E402
-from dflash_compile.kernels import blob_copy  # noqa: E402
+from dflash_compile.kernels import blob_copy, moe  # noqa: E402
 from dflash_compile.offload import MANAGERS, OffloadStats, choose_manager, plan_offload  # noqa: E402
 from dflash_compile.testing import OracleDrafter  # noqa: E402
 
@@ -143,14 +153,33 @@ def copy_timeline(fast, ids, new: int, path: Path) -> dict:
             "idle_ms": span - _busy_ms(every), "copies": len(ranges["copy"])}
 
 
+def host_models(args):
+    """(the model to offload, the bf16 model whose greedy tokens it must give), both in host memory."""
+    if args.experts == "bf16":
+        model = build_model(args.model, "cpu", args.layers)
+        return model, model
+    model = build_model(args.model, args.device, args.layers)  # quantizing takes minutes on a few CPU cores
+    twin = packed_twin(model, args.experts)  # `model` now holds the packed values dequantized
+    return twin.cpu(), model.cpu()
+
+
+def pool_estimate(estimate: str):
+    """A context in which prompt layers reading the slot pool estimate their pairs per expert over the layer's
+    experts ("layer", the library's) or over the pool's slots ("slots": `routed_experts` dropped)."""
+    if estimate == "layer":
+        return contextlib.nullcontext()
+    fused_moe = moe.fused_moe
+    return patch.object(moe, "fused_moe", lambda *args, routed_experts=None, **kwargs: fused_moe(*args, **kwargs))
+
+
 def run(args) -> list[dict]:
     pcie = host_to_device_bandwidth(args.device)
     print(f"pinned host-to-device copy: {pcie / 1e9:.1f} GB/s", flush=True)
-    host_model = build_model(args.model, "cpu", args.layers)
+    host_model, reference = host_models(args)
     ids = torch.randint(0, host_model.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
     plan = plan_offload(host_model, args.device)
     rows = []
-    resident = copy.deepcopy(host_model).to(args.device)
+    resident = copy.deepcopy(reference).to(args.device)
     with torch.no_grad():
         expected, seconds = timed(lambda: resident.generate(ids.to(args.device), max_new_tokens=args.new,
                                                             do_sample=False), args.repeats, args.device)
@@ -171,21 +200,23 @@ def run(args) -> list[dict]:
         setups = [(f"{policy}, prefetch {ahead}, {manager}-managed"
                    + (f" ({programs} / {staged} copy programs ahead / staged)" if compared and manager == "device"
                       else "")
-                   + f", {name}" + (f", prefill chunks of {chunk}" if len(args.prefill_chunk) > 1 else ""),
-                   policy, ahead, manager, programs, staged, drafter, adaptive, chunk)
+                   + f", {name}" + (f", prefill chunks of {chunk}" if len(args.prefill_chunk) > 1 else "")
+                   + (f", estimate over the {estimate}" if len(args.pool_estimate) > 1 else ""),
+                   policy, ahead, manager, programs, staged, drafter, adaptive, chunk, estimate)
                   for policy in args.policy for ahead in args.prefetch
                   for manager in managers(args.manager, args.device, policy, args.cpu_compute)
                   for programs, staged in (copy_programs if manager == "device" else copy_programs[:1])
                   for name, drafter, adaptive in [("decode", None, False), *speculative]
-                  for chunk in args.prefill_chunk]
-        for name, policy, ahead, manager, programs, staged, drafter, adaptive, chunk in setups:
+                  for chunk in args.prefill_chunk for estimate in args.pool_estimate]
+        for name, policy, ahead, manager, programs, staged, drafter, adaptive, chunk, estimate in setups:
             blob_copy.PROGRAMS, offload.STAGED_COPY_PROGRAMS = programs, staged
             fast = dflash_compile.optimize(copy.deepcopy(host_model), drafter, gpu_memory=budget, device=args.device,
                                            adaptive=adaptive, offload_policy=policy, offload_prefetch=ahead,
                                            offload_manager=manager, offload_cpu_compute=args.cpu_compute,
                                            mode=args.mode, prefill_chunk=chunk)
-            out, whole_s, prefill_s, whole, prefill = decode_measurement(fast, ids.to(args.device), args.new,
-                                                                         args.repeats)
+            with pool_estimate(estimate):
+                out, whole_s, prefill_s, whole, prefill = decode_measurement(fast, ids.to(args.device), args.new,
+                                                                             args.repeats)
             decode_s, decode_bytes = whole_s - prefill_s, whole.bytes_fetched - prefill.bytes_fetched
             if decode_s <= 0:  # tiny models: the two medians' noise exceeds the decode time
                 decode_s = float("nan")
@@ -210,7 +241,7 @@ def run(args) -> list[dict]:
         if args.accelerate_new == 0:
             continue
         print(time.strftime("%X"), "accelerate: dispatching", flush=True)
-        accelerated = accelerate_offloaded(copy.deepcopy(host_model), budget, args.device)
+        accelerated = accelerate_offloaded(copy.deepcopy(reference), budget, args.device)
         print(time.strftime("%X"), "accelerate: generating", flush=True)
         new = args.accelerate_new or args.new  # accelerate is slow: fewer tokens give the same rate
         with torch.no_grad():
@@ -257,13 +288,18 @@ def main() -> None:
     parser.add_argument("--prefill-chunk", type=int, nargs="+", default=[None],
                         help="prefill chunk sizes to time (models with sliding-window layers prefill in chunks; "
                              "default: optimize's, the whole prompt where it goes unmasked)")
+    parser.add_argument("--experts", default="bf16", choices=["bf16", "mxfp4", "fp8_block"],
+                        help="the routed experts' format (packed ones quantized from the random bf16 weights)")
+    parser.add_argument("--pool-estimate", nargs="+", default=["layer"], choices=["layer", "slots"],
+                        help="what a prompt layer reading the slot pool estimates its pairs per expert over: the "
+                             "layer's experts (the library's) or the pool's slots; several compare them")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--trace", type=Path, help="a folder: write each setup's Chrome trace (CUDA) there and print "
                                                     "how long copies, kernels and neither kept the GPU busy")
     args = parser.parse_args()
     rows = run(args)
-    print(f"# {args.model} ({args.layers or 'all'} layers) on {args.device}, prompt {args.prompt}, {args.new} new "
-          f"tokens, median of {args.repeats}")
+    print(f"# {args.model} ({args.layers or 'all'} layers, {args.experts} experts) on {args.device}, prompt "
+          f"{args.prompt}, {args.new} new tokens, median of {args.repeats}")
     print("| setup | tok/s (with prefill) | prefill ms | decode tok/s | decode bytes/token | decode time / PCIe floor "
           "| H2D GB/s | hit rate | coverage | waste | tau | check |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
