@@ -63,6 +63,9 @@ def _quantized_tensors(model: torch.nn.Module, format: str) -> dict[str, torch.T
     if (format == "mxfp4") != (spec.name == "gpt_oss"):
         raise ValueError(f"{spec.name} has no public {format} checkpoint layout: use "
                          f"{'mxfp4' if spec.name == 'gpt_oss' else 'fp8_block'} for it")
+    if format == "fp8_block":  # before any work: a checkpoint `load_packed` would refuse is not written
+        for path, experts in experts_modules(model).items():
+            _check_fp8_stackable(path, expert_weights(experts)[0].shape[1] // 2)
     tensors = {k: v.detach() for k, v in model.state_dict().items()}
     for path, experts in experts_modules(model).items():
         for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
@@ -197,6 +200,15 @@ def _lossless_mxfp4(experts: torch.nn.Module) -> tuple[PackedWeight, PackedWeigh
     return tuple(packed)
 
 
+def _check_fp8_stackable(path: str, intermediate: int) -> None:
+    """FP8 experts stay packed as one [2I, H] gate/up weight, so gate's and up's 128-row scale blocks must not
+    straddle the seam between them."""
+    if intermediate % FP8_BLOCK[0]:
+        raise ValueError(f"{path}: expert intermediate size {intermediate} is not a multiple of {FP8_BLOCK[0]}, so "
+                         "gate and up scale blocks cannot be stacked into one [2I, H] weight: this model's experts "
+                         "cannot be kept packed in fp8_block; keep them in bf16")
+
+
 def _packed_experts(checkpoint: _Checkpoint, path: str, format: str, experts: int, device) -> tuple[PackedWeight, ...]:
     if format == "mxfp4":
         return tuple(PackedWeight("mxfp4", checkpoint.get(f"{path}.{name}_blocks").to(device),
@@ -205,10 +217,7 @@ def _packed_experts(checkpoint: _Checkpoint, path: str, format: str, experts: in
                                   in checkpoint else None) for name in ("gate_up_proj", "down_proj"))
     parts = {name: [(checkpoint.get(f"{path}.{j}.{name}.weight"), checkpoint.get(f"{path}.{j}.{name}.weight_scale_inv"))
                     for j in range(experts)] for name in ("gate_proj", "up_proj", "down_proj")}
-    inter = parts["gate_proj"][0][0].shape[0]
-    if inter % FP8_BLOCK[0]:
-        raise ValueError(f"{path}: expert intermediate size {inter} is not a multiple of {FP8_BLOCK[0]}, so gate and "
-                         "up scale blocks cannot be stacked into one [2I, H] weight")
+    _check_fp8_stackable(path, parts["gate_proj"][0][0].shape[0])
 
     def stack(names):
         data = torch.stack([torch.cat([parts[n][j][0].view(torch.uint8) for n in names]) for j in range(experts)])

@@ -184,6 +184,11 @@ def test_format_errors_name_the_fix(tmp_path):
     odd = load_tiny_model("gpt_oss", directory=save_tiny_model("gpt_oss", tmp_path / "odd"))  # I = 48
     with pytest.raises(ValueError, match="MXFP4 groups of 32 need the last dimension divisible by 32, got 48"):
         quantize(odd, tmp_path / "q2", "mxfp4")
+    narrow = load_tiny_model("qwen3_moe", directory=save_tiny_model("qwen3_moe", tmp_path / "narrow"))  # I = 32
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.experts: expert intermediate size 32 is not a multiple "
+                                         r"of 128, so gate and up scale blocks cannot be stacked"):
+        quantize(narrow, tmp_path / "q3", "fp8_block")  # a checkpoint load_packed would refuse
+    assert not (tmp_path / "q2").exists() and not (tmp_path / "q3").exists()
 
 
 def test_packed_models_of_one_class_compile_to_their_own_experts(tmp_path):
