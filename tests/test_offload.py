@@ -662,20 +662,27 @@ def watch():
         peak[0] = max(peak[0], anonymous_mib())
         time.sleep(0.001)
 
+device = sys.argv[3]
+if device == "cuda":
+    torch.zeros(1, device=device)  # the CUDA context's own host memory comes before the baseline
 base = anonymous_mib()
 threading.Thread(target=watch, daemon=True).start()
-fast = dflash_compile.from_pretrained(sys.argv[1], gpu_memory=sys.argv[2], dtype=torch.bfloat16, device="cpu")
+fast = dflash_compile.from_pretrained(sys.argv[1], gpu_memory=sys.argv[2], dtype=torch.bfloat16, device=device)
 time.sleep(0.05)
 layers = fast.model.dflash_offload.layers
-print(peak[0] - base, sum(layer.host.numel() for layer in layers) / 2**20, layers[0].host.numel() / 2**20)
+print(peak[0] - base, anonymous_mib() - base, sum(layer.host.numel() for layer in layers) / 2**20,
+      layers[0].host.numel() / 2**20, int(layers[0].host.is_pinned()))
 """
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the anonymous RSS from /proc")
-def test_loading_an_offloaded_checkpoint_needs_about_the_experts_host_memory(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_loading_an_offloaded_checkpoint_needs_about_the_experts_host_memory(tmp_path, device):
     """from_pretrained(gpu_memory=...): the checkpoint's tensors are memory-mapped, experts move into host blobs
     layer by layer and each layer's parameters are freed as it goes, so the anonymous host memory peaks at about the
-    experts' size (plus a layer and the runtime's own), not twice it. The slot pool is never touched here."""
+    experts' size (plus a layer and the runtime's own), not twice it, and then holds about the experts. The slot
+    pool is never touched here. On CUDA the blobs are pinned: anonymous memory registered with CUDA
+    (`offload.pinned_zeros`)."""
     import subprocess
     import sys
 
@@ -686,8 +693,9 @@ def test_loading_an_offloaded_checkpoint_needs_about_the_experts_host_memory(tmp
     config = tiny_config("qwen3_moe", hidden_size=512, moe_intermediate_size=1024, num_experts=32,
                          num_hidden_layers=4)
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path / "m")
-    result = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(tmp_path / "m"), "150MB"], check=True,
+    result = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(tmp_path / "m"), "150MB", device], check=True,
                             capture_output=True, text=True)
-    peak, experts, layer = map(float, result.stdout.split())
-    assert experts > 250
+    peak, held, experts, layer, pinned = map(float, result.stdout.split())
+    assert pinned == (device == "cuda")
+    assert experts > 250 and held <= experts + layer + 64, f"{held:.0f} MiB held for {experts:.0f} MiB of experts"
     assert peak <= experts + 1.5 * layer + 64, f"peak {peak:.0f} MiB for {experts:.0f} MiB of experts"
