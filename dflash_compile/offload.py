@@ -115,7 +115,7 @@ def pinned_zeros(rows: int, columns: int) -> torch.Tensor:
     allocator rounds every allocation up to a power of two (a gpt-oss-20b layer's 0.39 GiB of MXFP4 blobs took
     0.5 GiB: 12.0 GiB of host memory for 9.4 GiB of experts), so the pages of an anonymous mapping are registered
     with CUDA instead (mapped: kernels read them too) and unregistered once no tensor views them."""
-    buffer = mmap.mmap(-1, rows * columns)
+    buffer = mmap.mmap(-1, rows * columns, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # as malloc'd memory
     blobs = torch.frombuffer(buffer, dtype=torch.uint8).view(rows, columns)
     cudart = torch.cuda.cudart()
     torch.cuda.check_error(cudart.cudaHostRegister(blobs.data_ptr(), blobs.numel(), 3))  # portable | mapped

@@ -693,8 +693,10 @@ def test_loading_an_offloaded_checkpoint_needs_about_the_experts_host_memory(tmp
     config = tiny_config("qwen3_moe", hidden_size=512, moe_intermediate_size=1024, num_experts=32,
                          num_hidden_layers=4)
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path / "m")
-    result = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(tmp_path / "m"), "150MB", device], check=True,
+    budget = "250MB" if device == "cuda" else "150MB"  # CUDA's runtime reserve on top; the pool stays below 2 layers
+    result = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(tmp_path / "m"), budget, device],
                             capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
     peak, held, experts, layer, pinned = map(float, result.stdout.split())
     assert pinned == (device == "cuda")
     assert experts > 250 and held <= experts + layer + 64, f"{held:.0f} MiB held for {experts:.0f} MiB of experts"
