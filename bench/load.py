@@ -6,10 +6,11 @@ falls back to without the `kernels` package; FP8 layers its fine-grained FP8 one
     python bench/load.py --model tiny-gpt_oss --device cpu               # plumbing check
 
 The checkpoint is written by `dflash_compile.quantize` from the random bf16 weights of `build_model` (into --dir, a
-temporary directory by default). Each side: seconds to load, device memory it then holds, host memory added at the
-load's peak (VmHWM, reset before it, less the resident memory then), seconds of the first generation (compilation
-included), tokens/s of the next --repeats (median) and its tokens against transformers'. The offloaded budget is the
-dense weights plus --resident of the routed experts (as bench/offload.py).
+temporary directory by default). Each side, memory counted from what the process held before its load: seconds to
+load, device memory it then holds and its peak while generating, host memory it then holds and its peak during the
+load (anonymous: not the checkpoint's memory-mapped pages, which the kernel can drop), seconds of the first generation
+(compilation included), tokens/s of the next --repeats (median) and its tokens against transformers'. The offloaded
+budget is the dense weights plus --resident of the routed experts (as bench/offload.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import gc
 import re
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -35,19 +37,34 @@ from dflash_compile.offload import plan_offload  # noqa: E402
 from dflash_compile.testing import tiny_config  # noqa: E402
 
 
-def host_bytes(field: str) -> int:
-    """This process's resident host memory now ("VmRSS") or at its peak ("VmHWM", since `reset_host_peak`)."""
-    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) * 1024
+def host_bytes() -> int:
+    """This process's anonymous resident host memory (Linux's RssAnon: not the checkpoint's memory-mapped file
+    pages, which the kernel can drop and read again)."""
+    return int(re.search(r"RssAnon:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) * 1024
 
 
-def reset_host_peak() -> int:
-    """Restart the peak at the resident memory now (Linux), which it returns."""
-    Path("/proc/self/clear_refs").write_text("5")
-    return host_bytes("VmRSS")
+class HostPeak(threading.Thread):
+    """The peak of `host_bytes` while in its `with` block, sampled every millisecond."""
+
+    def __enter__(self):
+        self.peak, self.running = host_bytes(), True
+        self.start()
+        return self
+
+    def run(self):
+        while self.running:
+            self.peak = max(self.peak, host_bytes())
+            time.sleep(1e-3)
+
+    def __exit__(self, *exc):
+        self.running = False
+        self.join()
 
 
-def device_bytes(device: str) -> int:
-    return torch.cuda.memory_allocated() if device.startswith("cuda") else 0
+def device_bytes(device: str, peak: bool = False) -> int:
+    if not device.startswith("cuda"):
+        return 0
+    return torch.cuda.max_memory_allocated() if peak else torch.cuda.memory_allocated()
 
 
 def quantizable_model(args) -> transformers.PreTrainedModel:
@@ -78,22 +95,27 @@ def budget(directory: Path, device: str, fraction: float) -> int:
 
 
 def measure(name: str, load, generate, args, expected: torch.Tensor | None) -> torch.Tensor:
-    """Load, generate once (compiling), time --repeats generations; print one row. Returns the tokens."""
+    """Load, generate once (compiling), time --repeats generations; print one row. Returns the tokens. Memory is
+    counted from what the process held before the load."""
+    torch._dynamo.reset()  # each side compiles afresh, and no earlier side's compiled graphs hold its weights
     gc.collect()
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
-    before = reset_host_peak()
-    start = time.perf_counter()
-    model = load()
-    load_s = time.perf_counter() - start
-    held, host_peak = device_bytes(args.device), host_bytes("VmHWM") - before
+        torch.cuda.reset_peak_memory_stats()
+    device_before, host_before = device_bytes(args.device), host_bytes()
+    with HostPeak() as host:
+        start = time.perf_counter()
+        model = load()
+        load_s = time.perf_counter() - start
+    held, host_held = device_bytes(args.device) - device_before, host_bytes() - host_before
     start = time.perf_counter()
     generate(model)
     first_s = time.perf_counter() - start
     out, seconds = timed(lambda: generate(model), args.repeats, args.device)
+    device_peak = device_bytes(args.device, peak=True) - device_before
     check = "reference" if expected is None else first_mismatch(expected, out)
-    print(f"| {name} | {load_s:.1f} | {held / 2**30:.2f} | {host_peak / 2**30:.2f} | {first_s:.1f} | "
-          f"{args.new / seconds:.1f} | {check} |", flush=True)
+    print(f"| {name} | {load_s:.1f} | {held / 2**30:.2f} | {device_peak / 2**30:.2f} | {host_held / 2**30:.2f} | "
+          f"{(host.peak - host_before) / 2**30:.2f} | {first_s:.1f} | {args.new / seconds:.1f} | {check} |", flush=True)
     return out
 
 
@@ -121,8 +143,9 @@ def main() -> None:
         quantization = transformers.Mxfp4Config(dequantize=True) if args.format == "mxfp4" else None
         print(f"# {args.model} ({args.layers or 'all'} layers), {args.format} checkpoint, {args.device}, prompt "
               f"{args.prompt}, {args.new} new tokens, median of {args.repeats}; torch {torch.__version__}, "
-              f"transformers {transformers.__version__}\n| side | load s | device GiB held | host GiB added at peak "
-              "(load) | first generate s | tok/s | tokens |\n|---|---|---|---|---|---|---|", flush=True)
+              f"transformers {transformers.__version__}\n| side | load s | device GiB held | device GiB peak "
+              "(generating) | host GiB held | host GiB peak (load) | first generate s | tok/s | tokens |\n"
+              "|---|---|---|---|---|---|---|---|---|", flush=True)
         expected = measure(
             "transformers from_pretrained + generate",
             lambda: transformers.AutoModelForCausalLM.from_pretrained(
