@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import transformers
+from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -93,7 +94,8 @@ def _quantized_tensors(model: torch.nn.Module, format: str) -> dict[str, torch.T
 
 def quantize(model: torch.nn.Module, directory: str | Path, format: str) -> Path:
     """Write `model` as a quantized checkpoint in the public layout of `format` ("mxfp4" for gpt-oss,
-    "fp8_block" for the other families), with its config and generation config. Returns the directory."""
+    "fp8_block" for the other families) -- model.safetensors, or shards of at most MAX_SHARD_SIZE with their index
+    as transformers writes them -- with its config and generation config. Returns the directory."""
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
     tensors = _quantized_tensors(model, format)
@@ -101,12 +103,32 @@ def quantize(model: torch.nn.Module, directory: str | Path, format: str) -> Path
     directory.mkdir(parents=True, exist_ok=True)
     if model.config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / "model.safetensors"))
+    _save_shards(tensors, directory)
     config = model.config.to_dict()
     config["quantization_config"] = _MXFP4_CONFIG if format == "mxfp4" else _FP8_CONFIG
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     model.generation_config.save_pretrained(directory)
     return directory
+
+
+# Shards as transformers' `save_pretrained` writes them: the Hub takes files up to 50 GB (gpt-oss-120b's MXFP4
+# experts alone are 61 GB), and safetensors serialises a file's tensors in memory before writing it.
+MAX_SHARD_SIZE = "5GB"
+_INDEX = "model.safetensors.index.json"
+
+
+def _save_shards(tensors: dict[str, torch.Tensor], directory: Path) -> None:
+    """`tensors` as model.safetensors, or as shards of at most MAX_SHARD_SIZE with their index; the weight files of
+    a checkpoint written there before are removed first, so the two never mix."""
+    for old in (*directory.glob("model*.safetensors"), directory / _INDEX):
+        old.unlink(missing_ok=True)
+    split = split_torch_state_dict_into_shards(tensors, max_shard_size=MAX_SHARD_SIZE)
+    for filename, names in split.filename_to_tensors.items():
+        save_file({name: tensors[name].contiguous() for name in names}, str(directory / filename),
+                  metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        (directory / _INDEX).write_text(json.dumps(index, indent=2))
 
 
 class _Checkpoint:

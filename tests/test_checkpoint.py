@@ -1,5 +1,6 @@
 """Quantized checkpoints in the public layouts: written by `quantize`, loaded packed by `load_packed`."""
 
+import json
 import warnings
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 import transformers
 
 import dflash_compile
+from dflash_compile import checkpoint
 from dflash_compile.checkpoint import FP8Linear, expert_bytes, load_packed, quantize
 from dflash_compile.packed import packed_weights
 from dflash_compile.testing import load_tiny_model, save_tiny_model
@@ -40,6 +42,24 @@ def test_mxfp4_gpt_oss_loads_packed_and_matches_transformers_dequantized_load(tm
     ids = token_ids()
     with torch.no_grad():
         torch.testing.assert_close(packed(ids).logits, reference(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_large_checkpoints_are_written_in_shards_both_loaders_read(tmp_path, monkeypatch):
+    """Above MAX_SHARD_SIZE a checkpoint goes out in shards with transformers' index; writing again into the same
+    directory replaces the old weight files rather than mixing with them."""
+    monkeypatch.setattr(checkpoint, "MAX_SHARD_SIZE", 100_000)
+    model, directory = _quantized("gpt_oss", "mxfp4", tmp_path)
+    shards = sorted(path.name for path in directory.glob("*.safetensors"))
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    assert len(shards) > 2 and sorted(set(index["weight_map"].values())) == shards
+    ids = token_ids()
+    with torch.no_grad():
+        torch.testing.assert_close(load_packed(directory, dtype=torch.float32)(ids).logits,
+                                   _transformers_dequantized_load(directory)(ids).logits, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(checkpoint, "MAX_SHARD_SIZE", "5GB")
+    quantize(model, directory, "mxfp4")
+    assert [path.name for path in directory.glob("*.safetensors*")] == ["model.safetensors"]
+    load_packed(directory)
 
 
 def test_optimize_packs_again_the_mxfp4_experts_transformers_expanded_at_load(tmp_path):
