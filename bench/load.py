@@ -119,19 +119,28 @@ def measure(name: str, load, generate, args, expected: torch.Tensor | None) -> t
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def checkpoint_arguments(description: str, resident: float) -> argparse.ArgumentParser:
+    """The options of a benchmark over a checkpoint `write_checkpoint` writes (this script's and warm_start.py's)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", default="tiny-gpt_oss", help="tiny-<family>, gpt-oss-20b or qwen3-30b-a3b")
     parser.add_argument("--format", help="mxfp4 or fp8_block (default: the family's: mxfp4 for gpt-oss)")
     parser.add_argument("--layers", type=int, help="the first LAYERS layers of a reference shape (default all)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--resident", type=float, default=0.25, help="fraction of routed experts the budget holds")
+    parser.add_argument("--resident", type=float, default=resident, help="fraction of routed experts on the device")
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", type=Path, help="where to write the checkpoint (default: a temporary directory)")
-    args = parser.parse_args()
-    args.format = args.format or ("mxfp4" if "gpt" in args.model else "fp8_block")
+    return parser
+
+
+def family_format(args) -> str:
+    return args.format or ("mxfp4" if "gpt" in args.model else "fp8_block")
+
+
+def main() -> None:
+    args = checkpoint_arguments(__doc__.splitlines()[0], resident=0.25).parse_args()
+    args.format = family_format(args)
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:

@@ -25,7 +25,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from load import budget, write_checkpoint  # noqa: E402
+from load import budget, checkpoint_arguments, family_format, write_checkpoint  # noqa: E402
 
 import dflash_compile  # noqa: E402
 from dflash_compile.benchmark import timed  # noqa: E402
@@ -59,23 +59,14 @@ def child(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tiny-gpt_oss", help="tiny-<family>, gpt-oss-20b or qwen3-30b-a3b")
-    parser.add_argument("--format", help="mxfp4 or fp8_block (default: the family's: mxfp4 for gpt-oss)")
-    parser.add_argument("--layers", type=int, help="the first LAYERS layers of a reference shape (default all)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--resident", type=float, default=1.0, help="fraction of routed experts on the device")
+    parser = checkpoint_arguments(__doc__.splitlines()[0], resident=1.0)
     parser.add_argument("--processes", type=int, default=3, help="processes in turn over one compile cache")
-    parser.add_argument("--prompt", type=int, default=64)
-    parser.add_argument("--new", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dir", type=Path, help="where to write the checkpoint (default: a temporary directory)")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
     if args.child:
         return child(args)
-    args.format = args.format or ("mxfp4" if "gpt" in args.model else "fp8_block")
+    args.format = family_format(args)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp, tempfile.TemporaryDirectory() as cache:
         write_checkpoint(args, Path(tmp))
