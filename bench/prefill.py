@@ -7,8 +7,9 @@ attention, and for models with sliding-window layers chunks of `prefill_chunk` t
     python bench/prefill.py --model qwen3-30b-a3b --layers 4 --prompt 4096 --chunks 4096 --masks unpadded rows explicit
 
 Milliseconds (medians of --repeats after a warm-up call) per prefill chunk size, our experts kept bf16 or packed
-(`--experts`; transformers' side runs them dequantized to bf16, as bench/spec_decode.py does), and the ratio to
-transformers' forward; `--profile` adds each side's heaviest CUDA kernels. The prompts have no left padding, so
+(`--experts`; transformers' side runs them dequantized to bf16, as bench/spec_decode.py does), the ratio to
+transformers' forward, and the device memory each call takes at its peak beyond what was allocated before it (its
+cache and temporaries); `--profile` adds each side's heaviest CUDA kernels. The prompts have no left padding, so
 SDPA models attend by SDPA's causal flag in the first chunk; `--masks rows explicit` also times the paths of a
 left-padded batch (row by row without masks, or with explicit masks).
 """
@@ -61,6 +62,19 @@ def heaviest_kernels(fn, count: int = 8) -> str:
     return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=count, max_name_column_width=70)
 
 
+def peak_mib(fn, device: str) -> float:
+    """Device memory one call of `fn` takes at its peak beyond what was allocated before it (its cache and
+    temporaries; what it returns counts while held)."""
+    if not device.startswith("cuda"):
+        return float("nan")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt-oss-20b")
@@ -88,16 +102,18 @@ def main() -> None:
         with torch.no_grad():
             return model(ids, use_cache=True).logits[:, -1]
 
-    print("| experts | prefill chunk | masks | ms | transformers ms | speed-up | max logit difference |")
-    print("|---|---|---|---|---|---|---|")
+    print("| experts | prefill chunk | masks | ms | transformers ms | speed-up | peak MiB | transformers peak MiB | "
+          "max logit difference |\n|---|---|---|---|---|---|---|---|---|")
     for experts in args.experts:
         target = model if experts == "bf16" else packed_twin(model, experts)  # `model` now holds its values
         expected, base = timed(plain, args.repeats, args.device)
+        base_peak = peak_mib(plain, args.device)
         for chunk, masks in itertools.product(args.chunks, args.masks):
-            logits, seconds = timed(ours(target, ids, chunk, args.new, masks), args.repeats, args.device)
+            run = ours(target, ids, chunk, args.new, masks)
+            logits, seconds = timed(run, args.repeats, args.device)
             difference = (logits.float() - expected.float()).abs().max().item()
-            print(f"| {experts} | {chunk} | {masks} | {seconds * 1e3:.2f} | "
-                  f"{base * 1e3:.2f} | {base / seconds:.2f}x | {difference:.3g} |", flush=True)
+            print(f"| {experts} | {chunk} | {masks} | {seconds * 1e3:.2f} | {base * 1e3:.2f} | {base / seconds:.2f}x | "
+                  f"{peak_mib(run, args.device):.0f} | {base_peak:.0f} | {difference:.3g} |", flush=True)
         if args.profile and args.device == "cuda":
             print(f"\n## transformers\n{heaviest_kernels(plain)}")
             for chunk in args.chunks:
