@@ -149,7 +149,9 @@ def main() -> None:
         gc.collect()
         config = transformers.AutoConfig.from_pretrained(directory)
         ids = torch.randint(0, config.vocab_size, (1, args.prompt), device=args.device)
-        quantization = transformers.Mxfp4Config(dequantize=True) if args.format == "mxfp4" else None
+        # an explicit quantization_config=None would load FP8 weights as plain values, their scales dropped
+        quantization = {"quantization_config": transformers.Mxfp4Config(dequantize=True)} if args.format == "mxfp4" \
+            else {}
         print(f"# {args.model} ({args.layers or 'all'} layers), {args.format} checkpoint, {args.device}, prompt "
               f"{args.prompt}, {args.new} new tokens, median of {args.repeats}; torch {torch.__version__}, "
               f"transformers {transformers.__version__}\n| side | load s | device GiB held | device GiB peak "
@@ -158,7 +160,7 @@ def main() -> None:
         expected = measure(
             "transformers from_pretrained + generate",
             lambda: transformers.AutoModelForCausalLM.from_pretrained(
-                directory, dtype=torch.bfloat16, device_map=args.device, quantization_config=quantization),
+                directory, dtype=torch.bfloat16, device_map=args.device, **quantization),
             lambda model: model.generate(ids, max_new_tokens=args.new, do_sample=False), args, None)
         ours = lambda fast: fast.generate(ids, max_new_tokens=args.new)  # noqa: E731
         measure("dflash_compile.from_pretrained, resident", lambda: dflash_compile.from_pretrained(
