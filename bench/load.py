@@ -1,6 +1,6 @@
 """A quantized checkpoint from disk to generated tokens at full size: `dflash_compile.from_pretrained`, resident and
-offloaded, against transformers' `from_pretrained` of the same directory (MXFP4 experts dequantized to bf16, what it
-falls back to without the `kernels` package; FP8 layers its fine-grained FP8 ones).
+offloaded, against transformers' `from_pretrained` of the same directory dequantized to bf16 (what it runs without
+the `kernels` package: MXFP4 experts fall back to it, FP8 layers need `kernels`).
 
     python bench/load.py --model gpt-oss-20b --resident 0.25            # H200: a 13 GB MXFP4 checkpoint, 24 layers
     python bench/load.py --model tiny-gpt_oss --device cpu               # plumbing check
@@ -149,9 +149,9 @@ def main() -> None:
         gc.collect()
         config = transformers.AutoConfig.from_pretrained(directory)
         ids = torch.randint(0, config.vocab_size, (1, args.prompt), device=args.device)
-        # an explicit quantization_config=None would load FP8 weights as plain values, their scales dropped
-        quantization = {"quantization_config": transformers.Mxfp4Config(dequantize=True)} if args.format == "mxfp4" \
-            else {}
+        # dequantized to bf16: what transformers runs without the `kernels` package (None would drop FP8's scales)
+        quantization = (transformers.Mxfp4Config if args.format == "mxfp4" else transformers.FineGrainedFP8Config)(
+            dequantize=True)
         print(f"# {args.model} ({args.layers or 'all'} layers), {args.format} checkpoint, {args.device}, prompt "
               f"{args.prompt}, {args.new} new tokens, median of {args.repeats}; torch {torch.__version__}, "
               f"transformers {transformers.__version__}\n| side | load s | device GiB held | device GiB peak "
@@ -160,7 +160,7 @@ def main() -> None:
         expected = measure(
             "transformers from_pretrained + generate",
             lambda: transformers.AutoModelForCausalLM.from_pretrained(
-                directory, dtype=torch.bfloat16, device_map=args.device, **quantization),
+                directory, dtype=torch.bfloat16, device_map=args.device, quantization_config=quantization),
             lambda model: model.generate(ids, max_new_tokens=args.new, do_sample=False), args, None)
         ours = lambda fast: fast.generate(ids, max_new_tokens=args.new)  # noqa: E731
         measure("dflash_compile.from_pretrained, resident", lambda: dflash_compile.from_pretrained(
