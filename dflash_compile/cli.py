@@ -80,7 +80,13 @@ def generate_command(args) -> int:
                     offload_manager=args.offload_manager, prefill_chunk=args.prefill_chunk)
     ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(device)
     streamer = TextStreamer(tokenizer) if args.stream else None
-    output = fast.generate(ids, max_new_tokens=args.max_new_tokens, streamer=streamer)  # also compiles
+    if compile:  # a silent minute on a full-size model otherwise (docs/benchmarks.md, session 42)
+        print("compiling the step in the first generate; Inductor's and Triton's caches keep it for later processes",
+              file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    output = fast.generate(ids, max_new_tokens=args.max_new_tokens, streamer=streamer)
+    if compile:
+        print(f"first generate, compiling included: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     if not args.stream:
         print(tokenizer.decode(output[0]))
     new_tokens = output.shape[1] - ids.shape[1]

@@ -37,6 +37,13 @@ def test_generate_on_the_bundled_pair(capsys):
     assert 1.0 <= tau <= 8.0 and speedup > 0
 
 
+def test_generate_says_when_it_compiles(capsys):
+    assert main(["generate", "--max-new-tokens", "4", "--repeats", "1", "--compile"]) == 0
+    err = capsys.readouterr().err
+    assert "compiling the step in the first generate" in err
+    assert float(err.split("first generate, compiling included: ")[1].split(" s")[0]) > 0
+
+
 def test_generate_streams_the_tokens(capsys):
     assert main(["generate", "--prompt", "import os\n", "--max-new-tokens", "12", "--repeats", "1", "--stream"]) == 0
     out = capsys.readouterr().out
