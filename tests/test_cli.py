@@ -37,11 +37,25 @@ def test_generate_on_the_bundled_pair(capsys):
     assert 1.0 <= tau <= 8.0 and speedup > 0
 
 
-def test_generate_says_when_it_compiles(capsys):
+def test_generate_says_when_it_compiles(capsys, monkeypatch):
+    """--compile asks `optimize` to compile and says so on stderr, with the first generate's time (the compile
+    itself runs eagerly here: compiling the pair on this CPU takes ~50 s of the CI's budget)."""
+    import dflash_compile
+
+    asked = []
+    real_optimize = dflash_compile.optimize
+
+    def optimize(model, **options):
+        asked.append(options["compile"])
+        return real_optimize(model, **{**options, "compile": False})
+
+    monkeypatch.setattr(dflash_compile, "optimize", optimize)
     assert main(["generate", "--max-new-tokens", "4", "--repeats", "1", "--compile"]) == 0
     err = capsys.readouterr().err
-    assert "compiling the step in the first generate" in err
+    assert asked == [True] and "compiling the step in the first generate" in err
     assert float(err.split("first generate, compiling included: ")[1].split(" s")[0]) > 0
+    assert main(["generate", "--max-new-tokens", "4", "--repeats", "1"]) == 0  # a CPU's default: no compile
+    assert asked == [True, False] and "compiling" not in capsys.readouterr().err
 
 
 def test_generate_streams_the_tokens(capsys):
