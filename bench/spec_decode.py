@@ -39,6 +39,7 @@ from dflash_compile.cache import TargetCache
 from dflash_compile.cost_model import (BITS_PER_WEIGHT, HARDWARE, REFERENCE_CONFIGS, B, C, Hardware, ModelSizes,
                                        StepCost, reference_config)
 from dflash_compile.families import experts_modules
+from dflash_compile.linear_attention import stepwise_linear_attention
 from dflash_compile.packed import PackedWeight, attach_packed, expert_weights
 from dflash_compile.testing import (
     OracleDrafter, load_tiny_model, random_drafter_weights, save_drafter, tiny_drafter_config)
@@ -149,7 +150,9 @@ def step_inputs(model, decoder, args, block: int):
     cache = TargetCache(1, args.prompt + 64, model.dtype, args.device)
     with torch.no_grad():
         decoder._target_forward(prompt, cache, logits_to_keep=1)
-    cache.rows.commit(torch.full((1,), args.prompt, device=args.device))
+    kept = torch.full((1,), args.prompt, device=args.device)
+    cache.rows.commit(kept)
+    cache.commit_linear(kept, args.prompt)  # linear-attention layers then verify from a state, as in `generate`
     tokens = torch.randint(0, model.config.vocab_size, (1, block), device=args.device)
     return tokens, cache, torch.zeros(1, dtype=torch.int64, device=args.device)
 
@@ -169,7 +172,7 @@ def step_times(model, decoder, args, bandwidth, expert_bits: float = 16.0):
         step = lambda: decoder.verify_step(tokens, cache, active)  # noqa: E731
         # one side after the other, each on its own compiled graphs (the attention implementation is guarded)
         _, repeating = timed(step, args.repeats * 3, args.device)  # transformers' attention: repeat_kv copies
-        with grouped_attention(model):  # as `generate` runs the step
+        with grouped_attention(model), stepwise_linear_attention(model):  # as `generate` runs the step
             _, seconds = timed(step, args.repeats * 3, args.device)
         floor = floor_seconds(model, block, args.prompt, bandwidth, expert_bits)
         sizes = ModelSizes.of(model.config)
@@ -188,7 +191,7 @@ def profile_decode(model, args) -> None:
     decoder = dflash_compile.optimize(model).decoder
     tokens, cache, active = step_inputs(model, decoder, args, 1)
     synchronize = torch.cuda.synchronize if args.device == "cuda" else lambda: None
-    with grouped_attention(model):  # as `generate` runs the step
+    with grouped_attention(model), stepwise_linear_attention(model):  # as `generate` runs the step
         for _ in range(3):
             decoder.verify_step(tokens, cache, active)
         synchronize()

@@ -10,6 +10,7 @@ from .adaptive import WidthChooser
 from .checkpoint import pack_experts_expanded_at_load, refuse_hub_kernel_experts
 from .drafter import load_drafter
 from .families import spec_for_model, supported_families
+from .linear_attention import check_verify_block
 from .offload import offload_experts
 from .projections import share_storage
 from .speculative import GenerationStats, SpeculativeDecoder
@@ -104,6 +105,7 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
     layer_ids: tuple[int, ...] = ()
     if drafter is not None:
         drafter, layer_ids = load_drafter(drafter, model)
+        check_verify_block(model, drafter.config.block_size)
     if gpu_memory is not None:  # checks the budget before it moves anything
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         model = offload_experts(model, gpu_memory, device=device, policy=offload_policy,

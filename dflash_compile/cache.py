@@ -18,9 +18,9 @@ transformers models through their `Cache.update` interface, with masks built her
 
 Linear-attention layers (GatedDeltaNet) keep a conv window and a recurrent state that cannot be cut back. A
 forward leaves its candidates pending; `commit_linear` then takes, per row, the conv window ending at the row's
-last kept token (`dflash::conv_window_commit`) and the recurrent state after the whole block where the row kept
-all of it (`dflash::state_select`). Rows that kept part of the block get their pending state replaced first by a
-replay of the kept tokens from the committed state (the decoder's job: it owns the model).
+last kept token (`dflash::conv_window_commit`) and the recurrent state after that token (`dflash::state_select`):
+a verify block's forward leaves the state after each of its tokens (`linear_attention.stepwise_linear_attention`),
+a prompt's the state after its last.
 """
 
 from __future__ import annotations
@@ -184,14 +184,17 @@ class TargetCache(Cache):
         return state
 
     def commit_linear(self, kept: torch.Tensor, width: int) -> None:
-        """Commit linear-attention states after a forward over `width` tokens of which row b keeps kept[b].
-        Rows that kept part of the block must have had their pending recurrent state replaced by a replay."""
+        """Commit linear-attention states after a forward over `width` tokens of which row b keeps kept[b]: a
+        pending state per token ([b, width, ...]) gives each row its state after its last kept token; a single
+        pending state (a prompt's, or one token's) is the state after all `width` tokens, kept whole or not at all."""
         for layer, full in self.pending_conv.items():
             if layer not in self.conv:
                 self.conv[layer] = self._zero_state("conv", layer, full, (*full.shape[:2], self.conv_width[layer]))
             end = full.shape[-1] - width + kept
             torch.ops.dflash.conv_window_commit(self.conv[layer], full, end)
         for layer, state in self.pending_recurrent.items():
+            if state.dim() == 5:  # [b, width, heads, key dim, value dim]
+                state = state[torch.arange(len(kept), device=kept.device), (kept - 1).clamp(min=0)]
             if layer not in self.recurrent:
                 self.recurrent[layer] = self._zero_state("recurrent", layer, state, state.shape)
             torch.ops.dflash.state_select(self.recurrent[layer], state, kept > 0)

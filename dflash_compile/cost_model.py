@@ -99,6 +99,12 @@ REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
         hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
         num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
         vocab_size=151936, norm_topk_prob=True, max_position_embeddings=40960),
+    # the config classes' defaults are these released models' shapes (transformers 5.24), OLMoE's expert width aside
+    "qwen3.5-35b-a3b": transformers.Qwen3_5MoeTextConfig,  # 40 layers (3 of 4 linear attention), 256 experts, top-8
+    "glm-4.5-air": transformers.Glm4MoeConfig,  # 46 layers (the first dense), 128 experts, top-8, a shared expert
+    "deepseek-v3": transformers.DeepseekV3Config,  # 61 layers (3 dense), MLA, 256 experts, top-8, a shared expert
+    "olmoe-1b-7b": lambda: transformers.OlmoeConfig(intermediate_size=1024),  # 16 layers, 64 experts, top-8
+    "mixtral-8x7b": transformers.MixtralConfig,  # 32 layers, 8 experts, top-2
 }
 
 

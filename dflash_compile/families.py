@@ -43,6 +43,16 @@ class RouterSpec:
 
 
 @dataclass(frozen=True)
+class LinearAttentionSpec:
+    """A linear-attention (gated delta rule) mixer: its attribute on the decoder layer, and the names of the rules its
+    module calls for a multi-token input (chunked) and for one token with a state (recurrent; transformers' decode)."""
+
+    mixer: str
+    chunked: str
+    recurrent: str
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     name: str
     model_types: tuple[str, ...]
@@ -53,8 +63,7 @@ class FamilySpec:
     moe_layers: Callable[[object], list[int]]  # config -> indices of decoder layers with routed experts
 
     attention_kinds: Callable[[object], list[AttentionKind]]  # config -> attention kind of every decoder layer
-    # (norm, mixer) attribute names of a linear-attention decoder layer, for replaying its recurrence
-    linear_attention: tuple[str, str] | None = None
+    linear_attention: LinearAttentionSpec | None = None  # how its "linear_attention" layers compute
     # the attention's softmax takes one learned logit per head (`sinks`, passed as `s_aux`) and drops it after, in
     # the family's eager attention (dflash_compile.attention reproduces it without copying keys and values)
     attention_sinks: bool = False
@@ -114,7 +123,7 @@ FAMILIES: dict[str, FamilySpec] = {
             "shared_expert",
             _all_layers,
             _declared_layer_types,  # GatedDeltaNet "linear_attention" layers between "full_attention" ones
-            ("input_layernorm", "linear_attn"),
+            LinearAttentionSpec("linear_attn", "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"),
         ),
         FamilySpec(
             "gpt_oss",

@@ -26,6 +26,7 @@ from .backend import dflash_backend_with
 from .cache import RowCache, TargetCache
 from .drafter import DFlashDrafter, context_features
 from .families import spec_for_model
+from .linear_attention import stepwise_linear_attention
 from .sampling import Sampler, processed_probs, warpers
 from .step_graphs import StepGraphs
 
@@ -123,12 +124,13 @@ def cache_capacity(tokens: int) -> int:
 
 def _in_inference_mode(generate):
     """`generate` run in inference mode (no autograd dispatch: 14% faster eager steps on a CPU) with the target's
-    attention on the cache's keys and values as they are (`grouped_attention`), its result returned as an ordinary
-    tensor, which the caller may modify in place."""
+    attention on the cache's keys and values as they are (`grouped_attention`) and its linear-attention layers
+    verifying token by token (`stepwise_linear_attention`), its result returned as an ordinary tensor, which the
+    caller may modify in place."""
 
     @functools.wraps(generate)
     def run(self, *args, **kwargs) -> torch.Tensor:
-        with torch.inference_mode(), grouped_attention(self.model):
+        with torch.inference_mode(), grouped_attention(self.model), stepwise_linear_attention(self.model):
             tokens = generate(self, *args, **kwargs)
         return tokens.clone()
 
@@ -169,7 +171,6 @@ class SpeculativeDecoder:
         spec = spec_for_model(model)
         kinds = spec.attention_kinds(config)
         self.linear_layers = [i for i, kind in enumerate(kinds) if kind == "linear_attention"]
-        self.linear_modules = spec.linear_attention
         self.sliding_layers = [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
         self.prefill_chunk = prefill_chunk
         self.window = window = getattr(config, "sliding_window", None)
@@ -200,8 +201,9 @@ class SpeculativeDecoder:
     def _captures_steps(self) -> bool:
         """Whether "reduce-overhead" steps replay from CUDA graphs of our own (`StepGraphs`): on CUDA, where every
         step keeps its buffers. Offloaded experts take host-side ops that must leave the graph, and linear-attention
-        layers' replay replaces cache tensors between steps (`_commit_linear`): those keep torch.compile's CUDA-graph
-        trees, which partition the graph and check its inputs on every call."""
+        layers hand their states to the cache by Python side effects (`TargetCache.update_recurrent_state`), which a
+        replayed graph would not redo: those keep torch.compile's CUDA-graph trees, which partition the graph and
+        check its inputs on every call."""
         return _on_cuda(self.model) and not hasattr(self.model, "dflash_offload") and not self.linear_layers
 
     def _step_state(self) -> tuple:
@@ -214,15 +216,15 @@ class SpeculativeDecoder:
 
     @property
     def hidden_states_read(self) -> list[int]:
-        """The hidden states a forward reads (transformers' index: i + 1 is layer i's output, i its input): the
-        drafter's layers' outputs and the linear layers' inputs. Only these are kept, not every layer's until the
-        forward ends (a long prompt's prefill: prompt x hidden a layer)."""
-        return sorted({i + 1 for i in self.layer_ids} | set(self.linear_layers))
+        """The hidden states a forward reads (transformers' index: i + 1 is layer i's output): the drafter's layers'
+        outputs. Only these are kept, not every layer's until the forward ends (a long prompt's prefill: prompt x
+        hidden a layer)."""
+        return sorted(i + 1 for i in self.layer_ids)
 
     def _target_forward(self, ids: torch.Tensor, cache: TargetCache, causal_prompt: bool = False,
                         causal_chunks: bool = False, pads: list[int] | None = None, logits_to_keep: int = 0):
-        """The target over `ids`: logits of its last `logits_to_keep` positions (0: all), drafter features, and the
-        linear-attention layers' inputs. The flags and `pads` as `TargetCache.masks` takes them."""
+        """The target over `ids`: logits of its last `logits_to_keep` positions (0: all) and drafter features. The
+        flags and `pads` as `TargetCache.masks` takes them."""
         width = ids.shape[1]
         masks = cache.masks(width, self.windows, causal_prompt, causal_chunks, pads)
         out = self.model(
@@ -235,8 +237,7 @@ class SpeculativeDecoder:
             logits_to_keep=logits_to_keep,
         )
         features = context_features(out.hidden_states, self.layer_ids) if self.layer_ids else None
-        linear_inputs = {i: out.hidden_states[i] for i in self.linear_layers}  # what each linear layer was fed
-        return out.logits, features, linear_inputs
+        return out.logits, features
 
     def _new_cache(self, batch: int, max_len: int, dtype, device) -> TargetCache:
         """Sliding layers keep a ring of window - 1 + (the most tokens one step writes) slots."""
@@ -294,8 +295,8 @@ class SpeculativeDecoder:
             try:
                 # the last position's logits only: a whole prompt's take prompt x vocabulary (1.2 GB of bf16 for a
                 # 4096-token Qwen3 prompt) and the lm_head's largest GEMM
-                logits, chunk_features, _ = self._target_forward(ids, cache, causal_prompt, causal_chunks, pads,
-                                                                 logits_to_keep=1)
+                logits, chunk_features = self._target_forward(ids, cache, causal_prompt, causal_chunks, pads,
+                                                              logits_to_keep=1)
             finally:
                 cache.visible = None
             kept = torch.full((ids.shape[0],), ids.shape[1], device=ids.device)
@@ -307,7 +308,7 @@ class SpeculativeDecoder:
     def _verify_step(self, block: torch.Tensor, cache: TargetCache, active: torch.Tensor, draft_probs=None,
                      uniforms=None):
         """Target over the block, acceptance (greedy, or rejection sampling when `uniforms` are given), commit."""
-        logits, features, linear_inputs = self._target_forward(block, cache)
+        logits, features = self._target_forward(block, cache)
         if uniforms is None:
             accepted, tokens = torch.ops.dflash.greedy_accept(block, logits)
         else:
@@ -316,26 +317,7 @@ class SpeculativeDecoder:
             accepted, tokens = torch.ops.dflash.sampled_accept(
                 block, probs, probs[:, :-1] if one_hot else draft_probs, uniforms, one_hot)
         cache.rows.commit((accepted + 1) * active)
-        return accepted, tokens, features, linear_inputs
-
-    def _commit_linear(self, cache: TargetCache, kept: torch.Tensor, width: int, linear_inputs) -> None:
-        """Linear-attention states after each row's kept tokens. Rows that kept part of the block replay those
-        tokens through the linear layers from their committed state (the recurrence cannot be cut back)."""
-        if not self.linear_layers:
-            return
-        partial = (kept > 0) & (kept < width)
-        for n in sorted(set(kept[partial].tolist())):
-            rows = ((kept == n) & partial).nonzero().squeeze(1)
-            replay = TargetCache(len(rows), 1, cache.rows.dtype, kept.device)
-            for layer in self.linear_layers:
-                replay.conv[layer] = cache.conv[layer][rows].clone()
-                replay.recurrent[layer] = cache.recurrent[layer][rows].clone()
-                decoder_layer = self.model.model.layers[layer]
-                norm, mixer = (getattr(decoder_layer, name) for name in self.linear_modules)
-                mixer(norm(linear_inputs[layer][rows, :n]), cache=replay, attention_mask=None)
-                pending = cache.pending_recurrent[layer] = cache.pending_recurrent[layer].clone()
-                pending[rows] = replay.pending_recurrent[layer].to(pending.dtype)
-        cache.commit_linear(kept, width)
+        return accepted, tokens, features
 
     def _draft(self, anchor: torch.Tensor, drafter_cache: RowCache, width: int, pending: list):
         """[b, width] = [anchor, d1 .. d_{width-1}]: the first of the drafter's proposals, and the distribution q
@@ -466,9 +448,9 @@ class SpeculativeDecoder:
             active = torch.tensor([not d for d in done], device=device, dtype=torch.int64)
             block, draft_probs = self._draft(anchor, drafter_cache, width, pending)
             uniforms = sampler.uniforms(block.shape, device) if sampler else None
-            accepted, target, features, linear_inputs = self.verify_step(block, cache, active, draft_probs, uniforms)
+            accepted, target, features = self.verify_step(block, cache, active, draft_probs, uniforms)
             accepted_list = accepted.tolist()  # the step's one host sync
-            self._commit_linear(cache, (accepted + 1) * active, block.shape[1], linear_inputs)
+            cache.commit_linear((accepted + 1) * active, block.shape[1])
             stats.accepted.append([None if done[b] else a for b, a in enumerate(accepted_list)])
             committed = target.tolist()
             for b, a in enumerate(accepted_list):

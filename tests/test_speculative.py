@@ -104,22 +104,28 @@ def test_right_padding_is_rejected(tiny):
 
 @pytest.mark.parametrize("drafter", ["none", "partial"])
 def test_linear_attention_state_rolls_back_exactly(tiny, drafter, monkeypatch):
-    """Qwen3.5-MoE's GatedDeltaNet state cannot be cropped: rows that keep part of a block replay the kept tokens.
-    Plain decoding (1-token blocks) and partly accepted blocks must both reproduce generate."""
+    """Qwen3.5-MoE's GatedDeltaNet state cannot be cropped: a verify block leaves the state after each of its tokens
+    and rows that keep part of the block commit the state after their last kept token. Plain decoding (1-token
+    blocks) and partly accepted blocks must both reproduce generate."""
     model = tiny("qwen3_5_moe")
     ids, mask = prompts(3)
     expected = reference(model, ids, mask)
-    from dflash_compile.speculative import SpeculativeDecoder
+    from dflash_compile.cache import TargetCache
 
-    replays = []
-    original = SpeculativeDecoder._commit_linear
-    monkeypatch.setattr(SpeculativeDecoder, "_commit_linear",
-                        lambda self, cache, kept, width, inputs: (replays.append(((kept > 0) & (kept < width)).any()),
-                                                                  original(self, cache, kept, width, inputs)))
+    partial_commits = []  # per commit of a verify step: some row kept part of it, from a state per token
+    original = TargetCache.commit_linear
+
+    def commit(cache, kept, width):
+        states = list(cache.pending_recurrent.values())
+        if width > 1 and ((kept > 0) & (kept < width)).any():
+            partial_commits.append(all(state.dim() == 5 and state.shape[1] == width for state in states))
+        return original(cache, kept, width)
+
+    monkeypatch.setattr(TargetCache, "commit_linear", commit)
     oracle = OracleDrafter(expected, mask, 6, corruption=0.3, vocab_size=128) if drafter == "partial" else None
     fast = dflash_compile.optimize(model, adaptive=False, drafter=oracle)
     assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
-    assert any(replays) == (drafter == "partial")
+    assert all(partial_commits) and bool(partial_commits) == (drafter == "partial")
 
 
 def test_dense_model_is_refused(tiny):
@@ -261,10 +267,10 @@ def test_prefill_chunks_attend_over_the_slots_filled_so_far(tiny, monkeypatch):
 
 
 def test_forwards_keep_only_the_hidden_states_they_read(tiny, random_drafter, monkeypatch):
-    """A target forward keeps the drafter's layers' outputs and the linear layers' inputs, the others come back
-    None (not held until the forward ends: a long prompt's prefill holds prompt x hidden a layer); its drafter
-    features and linear inputs are those of a forward that keeps every hidden state."""
-    model = tiny("qwen3_5_moe")  # layer 0 linear attention (reads hidden state 0), the drafter reads layer 1's (2)
+    """A target forward keeps the drafter's layers' outputs, the others come back None (not held until the forward
+    ends: a long prompt's prefill holds prompt x hidden a layer); its drafter features are those of a forward that
+    keeps every hidden state."""
+    model = tiny("qwen3_5_moe")  # the drafter reads layer 1's output (hidden state 2)
     decoder = dflash_compile.optimize(model, adaptive=False, compile=False,
                                       drafter=random_drafter(model, block_size=4, target_layer_ids=[1])).decoder
     ids, _ = prompts(2)
@@ -283,11 +289,9 @@ def test_forwards_keep_only_the_hidden_states_they_read(tiny, random_drafter, mo
         cache.reset(torch.zeros(2, dtype=torch.int64))
         results.append(decoder._target_forward(ids, cache))
     kept = [i for i, state in enumerate(returned[0].hidden_states) if state is not None]
-    assert kept == read_by_default == [0, 2] and len(returned[1].hidden_states) == 3
-    (_, features, linear_inputs), (_, all_features, all_linear_inputs) = results
+    assert kept == read_by_default == [2] and len(returned[1].hidden_states) == 3
+    (_, features), (_, all_features) = results
     assert torch.equal(features, all_features)
-    assert linear_inputs.keys() == all_linear_inputs.keys() == set(decoder.linear_layers)
-    assert all(torch.equal(linear_inputs[i], all_linear_inputs[i]) for i in linear_inputs)
 
 
 def test_prefill_takes_the_last_positions_logits_only(tiny):

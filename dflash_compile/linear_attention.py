@@ -1,0 +1,79 @@
+"""Linear-attention (gated delta rule) layers over a verify block: token by token, the state after every token kept.
+
+transformers runs a GatedDeltaNet layer over more than one token by its chunked rule, which pads the block to a
+64-token chunk and solves the chunk's triangular system one row at a time (63 dependent launches a layer on CUDA,
+however short the block), and hands the cache the state after the whole block only: a row that keeps part of a
+verify block would then need its kept tokens run through the layer again. Within `stepwise_linear_attention(model)`,
+a call that starts from a state and covers at most STEPWISE_TOKENS tokens runs the family's recurrent rule one token
+at a time instead -- what transformers' own decode runs for each token, so the outputs are those of its `generate`
+-- and returns the state after each token, stacked [batch, tokens, heads, key dim, value dim]:
+`TargetCache.commit_linear` keeps each row's state after its last kept token. Prompts (no state yet, or longer
+chunks) keep the chunked rule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+
+import torch
+
+from .families import spec_for_model
+
+# the chunked rule's chunk: a shorter block pays for a whole chunk, a longer one is a prompt's
+STEPWISE_TOKENS = 64
+
+
+@functools.cache  # one function per rule pair: Dynamo guards compiled steps on the global's identity
+def stepwise_rule(chunked, recurrent):
+    """`chunked`'s signature and results, computed by `recurrent` one token at a time where a state is given and the
+    block is at most STEPWISE_TOKENS long; the final state is then the state after each token."""
+
+    @functools.wraps(chunked)
+    def rule(query, key, value, g, beta, initial_state=None, output_final_state=False, **kwargs):
+        tokens = query.shape[1]
+        if initial_state is None or tokens > STEPWISE_TOKENS:
+            return chunked(query, key, value, g=g, beta=beta, initial_state=initial_state,
+                           output_final_state=output_final_state, **kwargs)
+        kwargs.pop("chunk_size", None)
+        outputs, states, state = [], [], initial_state
+        for t in range(tokens):
+            step = slice(t, t + 1)
+            out, state = recurrent(query[:, step], key[:, step], value[:, step], g=g[:, step], beta=beta[:, step],
+                                   initial_state=state, output_final_state=True, **kwargs)
+            outputs.append(out)
+            states.append(state)
+        return torch.cat(outputs, dim=1), torch.stack(states, dim=1) if output_final_state else None
+
+    rule.stepwise = True
+    return rule
+
+
+def check_verify_block(model, block_size: int) -> None:
+    """A drafter's block must fit `stepwise_rule`: a longer verify block would leave one state for all its tokens."""
+    spec = spec_for_model(model)
+    kinds = spec.attention_kinds(model.config.get_text_config()) if spec else []
+    if "linear_attention" in kinds and block_size > STEPWISE_TOKENS:
+        raise ValueError(f"the drafter's block of {block_size} tokens is longer than {type(model).__name__}'s "
+                         f"linear-attention layers verify token by token ({STEPWISE_TOKENS}): use a drafter with a "
+                         "shorter block")
+
+
+@contextlib.contextmanager
+def stepwise_linear_attention(model):
+    """Within: `model`'s linear-attention layers run verify blocks by `stepwise_rule`; their modules' own rules are
+    back afterwards."""
+    spec = spec_for_model(model)
+    linear = spec.linear_attention if spec else None
+    mixers = [module for name, module in model.named_modules() if linear and name.rsplit(".", 1)[-1] == linear.mixer]
+    namespaces = {id(ns): ns for ns in (sys.modules[type(mixer).__module__] for mixer in mixers)}.values()
+    originals = [(ns, getattr(ns, linear.chunked)) for ns in namespaces]
+    try:
+        for ns, chunked in originals:
+            if not getattr(chunked, "stepwise", False):  # ours already inside a nested call
+                setattr(ns, linear.chunked, stepwise_rule(chunked, getattr(ns, linear.recurrent)))
+        yield
+    finally:
+        for ns, chunked in originals:
+            setattr(ns, linear.chunked, chunked)

@@ -1,0 +1,88 @@
+"""Linear-attention layers verify a block token by token (`stepwise_linear_attention`): the recurrent rule that
+transformers' decode runs, the state after every token kept; prompts keep the chunked rule."""
+
+import sys
+
+import pytest
+import torch
+
+import dflash_compile
+from dflash_compile.linear_attention import STEPWISE_TOKENS, stepwise_linear_attention, stepwise_rule
+from dflash_compile.testing import OracleDrafter
+
+HEADS, K_DIM, V_DIM = 4, 16, 8
+
+
+def modeling(model):
+    return sys.modules[type(model.model.layers[0].linear_attn).__module__]
+
+
+def rule_inputs(tokens: int, batch: int = 2, seed: int = 0):
+    """query, key, value [b, t, heads, dim], g and beta [b, t, heads], as a GatedDeltaNet layer passes them."""
+    generator = torch.Generator().manual_seed(seed)
+    query, key = (torch.randn(batch, tokens, HEADS, K_DIM, generator=generator) for _ in range(2))
+    value = torch.randn(batch, tokens, HEADS, V_DIM, generator=generator)
+    g = -torch.rand(batch, tokens, HEADS, generator=generator)
+    beta = torch.rand(batch, tokens, HEADS, generator=generator)
+    state = torch.randn(batch, HEADS, K_DIM, V_DIM, generator=generator)
+    return query, key, value, g, beta, state
+
+
+def test_a_block_runs_as_decode_runs_each_token(tiny):
+    """The block's outputs and states are bit for bit those of one recurrent call per token (transformers' decode),
+    and match the chunked rule's output and final state."""
+    module = modeling(tiny("qwen3_5_moe"))
+    chunked, recurrent = module.torch_chunk_gated_delta_rule, module.torch_recurrent_gated_delta_rule
+    query, key, value, g, beta, state = rule_inputs(5)
+    options = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
+    out, states = stepwise_rule(chunked, recurrent)(query, key, value, g=g, beta=beta, initial_state=state, **options)
+    assert out.shape == value.shape and states.shape == (2, 5, HEADS, K_DIM, V_DIM)
+    decoded = state
+    for t in range(5):
+        step = slice(t, t + 1)
+        token_out, decoded = recurrent(query[:, step], key[:, step], value[:, step], g=g[:, step],
+                                       beta=beta[:, step], initial_state=decoded, **options)
+        assert torch.equal(out[:, step], token_out) and torch.equal(states[:, t], decoded)
+    chunk_out, chunk_state = chunked(query, key, value, g=g, beta=beta, initial_state=state, **options)
+    torch.testing.assert_close(out, chunk_out, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(states[:, -1], chunk_state, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens, with_state", [(5, False), (STEPWISE_TOKENS + 1, True)])
+def test_prompts_keep_the_chunked_rule(tiny, tokens, with_state):
+    """No state yet (a prompt's first chunk) or a block longer than STEPWISE_TOKENS: the chunked rule, unchanged."""
+    module = modeling(tiny("qwen3_5_moe"))
+    chunked = module.torch_chunk_gated_delta_rule
+    query, key, value, g, beta, state = rule_inputs(tokens)
+    state = state if with_state else None
+    options = dict(g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    out, final = stepwise_rule(chunked, module.torch_recurrent_gated_delta_rule)(query, key, value, **options)
+    expected_out, expected_final = chunked(query, key, value, **options)
+    assert torch.equal(out, expected_out) and torch.equal(final, expected_final)
+
+
+def test_the_rule_is_swapped_inside_the_context_only(tiny):
+    """Inside: the modeling module's chunked rule is `stepwise_rule` (one object for every entry, nested entries
+    included: compiled steps are guarded on it); after: transformers' own again."""
+    model = tiny("qwen3_5_moe")
+    module = modeling(model)
+    own = module.torch_chunk_gated_delta_rule
+    with stepwise_linear_attention(model):
+        swapped = module.torch_chunk_gated_delta_rule
+        with stepwise_linear_attention(model):
+            assert module.torch_chunk_gated_delta_rule is swapped
+        assert module.torch_chunk_gated_delta_rule is swapped
+    assert module.torch_chunk_gated_delta_rule is own and swapped is not own and swapped.stepwise
+    with stepwise_linear_attention(model):
+        assert module.torch_chunk_gated_delta_rule is swapped
+    with stepwise_linear_attention(tiny("olmoe")):  # no linear attention: nothing changes
+        assert module.torch_chunk_gated_delta_rule is own
+
+
+def test_a_block_longer_than_stepwise_is_refused(tiny):
+    model = tiny("qwen3_5_moe")
+    oracle = OracleDrafter(torch.zeros(1, 8, dtype=torch.int64), None, STEPWISE_TOKENS + 1, vocab_size=128)
+    with pytest.raises(ValueError, match=f"the drafter's block of {STEPWISE_TOKENS + 1} tokens is longer than "
+                                         "Qwen3_5MoeForCausalLM's linear-attention layers verify token by token"):
+        dflash_compile.optimize(model, drafter=oracle, compile=False)
+    dflash_compile.optimize(tiny("olmoe"), drafter=oracle, compile=False)  # no linear attention: any block
