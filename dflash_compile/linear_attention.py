@@ -66,7 +66,10 @@ def stepwise_linear_attention(model):
     back afterwards."""
     spec = spec_for_model(model)
     linear = spec.linear_attention if spec else None
-    mixers = [module for name, module in model.named_modules() if linear and name.rsplit(".", 1)[-1] == linear.mixer]
+    if linear is None:
+        yield
+        return
+    mixers = [module for name, module in model.named_modules() if name.rsplit(".", 1)[-1] == linear.mixer]
     namespaces = {id(ns): ns for ns in (sys.modules[type(mixer).__module__] for mixer in mixers)}.values()
     originals = [(ns, getattr(ns, linear.chunked)) for ns in namespaces]
     try:
