@@ -241,7 +241,7 @@ def build_kernels_command(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from .checkpoint import FORMATS
-    from .cost_model import BITS_PER_WEIGHT, HARDWARE
+    from .cost_model import BITS_PER_WEIGHT, HARDWARE, REFERENCE_CONFIGS
     from .testing import TINY_CONFIGS
     from .training import DrafterTraining
 
@@ -305,8 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.set_defaults(run=quantize_command)
 
     roofline = commands.add_parser("roofline", help="predicted step times and tokens/s per block size (cost model)")
-    roofline.add_argument("--model", help="checkpoint directory or a reference name (gpt-oss-20b, gpt-oss-120b, "
-                                          "qwen3-30b-a3b); default: the bundled pair's target")
+    roofline.add_argument("--model", help=f"checkpoint directory or a reference name ({', '.join(REFERENCE_CONFIGS)}); "
+                                          "default: the bundled pair's target")
     roofline.add_argument("--device", default="h200", choices=sorted(HARDWARE))
     roofline.add_argument("--hardware", help="a profile written by `dflash-compile calibrate` (overrides --device)")
     roofline.add_argument("--expert-format", choices=sorted(BITS_PER_WEIGHT),
