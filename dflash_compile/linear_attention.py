@@ -5,8 +5,8 @@ transformers runs a GatedDeltaNet layer over more than one token by its chunked 
 however short the block), and hands the cache the state after the whole block only: a row that keeps part of a
 verify block would then need its kept tokens run through the layer again. Within `stepwise_linear_attention(model)`,
 a call that starts from a state and covers at most STEPWISE_TOKENS tokens runs the family's recurrent rule one token
-at a time instead -- what transformers' own decode runs for each token, so the outputs are those of its `generate`
--- and returns the state after each token, stacked [batch, tokens, heads, key dim, value dim]:
+at a time instead -- the rule transformers' own decode runs for each token, bit for bit on the same inputs -- and
+returns the state after each token, stacked [batch, tokens, heads, key dim, value dim]:
 `TargetCache.commit_linear` keeps each row's state after its last kept token. Prompts (no state yet, or longer
 chunks) keep the chunked rule.
 """
