@@ -11,12 +11,16 @@
 
 transformers dequantizes such checkpoints at load on a CPU; `load_packed` instead builds the model on the meta
 device, attaches the routed experts as packed buffers (`packed.attach_packed`), keeps FP8 linear layers as
-`FP8Linear` and loads only the rest in the model dtype, so expert memory stays at 4.25 / 8 bits per parameter.
+`FP8Linear` and loads only the rest in the model dtype, so expert memory stays at 4.25 / 8 bits per parameter. As
+transformers does, it reads a multimodal checkpoint's text decoder into the causal LM (MULTIMODAL_TEXT_PREFIX) and
+skips the tensors the model classes declare skippable (DeepSeek-V3's and GLM-4.5's multi-token-prediction layer,
+Qwen3.5's `mtp.*` and vision tower); any other tensor the model does not use is an error.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -131,15 +135,22 @@ def _save_shards(tensors: dict[str, torch.Tensor], directory: Path) -> None:
         (directory / _INDEX).write_text(json.dumps(index, indent=2))
 
 
+# Where a multimodal checkpoint (e.g. Qwen3.5-MoE's image-text-to-text release) keeps its text decoder, which the
+# causal LM built from its config names "model.": transformers' PrefixChange of the same name.
+MULTIMODAL_TEXT_PREFIX = ("model.language_model.", "model.")
+
+
 class _Checkpoint:
-    """Every tensor of a checkpoint directory, read lazily by name."""
+    """Every tensor of a checkpoint directory, read lazily by the name the causal LM gives it."""
 
     def __init__(self, directory: Path):
         files = sorted(directory.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"{directory} has no *.safetensors weights")
         self.handles = [safe_open(str(f), framework="pt") for f in files]
-        self.where = {key: handle for handle in self.handles for key in handle.keys()}
+        stored, loaded = MULTIMODAL_TEXT_PREFIX
+        self.where = {(loaded + key.removeprefix(stored) if key.startswith(stored) else key): (handle, key)
+                      for handle in self.handles for key in handle.keys()}
         self.used: set[str] = set()
 
     def __contains__(self, key: str) -> bool:
@@ -149,7 +160,18 @@ class _Checkpoint:
         if key not in self.where:
             raise KeyError(f"the checkpoint has no tensor {key!r}")
         self.used.add(key)
-        return self.where[key].get_tensor(key)
+        handle, stored = self.where[key]
+        return handle.get_tensor(stored)
+
+    def unused(self, model: torch.nn.Module, config) -> list[str]:
+        """Tensors not loaded, but for those transformers skips too: the patterns of the model's class and of the
+        checkpoint's own (`config.architectures`; multi-token-prediction layers, a multimodal model's other
+        towers)."""
+        classes = [type(model), *(getattr(transformers, name, None) for name in config.architectures or [])]
+        patterns = [re.compile(pattern) for cls in classes
+                    for pattern in getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or []]
+        return sorted(stored for name, (_, stored) in self.where.items()
+                      if name not in self.used and not any(p.search(stored) for p in patterns))
 
 
 def _checkpoint_format(quantization) -> str:
@@ -291,7 +313,7 @@ def load_packed(path: str | Path, dtype: torch.dtype = torch.bfloat16, device="c
                 _set(model, name, FP8Linear(checkpoint.get(f"{name}.weight").view(torch.uint8).to(device),
                                             checkpoint.get(f"{name}.weight_scale_inv").float().to(device), bias))
     _load_remaining(model, checkpoint, dtype, device)
-    unused = sorted(set(checkpoint.where) - checkpoint.used)
+    unused = checkpoint.unused(model, config)
     if unused:
         raise ValueError(f"{path} has tensors the model does not use: {unused[:5]} ({len(unused)} in all); is it a "
                          f"{config.model_type} checkpoint in the {format} layout?")

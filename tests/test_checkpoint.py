@@ -224,3 +224,43 @@ def test_packed_models_of_one_class_compile_to_their_own_experts(tmp_path):
         for packed in models:
             torch.testing.assert_close(torch.compile(packed, backend="dflash")(ids).logits, packed(ids).logits,
                                        atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family, skipped", [("deepseek_v3", "model.layers.61.eh_proj.weight"),
+                                             ("glm4_moe", "model.layers.46.eh_proj.weight")])
+def test_fp8_checkpoints_load_past_the_tensors_transformers_skips(family, skipped, tmp_path):
+    """Released DeepSeek-V3 / GLM-4.5 FP8 checkpoints carry a multi-token-prediction layer past the last decoder
+    layer, which transformers skips (`_keys_to_ignore_on_load_unexpected`): so does load_packed; any other stray
+    tensor is still refused."""
+    from safetensors.torch import save_file
+
+    _, directory = _quantized(family, "fp8_block", tmp_path)
+    plain = load_packed(directory, dtype=torch.float32)
+    save_file({skipped: torch.zeros(4, 4)}, str(directory / "mtp.safetensors"))
+    ids = token_ids()
+    with torch.no_grad():
+        assert torch.equal(load_packed(directory, dtype=torch.float32)(ids).logits, plain(ids).logits)
+    save_file({"model.layers.0.stray.weight": torch.zeros(4, 4)}, str(directory / "stray.safetensors"))
+    with pytest.raises(ValueError, match=r"has tensors the model does not use: \['model.layers.0.stray.weight'\]"):
+        load_packed(directory)
+
+
+def test_a_multimodal_fp8_checkpoint_loads_its_text_model(tmp_path):
+    """Qwen3.5-MoE as released (image-text-to-text: the decoder under `model.language_model`, a vision tower beside
+    it) quantized to FP8 loads as the causal LM transformers' AutoModelForCausalLM gives, the tower left out: the
+    same logits as the FP8 checkpoint of that causal LM."""
+    from dflash_compile.testing import tiny_config
+
+    text = tiny_config("qwen3_5_moe", hidden_size=128, moe_intermediate_size=128, shared_expert_intermediate_size=128)
+    vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=128)
+    torch.manual_seed(0)
+    multimodal = transformers.AutoModelForImageTextToText.from_config(
+        transformers.Qwen3_5MoeConfig(text_config=text.to_dict(), vision_config=vision)).eval()
+    multimodal.save_pretrained(tmp_path / "bf16")
+    causal = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32).eval()
+    loaded = load_packed(quantize(multimodal, tmp_path / "multimodal", "fp8_block"), dtype=torch.float32)
+    expected = load_packed(quantize(causal, tmp_path / "causal", "fp8_block"), dtype=torch.float32)
+    assert type(loaded) is type(expected) is transformers.Qwen3_5MoeForCausalLM
+    ids = token_ids()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, expected(ids).logits)
