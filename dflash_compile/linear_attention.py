@@ -36,7 +36,6 @@ def stepwise_rule(chunked, recurrent):
         if initial_state is None or tokens > STEPWISE_TOKENS:
             return chunked(query, key, value, g=g, beta=beta, initial_state=initial_state,
                            output_final_state=output_final_state, **kwargs)
-        kwargs.pop("chunk_size", None)
         outputs, states, state = [], [], initial_state
         for t in range(tokens):
             step = slice(t, t + 1)
