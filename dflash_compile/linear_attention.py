@@ -69,7 +69,7 @@ def stepwise_linear_attention(model):
         yield
         return
     mixers = [module for name, module in model.named_modules() if name.rsplit(".", 1)[-1] == linear.mixer]
-    namespaces = {id(ns): ns for ns in (sys.modules[type(mixer).__module__] for mixer in mixers)}.values()
+    namespaces = {sys.modules[type(mixer).__module__] for mixer in mixers}
     originals = [(ns, getattr(ns, linear.chunked)) for ns in namespaces]
     try:
         for ns, chunked in originals:

@@ -56,6 +56,13 @@ def tiny_config(family: str, **overrides) -> transformers.PretrainedConfig:
     return config
 
 
+def tiny_multimodal_qwen3_5_config(**text_overrides) -> transformers.Qwen3_5MoeConfig:
+    """Qwen3.5-MoE as released (image-text-to-text): the tiny text config with a one-block vision tower beside it."""
+    text = tiny_config("qwen3_5_moe", **text_overrides)
+    vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=text.hidden_size)
+    return transformers.Qwen3_5MoeConfig(text_config=text.to_dict(), vision_config=vision)
+
+
 def _randomize_zero_inits(model: torch.nn.Module, generator: torch.Generator) -> None:
     """transformers initialises biases, sinks and router corrections to zero; random ones exercise more math."""
     with torch.no_grad():

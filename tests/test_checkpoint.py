@@ -249,13 +249,12 @@ def test_a_multimodal_fp8_checkpoint_loads_its_text_model(tmp_path):
     """Qwen3.5-MoE as released (image-text-to-text: the decoder under `model.language_model`, a vision tower beside
     it) quantized to FP8 loads as the causal LM transformers' AutoModelForCausalLM gives, the tower left out: the
     same logits as the FP8 checkpoint of that causal LM."""
-    from dflash_compile.testing import tiny_config
+    from dflash_compile.testing import tiny_multimodal_qwen3_5_config
 
-    text = tiny_config("qwen3_5_moe", hidden_size=128, moe_intermediate_size=128, shared_expert_intermediate_size=128)
-    vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=128)
+    config = tiny_multimodal_qwen3_5_config(hidden_size=128, moe_intermediate_size=128,
+                                            shared_expert_intermediate_size=128)  # whole 128-wide FP8 blocks
     torch.manual_seed(0)
-    multimodal = transformers.AutoModelForImageTextToText.from_config(
-        transformers.Qwen3_5MoeConfig(text_config=text.to_dict(), vision_config=vision)).eval()
+    multimodal = transformers.AutoModelForImageTextToText.from_config(config).eval()
     multimodal.save_pretrained(tmp_path / "bf16")
     causal = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32).eval()
     loaded = load_packed(quantize(multimodal, tmp_path / "multimodal", "fp8_block"), dtype=torch.float32)

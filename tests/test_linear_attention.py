@@ -91,14 +91,12 @@ def test_a_block_longer_than_stepwise_is_refused(tiny):
 def test_the_multimodal_model_verifies_partial_blocks_like_generate(tmp_path):
     """A Qwen3.5-MoE checkpoint as released (image-text-to-text: the decoder under `model.language_model`) keeps
     `generate`'s tokens through partly accepted blocks."""
-    from transformers import AutoModelForImageTextToText, Qwen3_5MoeConfig
+    from transformers import AutoModelForImageTextToText
 
-    from dflash_compile.testing import tiny_config
+    from dflash_compile.testing import tiny_multimodal_qwen3_5_config
 
-    vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=64)
-    config = Qwen3_5MoeConfig(text_config=tiny_config("qwen3_5_moe").to_dict(), vision_config=vision)
     torch.manual_seed(0)
-    AutoModelForImageTextToText.from_config(config).save_pretrained(tmp_path)
+    AutoModelForImageTextToText.from_config(tiny_multimodal_qwen3_5_config()).save_pretrained(tmp_path)
     model = AutoModelForImageTextToText.from_pretrained(tmp_path).eval()
     ids = torch.randint(3, 127, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
