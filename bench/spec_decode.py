@@ -158,8 +158,7 @@ def step_inputs(model, decoder, args, block: int):
 
 
 def step_times(model, decoder, args, bandwidth, expert_bits: float = 16.0):
-    """Decode and verify step times with uniform routing, as `generate` runs them (`grouped_attention`) and with
-    transformers' own attention (its key/value copies), next to their memory floors."""
+    """Decode and verify step times with uniform routing, as `generate` runs them, next to their memory floors."""
     routing = UniformRouting(model)
     rows = []
     for block in args.step_blocks:
@@ -169,16 +168,13 @@ def step_times(model, decoder, args, bandwidth, expert_bits: float = 16.0):
             decoder._target_forward(tokens, cache)  # eager pass to count the experts a block touches
         routing.record = False
         distinct = statistics.mean(routing.distinct)
-        step = lambda: decoder.verify_step(tokens, cache, active)  # noqa: E731
-        # one side after the other, each on its own compiled graphs (the attention implementation is guarded)
-        _, repeating = timed(step, args.repeats * 3, args.device)  # transformers' attention: repeat_kv copies
-        with grouped_attention(model), stepwise_linear_attention(model):  # as `generate` runs the step
-            _, seconds = timed(step, args.repeats * 3, args.device)
+        with torch.inference_mode(), grouped_attention(model), stepwise_linear_attention(model):  # as `generate`
+            _, seconds = timed(lambda: decoder.verify_step(tokens, cache, active), args.repeats * 3, args.device)
         floor = floor_seconds(model, block, args.prompt, bandwidth, expert_bits)
         sizes = ModelSizes.of(model.config)
         experts, top_k = sizes.experts, sizes.top_k
         expected = experts * (1 - (1 - top_k / experts) ** block)
-        rows.append((block, seconds, repeating, floor, distinct, expected))
+        rows.append((block, seconds, floor, distinct, expected))
     routing.remove()
     return rows
 
@@ -223,6 +219,25 @@ def native_dflash(model, args, ids):
                                   speculation_type="dflash")
 
 
+def print_step_table(model, target, plain, grouped_steps, args, bandwidth) -> None:
+    """Step times of our compiled step (and of grouped_mm experts when measured) next to their floors and the h200
+    profile's predictions."""
+    print(f"\ndevice-to-device copy: {bandwidth / 1e9:.0f} GB/s")
+    print("\n| step (uniform routing) | experts | ms | memory floor ms | floor / measured | experts/layer | expected | "
+          "predicted ms (h200 profile) | predicted / measured |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    bits = BITS_PER_WEIGHT[args.experts]
+    runs = [(f"dflash fused kernel, {args.experts}", step_times(target, plain.decoder, args, bandwidth, bits), bits)]
+    runs += [("transformers grouped_mm", grouped_steps, 16.0)] if grouped_steps else []
+    for experts, steps, bits in runs:
+        predict = StepCost(ModelSizes.of(model.config), HARDWARE["h200"], expert_bits=bits)  # fitted overheads
+        for block, seconds, floor, distinct, expected_experts in steps:
+            name = "decode (1 token)" if block == 1 else f"verify {block}"
+            predicted = predict.evaluate(block, args.prompt)["t_step_us"] * 1e-6
+            print(f"| {name} | {experts} | {seconds * 1e3:.2f} | {floor * 1e3:.2f} | {floor / seconds:.2f} | "
+                  f"{distinct:.1f} | {expected_experts:.1f} | {predicted * 1e3:.2f} | {predicted / seconds:.2f} |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-gpt_oss", help=f"tiny-<family> or one of {sorted(REFERENCE_CONFIGS)}")
@@ -249,6 +264,7 @@ def main():
                              "(optimize(fused_experts=False); the default is dflash's fused kernel)")
     parser.add_argument("--experts", default="bf16", choices=["bf16", "mxfp4", "fp8_block"],
                         help="how our rows keep the routed experts (transformers' rows run them dequantized)")
+    parser.add_argument("--steps-only", action="store_true", help="only the step-time table (no generation rows)")
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
@@ -260,6 +276,12 @@ def main():
     print(f"# {args.model} on {args.device}, prompt {args.prompt}, {args.new} new tokens, batch 1, "
           f"{torch.__version__}, transformers {transformers.__version__}, verify step mode {args.mode}, experts "
           f"{args.experts}")
+    if args.profile:
+        profile_decode(target, args)
+    if args.steps_only:
+        print_step_table(model, target, dflash_compile.optimize(target, mode=args.mode), None, args,
+                         copy_bandwidth(args.device))
+        return
     rows = []
     with torch.no_grad():
         expected, base = timed(lambda: model.generate(ids, do_sample=False, max_new_tokens=args.new), args.repeats,
@@ -267,8 +289,6 @@ def main():
     new = expected.shape[1] - args.prompt
     rows.append(("model.generate (eager)", new / base, 1.0, "-", "reference"))
 
-    if args.profile:
-        profile_decode(target, args)
     plain = dflash_compile.optimize(target, mode=args.mode)
     out, seconds = timed(lambda: plain.generate(ids, max_new_tokens=args.new), args.repeats, args.device)
     rows.append(("dflash, no drafter", new / seconds, 1.0, "-", first_mismatch(expected, out)))
@@ -321,23 +341,7 @@ def main():
         print(f"| {name} | {rate:.1f} | {rate * base / new:.2f}x | {tau:.2f} | {steps} | {same} |")
 
     if bandwidth:
-        print(f"\ndevice-to-device copy: {bandwidth / 1e9:.0f} GB/s")
-        print("\n| step (uniform routing) | experts | ms | ms with repeat_kv | memory floor ms | floor / measured | "
-              "experts/layer | expected | predicted ms (h200 profile) | predicted / measured |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
-        bits = BITS_PER_WEIGHT[args.experts]
-        runs = [(f"dflash fused kernel, {args.experts}", step_times(target, plain.decoder, args, bandwidth, bits),
-                 bits)]
-        runs += [("transformers grouped_mm", grouped_steps, 16.0)] if grouped_steps else []
-        for experts, steps, bits in runs:
-            predict = StepCost(ModelSizes.of(model.config), HARDWARE["h200"], expert_bits=bits)  # fitted overheads
-            for block, seconds, repeating, floor, distinct, expected_experts in steps:
-                name = "decode (1 token)" if block == 1 else f"verify {block}"
-                predicted = predict.evaluate(block, args.prompt)["t_step_us"] * 1e-6
-                print(f"| {name} | {experts} | {seconds * 1e3:.2f} | {repeating * 1e3:.2f} | {floor * 1e3:.2f} | "
-                      f"{floor / seconds:.2f} | "
-                      f"{distinct:.1f} | {expected_experts:.1f} | {predicted * 1e3:.2f} | {predicted / seconds:.2f} |")
-
+        print_step_table(model, target, plain, grouped_steps, args, bandwidth)
 
 if __name__ == "__main__":
     main()
