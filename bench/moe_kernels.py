@@ -51,6 +51,10 @@ SHAPES = {  # experts, top-k, hidden, intermediate, format, gpt-oss layout
     "gpt-oss-120b": (128, 4, 2880, 2880, "mxfp4", True),
     "qwen3-30b-a3b-fp8": (128, 8, 2048, 768, "fp8_block", False),
     "qwen3-30b-a3b-mxfp4": (128, 8, 2048, 768, "mxfp4", False),  # `dflash_compile.quantize` output: gate/up concatenated
+    # bf16 checkpoints' experts as transformers keeps them ([E, out, in]), through the same kernel
+    "qwen3-30b-a3b": (128, 8, 2048, 768, "dense", False),
+    "olmoe-1b-7b": (64, 8, 2048, 1024, "dense", False),
+    "mixtral-8x7b": (8, 2, 4096, 14336, "dense", False),
 }
 
 
@@ -195,7 +199,7 @@ def read_time_us(nbytes: int, layers: int) -> float:
     tiles = -(-nbytes // tile_bytes)
     buffers = [torch.zeros(tiles * tile_bytes // 8, dtype=torch.int64, device="cuda") for _ in range(layers)]
     out = torch.empty(tiles, dtype=torch.int64, device="cuda")
-    return graph_time_us([lambda b=b: _read_tile[(1, tiles)](b, out, ROW_BYTES=1024, TILE_ROWS=32, STEP=128,
+    return graph_time_us([lambda b=b: _read_tile[(tiles, 1)](b, out, ROW_BYTES=1024, TILE_ROWS=32, STEP=128,
                                                              TILE_MAJOR=False, NUM_STAGES=3, num_warps=2)
                           for b in buffers])
 
@@ -288,8 +292,9 @@ def path_of(tokens: int, top_k: int, experts: int, format: str) -> str:
     (`rows_per_block`, for formats with a row path: ROW_TILES), or the tensor cores' (blocks of 16 or WIDE_TILES')."""
     if tokens == 1:
         return "one_token"
-    rows = rows_per_block(tokens, top_k, experts, weight_loads="tma", format=format)  # H200: TMA loads
-    return "few_rows" if format in ROW_TILES and rows is not None and rows < 16 else "tensor_core"
+    loads = "tma" if "tma" in ROW_TILES[format] else "pointers"  # H200: TMA loads where the format has them
+    rows = rows_per_block(tokens, top_k, experts, weight_loads=loads, format=format)
+    return "few_rows" if rows is not None and rows < 16 else "tensor_core"
 
 
 def path_tiles(tiles: dict, tokens: int, top_k: int, experts: int, format: str) -> dict:
@@ -320,25 +325,12 @@ def row_candidates(format: str):
             for block_k in (128, 256):
                 yield {"block_n": block_n, "block_k": block_k, "num_warps": num_warps, "num_stages": 1,
                        "weight_loads": "pointers"}
-    for block_n in (16, 32, 64, 128):  # TMA: 128-wide MXFP4 steps lost 10-30% in session 17's sweep
+    for block_n in (16, 32, 64, 128) if "tma" in ROW_TILES[format] else ():  # TMA: 128-wide MXFP4 steps lost
+        # 10-30% in session 17's sweep
         for num_warps in (2, 4, 8):
             for block_k in (128, 256) if format == "fp8_block" else (256,):
                 yield {"block_n": block_n, "block_k": block_k, "num_warps": num_warps, "num_stages": 3,
                        "weight_loads": "tma"}
-
-
-def one_token_candidates(format: str, tensor_core: dict):
-    """One token's launches: the CUDA-core path's tiles where the format has one (ROW_TILES), else the tensor-core
-    tiles with narrower outputs and other warp counts and depths (a token's grid of top-k x column tiles is small:
-    96 programs of 4 warps for the Qwen3-FP8 gate/up at block_n 64, 4 warps per SM in Nsight Compute, session 16);
-    their K split is swept afterwards."""
-    if format in ROW_TILES:
-        yield from row_candidates(format)
-        return
-    for block_n in (16, 32, 64):
-        for num_warps in (2, 4, 8):
-            for num_stages in (2, 4):
-                yield tensor_core | {"block_n": block_n, "num_warps": num_warps, "num_stages": num_stages}
 
 
 def down_candidates(format: str, one_token: bool):
@@ -437,9 +429,9 @@ def main() -> None:
             continue
         if not args.one_token_only:
             tiles[format]["tensor_core"] = tune(name, [16], 2, list(tile_candidates(format)))
-            if format in ROW_TILES:  # blocks of 2 rows at M = 4 (1.19 / 1.14 pairs per routed expert: 20b / Qwen3)
-                tiles[format]["few_rows"] = tune(name, [4], 2, list(row_candidates(format)))
-        best = tune(name, [1], 2, list(one_token_candidates(format, tiles[format]["tensor_core"])))
+            # blocks of 2 rows at M = 4 (1.19 / 1.14 pairs per routed expert: 20b / Qwen3)
+            tiles[format]["few_rows"] = tune(name, [4], 2, list(row_candidates(format)))
+        best = tune(name, [1], 2, list(row_candidates(format)))
         tiles[format]["one_token"] = tune(name, [1], 2, [best | {"split_k": split_k} for split_k in SPLIT_K])
     for name in args.shapes if args.down_sweep else ():  # each M's path, on that path's tiles
         experts, top_k, _, _, format, _ = SHAPES[name]

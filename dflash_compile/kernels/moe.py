@@ -686,6 +686,38 @@ def _row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_stop, w
 
 
 @triton.jit
+def _dense_row_step(x_rows, w_rows, row_ok, k, stop, column_stride, BLOCK_K: tl.constexpr, EVICTION: tl.constexpr):
+    """One K step of `_dense_row_project`: x [BLOCK_M, 1, BLOCK_K] and W [1, BLOCK_ROWS, BLOCK_K] (zeros past K)."""
+    columns = k + tl.arange(0, BLOCK_K)[None, None, :]
+    in_k = columns < stop
+    w = tl.load(w_rows + columns * column_stride, mask=row_ok & in_k, other=0.0, eviction_policy=EVICTION)
+    return tl.load(x_rows + columns, mask=in_k, other=0.0), w
+
+
+@triton.jit
+def _dense_row_project(x, pair_rows, data, rows, row_ok, K, k_start, k_stop, row_stride, column_stride,
+                       BLOCK_M: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_M, BLOCK_ROWS] fp32 = x[pair_rows] @ W[rows]^T over K in [k_start, k_stop) for a few rows of
+    activations (BLOCK_M < 16) times 16-bit (dense) weights on the CUDA cores: a tensor-core tile would pad each
+    block to 16 rows, and a decode's few rows only need the weights streamed. Each step multiplies and adds into a
+    [BLOCK_M, BLOCK_ROWS, BLOCK_K] fp32 accumulator, summed over K once at the end, and its loads are issued one
+    step ahead (two steps' weights in flight per warp)."""
+    x_rows = x + pair_rows.to(tl.int64)[:, None, None] * K
+    w_rows = data + rows.to(tl.int64)[None, :, None] * row_stride
+    row_ok = row_ok[None, :, None]
+    stop = tl.minimum(k_stop, K)
+    EVICTION: tl.constexpr = "evict_first" if BLOCK_M == 1 else ""  # one token reads each weight once
+    xs, w = _dense_row_step(x_rows, w_rows, row_ok, k_start, stop, column_stride, BLOCK_K, EVICTION)
+    acc = tl.zeros((BLOCK_M, BLOCK_ROWS, BLOCK_K), dtype=tl.float32)
+    for k in tl.range(k_start, k_stop, BLOCK_K):
+        next_xs, next_w = _dense_row_step(x_rows, w_rows, row_ok, k + BLOCK_K, stop, column_stride, BLOCK_K,
+                                          EVICTION)
+        acc += xs.to(tl.float32) * w.to(tl.float32)
+        xs, w = next_xs, next_w
+    return tl.sum(acc, axis=2)
+
+
+@triton.jit
 def _fp8_tile(data, rows, row_ok, columns, K, COMPUTE_FP32: tl.constexpr, FP16_OPERANDS: tl.constexpr):
     """[BLOCK_ROWS, BLOCK_K] float8_e4m3fn weight values, unscaled: the hardware conversion on the GPU (to fp16 or
     bf16), arithmetic decoding in the fp32 path (the interpreter's fp8 casts are unreliable). One return: Triton 3.6
@@ -747,8 +779,11 @@ def _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start, k_st
              TMA_LOADS: tl.constexpr, x_shifts, X_PAIRED: tl.constexpr, SCAN: tl.constexpr):
     """[BLOCK_M, BLOCK_ROWS] fp32 = x[pair_rows] @ W[rows]^T over K in [k_start, k_stop), W the expert at `data` /
     `scales` (dense weights at any row / column strides, e.g. a transposed view of [E, in, out] parameters): on the
-    tensor cores, or for a few rows of activations (BLOCK_M < 16) times MXFP4 or FP8 weights on the CUDA cores."""
-    if FORMAT != 0 and BLOCK_M < 16:
+    tensor cores, or for a few rows of activations (BLOCK_M < 16) on the CUDA cores."""
+    if FORMAT == 0 and BLOCK_M < 16:
+        acc = _dense_row_project(x, pair_rows, data, rows, row_ok, K, k_start, k_stop, row_stride, column_stride,
+                                 BLOCK_M, BLOCK_ROWS, BLOCK_K)
+    elif BLOCK_M < 16:
         acc = _row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_stop, words_tma, tma_rows, FORMAT,
                            COMPUTE_FP32, FP16_OPERANDS, BLOCK_M, BLOCK_ROWS, BLOCK_K, NUM_STAGES, TMA_LOADS, x_shifts,
                            X_PAIRED, SCAN)
@@ -956,16 +991,18 @@ def _row_bytes(weight: PackedWeight) -> int:
 
 
 def _whole_groups(*weights: PackedWeight) -> bool:
-    """Whether every weight's K is a multiple of 32 (MXFP4's always is), as the row path reads them."""
-    return all(w.shape[2] % 32 == 0 for w in weights)
+    """Whether every weight's K is a multiple of 32 (MXFP4's always is), as the row path reads packed rows (dense
+    rows are read at any K)."""
+    return all(w.format == "dense" or w.shape[2] % 32 == 0 for w in weights)
 
 
 def _tma_blocker(gate_up: PackedWeight, down: PackedWeight, compute_fp32: bool, host: tuple | None) -> str | None:
     """Why an MoE call (or, with gate_up = down, a dense layer) cannot read its weight words through TMA
     descriptors (`weight_loads="tma"`), or None when it can."""
     weights = (gate_up, down)
-    if gate_up.format not in ROW_TILES:
-        return f"only {sorted(ROW_TILES)} weights have a TMA path, these are {gate_up.format}"
+    if "tma" not in ROW_TILES.get(gate_up.format, {}):
+        with_tma = sorted(format for format, by_loads in ROW_TILES.items() if "tma" in by_loads)
+        return f"only {with_tma} weights have a TMA path, these are {gate_up.format}"
     if not all(_row_bytes(w) % 16 == 0 for w in weights):
         return f"TMA needs weight rows of whole 16-byte units, these have {[_row_bytes(w) for w in weights]} bytes"
     if compute_fp32:
@@ -1130,7 +1167,9 @@ TILES = {
 # apart (session 22, `--down-sweep`, tile "down_launch"): MXFP4's on 16 columns and 2 warps took the gpt-oss-20b
 # call from 29.4 to 27.4 us in the sweep (32 columns on 2 warps or 64 on 4, both in 2 shares, tied) and measured
 # 1.09x / 1.06x (20b / 120b) against its gate/up tiles; FP8's gained nothing beyond the noise (18.4-18.5 against
-# 18.9 us), so it keeps them.
+# 18.9 us), so it keeps them. Dense (bf16) weights at one row (session 44, `--sweep`, Qwen3-30B-A3B and
+# Mixtral-8x7B experts): 16 columns on 8 warps, 128-wide steps (24.4 / 177.3 us) beat 8-64 columns on 2-4 warps and
+# 64 / 256-wide steps, and the tensor-core tiles (29.6 / 207.7 us).
 _ROW_STEP = {"block_k": 256, "split_k": 1}
 _FP8_ROW_STEP = {"block_k": 128, "split_k": 1, "operands": "fp16"}
 ROW_TILES = {
@@ -1144,6 +1183,7 @@ ROW_TILES = {
                                2: _COMMON | _FP8_ROW_STEP | {"block_n": 64, "num_warps": 4, "num_stages": 1}},
                   "tma": {1: _COMMON | _FP8_ROW_STEP | {"block_n": 32, "num_warps": 4, "block_k": 256, "num_stages": 3},
                           2: _COMMON | _FP8_ROW_STEP | {"block_n": 128, "num_warps": 4, "num_stages": 3}}},
+    "dense": {"pointers": {1: _COMMON | {"block_n": 16, "block_k": 128, "num_warps": 8, "num_stages": 1}}},
 }
 WEIGHT_LOADS = ("pointers", "tma")
 # What an MoE call's down launch may set apart from its gate/up launch (tile "down_launch"): the projections
@@ -1160,8 +1200,10 @@ def _check_weight_loads(loads: str) -> str:
 
 # At most this many pairs per routed expert: blocks of 2 rows on the CUDA cores, by format and the row path's
 # weight loads (FP8 through pointers: the tensor cores above one token, 1.07x / 1.23x at M = 4 / 8 on
-# Qwen3-30B-A3B-FP8 over the best blocks of 2, session 24's `bench/pointer_rows.py`).
-PAIRS_PER_EXPERT_ON_CUDA_CORES = {"mxfp4": {"pointers": 1.3, "tma": 3.3}, "fp8_block": {"pointers": 0, "tma": 1.4}}
+# Qwen3-30B-A3B-FP8 over the best blocks of 2, session 24's `bench/pointer_rows.py`; dense weights: the tensor cores
+# above one token, 1.4-1.6x over blocks of 2 at M = 2-8 on Qwen3-30B-A3B, OLMoE and Mixtral experts, session 44).
+PAIRS_PER_EXPERT_ON_CUDA_CORES = {"mxfp4": {"pointers": 1.3, "tma": 3.3}, "fp8_block": {"pointers": 0, "tma": 1.4},
+                                  "dense": {"pointers": 0}}
 
 # Prefill sizes: (from this many pairs per routed expert, tiles) by format, in rising order; the last threshold
 # reached gives blocks of its tiles' rows (an expert's weight tiles decoded once for more rows; warpgroup MMAs) for
@@ -1192,7 +1234,7 @@ def pairs_per_routed_expert(tokens: int, top_k: int, experts: int) -> float:
 def rows_per_block(tokens: int, top_k: int, experts: int, reads_host: bool = False,
                    weight_loads: str = "pointers", format: str = "mxfp4", compute_fp32: bool = False) -> int | None:
     """Rows per block for an MoE call whose experts get few or many pairs each (`tiles_for`'s rows), None for the
-    format's TILES. Few, for formats with a CUDA-core path: one token's pairs are a block each; up to
+    format's TILES. Few, on the CUDA-core path: one token's pairs are a block each; up to
     PAIRS_PER_EXPERT_ON_CUDA_CORES pairs per routed expert under uniform routing (E * (1 - (1 - k/E)^M) experts
     routed), blocks of 2 (most experts get one or two pairs, so blocks of 16 on the tensor cores would be mostly
     padding). Many, with 16-bit activations: the rows of the last WIDE_TILES threshold reached. From
@@ -1212,7 +1254,7 @@ def rows_per_block(tokens: int, top_k: int, experts: int, reads_host: bool = Fal
     wide = [tiles["block_m"] for least, tiles in WIDE_TILES.get(format, ()) if pairs_per_expert >= least]
     if wide and not compute_fp32:
         return wide[-1]
-    if reads_host or format not in PAIRS_PER_EXPERT_ON_CUDA_CORES:
+    if reads_host:
         return None
     return 2 if pairs_per_expert <= PAIRS_PER_EXPERT_ON_CUDA_CORES[format][weight_loads] else None
 
@@ -1221,24 +1263,20 @@ def tiles_for(format: str, overrides: dict, rows: int | None = None, weight_load
               whole_groups: bool = True) -> dict:
     """The format's tiles with `overrides` applied, checked against what the kernel can run. `rows`: the rows per
     block for a launch with few or many rows per expert (`rows_per_block`; one token: 1) where no block_m override
-    says: fewer than 16 where the format has a CUDA-core path for them (ROW_TILES), the WIDE_TILES entry of the
-    most rows up to block_m where the format has one; `weight_loads`: how that path reads the weight
-    words where no override says (the tensor-core tiles read through pointers); `whole_groups`: whether the weights'
-    K is a multiple of 32, as that path reads rows in whole 32-code groups (`_whole_groups`). A `down_launch` dict
-    (in the overrides or the chosen ROW_TILES entry) gives the down launch settings of its own (DOWN_TILES); the
-    result carries it as "down_launch", {} for none."""
+    says: fewer than 16 on the CUDA-core path (ROW_TILES), the WIDE_TILES entry of the most rows up to block_m
+    where the format has one; `weight_loads`: how that path reads the weight words where no override says (the
+    tensor-core tiles read through pointers); `whole_groups`: whether the weights' K is a multiple of 32, as that
+    path reads packed rows in whole 32-code groups (`_whole_groups`). A `down_launch` dict (in the overrides or the
+    chosen ROW_TILES entry) gives the down launch settings of its own (DOWN_TILES); the result carries it as
+    "down_launch", {} for none."""
     known = set(TILES[format]) | {"weight_loads", "down_launch"}
     if set(overrides) - known:
         raise ValueError(f"unknown tile settings {sorted(set(overrides) - known)}; the kernel takes {sorted(known)}")
-    row_path = format in ROW_TILES and whole_groups
-    preferred = rows if rows is not None and (rows >= 16 or row_path) else TILES[format]["block_m"]
+    preferred = rows if rows is not None and (rows >= 16 or whole_groups) else TILES[format]["block_m"]
     block_m = overrides.get("block_m", preferred)
     if block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two, got {block_m}")
-    if block_m < 16 and format not in ROW_TILES:
-        raise ValueError(f"block_m must be >= 16 for {format} weights (tensor-core tiles; only "
-                         f"{sorted(ROW_TILES)} have a CUDA-core path for fewer rows), got {block_m}")
-    if block_m < 16 and not row_path:
+    if block_m < 16 and not whole_groups:
         raise ValueError(f"block_m must be >= 16 here: the CUDA-core path reads weight rows in whole 32-code groups, "
                          f"and these rows are not (FP8: K a multiple of 32), got {block_m}")
     loads = _check_weight_loads(overrides.get("weight_loads", weight_loads if block_m < 16 else "pointers"))

@@ -111,6 +111,30 @@ def test_one_token_is_its_own_blocks(format):
     torch.testing.assert_close(run(slice(0, 1)), run(slice(0, tokens))[:1], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("block_m", [1, 2])
+def test_dense_rows_on_the_cuda_cores(transposed, block_m):
+    """Dense (16-bit) experts for one token take the CUDA-core path (ROW_TILES["dense"]: a block of one row, not a
+    16-row tensor-core tile), and blocks of 2 rows run there by a block_m override: the reference's result with K
+    not a multiple of 32 (100), biases, and experts stored [E, out, in] or transposed ([E, in, out], as gpt-oss
+    keeps bf16 experts)."""
+    from dflash_compile.kernels.moe import rows_per_block, tiles_for
+
+    assert rows_per_block(1, 8, 128, format="dense") == 1 and tiles_for("dense", {}, 1)["block_m"] == 1
+    assert rows_per_block(4, 8, 128, format="dense") is None  # more tokens: the tensor cores
+    gate_up, down = _experts("dense", 4, 100, 48, bias=True, seed=21)
+    if transposed:
+        gate_up, down = (PackedWeight("dense", w.data.transpose(1, 2).contiguous().transpose(1, 2), None, w.bias)
+                         for w in (gate_up, down))
+    tokens = 1 if block_m == 1 else 3
+    index, weights = _routing(tokens, 4, 2, seed=22)
+    x = torch.randn(tokens, 100, generator=torch.Generator().manual_seed(23))
+    expected = reference_moe(x, index, weights, gate_up, down, False, "silu")
+    actual = fused_moe(x.to(DEVICE), index.to(DEVICE), weights.to(DEVICE), gate_up, down, compute_fp32=True,
+                       **({} if block_m == 1 else {"block_m": block_m}))
+    assert (actual.cpu().double() - expected).norm() / expected.norm() <= 1e-4
+
+
 @pytest.mark.parametrize("family, scale", [("gpt_oss", 1.0), ("gpt_oss", 3e5), ("silu_concatenated", 1.0),
                                            ("silu_concatenated", 1e3)])
 def test_fp16_operands_for_fp8_weights(family, scale):
@@ -219,10 +243,6 @@ def test_tiles_the_kernel_cannot_run_are_refused():
         call(block_k=96)
     with pytest.raises(ValueError, match=r"unknown tile settings \['block_z'\]"):
         call(block_z=8)
-    with pytest.raises(ValueError, match=r"block_m must be >= 16 for dense weights \(tensor-core tiles; only "
-                                         r"\['fp8_block', 'mxfp4'\] have a CUDA-core path for fewer rows\), got 4"):
-        fused_moe(torch.zeros(1, 128, device=DEVICE), index.to(DEVICE), weights.to(DEVICE),
-                  *_experts("dense", 2, 128, 64, bias=False), block_m=4)
     odd_rows = _experts("fp8_block", 2, 130, 64, bias=False)  # K = 130: not whole 32-code groups
     with pytest.raises(ValueError, match=r"block_m must be >= 16 here: the CUDA-core path reads weight rows in whole "
                                          r"32-code groups, and these rows are not \(FP8: K a multiple of 32\), got 2"):
