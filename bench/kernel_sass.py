@@ -39,8 +39,8 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_compile.kernels.moe import (  # noqa: E402
-    ACTIVATIONS, FORMATS, GROUPED, PAIR_PER_BLOCK, _moe_gemm_kernel, _paired_activations, _scan_width, tiles_for,
-    tma_tile)
+    ACTIVATIONS, FORMATS, GROUPED, PAIR_PER_BLOCK, ROW_TILES, _moe_gemm_kernel, _paired_activations, _scan_width,
+    tiles_for, tma_tile)
 
 H200 = 90  # the H200's compute capability: sm_90, the default target
 POINTERS = {"x": "*bf16", "bias": "*fp32", "out": "*bf16", "pair_ids": "*i32", "block_expert": "*i32",
@@ -180,8 +180,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|" + ("---|" if args.digest else ""))
     for format in args.format:
         tma = not args.host_fallback and args.capability >= 90
-        projection_tiles = tiles_for(format, overrides, 1 if args.one_token else None,
-                                     "tma" if tma else "pointers")  # as `fused_moe` picks them
+        projection_tiles = tiles_for(format, overrides, 1 if args.one_token else None,  # as `fused_moe` picks them
+                                     "tma" if tma and "tma" in ROW_TILES[format] else "pointers")
         for gated in (True, False):
             tiles = projection_tiles if gated else projection_tiles | projection_tiles["down_launch"]
             try:

@@ -990,10 +990,16 @@ def _row_bytes(weight: PackedWeight) -> int:
     return weight.data[0, 0].numel() * weight.data.element_size()
 
 
-def _whole_groups(*weights: PackedWeight) -> bool:
-    """Whether every weight's K is a multiple of 32 (MXFP4's always is), as the row path reads packed rows (dense
-    rows are read at any K)."""
-    return all(w.format == "dense" or w.shape[2] % 32 == 0 for w in weights)
+def _row_blocker(*weights: PackedWeight) -> str | None:
+    """Why the CUDA-core path (block_m < 16) cannot read these weights, or None when it can: it reads packed rows in
+    whole 32-code groups (MXFP4's K always is; FP8 needs K a multiple of 32) and dense rows along K, contiguous (a
+    transposed view such as gpt-oss's [E, in, out] bf16 experts keeps the tensor-core tiles: unmeasured there)."""
+    if not all(w.format == "dense" or w.shape[2] % 32 == 0 for w in weights):
+        return ("the CUDA-core path reads weight rows in whole 32-code groups, and these rows are not (FP8: K a "
+                "multiple of 32)")
+    if not all(w.format != "dense" or w.data.stride(2) == 1 for w in weights):
+        return "the CUDA-core path reads dense weight rows contiguous along K, and these are strided (transposed)"
+    return None
 
 
 def _tma_blocker(gate_up: PackedWeight, down: PackedWeight, compute_fp32: bool, host: tuple | None) -> str | None:
@@ -1260,25 +1266,24 @@ def rows_per_block(tokens: int, top_k: int, experts: int, reads_host: bool = Fal
 
 
 def tiles_for(format: str, overrides: dict, rows: int | None = None, weight_loads: str = "pointers",
-              whole_groups: bool = True) -> dict:
+              row_blocker: str | None = None) -> dict:
     """The format's tiles with `overrides` applied, checked against what the kernel can run. `rows`: the rows per
     block for a launch with few or many rows per expert (`rows_per_block`; one token: 1) where no block_m override
     says: fewer than 16 on the CUDA-core path (ROW_TILES), the WIDE_TILES entry of the most rows up to block_m
     where the format has one; `weight_loads`: how that path reads the weight words where no override says (the
-    tensor-core tiles read through pointers); `whole_groups`: whether the weights' K is a multiple of 32, as that
-    path reads packed rows in whole 32-code groups (`_whole_groups`). A `down_launch` dict (in the overrides or the
+    tensor-core tiles read through pointers); `row_blocker`: why that path cannot read the weights, if it cannot
+    (`_row_blocker`). A `down_launch` dict (in the overrides or the
     chosen ROW_TILES entry) gives the down launch settings of its own (DOWN_TILES); the result carries it as
     "down_launch", {} for none."""
     known = set(TILES[format]) | {"weight_loads", "down_launch"}
     if set(overrides) - known:
         raise ValueError(f"unknown tile settings {sorted(set(overrides) - known)}; the kernel takes {sorted(known)}")
-    preferred = rows if rows is not None and (rows >= 16 or whole_groups) else TILES[format]["block_m"]
+    preferred = rows if rows is not None and (rows >= 16 or not row_blocker) else TILES[format]["block_m"]
     block_m = overrides.get("block_m", preferred)
     if block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two, got {block_m}")
-    if block_m < 16 and not whole_groups:
-        raise ValueError(f"block_m must be >= 16 here: the CUDA-core path reads weight rows in whole 32-code groups, "
-                         f"and these rows are not (FP8: K a multiple of 32), got {block_m}")
+    if block_m < 16 and row_blocker:
+        raise ValueError(f"block_m must be >= 16 here: {row_blocker}, got {block_m}")
     loads = _check_weight_loads(overrides.get("weight_loads", weight_loads if block_m < 16 else "pointers"))
     if loads == "tma" and block_m >= 16:
         raise ValueError(f"weight_loads='tma' is for the CUDA-core path (block_m < 16), got block_m {block_m}")
@@ -1363,7 +1368,7 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
                                 limit)
     loads = _weight_loads(tiles, _tma_blocker(gate_up, down, compute_fp32, host))
     rows = rows_per_block(tokens, top_k, routable, host is not None, loads, gate_up.format, compute_fp32)
-    settings = tiles_for(gate_up.format, tiles, rows, loads, _whole_groups(gate_up, down))
+    settings = tiles_for(gate_up.format, tiles, rows, loads, _row_blocker(gate_up, down))
     blocks = _blocks(top_k_index, experts, settings["block_m"])
     down_tiles, split_k = settings.pop("down_launch"), settings.pop("split_k")
     splits, down_splits = _splits(split_k, blocks), _splits(down_tiles.pop("split_k", split_k), blocks)
@@ -1568,7 +1573,7 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, **tiles) -> torch.Tenso
     few_rows = rows.shape[0] if rows.shape[0] <= ROWS_ON_CUDA_CORES.get(weight.format, {}).get(loads, 0) else None
     if weight.format == "fp8_block" and few_rows is None and tiles.get("block_m", 16) >= 16:
         tiles = _dense_tiles(rows.shape[0], n) | tiles
-    settings = tiles_for(weight.format, tiles, few_rows, loads, _whole_groups(weight)) | dict(compute_fp32=compute_fp32)
+    settings = tiles_for(weight.format, tiles, few_rows, loads, _row_blocker(weight)) | dict(compute_fp32=compute_fp32)
     settings.pop("down_launch")  # an MoE call's (MXFP4's one-row tiles have one): a dense layer runs on the tiles
     rows = _activations(rows, settings)
     blocks = Blocks(ROWS_IN_ORDER, triton.cdiv(rows.shape[0], settings["block_m"]))

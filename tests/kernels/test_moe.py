@@ -111,28 +111,33 @@ def test_one_token_is_its_own_blocks(format):
     torch.testing.assert_close(run(slice(0, 1)), run(slice(0, tokens))[:1], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("block_m", [1, 2])
-def test_dense_rows_on_the_cuda_cores(transposed, block_m):
+def test_dense_rows_on_the_cuda_cores(block_m):
     """Dense (16-bit) experts for one token take the CUDA-core path (ROW_TILES["dense"]: a block of one row, not a
     16-row tensor-core tile), and blocks of 2 rows run there by a block_m override: the reference's result with K
-    not a multiple of 32 (100), biases, and experts stored [E, out, in] or transposed ([E, in, out], as gpt-oss
-    keeps bf16 experts)."""
+    not a multiple of 32 (100) and biases. Experts stored transposed ([E, in, out], as gpt-oss keeps bf16 experts)
+    keep the tensor-core tiles, and an override asking for the CUDA cores there is refused naming why."""
     from dflash_compile.kernels.moe import rows_per_block, tiles_for
 
     assert rows_per_block(1, 8, 128, format="dense") == 1 and tiles_for("dense", {}, 1)["block_m"] == 1
     assert rows_per_block(4, 8, 128, format="dense") is None  # more tokens: the tensor cores
     gate_up, down = _experts("dense", 4, 100, 48, bias=True, seed=21)
-    if transposed:
-        gate_up, down = (PackedWeight("dense", w.data.transpose(1, 2).contiguous().transpose(1, 2), None, w.bias)
-                         for w in (gate_up, down))
     tokens = 1 if block_m == 1 else 3
     index, weights = _routing(tokens, 4, 2, seed=22)
     x = torch.randn(tokens, 100, generator=torch.Generator().manual_seed(23))
     expected = reference_moe(x, index, weights, gate_up, down, False, "silu")
-    actual = fused_moe(x.to(DEVICE), index.to(DEVICE), weights.to(DEVICE), gate_up, down, compute_fp32=True,
-                       **({} if block_m == 1 else {"block_m": block_m}))
-    assert (actual.cpu().double() - expected).norm() / expected.norm() <= 1e-4
+    tiles = {} if block_m == 1 else {"block_m": block_m}
+    run = lambda *experts, **more: fused_moe(x.to(DEVICE), index.to(DEVICE), weights.to(DEVICE), *experts,  # noqa: E731
+                                             compute_fp32=True, **tiles, **more)
+    assert (run(gate_up, down).cpu().double() - expected).norm() / expected.norm() <= 1e-4
+    transposed = [PackedWeight("dense", w.data.transpose(1, 2).contiguous().transpose(1, 2), None, w.bias)
+                  for w in (gate_up, down)]
+    if block_m == 1:  # the tensor-core tiles' sums: the reference's result as well
+        assert (run(*transposed).cpu().double() - expected).norm() / expected.norm() <= 1e-4
+    else:
+        with pytest.raises(ValueError, match=r"block_m must be >= 16 here: the CUDA-core path reads dense weight "
+                                             r"rows contiguous along K, and these are strided \(transposed\), got 2"):
+            run(*transposed)
 
 
 @pytest.mark.parametrize("family, scale", [("gpt_oss", 1.0), ("gpt_oss", 3e5), ("silu_concatenated", 1.0),
