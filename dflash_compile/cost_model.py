@@ -29,23 +29,22 @@ import transformers
 
 from .families import experts_modules, spec_for_model
 
-# Target step times measured on the H200 (docs/benchmarks.md): random bf16 weights, uniform routing, 512-token
-# context, compiled step in a CUDA graph. (model, decoder layers, tokens per step, context) -> seconds.
-# Fitted: gpt-oss-20b with dflash's fused experts (2026-11-30, sessions 4 and 5), the whole model and a 4-layer cut,
-# whose difference separates the per-step from the per-layer overhead.
+# Target step times measured on the H200 (docs/benchmarks.md, "Session 44"): random bf16 weights, uniform routing,
+# 512-token context, compiled step as `generate` runs it (`bench/spec_decode.py --steps-only`, 2026-12-04).
+# (model, decoder layers, tokens per step, context) -> seconds. Fitted: gpt-oss-20b (the whole model and a 4-layer
+# cut, whose difference separates the per-step from the per-layer overhead), Qwen3-30B-A3B and OLMoE-1B-7B.
 MEASURED_STEPS = {
-    ("gpt-oss-20b", 24, 1, 512): 6.67e-3, ("gpt-oss-20b", 24, 8, 512): 13.35e-3,
-    ("gpt-oss-20b", 24, 16, 512): 17.23e-3, ("gpt-oss-20b", 4, 1, 512): 2.31e-3,
+    ("gpt-oss-20b", 24, 1, 512): 4.09e-3, ("gpt-oss-20b", 24, 8, 512): 10.82e-3,
+    ("gpt-oss-20b", 24, 16, 512): 13.92e-3, ("gpt-oss-20b", 4, 1, 512): 0.97e-3,
+    ("qwen3-30b-a3b", 48, 1, 512): 3.92e-3, ("qwen3-30b-a3b", 48, 8, 512): 9.66e-3,
+    ("qwen3-30b-a3b", 16, 1, 512): 1.45e-3, ("olmoe-1b-7b", 16, 1, 512): 1.47e-3, ("olmoe-1b-7b", 16, 8, 512): 3.51e-3,
 }
-# Held out from the fit: Qwen3-30B-A3B with transformers' grouped_mm experts (2026-11-30, session 3, an older and
-# slower step); the fitted profile predicts them within 25%, not more closely.
-HELD_OUT_STEPS = {
-    ("qwen3-30b-a3b", 48, 1, 512): 11.15e-3, ("qwen3-30b-a3b", 48, 8, 512): 18.89e-3,
-    ("qwen3-30b-a3b", 48, 16, 512): 23.81e-3,
-}
-# fit_step_overheads on MEASURED_STEPS: 1.05 ms per step, 120 us per layer per step, 65.8% of the copy bandwidth
+# Held out from the fit: DeepSeek-V3's first 5 layers (3 dense, MLA; session 43), which the fitted profile predicts
+# within 25% (1.23x), as it does each fitted step (0.83-1.24x)
+HELD_OUT_STEPS = {("deepseek-v3", 5, 1, 512): 2.65e-3}
+# fit_step_overheads on MEASURED_STEPS: 358 us per step, 20.6 us per layer per step, 66.9% of the copy bandwidth
 # while streaming
-H200_STEP_S, H200_LAYER_S, H200_EFFICIENCY = 1.0505e-3, 120.38e-6, 0.6576
+H200_STEP_S, H200_LAYER_S, H200_EFFICIENCY = 358.35e-6, 20.650e-6, 0.66884
 
 B, C, H = sympy.symbols("B C h", positive=True)  # tokens per step, context length, expert-cache hit rate
 
