@@ -20,7 +20,9 @@ Linear-attention layers (GatedDeltaNet) keep a conv window and a recurrent state
 forward leaves its candidates pending; `commit_linear` then takes, per row, the conv window ending at the row's
 last kept token (`dflash::conv_window_commit`) and the recurrent state after that token (`dflash::state_select`):
 a verify block's forward leaves the state after each of its tokens (`linear_attention.stepwise_linear_attention`),
-a prompt's the state after its last.
+a prompt's the state after its last. A compiled verify step returns what it left (`pending_linear`) and
+`generate` commits those outputs: the pending dicts are filled by Python side effects, which a step replayed from
+a CUDA graph does not redo.
 """
 
 from __future__ import annotations
@@ -183,16 +185,22 @@ class TargetCache(Cache):
         self.pending_recurrent[layer_idx] = state
         return state
 
-    def commit_linear(self, kept: torch.Tensor, width: int) -> None:
+    def pending_linear(self) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        """What the last forward left for `commit_linear`: its conv inputs and recurrent states, per layer."""
+        return dict(self.pending_conv), dict(self.pending_recurrent)
+
+    def commit_linear(self, kept: torch.Tensor, width: int, pending: tuple[dict, dict] | None = None) -> None:
         """Commit linear-attention states after a forward over `width` tokens of which row b keeps kept[b]: a
         pending state per token ([b, width, ...]) gives each row its state after its last kept token; a single
-        pending state (a prompt's, or one token's) is the state after all `width` tokens, kept whole or not at all."""
-        for layer, full in self.pending_conv.items():
+        pending state (a prompt's, or one token's) is the state after all `width` tokens, kept whole or not at all.
+        `pending`: that forward's `pending_linear()` as a compiled step returned it (default: what is pending)."""
+        pending_conv, pending_recurrent = pending if pending is not None else self.pending_linear()
+        for layer, full in pending_conv.items():
             if layer not in self.conv:
                 self.conv[layer] = self._zero_state("conv", layer, full, (*full.shape[:2], self.conv_width[layer]))
             end = full.shape[-1] - width + kept
             torch.ops.dflash.conv_window_commit(self.conv[layer], full, end)
-        for layer, state in self.pending_recurrent.items():
+        for layer, state in pending_recurrent.items():
             if state.dim() == 5:  # [b, width, heads, key dim, value dim]
                 state = state[torch.arange(len(kept), device=kept.device), (kept - 1).clamp(min=0)]
             if layer not in self.recurrent:

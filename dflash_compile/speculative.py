@@ -200,10 +200,10 @@ class SpeculativeDecoder:
 
     def _captures_steps(self) -> bool:
         """Whether "reduce-overhead" steps replay from CUDA graphs of our own (`StepGraphs`): on CUDA, where every
-        step keeps its buffers. Offloaded experts take host-side ops that must leave the graph, and linear-attention
-        layers hand their states to the cache by Python side effects (`TargetCache.update_recurrent_state`), which a
-        replayed graph would not redo: those keep torch.compile's CUDA-graph trees, which partition the graph and
-        check its inputs on every call."""
+        step keeps its buffers. Offloaded experts take host-side ops that must leave the graph: they keep
+        torch.compile's CUDA-graph trees, which partition the graph and check its inputs on every call. So do
+        linear-attention models for now: their steps return the states they leave (`TargetCache.pending_linear`), as
+        a replayed graph needs, but their capture has not been run on a GPU yet."""
         return _on_cuda(self.model) and not hasattr(self.model, "dflash_offload") and not self.linear_layers
 
     def _step_state(self) -> tuple:
@@ -307,7 +307,9 @@ class SpeculativeDecoder:
 
     def _verify_step(self, block: torch.Tensor, cache: TargetCache, active: torch.Tensor, draft_probs=None,
                      uniforms=None):
-        """Target over the block, acceptance (greedy, or rejection sampling when `uniforms` are given), commit."""
+        """Target over the block, acceptance (greedy, or rejection sampling when `uniforms` are given), commit of
+        the rows' keys and values. Returns the accepted counts, the tokens, the drafter's features and the
+        linear-attention states the block left (`TargetCache.pending_linear`, which `commit_linear` takes)."""
         logits, features = self._target_forward(block, cache)
         if uniforms is None:
             accepted, tokens = torch.ops.dflash.greedy_accept(block, logits)
@@ -317,7 +319,7 @@ class SpeculativeDecoder:
             accepted, tokens = torch.ops.dflash.sampled_accept(
                 block, probs, probs[:, :-1] if one_hot else draft_probs, uniforms, one_hot)
         cache.rows.commit((accepted + 1) * active)
-        return accepted, tokens, features
+        return accepted, tokens, features, cache.pending_linear()
 
     def _draft(self, anchor: torch.Tensor, drafter_cache: RowCache, width: int, pending: list):
         """[b, width] = [anchor, d1 .. d_{width-1}]: the first of the drafter's proposals, and the distribution q
@@ -448,9 +450,9 @@ class SpeculativeDecoder:
             active = torch.tensor([not d for d in done], device=device, dtype=torch.int64)
             block, draft_probs = self._draft(anchor, drafter_cache, width, pending)
             uniforms = sampler.uniforms(block.shape, device) if sampler else None
-            accepted, target, features = self.verify_step(block, cache, active, draft_probs, uniforms)
+            accepted, target, features, linear = self.verify_step(block, cache, active, draft_probs, uniforms)
             accepted_list = accepted.tolist()  # the step's one host sync
-            cache.commit_linear((accepted + 1) * active, block.shape[1])
+            cache.commit_linear((accepted + 1) * active, block.shape[1], linear)
             stats.accepted.append([None if done[b] else a for b, a in enumerate(accepted_list)])
             committed = target.tolist()
             for b, a in enumerate(accepted_list):

@@ -105,3 +105,27 @@ def test_the_multimodal_model_verifies_partial_blocks_like_generate(tmp_path):
     fast = dflash_compile.optimize(model, drafter=oracle, adaptive=False, compile=False)
     assert torch.equal(fast.generate(ids, max_new_tokens=20), expected)
     assert 1 < fast.last_stats.tau < 6  # some blocks kept in part
+
+
+def test_the_states_are_committed_from_the_steps_outputs(tiny):
+    """A step replayed from a CUDA graph recomputes its outputs in place but redoes none of the Python side effects
+    that leave the linear-attention states pending in the cache: `generate` commits the states the step returns
+    (`TargetCache.pending_linear`). A replay is emulated here by emptying what the step left pending."""
+    from tests.test_speculative import NEW_TOKENS, prompts, reference
+
+    model = tiny("qwen3_5_moe")
+    ids, mask = prompts(3)
+    expected = reference(model, ids, mask)
+    oracle = OracleDrafter(expected, mask, 6, corruption=0.3, vocab_size=128)
+    fast = dflash_compile.optimize(model, drafter=oracle, adaptive=False, compile=False)
+    step = fast.decoder.verify_step
+
+    def replayed(block, cache, *rest):
+        outputs = step(block, cache, *rest)
+        cache.pending_conv.clear()
+        cache.pending_recurrent.clear()
+        return outputs
+
+    fast.decoder.verify_step = replayed
+    assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
+    assert 1 < fast.last_stats.tau < 6  # some blocks kept in part

@@ -115,11 +115,11 @@ def test_linear_attention_state_rolls_back_exactly(tiny, drafter, monkeypatch):
     partial_commits = []  # per commit of a verify step: some row kept part of it, from a state per token
     original = TargetCache.commit_linear
 
-    def commit(cache, kept, width):
-        states = list(cache.pending_recurrent.values())
+    def commit(cache, kept, width, pending=None):
+        states = list((pending or cache.pending_linear())[1].values())
         if width > 1 and ((kept > 0) & (kept < width)).any():
             partial_commits.append(all(state.dim() == 5 and state.shape[1] == width for state in states))
-        return original(cache, kept, width)
+        return original(cache, kept, width, pending)
 
     monkeypatch.setattr(TargetCache, "commit_linear", commit)
     oracle = OracleDrafter(expected, mask, 6, corruption=0.3, vocab_size=128) if drafter == "partial" else None

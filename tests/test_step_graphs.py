@@ -94,8 +94,8 @@ def test_a_new_cache_drops_the_old_caches_graphs(tiny):
 @needs_cuda
 @pytest.mark.parametrize("family", ["qwen3_5_moe"])
 def test_linear_attention_keeps_torch_compiles_cuda_graphs(tiny, family):
-    """Its steps hand their linear-attention states to the cache by Python side effects, which a replayed graph
-    would not redo."""
+    """Until their capture is tested on a GPU (their steps return the linear-attention states they leave, as a
+    replayed graph needs: tests/test_linear_attention.py)."""
     model = tiny(family).cuda()
     fast = dflash_compile.optimize(model)
     assert fast.decoder.mode == "reduce-overhead" and not isinstance(fast.decoder.verify_step, StepGraphs)
