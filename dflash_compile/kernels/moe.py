@@ -990,15 +990,19 @@ def _row_bytes(weight: PackedWeight) -> int:
     return weight.data[0, 0].numel() * weight.data.element_size()
 
 
-def _row_blocker(*weights: PackedWeight) -> str | None:
+def _row_blocker(*weights: PackedWeight, reads_host: bool = False) -> str | None:
     """Why the CUDA-core path (block_m < 16) cannot read these weights, or None when it can: it reads packed rows in
-    whole 32-code groups (MXFP4's K always is; FP8 needs K a multiple of 32) and dense rows along K, contiguous (a
-    transposed view such as gpt-oss's [E, in, out] bf16 experts keeps the tensor-core tiles: unmeasured there)."""
+    whole 32-code groups (MXFP4's K always is; FP8 needs K a multiple of 32) and dense rows along K, contiguous, from
+    device memory. Dense weights otherwise keep the tensor-core tiles, as measured: a transposed view (gpt-oss's
+    [E, in, out] bf16 experts) and offloaded experts (`reads_host`) are not measured on that path."""
     if not all(w.format == "dense" or w.shape[2] % 32 == 0 for w in weights):
         return ("the CUDA-core path reads weight rows in whole 32-code groups, and these rows are not (FP8: K a "
                 "multiple of 32)")
-    if not all(w.format != "dense" or w.data.stride(2) == 1 for w in weights):
+    dense = [w for w in weights if w.format == "dense"]
+    if not all(w.data.stride(2) == 1 for w in dense):
         return "the CUDA-core path reads dense weight rows contiguous along K, and these are strided (transposed)"
+    if dense and reads_host:
+        return "the CUDA-core path reads dense weights from device memory, and these experts may be read from the host"
     return None
 
 
@@ -1272,9 +1276,8 @@ def tiles_for(format: str, overrides: dict, rows: int | None = None, weight_load
     says: fewer than 16 on the CUDA-core path (ROW_TILES), the WIDE_TILES entry of the most rows up to block_m
     where the format has one; `weight_loads`: how that path reads the weight words where no override says (the
     tensor-core tiles read through pointers); `row_blocker`: why that path cannot read the weights, if it cannot
-    (`_row_blocker`). A `down_launch` dict (in the overrides or the
-    chosen ROW_TILES entry) gives the down launch settings of its own (DOWN_TILES); the result carries it as
-    "down_launch", {} for none."""
+    (`_row_blocker`). A `down_launch` dict (in the overrides or the chosen ROW_TILES entry) gives the down launch
+    settings of its own (DOWN_TILES); the result carries it as "down_launch", {} for none."""
     known = set(TILES[format]) | {"weight_loads", "down_launch"}
     if set(overrides) - known:
         raise ValueError(f"unknown tile settings {sorted(set(overrides) - known)}; the kernel takes {sorted(known)}")
@@ -1368,7 +1371,7 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
                                 limit)
     loads = _weight_loads(tiles, _tma_blocker(gate_up, down, compute_fp32, host))
     rows = rows_per_block(tokens, top_k, routable, host is not None, loads, gate_up.format, compute_fp32)
-    settings = tiles_for(gate_up.format, tiles, rows, loads, _row_blocker(gate_up, down))
+    settings = tiles_for(gate_up.format, tiles, rows, loads, _row_blocker(gate_up, down, reads_host=host is not None))
     blocks = _blocks(top_k_index, experts, settings["block_m"])
     down_tiles, split_k = settings.pop("down_launch"), settings.pop("split_k")
     splits, down_splits = _splits(split_k, blocks), _splits(down_tiles.pop("split_k", split_k), blocks)

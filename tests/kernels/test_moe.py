@@ -116,12 +116,15 @@ def test_dense_rows_on_the_cuda_cores(block_m):
     """Dense (16-bit) experts for one token take the CUDA-core path (ROW_TILES["dense"]: a block of one row, not a
     16-row tensor-core tile), and blocks of 2 rows run there by a block_m override: the reference's result with K
     not a multiple of 32 (100) and biases. Experts stored transposed ([E, in, out], as gpt-oss keeps bf16 experts)
-    keep the tensor-core tiles, and an override asking for the CUDA cores there is refused naming why."""
-    from dflash_compile.kernels.moe import rows_per_block, tiles_for
+    keep the tensor-core tiles, and an override asking for the CUDA cores there is refused naming why; so do
+    offloaded experts, which may be read from the host (neither measured on that path)."""
+    from dflash_compile.kernels.moe import _row_blocker, rows_per_block, tiles_for
 
     assert rows_per_block(1, 8, 128, format="dense") == 1 and tiles_for("dense", {}, 1)["block_m"] == 1
     assert rows_per_block(4, 8, 128, format="dense") is None  # more tokens: the tensor cores
     gate_up, down = _experts("dense", 4, 100, 48, bias=True, seed=21)
+    assert _row_blocker(gate_up, down) is None
+    assert tiles_for("dense", {}, 1, row_blocker=_row_blocker(gate_up, down, reads_host=True))["block_m"] == 16
     tokens = 1 if block_m == 1 else 3
     index, weights = _routing(tokens, 4, 2, seed=22)
     x = torch.randn(tokens, 100, generator=torch.Generator().manual_seed(23))
