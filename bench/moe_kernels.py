@@ -1,6 +1,7 @@
 """Routed-expert MoE kernels on real layer shapes (H200): the fused packed kernel against (a) dequantize-to-bf16 then
 torch matmuls and (b) bf16 weights with transformers' grouped_mm experts, for M tokens with random routing; (c) is
-the fused kernel on those same bf16 weights (a candidate for resident bf16 experts).
+the fused kernel on those same bf16 weights (resident bf16 experts). The bf16 shapes (format "dense": the experts of
+bf16 checkpoints) run the fused kernel on bf16 weights as their "fused" column.
 
     python bench/moe_kernels.py                     # all shapes, M in 1 4 8 16 64; prints a table, writes --json
     python bench/moe_kernels.py --shapes gpt-oss-20b --tokens 1 16
@@ -11,6 +12,7 @@ the fused kernel on those same bf16 weights (a candidate for resident bf16 exper
     python bench/moe_kernels.py --no-tune --shapes gpt-oss-120b --tokens 4 16 --routing-skew 1   # a skewed router
     python bench/moe_kernels.py --no-tune --tokens 256 --sweep block_m=16,64 num_warps=4,8   # best tiles per shape, M
     python bench/moe_kernels.py --no-tune --tokens 2048 4096 --dequantize-pairs 1 --baseline old_moe.py   # prefill
+    python bench/moe_kernels.py --no-tune --shapes qwen3-30b-a3b olmoe-1b-7b mixtral-8x7b --tokens 1 8   # bf16 experts
 
 Weights rotate over several layers so that L2 does not serve them. "bytes" are the routed experts' packed bytes
 (weights, scales, biases) that one call must read; GB/s is bytes / time, next to the device-to-device copy bandwidth
