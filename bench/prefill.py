@@ -31,7 +31,6 @@ from spec_decode import build_model, packed_twin  # noqa: E402
 
 import dflash_compile  # noqa: E402
 from dflash_compile import speculative  # noqa: E402
-from dflash_compile.attention import grouped_attention  # noqa: E402
 from dflash_compile.benchmark import timed  # noqa: E402
 
 
@@ -45,8 +44,7 @@ def ours(target, ids, chunk: int, new: int, masks: str = "unpadded"):
     rows_from = 0 if masks == "rows" else ids.shape[1] + 1
 
     def run():
-        with torch.inference_mode(), grouped_attention(target), patch.object(speculative, "ROWS_WITHOUT_MASKS",
-                                                                              rows_from):
+        with speculative.generation_context(target), patch.object(speculative, "ROWS_WITHOUT_MASKS", rows_from):
             cache = decoder._cache(ids.shape[0], max_len, target.dtype, ids.device, pad)
             return decoder._prefill(ids, cache, masks != "unpadded")[0]
 

@@ -33,14 +33,13 @@ import torch
 import transformers
 
 import dflash_compile
-from dflash_compile.attention import grouped_attention
 from dflash_compile.benchmark import timed
 from dflash_compile.cache import TargetCache
 from dflash_compile.cost_model import (BITS_PER_WEIGHT, HARDWARE, REFERENCE_CONFIGS, B, C, Hardware, ModelSizes,
                                        StepCost, reference_config)
 from dflash_compile.families import experts_modules
-from dflash_compile.linear_attention import stepwise_linear_attention
 from dflash_compile.packed import PackedWeight, attach_packed, expert_weights
+from dflash_compile.speculative import generation_context
 from dflash_compile.testing import (
     OracleDrafter, load_tiny_model, random_drafter_weights, save_drafter, tiny_drafter_config)
 
@@ -168,7 +167,7 @@ def step_times(model, decoder, args, bandwidth, expert_bits: float = 16.0):
             decoder._target_forward(tokens, cache)  # eager pass to count the experts a block touches
         routing.record = False
         distinct = statistics.mean(routing.distinct)
-        with torch.inference_mode(), grouped_attention(model), stepwise_linear_attention(model):  # as `generate`
+        with generation_context(model):
             _, seconds = timed(lambda: decoder.verify_step(tokens, cache, active), args.repeats * 3, args.device)
         floor = floor_seconds(model, block, args.prompt, bandwidth, expert_bits)
         sizes = ModelSizes.of(model.config)
@@ -187,7 +186,7 @@ def profile_decode(model, args) -> None:
     decoder = dflash_compile.optimize(model).decoder
     tokens, cache, active = step_inputs(model, decoder, args, 1)
     synchronize = torch.cuda.synchronize if args.device == "cuda" else lambda: None
-    with grouped_attention(model), stepwise_linear_attention(model):  # as `generate` runs the step
+    with generation_context(model):
         for _ in range(3):
             decoder.verify_step(tokens, cache, active)
         synchronize()

@@ -45,8 +45,8 @@ import dflash_compile
 from dflash_compile.backend import dflash_backend_with
 from dflash_compile.benchmark import timed_together
 from dflash_compile import attention
-from dflash_compile.attention import grouped_attention
 from dflash_compile.passes import PIPELINE
+from dflash_compile.speculative import generation_context
 from dflash_compile.step_graphs import StepGraphs
 
 
@@ -115,7 +115,7 @@ def main():
     with torch.no_grad():
         plain = dflash_compile.optimize(model, mode="default").decoder
         calls, outputs = {}, []
-        with grouped_attention(model):  # as `generate` runs the steps
+        with generation_context(model):
             tokens, cache, active = step_inputs(model, plain, args, 1)
             for name, variant in variants.items():
                 step = variant(dflash_compile.optimize(model)).decoder.verify_step
