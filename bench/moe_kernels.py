@@ -320,15 +320,16 @@ def tile_candidates(format: str):
 
 
 def row_candidates(format: str):
-    """Tiles of the CUDA-core path (ROW_TILES) for blocks of one or a few rows, either weight loads; FP8 TMA steps
-    also 128 wide (its best blocks of 2, session 21)."""
+    """Tiles of the CUDA-core path (ROW_TILES) for blocks of one or a few rows, either weight loads the format has;
+    FP8 TMA steps also 128 wide (its best blocks of 2, session 21)."""
     for block_n in (8, 16, 32, 64):  # pointer loads, one K step in flight: stages lost 7-26% in session 14's sweep
         for num_warps in (1, 2, 4):
             for block_k in (128, 256):
                 yield {"block_n": block_n, "block_k": block_k, "num_warps": num_warps, "num_stages": 1,
                        "weight_loads": "pointers"}
-    for block_n in (16, 32, 64, 128) if "tma" in ROW_TILES[format] else ():  # TMA: 128-wide MXFP4 steps lost
-        # 10-30% in session 17's sweep
+    if "tma" not in ROW_TILES[format]:
+        return
+    for block_n in (16, 32, 64, 128):  # TMA: 128-wide MXFP4 steps lost 10-30% in session 17's sweep
         for num_warps in (2, 4, 8):
             for block_k in (128, 256) if format == "fp8_block" else (256,):
                 yield {"block_n": block_n, "block_k": block_k, "num_warps": num_warps, "num_stages": 3,
