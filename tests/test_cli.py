@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from dflash_compile.cli import main
@@ -53,7 +55,8 @@ def test_generate_says_when_it_compiles(capsys, monkeypatch):
     assert main(["generate", "--max-new-tokens", "4", "--repeats", "1", "--compile"]) == 0
     err = capsys.readouterr().err
     assert asked == [True] and "compiling the step in the first generate" in err
-    assert float(err.split("first generate, compiling included: ")[1].split(" s")[0]) > 0
+    # the eager generate of the tiny pair can take under 0.05 s: the time is checked for its form, not its size
+    assert re.search(r"first generate, compiling included: \d+\.\d s\n", err)
     assert main(["generate", "--max-new-tokens", "4", "--repeats", "1"]) == 0  # a CPU's default: no compile
     assert asked == [True, False] and "compiling" not in capsys.readouterr().err
 
