@@ -62,19 +62,27 @@ def _device(name: str | None) -> str:
     return name or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def _dtype(name: str | None, device: str) -> torch.dtype:
+    """The named dtype; by default bfloat16 on CUDA (the supported checkpoints' own dtype, and what the GPU kernels
+    are tuned for: float32 would double the dense weights' memory) and float32 elsewhere (a CPU's bf16 matmuls are
+    slow)."""
+    return DTYPES[name] if name else torch.bfloat16 if device.startswith("cuda") else torch.float32
+
+
 def generate_command(args) -> int:
-    """Speculative greedy generation of one prompt, then plain decoding of the same prompt for the speedup."""
+    """Speculative greedy generation of one prompt (one token a step on the compiled step when --model comes
+    without --drafter), then plain decoding of the same prompt for the speedup."""
     from transformers import TextStreamer
 
     from . import optimize
     from .benchmark import timed_together
     from .pair import load_target, pair_paths
 
-    if (args.model is None) != (args.drafter is None):
-        raise SystemExit("give both --model and --drafter, or neither for the bundled pair")
+    if args.drafter and not args.model:
+        raise SystemExit("--drafter needs --model, the target it drafts for (without either: the bundled pair)")
     target_dir, drafter_dir = (args.model, args.drafter) if args.model else pair_paths()
     device = _device(args.device)
-    model, tokenizer = load_target(target_dir, "cpu" if args.gpu_memory else device, DTYPES[args.dtype])
+    model, tokenizer = load_target(target_dir, "cpu" if args.gpu_memory else device, _dtype(args.dtype, device))
     compile = args.compile if args.compile is not None else device.startswith("cuda")
     fast = optimize(model, drafter=drafter_dir, compile=compile, gpu_memory=args.gpu_memory, device=device,
                     offload_manager=args.offload_manager, prefill_chunk=args.prefill_chunk)
@@ -94,7 +102,8 @@ def generate_command(args) -> int:
         [lambda: model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False),
          lambda: fast.generate(ids, max_new_tokens=args.max_new_tokens)], args.repeats, device)
     stats = fast.last_stats  # the last timed run's (the width chooser keeps learning from run to run)
-    widths = ", ".join(f"{w} tokens x {stats.widths.count(w)}" for w in sorted(set(stats.widths), reverse=True))
+    widths = ", ".join(f"{w} token{'s' * (w > 1)} x {stats.widths.count(w)}"
+                       for w in sorted(set(stats.widths), reverse=True))
     print(f"\n--- {new_tokens} new tokens, block {stats.block_size}, {stats.steps} verify steps ({widths}), "
           f"mean accepted length {stats.tau:.2f}")
     if args.gpu_memory:
@@ -259,10 +268,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate = commands.add_parser("generate", help="speculative generation of a prompt, with the speedup")
     generate.add_argument("--prompt", default="def fibonacci(n):\n")
-    generate.add_argument("--model", help="target checkpoint directory (default: the bundled tiny pair)")
-    generate.add_argument("--drafter", help="drafter checkpoint directory (with --model)")
+    generate.add_argument("--model", help="target checkpoint directory or Hub repo id (default: the bundled tiny "
+                                          "pair)")
+    generate.add_argument("--drafter", help="drafter checkpoint directory or Hub repo id for --model (without one: "
+                                            "one token a step on the compiled step)")
     generate.add_argument("--max-new-tokens", type=int, default=128)
-    generate.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    generate.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on a CPU")
     generate.add_argument("--device", help="default: cuda when available")
     generate.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                           help="compile the verify step (default: on CUDA only; on a CPU compiling takes longer "
@@ -352,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--tokens must be at least 1")
     try:
         return args.run(args)
-    except ValueError as error:  # the library's input checks: the message names the problem and the fix
+    except (ValueError, FileNotFoundError) as error:  # the library's input checks name the problem and the fix
         raise SystemExit(f"dflash-compile {args.command}: {error}") from None
 
 

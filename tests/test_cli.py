@@ -1,6 +1,7 @@
 import re
 
 import pytest
+import torch
 
 from dflash_compile.cli import main
 
@@ -61,6 +62,24 @@ def test_generate_says_when_it_compiles(capsys, monkeypatch):
     assert asked == [True, False] and "compiling" not in capsys.readouterr().err
 
 
+def test_generate_without_a_drafter(capsys):
+    """--model alone: one token a step on the optimized target, the same tokens as its own generate."""
+    from dflash_compile.pair import pair_paths
+
+    target, _ = pair_paths()
+    assert main(["generate", "--model", str(target), "--max-new-tokens", "6", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "block 1, 5 verify steps (1 token x 5), mean accepted length 1.00" in out
+    assert "same tokens: True" in out
+
+
+def test_generate_dtype_defaults_to_the_devices():
+    from dflash_compile.cli import _dtype
+
+    assert _dtype(None, "cuda:1") is torch.bfloat16 and _dtype(None, "cpu") is torch.float32
+    assert _dtype("float32", "cuda") is torch.float32
+
+
 def test_generate_streams_the_tokens(capsys):
     assert main(["generate", "--prompt", "import os\n", "--max-new-tokens", "12", "--repeats", "1", "--stream"]) == 0
     out = capsys.readouterr().out
@@ -68,8 +87,11 @@ def test_generate_streams_the_tokens(capsys):
 
 
 def test_generate_argument_errors():
-    with pytest.raises(SystemExit, match="give both --model and --drafter"):
-        main(["generate", "--model", "somewhere"])
+    with pytest.raises(SystemExit, match="--drafter needs --model, the target it drafts for"):
+        main(["generate", "--drafter", "somewhere"])
+    with pytest.raises(SystemExit, match="dflash-compile generate: no/such/dir is neither a checkpoint directory nor "
+                                         "a Hugging Face Hub repo id"):
+        main(["generate", "--model", "no/such/dir"])
     with pytest.raises(SystemExit, match=r"dflash-compile generate: prefill_chunk must be at least 1 token \(or "
                                          r"None: optimize's choice\), got 0"):
         main(["generate", "--prefill-chunk", "0"])
