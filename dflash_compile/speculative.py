@@ -365,8 +365,15 @@ class SpeculativeDecoder:
         return torch._dynamo.config.patch(recompile_limit=STEP_GRAPHS)(torch.compile(
             function, backend=backend, fullgraph=True, dynamic=False, mode=mode))
 
-    def _check_ids(self, input_ids: torch.Tensor) -> None:
-        """Token ids the embedding can read: [batch, length] integers in [0, vocabulary), at least one a row."""
+    def _check_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        """Token ids the embedding can read: [batch, length] integers in [0, vocabulary), at least one a row, on the
+        embedding's device, as the mask is."""
+        embedding = self.model.get_input_embeddings()
+        device = embedding.weight.device
+        for name, tensor in (("input_ids", input_ids), ("attention_mask", attention_mask)):
+            if tensor is not None and tensor.device != device:
+                raise ValueError(f"{name} is on {tensor.device} but the model's embeddings are on {device}: move it "
+                                 f"there ({name}.to({str(device)!r}))")
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, length], got shape {list(input_ids.shape)}")
         if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
@@ -374,7 +381,7 @@ class SpeculativeDecoder:
                              "return_tensors='pt' gives them")
         if input_ids.shape[1] == 0:
             raise ValueError("input_ids has no tokens: every prompt needs at least one")
-        vocabulary = self.model.get_input_embeddings().num_embeddings
+        vocabulary = embedding.num_embeddings
         low, high = (bound.item() for bound in torch.aminmax(input_ids))
         if low < 0 or high >= vocabulary:
             raise ValueError(f"token id {low if low < 0 else high} is outside the model's vocabulary of {vocabulary}: "
@@ -413,7 +420,7 @@ class SpeculativeDecoder:
         """Greedy: the same tensor as `model.generate(..., do_sample=False)`. Sampled (`do_sample=True`): tokens
         distributed exactly as the target's own sampling with the same temperature / top-k / top-p.
         `streamer` (transformers' TextStreamer interface, batch 1) gets the prompt, then each step's new tokens."""
-        self._check_ids(input_ids)
+        self._check_ids(input_ids, attention_mask)
         if streamer is not None and input_ids.shape[0] != 1:
             raise ValueError(f"a streamer takes one row, got a batch of {input_ids.shape[0]}; stream one prompt")
         sampler = self._sampler(do_sample, temperature, top_k, top_p, generator, argmax_drafts)

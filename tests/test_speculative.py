@@ -180,6 +180,15 @@ def test_prompts_the_embedding_cannot_read_are_refused(tiny):
             fast.generate(torch.tensor([[5, wrong, 7]]))
 
 
+def test_prompts_on_another_device_than_the_model_are_refused(tiny):
+    fast = dflash_compile.optimize(tiny("qwen3_moe").to("meta"), adaptive=False, compile=False)
+    with pytest.raises(ValueError, match=r"input_ids is on cpu but the model's embeddings are on meta: move it there "
+                                         r"\(input_ids.to\('meta'\)\)"):
+        fast.generate(torch.ones(1, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"attention_mask is on cpu but the model's embeddings are on meta"):
+        fast.generate(torch.ones(1, 3, dtype=torch.long, device="meta"), attention_mask=torch.ones(1, 3))
+
+
 @pytest.mark.parametrize("ring_slack", [0, -1])
 def test_sliding_layers_keep_a_ring_of_window_minus_one_plus_block(tiny, monkeypatch, ring_slack):
     """gpt-oss sliding layers (window 8) keep W - 1 + block = 13 slots while 57 tokens pass: the ring wraps several
