@@ -129,3 +129,26 @@ def test_the_states_are_committed_from_the_steps_outputs(tiny):
     fast.decoder.verify_step = replayed
     assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
     assert 1 < fast.last_stats.tau < 6  # some blocks kept in part
+
+
+def test_a_new_generation_reuses_the_state_buffers(tiny):
+    """The next generation of the same shape commits its linear-attention states into the previous one's tensors
+    (`TargetCache.reset` keeps them as spares): a step replayed from CUDA graphs reads them at their captured
+    addresses, and torch.compile's CUDA-graph trees would record anew for new ones."""
+    from tests.test_speculative import NEW_TOKENS, prompts, reference
+
+    model = tiny("qwen3_5_moe")
+    ids, mask = prompts(3)
+    expected = reference(model, ids, mask)
+    fast = dflash_compile.optimize(model, drafter=OracleDrafter(expected, mask, 6, corruption=0.3, vocab_size=128),
+                                   adaptive=False, compile=False)
+
+    def states():
+        cache = fast.decoder.target_cache
+        return [cache, *cache.conv.values(), *cache.recurrent.values()]
+
+    assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
+    first = states()
+    assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
+    assert len(first) == 1 + 2 * len(fast.decoder.linear_layers) > 1
+    assert all(a is b for a, b in zip(first, states(), strict=True))
