@@ -49,6 +49,32 @@ def test_compiled_logits_match_eager(tiny, family, dtype, dispatch_calls):
     assert dispatch_calls == list(range(len(moe_layers)))  # one dispatch per MoE layer, in layer order
 
 
+def test_transformers_generate_on_the_compiled_forward(tiny):
+    """The other entry point: transformers' own generate on `torch.compile(model.forward, backend="dflash")`. A
+    second prompt length makes Dynamo trace the prefill again with a dynamic length: SymInts among the graph's
+    inputs, and size arithmetic inside the experts (tokens x top-k) that the rest of the graph reuses. The experts
+    still become one dispatch a layer, and the tokens stay generate's."""
+    from dflash_compile.backend import compile_graph
+
+    model = tiny("qwen3_moe")
+    moe_layers = len(FAMILIES["qwen3_moe"].moe_layers(model.config))
+    prompts = [torch.randint(3, 100, (1, length), generator=torch.Generator().manual_seed(0)) for length in (7, 11)]
+    with torch.no_grad():
+        expected = [model.generate(ids, max_new_tokens=4, do_sample=False) for ids in prompts]
+    graphs = []
+
+    def backend(gm, example_inputs):
+        dynamic = any(isinstance(value, torch.SymInt) for value in example_inputs)
+        return compile_graph(gm, example_inputs, {"lowering": "aot_eager"},
+                             on_graph=lambda report: graphs.append((dynamic, report.matches["expert_dispatch"])))
+
+    model.forward = torch.compile(model.forward, backend=backend)
+    with torch.no_grad():
+        for ids, tokens in zip(prompts, expected, strict=True):
+            assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), tokens)
+    assert (True, moe_layers) in graphs and all(matches == moe_layers for _, matches in graphs)
+
+
 @pytest.mark.parametrize("lowering", ["inductor", "aot_eager"])
 def test_a_model_with_grad_enabled_compiles_for_inference(tiny, lowering):
     """As README shows it: a model from from_pretrained (parameters that require grad) called outside

@@ -33,6 +33,9 @@ from ..families import FamilySpec, spec_for_experts_class
 from .context import PassContext
 
 
+SIZES = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
+
+
 @dataclass
 class ExpertRegion:
     path: str  # Dynamo's module path, e.g. "L['self'].model.layers.1.mlp.experts"
@@ -41,11 +44,15 @@ class ExpertRegion:
 
 
 def find_expert_regions(graph: torch.fx.Graph) -> list[ExpertRegion]:
-    """Routed-expert regions in graph order, keyed by the outermost experts module on each node's stack."""
+    """Routed-expert regions in graph order, keyed by the outermost experts module on each node's stack. Size
+    arithmetic (where Dynamo traced the shapes as dynamic) stays out: Dynamo reuses such a node for the same size
+    further down the graph."""
     regions: dict[str, ExpertRegion] = {}
     for node in graph.nodes:
         if node.op != "call_function" and node.op != "call_method":
             continue  # placeholders carry a module stack too, but stay: the caller still passes them
+        if isinstance(node.meta.get("example_value"), SIZES):
+            continue
         for path, module_class in (node.meta.get("nn_module_stack") or {}).values():
             spec = spec_for_experts_class(module_class)
             if spec is not None:
@@ -61,13 +68,15 @@ def _value(node: Node, ctx: PassContext):
 
 
 def _activation_inputs(region: ExpertRegion, experts: torch.nn.Module, ctx: PassContext) -> tuple[Node, Node, Node]:
-    """(hidden, top_k_index, top_k_weights) among the region's inputs; the experts' own tensors are dropped."""
+    """(hidden, top_k_index, top_k_weights) among the region's tensor inputs; the experts' own tensors are dropped,
+    and so are sizes (SymInts, where Dynamo traced the shapes as dynamic: they only size the region's reshapes)."""
     members = set(region.nodes)
     owned = {id(t) for t in (*experts.parameters(), *experts.buffers())}
     inputs: dict[Node, None] = {}
     for node in region.nodes:
         for arg in node.all_input_nodes:
-            if arg not in members and id(_value(arg, ctx)) not in owned:
+            value = _value(arg, ctx)
+            if arg not in members and isinstance(value, torch.Tensor) and id(value) not in owned:
                 inputs[arg] = None
     index = [n for n in inputs if not _value(n, ctx).is_floating_point()]
     floats = [n for n in inputs if _value(n, ctx).is_floating_point()]
