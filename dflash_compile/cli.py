@@ -27,13 +27,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _load(args) -> torch.nn.Module:
+    """The model `explain` runs: --model's checkpoint as `generate` loads it (quantized experts kept packed, where
+    transformers would expand them), or the built-in tiny model of --family."""
+    from .pair import load_model
     from .testing import load_tiny_model
 
     if args.model is None:
         return load_tiny_model(args.family, DTYPES[args.dtype])
-    import transformers
-
-    return transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=DTYPES[args.dtype]).eval()
+    return load_model(args.model, "cpu", DTYPES[args.dtype])
 
 
 def explain_command(args) -> int:

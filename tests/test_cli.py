@@ -128,7 +128,8 @@ def test_train_drafter_rejects_bad_data(tmp_path):
 
 
 def test_quantize_writes_a_packed_checkpoint_that_generates(tmp_path, capsys):
-    """The bundled Qwen3-MoE target as FP8: 8 bits per expert weight, loadable by `generate --model`."""
+    """The bundled Qwen3-MoE target as FP8: 8 bits per expert weight, loadable by `generate --model`, and
+    `explain --model` runs it as loaded: experts packed, the FP8 projections' dequantize fused."""
     from dflash_compile.pair import DEFAULT_PAIR
 
     out = tmp_path / "fp8"
@@ -138,6 +139,10 @@ def test_quantize_writes_a_packed_checkpoint_that_generates(tmp_path, capsys):
     assert main(["generate", "--model", str(out), "--drafter", str(DEFAULT_PAIR / "drafter"), "--max-new-tokens",
                  "16", "--repeats", "1"]) == 0
     assert "same tokens: True" in capsys.readouterr().out
+    assert main(["explain", "--model", str(out), "--tokens", "4", "--repeats", "1"]) == 0
+    explained = capsys.readouterr().out
+    assert "routed experts: 4 layers resident on cpu, fp8_block" in explained
+    assert "pass matches: expert_dispatch=4, dequant_fusion=16," in explained
 
 
 def test_bench_writes_a_report_and_plots(tmp_path, capsys):
