@@ -79,6 +79,11 @@ class RowCache:
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[layer], self.values[layer]
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the key and value buffers made so far."""
+        return sum(t.nbytes for t in (*self.keys.values(), *self.values.values()))
+
     def commit(self, counts: torch.Tensor) -> None:
         torch.ops.dflash.kv_commit(self.lengths, counts)
 
@@ -130,6 +135,12 @@ class TargetCache(Cache):
     @property
     def lengths(self) -> torch.Tensor:
         return self.rows.lengths
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffers made so far: keys and values, linear-attention states (spares included)."""
+        states = (*self.conv.values(), *self.recurrent.values(), *self.spare.values())
+        return self.rows.nbytes + sum(t.nbytes for t in states)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         ring = self.rows.sizes.get(layer_idx)

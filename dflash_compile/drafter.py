@@ -223,6 +223,11 @@ class DFlashDrafter(nn.Module):
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device) -> RowCache:
         return RowCache(batch, max_len, dtype, device)
 
+    @property
+    def cache_elements_per_slot(self) -> int:
+        """Key and value elements `new_cache` holds per slot of a row: every layer's, sliding ones too."""
+        return self.config.num_hidden_layers * self.config.num_key_value_heads * self.config.head_dim * 2
+
     def add_context(self, cache: RowCache, features: torch.Tensor, counts: torch.Tensor) -> None:
         """Append `counts[b]` new context tokens per row (their target features, left-aligned) to the cache."""
         context = self.hidden_norm(self.fc(features))

@@ -52,6 +52,17 @@ class LinearAttentionSpec:
     recurrent: str
 
 
+def _keys_and_values(config) -> int:
+    """A key and a value of every key/value head."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_key_value_heads * head_dim
+
+
+def _latent(config) -> int:
+    """Multi-head latent attention: one compressed key/value latent and one shared rotary key, for every head."""
+    return config.kv_lora_rank + config.qk_rope_head_dim
+
+
 @dataclass(frozen=True)
 class FamilySpec:
     name: str
@@ -70,6 +81,8 @@ class FamilySpec:
     # groups of sibling linear layers that read one input, laid out in one buffer by `optimize` so that one GEMM
     # serves each group (`projections.share_storage`, pass `projection_fusion`); absent names are skipped
     shared_input_linears: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+    # config -> elements an attention layer hands the cache per token (what `generate` budgets its cache by)
+    cached_per_token: Callable[[object], int] = _keys_and_values
 
 
 def _all_layers(config) -> list[int]:
@@ -142,9 +155,10 @@ FAMILIES: dict[str, FamilySpec] = {
         ),
         FamilySpec(
             "deepseek_v3", ("deepseek_v3",), "DeepseekV3Experts", _SWIGLU, _DEEPSEEK_ROUTER, "shared_experts",
-            _after_first_k_dense, _full_attention,  # multi-head latent attention: one latent K/V per token
+            _after_first_k_dense, _full_attention,
             shared_input_linears=(("q_a_proj", "kv_a_proj_with_mqa"), ("q_proj", "kv_a_proj_with_mqa"),
                                   ("gate_proj", "up_proj")),  # q_proj where there is no q_lora_rank
+            cached_per_token=_latent,
         ),
         FamilySpec("olmoe", ("olmoe",), "OlmoeExperts", _SWIGLU, _SOFTMAX, None, _all_layers, _full_attention),
     )

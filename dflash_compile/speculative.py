@@ -157,6 +157,16 @@ def _on_cuda(model) -> bool:
     return next(model.parameters()).device.type == "cuda"
 
 
+def device_free_bytes(device) -> int | None:
+    """Bytes a new allocation on `device` can take: the driver's free memory and the blocks torch's caching
+    allocator holds unused. None off CUDA (host memory is not budgeted)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 class SpeculativeDecoder:
     def __init__(self, model, drafter: DFlashDrafter | None, layer_ids: tuple[int, ...], compile: bool = True,
                  mode: str | None = None, prefill_chunk: int | None = None, adaptive: bool | WidthChooser = True,
@@ -178,6 +188,8 @@ class SpeculativeDecoder:
         config = model.config.get_text_config()
         spec = spec_for_model(model)
         kinds = spec.attention_kinds(config)
+        self.attention_kinds = kinds
+        self.cached_per_token = spec.cached_per_token(config)
         self.linear_layers = [i for i, kind in enumerate(kinds) if kind == "linear_attention"]
         self.sliding_layers = [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
         self.prefill_chunk = prefill_chunk
@@ -247,12 +259,44 @@ class SpeculativeDecoder:
         features = context_features(out.hidden_states, self.layer_ids) if self.layer_ids else None
         return out.logits, features
 
-    def _new_cache(self, batch: int, max_len: int, dtype, device) -> TargetCache:
-        """Sliding layers keep a ring of window - 1 + (the most tokens one step writes) slots."""
+    def _ring(self, max_len: int) -> int:
+        """Slots of a sliding layer's ring: window - 1 + (the most tokens one step writes); 0, none, when that is
+        no shorter than the whole sequence (it would save nothing)."""
         ring = self.window - 1 + self.block_size if self.sliding_layers else 0
-        if not 0 < ring < max_len:  # a ring no shorter than the whole sequence saves nothing
-            return TargetCache(batch, max_len, dtype, device)
-        return TargetCache(batch, max_len, dtype, device, self.sliding_layers, ring)
+        return ring if 0 < ring < max_len else 0
+
+    def _new_cache(self, batch: int, max_len: int, dtype, device) -> TargetCache:
+        ring = self._ring(max_len)
+        return TargetCache(batch, max_len, dtype, device, self.sliding_layers if ring else (), ring)
+
+    def _cache_bytes(self, batch: int, max_len: int, dtype: torch.dtype) -> int:
+        """Device bytes of the keys and values of new target and drafter caches (`_new_cache`, the drafter's
+        `new_cache`): every slot of a full-attention layer, a sliding layer's ring. Linear-attention states are a
+        few MiB at most and left out."""
+        ring = self._ring(max_len)
+        slots = sum(ring if i in self.sliding_layers and ring else max_len
+                    for i in range(len(self.attention_kinds)) if i not in self.linear_layers)
+        drafter = getattr(self.drafter, "cache_elements_per_slot", 0)  # an oracle drafter caches nothing
+        elements = slots * self.cached_per_token + max_len * drafter
+        return batch * elements * dtype.itemsize
+
+    def _check_memory(self, prompt: int, max_new_tokens: int, batch: int, max_len: int, dtype, device) -> None:
+        """Refuse a generation whose new caches cannot fit in the device's free memory, before anything is
+        allocated: a long prompt otherwise runs out of memory in the middle of its prefill. The caches being
+        replaced, and the allocator's cached blocks, count as free. (The prefill's activations come on top.)"""
+        free = device_free_bytes(device)
+        old = [c for c in (self.target_cache, self.drafter_cache)
+               if c is not None and getattr(c, "rows", c).shape != (batch, max_len, dtype, torch.device(device))]
+        if free is None or len(old) == 0 and self.target_cache is not None:
+            return  # not CUDA, or the previous generation's caches are reused
+        free += sum(cache.nbytes for cache in old)
+        needed = self._cache_bytes(batch, max_len, dtype)
+        if needed > free:
+            budget = ", or a smaller gpu_memory budget for the experts" if hasattr(self.model, "dflash_offload") else ""
+            raise ValueError(
+                f"a prompt of {prompt} tokens + max_new_tokens {max_new_tokens} in {batch} row(s) needs "
+                f"{needed / 2**30:.2f} GiB of key/value cache ({max_len} slots a row) but {free / 2**30:.2f} GiB "
+                f"of {device} is free: shorten the prompt, generate fewer tokens or run fewer rows at once{budget}")
 
     def _cache(self, batch: int, max_len: int, dtype, device, pad: torch.Tensor) -> TargetCache:
         """The generation's target cache: the previous generation's, reset in place, when its shape is the same
@@ -439,6 +483,7 @@ class SpeculativeDecoder:
         start = time.perf_counter()
         device, dtype = input_ids.device, self.model.dtype
         max_len = cache_capacity(prompt + max_new_tokens + self.block_size)
+        self._check_memory(prompt, max_new_tokens, batch, max_len, dtype, device)
         cache = self._cache(batch, max_len, dtype, device, pad)
         logits, features = self._prefill(input_ids, cache, padded=bool(pad.any()))
         anchor = sampler.draw(processed_probs(logits, sampler.chain)) if sampler else logits.argmax(dim=-1)

@@ -189,6 +189,48 @@ def test_prompts_on_another_device_than_the_model_are_refused(tiny):
         fast.generate(torch.ones(1, 3, dtype=torch.long, device="meta"), attention_mask=torch.ones(1, 3))
 
 
+@pytest.mark.parametrize("family", SPECULATIVE_FAMILIES)
+def test_the_caches_bytes_are_known_before_they_are_made(tiny, random_drafter, family):
+    """`_cache_bytes` (what `generate` checks against the free memory) is what a generation's caches then hold:
+    gpt-oss's sliding rings, Qwen3.5's layers without a key/value cache, DeepSeek-V3's latents, the drafter's."""
+    model = tiny(family)
+    ids, mask = prompts(2)
+    fast = dflash_compile.optimize(model, random_drafter(model, block_size=4), adaptive=False, compile=False)
+    fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
+    target, drafter = fast.decoder.target_cache, fast.decoder.drafter_cache
+    assert target.rows.nbytes + drafter.nbytes == fast.decoder._cache_bytes(*target.rows.shape[:3])
+
+
+def test_caches_that_cannot_fit_are_refused_before_anything_is_made(tiny, monkeypatch):
+    """On CUDA `generate` compares the caches a generation needs with the device's free memory (here patched), the
+    caches it replaces counting as free; the same shape reuses them unchecked."""
+    from dflash_compile import speculative
+
+    fast = dflash_compile.optimize(tiny("qwen3_moe"), adaptive=False, compile=False)
+    ids, mask = prompts(2)
+    free = []
+    monkeypatch.setattr(speculative, "device_free_bytes", lambda device: free[-1])
+    needed = fast.decoder._cache_bytes(2, speculative.cache_capacity(9 + NEW_TOKENS + 1), torch.float32)
+    free.append(needed - 1)
+    with pytest.raises(ValueError, match=rf"a prompt of 9 tokens \+ max_new_tokens {NEW_TOKENS} in 2 row\(s\) needs "
+                                         r"0.00 GiB of key/value cache \(64 slots a row\) but 0.00 GiB of cpu is free: "
+                                         "shorten the prompt, generate fewer tokens or run fewer rows at once$"):
+        fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
+    assert fast.decoder.target_cache is None
+    free.append(needed)
+    fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
+    free.append(0)  # the same shape: the caches are reused
+    fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
+    longer, longest = (fast.decoder._cache_bytes(2, slots, torch.float32) for slots in (128, 256))
+    free.append(longer - needed)  # the replaced caches' bytes make up the rest
+    fast.generate(ids, attention_mask=mask, max_new_tokens=100)
+    cache = fast.decoder.target_cache
+    free.append(longest - longer - 1)
+    with pytest.raises(ValueError, match=r"max_new_tokens 200 in 2 row\(s\) needs 0.00 GiB of key/value cache \(256 "):
+        fast.generate(ids, attention_mask=mask, max_new_tokens=200)
+    assert fast.decoder.target_cache is cache and cache.rows.max_len == 128
+
+
 @pytest.mark.parametrize("ring_slack", [0, -1])
 def test_sliding_layers_keep_a_ring_of_window_minus_one_plus_block(tiny, monkeypatch, ring_slack):
     """gpt-oss sliding layers (window 8) keep W - 1 + block = 13 slots while 57 tokens pass: the ring wraps several
