@@ -284,11 +284,11 @@ class SpeculativeDecoder:
         """Refuse a generation whose new caches cannot fit in the device's free memory, before anything is
         allocated: a long prompt otherwise runs out of memory in the middle of its prefill. The caches being
         replaced, and the allocator's cached blocks, count as free. (The prefill's activations come on top.)"""
-        free = device_free_bytes(device)
         old = [c for c in (self.target_cache, self.drafter_cache)
                if c is not None and getattr(c, "rows", c).shape != (batch, max_len, dtype, torch.device(device))]
-        if free is None or len(old) == 0 and self.target_cache is not None:
-            return  # not CUDA, or the previous generation's caches are reused
+        free = None if self.target_cache is not None and not old else device_free_bytes(device)
+        if free is None:
+            return  # the previous generation's caches are reused, or not on CUDA
         free += sum(cache.nbytes for cache in old)
         needed = self._cache_bytes(batch, max_len, dtype)
         if needed > free:
