@@ -231,6 +231,17 @@ def test_caches_that_cannot_fit_are_refused_before_anything_is_made(tiny, monkey
     assert fast.decoder.target_cache is cache and cache.rows.max_len == 128
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_free_memory_counts_the_allocators_cached_blocks():
+    from dflash_compile.speculative import device_free_bytes
+
+    before = device_free_bytes("cuda")
+    block = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    assert before - device_free_bytes("cuda") >= block.nbytes
+    del block  # back in the caching allocator's blocks, free for the next allocation
+    assert device_free_bytes("cuda") >= before - 2**20 and before <= torch.cuda.get_device_properties(0).total_memory
+
+
 @pytest.mark.parametrize("ring_slack", [0, -1])
 def test_sliding_layers_keep_a_ring_of_window_minus_one_plus_block(tiny, monkeypatch, ring_slack):
     """gpt-oss sliding layers (window 8) keep W - 1 + block = 13 slots while 57 tokens pass: the ring wraps several
