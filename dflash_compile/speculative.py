@@ -476,14 +476,14 @@ class SpeculativeDecoder:
         batch, prompt = input_ids.shape
         self._check_lengths(prompt, max_new_tokens)
         pad = _left_padding(input_ids, attention_mask)
+        device, dtype = input_ids.device, self.model.dtype
+        max_len = cache_capacity(prompt + max_new_tokens + self.block_size)
+        self._check_memory(prompt, max_new_tokens, batch, max_len, dtype, device)
 
         self.sampler = sampler
         if streamer is not None:
             streamer.put(input_ids.cpu())
         start = time.perf_counter()
-        device, dtype = input_ids.device, self.model.dtype
-        max_len = cache_capacity(prompt + max_new_tokens + self.block_size)
-        self._check_memory(prompt, max_new_tokens, batch, max_len, dtype, device)
         cache = self._cache(batch, max_len, dtype, device, pad)
         logits, features = self._prefill(input_ids, cache, padded=bool(pad.any()))
         anchor = sampler.draw(processed_probs(logits, sampler.chain)) if sampler else logits.argmax(dim=-1)
