@@ -33,7 +33,8 @@ from ..families import FamilySpec, spec_for_experts_class
 from .context import PassContext
 
 
-SIZES = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
+# what a size-arithmetic node computes (Dynamo traced the shapes as dynamic)
+_SIZES = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
 
 
 @dataclass
@@ -51,7 +52,7 @@ def find_expert_regions(graph: torch.fx.Graph) -> list[ExpertRegion]:
     for node in graph.nodes:
         if node.op != "call_function" and node.op != "call_method":
             continue  # placeholders carry a module stack too, but stay: the caller still passes them
-        if isinstance(node.meta.get("example_value"), SIZES):
+        if isinstance(node.meta.get("example_value"), _SIZES):
             continue
         for path, module_class in (node.meta.get("nn_module_stack") or {}).values():
             spec = spec_for_experts_class(module_class)
