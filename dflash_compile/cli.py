@@ -63,11 +63,11 @@ def _device(name: str | None) -> str:
     return name or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _dtype(name: str | None, device: str) -> torch.dtype:
-    """The named dtype; by default bfloat16 on CUDA (the supported checkpoints' own dtype, and what the GPU kernels
-    are tuned for: float32 would double the dense weights' memory) and float32 elsewhere (a CPU's bf16 matmuls are
-    slow)."""
-    return DTYPES[name] if name else torch.bfloat16 if device.startswith("cuda") else torch.float32
+def _dtype(name: str | None, device: str, bundled: bool) -> torch.dtype:
+    """The named dtype; by default bfloat16 for a --model checkpoint on CUDA (the supported families' own dtype, and
+    what the GPU kernels are tuned for: float32 would double the weights' memory), else float32 (a CPU's bf16
+    matmuls are slow; the bundled tiny pair's numbers, and its token identity with transformers, are float32's)."""
+    return DTYPES[name] if name else torch.bfloat16 if device.startswith("cuda") and not bundled else torch.float32
 
 
 def generate_command(args) -> int:
@@ -83,7 +83,8 @@ def generate_command(args) -> int:
         raise SystemExit("--drafter needs --model, the target it drafts for (without either: the bundled pair)")
     target_dir, drafter_dir = (args.model, args.drafter) if args.model else pair_paths()
     device = _device(args.device)
-    model, tokenizer = load_target(target_dir, "cpu" if args.gpu_memory else device, _dtype(args.dtype, device))
+    dtype = _dtype(args.dtype, device, bundled=args.model is None)
+    model, tokenizer = load_target(target_dir, "cpu" if args.gpu_memory else device, dtype)
     compile = args.compile if args.compile is not None else device.startswith("cuda")
     fast = optimize(model, drafter=drafter_dir, compile=compile, gpu_memory=args.gpu_memory, device=device,
                     offload_manager=args.offload_manager, prefill_chunk=args.prefill_chunk)
@@ -274,7 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--drafter", help="drafter checkpoint directory or Hub repo id for --model (without one: "
                                             "one token a step on the compiled step)")
     generate.add_argument("--max-new-tokens", type=int, default=128)
-    generate.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on a CPU")
+    generate.add_argument("--dtype", choices=sorted(DTYPES),
+                          help="default: bfloat16 for --model on CUDA, else float32 (the bundled pair, a CPU)")
     generate.add_argument("--device", help="default: cuda when available")
     generate.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                           help="compile the verify step (default: on CUDA only; on a CPU compiling takes longer "

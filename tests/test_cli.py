@@ -73,11 +73,12 @@ def test_generate_without_a_drafter(capsys):
     assert "same tokens: True" in out
 
 
-def test_generate_dtype_defaults_to_the_devices():
+def test_generate_dtype_defaults():
     from dflash_compile.cli import _dtype
 
-    assert _dtype(None, "cuda:1") is torch.bfloat16 and _dtype(None, "cpu") is torch.float32
-    assert _dtype("float32", "cuda") is torch.float32
+    assert _dtype(None, "cuda:1", bundled=False) is torch.bfloat16
+    assert _dtype(None, "cpu", bundled=False) is _dtype(None, "cuda", bundled=True) is torch.float32
+    assert _dtype("float32", "cuda", bundled=False) is torch.float32
 
 
 def test_generate_streams_the_tokens(capsys):
