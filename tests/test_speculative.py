@@ -232,6 +232,19 @@ def test_caches_that_cannot_fit_are_refused_before_anything_is_made(tiny, monkey
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_batch_whose_caches_exceed_the_device_is_refused(tiny):
+    from dflash_compile.speculative import device_free_bytes
+
+    fast = dflash_compile.optimize(tiny("qwen3_moe").cuda(), compile=False)
+    rows = device_free_bytes("cuda") // fast.decoder._cache_bytes(1, 64, torch.float32) + 1
+    ids = torch.full((rows, 9), 5, device="cuda")
+    with pytest.raises(ValueError, match=rf"in {rows} row\(s\) needs .* GiB of key/value cache \(64 slots a row\) but "
+                                         r".* GiB of cuda:0 is free"):
+        fast.generate(ids, max_new_tokens=NEW_TOKENS)
+    assert fast.decoder.target_cache is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_free_memory_counts_the_allocators_cached_blocks():
     from dflash_compile.speculative import device_free_bytes
 
