@@ -37,6 +37,12 @@ from .context import PassContext
 _SIZES = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
 
 
+def _is_size(node: Node) -> bool:
+    """Size arithmetic, which Dynamo reuses for the same size further down the graph, outside the region that
+    computed it first: not a region output, and kept where later nodes still use it."""
+    return isinstance(node.meta.get("example_value"), _SIZES)
+
+
 @dataclass
 class ExpertRegion:
     path: str  # Dynamo's module path, e.g. "L['self'].model.layers.1.mlp.experts"
@@ -45,15 +51,11 @@ class ExpertRegion:
 
 
 def find_expert_regions(graph: torch.fx.Graph) -> list[ExpertRegion]:
-    """Routed-expert regions in graph order, keyed by the outermost experts module on each node's stack. Size
-    arithmetic (where Dynamo traced the shapes as dynamic) stays out: Dynamo reuses such a node for the same size
-    further down the graph."""
+    """Routed-expert regions in graph order, keyed by the outermost experts module on each node's stack."""
     regions: dict[str, ExpertRegion] = {}
     for node in graph.nodes:
         if node.op != "call_function" and node.op != "call_method":
             continue  # placeholders carry a module stack too, but stay: the caller still passes them
-        if isinstance(node.meta.get("example_value"), _SIZES):
-            continue
         for path, module_class in (node.meta.get("nn_module_stack") or {}).values():
             spec = spec_for_experts_class(module_class)
             if spec is not None:
@@ -93,7 +95,7 @@ def _activation_inputs(region: ExpertRegion, experts: torch.nn.Module, ctx: Pass
 
 def _region_output(region: ExpertRegion) -> Node:
     members = set(region.nodes)
-    escaping = [n for n in region.nodes if any(user not in members for user in n.users)]
+    escaping = [n for n in region.nodes if not _is_size(n) and any(user not in members for user in n.users)]
     if len(escaping) != 1:
         raise RuntimeError(f"expert_dispatch: the experts at {region.path} have {len(escaping)} outputs, expected 1")
     return escaping[0]
@@ -119,7 +121,8 @@ def _replace(gm: GraphModule, region: ExpertRegion, ctx: PassContext) -> None:
     dispatch.meta["nn_module_stack"] = {k: stack[k] for k in keys[: keys.index(outer[0]) + 1]} if outer else stack
     output.replace_all_uses_with(dispatch)
     for node in reversed(region.nodes):
-        gm.graph.erase_node(node)
+        if not node.users:  # all but the sizes used further down (and what they are computed from)
+            gm.graph.erase_node(node)
 
 
 def expert_dispatch(gm: GraphModule, ctx: PassContext) -> int:
