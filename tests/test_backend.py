@@ -49,6 +49,20 @@ def test_compiled_logits_match_eager(tiny, family, dtype, dispatch_calls):
     assert dispatch_calls == list(range(len(moe_layers)))  # one dispatch per MoE layer, in layer order
 
 
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
+def test_dynamic_shapes_compile_to_one_dispatch_a_layer(tiny, family, dispatch_calls):
+    """`dynamic=True`: sizes are SymInts and the experts' float attributes (gpt-oss's alpha and limit) come in as 0-d
+    tensors; neither is mistaken for an activation, at two batch sizes and lengths."""
+    model = tiny(family)
+    moe_layers = len(FAMILIES[family].moe_layers(model.config))
+    compiled = torch.compile(model, backend="dflash", dynamic=True, options={"lowering": "aot_eager"})
+    with torch.no_grad():
+        for batch, length in ((1, 5), (3, 9)):
+            ids = token_ids(batch, length)
+            assert (compiled(ids).logits - model(ids).logits).abs().max().item() <= TOLERANCE[torch.float32]
+    assert dispatch_calls == list(range(moe_layers)) * 2
+
+
 def test_transformers_generate_on_the_compiled_forward(tiny):
     """The other entry point: transformers' own generate on `torch.compile(model.forward, backend="dflash")`. A
     second prompt length makes Dynamo trace the prefill again with a dynamic length: SymInts among the graph's

@@ -71,15 +71,17 @@ def _value(node: Node, ctx: PassContext):
 
 
 def _activation_inputs(region: ExpertRegion, experts: torch.nn.Module, ctx: PassContext) -> tuple[Node, Node, Node]:
-    """(hidden, top_k_index, top_k_weights) among the region's tensor inputs; the experts' own tensors are dropped,
-    and so are sizes (SymInts, where Dynamo traced the shapes as dynamic: they only size the region's reshapes)."""
+    """(hidden, top_k_index, top_k_weights) among the region's tensor inputs. Dropped: the experts' own tensors,
+    sizes (SymInts, where Dynamo traced the shapes as dynamic: they only size the region's reshapes) and scalars
+    (0-d tensors: the module's float attributes under dynamic=True, e.g. gpt-oss's alpha and limit, which the
+    store reads from the module itself)."""
     members = set(region.nodes)
     owned = {id(t) for t in (*experts.parameters(), *experts.buffers())}
     inputs: dict[Node, None] = {}
     for node in region.nodes:
         for arg in node.all_input_nodes:
             value = _value(arg, ctx)
-            if arg not in members and isinstance(value, torch.Tensor) and id(value) not in owned:
+            if arg not in members and isinstance(value, torch.Tensor) and value.dim() and id(value) not in owned:
                 inputs[arg] = None
     index = [n for n in inputs if not _value(n, ctx).is_floating_point()]
     floats = [n for n in inputs if _value(n, ctx).is_floating_point()]
