@@ -205,7 +205,7 @@ def bench_command(args) -> int:
         raise SystemExit("give both --model and --drafter, or neither for the bundled pair")
     target_dir, drafter_dir = (args.model, args.drafter) if args.model else pair_paths()
     device = _device(args.device)
-    model, tokenizer = load_target(target_dir, device)
+    model, tokenizer = load_target(target_dir, device, _dtype(None, device, bundled=args.model is None))
     texts = Path(args.prompts).read_text().split("\n\n\n") if args.prompts else heldout_prompts()
     ids = [tokenizer(t, return_tensors="pt").input_ids.to(device) for t in texts]
     ids = [i for i in ids if model.generate(i, max_new_tokens=16, do_sample=False).shape[1] - i.shape[1] == 16]
