@@ -137,6 +137,11 @@ class TargetCache(Cache):
         return self.rows.lengths
 
     @property
+    def shape(self) -> tuple:
+        """Its rows' (batch, max_len, dtype, device): what a generation needs to reuse this cache."""
+        return self.rows.shape
+
+    @property
     def nbytes(self) -> int:
         """Bytes of the buffers made so far: keys and values, linear-attention states (spares included)."""
         states = (*self.conv.values(), *self.recurrent.values(), *self.spare.values())

@@ -274,8 +274,8 @@ class SpeculativeDecoder:
         `new_cache`): every slot of a full-attention layer, a sliding layer's ring. Linear-attention states are a
         few MiB at most and left out."""
         ring = self._ring(max_len)
-        slots = sum(ring if i in self.sliding_layers and ring else max_len
-                    for i in range(len(self.attention_kinds)) if i not in self.linear_layers)
+        slots = sum(ring or max_len if kind == "sliding_attention" else max_len
+                    for kind in self.attention_kinds if kind != "linear_attention")
         drafter = getattr(self.drafter, "cache_elements_per_slot", 0)  # an oracle drafter caches nothing
         elements = slots * self.cached_per_token + max_len * drafter
         return batch * elements * dtype.itemsize
@@ -285,10 +285,12 @@ class SpeculativeDecoder:
         allocated: a long prompt otherwise runs out of memory in the middle of its prefill. The caches being
         replaced, and the allocator's cached blocks, count as free. (The prefill's activations come on top.)"""
         old = [c for c in (self.target_cache, self.drafter_cache)
-               if c is not None and getattr(c, "rows", c).shape != (batch, max_len, dtype, torch.device(device))]
-        free = None if self.target_cache is not None and not old else device_free_bytes(device)
+               if c is not None and c.shape != (batch, max_len, dtype, device)]
+        if self.target_cache is not None and not old:
+            return  # the previous generation's caches are reused
+        free = device_free_bytes(device)
         if free is None:
-            return  # the previous generation's caches are reused, or not on CUDA
+            return  # not on CUDA
         free += sum(cache.nbytes for cache in old)
         needed = self._cache_bytes(batch, max_len, dtype)
         if needed > free:
@@ -303,7 +305,7 @@ class SpeculativeDecoder:
         (its buffers keep their addresses, so CUDA graphs of the step replay rather than record again); else a
         new one, which the decoder then keeps until a generation needs another shape."""
         cache = self.target_cache
-        if cache is None or cache.rows.shape != (batch, max_len, dtype, device):
+        if cache is None or cache.shape != (batch, max_len, dtype, device):
             cache = self.target_cache = self._new_cache(batch, max_len, dtype, device)
             self._clear_graphs(self.verify_step)  # their graphs write the old cache's buffers
         cache.reset(pad)
