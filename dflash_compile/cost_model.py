@@ -27,7 +27,7 @@ import sympy
 import torch
 import transformers
 
-from .families import experts_modules, spec_for_model
+from .families import experts_modules, head_dim, spec_for_model
 
 # Target step times measured on the H200 (docs/benchmarks.md, "Session 44"): random bf16 weights, uniform routing,
 # 512-token context, compiled step as `generate` runs it (`bench/spec_decode.py --steps-only`, 2026-12-04).
@@ -153,9 +153,9 @@ class ModelSizes:
         experts = modules[0].gate_up_proj.shape[0]
         per_expert = sum(p.numel() for p in modules[0].parameters()) // experts
         kinds = spec.attention_kinds(text)
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        k_dim = getattr(text, "qk_nope_head_dim", 0) + getattr(text, "qk_rope_head_dim", 0) or head_dim
-        v_dim = getattr(text, "v_head_dim", None) or head_dim
+        head_size = head_dim(text)
+        k_dim = getattr(text, "qk_nope_head_dim", 0) + getattr(text, "qk_rope_head_dim", 0) or head_size
+        v_dim = getattr(text, "v_head_dim", None) or head_size
         kv_heads = text.num_attention_heads if hasattr(text, "kv_lora_rank") else text.num_key_value_heads
         per_layer = kv_heads * (k_dim + v_dim)
         return cls(
@@ -168,7 +168,7 @@ class ModelSizes:
             kv_elements_per_token=kinds.count("full_attention") * per_layer,
             sliding_kv_elements_per_token=kinds.count("sliding_attention") * per_layer,
             window=getattr(text, "sliding_window", None) or 0,
-            attention_width=sum(kind != "linear_attention" for kind in kinds) * text.num_attention_heads * head_dim,
+            attention_width=sum(kind != "linear_attention" for kind in kinds) * text.num_attention_heads * head_size,
             layers=text.num_hidden_layers,
         )
 

@@ -52,10 +52,14 @@ class LinearAttentionSpec:
     recurrent: str
 
 
+def head_dim(config) -> int:
+    """An attention head's dimension: the config's `head_dim`, else hidden size / heads (Mixtral, OLMoE)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def _keys_and_values(config) -> int:
     """A key and a value of every key/value head."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_key_value_heads * head_dim
+    return 2 * config.num_key_value_heads * head_dim(config)
 
 
 def _latent(config) -> int:

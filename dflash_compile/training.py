@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from .drafter import (
     DFlashDrafter, DrafterConfig, context_features, drafter_config, save_drafter, validate_pairing)
+from .families import head_dim
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ def _new_drafter(target, settings: DrafterTraining, mask_token_id: int) -> tuple
         target.config, block_size=settings.block_size, mask_token_id=mask_token_id, target_layer_ids=layer_ids,
         layer_types=("full_attention",) * settings.layers, num_attention_heads=text.num_attention_heads,
         num_key_value_heads=getattr(text, "num_key_value_heads", text.num_attention_heads),
-        head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+        head_dim=head_dim(text),
         rope_theta=(getattr(text, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
     config = DrafterConfig.from_dict(raw)
     validate_pairing(config, (text.hidden_size, len(layer_ids) * text.hidden_size), target.config)
