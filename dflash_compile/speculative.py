@@ -221,10 +221,10 @@ class SpeculativeDecoder:
     def _captures_steps(self) -> bool:
         """Whether "reduce-overhead" steps replay from CUDA graphs of our own (`StepGraphs`): on CUDA, where every
         step keeps its buffers. Offloaded experts take host-side ops that must leave the graph: they keep
-        torch.compile's CUDA-graph trees, which partition the graph and check its inputs on every call. So do
-        linear-attention models for now: their steps return the states they leave (`TargetCache.pending_linear`), as
-        a replayed graph needs, but their capture has not been run on a GPU yet."""
-        return _on_cuda(self.model) and not hasattr(self.model, "dflash_offload") and not self.linear_layers
+        torch.compile's CUDA-graph trees, which partition the graph and check its inputs on every call.
+        Linear-attention steps return the states they leave (`TargetCache.pending_linear`): a replay, which redoes
+        none of the step's Python side effects, still gets them committed."""
+        return _on_cuda(self.model) and not hasattr(self.model, "dflash_offload")
 
     def _step_state(self) -> tuple:
         """What the compiled verify step reads besides its arguments, part of `StepGraphs`' keys: the target's
