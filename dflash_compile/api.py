@@ -55,9 +55,9 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
     step; by default "reduce-overhead" (CUDA graphs) on CUDA and "default" elsewhere (`speculative.default_mode`);
     pass "default" to launch a CUDA step op by op. On CUDA "reduce-overhead" replays each step shape from a CUDA
     graph of dflash's own (`StepGraphs`: no guard or input checks per step, 1.12x / 1.21x tokens/s on gpt-oss-20b
-    without / with a drafter), the drafter's calls too; offloaded and linear-attention models keep torch.compile's
-    CUDA-graph trees. Weights updated in place are read by the graphs; parameter tensors replaced after the first
-    generation are not. The prompt goes in forwards of `prefill_chunk` tokens (a smaller chunk bounds the
+    without / with a drafter), the drafter's calls too; offloaded models keep torch.compile's CUDA-graph trees.
+    Weights updated in place are read by the graphs; parameter tensors replaced after the first generation are
+    not. The prompt goes in forwards of `prefill_chunk` tokens (a smaller chunk bounds the
     prefill's activation memory; by default the whole prompt in one, except on models with sliding-window layers
     when it takes masks, as a left-padded batch shorter than 2048 tokens does: chunks of 4096,
     `speculative.PREFILL_CHUNK`), and sliding layers keep window - 1 + block slots. With `gpu_memory`
