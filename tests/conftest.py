@@ -2,11 +2,12 @@ import os
 
 import pytest
 import torch
-from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 # Without a GPU the Triton kernels run in Triton's interpreter; @triton.jit reads this when a kernel module is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # it imports Triton: after the line above
 
 from dflash_compile.testing import (TINY_CONFIGS, load_tiny_model, random_drafter_weights, save_drafter,
                                     save_tiny_model, tiny_drafter_config)
