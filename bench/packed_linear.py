@@ -47,7 +47,7 @@ SHAPES = {  # name: (N, K)
     "qwen3-30b-a3b o_proj": (2048, 4096),
     "qwen3-30b-a3b router": (128, 2048),
 }
-SPLITS = (1, 2, 4, 8)
+SPLITS = (1, 2, 4, 8, 16)
 
 
 def copies_past_l2(nbytes: int) -> int:

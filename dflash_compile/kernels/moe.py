@@ -1106,9 +1106,13 @@ def _longest_share(format: str, block_m: int, block_n: int) -> int:
     session 25) and on MXFP4's row path (steps of 256: its decode-bound programs gain from more of them; 40 there
     lost 0.87-0.96x on DeepSeek-V3's o_proj and dense MLP shapes); 40 on FP8's row path (o_proj and dense down_proj at
     one row 33.5 and 38.2 us in 2 shares against 40.1 and 44.1 in 4, dense gate_proj 35.4 in one against 41.6 in 2;
-    session 22; two rows within 3% of the best share count on 7 of 9 shapes, session 23)."""
+    session 22; two rows within 3% of the best share count on 7 of 9 shapes, session 23); 4 on bf16's row path
+    (DENSE_ROW_TILES, steps of 128; session 46: Qwen3-30B-A3B's o_proj in 8 shares 6.8 us against 8.1 in 4 and 8.9
+    in 16, gpt-oss-20b's in 8 10.6 against 10.0 in 4; the routers' share count is capped by two steps a share)."""
     if format == "fp8_block" and block_m < 16:
         return 40
+    if format == "dense" and block_m < 16:
+        return 4
     return 32 if block_m >= 16 and block_n >= 128 else 16
 
 
@@ -1480,8 +1484,17 @@ def _dequantized_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
 
 # A dense layer's rows at most in one block on the row path (its weights read once), by format and weight loads:
 # MXFP4's 1-2; FP8's 1-2 with TMA loads, over the tensor cores on DeepSeek-V3's and Qwen3's projections one row
-# 1.01-1.29x (session 22), two rows 1.12-1.41x (session 23; pointer loads not measured: block_m asks for them).
-ROWS_ON_CUDA_CORES = {"mxfp4": {"pointers": 2, "tma": 2}, "fp8_block": {"pointers": 0, "tma": 2}}
+# 1.01-1.29x (session 22), two rows 1.12-1.41x (session 23; pointer loads not measured: block_m asks for them);
+# bf16's one row on DENSE_ROW_TILES (the `split_k_linear` layers: o_proj, routers; session 44's probe, session 46).
+ROWS_ON_CUDA_CORES = {"mxfp4": {"pointers": 2, "tma": 2}, "fp8_block": {"pointers": 0, "tma": 2},
+                      "dense": {"pointers": 1}}
+
+# A bf16 dense layer's row-path tiles, apart from an MoE call's (ROW_TILES["dense"]: one expert's 16 columns on 8
+# warps): a whole layer's output is read by K shares (`_longest_share`), and 32 columns on 8 warps in more, shorter
+# shares beat the experts' 16 columns (Qwen3-30B-A3B o_proj 6.8 against 10.5-11.5 us, session 44). Against the
+# tensor-core tiles with their shares (session 46, `bench/packed_linear.py --format dense --tokens 1`): Qwen3-30B-A3B
+# o_proj 6.8 vs 9.4 us, router 3.0 vs 3.0; gpt-oss-20b o_proj 10.6 vs 10.7, router 3.4 vs 3.6.
+DENSE_ROW_TILES = {"block_n": 32, "num_warps": 8}
 
 
 @triton.jit
@@ -1573,10 +1586,13 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, **tiles) -> torch.Tenso
     if weight.format == "fp8_block" and rows.shape[0] >= DEQUANTIZE_ROWS and not tiles:
         return _dequantized_linear(rows, weight).view(*x.shape[:-1], n)
     loads = _weight_loads(tiles, _tma_blocker(weight, weight, compute_fp32, None))
+    row_blocker = _row_blocker(weight)
     few_rows = rows.shape[0] if rows.shape[0] <= ROWS_ON_CUDA_CORES.get(weight.format, {}).get(loads, 0) else None
     if weight.format == "fp8_block" and few_rows is None and tiles.get("block_m", 16) >= 16:
         tiles = _dense_tiles(rows.shape[0], n) | tiles
-    settings = tiles_for(weight.format, tiles, few_rows, loads, _row_blocker(weight)) | dict(compute_fp32=compute_fp32)
+    elif weight.format == "dense" and few_rows and not row_blocker and "block_m" not in tiles:
+        tiles = DENSE_ROW_TILES | tiles
+    settings = tiles_for(weight.format, tiles, few_rows, loads, row_blocker) | dict(compute_fp32=compute_fp32)
     settings.pop("down_launch")  # an MoE call's (MXFP4's one-row tiles have one): a dense layer runs on the tiles
     rows = _activations(rows, settings)
     blocks = Blocks(ROWS_IN_ORDER, triton.cdiv(rows.shape[0], settings["block_m"]))

@@ -756,6 +756,23 @@ def test_fp8_dense_layers_take_the_row_path_for_one_or_two_rows():
     torch.testing.assert_close(packed_linear(x, weight), packed_linear(x, weight, block_m=16), atol=0, rtol=0)
 
 
+def test_bf16_dense_layers_take_the_row_path_for_one_row():
+    """A decode step's single row through a dense layer (`dflash::split_k_linear`'s o_proj, router): the CUDA-core row
+    path on DENSE_ROW_TILES (the same bits as asking for them), within tolerance of torch's linear; two rows take
+    the tensor-core tiles (the same bits as block_m=16)."""
+    from dflash_compile.kernels.moe import DENSE_ROW_TILES, packed_linear
+
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16  # the interpreter's bf16 is wrong
+    generator = torch.Generator().manual_seed(9)
+    weight, bias, x = (torch.randn(shape, generator=generator).to(DEVICE, dtype) for shape in ((40, 640), 40, (2, 640)))
+    layer = PackedWeight("dense", weight[None], None, bias[None])
+    expected = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+    one = packed_linear(x[:1], layer)
+    assert (one.double() - expected[:1]).norm() / expected[:1].norm() <= (1e-5 if dtype == torch.float32 else 1e-2)
+    torch.testing.assert_close(one, packed_linear(x[:1], layer, block_m=1, **DENSE_ROW_TILES), atol=0, rtol=0)
+    torch.testing.assert_close(packed_linear(x, layer), packed_linear(x, layer, block_m=16), atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("format", ["mxfp4", "fp8_block", "dense"])
 def test_fused_moe_reads_experts_from_a_slot_pool(format):
     """Offload's layout: every expert one byte blob in a pool row, each tensor a strided view over the slots."""
