@@ -1087,33 +1087,36 @@ def _splits(split_k: int, blocks: Blocks) -> int:
     return split_k if blocks.blocking == PAIR_PER_BLOCK else 1
 
 
-def _filling_splits(programs: int, k_steps: int, device: torch.device, longest_share: int) -> int:
+def _filling_splits(programs: int, k_steps: int, device: torch.device, share_steps: tuple[int, int]) -> int:
     """Shares of K for a dense layer's launch on the GPU: enough for about two programs per SM (DeepSeek-V3's
-    q_a_proj has 24 output tiles over a 7168-long K) and for at most `longest_share` K steps per share (a long K is
-    better read by more, shorter programs: o_proj, the dense MLP; `_longest_share`), each share keeping at least two
-    K steps. From bench/packed_linear.py's sweeps on the H200 (docs/benchmarks.md). One share elsewhere (the
-    interpreter)."""
+    q_a_proj has 24 output tiles over a 7168-long K) and for at most the most K steps per share of `share_steps`
+    (fewest, most: `_share_steps`; a long K is better read by more, shorter programs: o_proj, the dense MLP), each
+    share keeping at least the fewest. From bench/packed_linear.py's sweeps on the H200 (docs/benchmarks.md). One
+    share elsewhere (the interpreter)."""
     if device.type != "cuda":
         return 1
+    fewest, most = share_steps
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(k_steps // 2, max(2 * sms // programs, -(-k_steps // longest_share))))
+    return max(1, min(k_steps // fewest, max(2 * sms // programs, -(-k_steps // most))))
 
 
-def _longest_share(format: str, block_m: int, block_n: int) -> int:
-    """K steps per share at most in a dense layer's launch (`_filling_splits`), from bench/packed_linear.py on the
-    H200: 16 on the tensor cores (steps of 128, session 13), 32 there with 128-column tiles (`_dense_tiles`: at
+def _share_steps(format: str, block_m: int, block_n: int) -> tuple[int, int]:
+    """K steps per share at least and at most in a dense layer's launch (`_filling_splits`), from
+    bench/packed_linear.py on the H200. At least 2, but 1 on bf16's row path (DENSE_ROW_TILES; session 46: the
+    routers in shares of one step, Qwen3-30B-A3B's 16 2.5 us against 3.1 in 8, gpt-oss-20b's 23 2.6 against 3.4).
+    At most 16 on the tensor cores (steps of 128, session 13), 32 there with 128-column tiles (`_dense_tiles`: at
     8-16 rows DeepSeek-V3's o_proj in 4 shares of 32 steps 37.0-38.1 us against 42.9-43.3 on 64 columns in 8 or 16,
     session 25) and on MXFP4's row path (steps of 256: its decode-bound programs gain from more of them; 40 there
     lost 0.87-0.96x on DeepSeek-V3's o_proj and dense MLP shapes); 40 on FP8's row path (o_proj and dense down_proj at
     one row 33.5 and 38.2 us in 2 shares against 40.1 and 44.1 in 4, dense gate_proj 35.4 in one against 41.6 in 2;
     session 22; two rows within 3% of the best share count on 7 of 9 shapes, session 23); 4 on bf16's row path
-    (DENSE_ROW_TILES, steps of 128; session 46: Qwen3-30B-A3B's o_proj in 8 shares 6.8 us against 8.1 in 4 and 8.9
-    in 16, gpt-oss-20b's in 8 10.6 against 10.0 in 4; the routers' share count is capped by two steps a share)."""
+    (session 46: Qwen3-30B-A3B's o_proj in 8 shares 6.8 us against 8.1 in 4 and 8.9 in 16, gpt-oss-20b's in 8 10.6
+    against 10.0 in 4)."""
     if format == "fp8_block" and block_m < 16:
-        return 40
+        return 2, 40
     if format == "dense" and block_m < 16:
-        return 4
-    return 32 if block_m >= 16 and block_n >= 128 else 16
+        return 1, 4
+    return 2, 32 if block_m >= 16 and block_n >= 128 else 16
 
 
 def _dense_tiles(rows: int, n: int) -> dict:
@@ -1121,7 +1124,7 @@ def _dense_tiles(rows: int, n: int) -> dict:
     output width, from bench/packed_linear.py's sweeps on the H200 (session 25): up to 16 rows, 32 columns for a
     narrow layer (DeepSeek-V3's kv_a_proj_with_mqa, 576: more column tiles beside fewer K shares, 1.13-1.23x) and
     TILES' 64 otherwise (128 measured 0.95-1.15x there); up to 64 rows, 128 columns from 4096 up (fewer programs
-    reading K in longer shares, `_longest_share`: 1.13-1.26x at 64 rows); above, blocks of 64 rows as well
+    reading K in longer shares, `_share_steps`: 1.13-1.26x at 64 rows); above, blocks of 64 rows as well
     (each weight tile read by a quarter as many programs: 1.12-1.38x at 256 rows, where without tiles given the
     layer is now dequantized instead, DEQUANTIZE_ROWS), in TILES' K steps in flight (as measured; an MoE call's blocks
     of 32+ rows take WIDE_TILES' fewer)."""
@@ -1490,7 +1493,7 @@ ROWS_ON_CUDA_CORES = {"mxfp4": {"pointers": 2, "tma": 2}, "fp8_block": {"pointer
                       "dense": {"pointers": 1}}
 
 # A bf16 dense layer's row-path tiles, apart from an MoE call's (ROW_TILES["dense"]: one expert's 16 columns on 8
-# warps): a whole layer's output is read by K shares (`_longest_share`), and 32 columns on 8 warps in more, shorter
+# warps): a whole layer's output is read by K shares (`_share_steps`), and 32 columns on 8 warps in more, shorter
 # shares beat the experts' 16 columns (Qwen3-30B-A3B o_proj 6.8 against 10.5-11.5 us, session 44). Against the
 # tensor-core tiles with their shares (session 46, `bench/packed_linear.py --format dense --tokens 1`): Qwen3-30B-A3B
 # o_proj 6.8 vs 9.4 us, router 3.0 vs 3.0; gpt-oss-20b o_proj 10.6 vs 10.7, router 3.4 vs 3.6.
@@ -1600,7 +1603,7 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, **tiles) -> torch.Tenso
     if "split_k" not in tiles:
         split_k = _filling_splits(blocks.count * triton.cdiv(n, settings["block_n"]),
                                   triton.cdiv(k, settings["block_k"]), x.device,
-                                  _longest_share(weight.format, settings["block_m"], settings["block_n"]))
+                                  _share_steps(weight.format, settings["block_m"], settings["block_n"]))
     out = _launch(rows, weight, blocks, None, rows.shape[0], n, 1, gated=False, interleaved=False,
                   activation="silu", alpha=0.0, limit=0.0, splits=split_k, out_dtype=x.dtype,
                   sum_top_k=1 if split_k > 1 else 0, **settings)
