@@ -15,13 +15,15 @@ from dflash_compile.testing import (TINY_CONFIGS, load_tiny_model, random_drafte
 # Under pytest-xdist (the README's `-n 2`: one worker per core of the CI machine) each worker computes on one thread
 # and compiles in its own process: two workers' intra-op threads and Inductor's compile pools on two cores slowed the
 # longest tests 2-3x.
-# Each worker also keeps its own Inductor cache: two workers compiling the same graph at once wrote one shared .so
-# and one loaded it half-written ("main.so: file too short", seen on the GPU with -n 4).
+# On a GPU each worker also keeps its own Inductor cache: two workers compiling the same graph at once wrote one
+# shared .so and one loaded it half-written ("main.so: file too short", torch 2.11 with -n 4). Not on the CPU, where
+# it never happened in CI and the shared cache keeps CI's runs warm (per-worker caches, cold: 1324 s against 687).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
     torch._inductor.config.compile_threads = 1
-    shared = os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # the controller may have set it
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{shared}_{os.environ['PYTEST_XDIST_WORKER']}"
+    if torch.cuda.is_available():
+        shared = os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # the controller may have set it
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{shared}_{os.environ['PYTEST_XDIST_WORKER']}"
 
 FAMILIES = sorted(TINY_CONFIGS)
 
