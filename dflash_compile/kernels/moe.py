@@ -1496,7 +1496,7 @@ ROWS_ON_CUDA_CORES = {"mxfp4": {"pointers": 2, "tma": 2}, "fp8_block": {"pointer
 # warps): a whole layer's output is read by K shares (`_share_steps`), and 32 columns on 8 warps in more, shorter
 # shares beat the experts' 16 columns (Qwen3-30B-A3B o_proj 6.8 against 10.5-11.5 us, session 44). Against the
 # tensor-core tiles with their shares (session 46, `bench/packed_linear.py --format dense --tokens 1`): Qwen3-30B-A3B
-# o_proj 6.8 vs 9.4 us, router 3.0 vs 3.0; gpt-oss-20b o_proj 10.6 vs 10.7, router 3.4 vs 3.6.
+# o_proj 6.8 vs 9.4 us, router 2.5 vs 3.1; gpt-oss-20b o_proj 10.6 vs 10.5-10.7, router 2.6 vs 3.4.
 DENSE_ROW_TILES = {"block_n": 32, "num_warps": 8}
 
 
