@@ -4,7 +4,7 @@ places it rewrote; the pipeline lints and recompiles a graph after every pass th
 1. expert_dispatch  routed-expert regions -> one dflash::moe_dispatch node per MoE layer
 2. dequant_fusion   linear(x, fp8_block_dequantize(w, s)) -> one dflash::fp8_block_linear node
 3. projection_fusion  linears on one input over adjacent rows of one buffer (q/k/v, gate/up) -> one linear + split
-4. small_top_k      torch.topk over a short last dimension (a router's scores) -> one dflash::top_k node
+4. small_top_k      torch.topk over a short last dimension (a router's scores, or its softmax) -> one dflash::top_k
 5. split_k_linear   linear of a few rows with K > N (routers, o_proj) -> one dflash::split_k_linear node
 """
 

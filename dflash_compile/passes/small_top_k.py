@@ -11,6 +11,15 @@ After (one Triton launch on CUDA, `kernels.top_k`; torch.topk elsewhere):
     %top_k: (f32[3, 2], i64[3, 2]) = torch.ops.dflash.top_k.default(%router_logits, 2)
     %router_top_value = operator.getitem(%top_k, 0)
 
+A softmax over the same dimension whose only use is the topk (the routers of Qwen3-MoE, Qwen3.5-MoE, OLMoE and
+Mixtral choose among probabilities) joins the node, with an fp32 cast of its input, and the kernel computes it in
+the same launch:
+
+    %router_probs: f32[3, 4] = torch.nn.functional.softmax(%router_logits, dtype=torch.float32, dim=-1)
+    %topk: (f32[3, 2], i64[3, 2]) = torch.topk(%router_probs, 2, dim=-1)
+->
+    %top_k: (f32[3, 2], i64[3, 2]) = torch.ops.dflash.top_k.default(%router_logits, 2, torch.float32)
+
 Matched: `torch.topk(x, k, ...)` and `x.topk(k, ...)` taking the largest k (a constant, at most
 `ops.TOP_K_MAX_K`) along the last dimension, that dimension static and at most `ops.TOP_K_MAX_WIDTH` long,
 floating-point values, every use an index into the result. `sorted=False` (DeepSeek's and GLM's group and expert
@@ -54,12 +63,37 @@ def _small(node: Node) -> tuple[Node, int] | None:
     return (x, k) if small else None
 
 
+_SOFTMAX_FUNCTIONS = (torch.nn.functional.softmax, torch.softmax)
+
+
+def _only_use(node: Node) -> bool:
+    return len(node.users) == 1
+
+
+def _top_k_arguments(x: Node, k: int) -> tuple[tuple, list[Node]]:
+    """dflash::top_k's arguments for the topk of x, and the nodes they fold: a softmax over the last dimension whose
+    only use is the topk, with an fp32 cast of a floating-point input (Mixtral's `softmax(logits.float())`) whose
+    only use is the softmax (the kernel computes in fp32 whatever it reads); none else."""
+    if not (x.op == "call_function" and x.target in _SOFTMAX_FUNCTIONS or x.op == "call_method"
+            and x.target == "softmax") or not _only_use(x) or not isinstance(x.args[0], Node):
+        return (x, k), []
+    output, source = x.meta["example_value"], x.args[0]
+    if x.kwargs.get("dim", x.args[1] if len(x.args) > 1 else None) not in (-1, output.dim() - 1):
+        return (x, k), []
+    if (source.op == "call_method" and source.target == "float" and len(source.args) == 1 and _only_use(source)
+            and source.args[0].meta["example_value"].is_floating_point()):
+        return (source.args[0], k, output.dtype), [x, source]
+    return (source, k, output.dtype), [x]
+
+
 def small_top_k(gm: GraphModule, ctx: PassContext) -> int:
     matches = [(node, match) for node in gm.graph.nodes if (match := _small(node)) is not None]
     for node, (x, k) in matches:
+        arguments, folded = _top_k_arguments(x, k)
         with gm.graph.inserting_before(node):
-            top_k = gm.graph.call_function(torch.ops.dflash.top_k.default, (x, k))
+            top_k = gm.graph.call_function(torch.ops.dflash.top_k.default, arguments)
         top_k.meta.update(node.meta)
         node.replace_all_uses_with(top_k)
-        gm.graph.erase_node(node)
+        for erased in [node, *folded]:
+            gm.graph.erase_node(erased)
     return len(matches)

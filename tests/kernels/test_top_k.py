@@ -22,6 +22,19 @@ def test_rows_match_torch_topk(shape, k, dtype):
     assert torch.equal(values.cpu(), expected_values) and torch.equal(indices.cpu(), expected_indices)
 
 
+@pytest.mark.parametrize("shape, k", [((37, 128), 8), ((2, 3, 60), 4), ((0, 32), 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_softmax_first_matches_torch(shape, k, dtype):
+    """With a softmax dtype, the top k of torch.softmax(x, dim=-1, dtype=float32) as routers take them: the same
+    experts in the same order, their probabilities in fp32 (rows not a power of two wide, no rows at all)."""
+    ranks = torch.rand(shape, generator=torch.Generator().manual_seed(1)).argsort(dim=-1)
+    x = ((ranks - shape[-1] // 2) / 8).to(dtype)  # distinct scores, exact in bf16
+    values, indices = top_k(x.to(DEVICE), k, torch.float32)
+    expected_values, expected_indices = torch.topk(torch.softmax(x, dim=-1, dtype=torch.float32), k, dim=-1)
+    assert values.dtype == torch.float32 and torch.equal(indices.cpu(), expected_indices)
+    torch.testing.assert_close(values.cpu(), expected_values, rtol=1e-5, atol=0)
+
+
 def test_equal_values_come_in_index_order_and_nan_ranks_with_inf():
     nan, inf = float("nan"), float("inf")
     x = torch.tensor([[1.0, 2.0, 2.0, 0.5, 2.0, 1.0],  # three 2s: indices 1, 2, 4 in that order, then the first 1
