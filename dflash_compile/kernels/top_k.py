@@ -4,8 +4,10 @@ for 4 of 32 experts: two launch gaps inside a decode step's CUDA graph for a few
 SOFTMAX, the row's softmax first, in the same launch (the routers of Qwen3-MoE, Qwen3.5-MoE, OLMoE and Mixtral
 choose among their experts' probabilities), where it was one more launch of its own.
 
-One program holds BLOCK_ROWS whole rows in registers and picks K times the largest value not yet taken, the lowest
-index among equal values. NaN ranks with +inf (torch.topk ranks it above).
+One program holds BLOCK_ROWS whole rows in registers and picks K times the largest key not yet taken, one
+reduction a round: each value's rank and its column packed in one int64 (the float's bits made monotone in its
+value, above the column counted down, so that among equal values the lowest index wins); the chosen values are
+read back by index at the end. NaN ranks with +inf (torch.topk ranks it above), -0.0 with +0.0.
 """
 
 from __future__ import annotations
@@ -17,26 +19,39 @@ import triton.language as tl
 
 @triton.jit
 def _top_k_kernel(x, values, indices, M, N, K: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                  SOFTMAX: tl.constexpr):
+                  BLOCK_K: tl.constexpr, SOFTMAX: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     columns = tl.arange(0, BLOCK_N)
-    ok = (rows[:, None] < M) & (columns[None, :] < N)
-    row_values = tl.load(x + rows[:, None].to(tl.int64) * N + columns[None, :], mask=ok, other=float("-inf"))
-    as_float = row_values.to(tl.float32)
+    rows_x = x + rows[:, None].to(tl.int64) * N
+    inside = (rows[:, None] < M) & (columns[None, :] < N)
+    scores = tl.load(rows_x + columns[None, :], mask=inside, other=float("-inf")).to(tl.float32)
     if SOFTMAX:  # in fp32, as softmax(x, dtype=torch.float) computes it; columns past the row are exp(-inf) = 0
-        exponentials = tl.exp(as_float - tl.max(as_float, axis=1)[:, None])
-        as_float = exponentials / tl.sum(exponentials, axis=1)[:, None]
-    keys = tl.where(as_float != as_float, float("inf"), as_float)  # NaN ranks with +inf
-    taken = columns[None, :] >= N
+        largest = tl.max(scores, axis=1)
+        total = tl.sum(tl.exp(scores - largest[:, None]), axis=1)
+        scores = tl.exp(scores - largest[:, None]) / total[:, None]
+    ranked = tl.where(scores != scores, float("inf"), tl.where(scores == 0, 0.0, scores))  # NaN as +inf, -0.0 as 0
+    bits = ranked.to(tl.int32, bitcast=True)
+    monotone = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats' magnitude bits flipped: int order = float order
+    keys = (monotone.to(tl.int64) << 32) | (BLOCK_N - 1 - columns)[None, :].to(tl.int64)
+    lowest = tl.full([BLOCK_ROWS, BLOCK_N], -2**63, tl.int64)
+    keys = tl.where(inside, keys, lowest)
+    slots = tl.arange(0, BLOCK_K)
+    chosen = tl.zeros([BLOCK_ROWS, BLOCK_K], tl.int64)
     for j in tl.static_range(K):  # unrolled: ops.TOP_K_MAX_K rounds at most
-        best = tl.max(tl.where(taken, float("-inf"), keys), axis=1)
-        hits = (keys == best[:, None]) & ~taken
-        index = tl.min(tl.where(hits, columns[None, :], BLOCK_N), axis=1)
-        chosen = columns[None, :] == index[:, None]
-        value = tl.sum(tl.where(chosen, as_float, 0.0), axis=1)  # its own value, NaN too
-        tl.store(values + rows * K + j, value.to(values.dtype.element_ty), mask=rows < M)
-        tl.store(indices + rows * K + j, index.to(tl.int64), mask=rows < M)
-        taken = taken | chosen
+        best = tl.max(keys, axis=1)
+        chosen = tl.where(slots[None, :] == j, BLOCK_N - 1 - (best & 0xFFFFFFFF)[:, None], chosen)
+        keys = tl.where(keys == best[:, None], lowest, keys)  # keys are unique in a row: the chosen one taken
+    kept = (rows[:, None] < M) & (slots[None, :] < K)
+    picked = tl.load(rows_x + chosen, mask=kept, other=0.0).to(tl.float32)  # their own values, NaN too
+    if SOFTMAX:
+        picked = tl.exp(picked - largest[:, None]) / total[:, None]
+    out = rows[:, None] * K + slots[None, :]
+    tl.store(values + out, picked.to(values.dtype.element_ty), mask=kept)
+    tl.store(indices + out, chosen, mask=kept)
+
+
+# Warps per program: session 32's 4, not swept yet (`bench/top_k.py --warps 1 2 4` times them).
+TOP_K_WARPS = 4
 
 
 def top_k(x: torch.Tensor, k: int, softmax_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,5 +67,5 @@ def top_k(x: torch.Tensor, k: int, softmax_dtype: torch.dtype | None = None) -> 
     if rows.shape[0]:
         _top_k_kernel[(triton.cdiv(rows.shape[0], block_rows),)](
             rows, values, indices, rows.shape[0], width, K=k, BLOCK_ROWS=block_rows, BLOCK_N=block_n,
-            SOFTMAX=softmax_dtype is not None, num_warps=4)
+            BLOCK_K=triton.next_power_of_2(k), SOFTMAX=softmax_dtype is not None, num_warps=TOP_K_WARPS)
     return values, indices

@@ -39,9 +39,10 @@ def test_equal_values_come_in_index_order_and_nan_ranks_with_inf():
     nan, inf = float("nan"), float("inf")
     x = torch.tensor([[1.0, 2.0, 2.0, 0.5, 2.0, 1.0],  # three 2s: indices 1, 2, 4 in that order, then the first 1
                       [-inf, 3.0, -inf, nan, -inf, 0.0],  # NaN, 3, 0, then -inf by index
-                      [-inf] * 6])
+                      [-inf] * 6,
+                      [-0.0, 0.0, -1.0, -0.0, -2.0, 0.0]])  # -0.0 equals 0.0: the four zeros by index
     values, indices = top_k(x.to(DEVICE), 4)
-    assert indices.tolist() == [[1, 2, 4, 0], [3, 1, 5, 0], [0, 1, 2, 3]]
+    assert indices.tolist() == [[1, 2, 4, 0], [3, 1, 5, 0], [0, 1, 2, 3], [0, 1, 3, 5]]
     assert torch.equal(values.cpu().nan_to_num(), x.gather(1, indices.cpu()).nan_to_num())
     assert values[1, 0].isnan()
 
