@@ -107,23 +107,30 @@ TOP_K_MAX_WIDTH, TOP_K_MAX_K = 1024, 32
 
 
 @torch.library.custom_op("dflash::top_k", mutates_args=())
-def top_k(x: torch.Tensor, k: int, softmax_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch.topk(x, k, dim=-1): the k largest of each row, sorted, and their indices; with `softmax_dtype`, of
-    torch.softmax(x, dim=-1, dtype=softmax_dtype) (a router's probabilities). On CUDA, for floating-point rows
-    within the limits above, one Triton launch (`kernels.top_k`; equal values in index order) instead of torch's
-    two (three with the softmax)."""
+def top_k(x: torch.Tensor, k: int, softmax_dtype: torch.dtype | None = None, renormalize: bool = False,
+          values_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk(x, k, dim=-1): the k largest of each row, sorted, and their indices. A router's steps around it,
+    each optional: with `softmax_dtype`, of torch.softmax(x, dim=-1, dtype=softmax_dtype) (its probabilities);
+    with `renormalize`, the values divided by their sum; in `values_dtype` (else the scores' dtype). On CUDA, for
+    floating-point rows within the limits above, one Triton launch (`kernels.top_k`; equal values in index order)
+    where torch takes two for the topk and one for each step."""
     if x.is_cuda and x.is_floating_point() and x.shape[-1] <= TOP_K_MAX_WIDTH and k <= TOP_K_MAX_K:
         from .kernels.top_k import top_k as top_k_kernel
 
-        return top_k_kernel(x, k, softmax_dtype)
-    return torch.topk(x if softmax_dtype is None else torch.softmax(x, dim=-1, dtype=softmax_dtype), k, dim=-1)
+        return top_k_kernel(x, k, softmax_dtype, renormalize, values_dtype)
+    values, indices = torch.topk(x if softmax_dtype is None else torch.softmax(x, dim=-1, dtype=softmax_dtype), k,
+                                 dim=-1)
+    if renormalize:
+        values = values / values.sum(dim=-1, keepdim=True)
+    return values.to(values_dtype or values.dtype), indices
 
 
 @top_k.register_fake
-def _top_k_fake(x, k, softmax_dtype=None):
+def _top_k_fake(x, k, softmax_dtype=None, renormalize=False, values_dtype=None):
     torch._check(0 <= k <= x.shape[-1], lambda: f"top_k: k = {k} exceeds the last dimension ({x.shape[-1]})")
     shape = (*x.shape[:-1], k)
-    return x.new_empty(shape, dtype=softmax_dtype or x.dtype), x.new_empty(shape, dtype=torch.int64)
+    return (x.new_empty(shape, dtype=values_dtype or softmax_dtype or x.dtype),
+            x.new_empty(shape, dtype=torch.int64))
 
 
 # What pass `split_k_linear` hands to `dflash::split_k_linear`: decode and verify rows, one tile of the kernel's rows

@@ -93,14 +93,17 @@ def test_opcheck_kv_ops():
 
 
 def test_opcheck_top_k():
-    """The top k of the scores, and (a softmax dtype given) of their softmax, as torch computes them on a CPU."""
+    """The top k of the scores, and (a router's steps given) of their softmax, renormalized and cast, as torch
+    computes them on a CPU."""
     scores = torch.randn(2, 3, 32)
     torch.library.opcheck(torch.ops.dflash.top_k.default, (scores, 4))
     assert all(torch.equal(a, b) for a, b in zip(torch.ops.dflash.top_k(scores, 4), torch.topk(scores, 4)))
     logits = scores.bfloat16()
-    torch.library.opcheck(torch.ops.dflash.top_k.default, (logits, 4, torch.float32))
-    expected = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), 4)
-    assert all(torch.equal(a, b) for a, b in zip(torch.ops.dflash.top_k(logits, 4, torch.float32), expected))
+    torch.library.opcheck(torch.ops.dflash.top_k.default, (logits, 4, torch.float32, True, torch.bfloat16))
+    values, indices = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), 4)
+    values /= values.sum(dim=-1, keepdim=True)
+    actual = torch.ops.dflash.top_k(logits, 4, torch.float32, True, torch.bfloat16)
+    assert torch.equal(actual[0], values.bfloat16()) and torch.equal(actual[1], indices)
 
 
 def test_top_k_rejects_k_beyond_the_row_at_trace_time():

@@ -19,7 +19,7 @@ import triton.language as tl
 
 @triton.jit
 def _top_k_kernel(x, values, indices, M, N, K: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, SOFTMAX: tl.constexpr):
+                  BLOCK_K: tl.constexpr, SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     columns = tl.arange(0, BLOCK_N)
     rows_x = x + rows[:, None].to(tl.int64) * N
@@ -45,6 +45,8 @@ def _top_k_kernel(x, values, indices, M, N, K: tl.constexpr, BLOCK_ROWS: tl.cons
     picked = tl.load(rows_x + chosen, mask=kept, other=0.0).to(tl.float32)  # their own values, NaN too
     if SOFTMAX:
         picked = tl.exp(picked - largest[:, None]) / total[:, None]
+    if RENORMALIZE:  # the chosen values over their sum (kept masks the slots past k)
+        picked = picked / tl.sum(tl.where(kept, picked, 0.0), axis=1)[:, None]
     out = rows[:, None] * K + slots[None, :]
     tl.store(values + out, picked.to(values.dtype.element_ty), mask=kept)
     tl.store(indices + out, chosen, mask=kept)
@@ -54,18 +56,21 @@ def _top_k_kernel(x, values, indices, M, N, K: tl.constexpr, BLOCK_ROWS: tl.cons
 TOP_K_WARPS = 4
 
 
-def top_k(x: torch.Tensor, k: int, softmax_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch.topk(x, k, dim=-1) (largest, sorted), equal values in index order; with `softmax_dtype`, of
-    torch.softmax(x, dim=-1, dtype=softmax_dtype). For rows within `ops.TOP_K_MAX_WIDTH` (one program holds whole
-    rows) and k within `ops.TOP_K_MAX_K`."""
+def top_k(x: torch.Tensor, k: int, softmax_dtype: torch.dtype | None = None, renormalize: bool = False,
+          values_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ops.top_k`: torch.topk(x, k, dim=-1) (largest, sorted), equal values in index order, of
+    torch.softmax(x, dim=-1, dtype=softmax_dtype) with `softmax_dtype`; with `renormalize`, the values over their
+    sum; in `values_dtype` if given. For rows within `ops.TOP_K_MAX_WIDTH` (one program holds whole rows) and k
+    within `ops.TOP_K_MAX_K`."""
     width = x.shape[-1]
     rows = x.reshape(-1, width).contiguous()
-    values = x.new_empty(*x.shape[:-1], k, dtype=softmax_dtype or x.dtype)
+    values = x.new_empty(*x.shape[:-1], k, dtype=values_dtype or softmax_dtype or x.dtype)
     indices = torch.empty(*x.shape[:-1], k, dtype=torch.int64, device=x.device)
     block_n = triton.next_power_of_2(width)
     block_rows = max(1, min(triton.next_power_of_2(rows.shape[0]), 2048 // block_n))
     if rows.shape[0]:
         _top_k_kernel[(triton.cdiv(rows.shape[0], block_rows),)](
             rows, values, indices, rows.shape[0], width, K=k, BLOCK_ROWS=block_rows, BLOCK_N=block_n,
-            BLOCK_K=triton.next_power_of_2(k), SOFTMAX=softmax_dtype is not None, num_warps=TOP_K_WARPS)
+            BLOCK_K=triton.next_power_of_2(k), SOFTMAX=softmax_dtype is not None, RENORMALIZE=renormalize,
+            num_warps=TOP_K_WARPS)
     return values, indices

@@ -86,14 +86,46 @@ def _top_k_arguments(x: Node, k: int) -> tuple[tuple, list[Node]]:
     return (source, k, output.dtype), [x]
 
 
+def _is_row_sum_of(node: Node, values: Node) -> bool:
+    """Whether node is values.sum(dim=-1, keepdim=True)."""
+    return (node.op == "call_method" and node.target == "sum" and node.args == (values,)
+            and node.kwargs == {"dim": -1, "keepdim": True})
+
+
+def _values_tail(values: Node) -> tuple[dict, Node, list[Node]]:
+    """What follows a router's chosen values (`values`: the topk's values) that dflash::top_k computes in its launch:
+    a renormalization by their sum (`/=` or `/`; Qwen3-MoE's and OLMoE's norm_topk_prob, Mixtral, Qwen3.5-MoE), then
+    a cast to a dtype (Qwen3-MoE's, OLMoE's and Qwen3.5-MoE's to the logits' dtype), each optional. Returns top_k's
+    keyword arguments for them, the node whose uses take the values instead, and the nodes folded."""
+    end, folded, arguments = values, [], {}
+    users = list(values.users)
+    summed = next((user for user in users if _is_row_sum_of(user, values)), None)
+    if summed is not None and len(users) == 2 and _only_use(summed):
+        divided = next(iter(summed.users))
+        if (divided in users and divided.op == "call_function" and divided.args == (values, summed)
+                and divided.target in (operator.truediv, operator.itruediv)):
+            end, folded, arguments = divided, [summed, divided], {"renormalize": True}
+    cast = next(iter(end.users)) if _only_use(end) else None
+    if (cast is not None and cast.op == "call_method" and cast.target == "to" and len(cast.args) == 2
+            and isinstance(cast.args[1], torch.dtype) and not cast.kwargs):
+        end, folded, arguments = cast, folded + [cast], arguments | {"values_dtype": cast.args[1]}
+    return arguments, end, folded
+
+
 def small_top_k(gm: GraphModule, ctx: PassContext) -> int:
     matches = [(node, match) for node in gm.graph.nodes if (match := _small(node)) is not None]
     for node, (x, k) in matches:
         arguments, folded = _top_k_arguments(x, k)
+        values = next((user for user in node.users if user.args[1] == 0), None)
+        tail, end, tail_folded = _values_tail(values) if values is not None else ({}, None, [])
         with gm.graph.inserting_before(node):
-            top_k = gm.graph.call_function(torch.ops.dflash.top_k.default, arguments)
+            top_k = gm.graph.call_function(torch.ops.dflash.top_k.default, arguments, tail)
         top_k.meta.update(node.meta)
+        if tail:  # the values now come out as the tail left them
+            values.meta["example_value"] = end.meta["example_value"]
+            top_k.meta["example_value"] = (end.meta["example_value"], node.meta["example_value"][1])
+            end.replace_all_uses_with(values)
         node.replace_all_uses_with(top_k)
-        for erased in [node, *folded]:
+        for erased in [*reversed(tail_folded), node, *folded]:
             gm.graph.erase_node(erased)
     return len(matches)

@@ -22,17 +22,23 @@ def test_rows_match_torch_topk(shape, k, dtype):
     assert torch.equal(values.cpu(), expected_values) and torch.equal(indices.cpu(), expected_indices)
 
 
+@pytest.mark.parametrize("renormalize, values_dtype", [(False, None), (True, None), (True, torch.bfloat16),
+                                                       (False, torch.bfloat16)])
 @pytest.mark.parametrize("shape, k", [((37, 128), 8), ((2, 3, 60), 4), ((0, 32), 4)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_softmax_first_matches_torch(shape, k, dtype):
-    """With a softmax dtype, the top k of torch.softmax(x, dim=-1, dtype=float32) as routers take them: the same
-    experts in the same order, their probabilities in fp32 (rows not a power of two wide, no rows at all)."""
+def test_a_routers_steps_match_torch(shape, k, dtype, renormalize, values_dtype):
+    """The top k of torch.softmax(x, dim=-1, dtype=float32) as routers take them, the chosen probabilities divided
+    by their sum and cast, each or not: the same experts in the same order, the values within fp32 rounding (rows
+    not a power of two wide, no rows at all)."""
     ranks = torch.rand(shape, generator=torch.Generator().manual_seed(1)).argsort(dim=-1)
     x = ((ranks - shape[-1] // 2) / 8).to(dtype)  # distinct scores, exact in bf16
-    values, indices = top_k(x.to(DEVICE), k, torch.float32)
+    values, indices = top_k(x.to(DEVICE), k, torch.float32, renormalize, values_dtype)
     expected_values, expected_indices = torch.topk(torch.softmax(x, dim=-1, dtype=torch.float32), k, dim=-1)
-    assert values.dtype == torch.float32 and torch.equal(indices.cpu(), expected_indices)
-    torch.testing.assert_close(values.cpu(), expected_values, rtol=1e-5, atol=0)
+    if renormalize:
+        expected_values /= expected_values.sum(dim=-1, keepdim=True)
+    expected_values = expected_values.to(values_dtype or torch.float32)
+    assert values.dtype == expected_values.dtype and torch.equal(indices.cpu(), expected_indices)
+    torch.testing.assert_close(values.cpu(), expected_values, rtol=1e-5 if values_dtype is None else 1e-2, atol=0)
 
 
 def test_equal_values_come_in_index_order_and_nan_ranks_with_inf():

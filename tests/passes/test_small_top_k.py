@@ -9,9 +9,11 @@ import dflash_compile
 
 class Router(torch.nn.Module):
     """gpt-oss's routing (topk, then softmax over the chosen), DeepSeek's unsorted choice as a method call,
-    Qwen3-MoE's and Mixtral's (softmax in fp32, then topk: both fold into the node, Mixtral's fp32 cast too), a
-    softmax with another use (it stays), and three topk calls the pass leaves alone: one over 2048 values, one of
-    40 values, one along the first dimension."""
+    Qwen3-MoE's, Mixtral's and OLMoE's (softmax in fp32, then topk; the chosen probabilities renormalized by their
+    sum and cast to the logits' dtype, renormalized only, cast only: all of it folds into the node, Mixtral's fp32
+    cast of the logits too), a softmax with another use (it stays), values used before their renormalization (it
+    stays), and three topk calls the pass leaves alone: one over 2048 values, one of 40 values, one along the first
+    dimension."""
 
     def __init__(self):
         super().__init__()
@@ -25,12 +27,19 @@ class Router(torch.nn.Module):
         vocabulary_top = torch.topk(vocabulary_logits, 4)[0]
         many_top = torch.topk(vocabulary_logits[:, :64], 40)[0]
         first_dimension_top = torch.topk(logits, 1, dim=0)[1]
-        qwen3_top = torch.topk(torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1), 2, dim=-1)
-        mixtral_top = torch.topk(torch.nn.functional.softmax(logits.float(), dim=-1), 2, dim=-1)
+        qwen3_value, qwen3_index = torch.topk(torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1), 2, dim=-1)
+        qwen3_value /= qwen3_value.sum(dim=-1, keepdim=True)
+        qwen3_value = qwen3_value.to(torch.bfloat16)
+        mixtral_value, mixtral_index = torch.topk(torch.nn.functional.softmax(logits.float(), dim=-1), 2, dim=-1)
+        mixtral_value /= mixtral_value.sum(dim=-1, keepdim=True)
+        olmoe_value = torch.topk(torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1), 3, dim=-1)[0]
         shared_probabilities = logits.softmax(-1)
         shared_top = shared_probabilities.topk(2)[0]
+        early_value = torch.topk(logits, 2)[0]
+        late_value = early_value / early_value.sum(dim=-1, keepdim=True)
         return (top_value.softmax(dim=-1), top_index, unsorted_index.sort(dim=-1)[0], vocabulary_top, many_top,
-                first_dimension_top, *qwen3_top, *mixtral_top, shared_probabilities, shared_top)
+                first_dimension_top, qwen3_value, qwen3_index, mixtral_value, mixtral_index,
+                olmoe_value.to(torch.bfloat16), shared_probabilities, shared_top, early_value, late_value)
 
 
 class TestSmallTopKGolden(TestCase):
@@ -38,7 +47,7 @@ class TestSmallTopKGolden(TestCase):
         router, inputs = Router().eval(), (torch.randn(3, 16), torch.randn(3, 2048))
         expected = router(*inputs)
         report = dflash_compile.explain(router, *inputs)
-        self.assertEqual(report.matches["small_top_k"], 5)
+        self.assertEqual(report.matches["small_top_k"], 7)
         self.assertExpectedInline(report.graphs[0].after, """\
 %router.weight: f32[8, 16] = input
 %router.bias: f32[8] = input
@@ -58,19 +67,25 @@ class TestSmallTopKGolden(TestCase):
 %many_top: f32[3, 40] = operator.getitem(%topk_3, 0)
 %topk_4: (f32[1, 8], i64[1, 8]) = torch.topk(%logits, 1, dim=0)
 %first_dimension_top: i64[1, 8] = operator.getitem(%topk_4, 1)
-%top_k_default_2: (f32[3, 2], i64[3, 2]) = torch.ops.dflash.top_k.default(%logits, 2, torch.float32)
-%getitem_11: f32[3, 2] = operator.getitem(%top_k_default_2, 0)
-%getitem_12: i64[3, 2] = operator.getitem(%top_k_default_2, 1)
-%top_k_default_3: (f32[3, 2], i64[3, 2]) = torch.ops.dflash.top_k.default(%logits, 2, torch.float32)
-%getitem_13: f32[3, 2] = operator.getitem(%top_k_default_3, 0)
-%getitem_14: i64[3, 2] = operator.getitem(%top_k_default_3, 1)
+%top_k_default_2: (bf16[3, 2], i64[3, 2]) = torch.ops.dflash.top_k.default(%logits, 2, torch.float32, renormalize=True, values_dtype=torch.bfloat16)
+%qwen3_value: bf16[3, 2] = operator.getitem(%top_k_default_2, 0)
+%qwen3_index: i64[3, 2] = operator.getitem(%top_k_default_2, 1)
+%top_k_default_3: (f32[3, 2], i64[3, 2]) = torch.ops.dflash.top_k.default(%logits, 2, torch.float32, renormalize=True)
+%mixtral_value: f32[3, 2] = operator.getitem(%top_k_default_3, 0)
+%mixtral_index: i64[3, 2] = operator.getitem(%top_k_default_3, 1)
+%top_k_default_4: (bf16[3, 3], i64[3, 3]) = torch.ops.dflash.top_k.default(%logits, 3, torch.float32, values_dtype=torch.bfloat16)
+%olmoe_value: bf16[3, 3] = operator.getitem(%top_k_default_4, 0)
 %shared_probabilities: f32[3, 8] = .softmax(%logits, -1)
-%top_k_default_4: (f32[3, 2], i64[3, 2]) = torch.ops.dflash.top_k.default(%shared_probabilities, 2)
-%shared_top: f32[3, 2] = operator.getitem(%top_k_default_4, 0)
-%softmax_3: f32[3, 2] = .softmax(%top_value, dim=-1)
+%top_k_default_5: (f32[3, 2], i64[3, 2]) = torch.ops.dflash.top_k.default(%shared_probabilities, 2)
+%shared_top: f32[3, 2] = operator.getitem(%top_k_default_5, 0)
+%top_k_default_6: (f32[3, 2], i64[3, 2]) = torch.ops.dflash.top_k.default(%logits, 2)
+%early_value: f32[3, 2] = operator.getitem(%top_k_default_6, 0)
+%sum_3: f32[3, 1] = .sum(%early_value, dim=-1, keepdim=True)
+%late_value: f32[3, 2] = operator.truediv(%early_value, %sum_3)
+%softmax_4: f32[3, 2] = .softmax(%top_value, dim=-1)
 %sort: (i64[3, 3], i64[3, 3]) = .sort(%unsorted_index, dim=-1)
-%getitem_17: i64[3, 3] = operator.getitem(%sort, 0)
-return (%softmax_3, %top_index, %getitem_17, %vocabulary_top, %many_top, %first_dimension_top, %getitem_11, %getitem_12, %getitem_13, %getitem_14, %shared_probabilities, %shared_top)
+%getitem_21: i64[3, 3] = operator.getitem(%sort, 0)
+return (%softmax_4, %top_index, %getitem_21, %vocabulary_top, %many_top, %first_dimension_top, %qwen3_value, %qwen3_index, %mixtral_value, %mixtral_index, %olmoe_value, %shared_probabilities, %shared_top, %early_value, %late_value)
 """)
         with torch.no_grad():
             # Inductor's softmax of the kept node is not eager's to the last bit; the chosen experts are eager's
