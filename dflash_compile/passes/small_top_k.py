@@ -20,6 +20,16 @@ the same launch:
 ->
     %top_k: (f32[3, 2], i64[3, 2]) = torch.ops.dflash.top_k.default(%router_logits, 2, torch.float32)
 
+and so do a renormalization of the chosen values by their sum and a cast of them, where nothing else reads the
+values (`_values_tail`; Qwen3-MoE's, for one):
+
+    %sum_1: f32[3, 1] = .sum(%router_top_value, dim=-1, keepdim=True)
+    %router_top_value_1: f32[3, 2] = operator.itruediv(%router_top_value, %sum_1)
+    %router_top_value_2: bf16[3, 2] = .to(%router_top_value_1, torch.bfloat16)
+->
+    %top_k: (bf16[3, 2], i64[3, 2]) = torch.ops.dflash.top_k.default(%router_logits, 2, torch.float32,
+                                                                     renormalize=True, values_dtype=torch.bfloat16)
+
 Matched: `torch.topk(x, k, ...)` and `x.topk(k, ...)` taking the largest k (a constant, at most
 `ops.TOP_K_MAX_K`) along the last dimension, that dimension static and at most `ops.TOP_K_MAX_WIDTH` long,
 floating-point values, every use an index into the result. `sorted=False` (DeepSeek's and GLM's group and expert
