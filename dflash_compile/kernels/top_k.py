@@ -1,8 +1,9 @@
 """`dflash::top_k` on CUDA: the k largest of each row of a short last dimension (a router's expert scores) in one
 launch. `torch.topk` runs a radix select and then a sort, two kernels of ~4.4 us each per MoE layer on an H200
 for 4 of 32 experts: two launch gaps inside a decode step's CUDA graph for a few hundred bytes of work. With
-SOFTMAX, the row's softmax first, in the same launch (the routers of Qwen3-MoE, Qwen3.5-MoE, OLMoE and Mixtral
-choose among their experts' probabilities), where it was one more launch of its own.
+SOFTMAX the row's softmax comes first, and with RENORMALIZE the chosen values are divided by their sum, in the same
+launch (the routers of Qwen3-MoE, Qwen3.5-MoE, OLMoE and Mixtral choose among their experts' probabilities, and
+most renormalize them), where each was one more launch of its own.
 
 One program holds BLOCK_ROWS whole rows in registers and picks K times the largest key not yet taken, one
 reduction a round: each value's rank and its column packed in one int64 (the float's bits made monotone in its
