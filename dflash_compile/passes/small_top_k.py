@@ -117,7 +117,7 @@ def _values_tail(values: Node) -> tuple[dict, Node, list[Node]]:
             end, folded, arguments = divided, [summed, divided], {"renormalize": True}
     cast = next(iter(end.users)) if _only_use(end) else None
     if (cast is not None and cast.op == "call_method" and cast.target == "to" and len(cast.args) == 2
-            and isinstance(cast.args[1], torch.dtype) and not cast.kwargs):
+            and isinstance(cast.args[1], torch.dtype) and cast.args[1].is_floating_point and not cast.kwargs):
         end, folded, arguments = cast, folded + [cast], arguments | {"values_dtype": cast.args[1]}
     return arguments, end, folded
 
@@ -126,7 +126,8 @@ def small_top_k(gm: GraphModule, ctx: PassContext) -> int:
     matches = [(node, match) for node in gm.graph.nodes if (match := _small(node)) is not None]
     for node, (x, k) in matches:
         arguments, folded = _top_k_arguments(x, k)
-        values = next((user for user in node.users if user.args[1] == 0), None)
+        values = [user for user in node.users if user.args[1] == 0]  # one reader of the values, or no tail
+        values = values[0] if len(values) == 1 else None
         tail, end, tail_folded = _values_tail(values) if values is not None else ({}, None, [])
         with gm.graph.inserting_before(node):
             top_k = gm.graph.call_function(torch.ops.dflash.top_k.default, arguments, tail)
