@@ -53,8 +53,10 @@ def _top_k_kernel(x, values, indices, M, N, K: tl.constexpr, BLOCK_ROWS: tl.cons
     tl.store(indices + out, chosen, mask=kept)
 
 
-# Warps per program: session 32's 4, not swept yet (`bench/top_k.py --warps 1 2 4` times them).
-TOP_K_WARPS = 4
+# Warps per program holding one row (a decode step's router) and several (a verify step's). Session 47's H200 sweep
+# (`bench/top_k.py --warps 1 2 4`, docs/benchmarks.md): one row of 64-256 experts takes 2.4-2.8 us with one warp
+# against 3.1-3.7 with four; 8-16 rows of 64-256 experts 2.4-4.5 us with four against 3.6-10.8 with one.
+TOP_K_WARPS = {"one row": 1, "rows": 4}
 
 
 def top_k(x: torch.Tensor, k: int, softmax_dtype: torch.dtype | None = None, renormalize: bool = False,
@@ -73,5 +75,5 @@ def top_k(x: torch.Tensor, k: int, softmax_dtype: torch.dtype | None = None, ren
         _top_k_kernel[(triton.cdiv(rows.shape[0], block_rows),)](
             rows, values, indices, rows.shape[0], width, K=k, BLOCK_ROWS=block_rows, BLOCK_N=block_n,
             BLOCK_K=triton.next_power_of_2(k), SOFTMAX=softmax_dtype is not None, RENORMALIZE=renormalize,
-            num_warps=TOP_K_WARPS)
+            num_warps=TOP_K_WARPS["one row" if block_rows == 1 else "rows"])
     return values, indices
