@@ -73,9 +73,10 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
     (`dflash_compile.adaptive`; the choices are in `last_stats.widths`); pass a `WidthChooser` to set its options.
     With `compile`, a DFlash drafter's forward is compiled too (Inductor; CUDA graphs as above), and each layer's
     q/k/v (and dense gate/up) projections are laid out in one buffer, same values and memory, for one GEMM per group
-    (`projections.share_storage`, pass `projection_fusion`); every router's top-k runs as one launch on CUDA (pass
-    `small_top_k`), and so does each bf16 linear of a decode or verify step with more inputs than outputs (routers,
-    o_proj: pass `split_k_linear`). On CUDA each attention layer of a bf16 / fp16 decode or verify step is one
+    (`projections.share_storage`, pass `projection_fusion`); every router's top-k runs as one launch on CUDA,
+    with its softmax before it and its renormalization and cast after it where the family has them (pass
+    `small_top_k`), and so does each bf16 linear of a decode or verify step with more inputs than outputs
+    (routers, o_proj: pass `split_k_linear`). On CUDA each attention layer of a bf16 / fp16 decode or verify step is one
     launch too (`dflash::decode_attention`, split over the cache's slots).
     A model that transformers loaded from an MXFP4 checkpoint by expanding its experts gets them packed again
     (losslessly; `pack_experts_expanded_at_load`); one whose experts transformers' MXFP4 hub kernels hold is refused
