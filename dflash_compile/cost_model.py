@@ -102,6 +102,7 @@ REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
     "qwen3.5-35b-a3b": transformers.Qwen3_5MoeTextConfig,  # 40 layers (3 of 4 linear attention), 256 experts, top-8
     "glm-4.5-air": transformers.Glm4MoeConfig,  # 46 layers (the first dense), 128 experts, top-8, a shared expert
     "deepseek-v3": transformers.DeepseekV3Config,  # 61 layers (3 dense), MLA, 256 experts, top-8, a shared expert
+    "glm-4.7-flash": transformers.Glm4MoeLiteConfig,  # 47 layers (the first dense), MLA, 64 experts, top-4, shared 1
     "olmoe-1b-7b": lambda: transformers.OlmoeConfig(intermediate_size=1024),  # 16 layers, 64 experts, top-8
     "mixtral-8x7b": transformers.MixtralConfig,  # 32 layers, 8 experts, top-2
 }
@@ -116,8 +117,9 @@ def reference_config(name_or_path: str, layers: int | None = None):
         config = transformers.AutoConfig.from_pretrained(name_or_path)
     if layers:
         config.num_hidden_layers = layers
-        if getattr(config, "layer_types", None):
-            config.layer_types = config.layer_types[:layers]
+        for per_layer in ("layer_types", "mlp_layer_types"):  # attention kinds; GLM-4.7-Flash's dense / sparse MLPs
+            if getattr(config, per_layer, None):
+                setattr(config, per_layer, getattr(config, per_layer)[:layers])
     return config
 
 

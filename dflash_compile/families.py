@@ -97,6 +97,11 @@ def _after_first_k_dense(config) -> list[int]:
     return list(range(config.first_k_dense_replace, config.num_hidden_layers))
 
 
+def _declared_sparse_layers(config) -> list[int]:
+    """GLM-4.7-Flash (glm4_moe_lite): `mlp_layer_types` names each layer's MLP "dense" or "sparse"."""
+    return [i for i, kind in enumerate(config.mlp_layer_types) if kind == "sparse"]
+
+
 def _qwen3_sparse_layers(config) -> list[int]:
     return [
         i
@@ -121,6 +126,8 @@ def _window_everywhere(config) -> list[AttentionKind]:
 
 _SWIGLU = ExpertLayout(gate_up="concatenated", transposed=False, bias=False, activation="act_fn")
 _SOFTMAX = RouterSpec(scoring="softmax")
+# Multi-head latent attention's linears reading the same input (q_proj where there is no q_lora_rank)
+_MLA_SHARED_INPUTS = (("q_a_proj", "kv_a_proj_with_mqa"), ("q_proj", "kv_a_proj_with_mqa"), ("gate_proj", "up_proj"))
 _DEEPSEEK_ROUTER = RouterSpec(scoring="sigmoid", correction_bias=True, grouped_top_k=True, routed_scaling_factor=True)
 
 FAMILIES: dict[str, FamilySpec] = {
@@ -159,9 +166,11 @@ FAMILIES: dict[str, FamilySpec] = {
         ),
         FamilySpec(
             "deepseek_v3", ("deepseek_v3",), "DeepseekV3Experts", _SWIGLU, _DEEPSEEK_ROUTER, "shared_experts",
-            _after_first_k_dense, _full_attention,
-            shared_input_linears=(("q_a_proj", "kv_a_proj_with_mqa"), ("q_proj", "kv_a_proj_with_mqa"),
-                                  ("gate_proj", "up_proj")),  # q_proj where there is no q_lora_rank
+            _after_first_k_dense, _full_attention, shared_input_linears=_MLA_SHARED_INPUTS, cached_per_token=_latent,
+        ),
+        FamilySpec(  # GLM-4.7-Flash: DeepSeek-V3's latent attention and router, its MLPs named layer by layer
+            "glm4_moe_lite", ("glm4_moe_lite",), "Glm4MoeLiteExperts", _SWIGLU, _DEEPSEEK_ROUTER, "shared_experts",
+            _declared_sparse_layers, _full_attention, shared_input_linears=_MLA_SHARED_INPUTS,
             cached_per_token=_latent,
         ),
         FamilySpec("olmoe", ("olmoe",), "OlmoeExperts", _SWIGLU, _SOFTMAX, None, _all_layers, _full_attention),

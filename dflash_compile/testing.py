@@ -42,6 +42,10 @@ TINY_CONFIGS = {
     "deepseek_v3": lambda: transformers.DeepseekV3Config(
         num_hidden_layers=3, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
         v_head_dim=16, **_DEEPSEEK_ROUTING, **_ROUTED, **{**_COMMON, "num_key_value_heads": 4}),  # MLA: kv heads = heads
+    "glm4_moe_lite": lambda: transformers.Glm4MoeLiteConfig(  # GLM-4.7-Flash: one group, MLPs declared per layer
+        num_hidden_layers=3, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+        mlp_layer_types=["dense", "sparse", "sparse"], **_ROUTED, **{**_COMMON, "num_key_value_heads": 4},
+        **{**_DEEPSEEK_ROUTING, "n_group": 1, "topk_group": 1, "first_k_dense_replace": None}),
     "olmoe": lambda: transformers.OlmoeConfig(
         num_hidden_layers=2, intermediate_size=32, num_experts=8, **_ROUTED, **_COMMON),
 }

@@ -16,7 +16,8 @@ from tests.conftest import token_ids
 
 # Expert sizes the formats can hold: MXFP4 groups of 32, FP8 gate/up stacked in whole 128-row blocks.
 SIZES = {"gpt_oss": {"intermediate_size": 64}, "deepseek_v3": {"moe_intermediate_size": 128},
-         "glm4_moe": {"moe_intermediate_size": 128}, "qwen3_moe": {"moe_intermediate_size": 128}}
+         "glm4_moe": {"moe_intermediate_size": 128}, "glm4_moe_lite": {"moe_intermediate_size": 128},
+         "qwen3_moe": {"moe_intermediate_size": 128}}
 
 
 def _quantized(family, format, tmp_path):
@@ -130,7 +131,7 @@ def _dequantized_reference(original, packed):
     return reference
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "glm4_moe_lite", "qwen3_moe"])
 def test_fp8_block_checkpoint_loads_packed_and_matches_the_dequantized_model(family, tmp_path):
     original, directory = _quantized(family, "fp8_block", tmp_path)
     packed = load_packed(directory, dtype=torch.float32)
@@ -227,11 +228,12 @@ def test_packed_models_of_one_class_compile_to_their_own_experts(tmp_path):
 
 
 @pytest.mark.parametrize("family, skipped", [("deepseek_v3", "model.layers.61.eh_proj.weight"),
-                                             ("glm4_moe", "model.layers.46.eh_proj.weight")])
+                                             ("glm4_moe", "model.layers.46.eh_proj.weight"),
+                                             ("glm4_moe_lite", "model.layers.47.eh_proj.weight")])
 def test_fp8_checkpoints_load_past_the_tensors_transformers_skips(family, skipped, tmp_path):
-    """Released DeepSeek-V3 / GLM-4.5 FP8 checkpoints carry a multi-token-prediction layer past the last decoder
-    layer, which transformers skips (`_keys_to_ignore_on_load_unexpected`): so does load_packed; any other stray
-    tensor is still refused."""
+    """Released DeepSeek-V3 / GLM-4.5 / GLM-4.7-Flash FP8 checkpoints carry a multi-token-prediction layer past the
+    last decoder layer, which transformers skips (`_keys_to_ignore_on_load_unexpected`): so does load_packed; any
+    other stray tensor is still refused."""
     from safetensors.torch import save_file
 
     _, directory = _quantized(family, "fp8_block", tmp_path)

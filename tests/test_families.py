@@ -9,9 +9,9 @@ from dflash_compile.families import FAMILIES, UnsupportedFamilyError, spec_for_c
 from tests.conftest import token_ids
 
 
-def test_registry_covers_the_seven_families():
+def test_registry_covers_the_eight_families():
     assert dflash_compile.supported_families() == sorted(
-        ["mixtral", "qwen3_moe", "qwen3_5_moe", "gpt_oss", "glm4_moe", "deepseek_v3", "olmoe"]
+        ["mixtral", "qwen3_moe", "qwen3_5_moe", "gpt_oss", "glm4_moe", "glm4_moe_lite", "deepseek_v3", "olmoe"]
     )
 
 
@@ -24,6 +24,7 @@ def test_registry_covers_the_seven_families():
         ("gpt_oss", [0, 1], ["sliding_attention", "full_attention"]),
         ("glm4_moe", [1, 2], ["full_attention"] * 3),  # first_k_dense_replace=1
         ("deepseek_v3", [1, 2], ["full_attention"] * 3),
+        ("glm4_moe_lite", [1, 2], ["full_attention"] * 3),  # mlp_layer_types=["dense", "sparse", "sparse"]
         ("olmoe", [0, 1], ["full_attention"] * 2),
     ],
 )
@@ -38,9 +39,11 @@ def test_spec_of_each_tiny_model(tiny, family, moe_layers, attention):
     assert all(spec_for_experts_class(cls) is spec for cls in experts.values())
 
 
-def test_qwen3_sparse_step_and_mixtral_window():
+def test_qwen3_sparse_step_glm_declared_layers_and_mixtral_window():
     qwen = transformers.Qwen3MoeConfig(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3])
     assert FAMILIES["qwen3_moe"].moe_layers(qwen) == [1]
+    glm = transformers.Glm4MoeLiteConfig(num_hidden_layers=4, mlp_layer_types=["dense", "sparse", "dense", "sparse"])
+    assert FAMILIES["glm4_moe_lite"].moe_layers(glm) == [1, 3]
     mixtral = transformers.MixtralConfig(num_hidden_layers=2, sliding_window=16)
     assert FAMILIES["mixtral"].attention_kinds(mixtral) == ["sliding_attention"] * 2
 
@@ -60,7 +63,7 @@ def test_unsupported_moe_family_is_a_clear_error_before_any_state():
         with torch.no_grad():
             torch.compile(model, backend="dflash", options={"lowering": "eager"})(token_ids(1, 4))
     assert isinstance(err.value.inner_exception, UnsupportedFamilyError)
-    assert "deepseek_v3, glm4_moe, gpt_oss, mixtral, olmoe, qwen3_5_moe, qwen3_moe" in str(err.value)
+    assert "deepseek_v3, glm4_moe, glm4_moe_lite, gpt_oss, mixtral, olmoe, qwen3_5_moe, qwen3_moe" in str(err.value)
     assert model not in _STORES_BY_ROOT  # nothing registered before the error
 
 
