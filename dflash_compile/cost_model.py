@@ -100,6 +100,7 @@ REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
         vocab_size=151936, norm_topk_prob=True, max_position_embeddings=40960),
     # the config classes' defaults are these released models' shapes (transformers 5.24), OLMoE's expert width aside
     "qwen3.5-35b-a3b": transformers.Qwen3_5MoeTextConfig,  # 40 layers (3 of 4 linear attention), 256 experts, top-8
+    "qwen3-next-80b-a3b": transformers.Qwen3NextConfig,  # 48 layers (3 of 4 linear attention), 512 experts, top-10
     "glm-4.5-air": transformers.Glm4MoeConfig,  # 46 layers (the first dense), 128 experts, top-8, a shared expert
     "deepseek-v3": transformers.DeepseekV3Config,  # 61 layers (3 dense), MLA, 256 experts, top-8, a shared expert
     "glm-4.7-flash": transformers.Glm4MoeLiteConfig,  # 47 layers (the first dense), MLA, 64 experts, top-4, shared 1

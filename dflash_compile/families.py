@@ -126,6 +126,8 @@ def _window_everywhere(config) -> list[AttentionKind]:
 
 _SWIGLU = ExpertLayout(gate_up="concatenated", transposed=False, bias=False, activation="act_fn")
 _SOFTMAX = RouterSpec(scoring="softmax")
+_GATED_DELTA_NET = LinearAttentionSpec("linear_attn", "torch_chunk_gated_delta_rule",
+                                       "torch_recurrent_gated_delta_rule")
 # Multi-head latent attention's linears reading the same input (q_proj where there is no q_lora_rank)
 _MLA_SHARED_INPUTS = (("q_a_proj", "kv_a_proj_with_mqa"), ("q_proj", "kv_a_proj_with_mqa"), ("gate_proj", "up_proj"))
 _DEEPSEEK_ROUTER = RouterSpec(scoring="sigmoid", correction_bias=True, grouped_top_k=True, routed_scaling_factor=True)
@@ -147,7 +149,11 @@ FAMILIES: dict[str, FamilySpec] = {
             "shared_expert",
             _all_layers,
             _declared_layer_types,  # GatedDeltaNet "linear_attention" layers between "full_attention" ones
-            LinearAttentionSpec("linear_attn", "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"),
+            _GATED_DELTA_NET,
+        ),
+        FamilySpec(  # Qwen3-Next: Qwen3.5-MoE's GatedDeltaNet and shared expert, Qwen3-MoE's sparse-layer rule
+            "qwen3_next", ("qwen3_next",), "Qwen3NextExperts", _SWIGLU, _SOFTMAX, "shared_expert",
+            _qwen3_sparse_layers, _declared_layer_types, _GATED_DELTA_NET,
         ),
         FamilySpec(
             "gpt_oss",

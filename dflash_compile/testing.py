@@ -34,6 +34,11 @@ TINY_CONFIGS = {
         num_hidden_layers=2, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
         head_dim=16, layer_types=["linear_attention", "full_attention"], linear_key_head_dim=16,
         linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, **_ROUTED, **_COMMON),
+    "qwen3_next": lambda: transformers.Qwen3NextConfig(
+        num_hidden_layers=2, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
+        head_dim=16, layer_types=["linear_attention", "full_attention"], linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, decoder_sparse_step=1,
+        mlp_only_layers=[], **_ROUTED, **_COMMON),
     "gpt_oss": lambda: transformers.GptOssConfig(
         num_hidden_layers=2, intermediate_size=48, num_local_experts=4, head_dim=16, sliding_window=8,
         layer_types=["sliding_attention", "full_attention"], **_ROUTED, **_COMMON),

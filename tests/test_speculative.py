@@ -9,8 +9,8 @@ from dflash_compile.families import spec_for_model
 from dflash_compile.testing import OracleDrafter
 from tests.conftest import token_ids
 
-SPECULATIVE_FAMILIES = ["mixtral", "qwen3_moe", "qwen3_5_moe", "gpt_oss", "glm4_moe", "glm4_moe_lite", "deepseek_v3",
-                        "olmoe"]
+SPECULATIVE_FAMILIES = ["mixtral", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe", "glm4_moe_lite",
+                        "deepseek_v3", "olmoe"]
 NEW_TOKENS = 48  # crosses the gpt_oss test model's 8-token sliding window several times
 
 
