@@ -1,9 +1,10 @@
 """Tiny random models of every supported family, saved and loaded back through `from_pretrained`.
 
 No checkpoint can be downloaded here, so tests, the CLI's built-in default and CPU benchmarks build models from the
-transformers config classes. Each keeps the structure that matters: a dense first layer for glm4_moe and
-deepseek_v3, an `mlp_only_layers` dense layer for qwen3_moe, GatedDeltaNet linear-attention layers for qwen3_5_moe,
-alternating sliding/full layers with attention sinks for gpt_oss, shared experts where the family has them.
+transformers config classes. Each keeps the structure that matters: a dense first layer for glm4_moe, deepseek_v3
+and glm4_moe_lite (declared in `mlp_layer_types`), latent attention for the last two, an `mlp_only_layers` dense
+layer for qwen3_moe, GatedDeltaNet linear-attention layers for qwen3_5_moe and qwen3_next, alternating sliding/full
+layers with attention sinks for gpt_oss, shared experts where the family has them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,14 @@ _COMMON = dict(
 _ROUTED = dict(num_experts_per_tok=2)  # top-k
 _DEEPSEEK_ROUTING = dict(n_routed_experts=8, n_group=2, topk_group=1, first_k_dense_replace=1, norm_topk_prob=True,
                          routed_scaling_factor=2.5, moe_intermediate_size=32, intermediate_size=96, n_shared_experts=1)
+# Qwen3.5-MoE and Qwen3-Next: a GatedDeltaNet linear-attention layer, then a full-attention one, a shared expert
+_GATED_DELTA_NET = dict(num_hidden_layers=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                        num_experts=8, head_dim=16, layer_types=["linear_attention", "full_attention"],
+                        linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                        linear_num_value_heads=4)
+# DeepSeek-V3 and GLM-4.7-Flash: multi-head latent attention, as many key/value heads as heads
+_MLA = dict(num_hidden_layers=3, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=16, **{**_COMMON, "num_key_value_heads": 4})
 
 TINY_CONFIGS = {
     "mixtral": lambda: transformers.MixtralConfig(
@@ -30,26 +39,17 @@ TINY_CONFIGS = {
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
         num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32, num_experts=8, head_dim=16,
         mlp_only_layers=[0], norm_topk_prob=True, **_ROUTED, **_COMMON),
-    "qwen3_5_moe": lambda: transformers.Qwen3_5MoeTextConfig(
-        num_hidden_layers=2, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
-        head_dim=16, layer_types=["linear_attention", "full_attention"], linear_key_head_dim=16,
-        linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, **_ROUTED, **_COMMON),
+    "qwen3_5_moe": lambda: transformers.Qwen3_5MoeTextConfig(**_GATED_DELTA_NET, **_ROUTED, **_COMMON),
     "qwen3_next": lambda: transformers.Qwen3NextConfig(
-        num_hidden_layers=2, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
-        head_dim=16, layer_types=["linear_attention", "full_attention"], linear_key_head_dim=16,
-        linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, decoder_sparse_step=1,
-        mlp_only_layers=[], **_ROUTED, **_COMMON),
+        decoder_sparse_step=1, mlp_only_layers=[], **_GATED_DELTA_NET, **_ROUTED, **_COMMON),
     "gpt_oss": lambda: transformers.GptOssConfig(
         num_hidden_layers=2, intermediate_size=48, num_local_experts=4, head_dim=16, sliding_window=8,
         layer_types=["sliding_attention", "full_attention"], **_ROUTED, **_COMMON),
     "glm4_moe": lambda: transformers.Glm4MoeConfig(
         num_hidden_layers=3, head_dim=16, **_DEEPSEEK_ROUTING, **_ROUTED, **_COMMON),
-    "deepseek_v3": lambda: transformers.DeepseekV3Config(
-        num_hidden_layers=3, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
-        v_head_dim=16, **_DEEPSEEK_ROUTING, **_ROUTED, **{**_COMMON, "num_key_value_heads": 4}),  # MLA: kv heads = heads
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(**_MLA, **_DEEPSEEK_ROUTING, **_ROUTED),
     "glm4_moe_lite": lambda: transformers.Glm4MoeLiteConfig(  # GLM-4.7-Flash: one group, MLPs declared per layer
-        num_hidden_layers=3, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-        mlp_layer_types=["dense", "sparse", "sparse"], **_ROUTED, **{**_COMMON, "num_key_value_heads": 4},
+        mlp_layer_types=["dense", "sparse", "sparse"], **_MLA, **_ROUTED,
         **{**_DEEPSEEK_ROUTING, "n_group": 1, "topk_group": 1, "first_k_dense_replace": None}),
     "olmoe": lambda: transformers.OlmoeConfig(
         num_hidden_layers=2, intermediate_size=32, num_experts=8, **_ROUTED, **_COMMON),
