@@ -47,11 +47,14 @@ def main() -> None:
             logits = torch.randn(rows, experts, device="cuda", dtype=torch.bfloat16)
             dtype = torch.float32 if softmax else None
 
-            def torch_choice():
-                return torch.topk(torch.softmax(logits, -1, dtype=dtype) if softmax else logits, k, dim=-1)
+            def scores():  # torch's softmax where the family takes probabilities
+                return torch.softmax(logits, -1, dtype=dtype) if softmax else logits
 
-            def old_choice():  # the baseline's topk, after torch's softmax where the family takes one
-                return baseline(torch.softmax(logits, -1, dtype=dtype) if softmax else logits, k)
+            def torch_choice():
+                return torch.topk(scores(), k, dim=-1)
+
+            def old_choice():  # the baseline's topk
+                return baseline(scores(), k)
 
             rule, times = dict(kernels.TOP_K_WARPS), []
             for warps in args.warps:

@@ -28,8 +28,9 @@ def _top_k_kernel(x, values, indices, M, N, K: tl.constexpr, BLOCK_ROWS: tl.cons
     scores = tl.load(rows_x + columns[None, :], mask=inside, other=float("-inf")).to(tl.float32)
     if SOFTMAX:  # in fp32, as softmax(x, dtype=torch.float) computes it; columns past the row are exp(-inf) = 0
         largest = tl.max(scores, axis=1)
-        total = tl.sum(tl.exp(scores - largest[:, None]), axis=1)
-        scores = tl.exp(scores - largest[:, None]) / total[:, None]
+        exponentials = tl.exp(scores - largest[:, None])
+        total = tl.sum(exponentials, axis=1)
+        scores = exponentials / total[:, None]
     ranked = tl.where(scores != scores, float("inf"), tl.where(scores == 0, 0.0, scores))  # NaN as +inf, -0.0 as 0
     bits = ranked.to(tl.int32, bitcast=True)
     monotone = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats' magnitude bits flipped: int order = float order
