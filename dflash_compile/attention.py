@@ -207,6 +207,10 @@ def _by_rows(attend, query, key, value, starts: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# The keyword argument the target's forward passes its attention layers (transformers hands unknown ones down to the
+# attention function): `TargetCache.seen_slots`, the slots past which no new token sees, for `dflash::decode_attention`.
+SEEN_SLOTS = "dflash_seen_slots"
+
 # What `dflash::decode_attention` takes to its CUDA kernel: a decode or verify step's folded query rows per key/value
 # head (a verify block of gpt-oss-20b or Qwen3-30B-A3B: 8 groups x 16 tokens), in programs of 16 rows. More (a
 # prefill chunk) stay with SDPA's fused kernels: the kernel was never timed against them there.
@@ -268,7 +272,8 @@ def grouped_query_attention(module, query, key, value, attention_mask, dropout: 
     if s_aux is None and (attention_mask is None or not folding_pays(query, key)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if not (dropout and module.training) and decode_kernel_takes(query, key, value, attention_mask):
-        return torch.ops.dflash.decode_attention(query, key, value, attention_mask, s_aux, scaling), None
+        return torch.ops.dflash.decode_attention(query, key, value, attention_mask, s_aux, scaling,
+                                                 kwargs.get(SEEN_SLOTS)), None
     return folded_attention(query, key, value, attention_mask, s_aux, scaling, dropout, module.training), None
 
 

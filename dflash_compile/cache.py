@@ -231,6 +231,13 @@ class TargetCache(Cache):
         """Position ids [b, width] of the next `width` tokens: slot minus left padding."""
         return self.lengths[:, None] - self.pad[:, None] + torch.arange(width, device=self.lengths.device)
 
+    def seen_slots(self, width: int) -> torch.Tensor | None:
+        """A compiled step's bound on the slots its `width` new tokens see, for `dflash::decode_attention` to read no
+        further: every row's keys lie before its length plus the new tokens (a ring's too, until it wraps; past
+        that the kernel reads the whole ring). On the device, so one step graph serves every length. None in the
+        prefill, whose forwards see `visible` slots already."""
+        return self.lengths.max() + width if self.visible is None else None
+
     def masks(self, width: int, windows: dict[str, int | None], causal_prompt: bool = False,
               causal_chunks: bool = False, pads: list[int] | None = None) -> dict[str, torch.Tensor | None]:
         """Masks for the next `width` tokens, one per attention kind: additive [b, 1, width, slots], causal over

@@ -166,21 +166,22 @@ def _split_k_linear_fake(x, weight, bias):
 
 @torch.library.custom_op("dflash::decode_attention", mutates_args=())
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                     sinks: torch.Tensor | None, scaling: float) -> torch.Tensor:
+                     sinks: torch.Tensor | None, scaling: float, seen: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped-query attention of a few new tokens over the cache: query [b, heads, t, d], key/value [b, kv_heads,
     s, d], additive mask [b, 1, t, s], sinks [heads] or None (gpt-oss) -> [b, t, heads, d], as
-    `attention.folded_attention` computes it. Where `attention.decode_kernel_takes` them (decode and verify steps on
-    CUDA), one Triton launch split over the slots (`kernels.decode_attention`) instead of torch's GEMM, softmax and
-    GEMM over the whole score matrix."""
+    `attention.folded_attention` computes it. `seen`: None, or a one-element integer tensor: the mask hides every
+    slot from it on from every row (`TargetCache.seen_slots`). Where `attention.decode_kernel_takes` them (decode
+    and verify steps on CUDA), one Triton launch split over the slots before `seen` (`kernels.decode_attention`)
+    instead of torch's GEMM, softmax and GEMM over the whole score matrix."""
     if decode_kernel_takes(query, key, value, mask):
         from .kernels.decode_attention import grouped_decode_attention
 
-        return grouped_decode_attention(query, key, value, mask, sinks, scaling)
+        return grouped_decode_attention(query, key, value, mask, sinks, scaling, seen)
     return folded_attention(query, key, value, mask, sinks, scaling)
 
 
 @decode_attention.register_fake
-def _decode_attention_fake(query, key, value, mask, sinks, scaling):
+def _decode_attention_fake(query, key, value, mask, sinks, scaling, seen=None):
     b, heads, t, _ = query.shape
     torch._check(heads % key.shape[1] == 0, lambda: "query heads must be a multiple of key/value heads")
     torch._check(mask.shape[-2:] == (t, key.shape[2]), lambda: "the mask must be [b, 1, new tokens, slots]")

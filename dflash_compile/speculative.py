@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .adaptive import WidthChooser
-from .attention import grouped_attention, unmasked_is_causal, unmasked_chunks
+from .attention import SEEN_SLOTS, grouped_attention, unmasked_chunks, unmasked_is_causal
 from .backend import dflash_backend_with
 from .cache import RowCache, TargetCache
 from .drafter import DFlashDrafter, context_features
@@ -255,6 +255,7 @@ class SpeculativeDecoder:
             use_cache=True,
             output_hidden_states=self.hidden_states_read or False,
             logits_to_keep=logits_to_keep,
+            **{SEEN_SLOTS: cache.seen_slots(width)},
         )
         features = context_features(out.hidden_states, self.layer_ids) if self.layer_ids else None
         return out.logits, features

@@ -113,8 +113,10 @@ def test_top_k_rejects_k_beyond_the_row_at_trace_time():
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 @pytest.mark.parametrize("sinks", [False, True])
-def test_opcheck_decode_attention(device, sinks):
-    """torch's math on a CPU, the Triton kernel on CUDA (bf16, within `decode_kernel_takes`' limits)."""
+@pytest.mark.parametrize("seen", [None, 15])
+def test_opcheck_decode_attention(device, sinks, seen):
+    """torch's math on a CPU, the Triton kernel on CUDA (bf16, within `decode_kernel_takes`' limits); with `seen`,
+    the slots from it on hidden from every row."""
     from dflash_compile.attention import decode_kernel_takes, folded_attention
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -122,11 +124,13 @@ def test_opcheck_decode_attention(device, sinks):
     query = torch.randn(1, 2, 8, 16, generator=generator).transpose(1, 2).to(device, dtype)
     key, value = (torch.randn(1, 2, 20, 16, generator=generator).to(device, dtype) for _ in range(2))
     mask = torch.where(torch.rand(1, 1, 2, 20, generator=generator) > 0.3, 0.0, -1e4).to(device, dtype)
+    if seen is not None:
+        mask[..., seen:] = torch.finfo(dtype).min
     sink_logits = torch.randn(8, generator=generator).to(device, dtype) if sinks else None
     assert decode_kernel_takes(query, key, value, mask) == (device == "cuda")
-    args = (query, key, value, mask, sink_logits, 0.25)
+    args = (query, key, value, mask, sink_logits, 0.25, None if seen is None else torch.tensor(seen, device=device))
     torch.library.opcheck(torch.ops.dflash.decode_attention.default, args)
-    torch.testing.assert_close(torch.ops.dflash.decode_attention(*args), folded_attention(*args),
+    torch.testing.assert_close(torch.ops.dflash.decode_attention(*args), folded_attention(*args[:6]),
                                rtol=2e-2 if device == "cuda" else 0, atol=2e-2 if device == "cuda" else 0)
 
 

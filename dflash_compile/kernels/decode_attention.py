@@ -12,7 +12,7 @@ sinks join each query's softmax there; without arrival counts (a CUDA graph capt
 launch merges.
 
 Rows that see no slot (padding queries under an additive finfo.min mask) come out as the torch math makes them: all
-their scores tie, so a uniform average of the values (or, with sinks, zeros).
+their scores tie, so a uniform average of the values (or, with sinks, zeros); with `seen`, of the values before it.
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ def _group_rows(group, PARTS: tl.constexpr, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
-def _split_kernel(q, k, v, mask, acc_out, stats_out, sinks, out, counts, scaling, R, T, S, CHUNK, GROUPS,
+def _split_kernel(q, k, v, mask, seen, acc_out, stats_out, sinks, out, counts, scaling, R, T, S, GROUPS,
                   q_b, q_h, q_r, k_b, k_h, k_s, v_b, v_h, v_s, m_b, m_t, m_s,
                   KV_HEADS: tl.constexpr, PARTS: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr, MERGE_IN_LAUNCH: tl.constexpr,
-                  PRECISION: tl.constexpr):
+                  BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SEEN: tl.constexpr,
+                  MERGE_IN_LAUNCH: tl.constexpr, PRECISION: tl.constexpr):
     group, split = tl.program_id(0), tl.program_id(1)
     row_head, local, rows = _group_rows(group, PARTS, BLOCK_R)
     b, h = row_head // KV_HEADS, row_head % KV_HEADS
@@ -51,8 +51,10 @@ def _split_kernel(q, k, v, mask, acc_out, stats_out, sinks, out, counts, scaling
     largest = tl.full([BLOCK_R], _LOWEST, tl.float32)  # finite: a share's padding slots (-inf) make no NaN
     total = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, D], tl.float32)
-    start = split * CHUNK
-    stop = tl.minimum(start + CHUNK, S)
+    span = tl.minimum(tl.load(seen), S) if HAS_SEEN else S  # the slots any row may see, shared by every share
+    chunk = tl.cdiv(tl.cdiv(span, SPLITS), BLOCK_S) * BLOCK_S
+    start = split * chunk
+    stop = tl.minimum(start + chunk, span)
     for first in range(start, stop, BLOCK_S):
         slots = first + tl.arange(0, BLOCK_S)
         slot_ok = slots < stop
@@ -123,10 +125,13 @@ def _splits(slots: int, block_s: int, heads: int, device: torch.device) -> int:
 
 
 def decode_attention(folded: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, t: int,
-                     scaling: float, sinks: torch.Tensor | None = None, splits: int | None = None,
-                     block_s: int = 64, block_r: int = 16) -> torch.Tensor:
+                     scaling: float, sinks: torch.Tensor | None = None, seen: torch.Tensor | None = None,
+                     splits: int | None = None, block_s: int = 64, block_r: int = 16) -> torch.Tensor:
     """folded queries [b, kv heads, groups * t, d] (`attention._fold`), key/value [b, kv heads, S, d] (any strides),
     additive mask [b, 1, t, S], sinks [heads] or None -> [b, kv heads, groups * t, d] in the queries' dtype.
+    `seen`: None, or a one-element integer tensor on the device: no row sees a slot from it on (the mask hides them
+    all), so the shares split the slots before it and the rest are never read. A cache's capacity is a power of two
+    between half and all filled; the count stays on the device, so one CUDA graph serves every step.
     `splits`: shares of the slots per group of rows (default: `_splits`); `block_r`: folded rows per program, a
     power of two from 16. Each group of rows reads the keys and values again, yet 16 (tl.dot's smallest tile) is
     the fastest on the H200 for verify blocks (session 35: 1.3-5.9x over a program per head's 64-128 rows, whose
@@ -148,10 +153,11 @@ def decode_attention(folded: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     sinks_or_any = sinks if sinks is not None else acc  # an unread pointer without sinks
     shape = dict(KV_HEADS=kv_heads, PARTS=groups // (b * kv_heads), SPLITS=splits, D=d, BLOCK_R=block_r,
                  HAS_SINKS=sinks is not None)
-    _split_kernel[(groups, splits)](
-        folded, key, value, mask, acc, stats, sinks_or_any, out, counts if counts is not None else acc, scaling, rows,
-        t, slots, chunk, rows // t, *folded.stride()[:3], *key.stride()[:3], *value.stride()[:3], mask.stride(0),
-        mask.stride(2), mask.stride(3), **shape, BLOCK_S=block_s, MERGE_IN_LAUNCH=counts is not None,
+    _split_kernel[(groups, splits)](  # acc: an unread pointer in place of what is None
+        folded, key, value, mask, seen if seen is not None else acc, acc, stats, sinks_or_any, out,
+        counts if counts is not None else acc, scaling, rows, t, slots, rows // t, *folded.stride()[:3],
+        *key.stride()[:3], *value.stride()[:3], mask.stride(0), mask.stride(2), mask.stride(3), **shape,
+        BLOCK_S=block_s, HAS_SEEN=seen is not None, MERGE_IN_LAUNCH=counts is not None,
         PRECISION="ieee" if folded.dtype == torch.float32 else "tf32",
         num_warps=8 if block_r * d >= 8192 else 4)  # a verify block's rows x head dim of fp32 accumulators
     if counts is None:
@@ -160,9 +166,12 @@ def decode_attention(folded: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 
 def grouped_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                             sinks: torch.Tensor | None, scaling: float, **tiles) -> torch.Tensor:
+                             sinks: torch.Tensor | None, scaling: float, seen: torch.Tensor | None = None,
+                             **tiles) -> torch.Tensor:
     """query [b, heads, t, d] -> [b, t, heads, d], as `attention.folded_attention` takes and returns them: the
-    queries folded for `decode_attention`, its output unfolded. `tiles`: its splits, block_s, block_r."""
+    queries folded for `decode_attention`, its output unfolded. `seen` and `tiles` (splits, block_s, block_r) as
+    `decode_attention` takes them."""
     heads, t = query.shape[1], query.shape[2]
-    folded = decode_attention(_fold(query, key.shape[1]).contiguous(), key, value, mask, t, scaling, sinks, **tiles)
+    folded = decode_attention(_fold(query, key.shape[1]).contiguous(), key, value, mask, t, scaling, sinks, seen,
+                              **tiles)
     return _unfold(folded, heads, t)

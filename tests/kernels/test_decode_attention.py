@@ -30,8 +30,8 @@ def _inputs(heads, kv_heads, t, slots, d=16, sinks=False, batch=2, seed=0):
     return *tensors[:3], additive_mask(visible.to(DEVICE), DTYPE), tensors[3]
 
 
-def _kernel(query, key, value, mask, sinks, **tiles):
-    return grouped_decode_attention(query, key, value, mask, sinks, 0.25, **tiles)
+def _kernel(query, key, value, mask, sinks, seen=None, **tiles):
+    return grouped_decode_attention(query, key, value, mask, sinks, 0.25, seen, **tiles)
 
 
 @pytest.mark.parametrize("merge_in_launch", [True, False])
@@ -71,6 +71,23 @@ def test_rows_over_several_programs(monkeypatch, sinks, t, merge_in_launch, bloc
     torch.testing.assert_close(out, expected, rtol=TOLERANCE, atol=TOLERANCE)
 
 
+@pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.parametrize("seen, splits", [(37, 4), (37, 1), (64, 3), (5, 4)])
+def test_slots_from_seen_on_are_never_read(sinks, seen, splits):
+    """With `seen` the shares split the slots before it (some left with nothing, 5 slots over 4 shares of 16) and
+    never read the rest: NaN keys and values there, hidden by the mask from every row, leave the output as torch's
+    math over the first `seen` slots alone (the padding query's uniform average too)."""
+    query, key, value, mask, sink_logits = _inputs(8, 2, 3, seen, sinks=sinks)
+    expected = folded_attention(query, key, value, mask, sink_logits, 0.25)
+    expected[1, 0] = 0 if sinks else value[1].float().mean(1).repeat_interleave(4, 0)  # as in test_matches_torch_math
+    past = 100 - seen
+    key, value = (torch.nn.functional.pad(x, (0, 0, 0, past), value=float("nan")) for x in (key, value))
+    mask = torch.nn.functional.pad(mask, (0, past), value=torch.finfo(DTYPE).min)
+    out = _kernel(query, key, value, mask, sink_logits, seen=torch.tensor(seen, device=DEVICE), splits=splits,
+                  block_s=16)
+    torch.testing.assert_close(out, expected, rtol=TOLERANCE, atol=TOLERANCE)
+
+
 def test_rows_per_program_must_be_a_power_of_two_from_16():
     query, key, value, mask, _ = _inputs(8, 1, 4, 40)
     with pytest.raises(ValueError, match="block_r must be a power of two from 16, got 24"):
@@ -93,18 +110,25 @@ def test_model_shapes_on_cuda(heads, kv_heads, d, sinks, t):
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_the_decoder_through_the_kernel_keeps_generates_tokens(tiny, random_drafter, family, monkeypatch):
     """The kernel inside the real decoder (fp32, interpreter): the cache's masks, gpt-oss's sliding-window rings and
-    sinks, decode steps and verify blocks, a left-padded batch -- the same tokens as `model.generate`."""
+    sinks, decode steps and verify blocks, a left-padded batch, each step's slots from `TargetCache.seen_slots` on
+    left unread -- the same tokens as `model.generate`."""
     from dflash_compile import attention, ops
+    from dflash_compile.kernels import decode_attention
 
-    calls = []
+    calls, unread = [], []
 
     def takes(query, key, value, mask):
         fits = attention.decode_kernel_shapes(query, key, value, mask)
         calls.append(fits)
         return fits
 
+    def kernel(query, key, value, mask, sinks, scaling, seen):  # None in the prefill: its keys end where it sees
+        unread.append(0 if seen is None else key.shape[2] - seen.item())
+        return grouped_decode_attention(query, key, value, mask, sinks, scaling, seen)
+
     monkeypatch.setattr(attention, "decode_kernel_takes", takes)
     monkeypatch.setattr(ops, "decode_kernel_takes", takes)
+    monkeypatch.setattr(decode_attention, "grouped_decode_attention", kernel)
     model = tiny(family)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 127, (2, 9), generator=generator)
@@ -114,4 +138,4 @@ def test_the_decoder_through_the_kernel_keeps_generates_tokens(tiny, random_draf
         expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=10)
     fast = dflash_compile.optimize(model, random_drafter(model), compile=False)
     assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=10), expected)
-    assert any(calls)
+    assert any(calls) and max(unread) > 0
