@@ -12,7 +12,7 @@ sinks join each query's softmax there; without arrival counts (a CUDA graph capt
 launch merges.
 
 Rows that see no slot (padding queries under an additive finfo.min mask) come out as the torch math makes them: all
-their scores tie, so a uniform average of the values (or, with sinks, zeros); with `seen`, of the values before it.
+their scores tie, so a uniform average of the values (or, with sinks, zeros); with `seen`, of the values it reads.
 """
 
 from __future__ import annotations
@@ -51,7 +51,9 @@ def _split_kernel(q, k, v, mask, seen, acc_out, stats_out, sinks, out, counts, s
     largest = tl.full([BLOCK_R], _LOWEST, tl.float32)  # finite: a share's padding slots (-inf) make no NaN
     total = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, D], tl.float32)
-    span = tl.minimum(tl.load(seen), S) if HAS_SEEN else S  # the slots any row may see, shared by every share
+    # The slots any row may see, shared by every share: rounded up to 16, as the capacity S is, so the shares'
+    # bounds keep the alignment that vectorizes the mask's loads (the masked slots past `seen` are finite).
+    span = tl.minimum(tl.cdiv(tl.load(seen).to(tl.int32), 16) * 16, S) if HAS_SEEN else S
     chunk = tl.cdiv(tl.cdiv(span, SPLITS), BLOCK_S) * BLOCK_S
     start = split * chunk
     stop = tl.minimum(start + chunk, span)
@@ -130,8 +132,9 @@ def decode_attention(folded: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     """folded queries [b, kv heads, groups * t, d] (`attention._fold`), key/value [b, kv heads, S, d] (any strides),
     additive mask [b, 1, t, S], sinks [heads] or None -> [b, kv heads, groups * t, d] in the queries' dtype.
     `seen`: None, or a one-element integer tensor on the device: no row sees a slot from it on (the mask hides them
-    all), so the shares split the slots before it and the rest are never read. A cache's capacity is a power of two
-    between half and all filled; the count stays on the device, so one CUDA graph serves every step.
+    all), so the shares split the slots before it, rounded up to 16, and the rest are never read. A cache's
+    capacity is a power of two between half and all filled; the count stays on the device, so one CUDA graph
+    serves every step.
     `splits`: shares of the slots per group of rows (default: `_splits`); `block_r`: folded rows per program, a
     power of two from 16. Each group of rows reads the keys and values again, yet 16 (tl.dot's smallest tile) is
     the fastest on the H200 for verify blocks (session 35: 1.3-5.9x over a program per head's 64-128 rows, whose

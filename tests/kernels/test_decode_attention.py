@@ -74,13 +74,15 @@ def test_rows_over_several_programs(monkeypatch, sinks, t, merge_in_launch, bloc
 @pytest.mark.parametrize("sinks", [False, True])
 @pytest.mark.parametrize("seen, splits", [(37, 4), (37, 1), (64, 3), (5, 4)])
 def test_slots_from_seen_on_are_never_read(sinks, seen, splits):
-    """With `seen` the shares split the slots before it (some left with nothing, 5 slots over 4 shares of 16) and
-    never read the rest: NaN keys and values there, hidden by the mask from every row, leave the output as torch's
-    math over the first `seen` slots alone (the padding query's uniform average too)."""
-    query, key, value, mask, sink_logits = _inputs(8, 2, 3, seen, sinks=sinks)
+    """With `seen` the shares split the slots before it, rounded up to 16 (some shares left with nothing: 16 slots
+    over 4 shares of 16), and never read the rest: NaN keys and values there, hidden by the mask from every row,
+    leave the output as torch's math over the slots read (the padding query's uniform average too)."""
+    read = -(-seen // 16) * 16
+    query, key, value, mask, sink_logits = _inputs(8, 2, 3, read, sinks=sinks)
+    mask[..., seen:] = torch.finfo(DTYPE).min
     expected = folded_attention(query, key, value, mask, sink_logits, 0.25)
     expected[1, 0] = 0 if sinks else value[1].float().mean(1).repeat_interleave(4, 0)  # as in test_matches_torch_math
-    past = 100 - seen
+    past = 100 - read
     key, value = (torch.nn.functional.pad(x, (0, 0, 0, past), value=float("nan")) for x in (key, value))
     mask = torch.nn.functional.pad(mask, (0, past), value=torch.finfo(DTYPE).min)
     out = _kernel(query, key, value, mask, sink_logits, seen=torch.tensor(seen, device=DEVICE), splits=splits,
