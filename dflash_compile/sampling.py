@@ -1,5 +1,6 @@
 """Sampling settings, applied to target and draft logits alike, in transformers' generate order
-(temperature, then top-k, then top-p), using transformers' own logits warpers."""
+(temperature, then top-k, then top-p), using transformers' own logits warpers (top-p's softmax taken before its sort,
+`TopPWarper`)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,19 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
+class TopPWarper(TopPLogitsWarper):
+    """transformers' top-p filter with its softmax taken before the sort instead of after: the same tokens kept (the
+    softmax keeps their order), and the cumulative sum then reads the sort's output alone. Inductor before torch 2.12
+    fails to generate the split scan it picks for a vocabulary-long cumsum into which the softmax's per-row max and
+    sum are fused (pytorch/pytorch#180221): every sampled verify step at a real vocabulary did."""
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        ascending, order = torch.sort(scores.softmax(dim=-1))
+        remove = ascending.cumsum(dim=-1) <= 1 - self.top_p
+        remove[..., -self.min_tokens_to_keep:] = False
+        return scores.masked_fill(remove.scatter(1, order, remove), self.filter_value)
+
+
 def warpers(temperature: float | None = 1.0, top_k: int | None = None, top_p: float | None = None):
     """The warper chain generate builds for these settings (None: not applied)."""
     temperature = 1.0 if temperature is None else temperature
@@ -31,7 +45,7 @@ def warpers(temperature: float | None = 1.0, top_k: int | None = None, top_p: fl
     if top_k:
         chain.append(TopKLogitsWarper(top_k))
     if top_p is not None and top_p < 1.0:
-        chain.append(TopPLogitsWarper(top_p))
+        chain.append(TopPWarper(top_p))
     return chain
 
 

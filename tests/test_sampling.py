@@ -5,7 +5,9 @@ import itertools
 import pytest
 import torch
 
-from dflash_compile.sampling import check_sampling, processed_probs, warpers
+from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+from dflash_compile.sampling import TopPWarper, check_sampling, processed_probs, warpers
 
 VOCAB, BLOCK = 4, 3  # two drafts and the bonus position
 
@@ -145,3 +147,25 @@ def test_opcheck_sampled_accept():
 def test_bad_sampling_settings(settings, message):
     with pytest.raises(ValueError, match=message):
         check_sampling(**{"temperature": 1.0, "top_k": None, "top_p": None, **settings})
+
+
+@pytest.mark.parametrize("top_p, keep", [(0.9, 1), (0.5, 1), (0.05, 3)])
+def test_top_p_keeps_the_tokens_transformers_keeps(top_p, keep):
+    """Against transformers' TopPLogitsWarper on logits with bf16's ties and top-k's -inf, down to
+    min_tokens_to_keep."""
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(8, 1000, generator=generator) * 3).bfloat16().float()
+    logits = TopKLogitsWarper(200)(None, logits)
+    ours, theirs = (warper(top_p, min_tokens_to_keep=keep)(None, logits) for warper in (TopPWarper, TopPLogitsWarper))
+    assert torch.equal(ours, theirs)
+    assert (ours.isfinite().sum(-1) >= keep).all() and (ours.isinf().sum(-1) > 800).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Inductor splits the scan on CUDA")
+def test_sampling_compiles_at_a_real_vocabulary_on_cuda():
+    """The sampled step's probabilities compiled at GLM-4.7-Flash's vocabulary over a verify block of 8, where
+    transformers' own top-p made Inductor (torch 2.11) fail in code generation."""
+    chain = warpers(temperature=0.7, top_k=50, top_p=0.9)
+    logits = torch.randn(1, 8, 154880, device="cuda", dtype=torch.bfloat16) * 3
+    compiled = torch.compile(processed_probs, fullgraph=True, dynamic=False)
+    torch.testing.assert_close(compiled(logits, chain), processed_probs(logits, chain))
