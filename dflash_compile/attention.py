@@ -17,6 +17,12 @@ prefill chunk (`unmasked_chunks`), by flash attention's causal flag with each ro
 the softmax applied after (sliding layers by blocks of their window), 2.2x faster than the sink as a key slot under
 a mask at 4096 tokens on the H200.
 Other implementations (flash, flex, a family's own eager) run as the user chose.
+
+Multi-head latent attention (DeepSeek-V3, GLM-4.7-Flash: `FamilySpec.latent_attention`) caches one compressed latent
+and one rotary key per token, and transformers expands the whole cache through kv_b_proj into every head's keys and
+values at every forward (GLM-4.7-Flash at 8192 slots: 75 GFLOP a layer a step). While `grouped_attention` runs such
+a model its layers hand over the latents as cached, and decode and verify steps attend in the latent space
+(`absorbed_attention`: kv_b_proj folded into the queries and the output instead); a long prefill expands.
 """
 
 from __future__ import annotations
@@ -252,6 +258,42 @@ def folded_attention(query, key, value, mask, sinks, scaling: float, dropout: fl
     return _unfold(out, heads, t)
 
 
+# Set on a latent-attention layer while `grouped_attention` runs it: its `expand_kv` hands over the cached latents
+# unexpanded (`_latents_as_cached`), as (rotary key [b, 1, s, rope], latent [b, 1, s, r]).
+LATENTS = "dflash_latents"
+
+
+def _latents_as_cached(kv_nope: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return k_rot, kv_nope
+
+
+def _absorbs(module, query: torch.Tensor, mask) -> bool:
+    """Whether attending in the latent space costs fewer multiplies than expanding the cache: expanding is s x r x
+    (nope + v) a head, whatever the new tokens; the latent space adds t x s x (2r - nope - v) a head to the scores and
+    the weighted sum (keys of r + rope dims instead of nope + rope, values of r instead of v). Decode and verify
+    steps (a few tokens, DeepSeek-V3 below 170, GLM-4.7-Flash below 398) absorb; a long prefill expands. Only with
+    an additive mask over every slot: a forward without one (causal by flag) or row by row expands."""
+    r, nope, v = module.kv_lora_rank, module.qk_nope_head_dim, module.v_head_dim
+    return (isinstance(mask, torch.Tensor) and mask.is_floating_point() and mask.dim() == 4 and not module.training
+            and query.shape[2] * (2 * r - nope - v) < r * (nope + v))
+
+
+def absorbed_attention(module, query, rotary_key, latent, mask, scaling: float) -> torch.Tensor:
+    """Latent attention over the cached latents as they are: query [b, heads, t, nope + rope], rotary key [b, 1, s,
+    rope], latent [b, 1, s, r] -> [b, t, heads, v], as transformers' expanded keys and values give it. A head's key
+    is W_UK latent next to the shared rotary key, its value W_UV latent (kv_b_proj's rows of that head), so
+    q . k = (q_nope W_UK) . latent + q_rot . k_rot and the weighted sum of values is W_UV (weighted sum of latents):
+    the queries move into the latent space, every head attends to one key/value head of r + rope dims, and the
+    output moves back. Per step t x (nope + v) x r multiplies a head instead of transformers' s x r x (nope + v)."""
+    heads, nope = query.shape[1], module.qk_nope_head_dim
+    up = module.kv_b_proj.weight.view(heads, nope + module.v_head_dim, -1)  # [heads, nope + v, r]
+    q_nope, q_rot = query.split([nope, query.shape[-1] - nope], dim=-1)
+    latent_query = torch.cat([q_nope @ up[:, :nope], q_rot], dim=-1)  # [b, heads, t, r + rope]
+    key = torch.cat([latent, rotary_key], dim=-1)  # [b, 1, s, r + rope]
+    out = folded_attention(latent_query, key, latent, mask, None, scaling)  # [b, t, heads, r]
+    return (out.transpose(1, 2) @ up[:, nope:].transpose(1, 2)).transpose(1, 2)
+
+
 def grouped_query_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
                             scaling: float | None = None, s_aux: torch.Tensor | None = None, **kwargs):
     """A transformers attention function (registered as NAME): query [b, heads, t, d], key/value [b, kv_heads, s,
@@ -260,11 +302,22 @@ def grouped_query_attention(module, query, key, value, attention_mask, dropout: 
     `causal_sink_attention`), else torch's SDPA; without a mask (causal by flag), or where the
     folded mask would outweigh the key/value copies it saves (`folding_pays`: a long prefill), transformers' SDPA
     as it is. A few new tokens on CUDA (`decode_kernel_takes`: decode and verify steps) take
-    `dflash::decode_attention`'s one launch."""
+    `dflash::decode_attention`'s one launch. A latent-attention layer's cached latents (`LATENTS`) are attended
+    in the latent space where that costs less (`_absorbs`: decode and verify steps), else expanded by the layer's
+    own `expand_kv` first."""
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if getattr(module, LATENTS, False):
+        if _absorbs(module, query, attention_mask):
+            return absorbed_attention(module, query, key, value, attention_mask, scaling), None
+        key, value = type(module).expand_kv(module, value, key)
+    return _grouped(module, query, key, value, attention_mask, dropout, scaling, s_aux, **kwargs)
+
+
+def _grouped(module, query, key, value, attention_mask, dropout: float, scaling: float, s_aux, **kwargs):
+    """`grouped_query_attention` over keys and values per head."""
     if _is_row_starts(attention_mask):
         def attend(*rows):
-            return grouped_query_attention(module, *rows, None, dropout, scaling, s_aux, **kwargs)[0]
+            return _grouped(module, *rows, None, dropout, scaling, s_aux, **kwargs)[0]
 
         return _by_rows(attend, query, key, value, attention_mask), None
     if s_aux is not None and attention_mask is None:
@@ -314,7 +367,25 @@ def grouped_attention(model):
         yield
         return
     config._attn_implementation = NAME
+    latent_layers = _latent_layers(model)
+    for layer in latent_layers:
+        layer.expand_kv = _latents_as_cached
+        setattr(layer, LATENTS, True)
     try:
         yield
     finally:
         config._attn_implementation = implementation
+        for layer in latent_layers:
+            del layer.expand_kv
+            delattr(layer, LATENTS)
+
+
+def _latent_layers(model) -> list[torch.nn.Module]:
+    """The attention layers of a latent-attention family whose kv_b_proj is a plain linear without bias (one that
+    `optimize` packed, FP8, keeps transformers' expansion)."""
+    spec = spec_for_model(model)
+    if spec is None or not spec.latent_attention:
+        return []
+    return [module for module in model.modules()
+            if hasattr(type(module), "expand_kv") and type(getattr(module, "kv_b_proj", None)) is torch.nn.Linear
+            and module.kv_b_proj.bias is None]

@@ -88,6 +88,13 @@ class FamilySpec:
     # config -> elements an attention layer hands the cache per token (what `generate` budgets its cache by)
     cached_per_token: Callable[[object], int] = _keys_and_values
 
+    @property
+    def latent_attention(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V3, GLM-4.7-Flash): the cache holds compressed latents, which each
+        forward of transformers' expands through kv_b_proj over the cache's whole capacity (`attention` attends in
+        the latent space instead where that costs less)."""
+        return self.cached_per_token is _latent
+
 
 def _all_layers(config) -> list[int]:
     return list(range(config.num_hidden_layers))

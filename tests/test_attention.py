@@ -185,6 +185,56 @@ def test_the_decoder_never_repeats_keys_and_values(tiny, family, module, monkeyp
     assert torch.equal(fast.generate(ids, max_new_tokens=12), expected)
 
 
+def latent_layer(tiny, family):
+    """A latent-attention layer of a tiny model, its cached latents (rotary key [1, 1, s, rope], latent
+    [1, 1, s, r]), queries of t tokens and a mask over the slots."""
+    layer = tiny(family).model.layers[1].self_attn
+    generator = torch.Generator().manual_seed(0)
+    t, slots = 3, 20
+    query = torch.randn(1, layer.num_heads, t, layer.qk_head_dim, generator=generator)
+    rotary_key = torch.randn(1, 1, slots, layer.qk_rope_head_dim, generator=generator)
+    latent = torch.randn(1, 1, slots, layer.kv_lora_rank, generator=generator)
+    visible = torch.arange(slots) <= slots - t + torch.arange(t)[:, None]
+    return layer, query, rotary_key, latent, torch.where(visible, 0.0, MIN)[None, None]
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe_lite"])
+def test_absorbed_latent_attention_is_attention_over_the_expanded_cache(tiny, family):
+    """The queries moved into the latent space and the output back give what transformers computes over the keys
+    and values it expands from the latents (`expand_kv` through kv_b_proj)."""
+    from dflash_compile.attention import absorbed_attention, folded_attention
+
+    layer, query, rotary_key, latent, mask = latent_layer(tiny, family)
+    with torch.no_grad():
+        key, value = layer.expand_kv(latent, rotary_key)
+        expected = folded_attention(query, key, value, mask, None, layer.scaling)
+        out = absorbed_attention(layer, query, rotary_key, latent, mask, layer.scaling)
+    assert out.shape == expected.shape == (1, 3, layer.num_heads, layer.v_head_dim)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe_lite"])
+def test_latent_steps_never_expand_the_cache(tiny, family, random_drafter, monkeypatch):
+    """DeepSeek-V3's and GLM-4.7-Flash's decode and verify steps, and a short prefill under a mask, attend in the
+    latent space: kv_b_proj never runs over the cache. An unpadded prompt's prefill (causal by flag, no mask)
+    expands, once a layer. The same tokens as `model.generate`; the layers' own `expand_kv` back afterwards."""
+    model = tiny(family)
+    layer_class = type(model.model.layers[0].self_attn)
+    expand_kv, expanded = layer_class.expand_kv, []
+    monkeypatch.setattr(layer_class, "expand_kv", lambda layer, kv_nope, k_rot: expanded.append(kv_nope.shape[2])
+                        or expand_kv(layer, kv_nope, k_rot))
+    fast = dflash_compile.optimize(model, random_drafter(model), compile=False)
+    ids = torch.randint(3, 127, (2, 9), generator=torch.Generator().manual_seed(0))
+    for mask, expansions in ((torch.ones_like(ids).index_fill(1, torch.arange(3), 0), []),
+                             (None, [9] * model.config.num_hidden_layers)):
+        with torch.no_grad():
+            expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=10)
+        expanded.clear()
+        assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=10), expected)
+        assert expanded == expansions
+    assert "expand_kv" not in vars(model.model.layers[0].self_attn)
+
+
 @pytest.fixture
 def decode_kernel_calls(monkeypatch):
     """The folded row counts of the decode kernel's calls, as they happen."""

@@ -109,12 +109,13 @@ def test_model_shapes_on_cuda(heads, kv_heads, d, sinks, t):
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the CPU models run the kernel in Triton's interpreter")
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "qwen3_5_moe"])
 def test_the_decoder_through_the_kernel_keeps_generates_tokens(tiny, random_drafter, family, monkeypatch):
-    """The kernel inside the real decoder (fp32, interpreter) of each kind of attention (grouped-query, gpt-oss's
-    sliding-window rings and sinks, DeepSeek's latent attention, Qwen3.5's between linear-attention layers): the
-    cache's masks, decode steps and verify blocks, a left-padded batch, each step's slots from
-    `TargetCache.seen_slots` on left unread -- the same tokens as `model.generate`."""
+    """The kernel inside the real decoder (fp32, interpreter) of each kind of attention that takes it (grouped-query,
+    gpt-oss's sliding-window rings and sinks, Qwen3.5's between linear-attention layers; latent attention's steps
+    attend in the latent space, `attention.absorbed_attention`): the cache's masks, decode steps and verify
+    blocks, a left-padded batch, each step's slots from `TargetCache.seen_slots` on left unread -- the same tokens
+    as `model.generate`."""
     from dflash_compile import attention, ops
     from dflash_compile.kernels import decode_attention
 
