@@ -48,6 +48,9 @@ def build_model(name: str, device: str, layers: int | None = None) -> transforme
     if name.startswith("tiny-"):
         return load_tiny_model(name.removeprefix("tiny-")).to(device)
     config = reference_config(name, layers)
+    if all(kind == "linear_attention" for kind in getattr(config, "layer_types", None) or ["attention"]):
+        raise SystemExit(f"--layers {layers} keeps only linear-attention layers of {name}, and model.generate needs "
+                         "an attention layer in its cache: keep more layers (Qwen3-Next: 4)")
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     with torch.no_grad():  # transformers initialises biases and sinks to zero; small random values are realistic

@@ -271,7 +271,7 @@ def _absorbs(module, query: torch.Tensor, mask) -> bool:
     """Whether attending in the latent space costs fewer multiplies than expanding the cache: expanding is s x r x
     (nope + v) a head, whatever the new tokens; the latent space adds t x s x (2r - nope - v) a head to the scores and
     the weighted sum (keys of r + rope dims instead of nope + rope, values of r instead of v). Decode and verify
-    steps (a few tokens, DeepSeek-V3 below 170, GLM-4.7-Flash below 398) absorb; a long prefill expands. Only with
+    steps (DeepSeek-V3 up to 170 tokens, GLM-4.7-Flash up to 398) absorb; a long prefill expands. Only with
     an additive mask over every slot: a forward without one (causal by flag) or row by row expands."""
     r, nope, v = module.kv_lora_rank, module.qk_nope_head_dim, module.v_head_dim
     return (isinstance(mask, torch.Tensor) and mask.is_floating_point() and mask.dim() == 4 and not module.training
@@ -280,18 +280,28 @@ def _absorbs(module, query: torch.Tensor, mask) -> bool:
 
 def absorbed_attention(module, query, rotary_key, latent, mask, scaling: float) -> torch.Tensor:
     """Latent attention over the cached latents as they are: query [b, heads, t, nope + rope], rotary key [b, 1, s,
-    rope], latent [b, 1, s, r] -> [b, t, heads, v], as transformers' expanded keys and values give it. A head's key
-    is W_UK latent next to the shared rotary key, its value W_UV latent (kv_b_proj's rows of that head), so
-    q . k = (q_nope W_UK) . latent + q_rot . k_rot and the weighted sum of values is W_UV (weighted sum of latents):
-    the queries move into the latent space, every head attends to one key/value head of r + rope dims, and the
-    output moves back. Per step t x (nope + v) x r multiplies a head instead of transformers' s x r x (nope + v)."""
+    rope], latent [b, 1, s, r], an additive mask [b, 1, t, s] -> [b, t, heads, v], as transformers' expanded keys and
+    values give it. A head's key is W_UK latent next to the shared rotary key, its value W_UV latent (kv_b_proj's rows
+    of that head), so q . k = (q_nope W_UK) . latent + q_rot . k_rot and the weighted sum of values is W_UV (weighted
+    sum of latents): the queries move into the latent space, every head's queries (folded, as `folded_attention`
+    folds them) attend to the one latent, and the output moves back. Per step t x (nope + v) x r multiplies a head
+    instead of transformers' s x r x (nope + v). In transformers' eager math (products, fp32 softmax, product): its
+    GEMMs spread the slots over the GPU's SMs, where a fused SDPA kernel would give one head's few query rows a
+    handful of programs."""
     heads, nope = query.shape[1], module.qk_nope_head_dim
-    up = module.kv_b_proj.weight.view(heads, nope + module.v_head_dim, -1)  # [heads, nope + v, r]
+    up = _dense_weight(module.kv_b_proj, query.dtype).view(heads, nope + module.v_head_dim, -1)  # [heads, nope + v, r]
     q_nope, q_rot = query.split([nope, query.shape[-1] - nope], dim=-1)
-    latent_query = torch.cat([q_nope @ up[:, :nope], q_rot], dim=-1)  # [b, heads, t, r + rope]
-    key = torch.cat([latent, rotary_key], dim=-1)  # [b, 1, s, r + rope]
-    out = folded_attention(latent_query, key, latent, mask, None, scaling)  # [b, t, heads, r]
-    return (out.transpose(1, 2) @ up[:, nope:].transpose(1, 2)).transpose(1, 2)
+    q_latent, q_rot = _fold(q_nope @ up[:, :nope], 1), _fold(q_rot, 1)  # [b, 1, heads * t, r or rope]
+    scores = (q_latent @ latent.transpose(-1, -2) + q_rot @ rotary_key.transpose(-1, -2)) * scaling
+    scores = scores + _folded_mask(mask, 1, heads)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    out = _unfold_heads(weights @ latent, heads)  # [b, heads, t, r]
+    return (out @ up[:, nope:].transpose(1, 2)).transpose(1, 2)  # [b, t, heads, v]
+
+
+def _unfold_heads(folded: torch.Tensor, heads: int) -> torch.Tensor:
+    """[b, 1, heads * t, d] -> [b, heads, t, d]."""
+    return folded.reshape(folded.shape[0], heads, -1, folded.shape[-1])
 
 
 def grouped_query_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -380,12 +390,23 @@ def grouped_attention(model):
             delattr(layer, LATENTS)
 
 
+def _dense_weight(linear: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """A linear layer's weight [out, in]: nn.Linear's own, or an FP8 one's (`checkpoint.FP8Linear`) dequantized to
+    `dtype` (a step dequantizes kv_b_proj once instead of expanding the cache through it)."""
+    dense_weight = getattr(linear, "dense_weight", None)
+    return linear.weight if dense_weight is None else dense_weight(dtype)
+
+
+def _absorbable(linear) -> bool:
+    """A kv_b_proj without bias whose weight `_dense_weight` reads (not a subclass of nn.Linear of another library's
+    quantization: its weight is not the values)."""
+    return (type(linear) is torch.nn.Linear or hasattr(linear, "dense_weight")) and linear.bias is None
+
+
 def _latent_layers(model) -> list[torch.nn.Module]:
-    """The attention layers of a latent-attention family whose kv_b_proj is a plain linear without bias (one that
-    `optimize` packed, FP8, keeps transformers' expansion)."""
+    """The attention layers of a latent-attention family that `absorbed_attention` can take."""
     spec = spec_for_model(model)
     if spec is None or not spec.latent_attention:
         return []
     return [module for module in model.modules()
-            if hasattr(type(module), "expand_kv") and type(getattr(module, "kv_b_proj", None)) is torch.nn.Linear
-            and module.kv_b_proj.bias is None]
+            if hasattr(type(module), "expand_kv") and _absorbable(getattr(module, "kv_b_proj", None))]

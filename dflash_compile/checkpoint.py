@@ -56,9 +56,12 @@ class FP8Linear(torch.nn.Module):
     def out_features(self) -> int:
         return self.weight.shape[0]
 
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight [out, in] dequantized to `dtype`."""
+        return torch.ops.dflash.fp8_block_dequantize(self.weight, self.weight_scale_inv, *FP8_BLOCK, dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = torch.ops.dflash.fp8_block_dequantize(self.weight, self.weight_scale_inv, *FP8_BLOCK, x.dtype)
-        return F.linear(x, weight, self.bias)
+        return F.linear(x, self.dense_weight(x.dtype), self.bias)
 
 
 def _quantized_tensors(model: torch.nn.Module, format: str) -> dict[str, torch.Tensor]:

@@ -168,6 +168,26 @@ def test_packed_models_compile_and_generate(family, format, tmp_path):
                        packed.generate(ids[:1], max_new_tokens=6, do_sample=False))
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe_lite"])
+def test_fp8_latent_attention_steps_dequantize_kv_b_proj_instead_of_expanding_the_cache(family, tmp_path,
+                                                                                       monkeypatch):
+    """An FP8 kv_b_proj (DeepSeek-V3's own checkpoints) is dequantized once a step for attention in the latent
+    space: no step expands the cache through it; the same tokens as the packed model's `generate`."""
+    _, directory = _quantized(family, "fp8_block", tmp_path)
+    packed = load_packed(directory, dtype=torch.float32)
+    layer_class = type(packed.model.layers[0].self_attn)
+    expand_kv, expanded = layer_class.expand_kv, []
+    monkeypatch.setattr(layer_class, "expand_kv", lambda layer, kv_nope, k_rot: expanded.append(kv_nope.shape[2])
+                        or expand_kv(layer, kv_nope, k_rot))
+    ids = token_ids()[:1]
+    with torch.no_grad():
+        expected = packed.generate(ids, max_new_tokens=6, do_sample=False)
+    expanded.clear()
+    assert isinstance(packed.model.layers[0].self_attn.kv_b_proj, FP8Linear)
+    assert torch.equal(dflash_compile.optimize(packed, compile=False).generate(ids, max_new_tokens=6), expected)
+    assert len(expanded) == packed.config.num_hidden_layers  # the unmasked prompt's prefill only
+
+
 def test_checkpoints_load_by_hub_repo_id(tmp_path, monkeypatch):
     """A Hugging Face Hub repo id instead of a directory: `dflash_compile.from_pretrained` resolves it through
     huggingface_hub (here offline, from a Hub cache laid out as huggingface_hub writes it) and loads the MXFP4
