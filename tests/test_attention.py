@@ -198,19 +198,24 @@ def latent_layer(tiny, family):
     return layer, query, rotary_key, latent, torch.where(visible, 0.0, MIN)[None, None]
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe_lite"])
-def test_absorbed_latent_attention_is_attention_over_the_expanded_cache(tiny, family):
+def test_absorbed_latent_attention_is_attention_over_the_expanded_cache(tiny, family, device):
     """The queries moved into the latent space and the output back give what transformers computes over the keys
-    and values it expands from the latents (`expand_kv` through kv_b_proj)."""
+    and values it expands from the latents (`expand_kv` through kv_b_proj): fp32 on a CPU, bf16 on CUDA."""
     from dflash_compile.attention import absorbed_attention, folded_attention
 
-    layer, query, rotary_key, latent, mask = latent_layer(tiny, family)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    layer, *inputs = latent_layer(tiny, family)
+    layer = layer.to(device, dtype)
+    query, rotary_key, latent, mask = (x.to(device, dtype).clamp(min=torch.finfo(dtype).min) for x in inputs)
     with torch.no_grad():
         key, value = layer.expand_kv(latent, rotary_key)
         expected = folded_attention(query, key, value, mask, None, layer.scaling)
         out = absorbed_attention(layer, query, rotary_key, latent, mask, layer.scaling)
-    assert out.shape == expected.shape == (1, 3, layer.num_heads, layer.v_head_dim)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert out.shape == expected.shape == (1, 3, layer.num_heads, layer.v_head_dim) and out.dtype == dtype
+    tolerance = 1e-5 if device == "cpu" else 2e-2
+    torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe_lite"])
