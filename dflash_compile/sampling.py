@@ -24,9 +24,10 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
 
 class TopPWarper(TopPLogitsWarper):
     """transformers' top-p filter with its softmax taken before the sort instead of after: the same tokens kept (the
-    softmax keeps their order), and the cumulative sum then reads the sort's output alone. Inductor before torch 2.12
+    softmax keeps their order), and the cumulative sum then reads the sort's output alone. torch 2.11's Inductor
     fails to generate the split scan it picks for a vocabulary-long cumsum into which the softmax's per-row max and
-    sum are fused (pytorch/pytorch#180221): every sampled verify step at a real vocabulary did."""
+    sum are fused (pytorch/pytorch#180221, fixed by #180369 in later releases): every sampled verify step at a real
+    vocabulary did."""
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         ascending, order = torch.sort(scores.softmax(dim=-1))
