@@ -35,18 +35,18 @@ class TestDequantFusionGolden(TestCase):
         self.assertEqual(report.matches, {"expert_dispatch": 0, "dequant_fusion": 1, "projection_fusion": 0,
                                           "small_top_k": 0, "split_k_linear": 0})
         self.assertExpectedInline(report.graphs[0].before, """\
+%arg.x: f32[3, 160] = input
 %arg.self.weight: u8[200, 160] = input
 %arg.self.weight_scale_inv: f32[2, 2] = input
-%arg.x: f32[3, 160] = input
 %arg.self.bias: f32[200] = input
-%weight: f32[200, 160] = torch.ops.dflash.fp8_block_dequantize(%arg.self.weight, %arg.self.weight_scale_inv, 128, 128, torch.float32)
-%linear: f32[3, 200] = torch._C._nn.linear(%arg.x, %weight, %arg.self.bias)
+%fp8_block_dequantize: f32[200, 160] = torch.ops.dflash.fp8_block_dequantize(%arg.self.weight, %arg.self.weight_scale_inv, 128, 128, torch.float32)
+%linear: f32[3, 200] = torch._C._nn.linear(%arg.x, %fp8_block_dequantize, %arg.self.bias)
 return (%linear,)
 """)
         self.assertExpectedInline(report.graphs[0].after, """\
+%arg.x: f32[3, 160] = input
 %arg.self.weight: u8[200, 160] = input
 %arg.self.weight_scale_inv: f32[2, 2] = input
-%arg.x: f32[3, 160] = input
 %arg.self.bias: f32[200] = input
 %fp8_block_linear_default: f32[3, 200] = torch.ops.dflash.fp8_block_linear.default(%arg.x, %arg.self.weight, %arg.self.weight_scale_inv, %arg.self.bias)
 return (%fp8_block_linear_default,)
