@@ -258,12 +258,9 @@ def folded_attention(query, key, value, mask, sinks, scaling: float, dropout: fl
     return _unfold(out, heads, t)
 
 
-# Set on a latent-attention layer while `grouped_attention` runs it: its `expand_kv` hands over the cached latents
-# unexpanded (`_latents_as_cached`), as (rotary key [b, 1, s, rope], latent [b, 1, s, r]).
-LATENTS = "dflash_latents"
-
-
 def _latents_as_cached(kv_nope: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A latent-attention layer's `expand_kv` while `grouped_attention` runs it: the cached latents handed over
+    unexpanded, as (rotary key [b, 1, s, rope], latent [b, 1, s, r])."""
     return k_rot, kv_nope
 
 
@@ -312,11 +309,11 @@ def grouped_query_attention(module, query, key, value, attention_mask, dropout: 
     `causal_sink_attention`), else torch's SDPA; without a mask (causal by flag), or where the
     folded mask would outweigh the key/value copies it saves (`folding_pays`: a long prefill), transformers' SDPA
     as it is. A few new tokens on CUDA (`decode_kernel_takes`: decode and verify steps) take
-    `dflash::decode_attention`'s one launch. A latent-attention layer's cached latents (`LATENTS`) are attended
-    in the latent space where that costs less (`_absorbs`: decode and verify steps), else expanded by the layer's
-    own `expand_kv` first."""
+    `dflash::decode_attention`'s one launch. A latent-attention layer's cached latents (`_latents_as_cached`) are
+    attended in the latent space where that costs less (`_absorbs`: decode and verify steps), else expanded by the
+    layer's own `expand_kv` first."""
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    if getattr(module, LATENTS, False):
+    if getattr(module, "expand_kv", None) is _latents_as_cached:
         if _absorbs(module, query, attention_mask):
             return absorbed_attention(module, query, key, value, attention_mask, scaling), None
         key, value = type(module).expand_kv(module, value, key)
@@ -380,14 +377,12 @@ def grouped_attention(model):
     latent_layers = _latent_layers(model)
     for layer in latent_layers:
         layer.expand_kv = _latents_as_cached
-        setattr(layer, LATENTS, True)
     try:
         yield
     finally:
         config._attn_implementation = implementation
         for layer in latent_layers:
             del layer.expand_kv
-            delattr(layer, LATENTS)
 
 
 def _dense_weight(linear: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
