@@ -2,7 +2,7 @@
 one launch split over the cache's slots) against the torch math it replaced on CUDA (`attention.folded_attention`
 under torch.compile: a QK^T GEMM, a softmax and a PV GEMM over the whole score matrix), each in a CUDA graph.
 
-    python bench/decode_attention.py                      # H200: gpt-oss-20b (sinks) and Qwen3-30B-A3B layers
+    python bench/decode_attention.py                      # H200: gpt-oss-20b (sinks), Qwen3-30B-A3B, Qwen3.5 layers
     python bench/decode_attention.py --slots 512 4096 --tokens 1 16
     python bench/decode_attention.py --shapes qwen3-30b-a3b --tokens 8 16 --block-r 128 64 32   # rows per program
     python bench/decode_attention.py --filled 0.5 0.75 1.0   # the fraction of the capacity filled before the step
@@ -26,7 +26,8 @@ from dflash_compile.attention import folded_attention
 from dflash_compile.cache import additive_mask
 from dflash_compile.kernels.decode_attention import grouped_decode_attention
 
-SHAPES = {"gpt-oss-20b": (64, 8, 64, True), "qwen3-30b-a3b": (32, 4, 128, False)}  # heads, kv heads, d, sinks
+SHAPES = {"gpt-oss-20b": (64, 8, 64, True), "qwen3-30b-a3b": (32, 4, 128, False),  # heads, kv heads, d, sinks
+          "qwen3.5-35b-a3b": (16, 2, 256, False)}
 
 
 def inputs(shape: str, tokens: int, slots: int, filled_fraction: float):

@@ -120,10 +120,21 @@ def _merge(acc_in, stats_in, sinks, out, group, R, T, GROUPS, KV_HEADS: tl.const
              mask=rows[:, None] < R)
 
 
-def _splits(slots: int, block_s: int, heads: int, device: torch.device) -> int:
-    """Shares of the slots per (batch row, key/value head): about two programs per SM in all, whole tiles each."""
-    programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, min(triton.cdiv(slots, block_s), programs // heads))
+# One program merges a group's SPLITS x BLOCK_R x D fp32 partials in an unrolled loop: past this many floats a row,
+# its reads and compile time outweigh the shares'. Qwen3.5-MoE on an H200 (D 256, two kv heads, one token, 8192
+# slots): 128 shares did not compile within 100 s; 64 run in 38 us.
+_MERGED_FLOATS_PER_ROW = 16384
+
+
+def _programs(device: torch.device) -> int:
+    """About two programs per SM fill a GPU."""
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def _splits(slots: int, block_s: int, groups: int, d: int, programs: int) -> int:
+    """Shares of the slots per group of rows: `programs` in all, whole tiles each, and no more partials than one
+    program merges quickly."""
+    return max(1, min(triton.cdiv(slots, block_s), programs // groups, _MERGED_FLOATS_PER_ROW // d))
 
 
 def decode_attention(folded: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, t: int,
@@ -146,7 +157,7 @@ def decode_attention(folded: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if block_r < 16 or block_r & (block_r - 1):
         raise ValueError(f"block_r must be a power of two from 16, got {block_r}")
     groups = b * kv_heads * triton.cdiv(rows, block_r)
-    chunk = triton.cdiv(triton.cdiv(slots, splits or _splits(slots, block_s, groups, folded.device)),
+    chunk = triton.cdiv(triton.cdiv(slots, splits or _splits(slots, block_s, groups, d, _programs(folded.device))),
                         block_s) * block_s
     splits = triton.cdiv(slots, chunk)
     acc = torch.empty(groups, splits, block_r, d, device=folded.device, dtype=torch.float32)

@@ -8,7 +8,7 @@ import dflash_compile
 from dflash_compile.attention import folded_attention
 from dflash_compile.cache import additive_mask
 from dflash_compile.kernels import arrivals
-from dflash_compile.kernels.decode_attention import grouped_decode_attention
+from dflash_compile.kernels.decode_attention import _splits, grouped_decode_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
@@ -96,12 +96,21 @@ def test_rows_per_program_must_be_a_power_of_two_from_16():
         _kernel(query, key, value, mask, None, block_r=24)
 
 
+def test_shares_are_capped_by_the_partials_one_program_merges():
+    """On an H200 (264 programs), a one-token step over 8192 slots: gpt-oss-20b's and Qwen3-30B-A3B's groups of rows
+    split the slots to fill the GPU; Qwen3.5-MoE's two groups of D 256 take 64 shares, not the 128 that would fill
+    it (whose merge did not compile within 100 s)."""
+    assert _splits(8192, 64, 8, 64, programs=264) == 33
+    assert _splits(8192, 64, 4, 128, programs=264) == 66
+    assert _splits(8192, 64, 2, 256, programs=264) == 64
+
+
 @pytest.mark.skipif(DEVICE == "cpu", reason="bf16 and the default tiles and shares on a GPU")
-@pytest.mark.parametrize("heads, kv_heads, d, sinks", [(64, 8, 64, True), (32, 4, 128, False)])
-@pytest.mark.parametrize("t", [1, 16])
-def test_model_shapes_on_cuda(heads, kv_heads, d, sinks, t):
-    """gpt-oss-20b's and Qwen3-30B-A3B's heads, one token and a verify block of 16, 1000 slots."""
-    query, key, value, mask, sink_logits = _inputs(heads, kv_heads, t, 1000, d=d, sinks=sinks, batch=1)
+@pytest.mark.parametrize("heads, kv_heads, d, sinks", [(64, 8, 64, True), (32, 4, 128, False), (16, 2, 256, False)])
+@pytest.mark.parametrize("t, slots", [(1, 1000), (16, 1000), (1, 8192)])
+def test_model_shapes_on_cuda(heads, kv_heads, d, sinks, t, slots):
+    """gpt-oss-20b's, Qwen3-30B-A3B's and Qwen3.5-MoE's heads, one token and a verify block of 16."""
+    query, key, value, mask, sink_logits = _inputs(heads, kv_heads, t, slots, d=d, sinks=sinks, batch=1)
     out = _kernel(query, key, value, mask, sink_logits)
     expected = folded_attention(query.float(), key.float(), value.float(), mask.float(),
                                 None if sink_logits is None else sink_logits.float(), 0.25)
