@@ -99,7 +99,7 @@ def test_rows_per_program_must_be_a_power_of_two_from_16():
 def test_shares_are_capped_by_the_partials_one_program_merges():
     """On an H200 (264 programs), a one-token step over 8192 slots: gpt-oss-20b's and Qwen3-30B-A3B's groups of rows
     split the slots to fill the GPU; Qwen3.5-MoE's two groups of D 256 take 64 shares, not the 128 that would fill
-    it (whose merge did not compile within 100 s)."""
+    it (whose launch did not finish compiling and running in 100 s)."""
     assert _splits(8192, 64, 8, 64, programs=264) == 33
     assert _splits(8192, 64, 4, 128, programs=264) == 66
     assert _splits(8192, 64, 2, 256, programs=264) == 64
