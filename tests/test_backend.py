@@ -1,5 +1,6 @@
 """torch.compile(model, backend="dflash") on tiny models of every family, loaded through from_pretrained."""
 
+import inspect
 import os
 import subprocess
 import sys
@@ -115,8 +116,17 @@ def test_a_model_with_grad_enabled_compiles_for_inference(tiny, lowering):
     assert (actual - expected).abs().max().item() <= TOLERANCE[torch.float32]
 
 
-@pytest.mark.parametrize("implementation", ["eager", "batched_mm", "grouped_mm"])
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_every_familys_experts_run_gpt_oss_or_mixtrals_code(tiny):
+    """transformers' expert modules are modular copies of Mixtral's, gpt-oss's aside: the same forward for every
+    experts implementation. So the implementations other than the default are traced below for those two alone."""
+    experts = {family: next(iter(experts_modules(tiny(family)).values())) for family in FAMILY_NAMES}
+    sources = {family: inspect.getsource(type(module).forward) for family, module in experts.items()}
+    assert {family for family, source in sources.items() if source != sources["mixtral"]} == {"gpt_oss"}
+    assert tiny("mixtral").config._experts_implementation == "grouped_mm"  # transformers' default
+
+
+@pytest.mark.parametrize("family, implementation", [(family, "grouped_mm") for family in FAMILY_NAMES] + [
+    (family, implementation) for family in ("gpt_oss", "mixtral") for implementation in ("eager", "batched_mm")])
 def test_one_dispatch_node_per_moe_layer_whatever_experts_implementation(tiny, family, implementation):
     model = tiny(family, experts_implementation=implementation)
     ids = token_ids()
