@@ -103,6 +103,11 @@ def _hopper_or_newer(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def _sms(device: torch.device) -> int | None:
+    """The CUDA device's SM count; None elsewhere (the interpreter, where nothing fills SMs)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
+
+
 def _dependent_launch(device: torch.device) -> dict:
     """Launch options for the kernels here: on Hopper or newer, programmatic dependent launch (each waits in
     `_wait_for_previous_launch`), which hides the gap between a layer's launches; off elsewhere (the interpreter)."""
@@ -1087,36 +1092,41 @@ def _splits(split_k: int, blocks: Blocks) -> int:
     return split_k if blocks.blocking == PAIR_PER_BLOCK else 1
 
 
-def _filling_splits(programs: int, k_steps: int, device: torch.device, share_steps: tuple[int, int]) -> int:
-    """Shares of K for a dense layer's launch on the GPU: enough for about two programs per SM (DeepSeek-V3's
-    q_a_proj has 24 output tiles over a 7168-long K) and for at most the most K steps per share of `share_steps`
-    (fewest, most: `_share_steps`; a long K is better read by more, shorter programs: o_proj, the dense MLP), each
-    share keeping at least the fewest. From bench/packed_linear.py's sweeps on the H200 (docs/benchmarks.md). One
-    share elsewhere (the interpreter)."""
-    if device.type != "cuda":
+def _filling_splits(programs: int, k_steps: int, sms: int | None, share_steps: tuple[int, int, int],
+                    num_warps: int) -> int:
+    """Shares of K for a dense layer's launch on a GPU of `sms` SMs: enough for the programs per SM of
+    `share_steps` (fewest, most, per SM: `_share_steps`; DeepSeek-V3's q_a_proj has 24 output tiles over a 7168-long
+    K) and for at most its most K steps per share (a long K is better read by more, shorter programs: o_proj, the
+    dense MLP), each share keeping at least its fewest, and no more programs than the SMs hold at once (64 warps
+    each): a second wave's few programs would finish alone (DeepSeek-V3's dense down_proj at one bf16 row, 224
+    column tiles: 5 shares 75.4 us, 4 shares 67.1; session 50). From bench/packed_linear.py's sweeps on the H200
+    (docs/benchmarks.md). One share without SMs (the interpreter)."""
+    if sms is None:
         return 1
-    fewest, most = share_steps
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(k_steps // fewest, max(2 * sms // programs, -(-k_steps // most))))
+    fewest, most, per_sm = share_steps
+    filling = max(per_sm * sms // programs, -(-k_steps // most))
+    return max(1, min(k_steps // fewest, filling, 64 // num_warps * sms // programs))
 
 
-def _share_steps(format: str, block_m: int, block_n: int) -> tuple[int, int]:
-    """K steps per share at least and at most in a dense layer's launch (`_filling_splits`), from
-    bench/packed_linear.py on the H200. At least 2, but 1 on bf16's row path (DENSE_ROW_TILES; session 46: the
-    routers in shares of one step, Qwen3-30B-A3B's 16 2.5 us against 3.1 in 8, gpt-oss-20b's 23 2.6 against 3.4).
-    At most 16 on the tensor cores (steps of 128, session 13), 32 there with 128-column tiles (`_dense_tiles`: at
-    8-16 rows DeepSeek-V3's o_proj in 4 shares of 32 steps 37.0-38.1 us against 42.9-43.3 on 64 columns in 8 or 16,
-    session 25) and on MXFP4's row path (steps of 256: its decode-bound programs gain from more of them; 40 there
-    lost 0.87-0.96x on DeepSeek-V3's o_proj and dense MLP shapes); 40 on FP8's row path (o_proj and dense down_proj at
-    one row 33.5 and 38.2 us in 2 shares against 40.1 and 44.1 in 4, dense gate_proj 35.4 in one against 41.6 in 2;
-    session 22; two rows within 3% of the best share count on 7 of 9 shapes, session 23); 4 on bf16's row path
-    (session 46: Qwen3-30B-A3B's o_proj in 8 shares 6.8 us against 8.1 in 4 and 8.9 in 16, gpt-oss-20b's in 8 10.6
-    against 10.0 in 4)."""
+def _share_steps(format: str, block_m: int, block_n: int) -> tuple[int, int, int]:
+    """K steps per share at least and at most, and programs per SM, in a dense layer's launch (`_filling_splits`),
+    from bench/packed_linear.py on the H200. Two programs per SM, but four on bf16's row path (DENSE_ROW_TILES),
+    whose K steps per share are from 1 up to 32 there: its shares once kept to 4 steps (session 46: Qwen3-30B-A3B's
+    o_proj in 8 shares 6.8 us against 8.1 in 4 and 8.9 in 16, gpt-oss-20b's in 8 10.6 against 10.0 in 4), which split
+    DeepSeek-V3's o_proj and dense down_proj into 32 and 36 shares, 76.1 and 91.2 us against 60.4 and 68.1 in 4
+    and cuBLAS's 60.9 and 69.2 (session 50); the routers in shares of one step (session 46, Qwen3-30B-A3B's 16 2.5 us
+    against 3.1 in 8, gpt-oss-20b's 23 2.6 against 3.4). At most 16 steps on the tensor cores (steps of 128,
+    session 13), 32 there with 128-column tiles (`_dense_tiles`: at 8-16 rows DeepSeek-V3's o_proj in 4 shares of 32
+    steps 37.0-38.1 us against 42.9-43.3 on 64 columns in 8 or 16, session 25) and on MXFP4's row path (steps of
+    256: its decode-bound programs gain from more of them; 40 there lost 0.87-0.96x on DeepSeek-V3's o_proj and dense
+    MLP shapes); 40 on FP8's row path (o_proj and dense down_proj at one row 33.5 and 38.2 us in 2 shares against
+    40.1 and 44.1 in 4, dense gate_proj 35.4 in one against 41.6 in 2; session 22; two rows within 3% of the best
+    share count on 7 of 9 shapes, session 23)."""
     if format == "fp8_block" and block_m < 16:
-        return 2, 40
+        return 2, 40, 2
     if format == "dense" and block_m < 16:
-        return 1, 4
-    return 2, 32 if block_m >= 16 and block_n >= 128 else 16
+        return 1, 32, 4
+    return 2, 32 if block_m >= 16 and block_n >= 128 else 16, 2
 
 
 def _dense_tiles(rows: int, n: int) -> dict:
@@ -1602,8 +1612,9 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, **tiles) -> torch.Tenso
     split_k = settings.pop("split_k")
     if "split_k" not in tiles:
         split_k = _filling_splits(blocks.count * triton.cdiv(n, settings["block_n"]),
-                                  triton.cdiv(k, settings["block_k"]), x.device,
-                                  _share_steps(weight.format, settings["block_m"], settings["block_n"]))
+                                  triton.cdiv(k, settings["block_k"]), _sms(x.device),
+                                  _share_steps(weight.format, settings["block_m"], settings["block_n"]),
+                                  settings["num_warps"])
     out = _launch(rows, weight, blocks, None, rows.shape[0], n, 1, gated=False, interleaved=False,
                   activation="silu", alpha=0.0, limit=0.0, splits=split_k, out_dtype=x.dtype,
                   sum_top_k=1 if split_k > 1 else 0, **settings)

@@ -913,6 +913,22 @@ def test_split_k_with_fp16_operands_and_in_a_dense_layer():
         packed_linear(row, weight, split_k=0)
 
 
+@pytest.mark.parametrize("layer, n, k, best", [
+    ("qwen3-30b-a3b o_proj", 2048, 4096, 8), ("gpt-oss-20b router", 32, 2880, 23),
+    ("qwen3-30b-a3b router", 128, 2048, 16), ("deepseek-v3 o_proj", 7168, 16384, 4),
+    ("deepseek-v3 dense down_proj", 7168, 18432, 4)])
+def test_a_bf16_rows_shares_on_an_h200_are_the_measured_best(layer, n, k, best):
+    """A bf16 linear's single row (`split_k_linear`) on the H200's 132 SMs takes the share count that measured
+    fastest there (bench/packed_linear.py --format dense --tokens 1, sessions 46 and 50), and no shares without SMs."""
+    from dflash_compile.kernels.moe import DENSE_ROW_TILES, ROW_TILES, _filling_splits, _share_steps
+
+    block_k = ROW_TILES["dense"]["pointers"][1]["block_k"]
+    steps = _share_steps("dense", 1, DENSE_ROW_TILES["block_n"])
+    programs, warps = triton.cdiv(n, DENSE_ROW_TILES["block_n"]), DENSE_ROW_TILES["num_warps"]
+    assert _filling_splits(programs, triton.cdiv(k, block_k), 132, steps, warps) == best
+    assert _filling_splits(programs, triton.cdiv(k, block_k), None, steps, warps) == 1
+
+
 @pytest.mark.parametrize("format", ["mxfp4", "fp8_block", "dense"])
 @pytest.mark.parametrize("tiles", [{}, {"down_launch": {"split_k": 2}}])
 def test_one_tokens_down_launch_sums_its_pairs_itself(monkeypatch, format, tiles):
