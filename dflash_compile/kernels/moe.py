@@ -1094,38 +1094,43 @@ def _splits(split_k: int, blocks: Blocks) -> int:
 
 def _filling_splits(programs: int, k_steps: int, sms: int | None, share_steps: tuple[int, int, int],
                     num_warps: int) -> int:
-    """Shares of K for a dense layer's launch on a GPU of `sms` SMs: enough for the programs per SM of
-    `share_steps` (fewest, most, per SM: `_share_steps`; DeepSeek-V3's q_a_proj has 24 output tiles over a 7168-long
-    K) and for at most its most K steps per share (a long K is better read by more, shorter programs: o_proj, the
-    dense MLP), each share keeping at least its fewest, and no more programs than the SMs hold at once (64 warps
+    """Shares of K for a dense layer's launch of `programs` column tiles on a GPU of `sms` SMs: enough for the
+    programs per SM of `share_steps` (fewest, most, per SM: `_share_steps`; DeepSeek-V3's q_a_proj has 24 output
+    tiles over a 7168-long K) and for at most its most K steps per share (a long K is better read by more, shorter
+    programs: o_proj, the dense MLP), each share keeping at least its fewest unless that leaves SMs without a program
+    (a router's one to four tiles: shares of one step), and no more programs than the SMs hold at once (64 warps
     each): a second wave's few programs would finish alone (DeepSeek-V3's dense down_proj at one bf16 row, 224
     column tiles: 5 shares 75.4 us, 4 shares 67.1; session 50). From bench/packed_linear.py's sweeps on the H200
     (docs/benchmarks.md). One share without SMs (the interpreter)."""
     if sms is None:
         return 1
     fewest, most, per_sm = share_steps
+    if programs * (k_steps // fewest) < sms:
+        fewest = 1
     filling = max(per_sm * sms // programs, -(-k_steps // most))
     return max(1, min(k_steps // fewest, filling, 64 // num_warps * sms // programs))
 
 
 def _share_steps(format: str, block_m: int, block_n: int) -> tuple[int, int, int]:
     """K steps per share at least and at most, and programs per SM, in a dense layer's launch (`_filling_splits`),
-    from bench/packed_linear.py on the H200. Two programs per SM, but four on bf16's row path (DENSE_ROW_TILES),
-    whose K steps per share are from 1 up to 32 there: its shares once kept to 4 steps (session 46: Qwen3-30B-A3B's
-    o_proj in 8 shares 6.8 us against 8.1 in 4 and 8.9 in 16, gpt-oss-20b's in 8 10.6 against 10.0 in 4), which split
-    DeepSeek-V3's o_proj and dense down_proj into 32 and 36 shares, 76.1 and 91.2 us against 60.4 and 68.1 in 4
-    and cuBLAS's 60.9 and 69.2 (session 50); the routers in shares of one step (session 46, Qwen3-30B-A3B's 16 2.5 us
-    against 3.1 in 8, gpt-oss-20b's 23 2.6 against 3.4). At most 16 steps on the tensor cores (steps of 128,
-    session 13), 32 there with 128-column tiles (`_dense_tiles`: at 8-16 rows DeepSeek-V3's o_proj in 4 shares of 32
-    steps 37.0-38.1 us against 42.9-43.3 on 64 columns in 8 or 16, session 25) and on MXFP4's row path (steps of
-    256: its decode-bound programs gain from more of them; 40 there lost 0.87-0.96x on DeepSeek-V3's o_proj and dense
-    MLP shapes); 40 on FP8's row path (o_proj and dense down_proj at one row 33.5 and 38.2 us in 2 shares against
-    40.1 and 44.1 in 4, dense gate_proj 35.4 in one against 41.6 in 2; session 22; two rows within 3% of the best
-    share count on 7 of 9 shapes, session 23)."""
+    from bench/packed_linear.py on the H200. Two programs per SM, but four on bf16's row path (DENSE_ROW_TILES), in
+    shares of 4 to 32 steps there. Its shares once kept to at most 4 steps (session 46: Qwen3-30B-A3B's o_proj in 8
+    shares 6.8 us against 8.1 in 4 and 8.9 in 16, gpt-oss-20b's in 8 10.6 against 10.0 in 4), which split
+    DeepSeek-V3's o_proj and dense down_proj into 32 and 36 shares, 76.1 and 91.2 us against 59.8 and 67.1 in 4
+    and cuBLAS's 59.6 and 67.5; four programs per SM in shares of at least 4 steps: gpt-oss-20b's o_proj in 5
+    shares 9.4 us, DeepSeek-V3's q_a_proj in 11 8.4 (10.3 in 14), kv_a_proj_with_mqa in 14 5.5 (6.4 in 29; session
+    50); the routers in shares of one step (session 46, Qwen3-30B-A3B's 16 2.5 us against 3.1 in 8, gpt-oss-20b's 23
+    2.6 against 3.4). At most 16 steps on the tensor cores (steps of 128, session 13), 32 there with 128-column
+    tiles (`_dense_tiles`: at 8-16 rows DeepSeek-V3's o_proj in 4 shares of 32 steps 37.0-38.1 us against 42.9-43.3
+    on 64 columns in 8 or 16, session 25) and on MXFP4's row path (steps of 256: its decode-bound programs gain from
+    more of them; 40 there lost 0.87-0.96x on DeepSeek-V3's o_proj and dense MLP shapes); 40 on FP8's row path
+    (o_proj and dense down_proj at one row 33.5 and 38.2 us in 2 shares against 40.1 and 44.1 in 4, dense gate_proj
+    35.4 in one against 41.6 in 2; session 22; two rows within 3% of the best share count on 7 of 9 shapes, session
+    23)."""
     if format == "fp8_block" and block_m < 16:
         return 2, 40, 2
     if format == "dense" and block_m < 16:
-        return 1, 32, 4
+        return 4, 32, 4
     return 2, 32 if block_m >= 16 and block_n >= 128 else 16, 2
 
 

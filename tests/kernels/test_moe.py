@@ -916,7 +916,8 @@ def test_split_k_with_fp16_operands_and_in_a_dense_layer():
 @pytest.mark.parametrize("layer, n, k, best", [
     ("qwen3-30b-a3b o_proj", 2048, 4096, 8), ("gpt-oss-20b router", 32, 2880, 23),
     ("qwen3-30b-a3b router", 128, 2048, 16), ("deepseek-v3 o_proj", 7168, 16384, 4),
-    ("deepseek-v3 dense down_proj", 7168, 18432, 4)])
+    ("deepseek-v3 dense down_proj", 7168, 18432, 4), ("gpt-oss-20b o_proj", 2880, 4096, 5),
+    ("deepseek-v3 q_a_proj", 1536, 7168, 11), ("deepseek-v3 kv_a_proj_with_mqa", 576, 7168, 14)])
 def test_a_bf16_rows_shares_on_an_h200_are_the_measured_best(layer, n, k, best):
     """A bf16 linear's single row (`split_k_linear`) on the H200's 132 SMs takes the share count that measured
     fastest there (bench/packed_linear.py --format dense --tokens 1, sessions 46 and 50), and no shares without SMs."""
