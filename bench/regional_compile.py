@@ -5,9 +5,11 @@ unrolls the layer loop, Inductor compiles every layer's copy) against each decod
     python bench/regional_compile.py --layers 2 8 24            # tiny Qwen3-MoE layers, CPU
 
 Each row runs in a fresh process with a fresh Inductor cache (cold), then once more on that cache (warm), and prints
-the first forward's seconds (compilation included) and whether its logits equal the eager model's. Plain
-transformers modules and torch.compile only: the dflash passes are not applied, so this measures what regional
-compilation could save, not a path of the library.
+the first forward's seconds (compilation included), the graphs Dynamo made and whether the logits equal the eager
+model's. Plain transformers modules and torch.compile only, without a cache (`use_cache=False`): a layer that
+updates a cache passes its `layer_idx`, an int Dynamo specializes on, and then every layer compiles again until
+the recompile limit (8) leaves the rest eager. The dflash passes are not applied either, so this measures what
+regional compilation could save, not a path of the library.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 
 
 def child(layers: int, regional: bool, backend: str) -> None:
+    from torch._dynamo.utils import counters
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     config = Qwen3MoeConfig(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_experts=8,
@@ -33,7 +36,7 @@ def child(layers: int, regional: bool, backend: str) -> None:
     model = AutoModelForCausalLM.from_config(config).eval()
     ids = torch.randint(0, config.vocab_size, (1, 16))
     with torch.no_grad():
-        expected = model(ids).logits
+        expected = model(ids, use_cache=False).logits
         if regional:
             for layer in model.model.layers:
                 layer.compile(backend=backend)
@@ -41,9 +44,10 @@ def child(layers: int, regional: bool, backend: str) -> None:
         else:
             forward = torch.compile(model, backend=backend)
         start = time.perf_counter()
-        logits = forward(ids).logits
+        logits = forward(ids, use_cache=False).logits
         seconds = time.perf_counter() - start
-    print(json.dumps({"seconds": seconds, "same": torch.allclose(logits, expected, atol=1e-4)}))
+    print(json.dumps({"seconds": seconds, "graphs": counters["stats"]["unique_graphs"],
+                      "same": torch.allclose(logits, expected, atol=1e-4)}))
 
 
 def run(layers: int, regional: bool, backend: str, cache: str) -> dict:
@@ -65,15 +69,15 @@ def main() -> None:
         child(int(layers), regional == "1", backend)
         return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
-    print("| backend | layers | compiled | cold s | warm s | same logits |")
-    print("|---|---|---|---|---|---|")
+    print("| backend | layers | compiled | cold s | warm s | graphs | same logits |")
+    print("|---|---|---|---|---|---|---|")
     for backend in args.backends:
         for layers in args.layers:
             for regional in (False, True):
                 with tempfile.TemporaryDirectory() as cache:
                     cold, warm = run(layers, regional, backend, cache), run(layers, regional, backend, cache)
                 print(f"| {backend} | {layers} | {'each layer' if regional else 'whole model'} | {cold['seconds']:.2f} "
-                      f"| {warm['seconds']:.2f} | {cold['same'] and warm['same']} |", flush=True)
+                      f"| {warm['seconds']:.2f} | {cold['graphs']} | {cold['same'] and warm['same']} |", flush=True)
 
 
 if __name__ == "__main__":
