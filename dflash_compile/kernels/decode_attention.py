@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ..attention import _fold, _unfold
+from . import sm_count
 from .arrivals import arrival_counts
 
 # fp32's finfo.min: below every masked score (finfo.min of the mask's dtype), so rows seeing no slot tie as in torch
@@ -127,8 +128,9 @@ _MERGED_FLOATS_PER_ROW = 16384
 
 
 def _programs(device: torch.device) -> int:
-    """About two programs per SM fill a GPU."""
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    """About two programs per SM fill a GPU (4 in the interpreter)."""
+    sms = sm_count(device)
+    return 2 * sms if sms else 4
 
 
 def _splits(slots: int, block_s: int, groups: int, d: int, programs: int) -> int:

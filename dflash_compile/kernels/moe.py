@@ -73,6 +73,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..packed import PackedWeight
+from . import sm_count
 from .arrivals import arrival_counts
 
 FORMATS = {"dense": 0, "mxfp4": 1, "fp8_block": 2}
@@ -101,11 +102,6 @@ def _let_next_launch(DEPENDENT_LAUNCH: tl.constexpr):
 def _hopper_or_newer(device: torch.device) -> bool:
     """A CUDA device of compute capability 9.0 or newer: TMA and programmatic dependent launch."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def _sms(device: torch.device) -> int | None:
-    """The CUDA device's SM count; None elsewhere (the interpreter, where nothing fills SMs)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
 
 
 def _dependent_launch(device: torch.device) -> dict:
@@ -1092,15 +1088,18 @@ def _splits(split_k: int, blocks: Blocks) -> int:
     return split_k if blocks.blocking == PAIR_PER_BLOCK else 1
 
 
+_WARPS_PER_SM = 64  # resident on one SM at once (sm_80 and newer): a launch's first wave
+
+
 def _filling_splits(programs: int, k_steps: int, sms: int | None, share_steps: tuple[int, int, int],
                     num_warps: int) -> int:
     """Shares of K for a dense layer's launch of `programs` column tiles on a GPU of `sms` SMs: enough for the
     programs per SM of `share_steps` (fewest, most, per SM: `_share_steps`; DeepSeek-V3's q_a_proj has 24 output
     tiles over a 7168-long K) and for at most its most K steps per share (a long K is better read by more, shorter
     programs: o_proj, the dense MLP), each share keeping at least its fewest unless that leaves SMs without a program
-    (a router's one to four tiles: shares of one step), and no more programs than the SMs hold at once (64 warps
-    each): a second wave's few programs would finish alone (DeepSeek-V3's dense down_proj at one bf16 row, 224
-    column tiles: 5 shares 75.4 us, 4 shares 67.1; session 50). From bench/packed_linear.py's sweeps on the H200
+    (a router's one to four tiles: shares of one step), and no more programs than the SMs hold at once
+    (_WARPS_PER_SM): a second wave's few programs would finish alone (DeepSeek-V3's dense down_proj at one bf16 row,
+    224 column tiles: 5 shares 75.4 us, 4 shares 67.1; session 50). From bench/packed_linear.py's sweeps on the H200
     (docs/benchmarks.md). One share without SMs (the interpreter)."""
     if sms is None:
         return 1
@@ -1108,7 +1107,7 @@ def _filling_splits(programs: int, k_steps: int, sms: int | None, share_steps: t
     if programs * (k_steps // fewest) < sms:
         fewest = 1
     filling = max(per_sm * sms // programs, -(-k_steps // most))
-    return max(1, min(k_steps // fewest, filling, 64 // num_warps * sms // programs))
+    return max(1, min(k_steps // fewest, filling, _WARPS_PER_SM // num_warps * sms // programs))
 
 
 def _share_steps(format: str, block_m: int, block_n: int) -> tuple[int, int, int]:
@@ -1617,7 +1616,7 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, **tiles) -> torch.Tenso
     split_k = settings.pop("split_k")
     if "split_k" not in tiles:
         split_k = _filling_splits(blocks.count * triton.cdiv(n, settings["block_n"]),
-                                  triton.cdiv(k, settings["block_k"]), _sms(x.device),
+                                  triton.cdiv(k, settings["block_k"]), sm_count(x.device),
                                   _share_steps(weight.format, settings["block_m"], settings["block_n"]),
                                   settings["num_warps"])
     out = _launch(rows, weight, blocks, None, rows.shape[0], n, 1, gated=False, interleaved=False,
