@@ -60,7 +60,9 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
     not. The prompt goes in forwards of `prefill_chunk` tokens (a smaller chunk bounds the
     prefill's activation memory; by default the whole prompt in one, except on models with sliding-window layers
     when it takes masks, as a left-padded batch shorter than 2048 tokens does: chunks of 4096,
-    `speculative.PREFILL_CHUNK`), and sliding layers keep window - 1 + block slots. With `gpu_memory`
+    `speculative.PREFILL_CHUNK`); on CUDA the chunk is halved, down to 64 tokens, while the prefill's activations
+    (`prefill_memory`, an upper bound) would not fit the device's free memory beside the caches, and a prompt that
+    does not fit even so is refused before anything is allocated. Sliding layers keep window - 1 + block slots. With `gpu_memory`
     ("20GiB", bytes or an accelerate max_memory dict) the routed experts are offloaded to host memory behind a slot
     pool on `device` (default: cuda when available) that fits the budget with the dense weights (`offload_experts`;
     `offload_policy` "lru" or "lfu", `offload_prefetch` copies the predicted experts of that many layers ahead,

@@ -50,6 +50,8 @@ class LinearAttentionSpec:
     mixer: str
     chunked: str
     recurrent: str
+    # config -> fp32 elements the chunked rule holds per prompt token at its peak (`prefill_memory`)
+    chunked_elements_per_token: Callable[[object], int]
 
 
 def head_dim(config) -> int:
@@ -65,6 +67,25 @@ def _keys_and_values(config) -> int:
 def _latent(config) -> int:
     """Multi-head latent attention: one compressed key/value latent and one shared rotary key, for every head."""
     return config.kv_lora_rank + config.qk_rope_head_dim
+
+
+def _latent_expansion(config) -> int:
+    """Elements a latent-attention prefill holds per visible cache slot: transformers expands each latent through
+    kv_b_proj into every head's key and value parts, then concatenates the keys with their rotary part."""
+    nope, rope, v = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+    return config.num_attention_heads * ((nope + v) + (nope + rope) + v)
+
+
+def _no_expansion(config) -> int:
+    return 0
+
+
+def _gated_delta_rule_elements(config) -> int:
+    """transformers' torch_chunk_gated_delta_rule per token: fp32, value-head-wide copies of the query, key and
+    value (grouped heads repeated, transposed, padded, scaled by beta) and three 64-wide rows of its chunk's
+    triangular matrices, held together at its peak."""
+    width = max(config.linear_key_head_dim, config.linear_value_head_dim)
+    return config.linear_num_value_heads * (10 * width + 3 * 64)
 
 
 @dataclass(frozen=True)
@@ -87,6 +108,8 @@ class FamilySpec:
     shared_input_linears: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
     # config -> elements an attention layer hands the cache per token (what `generate` budgets its cache by)
     cached_per_token: Callable[[object], int] = _keys_and_values
+    # config -> elements a prefill's attention layer expands each visible cache slot into (`prefill_memory`)
+    expanded_per_slot: Callable[[object], int] = _no_expansion
 
     @property
     def latent_attention(self) -> bool:
@@ -134,7 +157,7 @@ def _window_everywhere(config) -> list[AttentionKind]:
 _SWIGLU = ExpertLayout(gate_up="concatenated", transposed=False, bias=False, activation="act_fn")
 _SOFTMAX = RouterSpec(scoring="softmax")
 _GATED_DELTA_NET = LinearAttentionSpec("linear_attn", "torch_chunk_gated_delta_rule",
-                                       "torch_recurrent_gated_delta_rule")
+                                       "torch_recurrent_gated_delta_rule", _gated_delta_rule_elements)
 # Multi-head latent attention's linears reading the same input (q_proj where there is no q_lora_rank)
 _MLA_SHARED_INPUTS = (("q_a_proj", "kv_a_proj_with_mqa"), ("q_proj", "kv_a_proj_with_mqa"), ("gate_proj", "up_proj"))
 _DEEPSEEK_ROUTER = RouterSpec(scoring="sigmoid", correction_bias=True, grouped_top_k=True, routed_scaling_factor=True)
@@ -180,11 +203,12 @@ FAMILIES: dict[str, FamilySpec] = {
         FamilySpec(
             "deepseek_v3", ("deepseek_v3",), "DeepseekV3Experts", _SWIGLU, _DEEPSEEK_ROUTER, "shared_experts",
             _after_first_k_dense, _full_attention, shared_input_linears=_MLA_SHARED_INPUTS, cached_per_token=_latent,
+            expanded_per_slot=_latent_expansion,
         ),
         FamilySpec(  # GLM-4.7-Flash: DeepSeek-V3's latent attention and router, its MLPs named layer by layer
             "glm4_moe_lite", ("glm4_moe_lite",), "Glm4MoeLiteExperts", _SWIGLU, _DEEPSEEK_ROUTER, "shared_experts",
             _declared_sparse_layers, _full_attention, shared_input_linears=_MLA_SHARED_INPUTS,
-            cached_per_token=_latent,
+            cached_per_token=_latent, expanded_per_slot=_latent_expansion,
         ),
         FamilySpec("olmoe", ("olmoe",), "OlmoeExperts", _SWIGLU, _SOFTMAX, None, _all_layers, _full_attention),
     )

@@ -28,6 +28,7 @@ from .cache import RowCache, TargetCache
 from .drafter import DFlashDrafter, context_features
 from .families import spec_for_model
 from .linear_attention import stepwise_linear_attention
+from .prefill_memory import PrefillActivations
 from .sampling import Sampler, processed_probs, warpers
 from .step_graphs import StepGraphs
 
@@ -43,6 +44,7 @@ class GenerationStats:
     block_size: int = 1
     widths: list[int] = field(default_factory=list)  # tokens verified at each step (adaptive width; 1 = no drafts)
     step_seconds: list[float] = field(default_factory=list)  # wall time of each step, drafting included
+    prefill_chunk: int = 0  # tokens per prefill forward (`SpeculativeDecoder._prefill_chunk`)
 
     @property
     def steps(self) -> int:
@@ -107,6 +109,10 @@ SMALLEST_CACHE = 16
 # `kernels.moe`'s DEQUANTIZE_PAIRS); transformers' one forward 192 / 588 / 1929 ms. Unmasked (session 38): 8192 tokens
 # 293.7 / 216.2 / 180.0 ms in chunks of 2048 / 4096 / 8192, 12288 tokens 350.3 / 264.4 in chunks of 4096 / 12288.
 PREFILL_CHUNK = 4096
+# The shortest chunk `_prefill_chunk` halves a prompt's chunks down to when the device's free memory cannot hold the
+# prefill's activations; a prompt that does not fit even so is refused rather than run in a great many forwards,
+# each of which reads every expert.
+SMALLEST_PREFILL_CHUNK = 64
 # A left-padded prompt at least this long attends row by row without masks (`attention.row_starts`: each row's
 # fused causal kernels from its first real token) rather than batched under a [b, 1, t, slots] mask: per row and
 # layer a handful of launches against the masked path's dense t x slots term. H200, 4 rows, 8 layers, rows / masks
@@ -193,6 +199,7 @@ class SpeculativeDecoder:
         self.linear_layers = [i for i, kind in enumerate(kinds) if kind == "linear_attention"]
         self.sliding_layers = [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
         self.prefill_chunk = prefill_chunk
+        self.prefill_activations: PrefillActivations | None = None  # made by the first prefill planned on CUDA
         self.window = window = getattr(config, "sliding_window", None)
         self.windows = {kind: window if kind == "sliding_attention" else None for kind in dict.fromkeys(kinds)}
         self.per_kind_masks = getattr(config, "layer_types", None) is not None  # the model takes {kind: mask}
@@ -281,25 +288,58 @@ class SpeculativeDecoder:
         elements = slots * self.cached_per_token + max_len * drafter
         return batch * elements * dtype.itemsize
 
-    def _check_memory(self, prompt: int, max_new_tokens: int, batch: int, max_len: int, dtype, device) -> None:
+    def _check_memory(self, prompt: int, max_new_tokens: int, batch: int, max_len: int, dtype, device) -> int | None:
         """Refuse a generation whose new caches cannot fit in the device's free memory, before anything is
         allocated: a long prompt otherwise runs out of memory in the middle of its prefill. The caches being
-        replaced, and the allocator's cached blocks, count as free. (The prefill's activations come on top.)"""
+        replaced, and the allocator's cached blocks, count as free. Returns the bytes left beside the caches for the
+        prefill's activations (`_prefill_chunk`); None off CUDA (host memory is not budgeted)."""
+        free = device_free_bytes(device)
+        if free is None:
+            return None
         old = [c for c in (self.target_cache, self.drafter_cache)
                if c is not None and c.shape != (batch, max_len, dtype, device)]
         if self.target_cache is not None and not old:
-            return  # the previous generation's caches are reused
-        free = device_free_bytes(device)
-        if free is None:
-            return  # not on CUDA
+            return free  # the previous generation's caches are reused
         free += sum(cache.nbytes for cache in old)
         needed = self._cache_bytes(batch, max_len, dtype)
         if needed > free:
-            budget = ", or a smaller gpu_memory budget for the experts" if hasattr(self.model, "dflash_offload") else ""
             raise ValueError(
                 f"a prompt of {prompt} tokens + max_new_tokens {max_new_tokens} in {batch} row(s) needs "
                 f"{needed / 2**30:.2f} GiB of key/value cache ({max_len} slots a row) but {free / 2**30:.2f} GiB "
-                f"of {device} is free: shorten the prompt, generate fewer tokens or run fewer rows at once{budget}")
+                f"of {device} is free: shorten the prompt, generate fewer tokens or run fewer rows at once"
+                f"{self._smaller_budget()}")
+        return free - needed
+
+    def _smaller_budget(self) -> str:
+        return ", or a smaller gpu_memory budget for the experts" if hasattr(self.model, "dflash_offload") else ""
+
+    def _prefill_attention(self, prompt: int, padded: bool) -> tuple[bool, bool]:
+        """(whether the prompt takes no masks, whether every chunk of it does): see `_prefill`. Inside
+        `generation_context` (`unmasked_is_causal` reads the attention `grouped_attention` sets)."""
+        causal_prompt = unmasked_is_causal(self.model) and (not padded or prompt >= ROWS_WITHOUT_MASKS)
+        return causal_prompt, causal_prompt and unmasked_chunks(self.model)
+
+    def _prefill_chunk(self, prompt: int, batch: int, padded: bool, max_len: int, room: int | None, device) -> int:
+        """Tokens per prefill forward: `prefill_chunk`, else the whole prompt (PREFILL_CHUNK for a masked prompt on
+        sliding layers: see `_prefill`); halved while the prefill's activations (`PrefillActivations`, an upper
+        bound) would not fit in `room`, the device's free bytes beside the caches. Refuses the prompt, before
+        anything is allocated, when even SMALLEST_PREFILL_CHUNK does not fit."""
+        causal_prompt, causal_chunks = self._prefill_attention(prompt, padded)
+        chunk = min(prompt, self.prefill_chunk or (PREFILL_CHUNK if self._ring(max_len) and not causal_chunks
+                                                   else prompt))
+        if room is None:
+            return chunk
+        if self.prefill_activations is None:
+            self.prefill_activations = PrefillActivations.of(self.model, len(self.layer_ids), self.drafter is not None)
+        needed = lambda tokens: self.prefill_activations.bytes(batch, tokens, prompt, not causal_prompt)  # noqa: E731
+        while needed(chunk) > room and chunk > SMALLEST_PREFILL_CHUNK:
+            chunk = max(SMALLEST_PREFILL_CHUNK, 1 << (chunk - 1).bit_length() - 1)
+        if needed(chunk) > room:
+            raise ValueError(
+                f"a prompt of {prompt} tokens in {batch} row(s) needs about {needed(chunk) / 2**30:.2f} GiB of "
+                f"activations to prefill, in chunks of {chunk} tokens, but {room / 2**30:.2f} GiB of {device} is "
+                f"free beside the caches: shorten the prompt or run fewer rows at once{self._smaller_budget()}")
+        return chunk
 
     def _cache(self, batch: int, max_len: int, dtype, device, pad: torch.Tensor) -> TargetCache:
         """The generation's target cache: the previous generation's, reset in place, when its shape is the same
@@ -328,21 +368,20 @@ class SpeculativeDecoder:
             if isinstance(step, StepGraphs):
                 step.clear()
 
-    def _prefill(self, input_ids: torch.Tensor, cache: TargetCache, padded: bool = True):
-        """The prompt through the target: in one forward, or in chunks of `prefill_chunk` tokens (by default, for
-        models with sliding layers, PREFILL_CHUNK when the chunks take masks: a masked chunk's sliding layers attend
-        densely over it), each attending over the slots filled so far only (`TargetCache.visible`; a sliding layer
-        over its ring and the chunk's own keys).
+    def _prefill(self, input_ids: torch.Tensor, cache: TargetCache, padded: bool = True, chunk: int | None = None):
+        """The prompt through the target: in one forward, or in chunks of `chunk` tokens (by default, as
+        `_prefill_chunk` picks without a memory budget: `prefill_chunk`, or for models with sliding layers
+        PREFILL_CHUNK when the chunks take masks: a masked chunk's sliding layers attend densely over it), each
+        attending over the slots filled so far only (`TargetCache.visible`; a sliding layer over its ring and the
+        chunk's own keys).
         On SDPA or sink attention a prompt takes no mask where it can (`TargetCache.masks`): SDPA's causal flag and
         its flash kernels, sinks by `causal_sink_attention`, and no [b, 1, P, P] mask; a left-padded batch of at
         least ROWS_WITHOUT_MASKS tokens likewise row by row from each row's first real token (`row_starts`).
         Returns the last position's logits and the captured features of every prompt position."""
-        prompt = input_ids.shape[1]
-        causal = unmasked_is_causal(self.model)  # read inside `grouped_attention`
-        pads = cache.pad.tolist() if causal and padded and prompt >= ROWS_WITHOUT_MASKS else None
-        causal_prompt = causal and (not padded or pads is not None)
-        causal_chunks = causal_prompt and unmasked_chunks(self.model)
-        chunk = self.prefill_chunk or (PREFILL_CHUNK if cache.ring_size and not causal_chunks else prompt)
+        batch, prompt = input_ids.shape
+        causal_prompt, causal_chunks = self._prefill_attention(prompt, padded)
+        pads = cache.pad.tolist() if causal_prompt and padded else None
+        chunk = chunk or self._prefill_chunk(prompt, batch, padded, cache.rows.max_len, None, input_ids.device)
         features = []
         for start in range(0, prompt, chunk):
             ids = input_ids[:, start: start + chunk]
@@ -481,14 +520,15 @@ class SpeculativeDecoder:
         pad = _left_padding(input_ids, attention_mask)
         device, dtype = input_ids.device, self.model.dtype
         max_len = cache_capacity(prompt + max_new_tokens + self.block_size)
-        self._check_memory(prompt, max_new_tokens, batch, max_len, dtype, device)
+        room = self._check_memory(prompt, max_new_tokens, batch, max_len, dtype, device)
+        chunk = self._prefill_chunk(prompt, batch, bool(pad.any()), max_len, room, device)
 
         self.sampler = sampler
         if streamer is not None:
             streamer.put(input_ids.cpu())
         start = time.perf_counter()
         cache = self._cache(batch, max_len, dtype, device, pad)
-        logits, features = self._prefill(input_ids, cache, padded=bool(pad.any()))
+        logits, features = self._prefill(input_ids, cache, padded=bool(pad.any()), chunk=chunk)
         anchor = sampler.draw(processed_probs(logits, sampler.chain)) if sampler else logits.argmax(dim=-1)
 
         drafter_cache = None
@@ -505,7 +545,7 @@ class SpeculativeDecoder:
         if streamer is not None:
             streamer.put(anchor.cpu())
         done = [len(row) >= max_new_tokens or row[-1] in eos for row in outputs]
-        stats = GenerationStats(block_size=self.block_size)
+        stats = GenerationStats(block_size=self.block_size, prefill_chunk=chunk)
         while not all(done):
             step_start = time.perf_counter()
             width = self.chooser.choose() if self.chooser else self.block_size

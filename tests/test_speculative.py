@@ -208,12 +208,13 @@ def test_the_caches_bytes_are_known_before_they_are_made(tiny, random_drafter, f
 
 def test_caches_that_cannot_fit_are_refused_before_anything_is_made(tiny, monkeypatch):
     """On CUDA `generate` compares the caches a generation needs with the device's free memory (here patched), the
-    caches it replaces counting as free; the same shape reuses them unchecked."""
+    caches it replaces counting as free; the same shape reuses them unchecked. (`prefill` bytes beyond the caches
+    leave room for the prompt's activations: tests/test_prefill_memory.py.)"""
     from dflash_compile import speculative
 
     fast = dflash_compile.optimize(tiny("qwen3_moe"), adaptive=False, compile=False)
     ids, mask = prompts(2)
-    free = []
+    free, prefill = [], 2**20
     monkeypatch.setattr(speculative, "device_free_bytes", lambda device: free[-1])
     needed = fast.decoder._cache_bytes(2, speculative.cache_capacity(9 + NEW_TOKENS + 1), torch.float32)
     free.append(needed - 1)
@@ -222,12 +223,12 @@ def test_caches_that_cannot_fit_are_refused_before_anything_is_made(tiny, monkey
                                          "shorten the prompt, generate fewer tokens or run fewer rows at once$"):
         fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
     assert fast.decoder.target_cache is None
-    free.append(needed)
+    free.append(needed + prefill)
     fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
-    free.append(0)  # the same shape: the caches are reused
+    free.append(prefill)  # the same shape: the caches are reused
     fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
     longer, longest = (fast.decoder._cache_bytes(2, slots, torch.float32) for slots in (128, 256))
-    free.append(longer - needed)  # the replaced caches' bytes make up the rest
+    free.append(longer - needed + prefill)  # the replaced caches' bytes make up the rest
     fast.generate(ids, attention_mask=mask, max_new_tokens=100)
     cache = fast.decoder.target_cache
     free.append(longest - longer - 1)
