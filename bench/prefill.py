@@ -9,7 +9,8 @@ attention, and for models with sliding-window layers chunks of `prefill_chunk` t
 Milliseconds (medians of --repeats after a warm-up call) per prefill chunk size, our experts kept bf16 or packed
 (`--experts`; transformers' side runs them dequantized to bf16, as bench/spec_decode.py does), the ratio to
 transformers' forward, and the device memory each call takes at its peak beyond what was allocated before it (its
-cache and temporaries); `--profile` adds each side's heaviest CUDA kernels. The prompts have no left padding, so
+temporaries: the decoder keeps its cache from the timed calls) next to `prefill_memory`'s estimate, which
+`generate` sizes its chunks by; `--profile` adds each side's heaviest CUDA kernels. The prompts have no left padding, so
 SDPA models attend by SDPA's causal flag in the first chunk; `--masks rows explicit` also times the paths of a
 left-padded batch (row by row without masks, or with explicit masks).
 """
@@ -32,6 +33,7 @@ from spec_decode import build_model, packed_twin  # noqa: E402
 import dflash_compile  # noqa: E402
 from dflash_compile import speculative  # noqa: E402
 from dflash_compile.benchmark import timed  # noqa: E402
+from dflash_compile.prefill_memory import PrefillActivations  # noqa: E402
 
 
 def ours(target, ids, chunk: int, new: int, masks: str = "unpadded"):
@@ -100,8 +102,8 @@ def main() -> None:
         with torch.no_grad():
             return model(ids, use_cache=True).logits[:, -1]
 
-    print("| experts | prefill chunk | masks | ms | transformers ms | speed-up | peak MiB | transformers peak MiB | "
-          "max logit difference |\n|---|---|---|---|---|---|---|---|---|")
+    print("| experts | prefill chunk | masks | ms | transformers ms | speed-up | peak MiB | estimate MiB | "
+          "transformers peak MiB | max logit difference |\n|---|---|---|---|---|---|---|---|---|---|")
     for experts in args.experts:
         target = model if experts == "bf16" else packed_twin(model, experts)  # `model` now holds its values
         expected, base = timed(plain, args.repeats, args.device)
@@ -110,8 +112,11 @@ def main() -> None:
             run = ours(target, ids, chunk, args.new, masks)
             logits, seconds = timed(run, args.repeats, args.device)
             difference = (logits.float() - expected.float()).abs().max().item()
+            estimate = PrefillActivations.of(target, 0, False).bytes(args.batch, chunk, args.prompt,
+                                                                     masked=masks == "explicit") / 2**20
             print(f"| {experts} | {chunk} | {masks} | {seconds * 1e3:.2f} | {base * 1e3:.2f} | {base / seconds:.2f}x | "
-                  f"{peak_mib(run, args.device):.0f} | {base_peak:.0f} | {difference:.3g} |", flush=True)
+                  f"{peak_mib(run, args.device):.0f} | {estimate:.0f} | {base_peak:.0f} | {difference:.3g} |",
+                  flush=True)
         if args.profile and args.device == "cuda":
             print(f"\n## transformers\n{heaviest_kernels(plain)}")
             for chunk in args.chunks:

@@ -22,10 +22,10 @@ device's free memory before it allocates anything, or refuse the prompt naming w
 - mask entry: a chunk that takes [rows, 1, chunk, slots] masks (a left-padded batch shorter than ROWS_WITHOUT_MASKS)
   holds them per attention kind, folded over the query groups.
 
-Measured on the H200 (docs/benchmarks.md, bench/prefill.py's peak column): gpt-oss-20b, 4 layers, MXFP4 experts, an
-8192-token prompt in one forward 2140 MiB beyond the weights, in chunks of 2048 193 MiB, the cache's ~64 MiB included;
-the estimate is 2570 and 266 MiB (1.24x and 2.06x the activations). On a CPU, where the tests measure every family's
-prefill op by op, it is 1.02-2.07x the peak (tests/test_prefill_memory.py).
+Measured on the H200 (docs/benchmarks.md "Prefill memory", bench/prefill.py's peak column, which now prints this
+estimate beside it): gpt-oss-20b, 4 layers, MXFP4 experts, an 8192-token prompt in one forward 2140 MiB beyond what
+was allocated before, in chunks of 2048 193 MiB; the estimate is 2570 and 266 MiB (1.20x and 1.38x). On a CPU, where
+the tests measure every family's prefill op by op, it is 1.02-2.07x the peak (tests/test_prefill_memory.py).
 """
 
 from __future__ import annotations
