@@ -7,7 +7,9 @@ from torch.utils._pytree import tree_flatten
 
 import dflash_compile
 from dflash_compile import speculative
+from dflash_compile.checkpoint import load_packed, quantize
 from dflash_compile.prefill_memory import PrefillActivations, RoutedExperts
+from dflash_compile.testing import load_tiny_model, save_tiny_model
 from tests.conftest import FAMILIES
 from tests.test_speculative import NEW_TOKENS, reference
 
@@ -63,6 +65,35 @@ def test_the_estimate_bounds_the_prefills_measured_peak(tiny, random_drafter, fa
     estimate = PrefillActivations.of(model, len(decoder.layer_ids), drafter is not None)
     bound = estimate.bytes(2, chunk or 100, 100, masked=mask is not None)
     assert peak <= bound <= 2.5 * peak  # 1.02-2.07x (gpt-oss masked: two kinds of masks)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("experts", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_the_estimate_bounds_the_prefills_peak_on_cuda(tmp_path, experts, rows):
+    """The CUDA allocator's peak over `_prefill` (the caches made before) against the estimate: gpt-oss with
+    transformers' experts on bf16 weights, or packed MXFP4 experts, whose 4 experts (top-2) get 100 pairs each from
+    one 200-token row (fused launches) and 400 from four (dequantized, with the experts' buffer)."""
+    directory = save_tiny_model("gpt_oss", tmp_path / "bf16", hidden_size=512, intermediate_size=512)
+    model = load_tiny_model("gpt_oss", torch.bfloat16, directory)
+    if experts == "mxfp4":
+        model = load_packed(quantize(model, tmp_path / "mxfp4", "mxfp4"), dtype=torch.bfloat16)
+    model = model.cuda()
+    decoder = dflash_compile.optimize(model, adaptive=False, compile=False).decoder
+    ids = torch.randint(3, 127, (rows, 200), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    pad = torch.zeros(rows, dtype=torch.int64, device="cuda")
+    max_len = speculative.cache_capacity(200 + NEW_TOKENS + 1)
+    with speculative.generation_context(model):
+        for _ in range(2):  # the second: lazily made state (rotary tables, workspaces) made by the first
+            cache = decoder._cache(rows, max_len, model.dtype, ids.device, pad)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            decoder._prefill(ids, cache, False)
+            torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    bound = PrefillActivations.of(model, 0, False).bytes(rows, 200, 200, masked=False)
+    assert 0 < peak <= bound <= 2.5 * peak
 
 
 def test_the_experts_path_follows_the_pairs_per_expert():
