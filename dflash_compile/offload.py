@@ -703,7 +703,8 @@ def offload_experts(model: torch.nn.Module, gpu_memory, device="cuda", policy: s
     dense weights and the runtime's reserve, fits `gpu_memory` (bytes, "20GiB", or an accelerate max_memory dict).
     Checked before anything moves: the budget must hold the dense weights, one MoE layer's experts and, on CUDA,
     CUDA_RUNTIME_RESERVE. (The KV cache and long prompts' activations come on top, as with accelerate's
-    max_memory; `generate` checks the cache against the device's free memory and prefills in chunks that fit.) `prefetch`: how many MoE layers ahead to predict and copy experts for (True: 1, False: 0).
+    max_memory; `generate` checks the cache against the device's free memory and prefills in chunks that fit.)
+    `prefetch`: how many MoE layers ahead to predict and copy experts for (True: 1, False: 0).
     `cpu_compute`: "auto" runs a missed expert on the CPU (C++ kernels, on its host blob) when measuring says that
     beats copying it, "always" runs every miss there; outputs then differ from the resident model's by rounding.
     `manager`: "host" decides the cache from each layer's routing read on the host (exact LRU / LFU, misses

@@ -14,7 +14,8 @@ device's free memory before it allocates anything, or refuse the prompt naming w
   fused launches' activated rows and fp32 down rows, or from DEQUANTIZE_PAIRS the dequantizing path's gathered rows,
   grouped GEMM outputs and their concatenation, plus the buffer its experts are dequantized into (a fixed term: a
   shorter chunk that stays on the fused launches does without it). Resident bf16 experts run transformers' own
-  experts in the (eager) prefill: gathered rows, gate/up, the activation's intermediates, down rows.
+  experts in the (eager) prefill: gathered rows, gate/up, the activation's intermediates, down rows. Offloaded
+  experts count as packed ones: a prompt's experts are staged into slots and read as the layer's (`OffloadedExperts`).
 - prompt_token: the drafter's features of every prompt token (the chunks' and their concatenation, then the
   left-aligned copy) and the drafter's forward over them.
 - slot: a latent-attention layer's keys and values expanded over every visible slot
@@ -52,7 +53,6 @@ class RoutedExperts:
     intermediate: int  # I: gate/up has 2I rows
     hidden: int
     top_k: int
-    offloaded: bool  # read through the slot table: never the dequantizing path
     grouped_mm: bool  # resident unpacked experts, which the (eager) prefill runs through transformers' experts
 
     def bytes(self, tokens: int, itemsize: int) -> tuple[int, int]:
@@ -60,7 +60,7 @@ class RoutedExperts:
         k, i, h = self.top_k, self.intermediate, self.hidden
         if self.grouped_mm:  # gathered rows, gate/up, the activation's intermediates, down rows, weighted, the sum
             return k * (3 * h + 9 * i) * itemsize + h * itemsize, 0
-        if self.offloaded or pairs_per_routed_expert(tokens, k, self.experts) < DEQUANTIZE_PAIRS[self.format]:
+        if pairs_per_routed_expert(tokens, k, self.experts) < DEQUANTIZE_PAIRS[self.format]:
             return k * (i * itemsize + h * FP32) + 2 * h * itemsize, 0  # activated rows, fp32 down rows, x, the sum
         # gathered rows, gate/up, activated, down rows and their concatenation, the sum, 3 int64 orders; the buffer
         group = max(1, DEQUANTIZE_EXPERT_ELEMENTS // (2 * i * h))
@@ -123,4 +123,4 @@ def _routed_experts(model: torch.nn.Module, config) -> RoutedExperts | None:
         gate_up = expert_weights(module)[0]
     experts, two_i, hidden = gate_up.shape
     return RoutedExperts(gate_up.format, experts, two_i // 2, hidden, config.num_experts_per_tok,
-                         offloaded=offload is not None, grouped_mm=offload is None and gate_up.format == "dense")
+                         grouped_mm=offload is None and gate_up.format == "dense")

@@ -8,6 +8,7 @@ from torch.utils._pytree import tree_flatten
 import dflash_compile
 from dflash_compile import speculative
 from dflash_compile.checkpoint import load_packed, quantize
+from dflash_compile.offload import plan_offload
 from dflash_compile.prefill_memory import PrefillActivations, RoutedExperts
 from dflash_compile.testing import load_tiny_model, save_tiny_model
 from tests.conftest import FAMILIES
@@ -99,13 +100,11 @@ def test_the_estimate_bounds_the_prefills_peak_on_cuda(tmp_path, experts, rows):
 def test_the_experts_path_follows_the_pairs_per_expert():
     """Packed experts: the fused launches' rows below DEQUANTIZE_PAIRS pairs per routed expert, above them the
     dequantizing path with its buffer of at most DEQUANTIZE_EXPERT_ELEMENTS values (gpt-oss-20b: 32 experts, top-4,
-    MXFP4 from 384 pairs: 3072 tokens); offloaded experts always on the fused launches."""
-    experts = RoutedExperts("mxfp4", 32, 2880, 2880, 4, offloaded=False, grouped_mm=False)
+    MXFP4 from 384 pairs: 3072 tokens)."""
+    experts = RoutedExperts("mxfp4", 32, 2880, 2880, 4, grouped_mm=False)
     assert experts.bytes(3071, 2) == (4 * (2880 * 2 + 2880 * 4) + 2 * 2880 * 2, 0)
     per_token, buffer = experts.bytes(3072, 2)
     assert per_token == 4 * 6 * 2880 * 2 + 2880 * 2 + 3 * 8 * 4 and buffer == 32 * 5760 * 2880 * 2
-    offloaded = RoutedExperts("mxfp4", 32, 2880, 2880, 4, offloaded=True, grouped_mm=False)
-    assert offloaded.bytes(8192, 2) == experts.bytes(3071, 2)
 
 
 def budget(decoder, ids, chunk, masked=False, extra=0):
@@ -116,12 +115,16 @@ def budget(decoder, ids, chunk, masked=False, extra=0):
     return decoder._cache_bytes(ids.shape[0], max_len, decoder.model.dtype) + prefill + extra
 
 
-def test_a_prefill_that_would_not_fit_goes_in_chunks_that_do(tiny, monkeypatch):
+@pytest.mark.parametrize("experts", ["resident", "offloaded"])
+def test_a_prefill_that_would_not_fit_goes_in_chunks_that_do(tiny, monkeypatch, experts):
     """With room for the caches and a prefill in chunks of 64 tokens only, a 200-token prompt goes in chunks of 64
-    (the whole prompt, then 128, would not fit): same tokens as `model.generate`."""
+    (the whole prompt, then 128, would not fit): same tokens as `model.generate`. Offloaded experts (here to a
+    "device" that is the CPU) are estimated from their host blobs."""
     model = tiny("qwen3_moe")
     ids = torch.randint(3, 127, (1, 200), generator=torch.Generator().manual_seed(1))
-    fast = dflash_compile.optimize(model, adaptive=False, compile=False)
+    expected = reference(model, ids, None)
+    budget_options = dict(gpu_memory=plan_offload(model).minimum_budget, device="cpu") if experts == "offloaded" else {}
+    fast = dflash_compile.optimize(model, adaptive=False, compile=False, **budget_options)
     monkeypatch.setattr(speculative, "device_free_bytes", lambda device: budget(fast.decoder, ids, 64))
     widths = []
     forward = fast.decoder._target_forward
@@ -129,7 +132,7 @@ def test_a_prefill_that_would_not_fit_goes_in_chunks_that_do(tiny, monkeypatch):
                         forward(ids, *a, **k))
     out = fast.generate(ids, max_new_tokens=NEW_TOKENS)
     assert fast.last_stats.prefill_chunk == 64 and widths[:4] == [64, 64, 64, 8]
-    assert torch.equal(out, reference(model, ids, None))
+    assert torch.equal(out, expected)
 
 
 def test_a_prompt_whose_prefill_cannot_fit_is_refused_before_anything_is_made(tiny, monkeypatch):
