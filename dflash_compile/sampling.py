@@ -22,6 +22,33 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
+# generation_config fields with which transformers' generate outputs something else than greedy decoding or
+# temperature / top-k / top-p sampling, the two dflash_compile's generate implements: other logits processors, other
+# decoding modes, more sequences per prompt; the second group only when sampling. A model whose generation_config
+# sets one (to anything but transformers' default or a no-op, _NO_OPS) would decode differently from model.generate.
+_APPLIED = ("repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "sequence_bias", "suppress_tokens",
+            "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty",
+            "watermarking_config", "min_length", "min_new_tokens", "guidance_scale", "num_beams", "num_beam_groups",
+            "diversity_penalty", "penalty_alpha", "constraints", "force_words_ids", "dola_layers",
+            "num_return_sequences")
+_APPLIED_WHEN_SAMPLING = ("min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h")
+_NO_OPS = {"min_p": 0.0, "min_new_tokens": 0, "guidance_scale": 1.0, "penalty_alpha": 0.0}
+
+
+def check_generation_config(config, do_sample: bool) -> None:
+    """Refuse, before any state changes, a generation_config that makes transformers' generate do what this one does
+    not (`_APPLIED`), naming the fields and how to go without them."""
+    defaults = config._get_default_generation_params()  # transformers' own defaults, e.g. repetition_penalty 1.0
+    names = _APPLIED + (_APPLIED_WHEN_SAMPLING if do_sample else ())
+    applied = [f"{name}={value!r}" for name in names if (value := getattr(config, name, None)) is not None
+               and value != defaults.get(name) and value != _NO_OPS.get(name)]
+    if applied:
+        raise ValueError(f"the model's generation_config sets {', '.join(applied)}, which transformers' generate "
+                         "applies and dflash_compile's does not (it decodes greedily or samples with temperature, "
+                         "top_k and top_p): set them to None on model.generation_config to generate without them, "
+                         "or run model.generate")
+
+
 class TopPWarper(TopPLogitsWarper):
     """transformers' top-p filter with its softmax taken before the sort instead of after: the same tokens kept (the
     softmax keeps their order), and the cumulative sum then reads the sort's output alone. torch 2.11's Inductor

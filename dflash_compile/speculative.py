@@ -29,7 +29,7 @@ from .drafter import DFlashDrafter, context_features
 from .families import spec_for_model
 from .linear_attention import stepwise_linear_attention
 from .prefill_memory import PrefillActivations
-from .sampling import Sampler, processed_probs, warpers
+from .sampling import Sampler, check_generation_config, processed_probs, warpers
 from .step_graphs import StepGraphs
 
 
@@ -507,6 +507,7 @@ class SpeculativeDecoder:
         distributed exactly as the target's own sampling with the same temperature / top-k / top-p.
         `streamer` (transformers' TextStreamer interface, batch 1) gets the prompt, then each step's new tokens."""
         self._check_ids(input_ids, attention_mask)
+        check_generation_config(self.model.generation_config, do_sample)
         if streamer is not None and input_ids.shape[0] != 1:
             raise ValueError(f"a streamer takes one row, got a batch of {input_ids.shape[0]}; stream one prompt")
         sampler = self._sampler(do_sample, temperature, top_k, top_p, generator, argmax_drafts)

@@ -206,6 +206,34 @@ def test_the_caches_bytes_are_known_before_they_are_made(tiny, random_drafter, f
     assert target.rows.nbytes + drafter.nbytes == fast.decoder._cache_bytes(*target.rows.shape[:3])
 
 
+@pytest.mark.parametrize("field, value, do_sample", [("repetition_penalty", 1.2, False),
+                                                     ("no_repeat_ngram_size", 3, False), ("num_beams", 2, False),
+                                                     ("min_p", 0.1, True)])
+def test_generation_settings_transformers_would_apply_are_refused(tiny, field, value, do_sample):
+    """model.generate applies these from the model's generation_config (min_p only when sampling): decoding without
+    them would not give its outputs, so `generate` refuses before anything is made."""
+    model = tiny("qwen3_moe")
+    ids, mask = prompts(1)
+    fast = dflash_compile.optimize(model, adaptive=False, compile=False)
+    setattr(model.generation_config, field, value)
+    with pytest.raises(ValueError, match=rf"^the model's generation_config sets {field}={value!r}, which transformers' "
+                                         r"generate applies and dflash_compile's does not \(it decodes greedily or "
+                                         r"samples with temperature, top_k and top_p\): set them to None on "
+                                         "model.generation_config to generate without them, or run model.generate$"):
+        fast.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=do_sample)
+    assert fast.decoder.target_cache is None
+
+
+def test_generation_settings_that_change_nothing_are_accepted(tiny):
+    """Defaults and no-ops (repetition_penalty 1.0, min_p 0.0) and sampling-only settings in greedy decoding: the
+    same tokens as model.generate with them."""
+    model = tiny("qwen3_moe")
+    ids, mask = prompts(2)
+    model.generation_config.update(repetition_penalty=1.0, min_p=0.0, typical_p=0.5, top_k=20)
+    fast = dflash_compile.optimize(model, adaptive=False, compile=False)
+    assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), reference(model, ids, mask))
+
+
 def test_caches_that_cannot_fit_are_refused_before_anything_is_made(tiny, monkeypatch):
     """On CUDA `generate` compares the caches a generation needs with the device's free memory (here patched), the
     caches it replaces counting as free; the same shape reuses them unchecked. (`prefill` bytes beyond the caches
