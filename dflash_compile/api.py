@@ -34,8 +34,8 @@ class OptimizedModel:
     def generate(self, input_ids, attention_mask=None, max_new_tokens: int = 20, **kwargs) -> torch.Tensor:
         """Greedy: the tokens `model.generate(input_ids, attention_mask=..., do_sample=False, ...)` returns.
         With do_sample=True (temperature, top_k, top_p, generator, argmax_drafts): samples distributed exactly as
-        the target's own `generate(do_sample=True, ...)`. Other `model.generate` settings (beams, penalties,
-        max_length, ...) are refused by name."""
+        the target's own `generate(do_sample=True, ...)`; `repetition_penalty` as generate applies it. Other
+        `model.generate` settings (beams, n-gram bans, max_length, ...) are refused by name."""
         supported = inspect.signature(self.decoder.generate).parameters
         unsupported = sorted(set(kwargs) - set(supported))
         if unsupported:
@@ -62,13 +62,13 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
     when it takes masks, as a left-padded batch shorter than 2048 tokens does: chunks of 4096,
     `speculative.PREFILL_CHUNK`); on CUDA the chunk is halved, down to 64 tokens, while the prefill's activations
     (`prefill_memory`, an upper bound) would not fit the device's free memory beside the caches, and a prompt that
-    does not fit even so is refused before anything is allocated. Sliding layers keep window - 1 + block slots. With `gpu_memory`
-    ("20GiB", bytes or an accelerate max_memory dict) the routed experts are offloaded to host memory behind a slot
-    pool on `device` (default: cuda when available) that fits the budget with the dense weights (`offload_experts`;
-    `offload_policy` "lru" or "lfu", `offload_prefetch` copies the predicted experts of that many layers ahead,
-    `offload_cpu_compute` "auto" / "always" runs missed experts on the CPU, `offload_manager` "device" keeps the
-    cache on the device so that no layer reads its routing back; "auto", the default, picks it on CUDA when the
-    policy is LRU without CPU compute, else "host"). Every check runs before any state is built: an unsupported
+    does not fit even so is refused before anything is allocated. Sliding layers keep window - 1 + block slots.
+    With `gpu_memory` ("20GiB", bytes or an accelerate max_memory dict) the routed experts are offloaded to host memory
+    behind a slot pool on `device` (default: cuda when available) that fits the budget with the dense weights
+    (`offload_experts`; `offload_policy` "lru" or "lfu", `offload_prefetch` copies the predicted experts of that many
+    layers ahead, `offload_cpu_compute` "auto" / "always" runs missed experts on the CPU, `offload_manager` "device"
+    keeps the cache on the device so that no layer reads its routing back; "auto", the default, picks it on CUDA when
+    the policy is LRU without CPU compute, else "host"). Every check runs before any state is built: an unsupported
     family, a drafter made for another target, a budget too small, offload options or another device without a
     budget, or a mode torch.compile lacks raises with nothing changed. With `adaptive` (the default) each step
     verifies as many drafts as measured step times and acceptance say pay best, none when the drafter does not pay

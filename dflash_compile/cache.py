@@ -114,6 +114,15 @@ class TargetCache(Cache):
         # followed by its own keys (`_prefill_ring`). None (the compiled steps, whose shapes must not follow the
         # lengths): every slot.
         self.visible: int | None = None
+        self.tokens_seen: torch.Tensor | None = None  # [b, vocabulary + 1] bool, for a repetition penalty
+
+    def seen_buffer(self, vocabulary: int) -> torch.Tensor:
+        """Which tokens each row has held (`sampling.seen_tokens`; the last column counts nothing): made on first
+        use and kept, so that the verify steps' CUDA graphs replay on it."""
+        if self.tokens_seen is None or self.tokens_seen.shape[1] != vocabulary + 1:
+            self.tokens_seen = _static(torch.zeros(self.rows.batch, vocabulary + 1, dtype=torch.bool,
+                                                   device=self.pad.device))
+        return self.tokens_seen
 
     def reset(self, pad: torch.Tensor) -> None:
         """Ready for a new generation on the same buffers (a compiled step captured in CUDA graphs then replays on

@@ -181,7 +181,8 @@ def roofline_command(args) -> int:
     rows = []
     for block in args.blocks:
         tau = (1 - args.acceptance**block) / (1 - args.acceptance) if args.acceptance < 1 else float(block)
-        rows.append({"model": model, "hardware": hardware.name} | cost.evaluate(block, args.context, args.hit_rate, tau))
+        costs = cost.evaluate(block, args.context, args.hit_rate, tau)
+        rows.append({"model": model, "hardware": hardware.name} | costs)
     print(f"{model} on {hardware.name} ({expert_format} experts), context {args.context}, per-token acceptance "
           f"{args.acceptance}, expert-cache hit rate {args.hit_rate}")
     print(f"{'block':>5} {'experts/layer':>13} {'MB':>9} {'step us':>9} {'fetch us':>9} {'tau':>5} {'tok/s':>8}")

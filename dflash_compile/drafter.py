@@ -150,7 +150,8 @@ def validate_pairing(config: DrafterConfig, fc_shape: tuple[int, ...], target_co
     bad = [i for i in ids if not 0 <= i < layers]
     if bad:
         raise DrafterPairingError(
-            f"drafter target_layer_ids {list(ids)} include {bad}, outside the target's {layers} layers (0..{layers - 1})."
+            f"drafter target_layer_ids {list(ids)} include {bad}, outside the target's {layers} layers "
+            f"(0..{layers - 1})."
         )
     if len(config.layer_types) != config.num_hidden_layers:
         raise DrafterPairingError(

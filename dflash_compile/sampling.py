@@ -23,10 +23,11 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
 
 
 # generation_config fields with which transformers' generate outputs something else than greedy decoding or
-# temperature / top-k / top-p sampling, the two dflash_compile's generate implements: other logits processors, other
-# decoding modes, more sequences per prompt; the second group only when sampling. A model whose generation_config
-# sets one (to anything but transformers' default or a no-op, _NO_OPS) would decode differently from model.generate.
-_APPLIED = ("repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "sequence_bias", "suppress_tokens",
+# temperature / top-k / top-p sampling with a repetition penalty, which dflash_compile's generate implements: other
+# logits processors, other decoding modes, more sequences per prompt; the second group only when sampling. A model
+# whose generation_config sets one (to anything but transformers' default or a no-op, _NO_OPS) would decode
+# differently from model.generate.
+_APPLIED = ("no_repeat_ngram_size", "bad_words_ids", "sequence_bias", "suppress_tokens",
             "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty",
             "watermarking_config", "min_length", "min_new_tokens", "guidance_scale", "num_beams", "num_beam_groups",
             "diversity_penalty", "penalty_alpha", "constraints", "force_words_ids", "dola_layers",
@@ -45,8 +46,8 @@ def check_generation_config(config, do_sample: bool) -> None:
     if applied:
         raise ValueError(f"the model's generation_config sets {', '.join(applied)}, which transformers' generate "
                          "applies and dflash_compile's does not (it decodes greedily or samples with temperature, "
-                         "top_k and top_p): set them to None on model.generation_config to generate without them, "
-                         "or run model.generate")
+                         "top_k and top_p, with repetition_penalty): set them to None on model.generation_config "
+                         "to generate without them, or run model.generate")
 
 
 class TopPWarper(TopPLogitsWarper):
@@ -75,6 +76,34 @@ def warpers(temperature: float | None = 1.0, top_k: int | None = None, top_p: fl
     if top_p is not None and top_p < 1.0:
         chain.append(TopPWarper(top_p))
     return chain
+
+
+def check_repetition_penalty(penalty) -> None:
+    if not isinstance(penalty, float) or not penalty > 0:
+        raise ValueError(f"repetition_penalty must be a positive float (1.0: none), got {penalty!r}")
+
+
+def seen_tokens(ids: torch.Tensor, pad: torch.Tensor, vocab: int, out: torch.Tensor) -> torch.Tensor:
+    """`out` [b, vocab + 1] bool: which tokens each row's prompt `ids` [b, P] holds after its `pad` left padding (the
+    last column collects what is not counted), as transformers' repetition penalty counts a prompt."""
+    padding = torch.arange(ids.shape[1], device=ids.device)[None, :] < pad[:, None]
+    return out.zero_().scatter_(1, ids.masked_fill(padding, vocab), True)
+
+
+def repetition_penalized(logits: torch.Tensor, seen: torch.Tensor, block: torch.Tensor | None,
+                         penalty: float) -> torch.Tensor:
+    """Logits [b, w, V] over a verify `block` [b, w] (None: [b, V] after the prompt) with transformers' repetition
+    penalty (RepetitionPenaltyLogitsProcessor), in fp32 as generate applies it: at position j each token that the
+    row's earlier tokens (`seen` [b, V + 1], see `seen_tokens`) or block[:, :j + 1] hold, once however often, has its
+    logit divided by `penalty` where positive and multiplied where negative."""
+    vocab = logits.shape[-1]
+    present = seen[:, :vocab]
+    if block is not None:
+        width = torch.arange(block.shape[1], device=block.device)
+        upto = torch.where(width[None, :, None] >= width[None, None, :], block[:, None, :], vocab)  # [b, j, i]
+        present = seen[:, None, :].expand(-1, block.shape[1], -1).scatter(2, upto, True)[..., :vocab]
+    scores = logits.float()
+    return torch.where(present, torch.where(scores < 0, scores * penalty, scores / penalty), scores)
 
 
 def processed_probs(logits: torch.Tensor, chain: LogitsProcessorList) -> torch.Tensor:

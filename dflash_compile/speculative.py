@@ -29,7 +29,8 @@ from .drafter import DFlashDrafter, context_features
 from .families import spec_for_model
 from .linear_attention import stepwise_linear_attention
 from .prefill_memory import PrefillActivations
-from .sampling import Sampler, check_generation_config, processed_probs, warpers
+from .sampling import (Sampler, check_generation_config, check_repetition_penalty, processed_probs,
+                       repetition_penalized, seen_tokens, warpers)
 from .step_graphs import StepGraphs
 
 
@@ -222,6 +223,7 @@ class SpeculativeDecoder:
                     self.context_step = StepGraphs(self.context_step, lambda: drafter.training)
         self.last_stats = GenerationStats(block_size=self.block_size)
         self.sampler: Sampler | None = None  # the running generate call's sampling settings
+        self.repetition_penalty: float | None = None  # and its repetition penalty (None: none)
         self.target_cache: TargetCache | None = None  # kept between generate calls (see `_cache`)
         self.drafter_cache: RowCache | None = None  # likewise (`_drafter_cache`)
 
@@ -239,7 +241,7 @@ class SpeculativeDecoder:
         sampling warpers."""
         chain = self.sampler.chain if self.sampler else ()
         warpers = tuple((type(w).__name__, repr(vars(w))) for w in chain)
-        return self.model.config._attn_implementation, self.model.training, warpers
+        return self.model.config._attn_implementation, self.model.training, warpers, self.repetition_penalty
 
     @property
     def hidden_states_read(self) -> list[int]:
@@ -405,6 +407,8 @@ class SpeculativeDecoder:
         the rows' keys and values. Returns the accepted counts, the tokens, the drafter's features and the
         linear-attention states the block left (`TargetCache.pending_linear`, which `commit_linear` takes)."""
         logits, features = self._target_forward(block, cache)
+        if self.repetition_penalty:
+            logits = repetition_penalized(logits, cache.tokens_seen, block, self.repetition_penalty)
         if uniforms is None:
             accepted, tokens = torch.ops.dflash.greedy_accept(block, logits)
         else:
@@ -413,6 +417,9 @@ class SpeculativeDecoder:
             accepted, tokens = torch.ops.dflash.sampled_accept(
                 block, probs, probs[:, :-1] if one_hot else draft_probs, uniforms, one_hot)
         cache.rows.commit((accepted + 1) * active)
+        if self.repetition_penalty:  # the anchor and the accepted drafts join the row's tokens
+            kept = torch.arange(block.shape[1], device=block.device)[None, :] <= accepted[:, None]
+            cache.tokens_seen.scatter_(1, block.masked_fill(~kept, cache.tokens_seen.shape[1] - 1), True)
         return accepted, tokens, features, cache.pending_linear()
 
     def _draft(self, anchor: torch.Tensor, drafter_cache: RowCache, width: int, pending: list):
@@ -502,9 +509,11 @@ class SpeculativeDecoder:
     def generate(self, input_ids, attention_mask=None, max_new_tokens: int = 20, eos_token_id=None,
                  pad_token_id=None, do_sample: bool = False, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, generator: torch.Generator | None = None,
-                 argmax_drafts: bool = False, streamer=None) -> torch.Tensor:
+                 argmax_drafts: bool = False, streamer=None, repetition_penalty: float | None = None) -> torch.Tensor:
         """Greedy: the same tensor as `model.generate(..., do_sample=False)`. Sampled (`do_sample=True`): tokens
-        distributed exactly as the target's own sampling with the same temperature / top-k / top-p.
+        distributed exactly as the target's own sampling with the same temperature / top-k / top-p. Either with
+        transformers' `repetition_penalty` (default: the generation_config's), applied to every verified position
+        over the row's prompt and tokens so far.
         `streamer` (transformers' TextStreamer interface, batch 1) gets the prompt, then each step's new tokens."""
         self._check_ids(input_ids, attention_mask)
         check_generation_config(self.model.generation_config, do_sample)
@@ -512,6 +521,9 @@ class SpeculativeDecoder:
             raise ValueError(f"a streamer takes one row, got a batch of {input_ids.shape[0]}; stream one prompt")
         sampler = self._sampler(do_sample, temperature, top_k, top_p, generator, argmax_drafts)
         generation_config = self.model.generation_config
+        penalty = generation_config.repetition_penalty if repetition_penalty is None else repetition_penalty
+        if penalty is not None:
+            check_repetition_penalty(penalty)
         eos = _eos_ids(eos_token_id if eos_token_id is not None else generation_config.eos_token_id)
         pad_token_id = pad_token_id if pad_token_id is not None else generation_config.pad_token_id
         if pad_token_id is None:
@@ -525,11 +537,15 @@ class SpeculativeDecoder:
         chunk = self._prefill_chunk(prompt, batch, bool(pad.any()), max_len, room, device)
 
         self.sampler = sampler
+        self.repetition_penalty = None if penalty in (None, 1.0) else penalty
         if streamer is not None:
             streamer.put(input_ids.cpu())
         start = time.perf_counter()
         cache = self._cache(batch, max_len, dtype, device, pad)
         logits, features = self._prefill(input_ids, cache, padded=bool(pad.any()), chunk=chunk)
+        if self.repetition_penalty:
+            seen_tokens(input_ids, pad, logits.shape[-1], cache.seen_buffer(logits.shape[-1]))
+            logits = repetition_penalized(logits, cache.tokens_seen, None, self.repetition_penalty)
         anchor = sampler.draw(processed_probs(logits, sampler.chain)) if sampler else logits.argmax(dim=-1)
 
         drafter_cache = None

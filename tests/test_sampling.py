@@ -5,9 +5,11 @@ import itertools
 import pytest
 import torch
 
-from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (RepetitionPenaltyLogitsProcessor, TopKLogitsWarper,
+                                                    TopPLogitsWarper)
 
-from dflash_compile.sampling import TopPWarper, check_sampling, processed_probs, warpers
+from dflash_compile.sampling import (TopPWarper, check_sampling, processed_probs, repetition_penalized, seen_tokens,
+                                     warpers)
 
 VOCAB, BLOCK = 4, 3  # two drafts and the bonus position
 
@@ -169,3 +171,22 @@ def test_sampling_compiles_at_a_real_vocabulary_on_cuda():
     logits = torch.randn(1, 8, 154880, device="cuda", dtype=torch.bfloat16) * 3
     compiled = torch.compile(processed_probs, fullgraph=True, dynamic=False)
     torch.testing.assert_close(compiled(logits, chain), processed_probs(logits, chain))
+
+
+@pytest.mark.parametrize("penalty", [1.3, 0.7])
+def test_repetition_penalty_at_each_verified_position_is_transformers(penalty):
+    """Position j of a verify block gets transformers' RepetitionPenaltyLogitsProcessor over the row's prompt (its
+    left padding ignored, as generate does) followed by block[:j + 1]; and after the prompt alone."""
+    generator = torch.Generator().manual_seed(0)
+    vocab, rows, width = 50, 3, 5
+    prompt = torch.randint(0, vocab, (rows, 7), generator=generator)
+    pad = torch.tensor([0, 2, 6])
+    block = torch.randint(0, vocab, (rows, width), generator=generator)
+    logits = torch.randn(rows, width, vocab, generator=generator)
+    seen = seen_tokens(prompt, pad, vocab, torch.empty(rows, vocab + 1, dtype=torch.bool))
+    ours = repetition_penalized(logits, seen, block, penalty)
+    processor = RepetitionPenaltyLogitsProcessor(penalty, prompt_ignore_length=pad)
+    for j in range(width):
+        history = torch.cat([prompt, block[:, : j + 1]], dim=1)
+        assert torch.equal(ours[:, j], processor(history, logits[:, j].clone()))
+    assert torch.equal(repetition_penalized(logits[:, 0], seen, None, penalty), processor(prompt, logits[:, 0].clone()))

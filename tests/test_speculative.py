@@ -1,5 +1,7 @@
 """optimize(model, drafter=...).generate is token-identical to model.generate(do_sample=False)."""
 
+import re
+
 import pytest
 import torch
 
@@ -206,7 +208,7 @@ def test_the_caches_bytes_are_known_before_they_are_made(tiny, random_drafter, f
     assert target.rows.nbytes + drafter.nbytes == fast.decoder._cache_bytes(*target.rows.shape[:3])
 
 
-@pytest.mark.parametrize("field, value, do_sample", [("repetition_penalty", 1.2, False),
+@pytest.mark.parametrize("field, value, do_sample", [("suppress_tokens", [5], False),
                                                      ("no_repeat_ngram_size", 3, False), ("num_beams", 2, False),
                                                      ("min_p", 0.1, True)])
 def test_generation_settings_transformers_would_apply_are_refused(tiny, field, value, do_sample):
@@ -216,11 +218,43 @@ def test_generation_settings_transformers_would_apply_are_refused(tiny, field, v
     ids, mask = prompts(1)
     fast = dflash_compile.optimize(model, adaptive=False, compile=False)
     setattr(model.generation_config, field, value)
-    with pytest.raises(ValueError, match=rf"^the model's generation_config sets {field}={value!r}, which transformers' "
+    with pytest.raises(ValueError, match=rf"^the model's generation_config sets {re.escape(f'{field}={value!r}')}, "
+                                         r"which transformers' "
                                          r"generate applies and dflash_compile's does not \(it decodes greedily or "
-                                         r"samples with temperature, top_k and top_p\): set them to None on "
-                                         "model.generation_config to generate without them, or run model.generate$"):
+                                         r"samples with temperature, top_k and top_p, with repetition_penalty\): set "
+                                         "them to None on model.generation_config to generate without them, or run "
+                                         "model.generate$"):
         fast.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=do_sample)
+    assert fast.decoder.target_cache is None
+
+
+@pytest.mark.parametrize("family, compile", [("gpt_oss", True), ("deepseek_v3", False), ("qwen3_5_moe", False)])
+def test_repetition_penalty_as_generate_applies_it(tiny, family, compile):
+    """transformers' repetition penalty (1.5: other tokens than without) over the left-padded rows' prompts and at
+    every verified position, drafts accepted up to a miss: token-identical to model.generate(repetition_penalty=1.5),
+    given to generate or read from the generation_config; sampling with top_k=1 gives the same tokens."""
+    model = tiny(family)
+    ids, mask = prompts(3)
+    expected = reference(model, ids, mask, repetition_penalty=1.5)
+    assert not torch.equal(expected, reference(model, ids, mask))
+    drafter = OracleDrafter(expected, mask, 4, corruption=0.3, vocab_size=128)
+    fast = dflash_compile.optimize(model, drafter, adaptive=False, compile=compile)
+    out = fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, repetition_penalty=1.5)
+    assert torch.equal(out, expected) and 1.5 < fast.last_stats.tau < 4
+    model.generation_config.repetition_penalty = 1.5
+    assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
+    sampled = fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=True, top_k=1,
+                            generator=torch.Generator().manual_seed(0))
+    assert torch.equal(sampled, expected)
+
+
+@pytest.mark.parametrize("penalty", [0.0, 2, -1.0])
+def test_a_repetition_penalty_that_is_no_positive_float_is_refused(tiny, penalty):
+    fast = dflash_compile.optimize(tiny("qwen3_moe"), adaptive=False, compile=False)
+    ids, mask = prompts(1)
+    with pytest.raises(ValueError, match=rf"^repetition_penalty must be a positive float \(1.0: none\), got "
+                                         rf"{penalty}$"):
+        fast.generate(ids, attention_mask=mask, max_new_tokens=8, repetition_penalty=penalty)
     assert fast.decoder.target_cache is None
 
 
