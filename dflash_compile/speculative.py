@@ -522,6 +522,7 @@ class SpeculativeDecoder:
         sampler = self._sampler(do_sample, temperature, top_k, top_p, generator, argmax_drafts)
         generation_config = self.model.generation_config
         penalty = generation_config.repetition_penalty if repetition_penalty is None else repetition_penalty
+        penalty = None if penalty == 1.0 else penalty  # None too: as generate, which then adds no processor
         if penalty is not None:
             check_repetition_penalty(penalty)
         eos = _eos_ids(eos_token_id if eos_token_id is not None else generation_config.eos_token_id)
@@ -537,7 +538,7 @@ class SpeculativeDecoder:
         chunk = self._prefill_chunk(prompt, batch, bool(pad.any()), max_len, room, device)
 
         self.sampler = sampler
-        self.repetition_penalty = None if penalty in (None, 1.0) else penalty
+        self.repetition_penalty = penalty
         if streamer is not None:
             streamer.put(input_ids.cpu())
         start = time.perf_counter()

@@ -259,11 +259,11 @@ def test_a_repetition_penalty_that_is_no_positive_float_is_refused(tiny, penalty
 
 
 def test_generation_settings_that_change_nothing_are_accepted(tiny):
-    """Defaults and no-ops (repetition_penalty 1.0, min_p 0.0) and sampling-only settings in greedy decoding: the
-    same tokens as model.generate with them."""
+    """Defaults and no-ops (repetition_penalty 1, an int generate takes for 1.0; min_p 0.0) and sampling-only
+    settings in greedy decoding: the same tokens as model.generate with them."""
     model = tiny("qwen3_moe")
     ids, mask = prompts(2)
-    model.generation_config.update(repetition_penalty=1.0, min_p=0.0, typical_p=0.5, top_k=20)
+    model.generation_config.update(repetition_penalty=1, min_p=0.0, typical_p=0.5, top_k=20)
     fast = dflash_compile.optimize(model, adaptive=False, compile=False)
     assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), reference(model, ids, mask))
 
