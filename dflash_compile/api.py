@@ -7,7 +7,7 @@ import inspect
 import torch
 
 from .adaptive import WidthChooser
-from .checkpoint import pack_experts_expanded_at_load, refuse_hub_kernel_experts
+from .checkpoint import pack_experts_expanded_at_load, refuse_hub_kernel_experts, refuse_weights_outside_the_model
 from .drafter import load_drafter
 from .families import spec_for_model, supported_families
 from .linear_attention import check_verify_block
@@ -69,8 +69,9 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
     layers ahead, `offload_cpu_compute` "auto" / "always" runs missed experts on the CPU, `offload_manager` "device"
     keeps the cache on the device so that no layer reads its routing back; "auto", the default, picks it on CUDA when
     the policy is LRU without CPU compute, else "host"). Every check runs before any state is built: an unsupported
-    family, a drafter made for another target, a budget too small, offload options or another device without a
-    budget, or a mode torch.compile lacks raises with nothing changed. With `adaptive` (the default) each step
+    family, weights an accelerate device_map keeps outside the model, a drafter made for another target, a budget too
+    small, offload options or another device without a budget, or a mode torch.compile lacks raises with nothing
+    changed. With `adaptive` (the default) each step
     verifies as many drafts as measured step times and acceptance say pay best, none when the drafter does not pay
     (`dflash_compile.adaptive`; the choices are in `last_stats.widths`); pass a `WidthChooser` to set its options.
     With `compile`, a DFlash drafter's forward is compiled too (Inductor; CUDA graphs as above), and each layer's
@@ -93,6 +94,7 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
             f"{type(model).__name__} is not a Mixture-of-Experts model of a supported family "
             f"({', '.join(supported_families())}); dflash_compile.optimize needs one"
         )
+    refuse_weights_outside_the_model(model)
     if prefill_chunk is not None and prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be at least 1 token (or None: optimize's choice), got {prefill_chunk}")
     _check_mode(mode, compile)

@@ -210,6 +210,23 @@ def refuse_hub_kernel_experts(model: torch.nn.Module) -> None:
             "transformers quantization_config=Mxfp4Config(dequantize=True)")
 
 
+def refuse_weights_outside_the_model(model: torch.nn.Module) -> None:
+    """Refuse a model whose weights are not in its parameters: loaded with an accelerate `device_map` that offloads
+    to the CPU or disk or spans several devices (its offloaded weights wait on the meta device for hooks that move
+    them in layer by layer), or never loaded (meta parameters). dflash's graphs and kernels read the parameters: the
+    error names the load that keeps them there and the offload that does the device_map's job."""
+    placed = sorted({str(device) for device in (getattr(model, "hf_device_map", None) or {}).values()})
+    missing = sum(parameter.is_meta for parameter in model.parameters())
+    if len(placed) > 1 or missing:
+        where = f"loaded with device_map over {placed}" if placed else "not loaded"
+        raise ValueError(
+            f"{type(model).__name__} was {where}: {missing} of its parameters are on the meta device (accelerate "
+            "keeps offloaded weights outside the model and moves them in with hooks), where dflash_compile cannot "
+            "read them. Load it on one device without device_map and let dflash_compile offload the routed experts "
+            "within a GPU budget: dflash_compile.from_pretrained(path, gpu_memory='20GiB'), or "
+            "optimize(model, gpu_memory='20GiB') on a model loaded to the CPU")
+
+
 def pack_experts_expanded_at_load(model: torch.nn.Module) -> None:
     """Undo transformers' expansion of an MXFP4 / FP8 checkpoint's routed experts: without its own kernels it loads
     them in the model dtype and drops `quantization_config` (the checkpoint's config.json still names the format).

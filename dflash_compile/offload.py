@@ -711,8 +711,10 @@ def offload_experts(model: torch.nn.Module, gpu_memory, device="cuda", policy: s
     copied in); "device" keeps the cache in device tensors (`dflash_compile.slot_table`): no host read per layer, so
     the whole step is one CUDA graph, predicted experts copied in by a kernel, misses read from pinned memory;
     "auto" (default): "device" on CUDA where the options allow it, else "host" (`choose_manager`)."""
+    from .checkpoint import refuse_weights_outside_the_model
     from .expert_store import ExpertStore
 
+    refuse_weights_outside_the_model(model)
     device = torch.device(device)
     slots = plan_offload(model, device).slots(parse_size(gpu_memory))
     offloaded = OffloadedExperts(device, int(slots), policy, prefetch=int(prefetch), cpu_compute=cpu_compute,

@@ -1,6 +1,7 @@
 """Quantized checkpoints in the public layouts: written by `quantize`, loaded packed by `load_packed`."""
 
 import json
+import re
 import warnings
 
 import pytest
@@ -285,3 +286,26 @@ def test_a_multimodal_fp8_checkpoint_loads_its_text_model(tmp_path):
     ids = token_ids()
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, expected(ids).logits)
+
+
+def test_a_model_whose_device_map_keeps_weights_outside_it_is_refused(tmp_path):
+    """accelerate's device_map offload (here to disk, and to the CPU and disk) leaves parameters on the meta device:
+    optimize and offload_experts refuse before changing anything, naming the map and the load that works; a
+    device_map of one device keeps the weights in the model and runs."""
+    directory = save_tiny_model("qwen3_moe", tmp_path / "model")
+    ids = token_ids()
+    for budget in ("200KB", "400KB"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            directory, device_map="auto", max_memory={"cpu": budget}, offload_folder=str(tmp_path / "offload"),
+            dtype=torch.float32)
+        placed = sorted(set(model.hf_device_map.values()))
+        implementation = model.config._experts_implementation
+        refused = rf"^Qwen3MoeForCausalLM was loaded with device_map over {re.escape(str(placed))}: \d+ of its "
+        refused += r"parameters are on the meta device .* dflash_compile.from_pretrained\(path, gpu_memory='20GiB'\)"
+        for call in (dflash_compile.optimize, lambda m: dflash_compile.offload_experts(m, "1GB", "cpu")):
+            with pytest.raises(ValueError, match=refused):
+                call(model)
+        assert model.config._experts_implementation == implementation
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, device_map="cpu", dtype=torch.float32)
+    expected = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(dflash_compile.optimize(model, compile=False).generate(ids, max_new_tokens=8), expected)
