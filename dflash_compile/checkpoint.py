@@ -219,12 +219,13 @@ def refuse_weights_outside_the_model(model: torch.nn.Module) -> None:
     missing = sum(parameter.is_meta for parameter in model.parameters())
     if len(placed) > 1 or missing:
         where = f"loaded with device_map over {placed}" if placed else "not loaded"
+        why = (f"{missing} of its parameters are on the meta device (accelerate keeps offloaded weights outside the "
+               "model and moves them in with hooks), where dflash_compile cannot read them" if missing
+               else "dflash_compile runs a model on one device")
         raise ValueError(
-            f"{type(model).__name__} was {where}: {missing} of its parameters are on the meta device (accelerate "
-            "keeps offloaded weights outside the model and moves them in with hooks), where dflash_compile cannot "
-            "read them. Load it on one device without device_map and let dflash_compile offload the routed experts "
-            "within a GPU budget: dflash_compile.from_pretrained(path, gpu_memory='20GiB'), or "
-            "optimize(model, gpu_memory='20GiB') on a model loaded to the CPU")
+            f"{type(model).__name__} was {where}: {why}. Load it on one device without device_map and let "
+            "dflash_compile offload the routed experts within a GPU budget: dflash_compile.from_pretrained(path, "
+            "gpu_memory='20GiB'), or optimize(model, gpu_memory='20GiB') on a model loaded to the CPU")
 
 
 def pack_experts_expanded_at_load(model: torch.nn.Module) -> None:

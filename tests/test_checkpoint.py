@@ -290,8 +290,8 @@ def test_a_multimodal_fp8_checkpoint_loads_its_text_model(tmp_path):
 
 def test_a_model_whose_device_map_keeps_weights_outside_it_is_refused(tmp_path):
     """accelerate's device_map offload (here to disk, and to the CPU and disk) leaves parameters on the meta device:
-    optimize and offload_experts refuse before changing anything, naming the map and the load that works; a
-    device_map of one device keeps the weights in the model and runs."""
+    optimize and offload_experts refuse before changing anything, naming the map and the load that works; so does a
+    split over two GPUs; a device_map of one device keeps the weights in the model and runs."""
     directory = save_tiny_model("qwen3_moe", tmp_path / "model")
     ids = token_ids()
     for budget in ("200KB", "400KB"):
@@ -307,5 +307,9 @@ def test_a_model_whose_device_map_keeps_weights_outside_it_is_refused(tmp_path):
                 call(model)
         assert model.config._experts_implementation == implementation
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, device_map="cpu", dtype=torch.float32)
+    model.hf_device_map = {"model.layers.0": 0, "model.layers.1": 1}  # as accelerate records a split over two GPUs
+    with pytest.raises(ValueError, match=r"over \['0', '1'\]: dflash_compile runs a model on one device\. Load it"):
+        dflash_compile.optimize(model)
+    model.hf_device_map = {"": "cpu"}
     expected = model.generate(ids, max_new_tokens=8, do_sample=False)
     assert torch.equal(dflash_compile.optimize(model, compile=False).generate(ids, max_new_tokens=8), expected)
