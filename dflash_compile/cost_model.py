@@ -106,6 +106,11 @@ REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
     "glm-4.7-flash": transformers.Glm4MoeLiteConfig,  # 47 layers (the first dense), MLA, 64 experts, top-4, shared 1
     "olmoe-1b-7b": lambda: transformers.OlmoeConfig(intermediate_size=1024),  # 16 layers, 64 experts, top-8
     "mixtral-8x7b": transformers.MixtralConfig,  # 32 layers, 8 experts, top-2
+    "qwen1.5-moe-a2.7b": transformers.Qwen2MoeConfig,  # 24 layers, 60 experts, top-4, a gated shared expert
+    "qwen2-57b-a14b": lambda: transformers.Qwen2MoeConfig(
+        hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, num_experts=64,
+        num_experts_per_tok=8, moe_intermediate_size=2560, shared_expert_intermediate_size=20480,
+        intermediate_size=18944, max_position_embeddings=32768),
 }
 
 

@@ -181,6 +181,10 @@ FAMILIES: dict[str, FamilySpec] = {
             _declared_layer_types,  # GatedDeltaNet "linear_attention" layers between "full_attention" ones
             _GATED_DELTA_NET,
         ),
+        FamilySpec(  # Qwen1.5-MoE / Qwen2-MoE: Qwen3-MoE's router and sparse-layer rule, a sigmoid-gated shared expert
+            "qwen2_moe", ("qwen2_moe",), "Qwen2MoeExperts", _SWIGLU, _SOFTMAX, "shared_expert", _qwen3_sparse_layers,
+            _declared_layer_types,
+        ),
         FamilySpec(  # Qwen3-Next: Qwen3.5-MoE's GatedDeltaNet and shared expert, Qwen3-MoE's sparse-layer rule
             "qwen3_next", ("qwen3_next",), "Qwen3NextExperts", _SWIGLU, _SOFTMAX, "shared_expert",
             _qwen3_sparse_layers, _declared_layer_types, _GATED_DELTA_NET,

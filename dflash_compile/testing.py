@@ -4,7 +4,7 @@ No checkpoint can be downloaded here, so tests, the CLI's built-in default and C
 transformers config classes. Each keeps the structure that matters: a dense first layer for glm4_moe, deepseek_v3
 and glm4_moe_lite (declared in `mlp_layer_types`), latent attention for the last two, an `mlp_only_layers` dense
 layer for qwen3_moe, GatedDeltaNet linear-attention layers for qwen3_5_moe and qwen3_next, alternating sliding/full
-layers with attention sinks for gpt_oss, shared experts where the family has them.
+layers with attention sinks for gpt_oss, q/k/v biases for qwen2_moe, shared experts where the family has them.
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ TINY_CONFIGS = {
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
         num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32, num_experts=8, head_dim=16,
         mlp_only_layers=[0], norm_topk_prob=True, **_ROUTED, **_COMMON),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(  # q/k/v biases, a sigmoid-gated shared expert
+        num_hidden_layers=2, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        num_experts=8, decoder_sparse_step=1, mlp_only_layers=[], **_ROUTED, **_COMMON),
     "qwen3_5_moe": lambda: transformers.Qwen3_5MoeTextConfig(**_GATED_DELTA_NET, **_ROUTED, **_COMMON),
     "qwen3_next": lambda: transformers.Qwen3NextConfig(
         decoder_sparse_step=1, mlp_only_layers=[], **_GATED_DELTA_NET, **_ROUTED, **_COMMON),

@@ -9,10 +9,10 @@ from dflash_compile.families import FAMILIES, UnsupportedFamilyError, spec_for_c
 from tests.conftest import token_ids
 
 
-def test_registry_covers_the_nine_families():
+def test_registry_covers_the_ten_families():
     assert dflash_compile.supported_families() == sorted(
-        ["mixtral", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe", "glm4_moe_lite", "deepseek_v3",
-         "olmoe"]
+        ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe", "glm4_moe_lite",
+         "deepseek_v3", "olmoe"]
     )
 
 
@@ -20,6 +20,7 @@ def test_registry_covers_the_nine_families():
     "family, moe_layers, attention",
     [
         ("mixtral", [0, 1], ["full_attention"] * 2),
+        ("qwen2_moe", [0, 1], ["full_attention"] * 2),
         ("qwen3_moe", [1, 2], ["full_attention"] * 3),  # mlp_only_layers=[0]
         ("qwen3_5_moe", [0, 1], ["linear_attention", "full_attention"]),
         ("qwen3_next", [0, 1], ["linear_attention", "full_attention"]),
@@ -36,7 +37,8 @@ def test_spec_of_each_tiny_model(tiny, family, moe_layers, attention):
     assert spec is FAMILIES[family]
     assert spec.moe_layers(model.config) == moe_layers
     assert spec.attention_kinds(model.config) == attention
-    experts = {i: type(layer.mlp.experts) for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")}
+    experts = {i: type(layer.mlp.experts) for i, layer in enumerate(model.model.layers)
+               if hasattr(layer.mlp, "experts")}
     assert sorted(experts) == moe_layers
     assert all(spec_for_experts_class(cls) is spec for cls in experts.values())
 
@@ -50,29 +52,30 @@ def test_qwen3_sparse_step_glm_declared_layers_and_mixtral_window():
     assert FAMILIES["mixtral"].attention_kinds(mixtral) == ["sliding_attention"] * 2
 
 
-def _tiny_qwen2_moe():
-    config = transformers.Qwen2MoeConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=16,
-        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
+def _tiny_phimoe():
+    config = transformers.PhimoeConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
     )
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
 def test_unsupported_moe_family_is_a_clear_error_before_any_state():
-    model = _tiny_qwen2_moe()
+    model = _tiny_phimoe()
     # Dynamo wraps whatever a backend raises in BackendCompilerFailed; ours is the inner exception.
-    with pytest.raises(BackendCompilerFailed, match=r"model_type 'qwen2_moe' is a Mixture-of-Experts model") as err:
+    with pytest.raises(BackendCompilerFailed, match=r"model_type 'phimoe' is a Mixture-of-Experts model") as err:
         with torch.no_grad():
             torch.compile(model, backend="dflash", options={"lowering": "eager"})(token_ids(1, 4))
     assert isinstance(err.value.inner_exception, UnsupportedFamilyError)
-    families = "deepseek_v3, glm4_moe, glm4_moe_lite, gpt_oss, mixtral, olmoe, qwen3_5_moe, qwen3_moe, qwen3_next"
+    families = ("deepseek_v3, glm4_moe, glm4_moe_lite, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_5_moe, qwen3_moe, "
+                "qwen3_next")
     assert families in str(err.value)
     assert model not in _STORES_BY_ROOT  # nothing registered before the error
 
 
 def test_unsupported_experts_class_is_recognised_without_a_config():
-    experts = _tiny_qwen2_moe().model.layers[0].mlp.experts
-    with pytest.raises(UnsupportedFamilyError, match=r"Qwen2MoeExperts .* does not support yet"):
+    experts = _tiny_phimoe().model.layers[0].mlp.experts
+    with pytest.raises(UnsupportedFamilyError, match=r"PhimoeExperts .* does not support yet"):
         spec_for_experts_class(type(experts))
 
 

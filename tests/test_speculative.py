@@ -11,8 +11,8 @@ from dflash_compile.families import spec_for_model
 from dflash_compile.testing import OracleDrafter
 from tests.conftest import token_ids
 
-SPECULATIVE_FAMILIES = ["mixtral", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe", "glm4_moe_lite",
-                        "deepseek_v3", "olmoe"]
+SPECULATIVE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe",
+                        "glm4_moe_lite", "deepseek_v3", "olmoe"]
 NEW_TOKENS = 48  # crosses the gpt_oss test model's 8-token sliding window several times
 
 
@@ -31,10 +31,12 @@ def reference(model, ids, mask, **kwargs):
 
 
 # Compiled, a family whose attention and router another one here shares adds little but minutes of CI: Qwen3-Next
-# repeats Qwen3.5's linear attention and GLM-4.7-Flash DeepSeek-V3's latent attention and grouped router (each
-# family's compiled speculative step keeps its identity test: `test_offload_with_compiled_dflash_speculative_decoding`,
-# one unpadded row). A batch of one row also for gpt-oss's sliding rings and sinks.
-IDENTITY_CASES = [(family, 3) for family in SPECULATIVE_FAMILIES if family not in ("qwen3_next", "glm4_moe_lite")]
+# repeats Qwen3.5's linear attention and GLM-4.7-Flash DeepSeek-V3's latent attention and grouped router, Qwen2-MoE
+# Qwen3-MoE's router and Qwen3-Next's gated shared expert (each family's compiled speculative step keeps its identity
+# test: `test_offload_with_compiled_dflash_speculative_decoding`, one unpadded row). A batch of one row also for
+# gpt-oss's sliding rings and sinks.
+IDENTITY_CASES = [(family, 3) for family in SPECULATIVE_FAMILIES
+                  if family not in ("qwen2_moe", "qwen3_next", "glm4_moe_lite")]
 
 
 @pytest.mark.parametrize("family, batch", IDENTITY_CASES + [("gpt_oss", 1)])
