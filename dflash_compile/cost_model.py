@@ -106,6 +106,11 @@ REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
     "glm-4.7-flash": transformers.Glm4MoeLiteConfig,  # 47 layers (the first dense), MLA, 64 experts, top-4, shared 1
     "olmoe-1b-7b": lambda: transformers.OlmoeConfig(intermediate_size=1024),  # 16 layers, 64 experts, top-8
     "mixtral-8x7b": transformers.MixtralConfig,  # 32 layers, 8 experts, top-2
+    "deepseek-v2-lite": lambda: transformers.DeepseekV2Config(  # 27 layers (the first dense), MLA, 64 experts, top-6
+        hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
+        num_attention_heads=16, num_key_value_heads=16, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+        kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        first_k_dense_replace=1, topk_method="greedy", routed_scaling_factor=1.0, vocab_size=102400),
     "qwen1.5-moe-a2.7b": transformers.Qwen2MoeConfig,  # 24 layers, 60 experts, top-4, a gated shared expert
     "qwen2-57b-a14b": lambda: transformers.Qwen2MoeConfig(
         hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, num_experts=64,

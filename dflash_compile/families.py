@@ -161,6 +161,9 @@ _GATED_DELTA_NET = LinearAttentionSpec("linear_attn", "torch_chunk_gated_delta_r
 # Multi-head latent attention's linears reading the same input (q_proj where there is no q_lora_rank)
 _MLA_SHARED_INPUTS = (("q_a_proj", "kv_a_proj_with_mqa"), ("q_proj", "kv_a_proj_with_mqa"), ("gate_proj", "up_proj"))
 _DEEPSEEK_ROUTER = RouterSpec(scoring="sigmoid", correction_bias=True, grouped_top_k=True, routed_scaling_factor=True)
+# DeepSeek-V2: softmax scores, top-k over all experts ("greedy") or inside the best `topk_group` groups by their
+# largest score ("group_limited_greedy"), times `routed_scaling_factor`
+_DEEPSEEK_V2_ROUTER = RouterSpec(scoring="softmax", grouped_top_k=True, routed_scaling_factor=True)
 
 FAMILIES: dict[str, FamilySpec] = {
     spec.name: spec
@@ -206,6 +209,11 @@ FAMILIES: dict[str, FamilySpec] = {
         ),
         FamilySpec(
             "deepseek_v3", ("deepseek_v3",), "DeepseekV3Experts", _SWIGLU, _DEEPSEEK_ROUTER, "shared_experts",
+            _after_first_k_dense, _full_attention, shared_input_linears=_MLA_SHARED_INPUTS, cached_per_token=_latent,
+            expanded_per_slot=_latent_expansion,
+        ),
+        FamilySpec(  # DeepSeek-V2 (-Lite): DeepSeek-V3's latent attention and dense first layers, a softmax router
+            "deepseek_v2", ("deepseek_v2",), "DeepseekV2Experts", _SWIGLU, _DEEPSEEK_V2_ROUTER, "shared_experts",
             _after_first_k_dense, _full_attention, shared_input_linears=_MLA_SHARED_INPUTS, cached_per_token=_latent,
             expanded_per_slot=_latent_expansion,
         ),

@@ -1,10 +1,11 @@
 """Tiny random models of every supported family, saved and loaded back through `from_pretrained`.
 
 No checkpoint can be downloaded here, so tests, the CLI's built-in default and CPU benchmarks build models from the
-transformers config classes. Each keeps the structure that matters: a dense first layer for glm4_moe, deepseek_v3
-and glm4_moe_lite (declared in `mlp_layer_types`), latent attention for the last two, an `mlp_only_layers` dense
-layer for qwen3_moe, GatedDeltaNet linear-attention layers for qwen3_5_moe and qwen3_next, alternating sliding/full
-layers with attention sinks for gpt_oss, q/k/v biases for qwen2_moe, shared experts where the family has them.
+transformers config classes. Each keeps the structure that matters: a dense first layer for glm4_moe, deepseek_v2,
+deepseek_v3 and glm4_moe_lite (declared in `mlp_layer_types`), latent attention for the last three, an
+`mlp_only_layers` dense layer for qwen3_moe, GatedDeltaNet linear-attention layers for qwen3_5_moe and qwen3_next,
+alternating sliding/full layers with attention sinks for gpt_oss, q/k/v biases for qwen2_moe, shared experts where
+the family has them.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ TINY_CONFIGS = {
     "glm4_moe": lambda: transformers.Glm4MoeConfig(
         num_hidden_layers=3, head_dim=16, **_DEEPSEEK_ROUTING, **_ROUTED, **_COMMON),
     "deepseek_v3": lambda: transformers.DeepseekV3Config(**_MLA, **_DEEPSEEK_ROUTING, **_ROUTED),
+    "deepseek_v2": lambda: transformers.DeepseekV2Config(  # DeepSeek-V2's group-limited softmax router
+        topk_method="group_limited_greedy", **_MLA, **_DEEPSEEK_ROUTING, **_ROUTED),
     "glm4_moe_lite": lambda: transformers.Glm4MoeLiteConfig(  # GLM-4.7-Flash: one group, MLPs declared per layer
         mlp_layer_types=["dense", "sparse", "sparse"], **_MLA, **_ROUTED,
         **{**_DEEPSEEK_ROUTING, "n_group": 1, "topk_group": 1, "first_k_dense_replace": None}),

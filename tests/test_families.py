@@ -9,10 +9,10 @@ from dflash_compile.families import FAMILIES, UnsupportedFamilyError, spec_for_c
 from tests.conftest import token_ids
 
 
-def test_registry_covers_the_ten_families():
+def test_registry_covers_the_eleven_families():
     assert dflash_compile.supported_families() == sorted(
         ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe", "glm4_moe_lite",
-         "deepseek_v3", "olmoe"]
+         "deepseek_v2", "deepseek_v3", "olmoe"]
     )
 
 
@@ -26,6 +26,7 @@ def test_registry_covers_the_ten_families():
         ("qwen3_next", [0, 1], ["linear_attention", "full_attention"]),
         ("gpt_oss", [0, 1], ["sliding_attention", "full_attention"]),
         ("glm4_moe", [1, 2], ["full_attention"] * 3),  # first_k_dense_replace=1
+        ("deepseek_v2", [1, 2], ["full_attention"] * 3),
         ("deepseek_v3", [1, 2], ["full_attention"] * 3),
         ("glm4_moe_lite", [1, 2], ["full_attention"] * 3),  # mlp_layer_types=["dense", "sparse", "sparse"]
         ("olmoe", [0, 1], ["full_attention"] * 2),
@@ -67,8 +68,8 @@ def test_unsupported_moe_family_is_a_clear_error_before_any_state():
         with torch.no_grad():
             torch.compile(model, backend="dflash", options={"lowering": "eager"})(token_ids(1, 4))
     assert isinstance(err.value.inner_exception, UnsupportedFamilyError)
-    families = ("deepseek_v3, glm4_moe, glm4_moe_lite, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_5_moe, qwen3_moe, "
-                "qwen3_next")
+    families = ("deepseek_v2, deepseek_v3, glm4_moe, glm4_moe_lite, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_5_moe, "
+                "qwen3_moe, qwen3_next")
     assert families in str(err.value)
     assert model not in _STORES_BY_ROOT  # nothing registered before the error
 
