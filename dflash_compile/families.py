@@ -36,7 +36,7 @@ class RouterSpec:
     """What the router computes before the experts see `top_k_index` / `top_k_weights`."""
 
     scoring: Literal["softmax", "sigmoid", "top_k_then_softmax"]
-    correction_bias: bool = False  # `e_score_correction_bias` added to the scores used for the choice only
+    correction_bias: str | None = None  # the router's attribute (path): a bias added to the scores for the choice only
     grouped_top_k: bool = False  # experts chosen inside the best `topk_group` of `n_group` groups
     routed_scaling_factor: bool = False  # weights multiplied by `config.routed_scaling_factor`
     module: str = "gate"  # the router's attribute on the MoE block, beside the experts module
@@ -140,6 +140,12 @@ def _qwen3_sparse_layers(config) -> list[int]:
     ]
 
 
+def _ernie_sparse_layers(config) -> list[int]:
+    """ERNIE-4.5-MoE: every `moe_layer_interval`-th layer from `moe_layer_start_index` to `moe_layer_end_index`."""
+    return [i for i in range(config.num_hidden_layers) if (i + 1) % config.moe_layer_interval == 0
+            and config.moe_layer_start_index <= i <= config.moe_layer_end_index]
+
+
 def _declared_layer_types(config) -> list[AttentionKind]:
     return list(config.layer_types)
 
@@ -160,7 +166,8 @@ _GATED_DELTA_NET = LinearAttentionSpec("linear_attn", "torch_chunk_gated_delta_r
                                        "torch_recurrent_gated_delta_rule", _gated_delta_rule_elements)
 # Multi-head latent attention's linears reading the same input (q_proj where there is no q_lora_rank)
 _MLA_SHARED_INPUTS = (("q_a_proj", "kv_a_proj_with_mqa"), ("q_proj", "kv_a_proj_with_mqa"), ("gate_proj", "up_proj"))
-_DEEPSEEK_ROUTER = RouterSpec(scoring="sigmoid", correction_bias=True, grouped_top_k=True, routed_scaling_factor=True)
+_DEEPSEEK_ROUTER = RouterSpec(scoring="sigmoid", correction_bias="e_score_correction_bias", grouped_top_k=True,
+                              routed_scaling_factor=True)
 # DeepSeek-V2: softmax scores, top-k over all experts ("greedy") or inside the best `topk_group` groups by their
 # largest score ("group_limited_greedy"), times `routed_scaling_factor`
 _DEEPSEEK_V2_ROUTER = RouterSpec(scoring="softmax", grouped_top_k=True, routed_scaling_factor=True)
@@ -223,6 +230,12 @@ FAMILIES: dict[str, FamilySpec] = {
             cached_per_token=_latent, expanded_per_slot=_latent_expansion,
         ),
         FamilySpec("olmoe", ("olmoe",), "OlmoeExperts", _SWIGLU, _SOFTMAX, None, _all_layers, _full_attention),
+        FamilySpec(  # ERNIE-4.5-MoE: softmax scores, the choice made on them plus `moe_statics`' bias, renormalised
+            "ernie4_5_moe", ("ernie4_5_moe",), "Ernie4_5_MoeExperts", _SWIGLU,
+            RouterSpec(scoring="softmax", correction_bias="moe_statics.e_score_correction_bias"), "shared_experts",
+            _ernie_sparse_layers,
+            _full_attention,
+        ),
     )
 }
 

@@ -2,10 +2,10 @@
 
 No checkpoint can be downloaded here, so tests, the CLI's built-in default and CPU benchmarks build models from the
 transformers config classes. Each keeps the structure that matters: a dense first layer for glm4_moe, deepseek_v2,
-deepseek_v3 and glm4_moe_lite (declared in `mlp_layer_types`), latent attention for the last three, an
-`mlp_only_layers` dense layer for qwen3_moe, GatedDeltaNet linear-attention layers for qwen3_5_moe and qwen3_next,
-alternating sliding/full layers with attention sinks for gpt_oss, q/k/v biases for qwen2_moe, shared experts where
-the family has them.
+deepseek_v3, ernie4_5_moe and glm4_moe_lite (declared in `mlp_layer_types`), latent attention for deepseek_v2,
+deepseek_v3 and glm4_moe_lite, an `mlp_only_layers` dense layer for qwen3_moe, GatedDeltaNet linear-attention layers
+for qwen3_5_moe and qwen3_next, alternating sliding/full layers with attention sinks for gpt_oss, q/k/v biases for
+qwen2_moe, shared experts where the family has them.
 """
 
 from __future__ import annotations
@@ -57,6 +57,10 @@ TINY_CONFIGS = {
     "glm4_moe_lite": lambda: transformers.Glm4MoeLiteConfig(  # GLM-4.7-Flash: one group, MLPs declared per layer
         mlp_layer_types=["dense", "sparse", "sparse"], **_MLA, **_ROUTED,
         **{**_DEEPSEEK_ROUTING, "n_group": 1, "topk_group": 1, "first_k_dense_replace": None}),
+    "ernie4_5_moe": lambda: transformers.Ernie4_5_MoeConfig(  # a dense first layer, a shared expert
+        num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32, moe_num_experts=8,
+        moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_end_index=2, moe_layer_interval=1,
+        initializer_range=0.1, **_ROUTED, **_COMMON),  # routing probabilities that differ by more than the bias
     "olmoe": lambda: transformers.OlmoeConfig(
         num_hidden_layers=2, intermediate_size=32, num_experts=8, **_ROUTED, **_COMMON),
 }

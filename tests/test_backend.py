@@ -1,6 +1,7 @@
 """torch.compile(model, backend="dflash") on tiny models of every family, loaded through from_pretrained."""
 
 import inspect
+import operator
 import os
 import subprocess
 import sys
@@ -49,12 +50,13 @@ def test_compiled_logits_match_eager(tiny, family, dtype, dispatch_calls):
                 router = router_of(model, name)
                 router.weight.mul_(4)
                 if FAMILIES[family].router.correction_bias:
-                    bias = router.e_score_correction_bias
+                    bias = operator.attrgetter(FAMILIES[family].router.correction_bias)(router)
                     bias.copy_(torch.randperm(bias.numel(), generator=torch.Generator().manual_seed(0)))
         expected = model(ids).logits
         compiled = torch.compile(model, backend="dflash", fullgraph=True)
         actual = compiled(ids).logits
-    assert (actual.float() - expected.float()).abs().max().item() <= TOLERANCE[dtype]
+    scale = max(1.0, expected.float().abs().max().item())  # bf16 rounds relative to the logits' size
+    assert (actual.float() - expected.float()).abs().max().item() <= TOLERANCE[dtype] * scale
     assert dispatch_calls == list(range(len(moe_layers)))  # one dispatch per MoE layer, in layer order
 
 

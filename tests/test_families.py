@@ -9,10 +9,10 @@ from dflash_compile.families import FAMILIES, UnsupportedFamilyError, spec_for_c
 from tests.conftest import token_ids
 
 
-def test_registry_covers_the_eleven_families():
+def test_registry_covers_the_twelve_families():
     assert dflash_compile.supported_families() == sorted(
         ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe", "glm4_moe_lite",
-         "deepseek_v2", "deepseek_v3", "olmoe"]
+         "deepseek_v2", "deepseek_v3", "olmoe", "ernie4_5_moe"]
     )
 
 
@@ -30,6 +30,7 @@ def test_registry_covers_the_eleven_families():
         ("deepseek_v3", [1, 2], ["full_attention"] * 3),
         ("glm4_moe_lite", [1, 2], ["full_attention"] * 3),  # mlp_layer_types=["dense", "sparse", "sparse"]
         ("olmoe", [0, 1], ["full_attention"] * 2),
+        ("ernie4_5_moe", [1, 2], ["full_attention"] * 3),  # moe_layer_start_index=1
     ],
 )
 def test_spec_of_each_tiny_model(tiny, family, moe_layers, attention):
@@ -68,8 +69,8 @@ def test_unsupported_moe_family_is_a_clear_error_before_any_state():
         with torch.no_grad():
             torch.compile(model, backend="dflash", options={"lowering": "eager"})(token_ids(1, 4))
     assert isinstance(err.value.inner_exception, UnsupportedFamilyError)
-    families = ("deepseek_v2, deepseek_v3, glm4_moe, glm4_moe_lite, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_5_moe, "
-                "qwen3_moe, qwen3_next")
+    families = ("deepseek_v2, deepseek_v3, ernie4_5_moe, glm4_moe, glm4_moe_lite, gpt_oss, mixtral, olmoe, qwen2_moe, "
+                "qwen3_5_moe, qwen3_moe, qwen3_next")
     assert families in str(err.value)
     assert model not in _STORES_BY_ROOT  # nothing registered before the error
 
