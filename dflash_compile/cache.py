@@ -115,6 +115,23 @@ class TargetCache(Cache):
         # lengths): every slot.
         self.visible: int | None = None
         self.tokens_seen: torch.Tensor | None = None  # [b, vocabulary + 1] bool, for a repetition penalty
+        self.eos_waits: torch.Tensor | None = None  # [b] new tokens before each row's EOS, for a minimum length
+        self.eos_ids: torch.Tensor | None = None  # [vocabulary] bool: which ids are EOS, likewise
+
+    def eos_buffer(self, vocabulary: int, eos: set[int]) -> torch.Tensor:
+        """`eos_ids` set to `eos` (ids past the vocabulary, e.g. -1 for none, can never be drawn: left out), kept
+        as `seen_buffer` is."""
+        if self.eos_ids is None or self.eos_ids.numel() != vocabulary:
+            self.eos_ids = _static(torch.zeros(vocabulary, dtype=torch.bool, device=self.pad.device))
+        self.eos_ids.zero_()[[t for t in sorted(eos) if 0 <= t < vocabulary]] = True
+        return self.eos_ids
+
+    def waits_buffer(self) -> torch.Tensor:
+        """How many new tokens each row must still make before its EOS may come (`sampling.eos_held_back`), kept as
+        `seen_buffer` is."""
+        if self.eos_waits is None:
+            self.eos_waits = _static(torch.zeros(self.rows.batch, dtype=torch.int64, device=self.pad.device))
+        return self.eos_waits
 
     def seen_buffer(self, vocabulary: int) -> torch.Tensor:
         """Which tokens each row has held (`sampling.seen_tokens`; the last column counts nothing): made on first

@@ -23,17 +23,16 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
 
 
 # generation_config fields with which transformers' generate outputs something else than greedy decoding or
-# temperature / top-k / top-p sampling with a repetition penalty, which dflash_compile's generate implements: other
-# logits processors, other decoding modes, more sequences per prompt; the second group only when sampling. A model
-# whose generation_config sets one (to anything but transformers' default or a no-op, _NO_OPS) would decode
-# differently from model.generate.
-_APPLIED = ("no_repeat_ngram_size", "bad_words_ids", "sequence_bias", "suppress_tokens",
-            "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty",
-            "watermarking_config", "min_length", "min_new_tokens", "guidance_scale", "num_beams", "num_beam_groups",
-            "diversity_penalty", "penalty_alpha", "constraints", "force_words_ids", "dola_layers",
-            "num_return_sequences")
+# temperature / top-k / top-p sampling with a repetition penalty and a minimum length, which dflash_compile's generate
+# implements: other logits processors, other decoding modes, more sequences per prompt; the second group only when
+# sampling. A model whose generation_config sets one (to anything but transformers' default or a no-op, _NO_OPS)
+# would decode differently from model.generate.
+_APPLIED = ("no_repeat_ngram_size", "bad_words_ids", "sequence_bias", "suppress_tokens", "begin_suppress_tokens",
+            "forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty", "watermarking_config",
+            "guidance_scale", "num_beams", "num_beam_groups", "diversity_penalty", "penalty_alpha", "constraints",
+            "force_words_ids", "dola_layers", "num_return_sequences")
 _APPLIED_WHEN_SAMPLING = ("min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h")
-_NO_OPS = {"min_p": 0.0, "min_new_tokens": 0, "guidance_scale": 1.0, "penalty_alpha": 0.0}
+_NO_OPS = {"min_p": 0.0, "guidance_scale": 1.0, "penalty_alpha": 0.0}
 
 
 def check_generation_config(config, do_sample: bool) -> None:
@@ -46,8 +45,8 @@ def check_generation_config(config, do_sample: bool) -> None:
     if applied:
         raise ValueError(f"the model's generation_config sets {', '.join(applied)}, which transformers' generate "
                          "applies and dflash_compile's does not (it decodes greedily or samples with temperature, "
-                         "top_k and top_p, with repetition_penalty): set them to None on model.generation_config "
-                         "to generate without them, or run model.generate")
+                         "top_k and top_p, with repetition_penalty and min_new_tokens / min_length): set them to "
+                         "None on model.generation_config to generate without them, or run model.generate")
 
 
 class TopPWarper(TopPLogitsWarper):
@@ -104,6 +103,14 @@ def repetition_penalized(logits: torch.Tensor, seen: torch.Tensor, block: torch.
         present = seen[:, None, :].expand(-1, block.shape[1], -1).scatter(2, upto, True)[..., :vocab]
     scores = logits.float()
     return torch.where(present, torch.where(scores < 0, scores * penalty, scores / penalty), scores)
+
+
+def eos_held_back(logits: torch.Tensor, waits: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
+    """Logits [b, w, V] of a verify block with transformers' minimum length (MinNewTokensLengthLogitsProcessor,
+    MinLengthLogitsProcessor): a row that must still make `waits` [b] new tokens before its EOS gets -inf at its EOS
+    ids (`eos` [V] bool) at positions j < waits."""
+    early = torch.arange(logits.shape[1], device=logits.device)[None, :] < waits[:, None]
+    return logits.masked_fill(early[..., None] & eos, float("-inf"))
 
 
 def processed_probs(logits: torch.Tensor, chain: LogitsProcessorList) -> torch.Tensor:

@@ -29,7 +29,7 @@ from .drafter import DFlashDrafter, context_features
 from .families import spec_for_model
 from .linear_attention import stepwise_linear_attention
 from .prefill_memory import PrefillActivations
-from .sampling import (Sampler, check_generation_config, check_repetition_penalty, processed_probs,
+from .sampling import (Sampler, check_generation_config, check_repetition_penalty, eos_held_back, processed_probs,
                        repetition_penalized, seen_tokens, warpers)
 from .step_graphs import StepGraphs
 
@@ -224,6 +224,7 @@ class SpeculativeDecoder:
         self.last_stats = GenerationStats(block_size=self.block_size)
         self.sampler: Sampler | None = None  # the running generate call's sampling settings
         self.repetition_penalty: float | None = None  # and its repetition penalty (None: none)
+        self.holds_eos = False  # and whether rows make a minimum of new tokens before an EOS (`TargetCache.eos_ids`)
         self.target_cache: TargetCache | None = None  # kept between generate calls (see `_cache`)
         self.drafter_cache: RowCache | None = None  # likewise (`_drafter_cache`)
 
@@ -241,7 +242,8 @@ class SpeculativeDecoder:
         sampling warpers."""
         chain = self.sampler.chain if self.sampler else ()
         warpers = tuple((type(w).__name__, repr(vars(w))) for w in chain)
-        return self.model.config._attn_implementation, self.model.training, warpers, self.repetition_penalty
+        return (self.model.config._attn_implementation, self.model.training, warpers, self.repetition_penalty,
+                self.holds_eos)
 
     @property
     def hidden_states_read(self) -> list[int]:
@@ -409,6 +411,8 @@ class SpeculativeDecoder:
         logits, features = self._target_forward(block, cache)
         if self.repetition_penalty:
             logits = repetition_penalized(logits, cache.tokens_seen, block, self.repetition_penalty)
+        if self.holds_eos:
+            logits = eos_held_back(logits, cache.eos_waits, cache.eos_ids)
         if uniforms is None:
             accepted, tokens = torch.ops.dflash.greedy_accept(block, logits)
         else:
@@ -420,6 +424,8 @@ class SpeculativeDecoder:
         if self.repetition_penalty:  # the anchor and the accepted drafts join the row's tokens
             kept = torch.arange(block.shape[1], device=block.device)[None, :] <= accepted[:, None]
             cache.tokens_seen.scatter_(1, block.masked_fill(~kept, cache.tokens_seen.shape[1] - 1), True)
+        if self.holds_eos:
+            cache.eos_waits.sub_((accepted + 1) * active)
         return accepted, tokens, features, cache.pending_linear()
 
     def _draft(self, anchor: torch.Tensor, drafter_cache: RowCache, width: int, pending: list):
@@ -489,6 +495,17 @@ class SpeculativeDecoder:
                 f"max_position_embeddings {self.max_positions}; shorten the prompt or generate fewer tokens"
             )
 
+    def _min_tokens(self, min_new_tokens: int | None, min_length: int | None, prompt: int) -> int:
+        """New tokens before which a row's EOS is held back, as generate takes the two settings (the arguments, else
+        the generation_config's): `min_new_tokens`, and `min_length` counting the (padded) prompt."""
+        config = self.model.generation_config
+        new = config.min_new_tokens if min_new_tokens is None else min_new_tokens
+        length = config.min_length if min_length is None else min_length
+        for name, value in (("min_new_tokens", new), ("min_length", length)):
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        return max(new or 0, (length or 0) - prompt)
+
     def _sampler(self, do_sample, temperature, top_k, top_p, generator, argmax_drafts) -> Sampler | None:
         """None for greedy; otherwise the settings, defaulting to the model's generation_config like generate."""
         if not do_sample:
@@ -509,11 +526,13 @@ class SpeculativeDecoder:
     def generate(self, input_ids, attention_mask=None, max_new_tokens: int = 20, eos_token_id=None,
                  pad_token_id=None, do_sample: bool = False, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, generator: torch.Generator | None = None,
-                 argmax_drafts: bool = False, streamer=None, repetition_penalty: float | None = None) -> torch.Tensor:
+                 argmax_drafts: bool = False, streamer=None, repetition_penalty: float | None = None,
+                 min_new_tokens: int | None = None, min_length: int | None = None) -> torch.Tensor:
         """Greedy: the same tensor as `model.generate(..., do_sample=False)`. Sampled (`do_sample=True`): tokens
         distributed exactly as the target's own sampling with the same temperature / top-k / top-p. Either with
         transformers' `repetition_penalty` (default: the generation_config's), applied to every verified position
-        over the row's prompt and tokens so far.
+        over the row's prompt and tokens so far, and its `min_new_tokens` / `min_length` (likewise): a row's EOS
+        ids are held back at every position before its minimum.
         `streamer` (transformers' TextStreamer interface, batch 1) gets the prompt, then each step's new tokens."""
         self._check_ids(input_ids, attention_mask)
         check_generation_config(self.model.generation_config, do_sample)
@@ -526,6 +545,7 @@ class SpeculativeDecoder:
         if penalty is not None:
             check_repetition_penalty(penalty)
         eos = _eos_ids(eos_token_id if eos_token_id is not None else generation_config.eos_token_id)
+        min_tokens = self._min_tokens(min_new_tokens, min_length, input_ids.shape[1])
         pad_token_id = pad_token_id if pad_token_id is not None else generation_config.pad_token_id
         if pad_token_id is None:
             pad_token_id = min(eos) if eos else 0
@@ -539,6 +559,7 @@ class SpeculativeDecoder:
 
         self.sampler = sampler
         self.repetition_penalty = penalty
+        self.holds_eos = bool(eos) and min_tokens > 0  # without an EOS generate adds no processor either
         if streamer is not None:
             streamer.put(input_ids.cpu())
         start = time.perf_counter()
@@ -547,6 +568,10 @@ class SpeculativeDecoder:
         if self.repetition_penalty:
             seen_tokens(input_ids, pad, logits.shape[-1], cache.seen_buffer(logits.shape[-1]))
             logits = repetition_penalized(logits, cache.tokens_seen, None, self.repetition_penalty)
+        if self.holds_eos:  # the anchor is each row's first new token
+            waits = cache.waits_buffer().fill_(min_tokens)
+            logits = eos_held_back(logits[:, None], waits, cache.eos_buffer(logits.shape[-1], eos))[:, 0]
+            waits.sub_(1)
         anchor = sampler.draw(processed_probs(logits, sampler.chain)) if sampler else logits.argmax(dim=-1)
 
         drafter_cache = None

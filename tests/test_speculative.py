@@ -226,9 +226,9 @@ def test_generation_settings_transformers_would_apply_are_refused(tiny, field, v
     with pytest.raises(ValueError, match=rf"^the model's generation_config sets {re.escape(f'{field}={value!r}')}, "
                                          r"which transformers' "
                                          r"generate applies and dflash_compile's does not \(it decodes greedily or "
-                                         r"samples with temperature, top_k and top_p, with repetition_penalty\): set "
-                                         "them to None on model.generation_config to generate without them, or run "
-                                         "model.generate$"):
+                                         r"samples with temperature, top_k and top_p, with repetition_penalty and "
+                                         r"min_new_tokens / min_length\): set them to None on model.generation_config "
+                                         "to generate without them, or run model.generate$"):
         fast.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=do_sample)
     assert fast.decoder.target_cache is None
 
@@ -251,6 +251,37 @@ def test_repetition_penalty_as_generate_applies_it(tiny, family, compile):
     sampled = fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=True, top_k=1,
                             generator=torch.Generator().manual_seed(0))
     assert torch.equal(sampled, expected)
+
+
+@pytest.mark.parametrize("family, compile, setting", [("gpt_oss", True, dict(min_new_tokens=12)),
+                                                     ("qwen3_moe", False, dict(min_length=29)),
+                                                     ("deepseek_v3", False, dict(min_new_tokens=12))])
+def test_a_minimum_length_holds_eos_back_as_generate_does(tiny, family, compile, setting):
+    """An EOS that row 0 emits as its 4th new token waits until each row's 12th new token (min_new_tokens) or its
+    20th after the 9-token padded prompt (min_length), at every verified position, drafts accepted up to a miss:
+    token-identical to model.generate with the setting, given to generate or read from the generation_config."""
+    model = tiny(family)
+    ids, mask = prompts(3)
+    eos = int(reference(model, ids, mask)[0, ids.shape[1] + 3])
+    options = dict(eos_token_id=eos, pad_token_id=0)
+    expected = reference(model, ids, mask, **options, **setting)
+    assert not torch.equal(expected, reference(model, ids, mask, **options)[:, : expected.shape[1]])
+    drafter = OracleDrafter(expected, mask, 4, corruption=0.3, vocab_size=128)
+    fast = dflash_compile.optimize(model, drafter, adaptive=False, compile=compile)
+    out = fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, **options, **setting)
+    assert torch.equal(out, expected) and 1.5 < fast.last_stats.tau < 4
+    model.generation_config.update(**setting)
+    assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, **options), expected)
+
+
+@pytest.mark.parametrize("setting", [dict(min_new_tokens=-1), dict(min_length=2.5)])
+def test_a_minimum_length_that_is_no_count_is_refused(tiny, setting):
+    fast = dflash_compile.optimize(tiny("qwen3_moe"), adaptive=False, compile=False)
+    ids, mask = prompts(1)
+    (name, value), = setting.items()
+    with pytest.raises(ValueError, match=rf"^{name} must be a non-negative int, got {value}$"):
+        fast.generate(ids, attention_mask=mask, max_new_tokens=8, **setting)
+    assert fast.decoder.target_cache is None
 
 
 @pytest.mark.parametrize("penalty", [0.0, 2, -1.0])
