@@ -4,8 +4,8 @@
     mxfp4      gpt-oss: `{experts}.gate_up_proj_blocks` uint8 [E, 2I, H/32, 16], `..._scales` uint8 [E, 2I, H/32],
                `down_proj_blocks` / `down_proj_scales` [E, H, I/32, ...], biases bf16; everything else unquantized;
                config `quantization_config = {"quant_method": "mxfp4", ...}`
-    fp8_block  DeepSeek-V3 / GLM-4.x-FP8 / Qwen3-FP8: every nn.Linear but lm_head as float8_e4m3fn `weight` plus fp32
-               `weight_scale_inv` per 128 x 128 block; routed experts per expert in 2-D
+    fp8_block  DeepSeek-V3 / GLM-4.x-FP8 / Qwen3-FP8: every plain nn.Linear but lm_head (routers stay) as float8_e4m3fn
+               `weight` plus fp32 `weight_scale_inv` per 128 x 128 block; routed experts per expert in 2-D
                (`{experts}.{j}.gate_proj.weight`, `up_proj`, `down_proj`); config `quantization_config =
                {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}`
 
@@ -92,8 +92,8 @@ def _quantized_tensors(model: torch.nn.Module, format: str) -> dict[str, torch.T
                 tensors[f"{path}.{j}.{name}.weight"] = quantized
                 tensors[f"{path}.{j}.{name}.weight_scale_inv"] = scale
     if format == "fp8_block":
-        for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Linear) and module is not model.get_output_embeddings():
+        for name, module in model.named_modules():  # plain linears: not a router built on nn.Linear (Phi-MoE's)
+            if type(module) is torch.nn.Linear and module is not model.get_output_embeddings():
                 quantized, scale = quantize_fp8_block(module.weight.detach(), FP8_BLOCK)
                 tensors[f"{name}.weight"], tensors[f"{name}.weight_scale_inv"] = quantized, scale
     return tensors

@@ -230,6 +230,10 @@ FAMILIES: dict[str, FamilySpec] = {
             cached_per_token=_latent, expanded_per_slot=_latent_expansion,
         ),
         FamilySpec("olmoe", ("olmoe",), "OlmoeExperts", _SWIGLU, _SOFTMAX, None, _all_layers, _full_attention),
+        FamilySpec(  # Phi-3.5-MoE: Mixtral's layout and window rule, a sparsemixer router (top-2 by masked softmaxes)
+            "phimoe", ("phimoe",), "PhimoeExperts", _SWIGLU, RouterSpec(scoring="softmax", module="router"), None,
+            _all_layers, _window_everywhere,
+        ),
         FamilySpec(  # ERNIE-4.5-MoE: softmax scores, the choice made on them plus `moe_statics`' bias, renormalised
             "ernie4_5_moe", ("ernie4_5_moe",), "Ernie4_5_MoeExperts", _SWIGLU,
             RouterSpec(scoring="softmax", correction_bias="moe_statics.e_score_correction_bias"), "shared_experts",

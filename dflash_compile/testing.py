@@ -61,6 +61,8 @@ TINY_CONFIGS = {
         num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32, moe_num_experts=8,
         moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_end_index=2, moe_layer_interval=1,
         initializer_range=0.1, **_ROUTED, **_COMMON),  # routing probabilities that differ by more than the bias
+    "phimoe": lambda: transformers.PhimoeConfig(  # LayerNorms, q/k/v biases
+        num_hidden_layers=2, intermediate_size=48, num_local_experts=4, **_ROUTED, **_COMMON),
     "olmoe": lambda: transformers.OlmoeConfig(
         num_hidden_layers=2, intermediate_size=32, num_experts=8, **_ROUTED, **_COMMON),
 }

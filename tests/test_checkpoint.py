@@ -18,6 +18,7 @@ from tests.conftest import token_ids
 # Expert sizes the formats can hold: MXFP4 groups of 32, FP8 gate/up stacked in whole 128-row blocks.
 SIZES = {"gpt_oss": {"intermediate_size": 64}, "deepseek_v2": {"moe_intermediate_size": 128},
          "deepseek_v3": {"moe_intermediate_size": 128}, "ernie4_5_moe": {"moe_intermediate_size": 128},
+         "phimoe": {"intermediate_size": 128},
          "glm4_moe": {"moe_intermediate_size": 128}, "glm4_moe_lite": {"moe_intermediate_size": 128},
          "qwen2_moe": {"moe_intermediate_size": 128}, "qwen3_moe": {"moe_intermediate_size": 128},
          "qwen3_next": {"moe_intermediate_size": 128}}
@@ -135,14 +136,15 @@ def _dequantized_reference(original, packed):
 
 
 @pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3", "ernie4_5_moe", "glm4_moe", "glm4_moe_lite",
-                                    "qwen2_moe", "qwen3_moe", "qwen3_next"])
+                                    "phimoe", "qwen2_moe", "qwen3_moe", "qwen3_next"])
 def test_fp8_block_checkpoint_loads_packed_and_matches_the_dequantized_model(family, tmp_path):
     original, directory = _quantized(family, "fp8_block", tmp_path)
     packed = load_packed(directory, dtype=torch.float32)
     weight_bytes, weights = expert_bytes(packed)
     assert 8.0 <= weight_bytes * 8 / weights <= 8.01  # one fp32 scale per 128 x 128 block
     assert any(isinstance(m, FP8Linear) for m in packed.modules())
-    assert not any(isinstance(m, torch.nn.Linear) and m is not packed.lm_head for m in packed.modules())
+    # every plain linear but lm_head is FP8 (a router built on nn.Linear, Phi-MoE's, stays)
+    assert not any(type(m) is torch.nn.Linear and m is not packed.lm_head for m in packed.modules())
     reference = _dequantized_reference(original, packed)
     ids = token_ids()
     with torch.no_grad():

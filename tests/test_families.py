@@ -9,10 +9,10 @@ from dflash_compile.families import FAMILIES, UnsupportedFamilyError, spec_for_c
 from tests.conftest import token_ids
 
 
-def test_registry_covers_the_twelve_families():
+def test_registry_covers_the_thirteen_families():
     assert dflash_compile.supported_families() == sorted(
         ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe", "glm4_moe_lite",
-         "deepseek_v2", "deepseek_v3", "olmoe", "ernie4_5_moe"]
+         "deepseek_v2", "deepseek_v3", "olmoe", "ernie4_5_moe", "phimoe"]
     )
 
 
@@ -31,6 +31,7 @@ def test_registry_covers_the_twelve_families():
         ("glm4_moe_lite", [1, 2], ["full_attention"] * 3),  # mlp_layer_types=["dense", "sparse", "sparse"]
         ("olmoe", [0, 1], ["full_attention"] * 2),
         ("ernie4_5_moe", [1, 2], ["full_attention"] * 3),  # moe_layer_start_index=1
+        ("phimoe", [0, 1], ["full_attention"] * 2),
     ],
 )
 def test_spec_of_each_tiny_model(tiny, family, moe_layers, attention):
@@ -54,8 +55,8 @@ def test_qwen3_sparse_step_glm_declared_layers_and_mixtral_window():
     assert FAMILIES["mixtral"].attention_kinds(mixtral) == ["sliding_attention"] * 2
 
 
-def _tiny_phimoe():
-    config = transformers.PhimoeConfig(
+def _tiny_granitemoe():
+    config = transformers.GraniteMoeConfig(
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
     )
@@ -63,21 +64,21 @@ def _tiny_phimoe():
 
 
 def test_unsupported_moe_family_is_a_clear_error_before_any_state():
-    model = _tiny_phimoe()
+    model = _tiny_granitemoe()
     # Dynamo wraps whatever a backend raises in BackendCompilerFailed; ours is the inner exception.
-    with pytest.raises(BackendCompilerFailed, match=r"model_type 'phimoe' is a Mixture-of-Experts model") as err:
+    with pytest.raises(BackendCompilerFailed, match=r"model_type 'granitemoe' is a Mixture-of-Experts model") as err:
         with torch.no_grad():
             torch.compile(model, backend="dflash", options={"lowering": "eager"})(token_ids(1, 4))
     assert isinstance(err.value.inner_exception, UnsupportedFamilyError)
-    families = ("deepseek_v2, deepseek_v3, ernie4_5_moe, glm4_moe, glm4_moe_lite, gpt_oss, mixtral, olmoe, qwen2_moe, "
-                "qwen3_5_moe, qwen3_moe, qwen3_next")
+    families = ("deepseek_v2, deepseek_v3, ernie4_5_moe, glm4_moe, glm4_moe_lite, gpt_oss, mixtral, olmoe, phimoe, "
+                "qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next")
     assert families in str(err.value)
     assert model not in _STORES_BY_ROOT  # nothing registered before the error
 
 
 def test_unsupported_experts_class_is_recognised_without_a_config():
-    experts = _tiny_phimoe().model.layers[0].mlp.experts
-    with pytest.raises(UnsupportedFamilyError, match=r"PhimoeExperts .* does not support yet"):
+    experts = _tiny_granitemoe().model.layers[0].block_sparse_moe.experts
+    with pytest.raises(UnsupportedFamilyError, match=r"GraniteMoeExperts .* does not support yet"):
         spec_for_experts_class(type(experts))
 
 
