@@ -112,6 +112,7 @@ REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
         kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
         first_k_dense_replace=1, topk_method="greedy", routed_scaling_factor=1.0, vocab_size=102400),
     "ernie-4.5-21b-a3b": transformers.Ernie4_5_MoeConfig,  # 28 layers (the first dense), 64 experts, top-6, shared 2
+    "phi-3.5-moe": transformers.PhimoeConfig,  # 32 layers, 16 experts, top-2
     "qwen1.5-moe-a2.7b": transformers.Qwen2MoeConfig,  # 24 layers, 60 experts, top-4, a gated shared expert
     "qwen2-57b-a14b": lambda: transformers.Qwen2MoeConfig(
         hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, num_experts=64,
