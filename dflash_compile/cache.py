@@ -118,28 +118,28 @@ class TargetCache(Cache):
         self.eos_waits: torch.Tensor | None = None  # [b] new tokens before each row's EOS, for a minimum length
         self.eos_ids: torch.Tensor | None = None  # [vocabulary] bool: which ids are EOS, likewise
 
+    def _kept(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The generation-state buffer `name`: made on first use (or for another shape) and kept, its address
+        fixed, so that the verify steps' CUDA graphs replay on it."""
+        buffer = getattr(self, name)
+        if buffer is None or buffer.shape != shape:
+            buffer = _static(torch.zeros(shape, dtype=dtype, device=self.pad.device))
+            setattr(self, name, buffer)
+        return buffer
+
     def eos_buffer(self, vocabulary: int, eos: set[int]) -> torch.Tensor:
-        """`eos_ids` set to `eos` (ids past the vocabulary, e.g. -1 for none, can never be drawn: left out), kept
-        as `seen_buffer` is."""
-        if self.eos_ids is None or self.eos_ids.numel() != vocabulary:
-            self.eos_ids = _static(torch.zeros(vocabulary, dtype=torch.bool, device=self.pad.device))
-        self.eos_ids.zero_()[[t for t in sorted(eos) if 0 <= t < vocabulary]] = True
-        return self.eos_ids
+        """`eos_ids` set to `eos` (ids past the vocabulary, e.g. -1 for none, can never be drawn: left out)."""
+        eos_ids = self._kept("eos_ids", (vocabulary,), torch.bool)
+        eos_ids.zero_()[[t for t in sorted(eos) if 0 <= t < vocabulary]] = True
+        return eos_ids
 
     def waits_buffer(self) -> torch.Tensor:
-        """How many new tokens each row must still make before its EOS may come (`sampling.eos_held_back`), kept as
-        `seen_buffer` is."""
-        if self.eos_waits is None:
-            self.eos_waits = _static(torch.zeros(self.rows.batch, dtype=torch.int64, device=self.pad.device))
-        return self.eos_waits
+        """How many new tokens each row must still make before its EOS may come (`sampling.eos_held_back`)."""
+        return self._kept("eos_waits", (self.rows.batch,), torch.int64)
 
     def seen_buffer(self, vocabulary: int) -> torch.Tensor:
-        """Which tokens each row has held (`sampling.seen_tokens`; the last column counts nothing): made on first
-        use and kept, so that the verify steps' CUDA graphs replay on it."""
-        if self.tokens_seen is None or self.tokens_seen.shape[1] != vocabulary + 1:
-            self.tokens_seen = _static(torch.zeros(self.rows.batch, vocabulary + 1, dtype=torch.bool,
-                                                   device=self.pad.device))
-        return self.tokens_seen
+        """Which tokens each row has held (`sampling.seen_tokens`; the last column counts nothing)."""
+        return self._kept("tokens_seen", (self.rows.batch, vocabulary + 1), torch.bool)
 
     def reset(self, pad: torch.Tensor) -> None:
         """Ready for a new generation on the same buffers (a compiled step captured in CUDA graphs then replays on
