@@ -92,7 +92,8 @@ class PrefillActivations:
         itemsize = model.dtype.itemsize
         linear = spec.linear_attention
         chunked_rule = linear.chunked_elements_per_token(config) * FP32 if linear else 0
-        routers = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
+        experts = _routed_experts(model, config)
+        routers = experts.experts if experts else 0  # a router's scores per token, one per expert
         layer = max((_linear_outputs(decoder) for decoder in model.modules()
                      if isinstance(decoder, GradientCheckpointingLayer)), default=0)
         layer = ((2 * layer + RESIDUAL_STREAM * config.hidden_size) * itemsize + 2 * routers * FP32
@@ -100,7 +101,7 @@ class PrefillActivations:
         kinds = set(spec.attention_kinds(config)) - {"linear_attention"}
         groups = config.num_attention_heads // config.num_key_value_heads
         features = (3 * feature_layers + 4) * config.hidden_size * itemsize if drafter else 0
-        return cls(itemsize=itemsize, layer=layer, experts=_routed_experts(model, config),
+        return cls(itemsize=itemsize, layer=layer, experts=experts,
                    prompt_token=features, slot=spec.expanded_per_slot(config) * itemsize,
                    mask_entry=len(kinds) * (1 + groups) * itemsize)
 
