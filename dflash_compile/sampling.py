@@ -91,12 +91,12 @@ def seen_tokens(ids: torch.Tensor, pad: torch.Tensor, vocab: int, out: torch.Ten
 
 def repetition_penalized(logits: torch.Tensor, seen: torch.Tensor, block: torch.Tensor | None,
                          penalty: float) -> torch.Tensor:
-    """Logits [b, w, V] over a verify `block` [b, w] (None: [b, V] after the prompt) with transformers' repetition
-    penalty (RepetitionPenaltyLogitsProcessor), in fp32 as generate applies it: at position j each token that the
-    row's earlier tokens (`seen` [b, V + 1], see `seen_tokens`) or block[:, :j + 1] hold, once however often, has its
-    logit divided by `penalty` where positive and multiplied where negative."""
+    """Logits [b, w, V] over a verify `block` [b, w] (None: [b, ..., V] after the row's earlier tokens alone) with
+    transformers' repetition penalty (RepetitionPenaltyLogitsProcessor), in fp32 as generate applies it: at position j
+    each token that the row's earlier tokens (`seen` [b, V + 1], see `seen_tokens`) or block[:, :j + 1] hold, once
+    however often, has its logit divided by `penalty` where positive and multiplied where negative."""
     vocab = logits.shape[-1]
-    present = seen[:, :vocab]
+    present = seen[:, :vocab].view(seen.shape[0], *[1] * (logits.ndim - 2), vocab)
     if block is not None:
         width = torch.arange(block.shape[1], device=block.device)
         upto = torch.where(width[None, :, None] >= width[None, None, :], block[:, None, :], vocab)  # [b, j, i]

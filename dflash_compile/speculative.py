@@ -409,10 +409,7 @@ class SpeculativeDecoder:
         the rows' keys and values. Returns the accepted counts, the tokens, the drafter's features and the
         linear-attention states the block left (`TargetCache.pending_linear`, which `commit_linear` takes)."""
         logits, features = self._target_forward(block, cache)
-        if self.repetition_penalty:
-            logits = repetition_penalized(logits, cache.tokens_seen, block, self.repetition_penalty)
-        if self.holds_eos:
-            logits = eos_held_back(logits, cache.eos_waits, cache.eos_ids)
+        logits = self._processed(logits, cache, block)
         if uniforms is None:
             accepted, tokens = torch.ops.dflash.greedy_accept(block, logits)
         else:
@@ -427,6 +424,15 @@ class SpeculativeDecoder:
         if self.holds_eos:
             cache.eos_waits.sub_((accepted + 1) * active)
         return accepted, tokens, features, cache.pending_linear()
+
+    def _processed(self, logits: torch.Tensor, cache: TargetCache, block: torch.Tensor | None) -> torch.Tensor:
+        """Logits [b, w, V] with the running call's repetition penalty and minimum length, as generate's processors
+        apply them before its warpers: over a verify `block`, or (None) the prefill's position after the prompt."""
+        if self.repetition_penalty:
+            logits = repetition_penalized(logits, cache.tokens_seen, block, self.repetition_penalty)
+        if self.holds_eos:
+            logits = eos_held_back(logits, cache.eos_waits, cache.eos_ids)
+        return logits
 
     def _draft(self, anchor: torch.Tensor, drafter_cache: RowCache, width: int, pending: list):
         """[b, width] = [anchor, d1 .. d_{width-1}]: the first of the drafter's proposals, and the distribution q
@@ -567,11 +573,12 @@ class SpeculativeDecoder:
         logits, features = self._prefill(input_ids, cache, padded=bool(pad.any()), chunk=chunk)
         if self.repetition_penalty:
             seen_tokens(input_ids, pad, logits.shape[-1], cache.seen_buffer(logits.shape[-1]))
-            logits = repetition_penalized(logits, cache.tokens_seen, None, self.repetition_penalty)
         if self.holds_eos:  # the anchor is each row's first new token
-            waits = cache.waits_buffer().fill_(min_tokens)
-            logits = eos_held_back(logits[:, None], waits, cache.eos_buffer(logits.shape[-1], eos))[:, 0]
-            waits.sub_(1)
+            cache.waits_buffer().fill_(min_tokens)
+            cache.eos_buffer(logits.shape[-1], eos)
+        logits = self._processed(logits[:, None], cache, None)[:, 0]
+        if self.holds_eos:
+            cache.eos_waits.sub_(1)
         anchor = sampler.draw(processed_probs(logits, sampler.chain)) if sampler else logits.argmax(dim=-1)
 
         drafter_cache = None
