@@ -76,10 +76,6 @@ def _latent_expansion(config) -> int:
     return config.num_attention_heads * ((nope + v) + (nope + rope) + v)
 
 
-def _no_expansion(config) -> int:
-    return 0
-
-
 def _gated_delta_rule_elements(config) -> int:
     """transformers' torch_chunk_gated_delta_rule per token: fp32, value-head-wide copies of the query, key and
     value (grouped heads repeated, transposed, padded, scaled by beta) and three 64-wide rows of its chunk's
@@ -108,8 +104,6 @@ class FamilySpec:
     shared_input_linears: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
     # config -> elements an attention layer hands the cache per token (what `generate` budgets its cache by)
     cached_per_token: Callable[[object], int] = _keys_and_values
-    # config -> elements a prefill's attention layer expands each visible cache slot into (`prefill_memory`)
-    expanded_per_slot: Callable[[object], int] = _no_expansion
 
     @property
     def latent_attention(self) -> bool:
@@ -117,6 +111,11 @@ class FamilySpec:
         forward of transformers' expands through kv_b_proj over the cache's whole capacity (`attention` attends in
         the latent space instead where that costs less)."""
         return self.cached_per_token is _latent
+
+    def expanded_per_slot(self, config) -> int:
+        """Elements a prefill's attention layer expands each visible cache slot into (`prefill_memory`): a latent
+        one's keys and values, none elsewhere."""
+        return _latent_expansion(config) if self.latent_attention else 0
 
 
 def _all_layers(config) -> list[int]:
@@ -217,17 +216,15 @@ FAMILIES: dict[str, FamilySpec] = {
         FamilySpec(
             "deepseek_v3", ("deepseek_v3",), "DeepseekV3Experts", _SWIGLU, _DEEPSEEK_ROUTER, "shared_experts",
             _after_first_k_dense, _full_attention, shared_input_linears=_MLA_SHARED_INPUTS, cached_per_token=_latent,
-            expanded_per_slot=_latent_expansion,
         ),
         FamilySpec(  # DeepSeek-V2 (-Lite): DeepSeek-V3's latent attention and dense first layers, a softmax router
             "deepseek_v2", ("deepseek_v2",), "DeepseekV2Experts", _SWIGLU, _DEEPSEEK_V2_ROUTER, "shared_experts",
             _after_first_k_dense, _full_attention, shared_input_linears=_MLA_SHARED_INPUTS, cached_per_token=_latent,
-            expanded_per_slot=_latent_expansion,
         ),
         FamilySpec(  # GLM-4.7-Flash: DeepSeek-V3's latent attention and router, its MLPs named layer by layer
             "glm4_moe_lite", ("glm4_moe_lite",), "Glm4MoeLiteExperts", _SWIGLU, _DEEPSEEK_ROUTER, "shared_experts",
             _declared_sparse_layers, _full_attention, shared_input_linears=_MLA_SHARED_INPUTS,
-            cached_per_token=_latent, expanded_per_slot=_latent_expansion,
+            cached_per_token=_latent,
         ),
         FamilySpec("olmoe", ("olmoe",), "OlmoeExperts", _SWIGLU, _SOFTMAX, None, _all_layers, _full_attention),
         FamilySpec(  # Phi-3.5-MoE: Mixtral's layout and window rule, a sparsemixer router (top-2 by masked softmaxes)
