@@ -81,10 +81,13 @@ def make_confident(model) -> None:
     permutation of the current one by a wide logit margin. Plain random weights leave near-ties between the
     top logits, and bf16 rounding differences between any two implementations (transformers' own DFlash vs its
     own generate included) then pick different tokens within a few steps, which makes acceptance meaningless."""
-    embed = model.get_input_embeddings().weight
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings()
+    if head.weight is embed:  # tied (ERNIE-4.5): writing the head would undo the embeddings' scale
+        head.weight = torch.nn.Parameter(torch.empty_like(embed), requires_grad=False)
+        model.config.get_text_config().tie_word_embeddings = False
     embed.mul_(5000)
     permutation = torch.randperm(embed.shape[0], generator=torch.Generator().manual_seed(0)).to(embed.device)
-    model.get_output_embeddings().weight.copy_(embed[permutation] / 5000)
+    head.weight.copy_(embed[permutation] / 5000)
 
 
 def width_summary(fast) -> str:
