@@ -33,10 +33,10 @@ class OptimizedModel:
 
     def generate(self, input_ids, attention_mask=None, max_new_tokens: int = 20, **kwargs) -> torch.Tensor:
         """Greedy: the tokens `model.generate(input_ids, attention_mask=..., do_sample=False, ...)` returns.
-        With do_sample=True (temperature, top_k, top_p, generator, argmax_drafts): samples distributed exactly as
-        the target's own `generate(do_sample=True, ...)`; `repetition_penalty`, `min_new_tokens` and `min_length` as
-        generate applies them. Other `model.generate` settings (beams, n-gram bans, max_length, ...) are refused by
-        name."""
+        With do_sample=True (temperature, top_k, top_p, min_p, epsilon_cutoff, generator, argmax_drafts): samples
+        distributed exactly as the target's own `generate(do_sample=True, ...)`; `repetition_penalty`,
+        `min_new_tokens` and `min_length` as generate applies them. Other `model.generate` settings (beams, n-gram
+        bans, max_length, ...) are refused by name."""
         supported = inspect.signature(self.decoder.generate).parameters
         unsupported = sorted(set(kwargs) - set(supported))
         if unsupported:

@@ -1,6 +1,6 @@
 """Sampling settings, applied to target and draft logits alike, in transformers' generate order
-(temperature, then top-k, then top-p), using transformers' own logits warpers (top-p's softmax taken before its sort,
-`TopPWarper`)."""
+(temperature, top-k, top-p, min-p, epsilon cutoff), using transformers' own logits warpers (top-p's softmax taken
+before its sort, `TopPWarper`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 from transformers.generation.logits_process import (
-    LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+    EpsilonLogitsWarper, LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
+    TopPLogitsWarper)
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
@@ -23,16 +24,18 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
 
 
 # generation_config fields with which transformers' generate outputs something else than greedy decoding or
-# temperature / top-k / top-p sampling with a repetition penalty and a minimum length, which dflash_compile's generate
-# implements: other logits processors, other decoding modes, more sequences per prompt; the second group only when
-# sampling. A model whose generation_config sets one (to anything but transformers' default or a no-op, _NO_OPS)
-# would decode differently from model.generate.
+# temperature / top-k / top-p / min-p / epsilon-cutoff sampling with a repetition penalty and a minimum length, which
+# dflash_compile's generate implements: other logits processors, other decoding modes, more sequences per prompt; the
+# second group only when sampling (typical_p and top_h sort or scan the vocabulary with a softmax before it, which
+# torch 2.11's Inductor fails to generate on CUDA, see `TopPWarper`; eta_cutoff builds a torch.distributions object
+# in the compiled step). A model whose generation_config sets one (to anything but transformers' default or a no-op,
+# _NO_OPS) would decode differently from model.generate.
 _APPLIED = ("no_repeat_ngram_size", "bad_words_ids", "sequence_bias", "suppress_tokens", "begin_suppress_tokens",
             "forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty", "watermarking_config",
             "guidance_scale", "num_beams", "num_beam_groups", "diversity_penalty", "penalty_alpha", "constraints",
             "force_words_ids", "dola_layers", "num_return_sequences")
-_APPLIED_WHEN_SAMPLING = ("min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h")
-_NO_OPS = {"min_p": 0.0, "guidance_scale": 1.0, "penalty_alpha": 0.0}
+_APPLIED_WHEN_SAMPLING = ("typical_p", "eta_cutoff", "top_h")
+_NO_OPS = {"guidance_scale": 1.0, "penalty_alpha": 0.0}
 
 
 def check_generation_config(config, do_sample: bool) -> None:
@@ -45,7 +48,8 @@ def check_generation_config(config, do_sample: bool) -> None:
     if applied:
         raise ValueError(f"the model's generation_config sets {', '.join(applied)}, which transformers' generate "
                          "applies and dflash_compile's does not (it decodes greedily or samples with temperature, "
-                         "top_k and top_p, with repetition_penalty and min_new_tokens / min_length): set them to "
+                         "top_k, top_p, min_p and epsilon_cutoff, with repetition_penalty and min_new_tokens / "
+                         "min_length): set them to "
                          "None on model.generation_config to generate without them, or run model.generate")
 
 
@@ -63,8 +67,10 @@ class TopPWarper(TopPLogitsWarper):
         return scores.masked_fill(remove.scatter(1, order, remove), self.filter_value)
 
 
-def warpers(temperature: float | None = 1.0, top_k: int | None = None, top_p: float | None = None):
-    """The warper chain generate builds for these settings (None: not applied)."""
+def warpers(temperature: float | None = 1.0, top_k: int | None = None, top_p: float | None = None,
+            min_p: float | None = None, epsilon_cutoff: float | None = None) -> LogitsProcessorList:
+    """The warper chain generate builds for these settings (None: not applied), in its order and on its conditions;
+    transformers' warpers refuse what generate's would (min_p outside [0, 1], ...)."""
     temperature = 1.0 if temperature is None else temperature
     check_sampling(temperature, top_k, top_p)
     chain = LogitsProcessorList()
@@ -74,6 +80,10 @@ def warpers(temperature: float | None = 1.0, top_k: int | None = None, top_p: fl
         chain.append(TopKLogitsWarper(top_k))
     if top_p is not None and top_p < 1.0:
         chain.append(TopPWarper(top_p))
+    if min_p is not None:
+        chain.append(MinPLogitsWarper(min_p))
+    if epsilon_cutoff is not None and epsilon_cutoff != 0.0:  # its default; the warper refuses values outside (0, 1)
+        chain.append(EpsilonLogitsWarper(epsilon_cutoff))
     return chain
 
 

@@ -512,8 +512,9 @@ class SpeculativeDecoder:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
         return max(new or 0, (length or 0) - prompt)
 
-    def _sampler(self, do_sample, temperature, top_k, top_p, generator, argmax_drafts) -> Sampler | None:
-        """None for greedy; otherwise the settings, defaulting to the model's generation_config like generate."""
+    def _sampler(self, do_sample, settings: dict, generator, argmax_drafts) -> Sampler | None:
+        """None for greedy; otherwise the warpers' `settings` (None: unset), each defaulting to the model's
+        generation_config like generate."""
         if not do_sample:
             return None
         config = self.model.generation_config
@@ -525,7 +526,7 @@ class SpeculativeDecoder:
                     return candidate
             return None
 
-        chain = warpers(setting("temperature", temperature), setting("top_k", top_k), setting("top_p", top_p))
+        chain = warpers(**{name: setting(name, value) for name, value in settings.items()})
         return Sampler(chain, generator, argmax_drafts)
 
     @_in_inference_mode
@@ -533,9 +534,11 @@ class SpeculativeDecoder:
                  pad_token_id=None, do_sample: bool = False, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, generator: torch.Generator | None = None,
                  argmax_drafts: bool = False, streamer=None, repetition_penalty: float | None = None,
-                 min_new_tokens: int | None = None, min_length: int | None = None) -> torch.Tensor:
+                 min_new_tokens: int | None = None, min_length: int | None = None, min_p: float | None = None,
+                 epsilon_cutoff: float | None = None) -> torch.Tensor:
         """Greedy: the same tensor as `model.generate(..., do_sample=False)`. Sampled (`do_sample=True`): tokens
-        distributed exactly as the target's own sampling with the same temperature / top-k / top-p. Either with
+        distributed exactly as the target's own sampling with the same temperature / top-k / top-p / min-p /
+        epsilon cutoff. Either with
         transformers' `repetition_penalty` (default: the generation_config's), applied to every verified position
         over the row's prompt and tokens so far, and its `min_new_tokens` / `min_length` (likewise): a row's EOS
         ids are held back at every position before its minimum.
@@ -544,7 +547,8 @@ class SpeculativeDecoder:
         check_generation_config(self.model.generation_config, do_sample)
         if streamer is not None and input_ids.shape[0] != 1:
             raise ValueError(f"a streamer takes one row, got a batch of {input_ids.shape[0]}; stream one prompt")
-        sampler = self._sampler(do_sample, temperature, top_k, top_p, generator, argmax_drafts)
+        sampler = self._sampler(do_sample, dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                                epsilon_cutoff=epsilon_cutoff), generator, argmax_drafts)
         generation_config = self.model.generation_config
         penalty = generation_config.repetition_penalty if repetition_penalty is None else repetition_penalty
         penalty = None if penalty == 1.0 else penalty  # None too: as generate, which then adds no processor

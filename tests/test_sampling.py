@@ -108,7 +108,7 @@ def max_deviation(settings, one_hot, rule_one_hot=None):
 @pytest.mark.parametrize(
     "settings",
     [dict(), dict(temperature=0.7), dict(temperature=1.3, top_k=3), dict(temperature=0.9, top_p=0.8),
-     dict(top_k=2, top_p=0.9)],
+     dict(top_k=2, top_p=0.9), dict(temperature=1.3, min_p=0.3), dict(epsilon_cutoff=0.2)],
 )
 def test_committed_tokens_follow_the_target_exactly(settings, one_hot):
     assert max_deviation(settings, one_hot) <= 1e-6

@@ -215,9 +215,9 @@ def test_the_caches_bytes_are_known_before_they_are_made(tiny, random_drafter, f
 
 @pytest.mark.parametrize("field, value, do_sample", [("suppress_tokens", [5], False),
                                                      ("no_repeat_ngram_size", 3, False), ("num_beams", 2, False),
-                                                     ("min_p", 0.1, True)])
+                                                     ("typical_p", 0.5, True)])
 def test_generation_settings_transformers_would_apply_are_refused(tiny, field, value, do_sample):
-    """model.generate applies these from the model's generation_config (min_p only when sampling): decoding without
+    """model.generate applies these from the model's generation_config (typical_p only when sampling): decoding without
     them would not give its outputs, so `generate` refuses before anything is made."""
     model = tiny("qwen3_moe")
     ids, mask = prompts(1)
@@ -226,10 +226,40 @@ def test_generation_settings_transformers_would_apply_are_refused(tiny, field, v
     with pytest.raises(ValueError, match=rf"^the model's generation_config sets {re.escape(f'{field}={value!r}')}, "
                                          r"which transformers' "
                                          r"generate applies and dflash_compile's does not \(it decodes greedily or "
-                                         r"samples with temperature, top_k and top_p, with repetition_penalty and "
-                                         r"min_new_tokens / min_length\): set them to None on model.generation_config "
-                                         "to generate without them, or run model.generate$"):
+                                         r"samples with temperature, top_k, top_p, min_p and epsilon_cutoff, with "
+                                         r"repetition_penalty and min_new_tokens / min_length\): set them to None on "
+                                         "model.generation_config to generate without them, or run model.generate$"):
         fast.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=do_sample)
+    assert fast.decoder.target_cache is None
+
+
+@pytest.mark.parametrize("setting", [dict(min_p=1.0), dict(epsilon_cutoff=0.5)])
+def test_min_p_and_epsilon_cutoff_sample_as_generate(tiny, setting):
+    """min_p 1 keeps the tokens as likely as the likeliest, an epsilon cutoff of 0.5 the likeliest alone: sampled at
+    temperature 5 (which alone would leave the greedy path within a few tokens), the anchor and every verified
+    position, drafts accepted up to a miss, give greedy model.generate's tokens; given to generate or read from the
+    generation_config, compiled."""
+    model = tiny("qwen3_moe")
+    ids, mask = prompts(3)
+    expected = reference(model, ids, mask)
+    drafter = OracleDrafter(expected, mask, 4, corruption=0.3, vocab_size=128)
+    fast = dflash_compile.optimize(model, drafter, adaptive=False)
+    sample = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=True, temperature=5.0,
+                  generator=torch.Generator().manual_seed(0))
+    assert not torch.equal(fast.generate(ids, **sample), expected)
+    assert torch.equal(fast.generate(ids, **sample, **setting), expected) and 1.5 < fast.last_stats.tau < 4
+    model.generation_config.update(**setting)
+    assert torch.equal(fast.generate(ids, **sample), expected)
+
+
+@pytest.mark.parametrize("setting, message", [(dict(min_p=1.5), "`min_p` has to be a float in the [0, 1] interval"),
+                                              (dict(epsilon_cutoff=1.0), "`epsilon_cutoff` has to be a float > 0 and "
+                                                                         "< 1")])
+def test_a_sampling_cutoff_out_of_range_is_refused(tiny, setting, message):
+    fast = dflash_compile.optimize(tiny("qwen3_moe"), adaptive=False, compile=False)
+    ids, mask = prompts(1)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        fast.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True, **setting)
     assert fast.decoder.target_cache is None
 
 
