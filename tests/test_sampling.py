@@ -164,10 +164,12 @@ def test_top_p_keeps_the_tokens_transformers_keeps(top_p, keep):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Inductor splits the scan on CUDA")
-def test_sampling_compiles_at_a_real_vocabulary_on_cuda():
+@pytest.mark.parametrize("settings", [dict(temperature=0.7, top_k=50, top_p=0.9),
+                                      dict(temperature=0.7, top_p=0.95, min_p=0.05, epsilon_cutoff=3e-4)])
+def test_sampling_compiles_at_a_real_vocabulary_on_cuda(settings):
     """The sampled step's probabilities compiled at GLM-4.7-Flash's vocabulary over a verify block of 8, where
     transformers' own top-p made Inductor (torch 2.11) fail in code generation."""
-    chain = warpers(temperature=0.7, top_k=50, top_p=0.9)
+    chain = warpers(**settings)
     logits = torch.randn(1, 8, 154880, device="cuda", dtype=torch.bfloat16) * 3
     compiled = torch.compile(processed_probs, fullgraph=True, dynamic=False)
     torch.testing.assert_close(compiled(logits, chain), processed_probs(logits, chain))
