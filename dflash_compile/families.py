@@ -213,6 +213,10 @@ FAMILIES: dict[str, FamilySpec] = {
             "glm4_moe", ("glm4_moe",), "Glm4MoeExperts", _SWIGLU, _DEEPSEEK_ROUTER, "shared_experts",
             _after_first_k_dense, _full_attention,
         ),
+        FamilySpec(  # dots.llm1: GLM-4.5's router, shared experts and dense first layers; sliding layers declared
+            "dots1", ("dots1",), "Dots1Experts", _SWIGLU, _DEEPSEEK_ROUTER, "shared_experts", _after_first_k_dense,
+            _declared_layer_types,
+        ),
         FamilySpec(
             "deepseek_v3", ("deepseek_v3",), "DeepseekV3Experts", _SWIGLU, _DEEPSEEK_ROUTER, "shared_experts",
             _after_first_k_dense, _full_attention, shared_input_linears=_MLA_SHARED_INPUTS, cached_per_token=_latent,

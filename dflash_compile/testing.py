@@ -2,7 +2,7 @@
 
 No checkpoint can be downloaded here, so tests, the CLI's built-in default and CPU benchmarks build models from the
 transformers config classes. Each keeps the structure that matters: a dense first layer for glm4_moe, deepseek_v2,
-deepseek_v3, ernie4_5_moe and glm4_moe_lite (declared in `mlp_layer_types`), latent attention for deepseek_v2,
+deepseek_v3, dots1, ernie4_5_moe and glm4_moe_lite (declared in `mlp_layer_types`), latent attention for deepseek_v2,
 deepseek_v3 and glm4_moe_lite, an `mlp_only_layers` dense layer for qwen3_moe, GatedDeltaNet linear-attention layers
 for qwen3_5_moe and qwen3_next, alternating sliding/full layers with attention sinks for gpt_oss, q/k/v biases for
 qwen2_moe, shared experts where the family has them.
@@ -51,6 +51,9 @@ TINY_CONFIGS = {
         layer_types=["sliding_attention", "full_attention"], **_ROUTED, **_COMMON),
     "glm4_moe": lambda: transformers.Glm4MoeConfig(
         num_hidden_layers=3, head_dim=16, **_DEEPSEEK_ROUTING, **_ROUTED, **_COMMON),
+    "dots1": lambda: transformers.Dots1Config(  # q/k norms; one expert group and no sliding window, as released
+        num_hidden_layers=3, head_dim=16, initializer_range=0.1, **_ROUTED, **_COMMON,
+        **{**_DEEPSEEK_ROUTING, "n_group": 1, "topk_group": 1}),  # router scores wider than the correction bias
     "deepseek_v3": lambda: transformers.DeepseekV3Config(**_MLA, **_DEEPSEEK_ROUTING, **_ROUTED),
     "deepseek_v2": lambda: transformers.DeepseekV2Config(  # DeepSeek-V2's group-limited softmax router
         topk_method="group_limited_greedy", **_MLA, **_DEEPSEEK_ROUTING, **_ROUTED),
