@@ -91,7 +91,6 @@ class FamilySpec:
     experts_class: str  # the `@use_experts_implementation` module class holding the routed experts
     layout: ExpertLayout
     router: RouterSpec
-    shared_experts: str | None  # attribute of the MoE block with always-resident shared experts
     moe_layers: Callable[[object], list[int]]  # config -> indices of decoder layers with routed experts
 
     attention_kinds: Callable[[object], list[AttentionKind]]  # config -> attention kind of every decoder layer
@@ -174,9 +173,9 @@ _DEEPSEEK_V2_ROUTER = RouterSpec(scoring="softmax", grouped_top_k=True, routed_s
 FAMILIES: dict[str, FamilySpec] = {
     spec.name: spec
     for spec in (
-        FamilySpec("mixtral", ("mixtral",), "MixtralExperts", _SWIGLU, _SOFTMAX, None, _all_layers, _window_everywhere),
+        FamilySpec("mixtral", ("mixtral",), "MixtralExperts", _SWIGLU, _SOFTMAX, _all_layers, _window_everywhere),
         FamilySpec(
-            "qwen3_moe", ("qwen3_moe",), "Qwen3MoeExperts", _SWIGLU, _SOFTMAX, None, _qwen3_sparse_layers,
+            "qwen3_moe", ("qwen3_moe",), "Qwen3MoeExperts", _SWIGLU, _SOFTMAX, _qwen3_sparse_layers,
             _window_everywhere,
         ),
         FamilySpec(
@@ -185,17 +184,16 @@ FAMILIES: dict[str, FamilySpec] = {
             "Qwen3_5MoeExperts",
             _SWIGLU,
             _SOFTMAX,
-            "shared_expert",
             _all_layers,
             _declared_layer_types,  # GatedDeltaNet "linear_attention" layers between "full_attention" ones
             _GATED_DELTA_NET,
         ),
         FamilySpec(  # Qwen1.5-MoE / Qwen2-MoE: Qwen3-MoE's router and sparse-layer rule, a sigmoid-gated shared expert
-            "qwen2_moe", ("qwen2_moe",), "Qwen2MoeExperts", _SWIGLU, _SOFTMAX, "shared_expert", _qwen3_sparse_layers,
+            "qwen2_moe", ("qwen2_moe",), "Qwen2MoeExperts", _SWIGLU, _SOFTMAX, _qwen3_sparse_layers,
             _declared_layer_types,
         ),
         FamilySpec(  # Qwen3-Next: Qwen3.5-MoE's GatedDeltaNet and shared expert, Qwen3-MoE's sparse-layer rule
-            "qwen3_next", ("qwen3_next",), "Qwen3NextExperts", _SWIGLU, _SOFTMAX, "shared_expert",
+            "qwen3_next", ("qwen3_next",), "Qwen3NextExperts", _SWIGLU, _SOFTMAX,
             _qwen3_sparse_layers, _declared_layer_types, _GATED_DELTA_NET,
         ),
         FamilySpec(
@@ -204,40 +202,39 @@ FAMILIES: dict[str, FamilySpec] = {
             "GptOssExperts",
             ExpertLayout(gate_up="interleaved", transposed=True, bias=True, activation="clamped_swiglu"),
             RouterSpec(scoring="top_k_then_softmax", module="router"),
-            None,
             _all_layers,
             _declared_layer_types,  # alternating 128-token "sliding_attention" and "full_attention", with sinks
             attention_sinks=True,
         ),
         FamilySpec(
-            "glm4_moe", ("glm4_moe",), "Glm4MoeExperts", _SWIGLU, _DEEPSEEK_ROUTER, "shared_experts",
+            "glm4_moe", ("glm4_moe",), "Glm4MoeExperts", _SWIGLU, _DEEPSEEK_ROUTER,
             _after_first_k_dense, _full_attention,
         ),
         FamilySpec(  # dots.llm1: GLM-4.5's router, shared experts and dense first layers; sliding layers declared
-            "dots1", ("dots1",), "Dots1Experts", _SWIGLU, _DEEPSEEK_ROUTER, "shared_experts", _after_first_k_dense,
+            "dots1", ("dots1",), "Dots1Experts", _SWIGLU, _DEEPSEEK_ROUTER, _after_first_k_dense,
             _declared_layer_types,
         ),
         FamilySpec(
-            "deepseek_v3", ("deepseek_v3",), "DeepseekV3Experts", _SWIGLU, _DEEPSEEK_ROUTER, "shared_experts",
+            "deepseek_v3", ("deepseek_v3",), "DeepseekV3Experts", _SWIGLU, _DEEPSEEK_ROUTER,
             _after_first_k_dense, _full_attention, shared_input_linears=_MLA_SHARED_INPUTS, cached_per_token=_latent,
         ),
         FamilySpec(  # DeepSeek-V2 (-Lite): DeepSeek-V3's latent attention and dense first layers, a softmax router
-            "deepseek_v2", ("deepseek_v2",), "DeepseekV2Experts", _SWIGLU, _DEEPSEEK_V2_ROUTER, "shared_experts",
+            "deepseek_v2", ("deepseek_v2",), "DeepseekV2Experts", _SWIGLU, _DEEPSEEK_V2_ROUTER,
             _after_first_k_dense, _full_attention, shared_input_linears=_MLA_SHARED_INPUTS, cached_per_token=_latent,
         ),
         FamilySpec(  # GLM-4.7-Flash: DeepSeek-V3's latent attention and router, its MLPs named layer by layer
-            "glm4_moe_lite", ("glm4_moe_lite",), "Glm4MoeLiteExperts", _SWIGLU, _DEEPSEEK_ROUTER, "shared_experts",
+            "glm4_moe_lite", ("glm4_moe_lite",), "Glm4MoeLiteExperts", _SWIGLU, _DEEPSEEK_ROUTER,
             _declared_sparse_layers, _full_attention, shared_input_linears=_MLA_SHARED_INPUTS,
             cached_per_token=_latent,
         ),
-        FamilySpec("olmoe", ("olmoe",), "OlmoeExperts", _SWIGLU, _SOFTMAX, None, _all_layers, _full_attention),
+        FamilySpec("olmoe", ("olmoe",), "OlmoeExperts", _SWIGLU, _SOFTMAX, _all_layers, _full_attention),
         FamilySpec(  # Phi-3.5-MoE: Mixtral's layout and window rule, a sparsemixer router (top-2 by masked softmaxes)
-            "phimoe", ("phimoe",), "PhimoeExperts", _SWIGLU, RouterSpec(scoring="softmax", module="router"), None,
+            "phimoe", ("phimoe",), "PhimoeExperts", _SWIGLU, RouterSpec(scoring="softmax", module="router"),
             _all_layers, _window_everywhere,
         ),
         FamilySpec(  # ERNIE-4.5-MoE: softmax scores, the choice made on them plus `moe_statics`' bias, renormalised
             "ernie4_5_moe", ("ernie4_5_moe",), "Ernie4_5_MoeExperts", _SWIGLU,
-            RouterSpec(scoring="softmax", correction_bias="moe_statics.e_score_correction_bias"), "shared_experts",
+            RouterSpec(scoring="softmax", correction_bias="moe_statics.e_score_correction_bias"),
             _ernie_sparse_layers,
             _full_attention,
         ),
