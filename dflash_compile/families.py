@@ -228,6 +228,15 @@ FAMILIES: dict[str, FamilySpec] = {
             cached_per_token=_latent,
         ),
         FamilySpec("olmoe", ("olmoe",), "OlmoeExperts", _SWIGLU, _SOFTMAX, _all_layers, _full_attention),
+        FamilySpec(  # FlexOlmo: OLMoE's router on OLMo-2's post-norm layers
+            "flex_olmo", ("flex_olmo",), "FlexOlmoExperts", _SWIGLU, _SOFTMAX, _all_layers, _full_attention),
+        FamilySpec(  # Solar Open: GLM-4.5's router and shared experts in every layer
+            "solar_open", ("solar_open",), "SolarOpenExperts", _SWIGLU, _DEEPSEEK_ROUTER, _all_layers, _full_attention),
+        FamilySpec(  # EXAONE-MoE: GLM-4.5's router and shared experts, MLPs and attention layers declared (sliding with
+            # rotary positions, full without)
+            "exaone_moe", ("exaone_moe",), "ExaoneMoeExperts", _SWIGLU, _DEEPSEEK_ROUTER, _declared_sparse_layers,
+            _declared_layer_types,
+        ),
         FamilySpec(  # Phi-3.5-MoE: Mixtral's layout and window rule, a sparsemixer router (top-2 by masked softmaxes)
             "phimoe", ("phimoe",), "PhimoeExperts", _SWIGLU, RouterSpec(scoring="softmax", module="router"),
             _all_layers, _window_everywhere,

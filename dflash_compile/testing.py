@@ -2,10 +2,11 @@
 
 No checkpoint can be downloaded here, so tests, the CLI's built-in default and CPU benchmarks build models from the
 transformers config classes. Each keeps the structure that matters: a dense first layer for glm4_moe, deepseek_v2,
-deepseek_v3, dots1, ernie4_5_moe and glm4_moe_lite (declared in `mlp_layer_types`), latent attention for deepseek_v2,
-deepseek_v3 and glm4_moe_lite, an `mlp_only_layers` dense layer for qwen3_moe, GatedDeltaNet linear-attention layers
-for qwen3_5_moe and qwen3_next, alternating sliding/full layers with attention sinks for gpt_oss, q/k/v biases for
-qwen2_moe, shared experts where the family has them.
+deepseek_v3, dots1, ernie4_5_moe, exaone_moe and glm4_moe_lite (the last two declared in `mlp_layer_types`), latent
+attention for deepseek_v2, deepseek_v3 and glm4_moe_lite, an `mlp_only_layers` dense layer for qwen3_moe,
+GatedDeltaNet linear-attention layers for qwen3_5_moe and qwen3_next, alternating sliding/full layers with attention
+sinks for gpt_oss, sliding layers before a full one for exaone_moe, q/k/v biases for qwen2_moe, shared experts where
+the family has them.
 """
 
 from __future__ import annotations
@@ -66,6 +67,18 @@ TINY_CONFIGS = {
         initializer_range=0.1, **_ROUTED, **_COMMON),  # routing probabilities that differ by more than the bias
     "phimoe": lambda: transformers.PhimoeConfig(  # LayerNorms, q/k/v biases
         num_hidden_layers=2, intermediate_size=48, num_local_experts=4, **_ROUTED, **_COMMON),
+    "flex_olmo": lambda: transformers.FlexOlmoConfig(  # post-attention and post-MLP norms
+        num_hidden_layers=2, intermediate_size=32, num_experts=8, pad_token_id=0, eos_token_id=1, **_ROUTED,
+        **_COMMON),
+    "solar_open": lambda: transformers.SolarOpenConfig(  # every layer routed
+        num_hidden_layers=2, head_dim=16, initializer_range=0.1, **_ROUTED, **_COMMON,
+        **{key: value for key, value in _DEEPSEEK_ROUTING.items() if key != "first_k_dense_replace"}),
+    "exaone_moe": lambda: transformers.ExaoneMoeConfig(  # a dense first layer; sliding, then full without rotary
+        num_hidden_layers=3, head_dim=16, sliding_window=8, mlp_layer_types=["dense", "sparse", "sparse"],
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"], num_experts=8,
+        num_shared_experts=1, initializer_range=0.1, **_ROUTED, **_COMMON,
+        **{key: value for key, value in _DEEPSEEK_ROUTING.items()
+           if key not in ("first_k_dense_replace", "n_routed_experts", "n_shared_experts")}),
     "olmoe": lambda: transformers.OlmoeConfig(
         num_hidden_layers=2, intermediate_size=32, num_experts=8, **_ROUTED, **_COMMON),
 }

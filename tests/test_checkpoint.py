@@ -18,7 +18,8 @@ from tests.conftest import token_ids
 # Expert sizes the formats can hold: MXFP4 groups of 32, FP8 gate/up stacked in whole 128-row blocks.
 SIZES = {"gpt_oss": {"intermediate_size": 64}, "deepseek_v2": {"moe_intermediate_size": 128},
          "deepseek_v3": {"moe_intermediate_size": 128}, "ernie4_5_moe": {"moe_intermediate_size": 128},
-         "dots1": {"moe_intermediate_size": 128},
+         "dots1": {"moe_intermediate_size": 128}, "exaone_moe": {"moe_intermediate_size": 128},
+         "flex_olmo": {"intermediate_size": 128}, "solar_open": {"moe_intermediate_size": 128},
          "phimoe": {"intermediate_size": 128},
          "glm4_moe": {"moe_intermediate_size": 128}, "glm4_moe_lite": {"moe_intermediate_size": 128},
          "qwen2_moe": {"moe_intermediate_size": 128}, "qwen3_moe": {"moe_intermediate_size": 128},
@@ -136,8 +137,9 @@ def _dequantized_reference(original, packed):
     return reference
 
 
-@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3", "dots1", "ernie4_5_moe", "glm4_moe", "glm4_moe_lite",
-                                    "phimoe", "qwen2_moe", "qwen3_moe", "qwen3_next"])
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo",
+                                    "glm4_moe", "glm4_moe_lite", "phimoe", "qwen2_moe", "qwen3_moe", "qwen3_next",
+                                    "solar_open"])
 def test_fp8_block_checkpoint_loads_packed_and_matches_the_dequantized_model(family, tmp_path):
     original, directory = _quantized(family, "fp8_block", tmp_path)
     packed = load_packed(directory, dtype=torch.float32)

@@ -9,10 +9,11 @@ from dflash_compile.families import FAMILIES, UnsupportedFamilyError, spec_for_c
 from tests.conftest import token_ids
 
 
-def test_registry_covers_the_fourteen_families():
+def test_registry_covers_the_seventeen_families():
     assert dflash_compile.supported_families() == sorted(
         ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe", "glm4_moe_lite",
-         "deepseek_v2", "deepseek_v3", "olmoe", "ernie4_5_moe", "phimoe", "dots1"]
+         "deepseek_v2", "deepseek_v3", "olmoe", "ernie4_5_moe", "phimoe", "dots1", "flex_olmo", "solar_open",
+         "exaone_moe"]
     )
 
 
@@ -33,6 +34,9 @@ def test_registry_covers_the_fourteen_families():
         ("ernie4_5_moe", [1, 2], ["full_attention"] * 3),  # moe_layer_start_index=1
         ("phimoe", [0, 1], ["full_attention"] * 2),
         ("dots1", [1, 2], ["full_attention"] * 3),  # first_k_dense_replace=1
+        ("flex_olmo", [0, 1], ["full_attention"] * 2),
+        ("solar_open", [0, 1], ["full_attention"] * 2),
+        ("exaone_moe", [1, 2], ["sliding_attention", "sliding_attention", "full_attention"]),  # mlp_layer_types
     ],
 )
 def test_spec_of_each_tiny_model(tiny, family, moe_layers, attention):
@@ -71,8 +75,8 @@ def test_unsupported_moe_family_is_a_clear_error_before_any_state():
         with torch.no_grad():
             torch.compile(model, backend="dflash", options={"lowering": "eager"})(token_ids(1, 4))
     assert isinstance(err.value.inner_exception, UnsupportedFamilyError)
-    families = ("deepseek_v2, deepseek_v3, dots1, ernie4_5_moe, glm4_moe, glm4_moe_lite, gpt_oss, mixtral, olmoe, "
-                "phimoe, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next")
+    families = ("deepseek_v2, deepseek_v3, dots1, ernie4_5_moe, exaone_moe, flex_olmo, glm4_moe, glm4_moe_lite, "
+                "gpt_oss, mixtral, olmoe, phimoe, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next, solar_open")
     assert families in str(err.value)
     assert model not in _STORES_BY_ROOT  # nothing registered before the error
 

@@ -12,7 +12,8 @@ from dflash_compile.testing import OracleDrafter
 from tests.conftest import token_ids
 
 SPECULATIVE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe",
-                        "glm4_moe_lite", "deepseek_v2", "deepseek_v3", "olmoe", "ernie4_5_moe", "phimoe", "dots1"]
+                        "glm4_moe_lite", "deepseek_v2", "deepseek_v3", "olmoe", "ernie4_5_moe", "phimoe", "dots1",
+                        "flex_olmo", "solar_open", "exaone_moe"]
 NEW_TOKENS = 48  # crosses the gpt_oss test model's 8-token sliding window several times
 
 
@@ -33,11 +34,12 @@ def reference(model, ids, mask, **kwargs):
 # Compiled, a family whose attention and router another one here shares adds little but minutes of CI: Qwen3-Next
 # repeats Qwen3.5's linear attention and GLM-4.7-Flash DeepSeek-V3's latent attention and grouped router, Qwen2-MoE
 # Qwen3-MoE's router and Qwen3-Next's gated shared expert, DeepSeek-V2 DeepSeek-V3's latent attention, ERNIE-4.5
-# Qwen3-MoE's attention with a biased softmax router, Phi-MoE Mixtral's layout with its own router, dots.llm1
-# GLM-4.5's router and attention with q/k norms (each family's
-# compiled speculative step keeps its identity test: `test_offload_with_compiled_dflash_speculative_decoding`, one
-# unpadded row). A batch of one row also for gpt-oss's sliding rings and sinks.
-COVERED_ELSEWHERE = ("qwen2_moe", "qwen3_next", "glm4_moe_lite", "deepseek_v2", "ernie4_5_moe", "phimoe", "dots1")
+# Qwen3-MoE's attention with a biased softmax router, Phi-MoE Mixtral's layout with its own router, dots.llm1 and
+# Solar Open GLM-4.5's router, FlexOlmo OLMoE's (each family's compiled speculative step keeps its identity test:
+# `test_offload_with_compiled_dflash_speculative_decoding`, one unpadded row). A batch of one row also for gpt-oss's
+# sliding rings and sinks.
+COVERED_ELSEWHERE = ("qwen2_moe", "qwen3_next", "glm4_moe_lite", "deepseek_v2", "ernie4_5_moe", "phimoe", "dots1",
+                     "flex_olmo", "solar_open")
 IDENTITY_CASES = [(family, 3) for family in SPECULATIVE_FAMILIES if family not in COVERED_ELSEWHERE]
 
 
@@ -538,17 +540,19 @@ def test_unpadded_prompts_attend_by_sdpas_causal_flag(tiny, family, monkeypatch)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
     fast = dflash_compile.optimize(model, adaptive=False, compile=False)
-    layers = sum(kind == "full_attention" for kind in spec_for_model(model).attention_kinds(model.config))
+    kinds = [kind for kind in spec_for_model(model).attention_kinds(model.config) if kind != "linear_attention"]
     for batch, masked_prefill in ((2, True), (1, False)):
         ids, mask = prompts(batch)
         expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8)
         calls.clear()
         assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=8), expected)
-        prefill, steps = calls[:layers], calls[layers:]
+        prefill, steps = calls[:len(kinds)], calls[len(kinds):]
         if latent:
-            assert calls == ([] if masked_prefill else [(ids.shape[1], True, True)] * layers)
+            assert calls == ([] if masked_prefill else [(ids.shape[1], True, True)] * len(kinds))
             continue
-        assert prefill == [(ids.shape[1], not masked_prefill, not masked_prefill)] * layers
+        # a sliding layer keeps its window's mask (EXAONE-MoE's 8-token window, shorter than the prompt)
+        causal = [not masked_prefill and kind == "full_attention" for kind in kinds]
+        assert prefill == [(ids.shape[1], flag, flag) for flag in causal]
         assert steps and all(not unmasked and not causal for _, unmasked, causal in steps)
     model.set_attn_implementation("eager")  # after optimize: the prefill follows, with masks for eager attention
     expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8)
@@ -613,7 +617,9 @@ def test_left_padded_prompts_attend_row_by_row_without_masks(tiny, monkeypatch, 
     ids, mask = prompts(3)
     expected = reference(model, ids, mask)
     assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
-    kinds = [kind for kind in spec_for_model(model).attention_kinds(model.config) if kind != "linear_attention"]
+    spec = spec_for_model(model)  # row by row: full attention, and a sliding layer that keeps its window itself (sinks)
+    kinds = [kind for kind in spec.attention_kinds(model.config)
+             if kind == "full_attention" or kind == "sliding_attention" and spec.attention_sinks]
     chunks = [9] if prefill_chunk is None else [4, 4, 1]
     assert [t for t, _ in calls] == [t for t in chunks for _ in kinds]
     assert calls[kinds.index("full_attention")][1] == [0, 2, 4]  # each row's padding
