@@ -105,6 +105,7 @@ def quantize(model: torch.nn.Module, directory: str | Path, format: str) -> Path
     as transformers writes them -- with its config and generation config. Returns the directory."""
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    _check_causal_lm(model.config)
     tensors = _quantized_tensors(model, format)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -116,6 +117,15 @@ def quantize(model: torch.nn.Module, directory: str | Path, format: str) -> Path
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     model.generation_config.save_pretrained(directory)
     return directory
+
+
+def _check_causal_lm(config) -> None:
+    """`load_packed` builds a quantized checkpoint as transformers' causal LM of its config: refuse, before any work,
+    a model type that has none (Qwen3-VL-MoE is an image-text-to-text model only)."""
+    if type(config) not in transformers.AutoModelForCausalLM._model_mapping:
+        raise ValueError(f"model_type {config.model_type!r} has no causal LM class in transformers, which quantized "
+                         "checkpoints load as: run this model unquantized (optimize) or with its experts offloaded "
+                         "(offload_experts)")
 
 
 # Shards as transformers' `save_pretrained` writes them: the Hub takes files up to 50 GB (gpt-oss-120b's MXFP4
@@ -321,6 +331,7 @@ def load_packed(path: str | Path, dtype: torch.dtype = torch.bfloat16, device="c
     config = transformers.AutoConfig.from_pretrained(path)
     format = _checkpoint_format(getattr(config, "quantization_config", None))
     del config.quantization_config
+    _check_causal_lm(config)
     checkpoint = _Checkpoint(path)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)

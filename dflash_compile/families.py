@@ -188,6 +188,10 @@ FAMILIES: dict[str, FamilySpec] = {
             _declared_layer_types,  # GatedDeltaNet "linear_attention" layers between "full_attention" ones
             _GATED_DELTA_NET,
         ),
+        FamilySpec(  # Qwen3-VL-MoE's text decoder (image-text-to-text models): Qwen3-MoE's router and sparse-layer rule
+            "qwen3_vl_moe", ("qwen3_vl_moe", "qwen3_vl_moe_text"), "Qwen3VLMoeTextExperts", _SWIGLU, _SOFTMAX,
+            _qwen3_sparse_layers, _full_attention,
+        ),
         FamilySpec(  # Qwen1.5-MoE / Qwen2-MoE: Qwen3-MoE's router and sparse-layer rule, a sigmoid-gated shared expert
             "qwen2_moe", ("qwen2_moe",), "Qwen2MoeExperts", _SWIGLU, _SOFTMAX, _qwen3_sparse_layers,
             _declared_layer_types,
@@ -208,6 +212,10 @@ FAMILIES: dict[str, FamilySpec] = {
         ),
         FamilySpec(
             "glm4_moe", ("glm4_moe",), "Glm4MoeExperts", _SWIGLU, _DEEPSEEK_ROUTER,
+            _after_first_k_dense, _full_attention,
+        ),
+        FamilySpec(  # GLM-4.5V / GLM-4.6V's text decoder (image-text-to-text models): GLM-4.5's MoE layers
+            "glm4v_moe", ("glm4v_moe", "glm4v_moe_text"), "Glm4vMoeTextExperts", _SWIGLU, _DEEPSEEK_ROUTER,
             _after_first_k_dense, _full_attention,
         ),
         FamilySpec(  # dots.llm1: GLM-4.5's router, shared experts and dense first layers; sliding layers declared

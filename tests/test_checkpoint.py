@@ -280,10 +280,10 @@ def test_a_multimodal_fp8_checkpoint_loads_its_text_model(tmp_path):
     """Qwen3.5-MoE as released (image-text-to-text: the decoder under `model.language_model`, a vision tower beside
     it) quantized to FP8 loads as the causal LM transformers' AutoModelForCausalLM gives, the tower left out: the
     same logits as the FP8 checkpoint of that causal LM."""
-    from dflash_compile.testing import tiny_multimodal_qwen3_5_config
+    from dflash_compile.testing import tiny_multimodal_config
 
-    config = tiny_multimodal_qwen3_5_config(hidden_size=128, moe_intermediate_size=128,
-                                            shared_expert_intermediate_size=128)  # whole 128-wide FP8 blocks
+    config = tiny_multimodal_config("qwen3_5_moe", hidden_size=128, moe_intermediate_size=128,
+                                    shared_expert_intermediate_size=128)  # whole 128-wide FP8 blocks
     torch.manual_seed(0)
     multimodal = transformers.AutoModelForImageTextToText.from_config(config).eval()
     multimodal.save_pretrained(tmp_path / "bf16")
@@ -294,6 +294,26 @@ def test_a_multimodal_fp8_checkpoint_loads_its_text_model(tmp_path):
     ids = token_ids()
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, expected(ids).logits)
+
+
+def test_a_model_type_without_a_causal_lm_is_refused_before_anything_is_written(tmp_path):
+    """Quantized checkpoints load as transformers' causal LM of their config; Qwen3-VL-MoE has none (an
+    image-text-to-text model only), so quantize refuses it before writing, and load_packed a checkpoint of it."""
+    from dflash_compile.testing import tiny_multimodal_config
+
+    config = tiny_multimodal_config("qwen3_vl_moe", moe_intermediate_size=128)
+    model = transformers.AutoModelForImageTextToText.from_config(config).eval()
+    message = ("model_type 'qwen3_vl_moe' has no causal LM class in transformers, which quantized checkpoints load "
+               "as: run this model unquantized (optimize) or with its experts offloaded (offload_experts)")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        quantize(model, tmp_path / "q", "fp8_block")
+    assert not (tmp_path / "q").exists()
+    model.save_pretrained(tmp_path / "unquantized")
+    config = json.loads((tmp_path / "unquantized" / "config.json").read_text())
+    (tmp_path / "unquantized" / "config.json").write_text(json.dumps(config | {"quantization_config": {
+        "quant_method": "fp8", "weight_block_size": [128, 128]}}))
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        load_packed(tmp_path / "unquantized")
 
 
 def test_a_model_whose_device_map_keeps_weights_outside_it_is_refused(tmp_path):

@@ -9,11 +9,11 @@ from dflash_compile.families import FAMILIES, UnsupportedFamilyError, spec_for_c
 from tests.conftest import token_ids
 
 
-def test_registry_covers_the_seventeen_families():
+def test_registry_covers_the_nineteen_families():
     assert dflash_compile.supported_families() == sorted(
         ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe", "glm4_moe_lite",
          "deepseek_v2", "deepseek_v3", "olmoe", "ernie4_5_moe", "phimoe", "dots1", "flex_olmo", "solar_open",
-         "exaone_moe"]
+         "exaone_moe", "qwen3_vl_moe", "glm4v_moe"]
     )
 
 
@@ -76,7 +76,8 @@ def test_unsupported_moe_family_is_a_clear_error_before_any_state():
             torch.compile(model, backend="dflash", options={"lowering": "eager"})(token_ids(1, 4))
     assert isinstance(err.value.inner_exception, UnsupportedFamilyError)
     families = ("deepseek_v2, deepseek_v3, dots1, ernie4_5_moe, exaone_moe, flex_olmo, glm4_moe, glm4_moe_lite, "
-                "gpt_oss, mixtral, olmoe, phimoe, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next, solar_open")
+                "glm4v_moe, gpt_oss, mixtral, olmoe, phimoe, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next, "
+                "qwen3_vl_moe, solar_open")
     assert families in str(err.value)
     assert model not in _STORES_BY_ROOT  # nothing registered before the error
 

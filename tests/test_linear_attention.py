@@ -93,10 +93,10 @@ def test_the_multimodal_model_verifies_partial_blocks_like_generate(tmp_path):
     `generate`'s tokens through partly accepted blocks."""
     from transformers import AutoModelForImageTextToText
 
-    from dflash_compile.testing import tiny_multimodal_qwen3_5_config
+    from dflash_compile.testing import tiny_multimodal_config
 
     torch.manual_seed(0)
-    AutoModelForImageTextToText.from_config(tiny_multimodal_qwen3_5_config()).save_pretrained(tmp_path)
+    AutoModelForImageTextToText.from_config(tiny_multimodal_config("qwen3_5_moe")).save_pretrained(tmp_path)
     model = AutoModelForImageTextToText.from_pretrained(tmp_path).eval()
     ids = torch.randint(3, 127, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -4,6 +4,7 @@ import re
 
 import pytest
 import torch
+import transformers
 
 import dflash_compile
 from dflash_compile.adaptive import WidthChooser
@@ -142,8 +143,6 @@ def test_linear_attention_state_rolls_back_exactly(tiny, drafter, monkeypatch):
 
 
 def test_dense_model_is_refused(tiny):
-    import transformers
-
     config = transformers.Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=1, head_dim=16)
     with pytest.raises(ValueError, match="Qwen3ForCausalLM is not a Mixture-of-Experts model of a supported family"):
@@ -264,6 +263,28 @@ def test_a_sampling_cutoff_out_of_range_is_refused(tiny, setting, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         fast.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True, **setting)
     assert fast.decoder.target_cache is None
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", "glm4v_moe"])
+def test_an_image_text_to_text_release_generates_like_generate(tmp_path, family):
+    """Qwen3-VL-MoE and GLM-4.5V, which transformers builds only as image-text-to-text models (the decoder under
+    `model.language_model`, its rotary positions in three sections, a vision tower beside it): text prompts keep
+    `generate`'s tokens through partly accepted blocks, eager and compiled, and with their experts offloaded."""
+    from dflash_compile.offload import offload_experts, plan_offload
+    from dflash_compile.testing import tiny_multimodal_config
+
+    torch.manual_seed(0)
+    transformers.AutoModelForImageTextToText.from_config(tiny_multimodal_config(family)).save_pretrained(tmp_path)
+    model = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path).eval()
+    ids, mask = prompts(3)
+    expected = reference(model, ids, mask)
+    oracle = OracleDrafter(expected, mask, 4, corruption=0.3, vocab_size=128)
+    for compile in (False, True):
+        fast = dflash_compile.optimize(model, drafter=oracle, adaptive=False, compile=compile)
+        assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
+        assert 1.5 < fast.last_stats.tau < 4
+    offloaded = offload_experts(model, plan_offload(model).minimum_budget, device="cpu")
+    assert torch.equal(reference(offloaded, ids, mask), expected) and offloaded.dflash_offload.stats.misses > 8
 
 
 @pytest.mark.parametrize("family, compile", [("gpt_oss", True), ("deepseek_v3", False), ("qwen3_5_moe", False)])
