@@ -32,7 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .cost_model import BITS_PER_WEIGHT
-from .families import experts_modules, spec_for_model
+from .families import auto_model_class, experts_modules, spec_for_model
 from .packed import FP8_BLOCK, PackedWeight, attach_packed, expert_weights, packed_weights
 from .quant import quantize_fp8_block
 
@@ -122,7 +122,7 @@ def quantize(model: torch.nn.Module, directory: str | Path, format: str) -> Path
 def _check_causal_lm(config) -> None:
     """`load_packed` builds a quantized checkpoint as transformers' causal LM of its config: refuse, before any work,
     a model type that has none (Qwen3-VL-MoE is an image-text-to-text model only)."""
-    if type(config) not in transformers.AutoModelForCausalLM._model_mapping:
+    if auto_model_class(config) is not transformers.AutoModelForCausalLM:
         raise ValueError(f"model_type {config.model_type!r} has no causal LM class in transformers, which quantized "
                          "checkpoints load as: run this model unquantized (optimize) or with its experts offloaded "
                          "(offload_experts)")

@@ -27,7 +27,7 @@ import sympy
 import torch
 import transformers
 
-from .families import experts_modules, head_dim, spec_for_model
+from .families import auto_model_class, experts_modules, head_dim, spec_for_model
 
 # Target step times measured on the H200 (docs/benchmarks.md, "Session 44"): random bf16 weights, uniform routing,
 # 512-token context, compiled step as `generate` runs it (`bench/spec_decode.py --steps-only`, 2026-12-04).
@@ -160,7 +160,7 @@ class ModelSizes:
     @classmethod
     def of(cls, config) -> ModelSizes:
         with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config)
+            model = auto_model_class(config).from_config(config)
         spec = spec_for_model(model)
         if spec is None:
             raise ValueError(f"{config.model_type} is not a MoE model of a supported family")

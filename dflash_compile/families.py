@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import transformers
 
 GateUpLayout = Literal["concatenated", "interleaved"]
 Activation = Literal["act_fn", "clamped_swiglu"]
@@ -261,6 +262,13 @@ FAMILIES: dict[str, FamilySpec] = {
 _BY_MODEL_TYPE = {model_type: spec for spec in FAMILIES.values() for model_type in spec.model_types}
 _BY_EXPERTS_CLASS = {spec.experts_class: spec for spec in FAMILIES.values()}
 _EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def auto_model_class(config):
+    """transformers' auto class that builds a checkpoint of `config`: its causal LM, or the image-text-to-text model
+    of a family released only so (Qwen3-VL-MoE, GLM-4.5V), whose text prompts `optimize` runs."""
+    causal = type(config) in transformers.AutoModelForCausalLM._model_mapping
+    return transformers.AutoModelForCausalLM if causal else transformers.AutoModelForImageTextToText
 
 
 class UnsupportedFamilyError(ValueError):

@@ -32,16 +32,19 @@ def heldout_prompts(directory: str | Path | None = None) -> list[str]:
 
 
 def load_model(path: str | Path, device="cpu", dtype: torch.dtype = torch.float32):
-    """A causal LM from a checkpoint directory or a Hub repo id (`checkpoint_directory`); MXFP4 and FP8
-    block-scaled checkpoints load with their experts packed (`load_packed`)."""
+    """A causal LM (an image-text-to-text model where the family has no causal LM, `auto_model_class`) from a
+    checkpoint directory or a Hub repo id (`checkpoint_directory`); MXFP4 and FP8 block-scaled checkpoints load with
+    their experts packed (`load_packed`)."""
     import transformers
 
     from .checkpoint import checkpoint_directory, load_packed
+    from .families import auto_model_class
 
     path = checkpoint_directory(path)
-    if getattr(transformers.AutoConfig.from_pretrained(path), "quantization_config", None):
+    config = transformers.AutoConfig.from_pretrained(path)
+    if getattr(config, "quantization_config", None):
         return load_packed(path, dtype, device)
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    return auto_model_class(config).from_pretrained(path, dtype=dtype).to(device).eval()
 
 
 def load_target(path: str | Path, device="cpu", dtype: torch.dtype = torch.float32):

@@ -269,7 +269,8 @@ def test_a_sampling_cutoff_out_of_range_is_refused(tiny, setting, message):
 def test_an_image_text_to_text_release_generates_like_generate(tmp_path, family):
     """Qwen3-VL-MoE and GLM-4.5V, which transformers builds only as image-text-to-text models (the decoder under
     `model.language_model`, its rotary positions in three sections, a vision tower beside it): text prompts keep
-    `generate`'s tokens through partly accepted blocks, eager and compiled, and with their experts offloaded."""
+    `generate`'s tokens through partly accepted blocks, eager and compiled, with their experts offloaded, and loaded
+    by `dflash_compile.from_pretrained`."""
     from dflash_compile.offload import offload_experts, plan_offload
     from dflash_compile.testing import tiny_multimodal_config
 
@@ -285,6 +286,8 @@ def test_an_image_text_to_text_release_generates_like_generate(tmp_path, family)
         assert 1.5 < fast.last_stats.tau < 4
     offloaded = offload_experts(model, plan_offload(model).minimum_budget, device="cpu")
     assert torch.equal(reference(offloaded, ids, mask), expected) and offloaded.dflash_offload.stats.misses > 8
+    loaded = dflash_compile.from_pretrained(tmp_path, dtype=torch.float32, device="cpu", compile=False)
+    assert torch.equal(loaded.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
 
 
 @pytest.mark.parametrize("family, compile", [("gpt_oss", True), ("deepseek_v3", False), ("qwen3_5_moe", False)])
