@@ -161,6 +161,7 @@ def _window_everywhere(config) -> list[AttentionKind]:
 
 _SWIGLU = ExpertLayout(gate_up="concatenated", transposed=False, bias=False, activation="act_fn")
 _SOFTMAX = RouterSpec(scoring="softmax")
+_TOP_K_THEN_SOFTMAX = RouterSpec(scoring="top_k_then_softmax", module="router")  # gpt-oss, Granite-MoE
 _GATED_DELTA_NET = LinearAttentionSpec("linear_attn", "torch_chunk_gated_delta_rule",
                                        "torch_recurrent_gated_delta_rule", _gated_delta_rule_elements)
 # Multi-head latent attention's linears reading the same input (q_proj where there is no q_lora_rank)
@@ -206,7 +207,7 @@ FAMILIES: dict[str, FamilySpec] = {
             ("gpt_oss",),
             "GptOssExperts",
             ExpertLayout(gate_up="interleaved", transposed=True, bias=True, activation="clamped_swiglu"),
-            RouterSpec(scoring="top_k_then_softmax", module="router"),
+            _TOP_K_THEN_SOFTMAX,
             _all_layers,
             _declared_layer_types,  # alternating 128-token "sliding_attention" and "full_attention", with sinks
             attention_sinks=True,
@@ -245,6 +246,15 @@ FAMILIES: dict[str, FamilySpec] = {
             # rotary positions, full without)
             "exaone_moe", ("exaone_moe",), "ExaoneMoeExperts", _SWIGLU, _DEEPSEEK_ROUTER, _declared_sparse_layers,
             _declared_layer_types,
+        ),
+        FamilySpec(  # Granite-MoE (3.0 / 3.1 MoE): top-k of the router's logits, then their softmax; multipliers on
+            # the embeddings, residuals, attention and logits stay the model's own code
+            "granitemoe", ("granitemoe",), "GraniteMoeExperts", _SWIGLU, _TOP_K_THEN_SOFTMAX, _all_layers,
+            _full_attention,
+        ),
+        FamilySpec(  # Granite-MoE with a shared MLP beside the routed experts (`shared_mlp`, a model module)
+            "granitemoeshared", ("granitemoeshared",), "GraniteMoeSharedExperts", _SWIGLU, _TOP_K_THEN_SOFTMAX,
+            _all_layers, _full_attention,
         ),
         FamilySpec(  # Phi-3.5-MoE: Mixtral's layout and window rule, a sparsemixer router (top-2 by masked softmaxes)
             "phimoe", ("phimoe",), "PhimoeExperts", _SWIGLU, RouterSpec(scoring="softmax", module="router"),

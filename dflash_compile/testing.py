@@ -5,8 +5,8 @@ transformers config classes. Each keeps the structure that matters: a dense firs
 deepseek_v3, dots1, ernie4_5_moe, exaone_moe and glm4_moe_lite (the last two declared in `mlp_layer_types`), latent
 attention for deepseek_v2, deepseek_v3 and glm4_moe_lite, an `mlp_only_layers` dense layer for qwen3_moe,
 GatedDeltaNet linear-attention layers for qwen3_5_moe and qwen3_next, alternating sliding/full layers with attention
-sinks for gpt_oss, sliding layers before a full one for exaone_moe, q/k/v biases for qwen2_moe, shared experts where
-the family has them.
+sinks for gpt_oss, sliding layers before a full one for exaone_moe, q/k/v biases for qwen2_moe, Granite's
+multipliers, shared experts where the family has them.
 """
 
 from __future__ import annotations
@@ -65,6 +65,12 @@ TINY_CONFIGS = {
         num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32, moe_num_experts=8,
         moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_end_index=2, moe_layer_interval=1,
         initializer_range=0.1, **_ROUTED, **_COMMON),  # routing probabilities that differ by more than the bias
+    "granitemoe": lambda: transformers.GraniteMoeConfig(  # embedding, residual, attention and logit multipliers
+        num_hidden_layers=2, intermediate_size=48, num_local_experts=4, embedding_multiplier=2.0,
+        residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0, **_ROUTED, **_COMMON),
+    "granitemoeshared": lambda: transformers.GraniteMoeSharedConfig(  # and a shared MLP
+        num_hidden_layers=2, intermediate_size=48, shared_intermediate_size=64, num_local_experts=4, **_ROUTED,
+        **_COMMON),
     "phimoe": lambda: transformers.PhimoeConfig(  # LayerNorms, q/k/v biases
         num_hidden_layers=2, intermediate_size=48, num_local_experts=4, **_ROUTED, **_COMMON),
     "flex_olmo": lambda: transformers.FlexOlmoConfig(  # post-attention and post-MLP norms

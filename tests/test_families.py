@@ -5,15 +5,16 @@ from torch._dynamo.exc import BackendCompilerFailed
 
 import dflash_compile
 from dflash_compile.expert_store import _STORES_BY_ROOT
-from dflash_compile.families import FAMILIES, UnsupportedFamilyError, spec_for_config, spec_for_experts_class
+from dflash_compile.families import (
+    FAMILIES, UnsupportedFamilyError, experts_modules, spec_for_config, spec_for_experts_class)
 from tests.conftest import token_ids
 
 
-def test_registry_covers_the_nineteen_families():
+def test_registry_covers_the_twenty_one_families():
     assert dflash_compile.supported_families() == sorted(
         ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe", "glm4_moe_lite",
          "deepseek_v2", "deepseek_v3", "olmoe", "ernie4_5_moe", "phimoe", "dots1", "flex_olmo", "solar_open",
-         "exaone_moe", "qwen3_vl_moe", "glm4v_moe"]
+         "exaone_moe", "qwen3_vl_moe", "glm4v_moe", "granitemoe", "granitemoeshared"]
     )
 
 
@@ -35,6 +36,8 @@ def test_registry_covers_the_nineteen_families():
         ("phimoe", [0, 1], ["full_attention"] * 2),
         ("dots1", [1, 2], ["full_attention"] * 3),  # first_k_dense_replace=1
         ("flex_olmo", [0, 1], ["full_attention"] * 2),
+        ("granitemoe", [0, 1], ["full_attention"] * 2),
+        ("granitemoeshared", [0, 1], ["full_attention"] * 2),
         ("solar_open", [0, 1], ["full_attention"] * 2),
         ("exaone_moe", [1, 2], ["sliding_attention", "sliding_attention", "full_attention"]),  # mlp_layer_types
     ],
@@ -45,8 +48,9 @@ def test_spec_of_each_tiny_model(tiny, family, moe_layers, attention):
     assert spec is FAMILIES[family]
     assert spec.moe_layers(model.config) == moe_layers
     assert spec.attention_kinds(model.config) == attention
-    experts = {i: type(layer.mlp.experts) for i, layer in enumerate(model.model.layers)
-               if hasattr(layer.mlp, "experts")}
+    layers = list(model.model.layers)  # the decoder layer holding each experts module, found by class
+    experts = {i: type(module) for name, module in experts_modules(model).items()
+               for i, layer in enumerate(layers) if module in layer.modules()}
     assert sorted(experts) == moe_layers
     assert all(spec_for_experts_class(cls) is spec for cls in experts.values())
 
@@ -60,31 +64,33 @@ def test_qwen3_sparse_step_glm_declared_layers_and_mixtral_window():
     assert FAMILIES["mixtral"].attention_kinds(mixtral) == ["sliding_attention"] * 2
 
 
-def _tiny_granitemoe():
-    config = transformers.GraniteMoeConfig(
+def _tiny_minimax_m2():
+    """MiniMax-M2: its router's correction bias lives on the MoE block and is passed to the router's call, which the
+    registry's RouterSpec cannot express."""
+    config = transformers.MiniMaxM2Config(
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
+        num_key_value_heads=1, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
     )
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
 def test_unsupported_moe_family_is_a_clear_error_before_any_state():
-    model = _tiny_granitemoe()
+    model = _tiny_minimax_m2()
     # Dynamo wraps whatever a backend raises in BackendCompilerFailed; ours is the inner exception.
-    with pytest.raises(BackendCompilerFailed, match=r"model_type 'granitemoe' is a Mixture-of-Experts model") as err:
+    with pytest.raises(BackendCompilerFailed, match=r"model_type 'minimax_m2' is a Mixture-of-Experts model") as err:
         with torch.no_grad():
             torch.compile(model, backend="dflash", options={"lowering": "eager"})(token_ids(1, 4))
     assert isinstance(err.value.inner_exception, UnsupportedFamilyError)
     families = ("deepseek_v2, deepseek_v3, dots1, ernie4_5_moe, exaone_moe, flex_olmo, glm4_moe, glm4_moe_lite, "
-                "glm4v_moe, gpt_oss, mixtral, olmoe, phimoe, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next, "
-                "qwen3_vl_moe, solar_open")
+                "glm4v_moe, gpt_oss, granitemoe, granitemoeshared, mixtral, olmoe, phimoe, qwen2_moe, qwen3_5_moe, "
+                "qwen3_moe, qwen3_next, qwen3_vl_moe, solar_open")
     assert families in str(err.value)
     assert model not in _STORES_BY_ROOT  # nothing registered before the error
 
 
 def test_unsupported_experts_class_is_recognised_without_a_config():
-    experts = _tiny_granitemoe().model.layers[0].block_sparse_moe.experts
-    with pytest.raises(UnsupportedFamilyError, match=r"GraniteMoeExperts .* does not support yet"):
+    experts = _tiny_minimax_m2().model.layers[0].mlp.experts
+    with pytest.raises(UnsupportedFamilyError, match=r"MiniMaxM2Experts .* does not support yet"):
         spec_for_experts_class(type(experts))
 
 

@@ -4,13 +4,13 @@ import pytest
 import torch
 
 from dflash_compile.expert_store import ExpertStore, get_store
-from dflash_compile.families import FAMILIES
+from dflash_compile.families import FAMILIES, experts_modules
 from tests.conftest import FAMILIES as FAMILY_NAMES
 
 
 def _routed(model, family):
-    layer = FAMILIES[family].moe_layers(model.config)[0]
-    return model.model.layers[layer].mlp.experts
+    layer = model.model.layers[FAMILIES[family].moe_layers(model.config)[0]]
+    return next(module for module in experts_modules(model).values() if module in layer.modules())
 
 
 def _routing(experts, tokens=11, top_k=3, dtype=torch.float32, seed=0):
