@@ -256,6 +256,11 @@ FAMILIES: dict[str, FamilySpec] = {
             "granitemoeshared", ("granitemoeshared",), "GraniteMoeSharedExperts", _SWIGLU, _TOP_K_THEN_SOFTMAX,
             _all_layers, _full_attention,
         ),
+        FamilySpec(  # Command-A-style Cohere2-MoE: top-k of the router's logits, then their softmax or sigmoid; MLPs
+            # and attention layers declared (sliding with rotary, full without)
+            "cohere2_moe", ("cohere2_moe",), "Cohere2MoeExperts", _SWIGLU, RouterSpec(scoring="top_k_then_softmax"),
+            _declared_sparse_layers, _declared_layer_types,
+        ),
         FamilySpec(  # Phi-3.5-MoE: Mixtral's layout and window rule, a sparsemixer router (top-2 by masked softmaxes)
             "phimoe", ("phimoe",), "PhimoeExperts", _SWIGLU, RouterSpec(scoring="softmax", module="router"),
             _all_layers, _window_everywhere,

@@ -71,6 +71,11 @@ TINY_CONFIGS = {
     "granitemoeshared": lambda: transformers.GraniteMoeSharedConfig(  # and a shared MLP
         num_hidden_layers=2, intermediate_size=48, shared_intermediate_size=64, num_local_experts=4, **_ROUTED,
         **_COMMON),
+    "cohere2_moe": lambda: transformers.Cohere2MoeConfig(  # a dense first layer, a shared expert averaged in
+        num_hidden_layers=3, head_dim=16, sliding_window=8, intermediate_size=32, prefix_dense_intermediate_size=96,
+        num_experts=8, num_shared_experts=1, mlp_layer_types=["dense", "sparse", "sparse"],
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"], bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, **_ROUTED, **_COMMON),
     "phimoe": lambda: transformers.PhimoeConfig(  # LayerNorms, q/k/v biases
         num_hidden_layers=2, intermediate_size=48, num_local_experts=4, **_ROUTED, **_COMMON),
     "flex_olmo": lambda: transformers.FlexOlmoConfig(  # post-attention and post-MLP norms

@@ -10,11 +10,11 @@ from dflash_compile.families import (
 from tests.conftest import token_ids
 
 
-def test_registry_covers_the_twenty_one_families():
+def test_registry_covers_the_twenty_two_families():
     assert dflash_compile.supported_families() == sorted(
         ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe", "glm4_moe_lite",
          "deepseek_v2", "deepseek_v3", "olmoe", "ernie4_5_moe", "phimoe", "dots1", "flex_olmo", "solar_open",
-         "exaone_moe", "qwen3_vl_moe", "glm4v_moe", "granitemoe", "granitemoeshared"]
+         "exaone_moe", "qwen3_vl_moe", "glm4v_moe", "granitemoe", "granitemoeshared", "cohere2_moe"]
     )
 
 
@@ -37,6 +37,7 @@ def test_registry_covers_the_twenty_one_families():
         ("dots1", [1, 2], ["full_attention"] * 3),  # first_k_dense_replace=1
         ("flex_olmo", [0, 1], ["full_attention"] * 2),
         ("granitemoe", [0, 1], ["full_attention"] * 2),
+        ("cohere2_moe", [1, 2], ["sliding_attention", "sliding_attention", "full_attention"]),  # mlp_layer_types
         ("granitemoeshared", [0, 1], ["full_attention"] * 2),
         ("solar_open", [0, 1], ["full_attention"] * 2),
         ("exaone_moe", [1, 2], ["sliding_attention", "sliding_attention", "full_attention"]),  # mlp_layer_types
@@ -81,7 +82,8 @@ def test_unsupported_moe_family_is_a_clear_error_before_any_state():
         with torch.no_grad():
             torch.compile(model, backend="dflash", options={"lowering": "eager"})(token_ids(1, 4))
     assert isinstance(err.value.inner_exception, UnsupportedFamilyError)
-    families = ("deepseek_v2, deepseek_v3, dots1, ernie4_5_moe, exaone_moe, flex_olmo, glm4_moe, glm4_moe_lite, "
+    families = ("cohere2_moe, deepseek_v2, deepseek_v3, dots1, ernie4_5_moe, exaone_moe, flex_olmo, glm4_moe, "
+                "glm4_moe_lite, "
                 "glm4v_moe, gpt_oss, granitemoe, granitemoeshared, mixtral, olmoe, phimoe, qwen2_moe, qwen3_5_moe, "
                 "qwen3_moe, qwen3_next, qwen3_vl_moe, solar_open")
     assert families in str(err.value)
