@@ -8,6 +8,7 @@ expert, DeepSeek-V3 keeps its first layers dense). Routed-expert modules are rec
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,6 +42,9 @@ class RouterSpec:
     grouped_top_k: bool = False  # experts chosen inside the best `topk_group` of `n_group` groups
     routed_scaling_factor: bool = False  # weights multiplied by `config.routed_scaling_factor`
     module: str = "gate"  # the router's attribute on the MoE block, beside the experts module
+    # an attribute of the MoE block that the block passes to the router's call by the same name (MiniMax-M2 keeps its
+    # correction bias there, not on the router)
+    block_bias: str | None = None
 
 
 @dataclass(frozen=True)
@@ -261,6 +265,10 @@ FAMILIES: dict[str, FamilySpec] = {
             "cohere2_moe", ("cohere2_moe",), "Cohere2MoeExperts", _SWIGLU, RouterSpec(scoring="top_k_then_softmax"),
             _declared_sparse_layers, _declared_layer_types,
         ),
+        FamilySpec(  # MiniMax-M2: sigmoid scores, the choice made on them plus the block's correction bias
+            "minimax_m2", ("minimax_m2",), "MiniMaxM2Experts", _SWIGLU,
+            RouterSpec(scoring="sigmoid", block_bias="e_score_correction_bias"), _all_layers, _full_attention,
+        ),
         FamilySpec(  # Phi-3.5-MoE: Mixtral's layout and window rule, a sparsemixer router (top-2 by masked softmaxes)
             "phimoe", ("phimoe",), "PhimoeExperts", _SWIGLU, RouterSpec(scoring="softmax", module="router"),
             _all_layers, _window_everywhere,
@@ -330,6 +338,16 @@ def router_of(model: torch.nn.Module, experts_name: str) -> torch.nn.Module:
     spec = spec_for_experts_class(type(model.get_submodule(experts_name)))
     block = model.get_submodule(experts_name.rpartition(".")[0])
     return getattr(block, spec.router.module)
+
+
+def routing_of(model: torch.nn.Module, experts_name: str) -> Callable[[torch.Tensor], tuple]:
+    """hidden [T, H] -> the router's outputs (expert indices last), as the MoE block of the routed-experts module
+    `experts_name` calls its router: with the block's `RouterSpec.block_bias` where the family has one."""
+    router = router_of(model, experts_name)
+    name = spec_for_experts_class(type(model.get_submodule(experts_name))).router.block_bias
+    if name is None:
+        return router
+    return functools.partial(router, **{name: getattr(model.get_submodule(experts_name.rpartition(".")[0]), name)})
 
 
 def spec_for_config(config) -> FamilySpec | None:

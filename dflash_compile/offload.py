@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from .families import experts_modules, router_of, spec_for_experts_class
+from .families import experts_modules, routing_of, spec_for_experts_class
 from .packed import PackedWeight, expert_weights
 from .slot_table import DeviceSlotTable
 
@@ -50,6 +50,8 @@ OFFLOAD_IMPLEMENTATION = "dflash_offload"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
           "GIB": 2**30, "TIB": 2**40}
 _ALIGN = 64  # bytes: every component of a blob starts aligned for any dtype and vector loads
+# hidden [T, H] -> a router's outputs, expert indices last (`families.routing_of`)
+Routing = Callable[[torch.Tensor], tuple]
 
 
 def parse_size(value) -> int:
@@ -218,7 +220,7 @@ class _Layer:
     layout: BlobLayout
     format: str
     pooled: tuple[PackedWeight, PackedWeight]  # (gate_up, down) as views over the slot pool, indexed by slot
-    router: torch.nn.Module | None = None  # picks this layer's experts; read by the previous layer's prefetch
+    router: Routing | None = None  # picks this layer's experts; read by the previous layer's prefetch
 
     @property
     def on_host(self) -> tuple[PackedWeight, PackedWeight]:
@@ -285,10 +287,10 @@ class MissCosts:
         return cls(fetch, one, max(eight - one, 0.0) / 7)
 
 
-def predict_experts(router: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+def predict_experts(router: Routing, hidden: torch.Tensor) -> torch.Tensor:
     """[T, top_k] experts `router` picks for `hidden`: a guess when `hidden` is another layer's input. The
-    router module itself runs (every transformers router returns its expert indices last), so each family's own
-    scoring, biases and group limits apply."""
+    router module itself runs, as its MoE block calls it (`families.routing_of`; every transformers router returns
+    its expert indices last), so each family's own scoring, biases and group limits apply."""
     return router(hidden)[-1]
 
 
@@ -367,7 +369,7 @@ class OffloadedExperts:
             self._stats.bytes_fetched += (prefetched + misses) * self.layers[0].host.shape[1]
         return self._stats
 
-    def add_layer(self, module: torch.nn.Module, router: torch.nn.Module | None = None) -> int:
+    def add_layer(self, module: torch.nn.Module, router: Routing | None = None) -> int:
         format, weights = _blob_parts(module)
         layout = BlobLayout.of(weights)
         host = layout.blobs(weights, pin_memory=self.device.type == "cuda")
@@ -723,7 +725,7 @@ def offload_experts(model: torch.nn.Module, gpu_memory, device="cuda", policy: s
     modules = _experts_modules(model)
     spec = spec_for_experts_class(type(next(iter(modules.values()))))
     for name, module in tqdm(modules.items(), desc="offloading experts", unit="layer", disable=len(modules) < 8):
-        layer = offloaded.add_layer(module, router_of(model, name))
+        layer = offloaded.add_layer(module, routing_of(model, name))
         for tensor_name in list(module._parameters) + list(module._buffers):
             if tensor_name.startswith(("gate_up_proj", "down_proj", "packed_")):
                 module._parameters.pop(tensor_name, None)

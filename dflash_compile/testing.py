@@ -76,6 +76,9 @@ TINY_CONFIGS = {
         num_experts=8, num_shared_experts=1, mlp_layer_types=["dense", "sparse", "sparse"],
         layer_types=["sliding_attention", "sliding_attention", "full_attention"], bos_token_id=1, eos_token_id=2,
         pad_token_id=0, **_ROUTED, **_COMMON),
+    "minimax_m2": lambda: transformers.MiniMaxM2Config(  # q/k norms over all heads, the bias on the MoE block
+        num_hidden_layers=2, head_dim=16, intermediate_size=32, num_local_experts=8, initializer_range=0.1,
+        bos_token_id=1, eos_token_id=2, **_ROUTED, **_COMMON),
     "phimoe": lambda: transformers.PhimoeConfig(  # LayerNorms, q/k/v biases
         num_hidden_layers=2, intermediate_size=48, num_local_experts=4, **_ROUTED, **_COMMON),
     "flex_olmo": lambda: transformers.FlexOlmoConfig(  # post-attention and post-MLP norms

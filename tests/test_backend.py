@@ -46,11 +46,13 @@ def test_compiled_logits_match_eager(tiny, family, dtype, dispatch_calls):
         # part with wider logits; sigmoid scores saturate instead (glm4_moe_lite's eager bf16 flipped one, 0.04
         # off), so their choice follows a correction bias a unit apart per expert.
         if dtype == torch.bfloat16:
+            spec = FAMILIES[family].router
             for name in experts_modules(model):
                 router = router_of(model, name)
                 router.weight.mul_(4)
-                if FAMILIES[family].router.correction_bias:
-                    bias = operator.attrgetter(FAMILIES[family].router.correction_bias)(router)
+                if spec.correction_bias or spec.block_bias:  # the router's, or its MoE block's (MiniMax-M2)
+                    owner = router if spec.correction_bias else model.get_submodule(name.rpartition(".")[0])
+                    bias = operator.attrgetter(spec.correction_bias or spec.block_bias)(owner)
                     bias.copy_(torch.randperm(bias.numel(), generator=torch.Generator().manual_seed(0)))
         expected = model(ids).logits
         compiled = torch.compile(model, backend="dflash", fullgraph=True)

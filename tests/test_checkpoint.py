@@ -21,7 +21,7 @@ SIZES = {"gpt_oss": {"intermediate_size": 64}, "deepseek_v2": {"moe_intermediate
          "dots1": {"moe_intermediate_size": 128}, "exaone_moe": {"moe_intermediate_size": 128},
          "flex_olmo": {"intermediate_size": 128}, "solar_open": {"moe_intermediate_size": 128},
          "granitemoe": {"intermediate_size": 128}, "granitemoeshared": {"intermediate_size": 128},
-         "cohere2_moe": {"intermediate_size": 128},
+         "cohere2_moe": {"intermediate_size": 128}, "minimax_m2": {"intermediate_size": 128},
          "phimoe": {"intermediate_size": 128},
          "glm4_moe": {"moe_intermediate_size": 128}, "glm4_moe_lite": {"moe_intermediate_size": 128},
          "qwen2_moe": {"moe_intermediate_size": 128}, "qwen3_moe": {"moe_intermediate_size": 128},
@@ -141,7 +141,7 @@ def _dequantized_reference(original, packed):
 
 @pytest.mark.parametrize("family", ["cohere2_moe", "deepseek_v2", "deepseek_v3", "dots1", "ernie4_5_moe", "exaone_moe",
                                     "flex_olmo", "glm4_moe", "glm4_moe_lite", "granitemoe", "granitemoeshared",
-                                    "phimoe", "qwen2_moe", "qwen3_moe", "qwen3_next", "solar_open"])
+                                    "minimax_m2", "phimoe", "qwen2_moe", "qwen3_moe", "qwen3_next", "solar_open"])
 def test_fp8_block_checkpoint_loads_packed_and_matches_the_dequantized_model(family, tmp_path):
     original, directory = _quantized(family, "fp8_block", tmp_path)
     packed = load_packed(directory, dtype=torch.float32)

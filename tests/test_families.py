@@ -10,11 +10,12 @@ from dflash_compile.families import (
 from tests.conftest import token_ids
 
 
-def test_registry_covers_the_twenty_two_families():
+def test_registry_covers_the_twenty_three_families():
     assert dflash_compile.supported_families() == sorted(
         ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe", "glm4_moe_lite",
          "deepseek_v2", "deepseek_v3", "olmoe", "ernie4_5_moe", "phimoe", "dots1", "flex_olmo", "solar_open",
-         "exaone_moe", "qwen3_vl_moe", "glm4v_moe", "granitemoe", "granitemoeshared", "cohere2_moe"]
+         "exaone_moe", "qwen3_vl_moe", "glm4v_moe", "granitemoe", "granitemoeshared", "cohere2_moe",
+         "minimax_m2"]
     )
 
 
@@ -37,6 +38,7 @@ def test_registry_covers_the_twenty_two_families():
         ("dots1", [1, 2], ["full_attention"] * 3),  # first_k_dense_replace=1
         ("flex_olmo", [0, 1], ["full_attention"] * 2),
         ("granitemoe", [0, 1], ["full_attention"] * 2),
+        ("minimax_m2", [0, 1], ["full_attention"] * 2),
         ("cohere2_moe", [1, 2], ["sliding_attention", "sliding_attention", "full_attention"]),  # mlp_layer_types
         ("granitemoeshared", [0, 1], ["full_attention"] * 2),
         ("solar_open", [0, 1], ["full_attention"] * 2),
@@ -65,34 +67,36 @@ def test_qwen3_sparse_step_glm_declared_layers_and_mixtral_window():
     assert FAMILIES["mixtral"].attention_kinds(mixtral) == ["sliding_attention"] * 2
 
 
-def _tiny_minimax_m2():
-    """MiniMax-M2: its router's correction bias lives on the MoE block and is passed to the router's call, which the
-    registry's RouterSpec cannot express."""
-    config = transformers.MiniMaxM2Config(
+def _tiny_hunyuan():
+    """Hunyuan-A13B (hunyuan_v1_moe): not in the registry (its router is an fp32 nn.Linear that FP8 quantization
+    would convert, and its expert counts may differ per layer)."""
+    config = transformers.HunYuanMoEV1Config(
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        num_key_value_heads=1, head_dim=16, num_experts=4, moe_topk=2,
     )
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
 def test_unsupported_moe_family_is_a_clear_error_before_any_state():
-    model = _tiny_minimax_m2()
+    model = _tiny_hunyuan()
     # Dynamo wraps whatever a backend raises in BackendCompilerFailed; ours is the inner exception.
-    with pytest.raises(BackendCompilerFailed, match=r"model_type 'minimax_m2' is a Mixture-of-Experts model") as err:
+    message = r"model_type 'hunyuan_v1_moe' is a Mixture-of-Experts model"
+    with pytest.raises(BackendCompilerFailed, match=message) as err:
         with torch.no_grad():
             torch.compile(model, backend="dflash", options={"lowering": "eager"})(token_ids(1, 4))
     assert isinstance(err.value.inner_exception, UnsupportedFamilyError)
     families = ("cohere2_moe, deepseek_v2, deepseek_v3, dots1, ernie4_5_moe, exaone_moe, flex_olmo, glm4_moe, "
                 "glm4_moe_lite, "
-                "glm4v_moe, gpt_oss, granitemoe, granitemoeshared, mixtral, olmoe, phimoe, qwen2_moe, qwen3_5_moe, "
+                "glm4v_moe, gpt_oss, granitemoe, granitemoeshared, minimax_m2, mixtral, olmoe, phimoe, qwen2_moe, "
+                "qwen3_5_moe, "
                 "qwen3_moe, qwen3_next, qwen3_vl_moe, solar_open")
     assert families in str(err.value)
     assert model not in _STORES_BY_ROOT  # nothing registered before the error
 
 
 def test_unsupported_experts_class_is_recognised_without_a_config():
-    experts = _tiny_minimax_m2().model.layers[0].mlp.experts
-    with pytest.raises(UnsupportedFamilyError, match=r"MiniMaxM2Experts .* does not support yet"):
+    experts = _tiny_hunyuan().model.layers[0].mlp.experts
+    with pytest.raises(UnsupportedFamilyError, match=r"HunYuanMoEV1Experts .* does not support yet"):
         spec_for_experts_class(type(experts))
 
 

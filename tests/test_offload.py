@@ -7,7 +7,7 @@ import torch
 
 import dflash_compile
 import dflash_compile.testing
-from dflash_compile.families import experts_modules, router_of
+from dflash_compile.families import experts_modules, routing_of
 from dflash_compile.offload import (PREFETCH_TRIAL, BlobLayout, ExpertCache, MissCosts, choose_manager,
                                     offload_experts, parse_size, plan_offload, predict_experts)
 from dflash_compile.testing import TINY_CONFIGS, random_drafter_weights, save_drafter, tiny_drafter_config
@@ -222,7 +222,7 @@ def test_predicted_experts_are_the_routers_own_choice_on_its_own_input(tiny, fam
     exactly its choice (DeepSeek's group-limited routing included)."""
     model = tiny(family)
     name = next(iter(experts_modules(model)))
-    router = router_of(model, name)
+    router = routing_of(model, name)
     block = model.get_submodule(name.rpartition(".")[0])
     captured = []
     block.register_forward_hook(lambda module, args, output: captured.append(args[0]))

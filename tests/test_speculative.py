@@ -14,7 +14,8 @@ from tests.conftest import token_ids
 
 SPECULATIVE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe",
                         "glm4_moe_lite", "deepseek_v2", "deepseek_v3", "olmoe", "ernie4_5_moe", "phimoe", "dots1",
-                        "flex_olmo", "solar_open", "exaone_moe", "granitemoe", "granitemoeshared", "cohere2_moe"]
+                        "flex_olmo", "solar_open", "exaone_moe", "granitemoe", "granitemoeshared", "cohere2_moe",
+                        "minimax_m2"]
 NEW_TOKENS = 48  # crosses the gpt_oss test model's 8-token sliding window several times
 
 
@@ -36,11 +37,12 @@ def reference(model, ids, mask, **kwargs):
 # repeats Qwen3.5's linear attention and GLM-4.7-Flash DeepSeek-V3's latent attention and grouped router, Qwen2-MoE
 # Qwen3-MoE's router and Qwen3-Next's gated shared expert, DeepSeek-V2 DeepSeek-V3's latent attention, ERNIE-4.5
 # Qwen3-MoE's attention with a biased softmax router, Phi-MoE Mixtral's layout with its own router, dots.llm1 and
-# Solar Open GLM-4.5's router, FlexOlmo OLMoE's, Granite-MoE and Cohere2-MoE gpt-oss's (each family's compiled
-# speculative step keeps its identity test: `test_offload_with_compiled_dflash_speculative_decoding`, one unpadded
-# row). A batch of one row also for gpt-oss's sliding rings and sinks.
+# Solar Open GLM-4.5's router, FlexOlmo OLMoE's, Granite-MoE and Cohere2-MoE gpt-oss's, MiniMax-M2 a sigmoid router
+# with the block's bias (each family's compiled speculative step keeps its identity test:
+# `test_offload_with_compiled_dflash_speculative_decoding`, one unpadded row). A batch of one row also for gpt-oss's
+# sliding rings and sinks.
 COVERED_ELSEWHERE = ("qwen2_moe", "qwen3_next", "glm4_moe_lite", "deepseek_v2", "ernie4_5_moe", "phimoe", "dots1",
-                     "flex_olmo", "solar_open", "granitemoe", "granitemoeshared", "cohere2_moe")
+                     "flex_olmo", "solar_open", "granitemoe", "granitemoeshared", "cohere2_moe", "minimax_m2")
 IDENTITY_CASES = [(family, 3) for family in SPECULATIVE_FAMILIES if family not in COVERED_ELSEWHERE]
 
 
