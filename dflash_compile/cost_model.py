@@ -118,6 +118,7 @@ REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
         hidden_size=4096, num_attention_heads=32, num_key_value_heads=32, n_routed_experts=128, n_shared_experts=2,
         num_experts_per_tok=6, first_k_dense_replace=1, rope_theta=10000000.0, max_position_embeddings=32768),
     "solar-open-100b": transformers.SolarOpenConfig,  # 48 layers, 128 experts, top-8, a shared expert
+    "minimax-m2": transformers.MiniMaxM2Config,  # 62 layers, 256 experts of 1536, top-8
     "flexolmo-7x7b": transformers.FlexOlmoConfig,  # 32 layers, 7 experts of 11008, top-5
     "qwen2-57b-a14b": lambda: transformers.Qwen2MoeConfig(
         hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, num_experts=64,
