@@ -1,3 +1,6 @@
+import re
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
@@ -56,6 +59,17 @@ def test_spec_of_each_tiny_model(tiny, family, moe_layers, attention):
                for i, layer in enumerate(layers) if module in layer.modules()}
     assert sorted(experts) == moe_layers
     assert all(spec_for_experts_class(cls) is spec for cls in experts.values())
+
+
+def test_the_supported_models_table_names_each_family_and_its_experts_class():
+    """docs/supported_models.md is what the registry says: one row per family, its model types and experts class."""
+    page = (Path(__file__).parents[1] / "docs" / "supported_models.md").read_text()
+    rows = {}
+    for line in page.split("\n## ")[0].splitlines():  # the first table, before the page's sections
+        if line.startswith("| `") and not line.startswith("| `model_type`"):
+            model_types, experts = line.split(" | ")[:2]
+            rows[tuple(re.findall(r"`(\w+)`", model_types))] = experts.strip("`")
+    assert rows == {spec.model_types: spec.experts_class for spec in FAMILIES.values()}
 
 
 def test_qwen3_sparse_step_glm_declared_layers_and_mixtral_window():
