@@ -117,6 +117,7 @@ class TargetCache(Cache):
         self.tokens_seen: torch.Tensor | None = None  # [b, vocabulary + 1] bool, for a repetition penalty
         self.eos_waits: torch.Tensor | None = None  # [b] new tokens before each row's EOS, for a minimum length
         self.eos_ids: torch.Tensor | None = None  # [vocabulary] bool: which ids are EOS, likewise
+        self.banned_ids: torch.Tensor | None = None  # [vocabulary] bool: ids never generated (suppressed, bad words)
 
     def _kept(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The generation-state buffer `name`: made on first use (or for another shape) and kept, its address
@@ -127,11 +128,12 @@ class TargetCache(Cache):
             setattr(self, name, buffer)
         return buffer
 
-    def eos_buffer(self, vocabulary: int, eos: set[int]) -> torch.Tensor:
-        """`eos_ids` set to `eos` (ids past the vocabulary, e.g. -1 for none, can never be drawn: left out)."""
-        eos_ids = self._kept("eos_ids", (vocabulary,), torch.bool)
-        eos_ids.zero_()[[t for t in sorted(eos) if 0 <= t < vocabulary]] = True
-        return eos_ids
+    def token_set(self, name: str, vocabulary: int, ids) -> torch.Tensor:
+        """The [vocabulary] bool buffer `name` (`eos_ids`, `banned_ids`) set to `ids` (ids past the vocabulary, e.g.
+        -1 for no EOS, can never be drawn: left out)."""
+        members = self._kept(name, (vocabulary,), torch.bool)
+        members.zero_()[[t for t in sorted(ids) if 0 <= t < vocabulary]] = True
+        return members
 
     def waits_buffer(self) -> torch.Tensor:
         """How many new tokens each row must still make before its EOS may come (`sampling.eos_held_back`)."""

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 from transformers.generation.logits_process import (
-    EpsilonLogitsWarper, LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
-    TopPLogitsWarper)
+    EpsilonLogitsWarper, LogitsProcessorList, MinPLogitsWarper, NoBadWordsLogitsProcessor,
+    SuppressTokensLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
@@ -24,16 +24,16 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
 
 
 # generation_config fields with which transformers' generate outputs something else than greedy decoding or
-# temperature / top-k / top-p / min-p / epsilon-cutoff sampling with a repetition penalty and a minimum length, which
-# dflash_compile's generate implements: other logits processors, other decoding modes, more sequences per prompt; the
-# second group only when sampling (typical_p and top_h sort or scan the vocabulary with a softmax before it, which
-# torch 2.11's Inductor fails to generate on CUDA, see `TopPWarper`; eta_cutoff builds a torch.distributions object
-# in the compiled step). A model whose generation_config sets one (to anything but transformers' default or a no-op,
-# _NO_OPS) would decode differently from model.generate.
-_APPLIED = ("no_repeat_ngram_size", "bad_words_ids", "sequence_bias", "suppress_tokens", "begin_suppress_tokens",
-            "forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty", "watermarking_config",
-            "guidance_scale", "num_beams", "num_beam_groups", "diversity_penalty", "penalty_alpha", "constraints",
-            "force_words_ids", "dola_layers", "num_return_sequences")
+# temperature / top-k / top-p / min-p / epsilon-cutoff sampling with a repetition penalty, a minimum length and banned
+# tokens, which dflash_compile's generate implements: other logits processors, other decoding modes, more sequences
+# per prompt; the second group only when sampling (typical_p and top_h sort or scan the vocabulary with a softmax
+# before it, which torch 2.11's Inductor fails to generate on CUDA, see `TopPWarper`; eta_cutoff builds a
+# torch.distributions object in the compiled step). A model whose generation_config sets one (to anything but
+# transformers' default or a no-op, _NO_OPS) would decode differently from model.generate.
+_APPLIED = ("no_repeat_ngram_size", "sequence_bias", "forced_bos_token_id", "forced_eos_token_id",
+            "exponential_decay_length_penalty", "watermarking_config", "guidance_scale", "num_beams",
+            "num_beam_groups", "diversity_penalty", "penalty_alpha", "constraints", "force_words_ids", "dola_layers",
+            "num_return_sequences")
 _APPLIED_WHEN_SAMPLING = ("typical_p", "eta_cutoff", "top_h")
 _NO_OPS = {"guidance_scale": 1.0, "penalty_alpha": 0.0}
 
@@ -48,8 +48,8 @@ def check_generation_config(config, do_sample: bool) -> None:
     if applied:
         raise ValueError(f"the model's generation_config sets {', '.join(applied)}, which transformers' generate "
                          "applies and dflash_compile's does not (it decodes greedily or samples with temperature, "
-                         "top_k, top_p, min_p and epsilon_cutoff, with repetition_penalty and min_new_tokens / "
-                         "min_length): set them to "
+                         "top_k, top_p, min_p and epsilon_cutoff, with repetition_penalty, min_new_tokens / "
+                         "min_length and banned tokens): set them to "
                          "None on model.generation_config to generate without them, or run model.generate")
 
 
@@ -113,6 +113,21 @@ def repetition_penalized(logits: torch.Tensor, seen: torch.Tensor, block: torch.
         present = seen[:, None, :].expand(-1, block.shape[1], -1).scatter(2, upto, True)[..., :vocab]
     scores = logits.float()
     return torch.where(present, torch.where(scores < 0, scores * penalty, scores / penalty), scores)
+
+
+def banned_tokens(suppress_tokens, bad_words_ids, eos: set[int]) -> list[int]:
+    """Token ids generate never lets through, validated by transformers' own processors: `suppress_tokens`
+    (SuppressTokensLogitsProcessor) and `bad_words_ids` of one token (NoBadWordsLogitsProcessor, which keeps an EOS
+    id). A bad word of several tokens bans its last token only after the others, which is refused."""
+    banned = set(SuppressTokensLogitsProcessor(suppress_tokens).suppress_tokens.tolist()) if suppress_tokens else set()
+    if bad_words_ids is not None:
+        sequences = NoBadWordsLogitsProcessor(bad_words_ids, list(eos) or None).sequence_bias
+        longer = [list(sequence) for sequence in sequences if len(sequence) > 1]
+        if longer:
+            raise ValueError(f"bad_words_ids {longer} have more than one token, which dflash_compile's generate does "
+                             "not ban (only single tokens): ban single tokens, or run model.generate")
+        banned.update(sequence[0] for sequence in sequences)
+    return sorted(banned)
 
 
 def eos_held_back(logits: torch.Tensor, waits: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:

@@ -29,8 +29,8 @@ from .drafter import DFlashDrafter, context_features
 from .families import spec_for_model
 from .linear_attention import stepwise_linear_attention
 from .prefill_memory import PrefillActivations
-from .sampling import (Sampler, check_generation_config, check_repetition_penalty, eos_held_back, processed_probs,
-                       repetition_penalized, seen_tokens, warpers)
+from .sampling import (Sampler, banned_tokens, check_generation_config, check_repetition_penalty, eos_held_back,
+                       processed_probs, repetition_penalized, seen_tokens, warpers)
 from .step_graphs import StepGraphs
 
 
@@ -225,6 +225,7 @@ class SpeculativeDecoder:
         self.sampler: Sampler | None = None  # the running generate call's sampling settings
         self.repetition_penalty: float | None = None  # and its repetition penalty (None: none)
         self.holds_eos = False  # and whether rows make a minimum of new tokens before an EOS (`TargetCache.eos_ids`)
+        self.bans_tokens = False  # and whether some ids are never generated (`TargetCache.banned_ids`)
         self.target_cache: TargetCache | None = None  # kept between generate calls (see `_cache`)
         self.drafter_cache: RowCache | None = None  # likewise (`_drafter_cache`)
 
@@ -243,7 +244,7 @@ class SpeculativeDecoder:
         chain = self.sampler.chain if self.sampler else ()
         warpers = tuple((type(w).__name__, repr(vars(w))) for w in chain)
         return (self.model.config._attn_implementation, self.model.training, warpers, self.repetition_penalty,
-                self.holds_eos)
+                self.holds_eos, self.bans_tokens)
 
     @property
     def hidden_states_read(self) -> list[int]:
@@ -426,12 +427,15 @@ class SpeculativeDecoder:
         return accepted, tokens, features, cache.pending_linear()
 
     def _processed(self, logits: torch.Tensor, cache: TargetCache, block: torch.Tensor | None) -> torch.Tensor:
-        """Logits [b, w, V] with the running call's repetition penalty and minimum length, as generate's processors
-        apply them before its warpers: over a verify `block`, or (None) the prefill's position after the prompt."""
+        """Logits [b, w, V] with the running call's repetition penalty, minimum length and banned tokens, as generate's
+        processors apply them before its warpers: over a verify `block`, or (None) the prefill's position after the
+        prompt. (A ban is -inf, which no other processor moves: its place in generate's order does not matter.)"""
         if self.repetition_penalty:
             logits = repetition_penalized(logits, cache.tokens_seen, block, self.repetition_penalty)
         if self.holds_eos:
             logits = eos_held_back(logits, cache.eos_waits, cache.eos_ids)
+        if self.bans_tokens:
+            logits = logits.masked_fill(cache.banned_ids, float("-inf"))
         return logits
 
     def _draft(self, anchor: torch.Tensor, drafter_cache: RowCache, width: int, pending: list):
@@ -535,13 +539,16 @@ class SpeculativeDecoder:
                  top_k: int | None = None, top_p: float | None = None, generator: torch.Generator | None = None,
                  argmax_drafts: bool = False, streamer=None, repetition_penalty: float | None = None,
                  min_new_tokens: int | None = None, min_length: int | None = None, min_p: float | None = None,
-                 epsilon_cutoff: float | None = None) -> torch.Tensor:
+                 epsilon_cutoff: float | None = None, suppress_tokens: list[int] | None = None,
+                 begin_suppress_tokens: list[int] | None = None,
+                 bad_words_ids: list[list[int]] | None = None) -> torch.Tensor:
         """Greedy: the same tensor as `model.generate(..., do_sample=False)`. Sampled (`do_sample=True`): tokens
         distributed exactly as the target's own sampling with the same temperature / top-k / top-p / min-p /
         epsilon cutoff. Either with
         transformers' `repetition_penalty` (default: the generation_config's), applied to every verified position
-        over the row's prompt and tokens so far, and its `min_new_tokens` / `min_length` (likewise): a row's EOS
-        ids are held back at every position before its minimum.
+        over the row's prompt and tokens so far, its `min_new_tokens` / `min_length` (likewise): a row's EOS
+        ids are held back at every position before its minimum, and its banned tokens (likewise): `suppress_tokens`
+        and one-token `bad_words_ids` at every position, `begin_suppress_tokens` at the first new token.
         `streamer` (transformers' TextStreamer interface, batch 1) gets the prompt, then each step's new tokens."""
         self._check_ids(input_ids, attention_mask)
         check_generation_config(self.model.generation_config, do_sample)
@@ -556,6 +563,10 @@ class SpeculativeDecoder:
             check_repetition_penalty(penalty)
         eos = _eos_ids(eos_token_id if eos_token_id is not None else generation_config.eos_token_id)
         min_tokens = self._min_tokens(min_new_tokens, min_length, input_ids.shape[1])
+        banned = banned_tokens(generation_config.suppress_tokens if suppress_tokens is None else suppress_tokens,
+                               generation_config.bad_words_ids if bad_words_ids is None else bad_words_ids, eos)
+        begin = generation_config.begin_suppress_tokens if begin_suppress_tokens is None else begin_suppress_tokens
+        banned_first = banned_tokens(begin, None, eos)
         pad_token_id = pad_token_id if pad_token_id is not None else generation_config.pad_token_id
         if pad_token_id is None:
             pad_token_id = min(eos) if eos else 0
@@ -570,6 +581,7 @@ class SpeculativeDecoder:
         self.sampler = sampler
         self.repetition_penalty = penalty
         self.holds_eos = bool(eos) and min_tokens > 0  # without an EOS generate adds no processor either
+        self.bans_tokens = bool(banned)
         if streamer is not None:
             streamer.put(input_ids.cpu())
         start = time.perf_counter()
@@ -579,8 +591,12 @@ class SpeculativeDecoder:
             seen_tokens(input_ids, pad, logits.shape[-1], cache.seen_buffer(logits.shape[-1]))
         if self.holds_eos:  # the anchor is each row's first new token
             cache.waits_buffer().fill_(min_tokens)
-            cache.eos_buffer(logits.shape[-1], eos)
+            cache.token_set("eos_ids", logits.shape[-1], eos)
+        if self.bans_tokens:
+            cache.token_set("banned_ids", logits.shape[-1], banned)
         logits = self._processed(logits[:, None], cache, None)[:, 0]
+        if banned_first:  # generate's begin_suppress_tokens: the first new token only
+            logits[:, banned_first] = float("-inf")
         if self.holds_eos:
             cache.eos_waits.sub_(1)
         anchor = sampler.draw(processed_probs(logits, sampler.chain)) if sampler else logits.argmax(dim=-1)
