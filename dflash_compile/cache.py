@@ -118,6 +118,8 @@ class TargetCache(Cache):
         self.eos_waits: torch.Tensor | None = None  # [b] new tokens before each row's EOS, for a minimum length
         self.eos_ids: torch.Tensor | None = None  # [vocabulary] bool: which ids are EOS, likewise
         self.banned_ids: torch.Tensor | None = None  # [vocabulary] bool: ids never generated (suppressed, bad words)
+        self.history: torch.Tensor | None = None  # [b, capacity] each row's padded prompt and tokens, for n-gram bans
+        self.history_lengths: torch.Tensor | None = None  # [b] how much of it is filled
 
     def _kept(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The generation-state buffer `name`: made on first use (or for another shape) and kept, its address
@@ -134,6 +136,14 @@ class TargetCache(Cache):
         members = self._kept(name, (vocabulary,), torch.bool)
         members.zero_()[[t for t in sorted(ids) if 0 <= t < vocabulary]] = True
         return members
+
+    def history_buffers(self, ids: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`history` holding the prompt `ids` [b, P] as given (left padding too, as generate's input_ids), and its
+        `history_lengths` P (`sampling.repeated_ngrams_banned`)."""
+        history = self._kept("history", (self.rows.batch, capacity), torch.int64)
+        history[:, : ids.shape[1]] = ids
+        lengths = self._kept("history_lengths", (self.rows.batch,), torch.int64)
+        return history, lengths.fill_(ids.shape[1])
 
     def waits_buffer(self) -> torch.Tensor:
         """How many new tokens each row must still make before its EOS may come (`sampling.eos_held_back`)."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers.generation.logits_process import (
-    EpsilonLogitsWarper, LogitsProcessorList, MinPLogitsWarper, NoBadWordsLogitsProcessor,
+    EpsilonLogitsWarper, LogitsProcessorList, MinPLogitsWarper, NoBadWordsLogitsProcessor, NoRepeatNGramLogitsProcessor,
     SuppressTokensLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 
@@ -24,16 +24,15 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
 
 
 # generation_config fields with which transformers' generate outputs something else than greedy decoding or
-# temperature / top-k / top-p / min-p / epsilon-cutoff sampling with a repetition penalty, a minimum length and banned
-# tokens, which dflash_compile's generate implements: other logits processors, other decoding modes, more sequences
-# per prompt; the second group only when sampling (typical_p and top_h sort or scan the vocabulary with a softmax
-# before it, which torch 2.11's Inductor fails to generate on CUDA, see `TopPWarper`; eta_cutoff builds a
-# torch.distributions object in the compiled step). A model whose generation_config sets one (to anything but
-# transformers' default or a no-op, _NO_OPS) would decode differently from model.generate.
-_APPLIED = ("no_repeat_ngram_size", "sequence_bias", "forced_bos_token_id", "forced_eos_token_id",
-            "exponential_decay_length_penalty", "watermarking_config", "guidance_scale", "num_beams",
-            "num_beam_groups", "diversity_penalty", "penalty_alpha", "constraints", "force_words_ids", "dola_layers",
-            "num_return_sequences")
+# temperature / top-k / top-p / min-p / epsilon-cutoff sampling with a repetition penalty, a minimum length, banned
+# tokens and banned repeated n-grams, which dflash_compile's generate implements: other logits processors, other
+# decoding modes, more sequences per prompt; the second group only when sampling (typical_p and top_h sort or scan
+# the vocabulary with a softmax before it, which torch 2.11's Inductor fails to generate on CUDA, see `TopPWarper`;
+# eta_cutoff builds a torch.distributions object in the compiled step). A model whose generation_config sets one (to
+# anything but transformers' default or a no-op, _NO_OPS) would decode differently from model.generate.
+_APPLIED = ("sequence_bias", "forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty",
+            "watermarking_config", "guidance_scale", "num_beams", "num_beam_groups", "diversity_penalty",
+            "penalty_alpha", "constraints", "force_words_ids", "dola_layers", "num_return_sequences")
 _APPLIED_WHEN_SAMPLING = ("typical_p", "eta_cutoff", "top_h")
 _NO_OPS = {"guidance_scale": 1.0, "penalty_alpha": 0.0}
 
@@ -49,7 +48,7 @@ def check_generation_config(config, do_sample: bool) -> None:
         raise ValueError(f"the model's generation_config sets {', '.join(applied)}, which transformers' generate "
                          "applies and dflash_compile's does not (it decodes greedily or samples with temperature, "
                          "top_k, top_p, min_p and epsilon_cutoff, with repetition_penalty, min_new_tokens / "
-                         "min_length and banned tokens): set them to "
+                         "min_length, banned tokens and no_repeat_ngram_size): set them to "
                          "None on model.generation_config to generate without them, or run model.generate")
 
 
@@ -128,6 +127,34 @@ def banned_tokens(suppress_tokens, bad_words_ids, eos: set[int]) -> list[int]:
                              "not ban (only single tokens): ban single tokens, or run model.generate")
         banned.update(sequence[0] for sequence in sequences)
     return sorted(banned)
+
+
+def check_ngram_size(size) -> int:
+    """`no_repeat_ngram_size` as generate takes it: 0 or None for none, else refused unless a positive int."""
+    if not size:
+        return 0
+    return NoRepeatNGramLogitsProcessor(size).ngram_size  # transformers' own check
+
+
+def repeated_ngrams_banned(logits: torch.Tensor, history: torch.Tensor, lengths: torch.Tensor,
+                           block: torch.Tensor | None, size: int) -> torch.Tensor:
+    """Logits [b, w, V] with transformers' no_repeat_ngram_size (NoRepeatNGramLogitsProcessor): at position j a
+    token is -inf where it would complete an n-gram (n = `size`) that the row's sequence already holds -- its
+    `history` [b, C] up to `lengths` [b] (the left-padded prompt as given and the tokens since, as generate's
+    input_ids hold them) followed by block[:, :j + 1]; or (`block` None) the history alone, one position."""
+    b, w, vocab = logits.shape
+    sequence, ends = history, lengths[:, None] + torch.arange(w, device=lengths.device)[None, :]  # [b, w] lengths
+    if block is not None:
+        sequence = history.scatter(1, ends, block)
+        ends = ends + 1
+    windows = sequence.unfold(1, size, 1)  # [b, C - size + 1, size]
+    offsets = torch.arange(1 - size, 0, device=lengths.device)
+    prefix = sequence.gather(1, (ends[:, :, None] + offsets).clamp(min=0).view(b, -1)).view(b, w, size - 1)
+    starts = torch.arange(windows.shape[1], device=lengths.device)
+    matches = (windows[:, None, :, :-1] == prefix[:, :, None, :]).all(dim=-1) & (starts <= ends[:, :, None] - size)
+    following = torch.where(matches, windows[:, None, :, -1].clamp(max=vocab), vocab)  # past the vocabulary: none
+    banned = torch.zeros(b, w, vocab + 1, dtype=torch.bool, device=logits.device).scatter_(2, following, True)
+    return logits.masked_fill(banned[..., :vocab], float("-inf"))
 
 
 def eos_held_back(logits: torch.Tensor, waits: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:

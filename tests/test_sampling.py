@@ -5,11 +5,11 @@ import itertools
 import pytest
 import torch
 
-from transformers.generation.logits_process import (RepetitionPenaltyLogitsProcessor, TopKLogitsWarper,
-                                                    TopPLogitsWarper)
+from transformers.generation.logits_process import (NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor,
+                                                    TopKLogitsWarper, TopPLogitsWarper)
 
-from dflash_compile.sampling import (TopPWarper, check_sampling, processed_probs, repetition_penalized, seen_tokens,
-                                     warpers)
+from dflash_compile.sampling import (TopPWarper, check_sampling, processed_probs, repeated_ngrams_banned,
+                                     repetition_penalized, seen_tokens, warpers)
 
 VOCAB, BLOCK = 4, 3  # two drafts and the bonus position
 
@@ -192,3 +192,27 @@ def test_repetition_penalty_at_each_verified_position_is_transformers(penalty):
         history = torch.cat([prompt, block[:, : j + 1]], dim=1)
         assert torch.equal(ours[:, j], processor(history, logits[:, j].clone()))
     assert torch.equal(repetition_penalized(logits[:, 0], seen, None, penalty), processor(prompt, logits[:, 0].clone()))
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_repeated_ngrams_ban_at_each_verified_position_is_transformers(size):
+    """Position j of a verify block gets transformers' NoRepeatNGramLogitsProcessor over the row's history (of its
+    own length) followed by block[:j + 1]; and the history alone, for the first new token. Few distinct tokens, so
+    n-grams repeat."""
+    generator = torch.Generator().manual_seed(size)
+    rows, width, vocab, capacity = 3, 5, 6, 40
+    lengths = torch.tensor([1, 7, 12])
+    history = torch.zeros(rows, capacity, dtype=torch.long)
+    for row, length in enumerate(lengths.tolist()):
+        history[row, :length] = torch.randint(0, 4, (length,), generator=generator)
+    block = torch.randint(0, 4, (rows, width), generator=generator)
+    logits = torch.randn(rows, width, vocab, generator=generator)
+    ours, first = (repeated_ngrams_banned(logits[:, :w], history, lengths, b, size)
+                   for w, b in ((width, block), (1, None)))
+    reference = NoRepeatNGramLogitsProcessor(size)
+    for row, length in enumerate(lengths.tolist()):
+        for j in range(width):
+            sequence = torch.cat([history[row, :length], block[row, :j + 1]])[None]
+            assert torch.equal(ours[row, j], reference(sequence, logits[row, j][None].clone())[0])
+        assert torch.equal(first[row, 0], reference(history[row, :length][None], logits[row, 0][None].clone())[0])
+    assert ours.isinf().any()

@@ -218,7 +218,7 @@ def test_the_caches_bytes_are_known_before_they_are_made(tiny, random_drafter, f
 
 
 @pytest.mark.parametrize("field, value, do_sample", [("sequence_bias", {(5,): 1.0}, False),
-                                                     ("no_repeat_ngram_size", 3, False), ("num_beams", 2, False),
+                                                     ("forced_eos_token_id", 3, False), ("num_beams", 2, False),
                                                      ("typical_p", 0.5, True)])
 def test_generation_settings_transformers_would_apply_are_refused(tiny, field, value, do_sample):
     """model.generate applies these from the model's generation_config (typical_p only when sampling): decoding without
@@ -231,9 +231,9 @@ def test_generation_settings_transformers_would_apply_are_refused(tiny, field, v
                                          r"which transformers' "
                                          r"generate applies and dflash_compile's does not \(it decodes greedily or "
                                          r"samples with temperature, top_k, top_p, min_p and epsilon_cutoff, with "
-                                         r"repetition_penalty, min_new_tokens / min_length and banned tokens\): set "
-                                         "them to None on model.generation_config to generate without them, or run "
-                                         "model.generate$"):
+                                         r"repetition_penalty, min_new_tokens / min_length, banned tokens and "
+                                         r"no_repeat_ngram_size\): set them to None on model.generation_config to "
+                                         "generate without them, or run model.generate$"):
         fast.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=do_sample)
     assert fast.decoder.target_cache is None
 
@@ -311,6 +311,31 @@ def test_banned_tokens_as_generate_bans_them(tiny, family, compile):
     fast = dflash_compile.optimize(model, drafter, adaptive=False, compile=compile)
     out = fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, **settings)
     assert torch.equal(out, expected) and 1.5 < fast.last_stats.tau < 4
+
+
+@pytest.mark.parametrize("family, compile, size", [("gpt_oss", True, 2), ("qwen3_moe", False, 3)])
+def test_no_repeat_ngram_size_as_generate_applies_it(tiny, family, compile, size):
+    """transformers' no_repeat_ngram_size over each row's left-padded prompt (its padding too, as generate's
+    input_ids hold it) and tokens, at the first new token and every verified position, drafts accepted up to a miss:
+    token-identical to model.generate with it, given to generate or read from the generation_config."""
+    model = tiny(family)
+    ids, mask = prompts(3)
+    expected = reference(model, ids, mask, no_repeat_ngram_size=size)
+    assert not torch.equal(expected, reference(model, ids, mask))
+    drafter = OracleDrafter(expected, mask, 4, corruption=0.3, vocab_size=128)
+    fast = dflash_compile.optimize(model, drafter, adaptive=False, compile=compile)
+    out = fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, no_repeat_ngram_size=size)
+    assert torch.equal(out, expected) and 1.5 < fast.last_stats.tau < 4
+    model.generation_config.no_repeat_ngram_size = size
+    assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
+
+
+def test_an_ngram_size_that_is_no_positive_int_is_refused(tiny):
+    fast = dflash_compile.optimize(tiny("qwen3_moe"), adaptive=False, compile=False)
+    ids, mask = prompts(1)
+    with pytest.raises(ValueError, match=r"^`ngram_size` has to be a strictly positive integer, but is -1$"):
+        fast.generate(ids, attention_mask=mask, max_new_tokens=8, no_repeat_ngram_size=-1)
+    assert fast.decoder.target_cache is None
 
 
 def test_a_bad_word_of_several_tokens_is_refused(tiny):
