@@ -273,6 +273,8 @@ def main():
     parser.add_argument("--repetition-penalty", type=float,
                         help="add model.generate with this repetition_penalty, and dflash with an oracle of its tokens "
                              "(the first --corruption, block --block): the penalty's cost and token identity")
+    parser.add_argument("--no-repeat-ngram-size", type=int,
+                        help="likewise with this no_repeat_ngram_size (with --repetition-penalty: both at once)")
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
@@ -337,19 +339,21 @@ def main():
         rows.append((f"model.generate, sampled T={temperature}", new / base_t, 1.0, "-", "sampled"))
         rows.append((f"dflash, oracle (greedy path) block {args.block}, sampled T={temperature}", new / seconds,
                      fast.last_stats.tau, f"{fast.last_stats.steps}", "sampled"))
-    if args.repetition_penalty:
-        penalty = dict(repetition_penalty=args.repetition_penalty)
+    settings = {name: value for name, value in (("repetition_penalty", args.repetition_penalty),
+                                                ("no_repeat_ngram_size", args.no_repeat_ngram_size)) if value}
+    if settings:
+        label = ", ".join(f"{name}={value}" for name, value in settings.items())
         with torch.no_grad():
-            penalized, base_r = timed(lambda: model.generate(ids, do_sample=False, max_new_tokens=args.new, **penalty),
+            reference, base_r = timed(lambda: model.generate(ids, do_sample=False, max_new_tokens=args.new, **settings),
                                       args.repeats, args.device)
         corruption = args.corruption[0] if args.corruption else 0.0
-        drafter = OracleDrafter(penalized.cpu(), None, args.block, corruption, vocab)
+        drafter = OracleDrafter(reference.cpu(), None, args.block, corruption, vocab)
         fast = dflash_compile.optimize(target, drafter=drafter, mode=args.mode, adaptive=False)
-        out, seconds = timed(lambda: fast.generate(ids, max_new_tokens=args.new, **penalty), args.repeats, args.device)
-        rows.append((f"model.generate, repetition_penalty={args.repetition_penalty}", new / base_r, 1.0, "-",
-                     "reference (penalized)"))
-        rows.append((f"dflash, oracle p={corruption} block {args.block}, repetition_penalty={args.repetition_penalty}",
-                     new / seconds, fast.last_stats.tau, f"{fast.last_stats.steps}", first_mismatch(penalized, out)))
+        out, seconds = timed(lambda: fast.generate(ids, max_new_tokens=args.new, **settings), args.repeats,
+                             args.device)
+        rows.append((f"model.generate, {label}", new / base_r, 1.0, "-", "reference (with the settings)"))
+        rows.append((f"dflash, oracle p={corruption} block {args.block}, {label}", new / seconds, fast.last_stats.tau,
+                     f"{fast.last_stats.steps}", first_mismatch(reference, out)))
     if not args.skip_native:
         with torch.no_grad():
             out, seconds = timed(native_dflash(model, args, ids), args.repeats, args.device)

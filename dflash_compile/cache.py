@@ -27,10 +27,13 @@ a CUDA graph does not redo.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from transformers.cache_utils import Cache
 
 from .attention import row_starts
+from .sampling import SequenceBiases
 
 
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -117,8 +120,10 @@ class TargetCache(Cache):
         self.tokens_seen: torch.Tensor | None = None  # [b, vocabulary + 1] bool, for a repetition penalty
         self.eos_waits: torch.Tensor | None = None  # [b] new tokens before each row's EOS, for a minimum length
         self.eos_ids: torch.Tensor | None = None  # [vocabulary] bool: which ids are EOS, likewise
-        self.banned_ids: torch.Tensor | None = None  # [vocabulary] bool: ids never generated (suppressed, bad words)
         self.history: torch.Tensor | None = None  # [b, capacity] each row's padded prompt and tokens, for n-gram bans
+        # and sequence biases (`sampling.SequenceBiases`, in the static buffers `bias_tokens`, ...)
+        self.sequence_biases: SequenceBiases | None = None
+        self.bias_tokens = self.bias_prefixes = self.bias_last = self.bias_values = None
         self.history_lengths: torch.Tensor | None = None  # [b] how much of it is filled
 
     def _kept(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -131,19 +136,26 @@ class TargetCache(Cache):
         return buffer
 
     def token_set(self, name: str, vocabulary: int, ids) -> torch.Tensor:
-        """The [vocabulary] bool buffer `name` (`eos_ids`, `banned_ids`) set to `ids` (ids past the vocabulary, e.g.
-        -1 for no EOS, can never be drawn: left out)."""
+        """The [vocabulary] bool buffer `name` (`eos_ids`) set to `ids` (ids past the vocabulary, e.g. -1 for no EOS,
+        can never be drawn: left out)."""
         members = self._kept(name, (vocabulary,), torch.bool)
         members.zero_()[[t for t in sorted(ids) if 0 <= t < vocabulary]] = True
         return members
 
     def history_buffers(self, ids: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`history` holding the prompt `ids` [b, P] as given (left padding too, as generate's input_ids), and its
-        `history_lengths` P (`sampling.repeated_ngrams_banned`)."""
+        `history_lengths` P (`sampling.repeated_ngrams_banned`, `sampling.sequence_biased`)."""
         history = self._kept("history", (self.rows.batch, capacity), torch.int64)
         history[:, : ids.shape[1]] = ids
         lengths = self._kept("history_lengths", (self.rows.batch,), torch.int64)
         return history, lengths.fill_(ids.shape[1])
+
+    def bias_buffers(self, biases: SequenceBiases) -> SequenceBiases:
+        """`sequence_biases`: `biases` copied into kept buffers (`bias_tokens`, ...)."""
+        values = {field.name: getattr(biases, field.name) for field in dataclasses.fields(biases)}
+        self.sequence_biases = SequenceBiases(**{
+            name: self._kept(f"bias_{name}", value.shape, value.dtype).copy_(value) for name, value in values.items()})
+        return self.sequence_biases
 
     def waits_buffer(self) -> torch.Tensor:
         """How many new tokens each row must still make before its EOS may come (`sampling.eos_held_back`)."""

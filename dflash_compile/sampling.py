@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 from transformers.generation.logits_process import (
     EpsilonLogitsWarper, LogitsProcessorList, MinPLogitsWarper, NoBadWordsLogitsProcessor, NoRepeatNGramLogitsProcessor,
-    SuppressTokensLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+    SequenceBiasLogitsProcessor, SuppressTokensAtBeginLogitsProcessor, SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
@@ -24,15 +25,16 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
 
 
 # generation_config fields with which transformers' generate outputs something else than greedy decoding or
-# temperature / top-k / top-p / min-p / epsilon-cutoff sampling with a repetition penalty, a minimum length, banned
-# tokens and banned repeated n-grams, which dflash_compile's generate implements: other logits processors, other
-# decoding modes, more sequences per prompt; the second group only when sampling (typical_p and top_h sort or scan
-# the vocabulary with a softmax before it, which torch 2.11's Inductor fails to generate on CUDA, see `TopPWarper`;
-# eta_cutoff builds a torch.distributions object in the compiled step). A model whose generation_config sets one (to
-# anything but transformers' default or a no-op, _NO_OPS) would decode differently from model.generate.
-_APPLIED = ("sequence_bias", "forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty",
-            "watermarking_config", "guidance_scale", "num_beams", "num_beam_groups", "diversity_penalty",
-            "penalty_alpha", "constraints", "force_words_ids", "dola_layers", "num_return_sequences")
+# temperature / top-k / top-p / min-p / epsilon-cutoff sampling with a repetition penalty, a minimum length, sequence
+# biases (banned tokens and words among them) and banned repeated n-grams, which dflash_compile's generate
+# implements: other logits processors, other decoding modes, more sequences per prompt; the second group only when
+# sampling (typical_p and top_h sort or scan the vocabulary with a softmax before it, which torch 2.11's Inductor
+# fails to generate on CUDA, see `TopPWarper`; eta_cutoff builds a torch.distributions object in the compiled step).
+# A model whose generation_config sets one (to anything but transformers' default or a no-op, _NO_OPS) would decode
+# differently from model.generate.
+_APPLIED = ("forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty", "watermarking_config",
+            "guidance_scale", "num_beams", "num_beam_groups", "diversity_penalty", "penalty_alpha", "constraints",
+            "force_words_ids", "dola_layers", "num_return_sequences")
 _APPLIED_WHEN_SAMPLING = ("typical_p", "eta_cutoff", "top_h")
 _NO_OPS = {"guidance_scale": 1.0, "penalty_alpha": 0.0}
 
@@ -48,8 +50,8 @@ def check_generation_config(config, do_sample: bool) -> None:
         raise ValueError(f"the model's generation_config sets {', '.join(applied)}, which transformers' generate "
                          "applies and dflash_compile's does not (it decodes greedily or samples with temperature, "
                          "top_k, top_p, min_p and epsilon_cutoff, with repetition_penalty, min_new_tokens / "
-                         "min_length, banned tokens and no_repeat_ngram_size): set them to "
-                         "None on model.generation_config to generate without them, or run model.generate")
+                         "min_length, sequence_bias, bad_words_ids, suppress_tokens and no_repeat_ngram_size): set "
+                         "them to None on model.generation_config to generate without them, or run model.generate")
 
 
 class TopPWarper(TopPLogitsWarper):
@@ -114,19 +116,81 @@ def repetition_penalized(logits: torch.Tensor, seen: torch.Tensor, block: torch.
     return torch.where(present, torch.where(scores < 0, scores * penalty, scores / penalty), scores)
 
 
-def banned_tokens(suppress_tokens, bad_words_ids, eos: set[int]) -> list[int]:
-    """Token ids generate never lets through, validated by transformers' own processors: `suppress_tokens`
-    (SuppressTokensLogitsProcessor) and `bad_words_ids` of one token (NoBadWordsLogitsProcessor, which keeps an EOS
-    id). A bad word of several tokens bans its last token only after the others, which is refused."""
-    banned = set(SuppressTokensLogitsProcessor(suppress_tokens).suppress_tokens.tolist()) if suppress_tokens else set()
-    if bad_words_ids is not None:
-        sequences = NoBadWordsLogitsProcessor(bad_words_ids, list(eos) or None).sequence_bias
-        longer = [list(sequence) for sequence in sequences if len(sequence) > 1]
-        if longer:
-            raise ValueError(f"bad_words_ids {longer} have more than one token, which dflash_compile's generate does "
-                             "not ban (only single tokens): ban single tokens, or run model.generate")
-        banned.update(sequence[0] for sequence in sequences)
-    return sorted(banned)
+@dataclass(frozen=True)
+class SequenceBiases:
+    """generate's sequence biases (SequenceBiasLogitsProcessor: `sequence_bias`; NoBadWordsLogitsProcessor:
+    `bad_words_ids` at -inf, an EOS bad word kept; SuppressTokensLogitsProcessor: `suppress_tokens` at -inf),
+    validated by those processors: `tokens` [V] the one-token biases; the longer sequences' `prefixes` [S, K], their
+    tokens but the last, right-aligned after -1 (any token), `last` [S] their last tokens and `values` [S] fp32."""
+
+    tokens: torch.Tensor
+    prefixes: torch.Tensor
+    last: torch.Tensor
+    values: torch.Tensor
+
+    @classmethod
+    def of(cls, vocabulary: int, sequence_bias, bad_words_ids, suppress_tokens, eos: set[int]) -> SequenceBiases | None:
+        """None where generate would add none of the three processors."""
+        sources = [SequenceBiasLogitsProcessor(sequence_bias).sequence_bias if sequence_bias else {},
+                   NoBadWordsLogitsProcessor(bad_words_ids, list(eos) or None).sequence_bias if bad_words_ids else {}]
+        outside = sorted({t for source in sources for sequence in source for t in sequence if not 0 <= t < vocabulary})
+        if outside:  # generate raises at its first step
+            raise ValueError(f"token ids {outside} of sequence_bias / bad_words_ids are outside the model's vocabulary "
+                             f"of {vocabulary}")
+        suppressed = SuppressTokensLogitsProcessor(suppress_tokens).suppress_tokens.tolist() if suppress_tokens else []
+        sources.append({(t,): float("-inf") for t in suppressed if 0 <= t < vocabulary})  # others: never drawn anyway
+        biases: dict[tuple[int, ...], float] = {}
+        for source in sources:  # each processor adds its bias: -inf wins over any other
+            for sequence, value in source.items():
+                biases[tuple(sequence)] = biases.get(tuple(sequence), 0.0) + value
+        if not biases:
+            return None
+        tokens = torch.zeros(vocabulary)
+        longer = {sequence: value for sequence, value in biases.items() if len(sequence) > 1}
+        for sequence, value in biases.items():
+            if len(sequence) == 1:
+                tokens[sequence[0]] = value
+        width = max((len(sequence) - 1 for sequence in longer), default=1)
+        prefixes = torch.tensor([[-1] * (width + 1 - len(sequence)) + list(sequence[:-1]) for sequence in longer]
+                                or [[-1] * width], dtype=torch.int64)
+        last = torch.tensor([sequence[-1] for sequence in longer] or [0], dtype=torch.int64)
+        values = torch.tensor(list(longer.values()) or [0.0], dtype=torch.float32)
+        return cls(tokens, prefixes, last, values)
+
+
+def begin_suppressed(tokens) -> list[int]:
+    """generate's `begin_suppress_tokens` (SuppressTokensAtBeginLogitsProcessor): ids banned at the first new token."""
+    return SuppressTokensAtBeginLogitsProcessor(tokens, 0).begin_suppress_tokens.tolist() if tokens else []
+
+
+def _with_block(history: torch.Tensor, lengths: torch.Tensor, block: torch.Tensor | None, width: int):
+    """(each row's sequence [b, C]: its `history` with `block` [b, w] written after its `lengths` [b]; the sequence's
+    length before each of the w positions' next token [b, w]). With `block` None: the history alone, `width` 1."""
+    ends = lengths[:, None] + torch.arange(width, device=lengths.device)[None, :]
+    if block is None:
+        return history, ends
+    return history.scatter(1, ends, block), ends + 1
+
+
+def _last_tokens(sequence: torch.Tensor, ends: torch.Tensor, count: int) -> torch.Tensor:
+    """[b, w, count]: the `count` tokens of `sequence` [b, C] before each of `ends` [b, w] (clamped at its start)."""
+    offsets = torch.arange(-count, 0, device=ends.device)
+    b, w = ends.shape
+    return sequence.gather(1, (ends[:, :, None] + offsets).clamp(min=0).view(b, -1)).view(b, w, count)
+
+
+def sequence_biased(logits: torch.Tensor, history: torch.Tensor, lengths: torch.Tensor, block: torch.Tensor | None,
+                    biases: SequenceBiases) -> torch.Tensor:
+    """fp32 logits [b, w, V] with `biases` added at each position j as generate adds them: the one-token ones, and
+    a longer sequence's at its last token where the row's sequence so far (`_with_block`) ends with its prefix."""
+    sequence, ends = _with_block(history, lengths, block, logits.shape[1])
+    recent = _last_tokens(sequence, ends, biases.prefixes.shape[1])  # [b, w, K]
+    anything = biases.prefixes < 0
+    fits = ends[:, :, None] >= (~anything).sum(dim=-1)  # a prefix longer than the sequence never matches
+    matches = ((recent[:, :, None, :] == biases.prefixes) | anything).all(dim=-1) & fits  # [b, w, S]
+    added = torch.where(matches, biases.values, 0.0)
+    bias = biases.tokens.expand(*logits.shape).clone().index_add_(2, biases.last, added)
+    return logits.float() + bias
 
 
 def check_ngram_size(size) -> int:
@@ -143,13 +207,9 @@ def repeated_ngrams_banned(logits: torch.Tensor, history: torch.Tensor, lengths:
     `history` [b, C] up to `lengths` [b] (the left-padded prompt as given and the tokens since, as generate's
     input_ids hold them) followed by block[:, :j + 1]; or (`block` None) the history alone, one position."""
     b, w, vocab = logits.shape
-    sequence, ends = history, lengths[:, None] + torch.arange(w, device=lengths.device)[None, :]  # [b, w] lengths
-    if block is not None:
-        sequence = history.scatter(1, ends, block)
-        ends = ends + 1
+    sequence, ends = _with_block(history, lengths, block, w)
     windows = sequence.unfold(1, size, 1)  # [b, C - size + 1, size]
-    offsets = torch.arange(1 - size, 0, device=lengths.device)
-    prefix = sequence.gather(1, (ends[:, :, None] + offsets).clamp(min=0).view(b, -1)).view(b, w, size - 1)
+    prefix = _last_tokens(sequence, ends, size - 1)
     starts = torch.arange(windows.shape[1], device=lengths.device)
     matches = (windows[:, None, :, :-1] == prefix[:, :, None, :]).all(dim=-1) & (starts <= ends[:, :, None] - size)
     following = torch.where(matches, windows[:, None, :, -1].clamp(max=vocab), vocab)  # past the vocabulary: none

@@ -29,9 +29,9 @@ from .drafter import DFlashDrafter, context_features
 from .families import spec_for_model
 from .linear_attention import stepwise_linear_attention
 from .prefill_memory import PrefillActivations
-from .sampling import (Sampler, banned_tokens, check_generation_config, check_ngram_size, check_repetition_penalty,
-                       eos_held_back, processed_probs, repeated_ngrams_banned, repetition_penalized, seen_tokens,
-                       warpers)
+from .sampling import (Sampler, SequenceBiases, begin_suppressed, check_generation_config, check_ngram_size,
+                       check_repetition_penalty, eos_held_back, processed_probs, repeated_ngrams_banned,
+                       repetition_penalized, seen_tokens, sequence_biased, warpers)
 from .step_graphs import StepGraphs
 
 
@@ -226,7 +226,7 @@ class SpeculativeDecoder:
         self.sampler: Sampler | None = None  # the running generate call's sampling settings
         self.repetition_penalty: float | None = None  # and its repetition penalty (None: none)
         self.holds_eos = False  # and whether rows make a minimum of new tokens before an EOS (`TargetCache.eos_ids`)
-        self.bans_tokens = False  # and whether some ids are never generated (`TargetCache.banned_ids`)
+        self.bias_shape: tuple | None = None  # and its sequence biases' shape (`TargetCache.sequence_biases`), if any
         self.ngram_size = 0  # and its no_repeat_ngram_size (0: none; `TargetCache.history`)
         self.target_cache: TargetCache | None = None  # kept between generate calls (see `_cache`)
         self.drafter_cache: RowCache | None = None  # likewise (`_drafter_cache`)
@@ -246,7 +246,7 @@ class SpeculativeDecoder:
         chain = self.sampler.chain if self.sampler else ()
         warpers = tuple((type(w).__name__, repr(vars(w))) for w in chain)
         return (self.model.config._attn_implementation, self.model.training, warpers, self.repetition_penalty,
-                self.holds_eos, self.bans_tokens, self.ngram_size)
+                self.holds_eos, self.bias_shape, self.ngram_size)
 
     @property
     def hidden_states_read(self) -> list[int]:
@@ -426,23 +426,23 @@ class SpeculativeDecoder:
             cache.tokens_seen.scatter_(1, block.masked_fill(~kept, cache.tokens_seen.shape[1] - 1), True)
         if self.holds_eos:
             cache.eos_waits.sub_((accepted + 1) * active)
-        if self.ngram_size:  # the block goes in after each row's history; its kept part counts
+        if self.bias_shape or self.ngram_size:  # the block goes in after each row's history; its kept part counts
             cache.history.scatter_(1, cache.history_lengths[:, None] + torch.arange(block.shape[1],
                                                                                    device=block.device), block)
             cache.history_lengths.add_((accepted + 1) * active)
         return accepted, tokens, features, cache.pending_linear()
 
     def _processed(self, logits: torch.Tensor, cache: TargetCache, block: torch.Tensor | None) -> torch.Tensor:
-        """Logits [b, w, V] with the running call's repetition penalty, minimum length, banned tokens and banned
+        """Logits [b, w, V] with the running call's sequence biases, repetition penalty, minimum length and banned
         repeated n-grams, as generate's processors apply them before its warpers: over a verify `block`, or (None)
-        the prefill's position after the prompt. (A ban is -inf, which no other processor moves: its place in
-        generate's order does not matter.)"""
+        the prefill's position after the prompt. Sequence biases come first, as in generate; its bad words and
+        suppressed tokens, which come later there, join them: -inf, which no other processor moves."""
+        if self.bias_shape:
+            logits = sequence_biased(logits, cache.history, cache.history_lengths, block, cache.sequence_biases)
         if self.repetition_penalty:
             logits = repetition_penalized(logits, cache.tokens_seen, block, self.repetition_penalty)
         if self.holds_eos:
             logits = eos_held_back(logits, cache.eos_waits, cache.eos_ids)
-        if self.bans_tokens:
-            logits = logits.masked_fill(cache.banned_ids, float("-inf"))
         if self.ngram_size:
             logits = repeated_ngrams_banned(logits, cache.history, cache.history_lengths, block, self.ngram_size)
         return logits
@@ -550,15 +550,16 @@ class SpeculativeDecoder:
                  min_new_tokens: int | None = None, min_length: int | None = None, min_p: float | None = None,
                  epsilon_cutoff: float | None = None, suppress_tokens: list[int] | None = None,
                  begin_suppress_tokens: list[int] | None = None, bad_words_ids: list[list[int]] | None = None,
-                 no_repeat_ngram_size: int | None = None) -> torch.Tensor:
+                 no_repeat_ngram_size: int | None = None, sequence_bias=None) -> torch.Tensor:
         """Greedy: the same tensor as `model.generate(..., do_sample=False)`. Sampled (`do_sample=True`): tokens
         distributed exactly as the target's own sampling with the same temperature / top-k / top-p / min-p /
         epsilon cutoff. Either with
         transformers' `repetition_penalty` (default: the generation_config's), applied to every verified position
         over the row's prompt and tokens so far, its `min_new_tokens` / `min_length` (likewise): a row's EOS
-        ids are held back at every position before its minimum, and its banned tokens (likewise): `suppress_tokens`
-        and one-token `bad_words_ids` at every position, `begin_suppress_tokens` at the first new token, and its
-        `no_repeat_ngram_size` (likewise) over each row's left-padded prompt and tokens.
+        ids are held back at every position before its minimum, its `sequence_bias`, `bad_words_ids` and
+        `suppress_tokens` (likewise) at every position, `begin_suppress_tokens` at the first new token, and its
+        `no_repeat_ngram_size` (likewise); the last and the sequences of several tokens over each row's left-padded
+        prompt and tokens.
         `streamer` (transformers' TextStreamer interface, batch 1) gets the prompt, then each step's new tokens."""
         self._check_ids(input_ids, attention_mask)
         check_generation_config(self.model.generation_config, do_sample)
@@ -573,10 +574,12 @@ class SpeculativeDecoder:
             check_repetition_penalty(penalty)
         eos = _eos_ids(eos_token_id if eos_token_id is not None else generation_config.eos_token_id)
         min_tokens = self._min_tokens(min_new_tokens, min_length, input_ids.shape[1])
-        banned = banned_tokens(generation_config.suppress_tokens if suppress_tokens is None else suppress_tokens,
-                               generation_config.bad_words_ids if bad_words_ids is None else bad_words_ids, eos)
-        begin = generation_config.begin_suppress_tokens if begin_suppress_tokens is None else begin_suppress_tokens
-        banned_first = banned_tokens(begin, None, eos)
+        configured = {name: getattr(generation_config, name) if value is None else value for name, value in (
+            ("sequence_bias", sequence_bias), ("bad_words_ids", bad_words_ids), ("suppress_tokens", suppress_tokens),
+            ("begin_suppress_tokens", begin_suppress_tokens))}
+        biases = SequenceBiases.of(self.model.get_output_embeddings().weight.shape[0], configured["sequence_bias"],
+                                   configured["bad_words_ids"], configured["suppress_tokens"], eos)
+        banned_first = begin_suppressed(configured["begin_suppress_tokens"])
         ngram_size = check_ngram_size(generation_config.no_repeat_ngram_size if no_repeat_ngram_size is None
                                       else no_repeat_ngram_size)
         pad_token_id = pad_token_id if pad_token_id is not None else generation_config.pad_token_id
@@ -593,7 +596,7 @@ class SpeculativeDecoder:
         self.sampler = sampler
         self.repetition_penalty = penalty
         self.holds_eos = bool(eos) and min_tokens > 0  # without an EOS generate adds no processor either
-        self.bans_tokens = bool(banned)
+        self.bias_shape = None if biases is None else tuple(biases.prefixes.shape)
         self.ngram_size = ngram_size
         if streamer is not None:
             streamer.put(input_ids.cpu())
@@ -605,10 +608,10 @@ class SpeculativeDecoder:
         if self.holds_eos:  # the anchor is each row's first new token
             cache.waits_buffer().fill_(min_tokens)
             cache.token_set("eos_ids", logits.shape[-1], eos)
-        if self.bans_tokens:
-            cache.token_set("banned_ids", logits.shape[-1], banned)
-        if self.ngram_size:
+        if self.bias_shape or self.ngram_size:
             cache.history_buffers(input_ids, max_len)
+        if self.bias_shape:
+            cache.bias_buffers(biases)
         logits = self._processed(logits[:, None], cache, None)[:, 0]
         if banned_first:  # generate's begin_suppress_tokens: the first new token only
             logits[:, banned_first] = float("-inf")

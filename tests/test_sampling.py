@@ -5,11 +5,13 @@ import itertools
 import pytest
 import torch
 
-from transformers.generation.logits_process import (NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor,
-                                                    TopKLogitsWarper, TopPLogitsWarper)
+from transformers.generation.logits_process import (NoBadWordsLogitsProcessor, NoRepeatNGramLogitsProcessor,
+                                                    RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor,
+                                                    SuppressTokensLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper)
 
-from dflash_compile.sampling import (TopPWarper, check_sampling, processed_probs, repeated_ngrams_banned,
-                                     repetition_penalized, seen_tokens, warpers)
+from dflash_compile.sampling import (SequenceBiases, TopPWarper, check_sampling, processed_probs,
+                                     repeated_ngrams_banned, repetition_penalized, seen_tokens, sequence_biased,
+                                     warpers)
 
 VOCAB, BLOCK = 4, 3  # two drafts and the bonus position
 
@@ -216,3 +218,35 @@ def test_repeated_ngrams_ban_at_each_verified_position_is_transformers(size):
             assert torch.equal(ours[row, j], reference(sequence, logits[row, j][None].clone())[0])
         assert torch.equal(first[row, 0], reference(history[row, :length][None], logits[row, 0][None].clone())[0])
     assert ours.isinf().any()
+
+
+def test_sequence_biases_at_each_verified_position_are_transformers():
+    """Position j of a verify block gets transformers' SequenceBiasLogitsProcessor, NoBadWordsLogitsProcessor (an EOS
+    bad word kept) and SuppressTokensLogitsProcessor over the row's history followed by block[:j + 1], sequences of
+    one to four tokens, a prefix longer than a row's history among them; and the history alone, for the first new
+    token."""
+    generator = torch.Generator().manual_seed(0)
+    rows, width, vocab, capacity = 3, 5, 6, 40
+    sequence_bias = {(2,): -1.5, (1, 3): 2.0, (0, 1, 2): -0.7, (3, 3): 1.25, (1, 2, 0, 4): 3.0}
+    bad_words, suppressed, eos = [[4], [1, 1, 5], [2, 0], [3]], [5], 3
+    biases = SequenceBiases.of(vocab, sequence_bias, bad_words, suppressed, {eos})
+    references = [SequenceBiasLogitsProcessor(sequence_bias), NoBadWordsLogitsProcessor(bad_words, [eos]),
+                  SuppressTokensLogitsProcessor(suppressed)]
+    lengths = torch.tensor([1, 6, 11])
+    history = torch.zeros(rows, capacity, dtype=torch.long)
+    for row, length in enumerate(lengths.tolist()):
+        history[row, :length] = torch.randint(0, 4, (length,), generator=generator)
+    block = torch.randint(0, 4, (rows, width), generator=generator)
+    logits = torch.randn(rows, width, vocab, generator=generator)
+    ours, first = (sequence_biased(logits[:, :w], history, lengths, b, biases) for w, b in ((width, block), (1, None)))
+
+    def reference(sequence, scores):
+        for processor in references:
+            scores = processor(sequence[None], scores[None].clone())[0]
+        return scores
+
+    for row, length in enumerate(lengths.tolist()):
+        for j in range(width):
+            assert torch.equal(ours[row, j], reference(torch.cat([history[row, :length], block[row, :j + 1]]),
+                                                       logits[row, j]))
+        assert torch.equal(first[row, 0], reference(history[row, :length], logits[row, 0]))

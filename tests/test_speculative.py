@@ -217,7 +217,7 @@ def test_the_caches_bytes_are_known_before_they_are_made(tiny, random_drafter, f
     assert target.rows.nbytes + drafter.nbytes == fast.decoder._cache_bytes(*target.rows.shape[:3])
 
 
-@pytest.mark.parametrize("field, value, do_sample", [("sequence_bias", {(5,): 1.0}, False),
+@pytest.mark.parametrize("field, value, do_sample", [("exponential_decay_length_penalty", (4, 1.5), False),
                                                      ("forced_eos_token_id", 3, False), ("num_beams", 2, False),
                                                      ("typical_p", 0.5, True)])
 def test_generation_settings_transformers_would_apply_are_refused(tiny, field, value, do_sample):
@@ -231,9 +231,10 @@ def test_generation_settings_transformers_would_apply_are_refused(tiny, field, v
                                          r"which transformers' "
                                          r"generate applies and dflash_compile's does not \(it decodes greedily or "
                                          r"samples with temperature, top_k, top_p, min_p and epsilon_cutoff, with "
-                                         r"repetition_penalty, min_new_tokens / min_length, banned tokens and "
-                                         r"no_repeat_ngram_size\): set them to None on model.generation_config to "
-                                         "generate without them, or run model.generate$"):
+                                         r"repetition_penalty, min_new_tokens / min_length, sequence_bias, "
+                                         r"bad_words_ids, suppress_tokens and no_repeat_ngram_size\): set them to None "
+                                         "on model.generation_config to generate without them, or run "
+                                         "model.generate$"):
         fast.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=do_sample)
     assert fast.decoder.target_cache is None
 
@@ -294,23 +295,33 @@ def test_an_image_text_to_text_release_generates_like_generate(tmp_path, family)
 
 
 @pytest.mark.parametrize("family, compile", [("gpt_oss", True), ("qwen3_moe", False)])
-def test_banned_tokens_as_generate_bans_them(tiny, family, compile):
-    """suppress_tokens (read from the generation_config) and a one-token bad word at every position, and
-    begin_suppress_tokens at the first new token, each a token the plain greedy path takes: token-identical to
-    model.generate with them, through partly accepted drafts."""
+def test_sequence_biases_and_bans_as_generate_applies_them(tiny, family, compile):
+    """sequence_bias (one token and two), suppress_tokens (read from the generation_config), bad words of one and two
+    tokens, and begin_suppress_tokens at the first new token, each on tokens the plain greedy path takes, over the
+    left-padded rows' prompts and tokens: token-identical to model.generate with them, through partly accepted
+    drafts."""
     model = tiny(family)
     ids, mask = prompts(3)
-    new = reference(model, ids, mask)[:, ids.shape[1]:]
-    settings = dict(bad_words_ids=[[int(new[0, 2])]], begin_suppress_tokens=sorted(set(new[:, 0].tolist())))
-    model.generation_config.suppress_tokens = [int(new[1, 4])]
+    new = reference(model, ids, mask)[:, ids.shape[1]:].tolist()
+    settings = dict(bad_words_ids=[[new[0][2]], new[2][5:7]], begin_suppress_tokens=sorted({row[0] for row in new}),
+                    sequence_bias={(new[1][3],): -2.0, tuple(new[0][6:8]): -3.0, (new[2][1], 7): 4.0})
+    model.generation_config.suppress_tokens = [new[1][9]]
     expected = reference(model, ids, mask, **settings)
-    banned = {int(new[0, 2]), int(new[1, 4])}
-    assert not banned & set(expected[:, ids.shape[1]:].flatten().tolist())
+    assert not {new[0][2], new[1][9]} & set(expected[:, ids.shape[1]:].flatten().tolist())
     assert not set(settings["begin_suppress_tokens"]) & set(expected[:, ids.shape[1]].tolist())
     drafter = OracleDrafter(expected, mask, 4, corruption=0.3, vocab_size=128)
     fast = dflash_compile.optimize(model, drafter, adaptive=False, compile=compile)
     out = fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, **settings)
     assert torch.equal(out, expected) and 1.5 < fast.last_stats.tau < 4
+
+
+def test_a_bias_outside_the_vocabulary_is_refused(tiny):
+    fast = dflash_compile.optimize(tiny("qwen3_moe"), adaptive=False, compile=False)
+    ids, mask = prompts(1)
+    with pytest.raises(ValueError, match=r"^token ids \[500\] of sequence_bias / bad_words_ids are outside the "
+                                         r"model's vocabulary of 128$"):
+        fast.generate(ids, attention_mask=mask, max_new_tokens=8, bad_words_ids=[[7], [5, 500]])
+    assert fast.decoder.target_cache is None
 
 
 @pytest.mark.parametrize("family, compile, size", [("gpt_oss", True, 2), ("qwen3_moe", False, 3)])
@@ -335,16 +346,6 @@ def test_an_ngram_size_that_is_no_positive_int_is_refused(tiny):
     ids, mask = prompts(1)
     with pytest.raises(ValueError, match=r"^`ngram_size` has to be a strictly positive integer, but is -1$"):
         fast.generate(ids, attention_mask=mask, max_new_tokens=8, no_repeat_ngram_size=-1)
-    assert fast.decoder.target_cache is None
-
-
-def test_a_bad_word_of_several_tokens_is_refused(tiny):
-    fast = dflash_compile.optimize(tiny("qwen3_moe"), adaptive=False, compile=False)
-    ids, mask = prompts(1)
-    with pytest.raises(ValueError, match=r"^bad_words_ids \[\[5, 6\]\] have more than one token, which "
-                                         r"dflash_compile's generate does not ban \(only single tokens\): ban single "
-                                         r"tokens, or run model.generate$"):
-        fast.generate(ids, attention_mask=mask, max_new_tokens=8, bad_words_ids=[[7], [5, 6]])
     assert fast.decoder.target_cache is None
 
 
