@@ -196,57 +196,50 @@ def test_repetition_penalty_at_each_verified_position_is_transformers(penalty):
     assert torch.equal(repetition_penalized(logits[:, 0], seen, None, penalty), processor(prompt, logits[:, 0].clone()))
 
 
-@pytest.mark.parametrize("size", [1, 2, 3, 4])
-def test_repeated_ngrams_ban_at_each_verified_position_is_transformers(size):
-    """Position j of a verify block gets transformers' NoRepeatNGramLogitsProcessor over the row's history (of its
-    own length) followed by block[:j + 1]; and the history alone, for the first new token. Few distinct tokens, so
-    n-grams repeat."""
-    generator = torch.Generator().manual_seed(size)
-    rows, width, vocab, capacity = 3, 5, 6, 40
-    lengths = torch.tensor([1, 7, 12])
-    history = torch.zeros(rows, capacity, dtype=torch.long)
+def _matches_transformers_over_verify_blocks(ours, references, seed: int) -> None:
+    """`ours(logits [b, w, V], history [b, C], lengths [b], block [b, w] or None)` against transformers' processors
+    `references` applied in turn: at each position j of a verify block over the row's history (of its own length,
+    few distinct tokens, so sequences repeat) followed by block[:j + 1], and over the history alone (block None, one
+    position: the first new token)."""
+    generator = torch.Generator().manual_seed(seed)
+    width, vocab, capacity = 5, 6, 40
+    lengths = torch.tensor([1, 6, 12])
+    history = torch.zeros(len(lengths), capacity, dtype=torch.long)
     for row, length in enumerate(lengths.tolist()):
         history[row, :length] = torch.randint(0, 4, (length,), generator=generator)
-    block = torch.randint(0, 4, (rows, width), generator=generator)
-    logits = torch.randn(rows, width, vocab, generator=generator)
-    ours, first = (repeated_ngrams_banned(logits[:, :w], history, lengths, b, size)
-                   for w, b in ((width, block), (1, None)))
-    reference = NoRepeatNGramLogitsProcessor(size)
-    for row, length in enumerate(lengths.tolist()):
-        for j in range(width):
-            sequence = torch.cat([history[row, :length], block[row, :j + 1]])[None]
-            assert torch.equal(ours[row, j], reference(sequence, logits[row, j][None].clone())[0])
-        assert torch.equal(first[row, 0], reference(history[row, :length][None], logits[row, 0][None].clone())[0])
-    assert ours.isinf().any()
-
-
-def test_sequence_biases_at_each_verified_position_are_transformers():
-    """Position j of a verify block gets transformers' SequenceBiasLogitsProcessor, NoBadWordsLogitsProcessor (an EOS
-    bad word kept) and SuppressTokensLogitsProcessor over the row's history followed by block[:j + 1], sequences of
-    one to four tokens, a prefix longer than a row's history among them; and the history alone, for the first new
-    token."""
-    generator = torch.Generator().manual_seed(0)
-    rows, width, vocab, capacity = 3, 5, 6, 40
-    sequence_bias = {(2,): -1.5, (1, 3): 2.0, (0, 1, 2): -0.7, (3, 3): 1.25, (1, 2, 0, 4): 3.0}
-    bad_words, suppressed, eos = [[4], [1, 1, 5], [2, 0], [3]], [5], 3
-    biases = SequenceBiases.of(vocab, sequence_bias, bad_words, suppressed, {eos})
-    references = [SequenceBiasLogitsProcessor(sequence_bias), NoBadWordsLogitsProcessor(bad_words, [eos]),
-                  SuppressTokensLogitsProcessor(suppressed)]
-    lengths = torch.tensor([1, 6, 11])
-    history = torch.zeros(rows, capacity, dtype=torch.long)
-    for row, length in enumerate(lengths.tolist()):
-        history[row, :length] = torch.randint(0, 4, (length,), generator=generator)
-    block = torch.randint(0, 4, (rows, width), generator=generator)
-    logits = torch.randn(rows, width, vocab, generator=generator)
-    ours, first = (sequence_biased(logits[:, :w], history, lengths, b, biases) for w, b in ((width, block), (1, None)))
+    block = torch.randint(0, 4, (len(lengths), width), generator=generator)
+    logits = torch.randn(len(lengths), width, vocab, generator=generator)
 
     def reference(sequence, scores):
         for processor in references:
             scores = processor(sequence[None], scores[None].clone())[0]
         return scores
 
+    verified, first = ours(logits, history, lengths, block), ours(logits[:, :1], history, lengths, None)
     for row, length in enumerate(lengths.tolist()):
         for j in range(width):
-            assert torch.equal(ours[row, j], reference(torch.cat([history[row, :length], block[row, :j + 1]]),
-                                                       logits[row, j]))
+            sequence = torch.cat([history[row, :length], block[row, :j + 1]])
+            assert torch.equal(verified[row, j], reference(sequence, logits[row, j]))
         assert torch.equal(first[row, 0], reference(history[row, :length], logits[row, 0]))
+    assert verified.isinf().any()
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_repeated_ngrams_ban_at_each_verified_position_is_transformers(size):
+    """transformers' NoRepeatNGramLogitsProcessor at each verified position and the first new token."""
+    _matches_transformers_over_verify_blocks(
+        lambda logits, history, lengths, block: repeated_ngrams_banned(logits, history, lengths, block, size),
+        [NoRepeatNGramLogitsProcessor(size)], seed=size)
+
+
+def test_sequence_biases_at_each_verified_position_are_transformers():
+    """transformers' SequenceBiasLogitsProcessor, NoBadWordsLogitsProcessor (an EOS bad word kept) and
+    SuppressTokensLogitsProcessor at each verified position and the first new token: sequences of one to four tokens,
+    a prefix longer than a row's history among them."""
+    sequence_bias = {(2,): -1.5, (1, 3): 2.0, (0, 1, 2): -0.7, (3, 3): 1.25, (1, 2, 0, 4): 3.0}
+    bad_words, suppressed, eos = [[4], [1, 1, 5], [2, 0], [3]], [5], 3
+    biases = SequenceBiases.of(6, sequence_bias, bad_words, suppressed, {eos})
+    _matches_transformers_over_verify_blocks(
+        lambda logits, history, lengths, block: sequence_biased(logits, history, lengths, block, biases),
+        [SequenceBiasLogitsProcessor(sequence_bias), NoBadWordsLogitsProcessor(bad_words, [eos]),
+         SuppressTokensLogitsProcessor(suppressed)], seed=0)
