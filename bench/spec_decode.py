@@ -37,7 +37,7 @@ from dflash_compile.benchmark import timed
 from dflash_compile.cache import TargetCache
 from dflash_compile.cost_model import (BITS_PER_WEIGHT, HARDWARE, REFERENCE_CONFIGS, B, C, Hardware, ModelSizes,
                                        StepCost, reference_config)
-from dflash_compile.families import experts_modules
+from dflash_compile.families import auto_model_class, experts_modules
 from dflash_compile.packed import PackedWeight, attach_packed, expert_weights
 from dflash_compile.speculative import generation_context
 from dflash_compile.testing import (
@@ -52,7 +52,7 @@ def build_model(name: str, device: str, layers: int | None = None) -> transforme
         raise SystemExit(f"--layers {layers} keeps only linear-attention layers of {name}, and model.generate needs "
                          "an attention layer in its cache: keep more layers (Qwen3-Next: 4)")
     with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = auto_model_class(config).from_config(config, dtype=torch.bfloat16)
     with torch.no_grad():  # transformers initialises biases and sinks to zero; small random values are realistic
         for tensor in model.parameters():
             if not tensor.any():

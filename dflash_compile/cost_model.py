@@ -120,6 +120,11 @@ REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
     "solar-open-100b": transformers.SolarOpenConfig,  # 48 layers, 128 experts, top-8, a shared expert
     "minimax-m2": transformers.MiniMaxM2Config,  # 62 layers, 256 experts of 1536, top-8
     "flexolmo-7x7b": transformers.FlexOlmoConfig,  # 32 layers, 7 experts of 11008, top-5
+    "qwen3-vl-30b-a3b": lambda: transformers.Qwen3VLMoeConfig(text_config=dict(  # image-text-to-text: the text decoder
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        vocab_size=151936, max_position_embeddings=262144, rope_parameters=dict(
+            rope_type="default", rope_theta=5000000.0, mrope_section=[24, 20, 20], mrope_interleaved=True))),
     "qwen2-57b-a14b": lambda: transformers.Qwen2MoeConfig(
         hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, num_experts=64,
         num_experts_per_tok=8, moe_intermediate_size=2560, shared_expert_intermediate_size=20480,
@@ -135,10 +140,11 @@ def reference_config(name_or_path: str, layers: int | None = None):
     else:
         config = transformers.AutoConfig.from_pretrained(name_or_path)
     if layers:
-        config.num_hidden_layers = layers
+        text = config.get_text_config()  # the decoder's, under an image-text-to-text config
+        text.num_hidden_layers = layers
         for per_layer in ("layer_types", "mlp_layer_types"):  # attention kinds; GLM-4.7-Flash's dense / sparse MLPs
-            if getattr(config, per_layer, None):
-                setattr(config, per_layer, getattr(config, per_layer)[:layers])
+            if getattr(text, per_layer, None):
+                setattr(text, per_layer, getattr(text, per_layer)[:layers])
     return config
 
 
@@ -170,7 +176,9 @@ class ModelSizes:
         expert_ids = {id(p) for m in modules for p in m.parameters()}
         embedding = model.get_input_embeddings().weight
         tied = model.get_output_embeddings().weight is embedding
-        dense = sum(p.numel() for p in model.parameters() if id(p) not in expert_ids and p is not embedding)
+        # the decoder's and the output head's weights (not an image-text-to-text model's vision tower)
+        stepped = {id(p): p for p in (*model.get_decoder().parameters(), *model.get_output_embeddings().parameters())}
+        dense = sum(p.numel() for key, p in stepped.items() if key not in expert_ids and p is not embedding)
         experts = modules[0].gate_up_proj.shape[0]
         per_expert = sum(p.numel() for p in modules[0].parameters()) // experts
         kinds = spec.attention_kinds(text)

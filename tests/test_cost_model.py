@@ -96,3 +96,11 @@ def test_roofline_argument_errors(capsys):
     with pytest.raises(SystemExit):
         main(["roofline", "--device", "a100"])
     assert "invalid choice: 'a100'" in capsys.readouterr().err
+
+
+def test_an_image_text_to_text_reference_shape_sizes_its_text_decoder():
+    """Qwen3-VL-30B-A3B's text decoder has Qwen3-30B-A3B's shape: cut to 4 layers under its multimodal config, the
+    same experts, layers and cache; the vision tower is no part of a decode step."""
+    multimodal, text = (ModelSizes.of(reference_config(name, 4)) for name in ("qwen3-vl-30b-a3b", "qwen3-30b-a3b"))
+    for field in ("dense_params", "expert_params", "experts", "top_k", "moe_layers", "layers", "kv_elements_per_token"):
+        assert getattr(multimodal, field) == getattr(text, field), field
