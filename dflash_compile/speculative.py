@@ -94,6 +94,15 @@ def _left_aligned(chunks: list[tuple[torch.Tensor | None, torch.Tensor]]):
     return features.gather(1, order[:, :, None].expand(-1, -1, features.shape[-1])), kept
 
 
+def _min_tokens(min_new_tokens: int | None, min_length: int | None, prompt: int) -> int:
+    """New tokens before which a row's EOS is held back, as generate takes its two settings: `min_new_tokens`, and
+    `min_length` counting the (padded) prompt."""
+    for name, value in (("min_new_tokens", min_new_tokens), ("min_length", min_length)):
+        if value is not None and (not isinstance(value, int) or value < 0):
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    return max(min_new_tokens or 0, (min_length or 0) - prompt)
+
+
 def _eos_ids(eos_token_id) -> set[int]:
     if eos_token_id is None:
         return set()
@@ -514,17 +523,6 @@ class SpeculativeDecoder:
                 f"max_position_embeddings {self.max_positions}; shorten the prompt or generate fewer tokens"
             )
 
-    def _min_tokens(self, min_new_tokens: int | None, min_length: int | None, prompt: int) -> int:
-        """New tokens before which a row's EOS is held back, as generate takes the two settings (the arguments, else
-        the generation_config's): `min_new_tokens`, and `min_length` counting the (padded) prompt."""
-        config = self.model.generation_config
-        new = config.min_new_tokens if min_new_tokens is None else min_new_tokens
-        length = config.min_length if min_length is None else min_length
-        for name, value in (("min_new_tokens", new), ("min_length", length)):
-            if value is not None and (not isinstance(value, int) or value < 0):
-                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-        return max(new or 0, (length or 0) - prompt)
-
     def _sampler(self, do_sample, settings: dict, generator, argmax_drafts) -> Sampler | None:
         """None for greedy; otherwise the warpers' `settings` (None: unset), each defaulting to the model's
         generation_config like generate."""
@@ -568,21 +566,23 @@ class SpeculativeDecoder:
         sampler = self._sampler(do_sample, dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                                 epsilon_cutoff=epsilon_cutoff), generator, argmax_drafts)
         generation_config = self.model.generation_config
-        penalty = generation_config.repetition_penalty if repetition_penalty is None else repetition_penalty
+        given = dict(repetition_penalty=repetition_penalty, min_new_tokens=min_new_tokens, min_length=min_length,
+                     sequence_bias=sequence_bias, bad_words_ids=bad_words_ids, suppress_tokens=suppress_tokens,
+                     begin_suppress_tokens=begin_suppress_tokens, no_repeat_ngram_size=no_repeat_ngram_size,
+                     eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+        # each processor's setting as generate takes it: the argument, else the generation_config's
+        setting = {name: getattr(generation_config, name) if value is None else value for name, value in given.items()}
+        penalty = setting["repetition_penalty"]
         penalty = None if penalty == 1.0 else penalty  # None too: as generate, which then adds no processor
         if penalty is not None:
             check_repetition_penalty(penalty)
-        eos = _eos_ids(eos_token_id if eos_token_id is not None else generation_config.eos_token_id)
-        min_tokens = self._min_tokens(min_new_tokens, min_length, input_ids.shape[1])
-        configured = {name: getattr(generation_config, name) if value is None else value for name, value in (
-            ("sequence_bias", sequence_bias), ("bad_words_ids", bad_words_ids), ("suppress_tokens", suppress_tokens),
-            ("begin_suppress_tokens", begin_suppress_tokens))}
-        biases = SequenceBiases.of(self.model.get_output_embeddings().weight.shape[0], configured["sequence_bias"],
-                                   configured["bad_words_ids"], configured["suppress_tokens"], eos)
-        banned_first = begin_suppressed(configured["begin_suppress_tokens"])
-        ngram_size = check_ngram_size(generation_config.no_repeat_ngram_size if no_repeat_ngram_size is None
-                                      else no_repeat_ngram_size)
-        pad_token_id = pad_token_id if pad_token_id is not None else generation_config.pad_token_id
+        eos = _eos_ids(setting["eos_token_id"])
+        min_tokens = _min_tokens(setting["min_new_tokens"], setting["min_length"], input_ids.shape[1])
+        biases = SequenceBiases.of(self.model.get_output_embeddings().weight.shape[0], setting["sequence_bias"],
+                                   setting["bad_words_ids"], setting["suppress_tokens"], eos)
+        banned_first = begin_suppressed(setting["begin_suppress_tokens"])
+        ngram_size = check_ngram_size(setting["no_repeat_ngram_size"])
+        pad_token_id = setting["pad_token_id"]
         if pad_token_id is None:
             pad_token_id = min(eos) if eos else 0
         batch, prompt = input_ids.shape
@@ -607,7 +607,7 @@ class SpeculativeDecoder:
             seen_tokens(input_ids, pad, logits.shape[-1], cache.seen_buffer(logits.shape[-1]))
         if self.holds_eos:  # the anchor is each row's first new token
             cache.waits_buffer().fill_(min_tokens)
-            cache.token_set("eos_ids", logits.shape[-1], eos)
+            cache.eos_buffer(logits.shape[-1], eos)
         if self.bias_shape or self.ngram_size:
             cache.history_buffers(input_ids, max_len)
         if self.bias_shape:
