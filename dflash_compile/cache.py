@@ -120,11 +120,13 @@ class TargetCache(Cache):
         self.tokens_seen: torch.Tensor | None = None  # [b, vocabulary + 1] bool, for a repetition penalty
         self.eos_waits: torch.Tensor | None = None  # [b] new tokens before each row's EOS, for a minimum length
         self.eos_ids: torch.Tensor | None = None  # [vocabulary] bool: which ids are EOS, likewise
-        self.history: torch.Tensor | None = None  # [b, capacity] each row's padded prompt and tokens, for n-gram bans
-        # and sequence biases (`sampling.SequenceBiases`, in the static buffers `bias_tokens`, ...)
+        # [b, capacity] each row's padded prompt and tokens, and [b] how much of it is filled: for n-gram bans and
+        # sequence biases
+        self.history: torch.Tensor | None = None
+        self.history_lengths: torch.Tensor | None = None
+        # the running call's sequence biases (`sampling.SequenceBiases`), in the static buffers `bias_tokens`, ...
         self.sequence_biases: SequenceBiases | None = None
         self.bias_tokens = self.bias_prefixes = self.bias_last = self.bias_values = None
-        self.history_lengths: torch.Tensor | None = None  # [b] how much of it is filled
 
     def _kept(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The generation-state buffer `name`: made on first use (or for another shape) and kept, its address
@@ -135,12 +137,11 @@ class TargetCache(Cache):
             setattr(self, name, buffer)
         return buffer
 
-    def token_set(self, name: str, vocabulary: int, ids) -> torch.Tensor:
-        """The [vocabulary] bool buffer `name` (`eos_ids`) set to `ids` (ids past the vocabulary, e.g. -1 for no EOS,
-        can never be drawn: left out)."""
-        members = self._kept(name, (vocabulary,), torch.bool)
-        members.zero_()[[t for t in sorted(ids) if 0 <= t < vocabulary]] = True
-        return members
+    def eos_buffer(self, vocabulary: int, eos: set[int]) -> torch.Tensor:
+        """`eos_ids` set to `eos` (ids past the vocabulary, e.g. -1 for none, can never be drawn: left out)."""
+        eos_ids = self._kept("eos_ids", (vocabulary,), torch.bool)
+        eos_ids.zero_()[[t for t in sorted(eos) if 0 <= t < vocabulary]] = True
+        return eos_ids
 
     def history_buffers(self, ids: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`history` holding the prompt `ids` [b, P] as given (left padding too, as generate's input_ids), and its
