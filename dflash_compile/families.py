@@ -332,22 +332,27 @@ def experts_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return {name: module for name, module in model.named_modules() if spec_for_experts_class(type(module))}
 
 
+def _block_and_router(model: torch.nn.Module, experts_name: str) -> tuple[torch.nn.Module, RouterSpec]:
+    """The MoE block holding the routed-experts module `experts_name`, and its family's router spec."""
+    spec = spec_for_experts_class(type(model.get_submodule(experts_name)))
+    return model.get_submodule(experts_name.rpartition(".")[0]), spec.router
+
+
 def router_of(model: torch.nn.Module, experts_name: str) -> torch.nn.Module:
     """The router module that picks the experts of the routed-experts module `experts_name` (its MoE block's
     registry-named sibling)."""
-    spec = spec_for_experts_class(type(model.get_submodule(experts_name)))
-    block = model.get_submodule(experts_name.rpartition(".")[0])
-    return getattr(block, spec.router.module)
+    block, router = _block_and_router(model, experts_name)
+    return getattr(block, router.module)
 
 
 def routing_of(model: torch.nn.Module, experts_name: str) -> Callable[[torch.Tensor], tuple]:
     """hidden [T, H] -> the router's outputs (expert indices last), as the MoE block of the routed-experts module
     `experts_name` calls its router: with the block's `RouterSpec.block_bias` where the family has one."""
-    router = router_of(model, experts_name)
-    name = spec_for_experts_class(type(model.get_submodule(experts_name))).router.block_bias
-    if name is None:
-        return router
-    return functools.partial(router, **{name: getattr(model.get_submodule(experts_name.rpartition(".")[0]), name)})
+    block, router = _block_and_router(model, experts_name)
+    module = getattr(block, router.module)
+    if router.block_bias is None:
+        return module
+    return functools.partial(module, **{router.block_bias: getattr(block, router.block_bias)})
 
 
 def spec_for_config(config) -> FamilySpec | None:
