@@ -33,6 +33,16 @@ def reference(model, ids, mask, **kwargs):
         return model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW_TOKENS, **kwargs)
 
 
+def _generates_with_partial_drafts(model, ids, mask, expected, compile: bool, **settings):
+    """optimize(model) with an oracle of `expected` (drafts corrupted at 30%) gives `expected` with `settings`,
+    blocks accepted in part (tau between 1.5 and 4); returns the optimized model for more calls."""
+    drafter = OracleDrafter(expected, mask, 4, corruption=0.3, vocab_size=128)
+    fast = dflash_compile.optimize(model, drafter, adaptive=False, compile=compile)
+    out = fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, **settings)
+    assert torch.equal(out, expected) and 1.5 < fast.last_stats.tau < 4
+    return fast
+
+
 # Compiled, a family whose attention and router another one here shares adds little but minutes of CI: Qwen3-Next
 # repeats Qwen3.5's linear attention and GLM-4.7-Flash DeepSeek-V3's latent attention and grouped router, Qwen2-MoE
 # Qwen3-MoE's router and Qwen3-Next's gated shared expert, DeepSeek-V2 DeepSeek-V3's latent attention, ERNIE-4.5
@@ -309,10 +319,7 @@ def test_sequence_biases_and_bans_as_generate_applies_them(tiny, family, compile
     expected = reference(model, ids, mask, **settings)
     assert not {new[0][2], new[1][9]} & set(expected[:, ids.shape[1]:].flatten().tolist())
     assert not set(settings["begin_suppress_tokens"]) & set(expected[:, ids.shape[1]].tolist())
-    drafter = OracleDrafter(expected, mask, 4, corruption=0.3, vocab_size=128)
-    fast = dflash_compile.optimize(model, drafter, adaptive=False, compile=compile)
-    out = fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, **settings)
-    assert torch.equal(out, expected) and 1.5 < fast.last_stats.tau < 4
+    _generates_with_partial_drafts(model, ids, mask, expected, compile, **settings)
 
 
 def test_a_bias_outside_the_vocabulary_is_refused(tiny):
@@ -333,10 +340,7 @@ def test_no_repeat_ngram_size_as_generate_applies_it(tiny, family, compile, size
     ids, mask = prompts(3)
     expected = reference(model, ids, mask, no_repeat_ngram_size=size)
     assert not torch.equal(expected, reference(model, ids, mask))
-    drafter = OracleDrafter(expected, mask, 4, corruption=0.3, vocab_size=128)
-    fast = dflash_compile.optimize(model, drafter, adaptive=False, compile=compile)
-    out = fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, no_repeat_ngram_size=size)
-    assert torch.equal(out, expected) and 1.5 < fast.last_stats.tau < 4
+    fast = _generates_with_partial_drafts(model, ids, mask, expected, compile, no_repeat_ngram_size=size)
     model.generation_config.no_repeat_ngram_size = size
     assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
 
@@ -358,10 +362,7 @@ def test_repetition_penalty_as_generate_applies_it(tiny, family, compile):
     ids, mask = prompts(3)
     expected = reference(model, ids, mask, repetition_penalty=1.5)
     assert not torch.equal(expected, reference(model, ids, mask))
-    drafter = OracleDrafter(expected, mask, 4, corruption=0.3, vocab_size=128)
-    fast = dflash_compile.optimize(model, drafter, adaptive=False, compile=compile)
-    out = fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, repetition_penalty=1.5)
-    assert torch.equal(out, expected) and 1.5 < fast.last_stats.tau < 4
+    fast = _generates_with_partial_drafts(model, ids, mask, expected, compile, repetition_penalty=1.5)
     model.generation_config.repetition_penalty = 1.5
     assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
     sampled = fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=True, top_k=1,
@@ -382,10 +383,7 @@ def test_a_minimum_length_holds_eos_back_as_generate_does(tiny, family, compile,
     options = dict(eos_token_id=eos, pad_token_id=0)
     expected = reference(model, ids, mask, **options, **setting)
     assert not torch.equal(expected, reference(model, ids, mask, **options)[:, : expected.shape[1]])
-    drafter = OracleDrafter(expected, mask, 4, corruption=0.3, vocab_size=128)
-    fast = dflash_compile.optimize(model, drafter, adaptive=False, compile=compile)
-    out = fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, **options, **setting)
-    assert torch.equal(out, expected) and 1.5 < fast.last_stats.tau < 4
+    fast = _generates_with_partial_drafts(model, ids, mask, expected, compile, **options, **setting)
     model.generation_config.update(**setting)
     assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, **options), expected)
 
