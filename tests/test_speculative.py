@@ -322,6 +322,22 @@ def test_sequence_biases_and_bans_as_generate_applies_them(tiny, family, compile
     _generates_with_partial_drafts(model, ids, mask, expected, compile, **settings)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_history_settings_replayed_from_cuda_graphs_as_generate_applies_them(tiny):
+    """The settings that read each row's history (repetition penalty, n-gram bans, sequence biases and bad words)
+    and the suppressed tokens together, in steps replayed from CUDA graphs: token-identical to model.generate with
+    them, through partly accepted drafts."""
+    model = tiny("gpt_oss").cuda()
+    ids, mask = (tensor.cuda() for tensor in prompts(3))
+    new = reference(model, ids, mask)[:, ids.shape[1]:].tolist()
+    settings = dict(repetition_penalty=1.5, no_repeat_ngram_size=3, bad_words_ids=[[new[0][2]], new[2][5:7]],
+                    sequence_bias={(new[1][3],): -2.0, tuple(new[0][6:8]): -3.0}, suppress_tokens=[new[1][9]],
+                    begin_suppress_tokens=[new[0][0]])
+    expected = reference(model, ids, mask, **settings)
+    fast = _generates_with_partial_drafts(model, ids, mask, expected, compile=True, **settings)
+    assert fast.decoder.mode == "reduce-overhead"
+
+
 def test_a_bias_outside_the_vocabulary_is_refused(tiny):
     fast = dflash_compile.optimize(tiny("qwen3_moe"), adaptive=False, compile=False)
     ids, mask = prompts(1)

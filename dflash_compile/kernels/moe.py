@@ -991,19 +991,17 @@ def _row_bytes(weight: PackedWeight) -> int:
     return weight.data[0, 0].numel() * weight.data.element_size()
 
 
-def _row_blocker(*weights: PackedWeight, reads_host: bool = False) -> str | None:
+def _row_blocker(*weights: PackedWeight) -> str | None:
     """Why the CUDA-core path (block_m < 16) cannot read these weights, or None when it can: it reads packed rows in
-    whole 32-code groups (MXFP4's K always is; FP8 needs K a multiple of 32) and dense rows along K, contiguous, from
-    device memory. Dense weights otherwise keep the tensor-core tiles, as measured: a transposed view (gpt-oss's
-    [E, in, out] bf16 experts) and offloaded experts (`reads_host`) are not measured on that path."""
+    whole 32-code groups (MXFP4's K always is; FP8 needs K a multiple of 32) and dense rows along K, contiguous.
+    Dense weights otherwise keep the tensor-core tiles, as measured: a transposed view (gpt-oss's [E, in, out] bf16
+    experts) is not measured on that path. Offloaded experts take the path the resident ones take, so both compute
+    a decode token with the same kernel: the same bits."""
     if not all(w.format == "dense" or w.shape[2] % 32 == 0 for w in weights):
         return ("the CUDA-core path reads weight rows in whole 32-code groups, and these rows are not (FP8: K a "
                 "multiple of 32)")
-    dense = [w for w in weights if w.format == "dense"]
-    if not all(w.data.stride(2) == 1 for w in dense):
+    if not all(w.format != "dense" or w.data.stride(2) == 1 for w in weights):
         return "the CUDA-core path reads dense weight rows contiguous along K, and these are strided (transposed)"
-    if dense and reads_host:
-        return "the CUDA-core path reads dense weights from device memory, and these experts may be read from the host"
     return None
 
 
@@ -1392,7 +1390,7 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
                                 limit)
     loads = _weight_loads(tiles, _tma_blocker(gate_up, down, compute_fp32, host))
     rows = rows_per_block(tokens, top_k, routable, host is not None, loads, gate_up.format, compute_fp32)
-    settings = tiles_for(gate_up.format, tiles, rows, loads, _row_blocker(gate_up, down, reads_host=host is not None))
+    settings = tiles_for(gate_up.format, tiles, rows, loads, _row_blocker(gate_up, down))
     blocks = _blocks(top_k_index, experts, settings["block_m"])
     down_tiles, split_k = settings.pop("down_launch"), settings.pop("split_k")
     splits, down_splits = _splits(split_k, blocks), _splits(down_tiles.pop("split_k", split_k), blocks)

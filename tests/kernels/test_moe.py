@@ -116,15 +116,13 @@ def test_dense_rows_on_the_cuda_cores(block_m):
     """Dense (16-bit) experts for one token take the CUDA-core path (ROW_TILES["dense"]: a block of one row, not a
     16-row tensor-core tile), and blocks of 2 rows run there by a block_m override: the reference's result with K
     not a multiple of 32 (100) and biases. Experts stored transposed ([E, in, out], as gpt-oss keeps bf16 experts)
-    keep the tensor-core tiles, and an override asking for the CUDA cores there is refused naming why; so do
-    offloaded experts, which may be read from the host (neither measured on that path)."""
+    keep the tensor-core tiles, and an override asking for the CUDA cores there is refused naming why."""
     from dflash_compile.kernels.moe import _row_blocker, rows_per_block, tiles_for
 
     assert rows_per_block(1, 8, 128, format="dense") == 1 and tiles_for("dense", {}, 1)["block_m"] == 1
     assert rows_per_block(4, 8, 128, format="dense") is None  # more tokens: the tensor cores
     gate_up, down = _experts("dense", 4, 100, 48, bias=True, seed=21)
     assert _row_blocker(gate_up, down) is None
-    assert tiles_for("dense", {}, 1, row_blocker=_row_blocker(gate_up, down, reads_host=True))["block_m"] == 16
     tokens = 1 if block_m == 1 else 3
     index, weights = _routing(tokens, 4, 2, seed=22)
     x = torch.randn(tokens, 100, generator=torch.Generator().manual_seed(23))
@@ -793,7 +791,8 @@ def test_fused_moe_reads_experts_from_a_slot_pool(format):
 def test_experts_without_a_slot_are_read_from_their_host_blobs(format):
     """slot_of: two of four experts in a slot pool, the other two read by the kernel from their host blobs (pinned
     memory read over PCIe on a GPU; on a CPU both are CPU memory), in one call, also in MXFP4's 128-row blocks (a
-    prefill's); slot_of and host only together, with matching strides."""
+    prefill's); one token on the resident experts' path (the CUDA cores, dense rows too), so with the same bits;
+    slot_of and host only together, with matching strides."""
     gate_up, down = _experts(format, 4, 256, 64, bias=True, seed=6)
     layout, host = _blobs(gate_up, down, pin_memory=DEVICE == "cuda")
     slot_of = torch.tensor([1, -1, 0, -1], dtype=torch.int32)  # experts 2 and 0 in slots 0 and 1, 1 and 3 on host
@@ -803,10 +802,13 @@ def test_experts_without_a_slot_are_read_from_their_host_blobs(format):
     expected = reference_moe(x, index, weights, gate_up, down, False, "silu")
     pooled, on_host = layout.weights(pool, format), layout.weights(host, format)
     wide = [(slice(0, 3), {"block_m": 128})] if format == "mxfp4" else []
-    for rows, tiles in [(slice(0, 3), {}), (slice(0, 1), {})] + wide:  # one token: MXFP4 on the CUDA-core path
+    for rows, tiles in [(slice(0, 3), {})] + wide + [(slice(0, 1), {})]:  # one token: the CUDA-core path
         actual = fused_moe(x[rows].to(DEVICE), index[rows].to(DEVICE), weights[rows].to(DEVICE), *pooled,
                            compute_fp32=True, host=on_host, slot_of=slot_of.to(DEVICE), **tiles)
         assert (actual.cpu().double() - expected[rows]).norm() / expected[rows].norm() <= 1e-4
+    resident = fused_moe(x[:1].to(DEVICE), index[:1].to(DEVICE), weights[:1].to(DEVICE), gate_up, down,
+                         compute_fp32=True)
+    assert torch.equal(actual, resident)  # the loop's last call
     with pytest.raises(ValueError, match="slot_of and host come together"):
         fused_moe(x.to(DEVICE), index.to(DEVICE), weights.to(DEVICE), *pooled, slot_of=slot_of.to(DEVICE))
     with pytest.raises(ValueError, match="the host weights must have the slot pool's strides"):
