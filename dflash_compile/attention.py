@@ -108,8 +108,12 @@ def _sink_attention(query, key, value, mask, sinks, scaling: float, dropout: flo
 def _attention_and_lse(query, key, value, mask, causal: bool, scale: float):
     """SDPA over queries [b, h, t, d] and keys/values of as many heads, with each row's log-sum-exp of its scaled
     scores ([b, h, t], fp32), from the fused kernels that return it: flash on the CPU, and on CUDA flash for half
-    precision without a mask, else memory-efficient."""
+    precision without a mask, else memory-efficient. Values narrower than the keys (MiMo-V2-Flash's) go in padded
+    with zeros to the keys' size, which the flash kernels need, and come out cut back."""
     aten = torch.ops.aten
+    width = value.shape[-1]
+    if width < query.shape[-1]:
+        value = torch.nn.functional.pad(value, (0, query.shape[-1] - width))
     if not query.is_cuda:
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, causal, attn_mask=mask,
                                                                     scale=scale)
@@ -118,7 +122,7 @@ def _attention_and_lse(query, key, value, mask, causal: bool, scale: float):
     else:
         out, lse = aten._scaled_dot_product_efficient_attention(query, key, value, mask, True, 0.0, causal,
                                                                 scale=scale)[:2]
-    return out, lse[..., :query.shape[2]]  # the memory-efficient kernel pads rows to multiples of 32
+    return out[..., :width], lse[..., :query.shape[2]]  # the memory-efficient kernel pads rows to multiples of 32
 
 
 def _repeated(x: torch.Tensor, heads: int) -> torch.Tensor:

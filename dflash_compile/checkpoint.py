@@ -32,7 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .cost_model import BITS_PER_WEIGHT
-from .families import auto_model_class, experts_modules, spec_for_model
+from .families import auto_model_class, experts_modules, router_of, spec_for_model
 from .packed import FP8_BLOCK, PackedWeight, attach_packed, expert_weights, packed_weights
 from .quant import quantize_fp8_block
 
@@ -91,9 +91,12 @@ def _quantized_tensors(model: torch.nn.Module, format: str) -> dict[str, torch.T
                 quantized, scale = quantize_fp8_block(weight, FP8_BLOCK)
                 tensors[f"{path}.{j}.{name}.weight"] = quantized
                 tensors[f"{path}.{j}.{name}.weight_scale_inv"] = scale
-    if format == "fp8_block":
-        for name, module in model.named_modules():  # plain linears: not a router built on nn.Linear (Phi-MoE's)
-            if type(module) is torch.nn.Linear and module is not model.get_output_embeddings():
+    if format == "fp8_block":  # plain linears but the output head and the routers' (Hunyuan-A13B's fp32 `gate.wg`;
+        # Phi-MoE's router is an nn.Linear subclass): routing stays in the model's dtype, as released FP8 keeps it
+        routers = {id(part) for path in experts_modules(model) for part in router_of(model, path).modules()}
+        for name, module in model.named_modules():
+            if (type(module) is torch.nn.Linear and module is not model.get_output_embeddings()
+                    and id(module) not in routers):
                 quantized, scale = quantize_fp8_block(module.weight.detach(), FP8_BLOCK)
                 tensors[f"{name}.weight"], tensors[f"{name}.weight_scale_inv"] = quantized, scale
     return tensors

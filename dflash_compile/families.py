@@ -64,12 +64,18 @@ def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _keys_and_values(config) -> int:
+def _keys_and_values(config, kind: AttentionKind) -> int:
     """A key and a value of every key/value head."""
     return 2 * config.num_key_value_heads * head_dim(config)
 
 
-def _latent(config) -> int:
+def _mimo_keys_and_values(config, kind: AttentionKind) -> int:
+    """MiMo-V2-Flash: keys of `head_dim`, values of `v_head_dim`, and sliding layers twice the key/value heads."""
+    heads = config.num_key_value_heads * (2 if kind == "sliding_attention" else 1)
+    return heads * (head_dim(config) + config.v_head_dim)
+
+
+def _latent(config, kind: AttentionKind) -> int:
     """Multi-head latent attention: one compressed key/value latent and one shared rotary key, for every head."""
     return config.kv_lora_rank + config.qk_rope_head_dim
 
@@ -106,8 +112,9 @@ class FamilySpec:
     # groups of sibling linear layers that read one input, laid out in one buffer by `optimize` so that one GEMM
     # serves each group (`projections.share_storage`, pass `projection_fusion`); absent names are skipped
     shared_input_linears: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-    # config -> elements an attention layer hands the cache per token (what `generate` budgets its cache by)
-    cached_per_token: Callable[[object], int] = _keys_and_values
+    # (config, attention kind) -> elements a layer of that kind hands the cache per token (what `generate` budgets
+    # its cache by)
+    cached_per_token: Callable[[object, AttentionKind], int] = _keys_and_values
 
     @property
     def latent_attention(self) -> bool:
@@ -268,6 +275,28 @@ FAMILIES: dict[str, FamilySpec] = {
         FamilySpec(  # MiniMax-M2: sigmoid scores, the choice made on them plus the block's correction bias
             "minimax_m2", ("minimax_m2",), "MiniMaxM2Experts", _SWIGLU,
             RouterSpec(scoring="sigmoid", block_bias="e_score_correction_bias"), _all_layers, _full_attention,
+        ),
+        FamilySpec(  # Hunyuan-A13B: a softmax router over an fp32 linear (`gate.wg`), a shared MLP in every layer
+            "hunyuan_v1_moe", ("hunyuan_v1_moe",), "HunYuanMoEV1Experts", _SWIGLU, _SOFTMAX, _all_layers,
+            _full_attention,
+        ),
+        FamilySpec(  # Hunyuan 3 (hy_v3): MiniMax-M2's sigmoid router with the block's correction bias, scaled; MLPs
+            # declared, shared experts added in fp32
+            "hy_v3", ("hy_v3",), "HYV3Experts", _SWIGLU,
+            RouterSpec(scoring="sigmoid", block_bias="e_score_correction_bias"), _declared_sparse_layers,
+            _full_attention,
+        ),
+        FamilySpec(  # Laguna: a sigmoid router with its own correction bias and logit soft-capping, renormalised;
+            # MLPs and attention layers declared (sliding and full), the attention output gated per head
+            "laguna", ("laguna",), "LagunaExperts", _SWIGLU,
+            RouterSpec(scoring="sigmoid", correction_bias="e_score_correction_bias"), _declared_sparse_layers,
+            _declared_layer_types,
+        ),
+        FamilySpec(  # MiMo-V2-Flash: GLM-4.5's router without shared experts; sliding layers with twice the key/value
+            # heads and sinks, values narrower than keys
+            "mimo_v2_flash", ("mimo_v2_flash",), "MiMoV2FlashExperts", _SWIGLU, _DEEPSEEK_ROUTER,
+            _declared_sparse_layers, _declared_layer_types, attention_sinks=True,
+            cached_per_token=_mimo_keys_and_values,
         ),
         FamilySpec(  # Phi-3.5-MoE: Mixtral's layout and window rule, a sparsemixer router (top-2 by masked softmaxes)
             "phimoe", ("phimoe",), "PhimoeExperts", _SWIGLU, RouterSpec(scoring="softmax", module="router"),

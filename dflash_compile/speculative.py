@@ -206,7 +206,7 @@ class SpeculativeDecoder:
         spec = spec_for_model(model)
         kinds = spec.attention_kinds(config)
         self.attention_kinds = kinds
-        self.cached_per_token = spec.cached_per_token(config)
+        self.cached_per_token = {kind: spec.cached_per_token(config, kind) for kind in kinds}
         self.linear_layers = [i for i, kind in enumerate(kinds) if kind == "linear_attention"]
         self.sliding_layers = [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
         self.prefill_chunk = prefill_chunk
@@ -298,10 +298,10 @@ class SpeculativeDecoder:
         `new_cache`): every slot of a full-attention layer, a sliding layer's ring. Linear-attention states are a
         few MiB at most and left out."""
         ring = self._ring(max_len)
-        slots = sum(ring or max_len if kind == "sliding_attention" else max_len
-                    for kind in self.attention_kinds if kind != "linear_attention")
+        target = sum((ring or max_len if kind == "sliding_attention" else max_len) * self.cached_per_token[kind]
+                     for kind in self.attention_kinds if kind != "linear_attention")
         drafter = getattr(self.drafter, "cache_elements_per_slot", 0)  # an oracle drafter caches nothing
-        elements = slots * self.cached_per_token + max_len * drafter
+        elements = target + max_len * drafter
         return batch * elements * dtype.itemsize
 
     def _check_memory(self, prompt: int, max_new_tokens: int, batch: int, max_len: int, dtype, device) -> int | None:

@@ -2,11 +2,12 @@
 
 No checkpoint can be downloaded here, so tests, the CLI's built-in default and CPU benchmarks build models from the
 transformers config classes. Each keeps the structure that matters: a dense first layer for glm4_moe, deepseek_v2,
-deepseek_v3, dots1, ernie4_5_moe, exaone_moe and glm4_moe_lite (the last two declared in `mlp_layer_types`), latent
-attention for deepseek_v2, deepseek_v3 and glm4_moe_lite, an `mlp_only_layers` dense layer for qwen3_moe,
-GatedDeltaNet linear-attention layers for qwen3_5_moe and qwen3_next, alternating sliding/full layers with attention
-sinks for gpt_oss, sliding layers before a full one for exaone_moe, q/k/v biases for qwen2_moe, Granite's
-multipliers, shared experts where the family has them.
+deepseek_v3, dots1, ernie4_5_moe, exaone_moe, glm4_moe_lite, hy_v3, laguna and mimo_v2_flash (the last six declared in
+`mlp_layer_types`), latent attention for deepseek_v2, deepseek_v3 and glm4_moe_lite, an `mlp_only_layers` dense layer
+for qwen3_moe, GatedDeltaNet linear-attention layers for qwen3_5_moe and qwen3_next, alternating sliding/full layers
+with attention sinks for gpt_oss, sliding layers with sinks and narrower values for mimo_v2_flash, sliding layers
+before a full one for exaone_moe and laguna, q/k/v biases for qwen2_moe, Granite's multipliers, shared experts where
+the family has them.
 """
 
 from __future__ import annotations
@@ -79,6 +80,22 @@ TINY_CONFIGS = {
     "minimax_m2": lambda: transformers.MiniMaxM2Config(  # q/k norms over all heads, the bias on the MoE block
         num_hidden_layers=2, head_dim=16, intermediate_size=32, num_local_experts=8, initializer_range=0.1,
         bos_token_id=1, eos_token_id=2, **_ROUTED, **_COMMON),
+    "hunyuan_v1_moe": lambda: transformers.HunYuanMoEV1Config(  # q/k norms after the rotary embedding
+        num_hidden_layers=2, head_dim=16, intermediate_size=32, num_experts=8, **_ROUTED, **_COMMON),
+    "hy_v3": lambda: transformers.HYV3Config(  # a dense first layer, a shared expert
+        num_hidden_layers=3, head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+        num_shared_experts=1, mlp_layer_types=["dense", "sparse", "sparse"], initializer_range=0.1, **_ROUTED,
+        **_COMMON),
+    "laguna": lambda: transformers.LagunaConfig(  # a dense first layer; sliding, then full attention
+        num_hidden_layers=3, head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+        shared_expert_intermediate_size=48, sliding_window=8, mlp_layer_types=["dense", "sparse", "sparse"],
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"], initializer_range=0.05, **_ROUTED,
+        **_COMMON),
+    "mimo_v2_flash": lambda: transformers.MiMoV2FlashConfig(  # sliding layers with sinks, values of 8 for keys of 16
+        num_hidden_layers=3, head_dim=16, v_head_dim=8, intermediate_size=96, moe_intermediate_size=32,
+        n_routed_experts=8, n_group=2, topk_group=1, sliding_window=8, mlp_layer_types=["dense", "sparse", "sparse"],
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"], initializer_range=0.1, **_ROUTED,
+        **_COMMON),
     "phimoe": lambda: transformers.PhimoeConfig(  # LayerNorms, q/k/v biases
         num_hidden_layers=2, intermediate_size=48, num_local_experts=4, **_ROUTED, **_COMMON),
     "flex_olmo": lambda: transformers.FlexOlmoConfig(  # post-attention and post-MLP norms

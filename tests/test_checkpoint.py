@@ -11,6 +11,7 @@ import transformers
 import dflash_compile
 from dflash_compile import checkpoint
 from dflash_compile.checkpoint import FP8Linear, expert_bytes, load_packed, quantize
+from dflash_compile.families import experts_modules, router_of
 from dflash_compile.packed import packed_weights
 from dflash_compile.testing import load_tiny_model, save_tiny_model
 from tests.conftest import token_ids
@@ -22,6 +23,8 @@ SIZES = {"gpt_oss": {"intermediate_size": 64}, "deepseek_v2": {"moe_intermediate
          "flex_olmo": {"intermediate_size": 128}, "solar_open": {"moe_intermediate_size": 128},
          "granitemoe": {"intermediate_size": 128}, "granitemoeshared": {"intermediate_size": 128},
          "cohere2_moe": {"intermediate_size": 128}, "minimax_m2": {"intermediate_size": 128},
+         "hunyuan_v1_moe": {"intermediate_size": 128}, "hy_v3": {"moe_intermediate_size": 128},
+         "laguna": {"moe_intermediate_size": 128}, "mimo_v2_flash": {"moe_intermediate_size": 128},
          "phimoe": {"intermediate_size": 128},
          "glm4_moe": {"moe_intermediate_size": 128}, "glm4_moe_lite": {"moe_intermediate_size": 128},
          "qwen2_moe": {"moe_intermediate_size": 128}, "qwen3_moe": {"moe_intermediate_size": 128},
@@ -141,15 +144,19 @@ def _dequantized_reference(original, packed):
 
 @pytest.mark.parametrize("family", ["cohere2_moe", "deepseek_v2", "deepseek_v3", "dots1", "ernie4_5_moe", "exaone_moe",
                                     "flex_olmo", "glm4_moe", "glm4_moe_lite", "granitemoe", "granitemoeshared",
-                                    "minimax_m2", "phimoe", "qwen2_moe", "qwen3_moe", "qwen3_next", "solar_open"])
+                                    "hunyuan_v1_moe", "hy_v3", "laguna", "mimo_v2_flash", "minimax_m2", "phimoe",
+                                    "qwen2_moe", "qwen3_moe", "qwen3_next", "solar_open"])
 def test_fp8_block_checkpoint_loads_packed_and_matches_the_dequantized_model(family, tmp_path):
     original, directory = _quantized(family, "fp8_block", tmp_path)
     packed = load_packed(directory, dtype=torch.float32)
     weight_bytes, weights = expert_bytes(packed)
     assert 8.0 <= weight_bytes * 8 / weights <= 8.01  # one fp32 scale per 128 x 128 block
     assert any(isinstance(m, FP8Linear) for m in packed.modules())
-    # every plain linear but lm_head is FP8 (a router built on nn.Linear, Phi-MoE's, stays)
-    assert not any(type(m) is torch.nn.Linear and m is not packed.lm_head for m in packed.modules())
+    routers = {part for path in experts_modules(packed) for part in router_of(packed, path).modules()}
+    # every plain linear is FP8 but lm_head and the routers' (Hunyuan-A13B's fp32 gate.wg; Phi-MoE's router)
+    assert not any(type(m) is torch.nn.Linear and m is not packed.lm_head and m not in routers
+                   for m in packed.modules())
+    assert not any(isinstance(m, FP8Linear) for m in routers)
     reference = _dequantized_reference(original, packed)
     ids = token_ids()
     with torch.no_grad():

@@ -13,12 +13,12 @@ from dflash_compile.families import (
 from tests.conftest import token_ids
 
 
-def test_registry_covers_the_twenty_three_families():
+def test_registry_covers_the_twenty_seven_families():
     assert dflash_compile.supported_families() == sorted(
         ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe", "glm4_moe_lite",
          "deepseek_v2", "deepseek_v3", "olmoe", "ernie4_5_moe", "phimoe", "dots1", "flex_olmo", "solar_open",
          "exaone_moe", "qwen3_vl_moe", "glm4v_moe", "granitemoe", "granitemoeshared", "cohere2_moe",
-         "minimax_m2"]
+         "minimax_m2", "hunyuan_v1_moe", "hy_v3", "laguna", "mimo_v2_flash"]
     )
 
 
@@ -46,6 +46,10 @@ def test_registry_covers_the_twenty_three_families():
         ("granitemoeshared", [0, 1], ["full_attention"] * 2),
         ("solar_open", [0, 1], ["full_attention"] * 2),
         ("exaone_moe", [1, 2], ["sliding_attention", "sliding_attention", "full_attention"]),  # mlp_layer_types
+        ("hunyuan_v1_moe", [0, 1], ["full_attention"] * 2),
+        ("hy_v3", [1, 2], ["full_attention"] * 3),  # mlp_layer_types
+        ("laguna", [1, 2], ["sliding_attention", "sliding_attention", "full_attention"]),  # mlp_layer_types
+        ("mimo_v2_flash", [1, 2], ["sliding_attention", "sliding_attention", "full_attention"]),  # mlp_layer_types
     ],
 )
 def test_spec_of_each_tiny_model(tiny, family, moe_layers, attention):
@@ -81,36 +85,32 @@ def test_qwen3_sparse_step_glm_declared_layers_and_mixtral_window():
     assert FAMILIES["mixtral"].attention_kinds(mixtral) == ["sliding_attention"] * 2
 
 
-def _tiny_hunyuan():
-    """Hunyuan-A13B (hunyuan_v1_moe): not in the registry (its router is an fp32 nn.Linear that FP8 quantization
-    would convert, and its expert counts may differ per layer)."""
-    config = transformers.HunYuanMoEV1Config(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, num_experts=4, moe_topk=2,
+def _tiny_longcat():
+    """LongCat-Flash (longcat_flash): not in the registry (each decoder layer runs two attention blocks and two MLPs
+    beside one MoE block, whose router also picks zero-compute experts: identity experts the block adds itself)."""
+    config = transformers.LongcatFlashConfig(
+        vocab_size=128, hidden_size=32, num_layers=1, num_attention_heads=2, n_routed_experts=4, zero_expert_num=2,
+        moe_topk=2, ffn_hidden_size=64, expert_ffn_hidden_size=32, kv_lora_rank=16, q_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, head_dim=8, v_head_dim=16,
     )
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
 def test_unsupported_moe_family_is_a_clear_error_before_any_state():
-    model = _tiny_hunyuan()
+    model = _tiny_longcat()
     # Dynamo wraps whatever a backend raises in BackendCompilerFailed; ours is the inner exception.
-    message = r"model_type 'hunyuan_v1_moe' is a Mixture-of-Experts model"
+    message = r"model_type 'longcat_flash' is a Mixture-of-Experts model"
     with pytest.raises(BackendCompilerFailed, match=message) as err:
         with torch.no_grad():
             torch.compile(model, backend="dflash", options={"lowering": "eager"})(token_ids(1, 4))
     assert isinstance(err.value.inner_exception, UnsupportedFamilyError)
-    families = ("cohere2_moe, deepseek_v2, deepseek_v3, dots1, ernie4_5_moe, exaone_moe, flex_olmo, glm4_moe, "
-                "glm4_moe_lite, "
-                "glm4v_moe, gpt_oss, granitemoe, granitemoeshared, minimax_m2, mixtral, olmoe, phimoe, qwen2_moe, "
-                "qwen3_5_moe, "
-                "qwen3_moe, qwen3_next, qwen3_vl_moe, solar_open")
-    assert families in str(err.value)
+    assert ", ".join(dflash_compile.supported_families()) in str(err.value)
     assert model not in _STORES_BY_ROOT  # nothing registered before the error
 
 
 def test_unsupported_experts_class_is_recognised_without_a_config():
-    experts = _tiny_hunyuan().model.layers[0].mlp.experts
-    with pytest.raises(UnsupportedFamilyError, match=r"HunYuanMoEV1Experts .* does not support yet"):
+    experts = _tiny_longcat().model.layers[0].mlp.experts
+    with pytest.raises(UnsupportedFamilyError, match=r"LongcatFlashExperts .* does not support yet"):
         spec_for_experts_class(type(experts))
 
 

@@ -8,14 +8,14 @@ import transformers
 
 import dflash_compile
 from dflash_compile.adaptive import WidthChooser
-from dflash_compile.families import spec_for_model
+from dflash_compile.families import FAMILIES, spec_for_model
 from dflash_compile.testing import OracleDrafter
 from tests.conftest import token_ids
 
 SPECULATIVE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe",
                         "glm4_moe_lite", "deepseek_v2", "deepseek_v3", "olmoe", "ernie4_5_moe", "phimoe", "dots1",
                         "flex_olmo", "solar_open", "exaone_moe", "granitemoe", "granitemoeshared", "cohere2_moe",
-                        "minimax_m2"]
+                        "minimax_m2", "hunyuan_v1_moe", "hy_v3", "laguna", "mimo_v2_flash"]
 NEW_TOKENS = 48  # crosses the gpt_oss test model's 8-token sliding window several times
 
 
@@ -48,11 +48,13 @@ def _generates_with_partial_drafts(model, ids, mask, expected, compile: bool, **
 # Qwen3-MoE's router and Qwen3-Next's gated shared expert, DeepSeek-V2 DeepSeek-V3's latent attention, ERNIE-4.5
 # Qwen3-MoE's attention with a biased softmax router, Phi-MoE Mixtral's layout with its own router, dots.llm1 and
 # Solar Open GLM-4.5's router, FlexOlmo OLMoE's, Granite-MoE and Cohere2-MoE gpt-oss's, MiniMax-M2 a sigmoid router
-# with the block's bias (each family's compiled speculative step keeps its identity test:
+# with the block's bias, Hunyuan 3 MiniMax-M2's, Hunyuan-A13B Qwen3-MoE's with q/k norms, Laguna Cohere2-MoE's
+# sliding and full layers with a per-head output gate (each family's compiled speculative step keeps its identity test:
 # `test_offload_with_compiled_dflash_speculative_decoding`, one unpadded row). A batch of one row also for gpt-oss's
 # sliding rings and sinks.
 COVERED_ELSEWHERE = ("qwen2_moe", "qwen3_next", "glm4_moe_lite", "deepseek_v2", "ernie4_5_moe", "phimoe", "dots1",
-                     "flex_olmo", "solar_open", "granitemoe", "granitemoeshared", "cohere2_moe", "minimax_m2")
+                     "flex_olmo", "solar_open", "granitemoe", "granitemoeshared", "cohere2_moe", "minimax_m2", "hy_v3",
+                     "hunyuan_v1_moe", "laguna")
 IDENTITY_CASES = [(family, 3) for family in SPECULATIVE_FAMILIES if family not in COVERED_ELSEWHERE]
 
 
@@ -618,7 +620,8 @@ def test_prefill_takes_the_last_positions_logits_only(tiny):
     assert set(positions[3:]) == {3}
 
 
-@pytest.mark.parametrize("family", [family for family in SPECULATIVE_FAMILIES if family != "gpt_oss"])  # SDPA
+@pytest.mark.parametrize("family", [family for family in SPECULATIVE_FAMILIES  # SDPA: sinks run eager
+                                    if not FAMILIES[family].attention_sinks])
 def test_unpadded_prompts_attend_by_sdpas_causal_flag(tiny, family, monkeypatch):
     """On SDPA attention, a prompt without left padding goes in without a mask, by SDPA's causal flag (its flash
     kernels on a GPU; no [b, 1, P, P] mask); a left-padded batch keeps its explicit mask, and so do the decode
