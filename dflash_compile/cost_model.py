@@ -120,6 +120,9 @@ REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
     "solar-open-100b": transformers.SolarOpenConfig,  # 48 layers, 128 experts, top-8, a shared expert
     "minimax-m2": transformers.MiniMaxM2Config,  # 62 layers, 256 experts of 1536, top-8
     "flexolmo-7x7b": transformers.FlexOlmoConfig,  # 32 layers, 7 experts of 11008, top-5
+    "mimo-v2-flash": transformers.MiMoV2FlashConfig,  # 48 layers (the first dense; 3 in 4 sliding), 256 experts, top-8
+    "hy-v3": transformers.HYV3Config,  # 80 layers (the first dense), 192 experts of 1536, top-8, a shared expert
+    "laguna": transformers.LagunaConfig,  # 40 layers (the first dense), 256 experts of 512, top-8, a shared expert
     "qwen3-vl-30b-a3b": lambda: transformers.Qwen3VLMoeConfig(text_config=dict(  # image-text-to-text: the text decoder
         hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
         num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
