@@ -45,6 +45,7 @@ class RouterSpec:
     # an attribute of the MoE block that the block passes to the router's call by the same name (MiniMax-M2 keeps its
     # correction bias there, not on the router)
     block_bias: str | None = None
+    tokens_in_rows: bool = False  # the router takes hidden states [batch, tokens, H] (AFMoE's), not [tokens, H]
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,11 @@ def _qwen3_sparse_layers(config) -> list[int]:
         for i in range(config.num_hidden_layers)
         if i not in config.mlp_only_layers and config.num_experts > 0 and (i + 1) % config.decoder_sparse_step == 0
     ]
+
+
+def _after_num_dense_layers(config) -> list[int]:
+    """AFMoE: every layer after its first `num_dense_layers` dense ones."""
+    return list(range(config.num_dense_layers, config.num_hidden_layers))
 
 
 def _ernie_sparse_layers(config) -> list[int]:
@@ -298,6 +304,12 @@ FAMILIES: dict[str, FamilySpec] = {
             _declared_sparse_layers, _declared_layer_types, attention_sinks=True,
             cached_per_token=_mimo_keys_and_values,
         ),
+        FamilySpec(  # AFMoE (Arcee Trinity): a sigmoid router over rows of tokens, choosing with the block's
+            # `expert_bias`, renormalised and scaled; sliding and full layers declared, the attention output gated
+            "afmoe", ("afmoe",), "AfmoeExperts", _SWIGLU,
+            RouterSpec(scoring="sigmoid", module="router", block_bias="expert_bias", tokens_in_rows=True),
+            _after_num_dense_layers, _declared_layer_types,
+        ),
         FamilySpec(  # Phi-3.5-MoE: Mixtral's layout and window rule, a sparsemixer router (top-2 by masked softmaxes)
             "phimoe", ("phimoe",), "PhimoeExperts", _SWIGLU, RouterSpec(scoring="softmax", module="router"),
             _all_layers, _window_everywhere,
@@ -376,12 +388,14 @@ def router_of(model: torch.nn.Module, experts_name: str) -> torch.nn.Module:
 
 def routing_of(model: torch.nn.Module, experts_name: str) -> Callable[[torch.Tensor], tuple]:
     """hidden [T, H] -> the router's outputs (expert indices last), as the MoE block of the routed-experts module
-    `experts_name` calls its router: with the block's `RouterSpec.block_bias` where the family has one."""
+    `experts_name` calls its router: with the block's `RouterSpec.block_bias` where the family has one, the tokens
+    as one row where it takes rows."""
     block, router = _block_and_router(model, experts_name)
     module = getattr(block, router.module)
-    if router.block_bias is None:
-        return module
-    return functools.partial(module, **{router.block_bias: getattr(block, router.block_bias)})
+    bias = {} if router.block_bias is None else {router.block_bias: getattr(block, router.block_bias)}
+    if router.tokens_in_rows:
+        return lambda hidden: module(hidden[None], **bias)
+    return functools.partial(module, **bias) if bias else module
 
 
 def spec_for_config(config) -> FamilySpec | None:

@@ -96,6 +96,10 @@ TINY_CONFIGS = {
         n_routed_experts=8, n_group=2, topk_group=1, sliding_window=8, mlp_layer_types=["dense", "sparse", "sparse"],
         layer_types=["sliding_attention", "sliding_attention", "full_attention"], initializer_range=0.1, **_ROUTED,
         **_COMMON),
+    "afmoe": lambda: transformers.AfmoeConfig(  # a dense first layer; sliding layers, then a full one
+        num_hidden_layers=3, head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+        num_shared_experts=1, num_dense_layers=1, sliding_window=8, global_attn_every_n_layers=3,
+        initializer_range=0.05, **_ROUTED, **_COMMON),
     "phimoe": lambda: transformers.PhimoeConfig(  # LayerNorms, q/k/v biases
         num_hidden_layers=2, intermediate_size=48, num_local_experts=4, **_ROUTED, **_COMMON),
     "flex_olmo": lambda: transformers.FlexOlmoConfig(  # post-attention and post-MLP norms

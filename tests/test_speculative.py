@@ -15,7 +15,7 @@ from tests.conftest import token_ids
 SPECULATIVE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe",
                         "glm4_moe_lite", "deepseek_v2", "deepseek_v3", "olmoe", "ernie4_5_moe", "phimoe", "dots1",
                         "flex_olmo", "solar_open", "exaone_moe", "granitemoe", "granitemoeshared", "cohere2_moe",
-                        "minimax_m2", "hunyuan_v1_moe", "hy_v3", "laguna", "mimo_v2_flash"]
+                        "minimax_m2", "hunyuan_v1_moe", "hy_v3", "laguna", "mimo_v2_flash", "afmoe"]
 NEW_TOKENS = 48  # crosses the gpt_oss test model's 8-token sliding window several times
 
 
@@ -49,12 +49,13 @@ def _generates_with_partial_drafts(model, ids, mask, expected, compile: bool, **
 # Qwen3-MoE's attention with a biased softmax router, Phi-MoE Mixtral's layout with its own router, dots.llm1 and
 # Solar Open GLM-4.5's router, FlexOlmo OLMoE's, Granite-MoE and Cohere2-MoE gpt-oss's, MiniMax-M2 a sigmoid router
 # with the block's bias, Hunyuan 3 MiniMax-M2's, Hunyuan-A13B Qwen3-MoE's with q/k norms, Laguna Cohere2-MoE's
-# sliding and full layers with a per-head output gate (each family's compiled speculative step keeps its identity test:
+# sliding and full layers with a per-head output gate, AFMoE MiniMax-M2's router and gated attention (each family's
+# compiled speculative step keeps its identity test:
 # `test_offload_with_compiled_dflash_speculative_decoding`, one unpadded row). A batch of one row also for gpt-oss's
 # sliding rings and sinks.
 COVERED_ELSEWHERE = ("qwen2_moe", "qwen3_next", "glm4_moe_lite", "deepseek_v2", "ernie4_5_moe", "phimoe", "dots1",
                      "flex_olmo", "solar_open", "granitemoe", "granitemoeshared", "cohere2_moe", "minimax_m2", "hy_v3",
-                     "hunyuan_v1_moe", "laguna")
+                     "hunyuan_v1_moe", "laguna", "afmoe")
 IDENTITY_CASES = [(family, 3) for family in SPECULATIVE_FAMILIES if family not in COVERED_ELSEWHERE]
 
 
