@@ -8,7 +8,6 @@ expert, DeepSeek-V3 keeps its first layers dense). Routed-expert modules are rec
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -388,14 +387,17 @@ def router_of(model: torch.nn.Module, experts_name: str) -> torch.nn.Module:
 
 def routing_of(model: torch.nn.Module, experts_name: str) -> Callable[[torch.Tensor], tuple]:
     """hidden [T, H] -> the router's outputs (expert indices last), as the MoE block of the routed-experts module
-    `experts_name` calls its router: with the block's `RouterSpec.block_bias` where the family has one, the tokens
-    as one row where it takes rows."""
+    `experts_name` calls its router: with the block's `RouterSpec.block_bias` where the family has one (read at each
+    call: moving the model to a device replaces a buffer such as MiniMax-M2's), the tokens as one row where it takes
+    rows."""
     block, router = _block_and_router(model, experts_name)
     module = getattr(block, router.module)
-    bias = {} if router.block_bias is None else {router.block_bias: getattr(block, router.block_bias)}
-    if router.tokens_in_rows:
-        return lambda hidden: module(hidden[None], **bias)
-    return functools.partial(module, **bias) if bias else module
+
+    def route(hidden: torch.Tensor) -> tuple:
+        bias = {} if router.block_bias is None else {router.block_bias: getattr(block, router.block_bias)}
+        return module(hidden[None] if router.tokens_in_rows else hidden, **bias)
+
+    return route
 
 
 def spec_for_config(config) -> FamilySpec | None:
