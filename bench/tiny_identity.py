@@ -1,11 +1,13 @@
 """Whether a tiny model's tokens through the decoder differ from `model.generate` by a bug or by a near-tie (CUDA).
 
     python3 bench/tiny_identity.py --family gpt_oss --dtype bfloat16
+    python3 bench/tiny_identity.py --family solar_open --offload
 
 Greedy tokens of `model.generate` against `optimize(model, random drafter).generate`, with attention through
-`dflash::decode_attention`'s kernel and in torch's math. Where the decoder's tokens leave the reference's, the
-reference's logits at that position tell which: the gap between its token's logit and the decoder's token's logit
-(near 0: a near-tie the dtype's rounding can flip, not a wrong result).
+`dflash::decode_attention`'s kernel and in torch's math, and with `--offload` the model offloaded with two slots
+above one layer of experts and with a slot for every expert (host-managed). Where the decoder's tokens leave the
+reference's, the reference's logits at that position tell which: the gap between its token's logit and the
+decoder's token's logit (near 0: a near-tie the dtype's rounding can flip, not a wrong result).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from step_overhead import in_torch_attention
 
 import dflash_compile
+from dflash_compile.offload import plan_offload
 from dflash_compile.testing import load_tiny_model, random_drafter_weights, save_drafter, tiny_drafter_config
 
 
@@ -27,15 +30,24 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=12)
     parser.add_argument("--seeds", type=int, default=4)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--offload", action="store_true", help="also offloaded: 2 slots above a layer, every expert")
     args = parser.parse_args()
-    model = load_tiny_model(args.family).to(args.device, getattr(torch, args.dtype))
-    print("| prompt seed | attention | same tokens | first difference | reference logit gap there |\n"
+    dtype = getattr(torch, args.dtype)
+    model = load_tiny_model(args.family).to(args.device, dtype)
+    print("| prompt seed | run | same tokens | first difference | reference logit gap there |\n"
           "|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         config = tiny_drafter_config(model.config, block_size=4)
         drafter = save_drafter(tmp, config, random_drafter_weights(config))
         runs = {"decode kernel": dflash_compile.optimize(model, drafter).generate,
                 "torch's math": in_torch_attention(dflash_compile.optimize(model, drafter).generate)}
+        if args.offload:
+            plan = plan_offload(model, args.device)
+            for name, slots in (("offloaded, 2 slots above a layer", 2),
+                                ("offloaded, every expert in a slot", plan.experts_per_layer * plan.layers)):
+                budget = plan.minimum_budget + slots * plan.blob_bytes
+                runs[name] = dflash_compile.optimize(load_tiny_model(args.family, dtype), drafter, gpu_memory=budget,
+                                                     device=args.device, offload_manager="host").generate
         for seed in range(args.seeds):
             ids = torch.randint(3, 127, (1, 9), generator=torch.Generator().manual_seed(seed)).to(args.device)
             with torch.no_grad():
