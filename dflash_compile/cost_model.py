@@ -186,10 +186,13 @@ class ModelSizes:
         per_expert = sum(p.numel() for p in modules[0].parameters()) // experts
         kinds = spec.attention_kinds(text)
         head_size = head_dim(text)
-        k_dim = getattr(text, "qk_nope_head_dim", 0) + getattr(text, "qk_rope_head_dim", 0) or head_size
-        v_dim = getattr(text, "v_head_dim", None) or head_size
-        kv_heads = text.num_attention_heads if hasattr(text, "kv_lora_rank") else text.num_key_value_heads
-        per_layer = kv_heads * (k_dim + v_dim)
+
+        def per_layer(kind) -> int:  # K and V elements a layer of `kind` reads per context token
+            if not spec.latent_attention:
+                return spec.cached_per_token(text, kind)
+            # every head's expanded keys and values, as transformers' latent attention reads them
+            k_dim = text.qk_nope_head_dim + text.qk_rope_head_dim
+            return text.num_attention_heads * (k_dim + text.v_head_dim)
         return cls(
             dense_params=dense + (embedding.numel() if tied else 0),
             embedding_row_params=embedding.shape[1],
@@ -197,8 +200,8 @@ class ModelSizes:
             experts=experts,
             top_k=text.num_experts_per_tok,
             moe_layers=len(modules),
-            kv_elements_per_token=kinds.count("full_attention") * per_layer,
-            sliding_kv_elements_per_token=kinds.count("sliding_attention") * per_layer,
+            kv_elements_per_token=kinds.count("full_attention") * per_layer("full_attention"),
+            sliding_kv_elements_per_token=kinds.count("sliding_attention") * per_layer("sliding_attention"),
             window=getattr(text, "sliding_window", None) or 0,
             attention_width=sum(kind != "linear_attention" for kind in kinds) * text.num_attention_heads * head_size,
             layers=text.num_hidden_layers,
