@@ -27,7 +27,7 @@ import sympy
 import torch
 import transformers
 
-from .families import auto_model_class, experts_modules, head_dim, spec_for_model
+from .families import auto_model_class, experts_modules, head_dim, routed_top_k, spec_for_model
 
 # Target step times measured on the H200 (docs/benchmarks.md, "Session 44"): random bf16 weights, uniform routing,
 # 512-token context, compiled step as `generate` runs it (`bench/spec_decode.py --steps-only`, 2026-12-04).
@@ -198,7 +198,7 @@ class ModelSizes:
             embedding_row_params=embedding.shape[1],
             expert_params=per_expert,
             experts=experts,
-            top_k=text.num_experts_per_tok,
+            top_k=routed_top_k(text),
             moe_layers=len(modules),
             kv_elements_per_token=kinds.count("full_attention") * per_layer("full_attention"),
             sliding_kv_elements_per_token=kinds.count("sliding_attention") * per_layer("sliding_attention"),

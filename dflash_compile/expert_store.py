@@ -63,13 +63,18 @@ def expert_sum(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
     return out.to(hidden.dtype)
 
 
+# the experts' `act_fn` by its config name (`hidden_act`, Gemma's `hidden_activation`) -> the kernels' activation
+GATED_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
 @dataclass(frozen=True)
 class Gate:
     """The gated activation of a family's experts: gate/up split (interleaved or concatenated) and the activation,
-    SiLU(gate) * up or gpt-oss's clamped SwiGLU with `alpha` / `limit`. The fused kernels take the same fields."""
+    SiLU(gate) * up, GELU(gate) * up with GELU's tanh approximation (Gemma 4), or gpt-oss's clamped SwiGLU with
+    `alpha` / `limit`. The fused kernels take the same fields."""
 
     interleaved: bool
-    activation: str  # "silu" | "clamped_swiglu"
+    activation: str  # "silu" | "gelu_tanh" | "clamped_swiglu"
     alpha: float = 1.702
     limit: float = 7.0
 
@@ -78,11 +83,11 @@ class Gate:
         interleaved = layout.gate_up == "interleaved"
         if layout.activation == "clamped_swiglu":
             return cls(interleaved, "clamped_swiglu", float(module.alpha), float(module.limit))
-        act = getattr(module.config, "hidden_act", None)
-        if act != "silu":
-            raise ValueError(f"{type(module).__name__} uses hidden_act {act!r}; dflash-compile's experts support "
-                             "'silu' (and gpt-oss's clamped SwiGLU)")
-        return cls(interleaved, "silu")
+        act = getattr(module.config, "hidden_act", None) or getattr(module.config, "hidden_activation", None)
+        if act not in GATED_ACTIVATIONS:
+            raise ValueError(f"{type(module).__name__} uses the activation {act!r}; dflash-compile's experts support "
+                             f"{sorted(GATED_ACTIVATIONS)} (and gpt-oss's clamped SwiGLU)")
+        return cls(interleaved, GATED_ACTIVATIONS[act])
 
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[..., 2I] gate/up projection -> [..., I]."""
@@ -90,6 +95,8 @@ class Gate:
         if self.activation == "clamped_swiglu":
             gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
             return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        if self.activation == "gelu_tanh":
+            return F.gelu(gate, approximate="tanh") * up
         return F.silu(gate) * up
 
 

@@ -59,9 +59,23 @@ class LinearAttentionSpec:
     chunked_elements_per_token: Callable[[object], int]
 
 
+def layer_configs(config) -> list:
+    """Each decoder layer's view of the config: transformers' per-layer config, where a layer's own settings override
+    the model's (Gemma 4's full-attention layers: wider heads, their own key/value heads), else the config itself."""
+    per_layer = getattr(config, "per_layer_config", None)
+    return [config if per_layer is None else per_layer[i] for i in range(config.num_hidden_layers)]
+
+
+def routed_top_k(config) -> int:
+    """Experts each token is routed to: `num_experts_per_tok`, Gemma 4's `top_k_experts`."""
+    return getattr(config, "num_experts_per_tok", None) or config.top_k_experts
+
+
 def head_dim(config) -> int:
-    """An attention head's dimension: the config's `head_dim`, else hidden size / heads (Mixtral, OLMoE)."""
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    """An attention head's dimension: the config's `head_dim` (the first layer's where layers differ), else hidden
+    size / heads (Mixtral, OLMoE)."""
+    first = layer_configs(config)[0]
+    return getattr(first, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def _keys_and_values(config, kind: AttentionKind) -> int:
@@ -73,6 +87,13 @@ def _mimo_keys_and_values(config, kind: AttentionKind) -> int:
     """MiMo-V2-Flash: keys of `head_dim`, values of `v_head_dim`, and sliding layers twice the key/value heads."""
     heads = config.num_key_value_heads * (2 if kind == "sliding_attention" else 1)
     return heads * (head_dim(config) + config.v_head_dim)
+
+
+def _gemma4_keys_and_values(config, kind: AttentionKind) -> int:
+    """Gemma 4: a key and a value of every key/value head at the layer kind's own head size (the full-attention
+    layers' wider; with `attention_k_eq_v` their values are their keys, cached as both)."""
+    layer = layer_configs(config)[config.layer_types.index(kind)]
+    return 2 * layer.num_key_value_heads * layer.head_dim
 
 
 def _latent(config, kind: AttentionKind) -> int:
@@ -153,6 +174,11 @@ def _qwen3_sparse_layers(config) -> list[int]:
 def _after_num_dense_layers(config) -> list[int]:
     """AFMoE: every layer after its first `num_dense_layers` dense ones."""
     return list(range(config.num_dense_layers, config.num_hidden_layers))
+
+
+def _moe_block_layers(config) -> list[int]:
+    """Gemma 4: every layer when `enable_moe_block` (an MoE block beside each layer's MLP), else none."""
+    return list(range(config.num_hidden_layers)) if config.enable_moe_block else []
 
 
 def _ernie_sparse_layers(config) -> list[int]:
@@ -308,6 +334,13 @@ FAMILIES: dict[str, FamilySpec] = {
             "afmoe", ("afmoe",), "AfmoeExperts", _SWIGLU,
             RouterSpec(scoring="sigmoid", module="router", block_bias="expert_bias", tokens_in_rows=True),
             _after_num_dense_layers, _declared_layer_types,
+        ),
+        FamilySpec(  # Gemma 4 (its MoE releases): routed experts beside each layer's MLP, GELU-gated, a softmax router
+            # on the layer's input times per-expert scales (`router`, on the decoder layer); sliding and full layers
+            # declared, the full ones with wider heads (per-layer config)
+            "gemma4_text", ("gemma4_text",), "Gemma4TextExperts", _SWIGLU,
+            RouterSpec(scoring="softmax", module="router"), _moe_block_layers, _declared_layer_types,
+            cached_per_token=_gemma4_keys_and_values,
         ),
         FamilySpec(  # Phi-3.5-MoE: Mixtral's layout and window rule, a sparsemixer router (top-2 by masked softmaxes)
             "phimoe", ("phimoe",), "PhimoeExperts", _SWIGLU, RouterSpec(scoring="softmax", module="router"),

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from .families import experts_modules, spec_for_model
+from .families import experts_modules, layer_configs, routed_top_k, spec_for_model
 from .kernels.moe import DEQUANTIZE_EXPERT_ELEMENTS, DEQUANTIZE_PAIRS, pairs_per_routed_expert
 from .packed import expert_weights
 
@@ -99,7 +99,7 @@ class PrefillActivations:
         layer = ((2 * layer + RESIDUAL_STREAM * config.hidden_size) * itemsize + 2 * routers * FP32
                  + chunked_rule)
         kinds = set(spec.attention_kinds(config)) - {"linear_attention"}
-        groups = config.num_attention_heads // config.num_key_value_heads
+        groups = max(config.num_attention_heads // layer.num_key_value_heads for layer in layer_configs(config))
         features = (3 * feature_layers + 4) * config.hidden_size * itemsize if drafter else 0
         return cls(itemsize=itemsize, layer=layer, experts=experts,
                    prompt_token=features, slot=spec.expanded_per_slot(config) * itemsize,
@@ -123,5 +123,5 @@ def _routed_experts(model: torch.nn.Module, config) -> RoutedExperts | None:
     else:
         gate_up = expert_weights(module)[0]
     experts, two_i, hidden = gate_up.shape
-    return RoutedExperts(gate_up.format, experts, two_i // 2, hidden, config.num_experts_per_tok,
+    return RoutedExperts(gate_up.format, experts, two_i // 2, hidden, routed_top_k(config),
                          grouped_mm=offload is None and gate_up.format == "dense")

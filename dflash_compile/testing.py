@@ -6,8 +6,8 @@ deepseek_v3, dots1, ernie4_5_moe, exaone_moe, glm4_moe_lite, hy_v3, laguna and m
 `mlp_layer_types`), latent attention for deepseek_v2, deepseek_v3 and glm4_moe_lite, an `mlp_only_layers` dense layer
 for qwen3_moe, GatedDeltaNet linear-attention layers for qwen3_5_moe and qwen3_next, alternating sliding/full layers
 with attention sinks for gpt_oss, sliding layers with sinks and narrower values for mimo_v2_flash, sliding layers
-before a full one for exaone_moe and laguna, q/k/v biases for qwen2_moe, Granite's multipliers, shared experts where
-the family has them.
+before a full one for exaone_moe and laguna, a wider full layer whose keys are its values for gemma4_text, q/k/v
+biases for qwen2_moe, Granite's multipliers, shared experts where the family has them.
 """
 
 from __future__ import annotations
@@ -100,6 +100,13 @@ TINY_CONFIGS = {
         num_hidden_layers=3, head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
         num_shared_experts=1, num_dense_layers=1, sliding_window=8, global_attn_every_n_layers=3,
         initializer_range=0.05, **_ROUTED, **_COMMON),
+    "gemma4_text": lambda: transformers.Gemma4TextConfig(  # GELU-gated experts beside each MLP; sliding layers, then a
+        # full one with wider heads, one key/value head and its keys as values (the 26B-A4B's attention)
+        num_hidden_layers=3, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+        intermediate_size=96, moe_intermediate_size=32, num_experts=8, top_k_experts=2, enable_moe_block=True,
+        sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        hidden_size_per_layer_input=0, final_logit_softcapping=30.0, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        **_COMMON),
     "phimoe": lambda: transformers.PhimoeConfig(  # LayerNorms, q/k/v biases
         num_hidden_layers=2, intermediate_size=48, num_local_experts=4, **_ROUTED, **_COMMON),
     "flex_olmo": lambda: transformers.FlexOlmoConfig(  # post-attention and post-MLP norms

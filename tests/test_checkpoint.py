@@ -25,7 +25,7 @@ SIZES = {"gpt_oss": {"intermediate_size": 64}, "deepseek_v2": {"moe_intermediate
          "cohere2_moe": {"intermediate_size": 128}, "minimax_m2": {"intermediate_size": 128},
          "hunyuan_v1_moe": {"intermediate_size": 128}, "hy_v3": {"moe_intermediate_size": 128},
          "laguna": {"moe_intermediate_size": 128}, "mimo_v2_flash": {"moe_intermediate_size": 128},
-         "afmoe": {"moe_intermediate_size": 128},
+         "afmoe": {"moe_intermediate_size": 128}, "gemma4_text": {"moe_intermediate_size": 128},
          "phimoe": {"intermediate_size": 128},
          "glm4_moe": {"moe_intermediate_size": 128}, "glm4_moe_lite": {"moe_intermediate_size": 128},
          "qwen2_moe": {"moe_intermediate_size": 128}, "qwen3_moe": {"moe_intermediate_size": 128},
@@ -144,7 +144,7 @@ def _dequantized_reference(original, packed):
 
 
 @pytest.mark.parametrize("family", ["afmoe", "cohere2_moe", "deepseek_v2", "deepseek_v3", "dots1", "ernie4_5_moe",
-                                    "exaone_moe", "flex_olmo", "glm4_moe", "glm4_moe_lite", "granitemoe",
+                                    "exaone_moe", "flex_olmo", "gemma4_text", "glm4_moe", "glm4_moe_lite", "granitemoe",
                                     "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "laguna", "mimo_v2_flash",
                                     "minimax_m2", "phimoe", "qwen2_moe", "qwen3_moe", "qwen3_next", "solar_open"])
 def test_fp8_block_checkpoint_loads_packed_and_matches_the_dequantized_model(family, tmp_path):

@@ -13,12 +13,12 @@ from dflash_compile.families import (
 from tests.conftest import token_ids
 
 
-def test_registry_covers_the_twenty_eight_families():
+def test_registry_covers_the_twenty_nine_families():
     assert dflash_compile.supported_families() == sorted(
         ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe", "glm4_moe_lite",
          "deepseek_v2", "deepseek_v3", "olmoe", "ernie4_5_moe", "phimoe", "dots1", "flex_olmo", "solar_open",
          "exaone_moe", "qwen3_vl_moe", "glm4v_moe", "granitemoe", "granitemoeshared", "cohere2_moe",
-         "minimax_m2", "hunyuan_v1_moe", "hy_v3", "laguna", "mimo_v2_flash", "afmoe"]
+         "minimax_m2", "hunyuan_v1_moe", "hy_v3", "laguna", "mimo_v2_flash", "afmoe", "gemma4_text"]
     )
 
 
@@ -51,6 +51,7 @@ def test_registry_covers_the_twenty_eight_families():
         ("laguna", [1, 2], ["sliding_attention", "sliding_attention", "full_attention"]),  # mlp_layer_types
         ("mimo_v2_flash", [1, 2], ["sliding_attention", "sliding_attention", "full_attention"]),  # mlp_layer_types
         ("afmoe", [1, 2], ["sliding_attention", "sliding_attention", "full_attention"]),  # num_dense_layers=1
+        ("gemma4_text", [0, 1, 2], ["sliding_attention", "sliding_attention", "full_attention"]),  # enable_moe_block
     ],
 )
 def test_spec_of_each_tiny_model(tiny, family, moe_layers, attention):

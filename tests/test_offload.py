@@ -7,7 +7,7 @@ import torch
 
 import dflash_compile
 import dflash_compile.testing
-from dflash_compile.families import experts_modules, routing_of
+from dflash_compile.families import experts_modules, router_of, routing_of
 from dflash_compile.offload import (PREFETCH_TRIAL, BlobLayout, ExpertCache, MissCosts, choose_manager,
                                     offload_experts, parse_size, plan_offload, predict_experts)
 from dflash_compile.testing import TINY_CONFIGS, random_drafter_weights, save_drafter, tiny_drafter_config
@@ -228,8 +228,8 @@ def test_predicted_experts_are_the_routers_own_choice_on_its_own_input(tiny, fam
     model._apply(torch.clone)
     for bias in block.buffers(recurse=False):
         bias.copy_(torch.randperm(bias.numel(), generator=torch.Generator().manual_seed(0)).view_as(bias))
-    captured = []
-    block.register_forward_hook(lambda module, args, output: captured.append(args[0]))
+    captured = []  # the router module's own input (Gemma 4's router reads the layer's residual, not the experts')
+    router_of(model, name).register_forward_hook(lambda module, args, output: captured.append(args[0]))
     experts = model.get_submodule(name)
     chosen = []
     experts.register_forward_hook(lambda module, args, output: chosen.append(args[1]))

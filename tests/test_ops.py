@@ -240,3 +240,18 @@ def test_opcheck_fp8_block_linear():
     torch.library.opcheck(torch.ops.dflash.fp8_block_linear.default, args)
     expected = torch.nn.functional.linear(x, dequantize_fp8_block(weight, scale), bias)
     torch.testing.assert_close(torch.ops.dflash.fp8_block_linear(*args), expected)
+
+
+def test_each_familys_experts_activation_is_read_from_its_config(tiny):
+    """Gemma 4 names its activation `hidden_activation` (GELU, tanh approximation), the others `hidden_act`; an
+    activation the kernels do not have is refused with its name."""
+    from dflash_compile.expert_store import Gate
+
+    gemma = next(iter(experts_modules(tiny("gemma4_text")).values()))
+    assert Gate.of(FAMILIES["gemma4_text"].layout, gemma) == Gate(False, "gelu_tanh")
+    qwen = next(iter(experts_modules(tiny("qwen3_moe")).values()))
+    assert Gate.of(FAMILIES["qwen3_moe"].layout, qwen) == Gate(False, "silu")
+    qwen.config.hidden_act = "relu"
+    with pytest.raises(ValueError, match=r"^Qwen3MoeExperts uses the activation 'relu'; dflash-compile's experts "
+                                         r"support \['gelu_pytorch_tanh', 'silu'\] \(and gpt-oss's clamped SwiGLU\)$"):
+        Gate.of(FAMILIES["qwen3_moe"].layout, qwen)

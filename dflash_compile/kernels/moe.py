@@ -78,7 +78,7 @@ from .arrivals import arrival_counts
 
 FORMATS = {"dense": 0, "mxfp4": 1, "fp8_block": 2}
 FP16_PRESCALE = tl.constexpr(2.0**-8)  # activations times this are fp16 operands (see FP16_OPERANDS)
-ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
+ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1, "gelu_tanh": 2}
 
 
 @triton.jit
@@ -256,6 +256,8 @@ def _activate(gate, up, ACTIVATION: tl.constexpr, alpha, limit):
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
         result = (up + 1.0) * gate * tl.sigmoid(gate * alpha)
+    elif ACTIVATION == 2:  # GELU(gate) * up, tanh approximation: 0.5 (1 + tanh(z)) = sigmoid(2z)
+        result = gate * tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)) * up
     else:  # SiLU(gate) * up
         result = gate * tl.sigmoid(gate) * up
     return result
@@ -1061,7 +1063,8 @@ def _paired_activations(tokens: int, splits: int, activation: str, alpha: float,
 def _paired_shift(activation: str, alpha: float, limit: float) -> int:
     """PAIRED_SHIFT for the activations between a call's launches on the MXFP4 row path: with clamped SwiGLU, whose
     outputs are at most (limit + 1) * max(limit, 0.28 / alpha) in magnitude, the power of two that puts that bound
-    in [2^14, 2^15); 0 (off: each down program scales its bf16 rows itself) for SiLU, whose outputs have no bound."""
+    in [2^14, 2^15); 0 (off: each down program scales its bf16 rows itself) for SiLU and GELU, whose outputs have no
+    bound."""
     if activation != "clamped_swiglu":
         return 0
     return max(0, 14 - math.floor(math.log2((limit + 1) * max(limit, 0.28 / alpha))))

@@ -11,6 +11,7 @@ from tests.kernels.test_moe import _experts, _routing, reference_moe
 LAYOUTS = {  # experts, hidden, intermediate, top-k, tokens, interleaved, activation, bias
     "gpt_oss": (4, 2880, 32, 2, 3, True, "clamped_swiglu", True),  # K = 2880: not a multiple of 128
     "silu_concatenated": (3, 96, 160, 2, 5, False, "silu", False),
+    "gelu_concatenated": (3, 96, 160, 2, 5, False, "gelu_tanh", False),  # Gemma 4
     "prefill": (3, 96, 64, 2, 60, True, "clamped_swiglu", True),  # ~40 pairs per expert: decoded blocks and a GEMM
 }
 

@@ -25,6 +25,8 @@ def reference_moe(hidden, index, weights, gate_up: PackedWeight, down: PackedWei
             if activation == "clamped_swiglu":
                 gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
                 act = (up + 1) * gate * torch.sigmoid(gate * alpha)
+            elif activation == "gelu_tanh":
+                act = torch.nn.functional.gelu(gate, approximate="tanh") * up
             else:
                 act = torch.nn.functional.silu(gate) * up
             y = act @ w2[e].double().T
@@ -43,6 +45,7 @@ FAMILY_CASES = {
     # programs the Triton interpreter runs ~5x faster than at 2880
     "gpt_oss_short": (4, 608, 32, 2, 2, True, "clamped_swiglu", True),
     "silu_concatenated": (3, 96, 160, 2, 3, False, "silu", False),  # 3 tokens sharing experts
+    "gelu_concatenated": (3, 96, 160, 2, 3, False, "gelu_tanh", False),  # Gemma 4's GELU (tanh approximation)
 }
 
 
@@ -75,12 +78,13 @@ def _routing(tokens, experts, top_k, seed=0):
 
 
 @pytest.mark.parametrize("format", ["mxfp4", "fp8_block", "dense"])
-@pytest.mark.parametrize("family", ["gpt_oss", "silu_concatenated"])
+@pytest.mark.parametrize("family", ["gpt_oss", "silu_concatenated", "gelu_concatenated"])
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_fused_moe_matches_the_reference(format, family, precision):
     """gpt-oss: interleaved gate/up, clamped SwiGLU, biases, K = 2880 (not a multiple of 128); the other families:
-    concatenated gate/up with SiLU, no bias, 3 tokens sharing experts (several pairs per block). The fp32 path to
-    1e-4; on a GPU also the bf16 path (PTX MXFP4 upcast, hardware fp8 conversion) to 1e-2."""
+    concatenated gate/up with SiLU (Gemma 4: GELU's tanh approximation), no bias, 3 tokens sharing experts (several
+    pairs per block). The fp32 path to 1e-4; on a GPU also the bf16 path (PTX MXFP4 upcast, hardware fp8
+    conversion) to 1e-2."""
     experts, hidden, inter, top_k, tokens, interleaved, activation, bias = FAMILY_CASES[family]
     gate_up, down = _experts(format, experts, hidden, inter, bias)
     index, weights = _routing(tokens, experts, top_k)
