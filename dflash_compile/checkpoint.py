@@ -152,12 +152,14 @@ def _save_shards(tensors: dict[str, torch.Tensor], directory: Path) -> None:
 
 
 # Where a multimodal checkpoint (e.g. Qwen3.5-MoE's image-text-to-text release) keeps its text decoder, which the
-# causal LM built from its config names "model.": transformers' PrefixChange of the same name.
+# causal LM built from its config names "model.": transformers' PrefixChange of the same name. (Gemma 4's causal LM
+# class is its multimodal model, which keeps the stored names.)
 MULTIMODAL_TEXT_PREFIX = ("model.language_model.", "model.")
 
 
 class _Checkpoint:
-    """Every tensor of a checkpoint directory, read lazily by the name the causal LM gives it."""
+    """Every tensor of a checkpoint directory, read lazily by the name the model gives it: as stored, or for a
+    multimodal checkpoint's text decoder also by the causal LM's name (MULTIMODAL_TEXT_PREFIX)."""
 
     def __init__(self, directory: Path):
         files = sorted(directory.glob("*.safetensors"))
@@ -165,18 +167,23 @@ class _Checkpoint:
             raise FileNotFoundError(f"{directory} has no *.safetensors weights")
         self.handles = [safe_open(str(f), framework="pt") for f in files]
         stored, loaded = MULTIMODAL_TEXT_PREFIX
-        self.where = {(loaded + key.removeprefix(stored) if key.startswith(stored) else key): (handle, key)
-                      for handle in self.handles for key in handle.keys()}
-        self.used: set[str] = set()
+        self.where = {key: (handle, key) for handle in self.handles for key in handle.keys()}
+        self.where |= {loaded + key.removeprefix(stored): place for key, place in self.where.items()
+                       if key.startswith(stored)}
+        self.used: set[str] = set()  # stored names
 
     def __contains__(self, key: str) -> bool:
         return key in self.where
 
+    def taken(self, key: str) -> bool:
+        """Whether the tensor `key` names was read already (packed experts, FP8 layers)."""
+        return key in self.where and self.where[key][1] in self.used
+
     def get(self, key: str) -> torch.Tensor:
         if key not in self.where:
             raise KeyError(f"the checkpoint has no tensor {key!r}")
-        self.used.add(key)
         handle, stored = self.where[key]
+        self.used.add(stored)
         return handle.get_tensor(stored)
 
     def unused(self, model: torch.nn.Module, config) -> list[str]:
@@ -186,8 +193,8 @@ class _Checkpoint:
         classes = [type(model), *(getattr(transformers, name, None) for name in config.architectures or [])]
         patterns = [re.compile(pattern) for cls in classes
                     for pattern in getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or []]
-        return sorted(stored for name, (_, stored) in self.where.items()
-                      if name not in self.used and not any(p.search(stored) for p in patterns))
+        return sorted({stored for _, stored in self.where.values()
+                       if stored not in self.used and not any(p.search(stored) for p in patterns)})
 
 
 def _checkpoint_format(quantization) -> str:
@@ -371,7 +378,7 @@ def _load_remaining(model: torch.nn.Module, checkpoint: _Checkpoint, dtype, devi
         for table in (module._parameters, module._buffers):
             for name, tensor in table.items():
                 key = prefix + name
-                if tensor is None or key not in checkpoint or key in checkpoint.used or (tied and module is output):
+                if tensor is None or key not in checkpoint or checkpoint.taken(key) or (tied and module is output):
                     continue  # absent, or already taken (packed experts, FP8 layers)
                 value = checkpoint.get(key)
                 value = value.to(device, dtype if value.is_floating_point() else value.dtype)

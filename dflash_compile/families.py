@@ -338,7 +338,7 @@ FAMILIES: dict[str, FamilySpec] = {
         FamilySpec(  # Gemma 4 (its MoE releases): routed experts beside each layer's MLP, GELU-gated, a softmax router
             # on the layer's input times per-expert scales (`router`, on the decoder layer); sliding and full layers
             # declared, the full ones with wider heads (per-layer config)
-            "gemma4_text", ("gemma4_text",), "Gemma4TextExperts", _SWIGLU,
+            "gemma4_text", ("gemma4_text", "gemma4"), "Gemma4TextExperts", _SWIGLU,
             RouterSpec(scoring="softmax", module="router"), _moe_block_layers, _declared_layer_types,
             cached_per_token=_gemma4_keys_and_values,
         ),

@@ -135,31 +135,38 @@ def tiny_config(family: str, **overrides) -> transformers.PretrainedConfig:
     return config
 
 
+def _vision_tower(hidden_size: int, **settings) -> dict:
+    """A one-block vision tower of Qwen-VL's and GLM-4.5V's kind, projecting into the text decoder's width."""
+    return dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=hidden_size, **settings)
+
+
 # Families released as image-text-to-text models (the decoder under `model.language_model`, a vision tower beside
-# it): the multimodal config class, the tiny text config, the vision tower's own settings. Qwen3-VL-MoE's text config
-# has no causal LM class, so it is not in TINY_CONFIGS.
+# it): the multimodal config class, the tiny text config, the vision tower's settings (a function of the decoder's
+# width). Qwen3-VL-MoE's text config has no causal LM class, so it is not in TINY_CONFIGS.
 MULTIMODAL = {
-    "qwen3_5_moe": (transformers.Qwen3_5MoeConfig, lambda: tiny_config("qwen3_5_moe"), {}),
+    "qwen3_5_moe": (transformers.Qwen3_5MoeConfig, lambda: tiny_config("qwen3_5_moe"), _vision_tower),
     "qwen3_vl_moe": (transformers.Qwen3VLMoeConfig, lambda: transformers.Qwen3VLMoeTextConfig(
         num_hidden_layers=2, intermediate_size=96, moe_intermediate_size=32, num_experts=8, head_dim=16,
         rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3], mrope_interleaved=True),
-        **_ROUTED, **_COMMON), dict(deepstack_visual_indexes=[0])),
+        **_ROUTED, **_COMMON), lambda hidden_size: _vision_tower(hidden_size, deepstack_visual_indexes=[0])),
     "glm4v_moe": (transformers.Glm4vMoeConfig, lambda: transformers.Glm4vMoeTextConfig(
         num_hidden_layers=3, head_dim=16, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                                                                partial_rotary_factor=0.5, mrope_section=[1, 1, 2]),
-        **_DEEPSEEK_ROUTING, **_ROUTED, **_COMMON), {}),
+        **_DEEPSEEK_ROUTING, **_ROUTED, **_COMMON), _vision_tower),
+    "gemma4": (transformers.Gemma4Config, lambda: tiny_config("gemma4_text"), lambda hidden_size: dict(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+        intermediate_size=32)),
 }
 
 
 def tiny_multimodal_config(family: str, **text_overrides) -> transformers.PretrainedConfig:
     """`family` as released (image-text-to-text): its tiny text config with a one-block vision tower beside it."""
-    config_class, text_config, vision_settings = MULTIMODAL[family]
+    config_class, text_config, vision_tower = MULTIMODAL[family]
     text = text_config()
     for key, value in text_overrides.items():
         setattr(text, key, value)
-    vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=text.hidden_size,
-                  **vision_settings)
-    return config_class(text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=False)
+    return config_class(text_config=text.to_dict(), vision_config=vision_tower(text.hidden_size),
+                        tie_word_embeddings=False)
 
 
 def _randomize_zero_inits(model: torch.nn.Module, generator: torch.Generator) -> None:

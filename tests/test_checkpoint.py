@@ -306,6 +306,26 @@ def test_a_multimodal_fp8_checkpoint_loads_its_text_model(tmp_path):
         assert torch.equal(loaded(ids).logits, expected(ids).logits)
 
 
+def test_gemma4_as_released_loads_its_fp8_checkpoint_by_the_stored_names(tmp_path):
+    """Gemma 4's causal LM class is its image-text-to-text model, which keeps the checkpoint's names
+    (`model.language_model.`), not the text-only causal LM's: quantized to FP8 it loads packed as that model, its
+    logits those of the model with every packed tensor dequantized."""
+    from dflash_compile.testing import tiny_multimodal_config
+
+    torch.manual_seed(0)
+    config = tiny_multimodal_config("gemma4", moe_intermediate_size=128)
+    transformers.AutoModelForImageTextToText.from_config(config).save_pretrained(tmp_path / "bf16")
+    original = load_tiny_model("gemma4", directory=tmp_path / "bf16")
+    packed = load_packed(quantize(original, tmp_path / "fp8", "fp8_block"), dtype=torch.float32)
+    assert type(packed) is transformers.Gemma4ForConditionalGeneration
+    weight_bytes, weights = expert_bytes(packed)
+    assert 8.0 <= weight_bytes * 8 / weights <= 8.01
+    reference = _dequantized_reference(original, packed)
+    ids = token_ids()
+    with torch.no_grad():
+        torch.testing.assert_close(packed(ids).logits, reference(ids).logits, atol=1e-4, rtol=1e-4)
+
+
 def test_a_model_type_without_a_causal_lm_is_refused_before_anything_is_written(tmp_path):
     """Quantized checkpoints load as transformers' causal LM of their config; Qwen3-VL-MoE has none (an
     image-text-to-text model only), so quantize refuses it before writing, and load_packed a checkpoint of it."""

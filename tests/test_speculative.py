@@ -282,10 +282,11 @@ def test_a_sampling_cutoff_out_of_range_is_refused(tiny, setting, message):
     assert fast.decoder.target_cache is None
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl_moe", "glm4v_moe"])
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", "glm4v_moe", "gemma4"])
 def test_an_image_text_to_text_release_generates_like_generate(tmp_path, family):
     """Qwen3-VL-MoE and GLM-4.5V, which transformers builds only as image-text-to-text models (the decoder under
-    `model.language_model`, its rotary positions in three sections, a vision tower beside it): text prompts keep
+    `model.language_model`, its rotary positions in three sections, a vision tower beside it), and Gemma 4 as
+    released (an image-text-to-text model whose causal LM class is that one too): text prompts keep
     `generate`'s tokens through partly accepted blocks, eager and compiled, with their experts offloaded, and loaded
     by `dflash_compile.from_pretrained`."""
     from dflash_compile.offload import offload_experts, plan_offload

@@ -998,7 +998,8 @@ def _row_blocker(*weights: PackedWeight) -> str | None:
     whole 32-code groups (MXFP4's K always is; FP8 needs K a multiple of 32) and dense rows along K, contiguous.
     Dense weights otherwise keep the tensor-core tiles, as measured: a transposed view (gpt-oss's [E, in, out] bf16
     experts) is not measured on that path. Offloaded experts take the path the resident ones take, so both compute
-    a decode token with the same kernel: the same bits."""
+    a decode token with the same kernel: the same bits (its speed on experts read from the host is not measured
+    yet, session 53)."""
     if not all(w.format == "dense" or w.shape[2] % 32 == 0 for w in weights):
         return ("the CUDA-core path reads weight rows in whole 32-code groups, and these rows are not (FP8: K a "
                 "multiple of 32)")
