@@ -71,29 +71,30 @@ def routed_top_k(config) -> int:
     return getattr(config, "num_experts_per_tok", None) or config.top_k_experts
 
 
-def head_dim(config) -> int:
-    """An attention head's dimension: the config's `head_dim` (the first layer's where layers differ), else hidden
-    size / heads (Mixtral, OLMoE)."""
-    first = layer_configs(config)[0]
-    return getattr(first, "head_dim", None) or config.hidden_size // config.num_attention_heads
+def head_dim(config, layer: int = 0) -> int:
+    """An attention head's dimension in decoder layer `layer`: its `head_dim` (Gemma 4's full layers have their own),
+    else hidden size / heads (Mixtral, OLMoE)."""
+    return getattr(layer_configs(config)[layer], "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _first_layer(config, kind: AttentionKind) -> int:
+    """A decoder layer of attention kind `kind`: the first the config declares, else (kinds not declared: one kind
+    everywhere) the first."""
+    declared = getattr(config, "layer_types", None) or []
+    return declared.index(kind) if kind in declared else 0
 
 
 def _keys_and_values(config, kind: AttentionKind) -> int:
-    """A key and a value of every key/value head."""
-    return 2 * config.num_key_value_heads * head_dim(config)
+    """A key and a value of every key/value head of a layer of `kind` (Gemma 4's full layers: wider heads, their own
+    key/value heads; with `attention_k_eq_v` their values are their keys, cached as both)."""
+    layer = _first_layer(config, kind)
+    return 2 * layer_configs(config)[layer].num_key_value_heads * head_dim(config, layer)
 
 
 def _mimo_keys_and_values(config, kind: AttentionKind) -> int:
     """MiMo-V2-Flash: keys of `head_dim`, values of `v_head_dim`, and sliding layers twice the key/value heads."""
     heads = config.num_key_value_heads * (2 if kind == "sliding_attention" else 1)
     return heads * (head_dim(config) + config.v_head_dim)
-
-
-def _gemma4_keys_and_values(config, kind: AttentionKind) -> int:
-    """Gemma 4: a key and a value of every key/value head at the layer kind's own head size (the full-attention
-    layers' wider; with `attention_k_eq_v` their values are their keys, cached as both)."""
-    layer = layer_configs(config)[config.layer_types.index(kind)]
-    return 2 * layer.num_key_value_heads * layer.head_dim
 
 
 def _latent(config, kind: AttentionKind) -> int:
@@ -340,7 +341,6 @@ FAMILIES: dict[str, FamilySpec] = {
             # declared, the full ones with wider heads (per-layer config)
             "gemma4_text", ("gemma4_text", "gemma4"), "Gemma4TextExperts", _SWIGLU,
             RouterSpec(scoring="softmax", module="router"), _moe_block_layers, _declared_layer_types,
-            cached_per_token=_gemma4_keys_and_values,
         ),
         FamilySpec(  # Phi-3.5-MoE: Mixtral's layout and window rule, a sparsemixer router (top-2 by masked softmaxes)
             "phimoe", ("phimoe",), "PhimoeExperts", _SWIGLU, RouterSpec(scoring="softmax", module="router"),

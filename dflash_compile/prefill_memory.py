@@ -99,7 +99,7 @@ class PrefillActivations:
         layer = ((2 * layer + RESIDUAL_STREAM * config.hidden_size) * itemsize + 2 * routers * FP32
                  + chunked_rule)
         kinds = set(spec.attention_kinds(config)) - {"linear_attention"}
-        groups = max(config.num_attention_heads // layer.num_key_value_heads for layer in layer_configs(config))
+        groups = max(config.num_attention_heads // view.num_key_value_heads for view in layer_configs(config))
         features = (3 * feature_layers + 4) * config.hidden_size * itemsize if drafter else 0
         return cls(itemsize=itemsize, layer=layer, experts=experts,
                    prompt_token=features, slot=spec.expanded_per_slot(config) * itemsize,
