@@ -123,6 +123,12 @@ REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
     "mimo-v2-flash": transformers.MiMoV2FlashConfig,  # 48 layers (the first dense; 3 in 4 sliding), 256 experts, top-8
     "hy-v3": transformers.HYV3Config,  # 80 layers (the first dense), 192 experts of 1536, top-8, a shared expert
     "laguna": transformers.LagunaConfig,  # 40 layers (the first dense), 256 experts of 512, top-8, a shared expert
+    "mellum2-12b-a2.5b": transformers.MellumConfig,  # 28 layers, 64 experts of 896, top-8
+    "kolibri-1": transformers.Kolibri1Config,  # 50 layers (4 in 5 sliding), 384 experts of 512, top-6, a shared expert
+    "flint": transformers.FlintConfig,  # 49 layers (47 routed), 256 experts of 512, top-6, a shared expert
+    "minicpm5-15b-a2.5b": transformers.MiniCPM5MoeConfig,  # 28 layers (the first dense), 160 experts of 512, top-16
+    "beam-1.0-501b-a23b": transformers.BeamConfig,  # 52 layers (49 routed), 256 experts of 2560, top-8
+    "a.x-k1": transformers.AXK1Config,  # 61 layers (the first dense), MLA, 192 experts of 2048, top-8, a shared expert
     "qwen3-vl-30b-a3b": lambda: transformers.Qwen3VLMoeConfig(text_config=dict(  # image-text-to-text: the text decoder
         hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
         num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,

@@ -342,6 +342,38 @@ FAMILIES: dict[str, FamilySpec] = {
             "gemma4_text", ("gemma4_text", "gemma4"), "Gemma4TextExperts", _SWIGLU,
             RouterSpec(scoring="softmax", module="router"), _moe_block_layers, _declared_layer_types,
         ),
+        FamilySpec(  # Mellum: Qwen3-MoE's router and q/k norms; MLPs and attention layers declared (sliding and full)
+            "mellum", ("mellum",), "MellumExperts", _SWIGLU, _SOFTMAX, _declared_sparse_layers, _declared_layer_types,
+        ),
+        FamilySpec(  # Kolibri: a sigmoid of the chosen logits, chosen with the router's correction bias; a shared
+            # expert, post-attention and post-MLP norms; sliding layers with rotary positions, full ones without
+            "kolibri1", ("kolibri1",), "Kolibri1Experts", _SWIGLU,
+            RouterSpec(scoring="sigmoid", correction_bias="e_score_correction_bias"), _all_layers,
+            _declared_layer_types,
+        ),
+        FamilySpec(  # Beam: GLM-4.5's router (its scaling applied to the block's output); the attention output gated
+            # per head, full layers without rotary positions and with position-scaled queries
+            "beam", ("beam",), "BeamExperts", _SWIGLU, _DEEPSEEK_ROUTER, _declared_sparse_layers,
+            _declared_layer_types,
+        ),
+        FamilySpec(  # Flint: sigmoid scores without a bias, renormalised; an ungated shared expert; sliding layers with
+            # rotary positions and full ones without, all with sinks
+            "flint", ("flint",), "FlintExperts", _SWIGLU, RouterSpec(scoring="sigmoid"), _qwen3_sparse_layers,
+            _declared_layer_types, attention_sinks=True,
+        ),
+        FamilySpec(  # Granite-MoE with sliding layers: Granite-MoE's router and multipliers, attention sinks
+            "granitemoe_swa", ("granitemoe_swa",), "GraniteMoeSWAExperts", _SWIGLU, _TOP_K_THEN_SOFTMAX, _all_layers,
+            _declared_layer_types, attention_sinks=True,
+        ),
+        FamilySpec(  # MiniCPM5-MoE: GLM-4.5's router and shared experts, MLPs declared, the attention output gated
+            "minicpm5_moe", ("minicpm5_moe",), "MiniCPM5MoeExperts", _SWIGLU, _DEEPSEEK_ROUTER,
+            _declared_sparse_layers, _full_attention,
+        ),
+        FamilySpec(  # A.X K1: DeepSeek-V3 (latent attention, router, shared experts) with a norm on the MoE block's
+            # output; MLPs declared
+            "axk1", ("axk1",), "AXK1Experts", _SWIGLU, _DEEPSEEK_ROUTER, _declared_sparse_layers, _full_attention,
+            shared_input_linears=_MLA_SHARED_INPUTS, cached_per_token=_latent,
+        ),
         FamilySpec(  # Phi-3.5-MoE: Mixtral's layout and window rule, a sparsemixer router (top-2 by masked softmaxes)
             "phimoe", ("phimoe",), "PhimoeExperts", _SWIGLU, RouterSpec(scoring="softmax", module="router"),
             _all_layers, _window_everywhere,

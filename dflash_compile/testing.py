@@ -7,7 +7,9 @@ deepseek_v3, dots1, ernie4_5_moe, exaone_moe, glm4_moe_lite, hy_v3, laguna and m
 for qwen3_moe, GatedDeltaNet linear-attention layers for qwen3_5_moe and qwen3_next, alternating sliding/full layers
 with attention sinks for gpt_oss, sliding layers with sinks and narrower values for mimo_v2_flash, sliding layers
 before a full one for exaone_moe and laguna, a wider full layer whose keys are its values for gemma4_text, q/k/v
-biases for qwen2_moe, Granite's multipliers, shared experts where the family has them.
+biases for qwen2_moe, Granite's multipliers, shared experts where the family has them. The families added later
+(mellum, kolibri1, beam, flint, granitemoe_swa, minicpm5_moe, axk1) keep theirs likewise; each entry's comment says
+what.
 """
 
 from __future__ import annotations
@@ -107,6 +109,36 @@ TINY_CONFIGS = {
         sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         hidden_size_per_layer_input=0, final_logit_softcapping=30.0, bos_token_id=1, eos_token_id=2, pad_token_id=0,
         **_COMMON),
+    "mellum": lambda: transformers.MellumConfig(  # q/k norms; a dense first layer; sliding layers, then a full one
+        num_hidden_layers=3, head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+        sliding_window=8, mlp_layer_types=["dense", "sparse", "sparse"],
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"], **_ROUTED, **_COMMON),
+    "kolibri1": lambda: transformers.Kolibri1Config(  # sliding layers, then a full one without rotary positions
+        num_hidden_layers=3, head_dim=16, moe_intermediate_size=32, num_experts=8, shared_expert_intermediate_size=48,
+        sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"], **_ROUTED,
+        **_COMMON),
+    "beam": lambda: transformers.BeamConfig(  # a dense first layer; sliding layers, then a full one without rotary
+        num_hidden_layers=3, head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=8, n_group=2,
+        topk_group=1, sliding_window=8, mlp_layer_types=["dense", "sparse", "sparse"],
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"], initializer_range=0.1, **_ROUTED,
+        **_COMMON),
+    "flint": lambda: transformers.FlintConfig(  # an `mlp_only_layers` dense layer; sliding layers, then a full one
+        num_hidden_layers=3, head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+        shared_expert_intermediate_size=48, mlp_only_layers=[0], sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"], initializer_range=0.1, **_ROUTED,
+        **_COMMON),
+    "granitemoe_swa": lambda: transformers.GraniteMoeSWAConfig(  # a full layer, then sliding ones; multipliers
+        num_hidden_layers=3, intermediate_size=48, shared_intermediate_size=64, num_local_experts=4, sliding_window=8,
+        embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0, **_ROUTED,
+        **_COMMON),
+    "minicpm5_moe": lambda: transformers.MiniCPM5MoeConfig(  # a dense first layer, a shared expert
+        num_hidden_layers=3, head_dim=16, num_local_experts=8, mlp_layer_types=["dense", "sparse", "sparse"],
+        initializer_range=0.05, **_ROUTED, **_COMMON,
+        **{key: value for key, value in _DEEPSEEK_ROUTING.items()
+           if key not in ("first_k_dense_replace", "n_routed_experts")}),
+    "axk1": lambda: transformers.AXK1Config(  # DeepSeek-V3's latent attention, MLPs declared
+        mlp_layer_types=["dense", "sparse", "sparse"], bos_token_id=1, eos_token_id=2, **_MLA, **_ROUTED,
+        **{key: value for key, value in _DEEPSEEK_ROUTING.items() if key != "first_k_dense_replace"}),
     "phimoe": lambda: transformers.PhimoeConfig(  # LayerNorms, q/k/v biases
         num_hidden_layers=2, intermediate_size=48, num_local_experts=4, **_ROUTED, **_COMMON),
     "flex_olmo": lambda: transformers.FlexOlmoConfig(  # post-attention and post-MLP norms

@@ -26,7 +26,9 @@ SIZES = {"gpt_oss": {"intermediate_size": 64}, "deepseek_v2": {"moe_intermediate
          "hunyuan_v1_moe": {"intermediate_size": 128}, "hy_v3": {"moe_intermediate_size": 128},
          "laguna": {"moe_intermediate_size": 128}, "mimo_v2_flash": {"moe_intermediate_size": 128},
          "afmoe": {"moe_intermediate_size": 128}, "gemma4_text": {"moe_intermediate_size": 128},
-         "phimoe": {"intermediate_size": 128},
+         "phimoe": {"intermediate_size": 128}, "granitemoe_swa": {"intermediate_size": 128},
+         **{family: {"moe_intermediate_size": 128}
+            for family in ("mellum", "kolibri1", "beam", "flint", "minicpm5_moe", "axk1")},
          "glm4_moe": {"moe_intermediate_size": 128}, "glm4_moe_lite": {"moe_intermediate_size": 128},
          "qwen2_moe": {"moe_intermediate_size": 128}, "qwen3_moe": {"moe_intermediate_size": 128},
          "qwen3_next": {"moe_intermediate_size": 128}}
@@ -143,10 +145,12 @@ def _dequantized_reference(original, packed):
     return reference
 
 
-@pytest.mark.parametrize("family", ["afmoe", "cohere2_moe", "deepseek_v2", "deepseek_v3", "dots1", "ernie4_5_moe",
-                                    "exaone_moe", "flex_olmo", "gemma4_text", "glm4_moe", "glm4_moe_lite", "granitemoe",
-                                    "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "laguna", "mimo_v2_flash",
-                                    "minimax_m2", "phimoe", "qwen2_moe", "qwen3_moe", "qwen3_next", "solar_open"])
+@pytest.mark.parametrize("family", ["afmoe", "axk1", "beam", "cohere2_moe", "deepseek_v2", "deepseek_v3", "dots1",
+                                    "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "gemma4_text", "glm4_moe",
+                                    "glm4_moe_lite", "granitemoe", "granitemoe_swa", "granitemoeshared",
+                                    "hunyuan_v1_moe", "hy_v3", "kolibri1", "laguna", "mellum", "mimo_v2_flash",
+                                    "minicpm5_moe", "minimax_m2", "phimoe", "qwen2_moe", "qwen3_moe", "qwen3_next",
+                                    "solar_open"])
 def test_fp8_block_checkpoint_loads_packed_and_matches_the_dequantized_model(family, tmp_path):
     original, directory = _quantized(family, "fp8_block", tmp_path)
     packed = load_packed(directory, dtype=torch.float32)

@@ -13,12 +13,13 @@ from dflash_compile.families import (
 from tests.conftest import token_ids
 
 
-def test_registry_covers_the_twenty_nine_families():
+def test_registry_covers_the_thirty_six_families():
     assert dflash_compile.supported_families() == sorted(
         ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe", "glm4_moe_lite",
          "deepseek_v2", "deepseek_v3", "olmoe", "ernie4_5_moe", "phimoe", "dots1", "flex_olmo", "solar_open",
          "exaone_moe", "qwen3_vl_moe", "glm4v_moe", "granitemoe", "granitemoeshared", "cohere2_moe",
-         "minimax_m2", "hunyuan_v1_moe", "hy_v3", "laguna", "mimo_v2_flash", "afmoe", "gemma4_text"]
+         "minimax_m2", "hunyuan_v1_moe", "hy_v3", "laguna", "mimo_v2_flash", "afmoe", "gemma4_text", "mellum",
+         "kolibri1", "beam", "flint", "granitemoe_swa", "minicpm5_moe", "axk1"]
     )
 
 
@@ -52,6 +53,13 @@ def test_registry_covers_the_twenty_nine_families():
         ("mimo_v2_flash", [1, 2], ["sliding_attention", "sliding_attention", "full_attention"]),  # mlp_layer_types
         ("afmoe", [1, 2], ["sliding_attention", "sliding_attention", "full_attention"]),  # num_dense_layers=1
         ("gemma4_text", [0, 1, 2], ["sliding_attention", "sliding_attention", "full_attention"]),  # enable_moe_block
+        ("mellum", [1, 2], ["sliding_attention", "sliding_attention", "full_attention"]),  # mlp_layer_types
+        ("kolibri1", [0, 1, 2], ["sliding_attention", "sliding_attention", "full_attention"]),
+        ("beam", [1, 2], ["sliding_attention", "sliding_attention", "full_attention"]),  # mlp_layer_types
+        ("flint", [1, 2], ["sliding_attention", "sliding_attention", "full_attention"]),  # mlp_only_layers=[0]
+        ("granitemoe_swa", [0, 1, 2], ["full_attention", "sliding_attention", "sliding_attention"]),
+        ("minicpm5_moe", [1, 2], ["full_attention"] * 3),  # mlp_layer_types
+        ("axk1", [1, 2], ["full_attention"] * 3),  # mlp_layer_types
     ],
 )
 def test_spec_of_each_tiny_model(tiny, family, moe_layers, attention):

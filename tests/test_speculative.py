@@ -15,7 +15,8 @@ from tests.conftest import token_ids
 SPECULATIVE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe",
                         "glm4_moe_lite", "deepseek_v2", "deepseek_v3", "olmoe", "ernie4_5_moe", "phimoe", "dots1",
                         "flex_olmo", "solar_open", "exaone_moe", "granitemoe", "granitemoeshared", "cohere2_moe",
-                        "minimax_m2", "hunyuan_v1_moe", "hy_v3", "laguna", "mimo_v2_flash", "afmoe", "gemma4_text"]
+                        "minimax_m2", "hunyuan_v1_moe", "hy_v3", "laguna", "mimo_v2_flash", "afmoe", "gemma4_text",
+                        "mellum", "kolibri1", "beam", "flint", "granitemoe_swa", "minicpm5_moe", "axk1"]
 NEW_TOKENS = 48  # crosses the gpt_oss test model's 8-token sliding window several times
 
 
