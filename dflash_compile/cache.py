@@ -279,8 +279,12 @@ class TargetCache(Cache):
         raise RuntimeError("TargetCache lengths are per row and on the device; pass position_ids explicitly")
 
     def positions(self, width: int) -> torch.Tensor:
-        """Position ids [b, width] of the next `width` tokens: slot minus left padding."""
-        return self.lengths[:, None] - self.pad[:, None] + torch.arange(width, device=self.lengths.device)
+        """Position ids [b, width] of the next `width` tokens: slot minus left padding, at least 0. A padding slot's
+        query and key are masked, but not its position's arithmetic: Mistral 4 scales queries by log(1 + floor(
+        position / n)), infinite at -1, and an infinite query makes a NaN key for the next layer's cache, which poisons
+        every softmax of its row (transformers gives padding position 1)."""
+        slots = self.lengths[:, None] + torch.arange(width, device=self.lengths.device)
+        return (slots - self.pad[:, None]).clamp_min(0)
 
     def seen_slots(self, width: int) -> torch.Tensor | None:
         """A compiled step's bound on the slots its `width` new tokens see, for `dflash::decode_attention` to read no

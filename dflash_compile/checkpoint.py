@@ -32,7 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .cost_model import BITS_PER_WEIGHT
-from .families import auto_model_class, experts_modules, router_of, spec_for_model
+from .families import auto_model_class, builds_causal_lm, experts_modules, router_of, spec_for_model
 from .packed import FP8_BLOCK, PackedWeight, attach_packed, expert_weights, packed_weights
 from .quant import quantize_fp8_block
 
@@ -125,7 +125,7 @@ def quantize(model: torch.nn.Module, directory: str | Path, format: str) -> Path
 def _check_causal_lm(config) -> None:
     """`load_packed` builds a quantized checkpoint as transformers' causal LM of its config: refuse, before any work,
     a model type that has none (Qwen3-VL-MoE is an image-text-to-text model only)."""
-    if auto_model_class(config) is not transformers.AutoModelForCausalLM:
+    if not builds_causal_lm(config):
         raise ValueError(f"model_type {config.model_type!r} has no causal LM class in transformers, which quantized "
                          "checkpoints load as: run this model unquantized (optimize) or with its experts offloaded "
                          "(offload_experts)")
@@ -344,7 +344,7 @@ def load_packed(path: str | Path, dtype: torch.dtype = torch.bfloat16, device="c
     _check_causal_lm(config)
     checkpoint = _Checkpoint(path)
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = auto_model_class(config).from_config(config, dtype=dtype)
     for name, experts in experts_modules(model).items():
         count = experts.gate_up_proj.shape[0]
         attach_packed(experts, *_packed_experts(checkpoint, name, format, count, device))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers.activations import GELUTanh, SiLUActivation
 from transformers.integrations.moe import grouped_mm_experts_forward
 
 from .families import ExpertLayout, FamilySpec
@@ -63,8 +64,9 @@ def expert_sum(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
     return out.to(hidden.dtype)
 
 
-# the experts' `act_fn` by its config name (`hidden_act`, Gemma's `hidden_activation`) -> the kernels' activation
-GATED_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+# the experts' `act_fn` module, as transformers' ACT2FN builds it from the config (`hidden_act`, Gemma's
+# `hidden_activation`; Aria's experts always SiLU) -> the kernels' activation
+GATED_ACTIVATIONS = {SiLUActivation: "silu", torch.nn.SiLU: "silu", GELUTanh: "gelu_tanh"}
 
 
 @dataclass(frozen=True)
@@ -83,10 +85,11 @@ class Gate:
         interleaved = layout.gate_up == "interleaved"
         if layout.activation == "clamped_swiglu":
             return cls(interleaved, "clamped_swiglu", float(module.alpha), float(module.limit))
-        act = getattr(module.config, "hidden_act", None) or getattr(module.config, "hidden_activation", None)
+        act = type(module.act_fn)
         if act not in GATED_ACTIVATIONS:
-            raise ValueError(f"{type(module).__name__} uses the activation {act!r}; dflash-compile's experts support "
-                             f"{sorted(GATED_ACTIVATIONS)} (and gpt-oss's clamped SwiGLU)")
+            supported = sorted({cls.__name__ for cls in GATED_ACTIVATIONS})
+            raise ValueError(f"{type(module).__name__} uses the activation {act.__name__}; dflash-compile's experts "
+                             f"support {supported} (and gpt-oss's clamped SwiGLU)")
         return cls(interleaved, GATED_ACTIVATIONS[act])
 
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -67,8 +67,8 @@ def layer_configs(config) -> list:
 
 
 def routed_top_k(config) -> int:
-    """Experts each token is routed to: `num_experts_per_tok`, Gemma 4's `top_k_experts`."""
-    return getattr(config, "num_experts_per_tok", None) or config.top_k_experts
+    """Experts each token is routed to: `num_experts_per_tok`, Gemma 4's `top_k_experts`, Aria's `moe_topk`."""
+    return getattr(config, "num_experts_per_tok", None) or getattr(config, "top_k_experts", None) or config.moe_topk
 
 
 def head_dim(config, layer: int = 0) -> int:
@@ -374,6 +374,22 @@ FAMILIES: dict[str, FamilySpec] = {
             "axk1", ("axk1",), "AXK1Experts", _SWIGLU, _DEEPSEEK_ROUTER, _declared_sparse_layers, _full_attention,
             shared_input_linears=_MLA_SHARED_INPUTS, cached_per_token=_latent,
         ),
+        FamilySpec(  # Lara Mini: Qwen3.5-MoE's GatedDeltaNet between sliding and full attention layers, a softmax
+            # router over fp32 logits, an ungated shared expert
+            "lara_mini", ("lara_mini",), "LaraMiniExperts", _SWIGLU, _SOFTMAX, _all_layers, _declared_layer_types,
+            _GATED_DELTA_NET,
+        ),
+        FamilySpec(  # Mistral 4: DeepSeek-V2's latent attention (queries scaled by position, Llama 4's rule) and
+            # softmax router inside groups, a shared expert
+            "mistral4", ("mistral4",), "Mistral4Experts", _SWIGLU, _DEEPSEEK_V2_ROUTER, _after_first_k_dense,
+            _full_attention, shared_input_linears=_MLA_SHARED_INPUTS, cached_per_token=_latent,
+        ),
+        FamilySpec(  # Aria: experts stored [E, in, out], SiLU-gated whatever `hidden_act` says; top-k of the router's
+            # logits, then their softmax; shared experts
+            "aria", ("aria_text", "aria"), "AriaExperts",
+            ExpertLayout(gate_up="concatenated", transposed=True, bias=False, activation="act_fn"), _TOP_K_THEN_SOFTMAX,
+            _all_layers, _full_attention,
+        ),
         FamilySpec(  # Phi-3.5-MoE: Mixtral's layout and window rule, a sparsemixer router (top-2 by masked softmaxes)
             "phimoe", ("phimoe",), "PhimoeExperts", _SWIGLU, RouterSpec(scoring="softmax", module="router"),
             _all_layers, _window_everywhere,
@@ -394,9 +410,18 @@ _EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "m
 
 def auto_model_class(config):
     """transformers' auto class that builds a checkpoint of `config`: its causal LM, or the image-text-to-text model
-    of a family released only so (Qwen3-VL-MoE, GLM-4.5V), whose text prompts `optimize` runs."""
+    of a family released only so (Qwen3-VL-MoE, GLM-4.5V), whose text prompts `optimize` runs; Mistral 4's causal LM
+    too, which transformers maps only there."""
     causal = type(config) in transformers.AutoModelForCausalLM._model_mapping
     return transformers.AutoModelForCausalLM if causal else transformers.AutoModelForImageTextToText
+
+
+def builds_causal_lm(config) -> bool:
+    """Whether `auto_model_class` builds `config` as a causal LM (the decoder's weights at the top level, as quantized
+    checkpoints keep them): anything mapped as one, and Mistral 4's `Mistral4ForCausalLM` mapped as image-text."""
+    model_class = auto_model_class(config)
+    return (model_class is transformers.AutoModelForCausalLM
+            or model_class._model_mapping[type(config)].__name__.endswith("ForCausalLM"))
 
 
 class UnsupportedFamilyError(ValueError):

@@ -8,8 +8,8 @@ for qwen3_moe, GatedDeltaNet linear-attention layers for qwen3_5_moe and qwen3_n
 with attention sinks for gpt_oss, sliding layers with sinks and narrower values for mimo_v2_flash, sliding layers
 before a full one for exaone_moe and laguna, a wider full layer whose keys are its values for gemma4_text, q/k/v
 biases for qwen2_moe, Granite's multipliers, shared experts where the family has them. The families added later
-(mellum, kolibri1, beam, flint, granitemoe_swa, minicpm5_moe, axk1) keep theirs likewise; each entry's comment says
-what.
+(mellum, kolibri1, beam, flint, granitemoe_swa, minicpm5_moe, axk1, lara_mini, mistral4, aria) keep theirs
+likewise; each entry's comment says what.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 import transformers
 
 from .drafter import drafter_config, save_drafter  # noqa: F401  (save_drafter: the tests' writer too)
+from .families import auto_model_class
 
 _COMMON = dict(
     vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -139,6 +140,15 @@ TINY_CONFIGS = {
     "axk1": lambda: transformers.AXK1Config(  # DeepSeek-V3's latent attention, MLPs declared
         mlp_layer_types=["dense", "sparse", "sparse"], bos_token_id=1, eos_token_id=2, **_MLA, **_ROUTED,
         **{key: value for key, value in _DEEPSEEK_ROUTING.items() if key != "first_k_dense_replace"}),
+    "lara_mini": lambda: transformers.LaraMiniConfig(  # GatedDeltaNet, sliding and full layers, a shared expert
+        sliding_window=8, **{**_GATED_DELTA_NET, "num_hidden_layers": 3,
+                             "layer_types": ["linear_attention", "sliding_attention", "full_attention"]},
+        **_ROUTED, **_COMMON),
+    "mistral4": lambda: transformers.Mistral4Config(  # latent attention, queries scaled by position; a dense layer
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, **_MLA, **_DEEPSEEK_ROUTING, **_ROUTED),
+    "aria": lambda: transformers.AriaTextConfig(  # experts stored [E, in, out], shared experts
+        num_hidden_layers=2, intermediate_size=32, moe_num_experts=8, moe_topk=2, moe_num_shared_experts=1,
+        **_COMMON),
     "phimoe": lambda: transformers.PhimoeConfig(  # LayerNorms, q/k/v biases
         num_hidden_layers=2, intermediate_size=48, num_local_experts=4, **_ROUTED, **_COMMON),
     "flex_olmo": lambda: transformers.FlexOlmoConfig(  # post-attention and post-MLP norms
@@ -188,6 +198,11 @@ MULTIMODAL = {
     "gemma4": (transformers.Gemma4Config, lambda: tiny_config("gemma4_text"), lambda hidden_size: dict(
         hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
         intermediate_size=32)),
+    "mistral3": (transformers.Mistral3Config, lambda: tiny_config("mistral4"), lambda hidden_size: dict(  # Pixtral's
+        hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=16, image_size=64,
+        patch_size=8)),
+    "aria": (transformers.AriaConfig, lambda: tiny_config("aria"), lambda hidden_size: dict(  # Idefics3's
+        hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=64, patch_size=8)),
 }
 
 
@@ -212,7 +227,8 @@ def _randomize_zero_inits(model: torch.nn.Module, generator: torch.Generator) ->
 def save_tiny_model(family: str, directory: str | Path, seed: int = 0, **overrides) -> Path:
     """Write a random tiny model of `family` to `directory` with `save_pretrained` (fp32 weights)."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(family, **overrides), dtype=torch.float32)
+    config = tiny_config(family, **overrides)
+    model = auto_model_class(config).from_config(config, dtype=torch.float32)
     _randomize_zero_inits(model, torch.Generator().manual_seed(seed))
     model.save_pretrained(directory)
     return Path(directory)
@@ -225,7 +241,8 @@ def load_tiny_model(
     if directory is None:
         with tempfile.TemporaryDirectory() as tmp:
             return load_tiny_model(family, dtype, save_tiny_model(family, tmp), **load_kwargs)
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **load_kwargs)
+    config = transformers.AutoConfig.from_pretrained(directory)
+    model = auto_model_class(config).from_pretrained(directory, dtype=dtype, **load_kwargs)
     return model.eval()
 
 

@@ -242,16 +242,21 @@ def test_opcheck_fp8_block_linear():
     torch.testing.assert_close(torch.ops.dflash.fp8_block_linear(*args), expected)
 
 
-def test_each_familys_experts_activation_is_read_from_its_config(tiny):
-    """Gemma 4 names its activation `hidden_activation` (GELU, tanh approximation), the others `hidden_act`; an
-    activation the kernels do not have is refused with its name."""
+def test_each_familys_experts_activation_is_read_from_its_experts_module(tiny):
+    """The experts' own `act_fn`, whatever config field built it: Gemma 4's `hidden_activation` (GELU, tanh
+    approximation), the others' `hidden_act`, Aria's SiLU whatever `hidden_act` says; an activation the kernels do not
+    have is refused with its name."""
     from dflash_compile.expert_store import Gate
 
     gemma = next(iter(experts_modules(tiny("gemma4_text")).values()))
     assert Gate.of(FAMILIES["gemma4_text"].layout, gemma) == Gate(False, "gelu_tanh")
     qwen = next(iter(experts_modules(tiny("qwen3_moe")).values()))
     assert Gate.of(FAMILIES["qwen3_moe"].layout, qwen) == Gate(False, "silu")
-    qwen.config.hidden_act = "relu"
-    with pytest.raises(ValueError, match=r"^Qwen3MoeExperts uses the activation 'relu'; dflash-compile's experts "
-                                         r"support \['gelu_pytorch_tanh', 'silu'\] \(and gpt-oss's clamped SwiGLU\)$"):
+    aria = next(iter(experts_modules(tiny("aria")).values()))
+    aria.config.hidden_act = "gelu_pytorch_tanh"  # its shared experts' activation, not the routed ones'
+    assert Gate.of(FAMILIES["aria"].layout, aria) == Gate(False, "silu")
+    qwen.act_fn = torch.nn.ReLU()
+    with pytest.raises(ValueError, match=r"^Qwen3MoeExperts uses the activation ReLU; dflash-compile's experts "
+                                         r"support \['GELUTanh', 'SiLU', 'SiLUActivation'\] \(and gpt-oss's clamped "
+                                         r"SwiGLU\)$"):
         Gate.of(FAMILIES["qwen3_moe"].layout, qwen)

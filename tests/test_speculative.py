@@ -10,13 +10,10 @@ import dflash_compile
 from dflash_compile.adaptive import WidthChooser
 from dflash_compile.families import FAMILIES, spec_for_model
 from dflash_compile.testing import OracleDrafter
+from tests.conftest import FAMILIES as FAMILY_NAMES
 from tests.conftest import token_ids
 
-SPECULATIVE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe",
-                        "glm4_moe_lite", "deepseek_v2", "deepseek_v3", "olmoe", "ernie4_5_moe", "phimoe", "dots1",
-                        "flex_olmo", "solar_open", "exaone_moe", "granitemoe", "granitemoeshared", "cohere2_moe",
-                        "minimax_m2", "hunyuan_v1_moe", "hy_v3", "laguna", "mimo_v2_flash", "afmoe", "gemma4_text",
-                        "mellum", "kolibri1", "beam", "flint", "granitemoe_swa", "minicpm5_moe", "axk1"]
+SPECULATIVE_FAMILIES = FAMILY_NAMES  # every family (the image-text-to-text releases: further below)
 NEW_TOKENS = 48  # crosses the gpt_oss test model's 8-token sliding window several times
 
 
@@ -50,13 +47,17 @@ def _generates_with_partial_drafts(model, ids, mask, expected, compile: bool, **
 # Qwen3-MoE's attention with a biased softmax router, Phi-MoE Mixtral's layout with its own router, dots.llm1 and
 # Solar Open GLM-4.5's router, FlexOlmo OLMoE's, Granite-MoE and Cohere2-MoE gpt-oss's, MiniMax-M2 a sigmoid router
 # with the block's bias, Hunyuan 3 MiniMax-M2's, Hunyuan-A13B Qwen3-MoE's with q/k norms, Laguna Cohere2-MoE's
-# sliding and full layers with a per-head output gate, AFMoE MiniMax-M2's router and gated attention (each family's
-# compiled speculative step keeps its identity test:
-# `test_offload_with_compiled_dflash_speculative_decoding`, one unpadded row). A batch of one row also for gpt-oss's
-# sliding rings and sinks.
+# sliding and full layers with a per-head output gate, AFMoE MiniMax-M2's router and gated attention, Mellum
+# Qwen3-MoE's router on Laguna's layers, Kolibri EXAONE-MoE's layers with FlexOlmo's norms, Flint and Granite-MoE-SWA
+# gpt-oss's sinks on sliding and full layers, MiniCPM5-MoE GLM-4.5's router with a gated output, A.X K1 DeepSeek-V3,
+# Lara Mini Qwen3.5's linear attention beside gpt-oss's sliding layers (each family's compiled speculative step
+# keeps its identity test: `test_offload_with_compiled_dflash_speculative_decoding`, one unpadded row). Beam's and
+# Mistral 4's queries scaled by position (a left-padded row's padding included) and Aria's experts stored [E, in, out]
+# stay. A batch of one row also for gpt-oss's sliding rings and sinks.
 COVERED_ELSEWHERE = ("qwen2_moe", "qwen3_next", "glm4_moe_lite", "deepseek_v2", "ernie4_5_moe", "phimoe", "dots1",
                      "flex_olmo", "solar_open", "granitemoe", "granitemoeshared", "cohere2_moe", "minimax_m2", "hy_v3",
-                     "hunyuan_v1_moe", "laguna", "afmoe")
+                     "hunyuan_v1_moe", "laguna", "afmoe", "mellum", "kolibri1", "flint", "granitemoe_swa",
+                     "minicpm5_moe", "axk1", "lara_mini")
 IDENTITY_CASES = [(family, 3) for family in SPECULATIVE_FAMILIES if family not in COVERED_ELSEWHERE]
 
 
@@ -283,11 +284,12 @@ def test_a_sampling_cutoff_out_of_range_is_refused(tiny, setting, message):
     assert fast.decoder.target_cache is None
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl_moe", "glm4v_moe", "gemma4"])
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", "glm4v_moe", "gemma4", "mistral3", "aria"])
 def test_an_image_text_to_text_release_generates_like_generate(tmp_path, family):
     """Qwen3-VL-MoE and GLM-4.5V, which transformers builds only as image-text-to-text models (the decoder under
     `model.language_model`, its rotary positions in three sections, a vision tower beside it), and Gemma 4 as
-    released (an image-text-to-text model whose causal LM class is that one too): text prompts keep
+    released (an image-text-to-text model whose causal LM class is that one too), Mistral Small 4 (Mistral 3's
+    vision model around a Mistral 4 decoder) and Aria: text prompts keep
     `generate`'s tokens through partly accepted blocks, eager and compiled, with their experts offloaded, and loaded
     by `dflash_compile.from_pretrained`."""
     from dflash_compile.offload import offload_experts, plan_offload
