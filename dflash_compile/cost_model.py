@@ -130,6 +130,7 @@ REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
     "beam-1.0-501b-a23b": transformers.BeamConfig,  # 52 layers (49 routed), 256 experts of 2560, top-8
     "lara-4-mini": transformers.LaraMiniConfig,  # 34 layers (14 linear, 13 sliding), 128 experts of 512, top-4
     "mistral-small-4-119b": transformers.Mistral4Config,  # 36 layers, MLA, 128 experts of 2048, top-4, a shared expert
+    "kimi-linear-48b-a3b": transformers.KimiLinearConfig,  # 27 layers (21 KDA, 6 MLA; the first dense), 256 experts
     "a.x-k1": transformers.AXK1Config,  # 61 layers (the first dense), MLA, 192 experts of 2048, top-8, a shared expert
     "qwen3-vl-30b-a3b": lambda: transformers.Qwen3VLMoeConfig(text_config=dict(  # image-text-to-text: the text decoder
         hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,

@@ -207,6 +207,18 @@ _SOFTMAX = RouterSpec(scoring="softmax")
 _TOP_K_THEN_SOFTMAX = RouterSpec(scoring="top_k_then_softmax", module="router")  # gpt-oss, Granite-MoE
 _GATED_DELTA_NET = LinearAttentionSpec("linear_attn", "torch_chunk_gated_delta_rule",
                                        "torch_recurrent_gated_delta_rule", _gated_delta_rule_elements)
+
+def _kimi_delta_rule_elements(config) -> int:
+    """transformers' chunk_kimi_delta_attention per token: fp32 copies of the query, key, value, gate and their
+    beta-scaled and decayed forms, and, its forget gate being one value per key dimension, each 64-token chunk's
+    decay mask and the product summed into its triangular matrix over every key dimension ([64, 64, key dim] a chunk
+    each, three held together at its peak), with the matrix's rows."""
+    return config.linear_num_heads * ((3 * 64 + 11) * config.linear_head_dim + 3 * 64)
+
+
+# Kimi Linear's KDA layers: the decoder layer's `self_attn`, as its latent-attention layers
+_KIMI_DELTA_ATTENTION = LinearAttentionSpec("self_attn", "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention",
+                                            _kimi_delta_rule_elements)
 # Multi-head latent attention's linears reading the same input (q_proj where there is no q_lora_rank)
 _MLA_SHARED_INPUTS = (("q_a_proj", "kv_a_proj_with_mqa"), ("q_proj", "kv_a_proj_with_mqa"), ("gate_proj", "up_proj"))
 _DEEPSEEK_ROUTER = RouterSpec(scoring="sigmoid", correction_bias="e_score_correction_bias", grouped_top_k=True,
@@ -389,6 +401,12 @@ FAMILIES: dict[str, FamilySpec] = {
             "aria", ("aria_text", "aria"), "AriaExperts",
             ExpertLayout(gate_up="concatenated", transposed=True, bias=False, activation="act_fn"), _TOP_K_THEN_SOFTMAX,
             _all_layers, _full_attention,
+        ),
+        FamilySpec(  # Kimi Linear: KDA linear attention (a delta rule with a forget gate per key dimension) between
+            # DeepSeek-V3's latent-attention layers, its router and shared experts; MLPs declared
+            "kimi_linear", ("kimi_linear",), "KimiLinearExperts", _SWIGLU, _DEEPSEEK_ROUTER, _declared_sparse_layers,
+            _declared_layer_types, _KIMI_DELTA_ATTENTION, shared_input_linears=_MLA_SHARED_INPUTS,
+            cached_per_token=_latent,
         ),
         FamilySpec(  # Phi-3.5-MoE: Mixtral's layout and window rule, a sparsemixer router (top-2 by masked softmaxes)
             "phimoe", ("phimoe",), "PhimoeExperts", _SWIGLU, RouterSpec(scoring="softmax", module="router"),

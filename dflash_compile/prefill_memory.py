@@ -3,13 +3,15 @@ the model's own modules and the paths its layers take, so that `generate` can pi
 device's free memory before it allocates anything, or refuse the prompt naming what it needs.
 
     bytes(rows, chunk, prompt) = rows * chunk * (layer + experts(rows * chunk))       one decoder layer at a time
+                               + rows * chunk rounded up to 64 * linear_rule         a linear-attention layer's
                                + rows * prompt * (prompt_token + slot)               held for the whole prompt
                                + rows * chunk * prompt * mask entry                  masked chunks only
                                + experts' weight buffer(rows * chunk)                dequantizing path only
 
 - layer: the largest decoder layer's activations per token, as if every one of its linears' outputs (attention,
-  routers, shared experts, dense MLPs) were held at once, with the residual stream, the routers' fp32 scores and a
-  linear-attention layer's chunked rule (`LinearAttentionSpec.chunked_elements_per_token`).
+  routers, shared experts, dense MLPs) were held at once, with the residual stream and the routers' fp32 scores.
+- linear_rule: a linear-attention layer's chunked rule per token (`LinearAttentionSpec.chunked_elements_per_token`),
+  over the chunk padded to the rule's 64-token chunks (Kimi Linear's decay masks make that count).
 - experts: packed experts' temporaries on the path `kernels.moe.fused_moe` takes at that many pairs per expert: its
   fused launches' activated rows and fp32 down rows, or from DEQUANTIZE_PAIRS the dequantizing path's gathered rows,
   grouped GEMM outputs and their concatenation, plus the buffer its experts are dequantized into (a fixed term: a
@@ -38,6 +40,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .families import experts_modules, layer_configs, routed_top_k, spec_for_model
 from .kernels.moe import DEQUANTIZE_EXPERT_ELEMENTS, DEQUANTIZE_PAIRS, pairs_per_routed_expert
+from .linear_attention import STEPWISE_TOKENS as RULE_CHUNK
 from .packed import expert_weights
 
 RESIDUAL_STREAM = 4  # hidden-wide tensors a decoder layer holds besides its linears' outputs: input, residual, norms
@@ -72,6 +75,7 @@ class RoutedExperts:
 class PrefillActivations:
     itemsize: int
     layer: int  # bytes per token of the largest decoder layer, routed experts aside
+    linear_rule: int  # bytes per token, padded to the rule's chunks, of a linear-attention layer's chunked rule
     experts: RoutedExperts | None
     prompt_token: int  # bytes per prompt token held through the prefill
     slot: int  # bytes per visible slot of a latent-attention layer's expansion
@@ -81,7 +85,9 @@ class PrefillActivations:
         tokens = rows * chunk
         per_token, fixed = self.experts.bytes(tokens, self.itemsize) if self.experts else (0, 0)
         masks = tokens * prompt * self.mask_entry if masked else 0
-        return tokens * (self.layer + per_token) + rows * prompt * (self.prompt_token + self.slot) + masks + fixed
+        padded = rows * -(-chunk // RULE_CHUNK) * RULE_CHUNK
+        return (tokens * (self.layer + per_token) + padded * self.linear_rule
+                + rows * prompt * (self.prompt_token + self.slot) + masks + fixed)
 
     @classmethod
     def of(cls, model: torch.nn.Module, feature_layers: int, drafter: bool):
@@ -96,12 +102,11 @@ class PrefillActivations:
         routers = experts.experts if experts else 0  # a router's scores per token, one per expert
         layer = max((_linear_outputs(decoder) for decoder in model.modules()
                      if isinstance(decoder, GradientCheckpointingLayer)), default=0)
-        layer = ((2 * layer + RESIDUAL_STREAM * config.hidden_size) * itemsize + 2 * routers * FP32
-                 + chunked_rule)
+        layer = (2 * layer + RESIDUAL_STREAM * config.hidden_size) * itemsize + 2 * routers * FP32
         kinds = set(spec.attention_kinds(config)) - {"linear_attention"}
         groups = max(config.num_attention_heads // view.num_key_value_heads for view in layer_configs(config))
         features = (3 * feature_layers + 4) * config.hidden_size * itemsize if drafter else 0
-        return cls(itemsize=itemsize, layer=layer, experts=experts,
+        return cls(itemsize=itemsize, layer=layer, linear_rule=chunked_rule, experts=experts,
                    prompt_token=features, slot=spec.expanded_per_slot(config) * itemsize,
                    mask_entry=len(kinds) * (1 + groups) * itemsize)
 

@@ -8,7 +8,7 @@ for qwen3_moe, GatedDeltaNet linear-attention layers for qwen3_5_moe and qwen3_n
 with attention sinks for gpt_oss, sliding layers with sinks and narrower values for mimo_v2_flash, sliding layers
 before a full one for exaone_moe and laguna, a wider full layer whose keys are its values for gemma4_text, q/k/v
 biases for qwen2_moe, Granite's multipliers, shared experts where the family has them. The families added later
-(mellum, kolibri1, beam, flint, granitemoe_swa, minicpm5_moe, axk1, lara_mini, mistral4, aria) keep theirs
+(mellum, kolibri1, beam, flint, granitemoe_swa, minicpm5_moe, axk1, lara_mini, mistral4, aria, kimi_linear) keep theirs
 likewise; each entry's comment says what.
 """
 
@@ -149,6 +149,12 @@ TINY_CONFIGS = {
     "aria": lambda: transformers.AriaTextConfig(  # experts stored [E, in, out], shared experts
         num_hidden_layers=2, intermediate_size=32, moe_num_experts=8, moe_topk=2, moe_num_shared_experts=1,
         **_COMMON),
+    "kimi_linear": lambda: transformers.KimiLinearConfig(  # KDA linear attention, then latent attention; a dense
+        # first layer, a shared expert
+        layer_types=["linear_attention", "linear_attention", "full_attention"], linear_head_dim=16, linear_num_heads=4,
+        mlp_layer_types=["dense", "sparse", "sparse"], num_local_experts=8, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, **_MLA, **_ROUTED,
+        **{key: value for key, value in _DEEPSEEK_ROUTING.items() if key != "first_k_dense_replace"}),
     "phimoe": lambda: transformers.PhimoeConfig(  # LayerNorms, q/k/v biases
         num_hidden_layers=2, intermediate_size=48, num_local_experts=4, **_ROUTED, **_COMMON),
     "flex_olmo": lambda: transformers.FlexOlmoConfig(  # post-attention and post-MLP norms
