@@ -33,6 +33,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .attention import row_starts
+from .families import RECURRENT_KINDS
 from .sampling import SequenceBiases
 
 
@@ -319,10 +320,10 @@ class TargetCache(Cache):
                 if pads is None:
                     masks[kind] = None
                     continue
-                if kind != "linear_attention":
+                if kind not in RECURRENT_KINDS:
                     masks[kind] = row_starts([max(p - first_key, 0) for p in pads])
                     continue
-            if kind == "linear_attention":
+            if kind in RECURRENT_KINDS:
                 masks[kind] = query[:, :, 0] >= self.pad[:, None]
                 continue
             if ring_keys and self.visible is None:

@@ -27,7 +27,7 @@ import sympy
 import torch
 import transformers
 
-from .families import auto_model_class, experts_modules, head_dim, routed_top_k, spec_for_model
+from .families import RECURRENT_KINDS, auto_model_class, experts_modules, head_dim, routed_top_k, spec_for_model
 
 # Target step times measured on the H200 (docs/benchmarks.md, "Session 44"): random bf16 weights, uniform routing,
 # 512-token context, compiled step as `generate` runs it (`bench/spec_decode.py --steps-only`, 2026-12-04).
@@ -212,7 +212,7 @@ class ModelSizes:
             kv_elements_per_token=kinds.count("full_attention") * per_layer("full_attention"),
             sliding_kv_elements_per_token=kinds.count("sliding_attention") * per_layer("sliding_attention"),
             window=getattr(text, "sliding_window", None) or 0,
-            attention_width=sum(kind != "linear_attention" for kind in kinds) * text.num_attention_heads * head_size,
+            attention_width=sum(kind not in RECURRENT_KINDS for kind in kinds) * text.num_attention_heads * head_size,
             layers=text.num_hidden_layers,
         )
 

@@ -64,9 +64,10 @@ def expert_sum(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
     return out.to(hidden.dtype)
 
 
-# the experts' `act_fn` module, as transformers' ACT2FN builds it from the config (`hidden_act`, Gemma's
-# `hidden_activation`; Aria's experts always SiLU) -> the kernels' activation
-GATED_ACTIVATIONS = {SiLUActivation: "silu", torch.nn.SiLU: "silu", GELUTanh: "gelu_tanh"}
+# the experts' `act_fn`: the module transformers' ACT2FN builds from the config (`hidden_act`, Gemma's
+# `hidden_activation`; Aria's experts always SiLU), by its class, or a function (LFM2-MoE's F.silu) -> the kernels'
+# activation
+GATED_ACTIVATIONS = {SiLUActivation: "silu", torch.nn.SiLU: "silu", F.silu: "silu", GELUTanh: "gelu_tanh"}
 
 
 @dataclass(frozen=True)
@@ -85,9 +86,9 @@ class Gate:
         interleaved = layout.gate_up == "interleaved"
         if layout.activation == "clamped_swiglu":
             return cls(interleaved, "clamped_swiglu", float(module.alpha), float(module.limit))
-        act = type(module.act_fn)
+        act = module.act_fn if not isinstance(module.act_fn, torch.nn.Module) else type(module.act_fn)
         if act not in GATED_ACTIVATIONS:
-            supported = sorted({cls.__name__ for cls in GATED_ACTIVATIONS})
+            supported = sorted({known.__name__ for known in GATED_ACTIVATIONS})
             raise ValueError(f"{type(module).__name__} uses the activation {act.__name__}; dflash-compile's experts "
                              f"support {supported} (and gpt-oss's clamped SwiGLU)")
         return cls(interleaved, GATED_ACTIVATIONS[act])

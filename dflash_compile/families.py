@@ -18,7 +18,11 @@ import transformers
 
 GateUpLayout = Literal["concatenated", "interleaved"]
 Activation = Literal["act_fn", "clamped_swiglu"]
-AttentionKind = Literal["full_attention", "sliding_attention", "linear_attention"]
+AttentionKind = Literal["full_attention", "sliding_attention", "linear_attention", "conv"]
+# kinds whose layers keep a conv window (and a linear-attention layer a recurrent state), not keys and values: their
+# padding masks are 2-D, their states committed by `TargetCache.commit_linear`; LFM2's short-convolution layers ("conv")
+# need no recurrent rule, a block's convolution over the kept window being exact
+RECURRENT_KINDS = ("linear_attention", "conv")
 
 
 @dataclass(frozen=True)
@@ -407,6 +411,12 @@ FAMILIES: dict[str, FamilySpec] = {
             "kimi_linear", ("kimi_linear",), "KimiLinearExperts", _SWIGLU, _DEEPSEEK_ROUTER, _declared_sparse_layers,
             _declared_layer_types, _KIMI_DELTA_ATTENTION, shared_input_linears=_MLA_SHARED_INPUTS,
             cached_per_token=_latent,
+        ),
+        FamilySpec(  # LFM2-MoE: short-convolution layers between full-attention ones (dense MLPs first,
+            # `num_dense_layers`), a sigmoid router choosing with the MoE block's `expert_bias`, renormalised, scaled
+            "lfm2_moe", ("lfm2_moe",), "Lfm2MoeExperts", _SWIGLU,
+            RouterSpec(scoring="sigmoid", block_bias="expert_bias", routed_scaling_factor=True),
+            _after_num_dense_layers, _declared_layer_types,
         ),
         FamilySpec(  # Phi-3.5-MoE: Mixtral's layout and window rule, a sparsemixer router (top-2 by masked softmaxes)
             "phimoe", ("phimoe",), "PhimoeExperts", _SWIGLU, RouterSpec(scoring="softmax", module="router"),

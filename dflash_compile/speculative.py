@@ -26,7 +26,7 @@ from .attention import SEEN_SLOTS, grouped_attention, unmasked_chunks, unmasked_
 from .backend import dflash_backend_with
 from .cache import RowCache, TargetCache
 from .drafter import DFlashDrafter, context_features
-from .families import spec_for_model
+from .families import RECURRENT_KINDS, spec_for_model
 from .linear_attention import stepwise_linear_attention
 from .prefill_memory import PrefillActivations
 from .sampling import (Sampler, SequenceBiases, begin_suppressed, check_generation_config, check_ngram_size,
@@ -207,7 +207,7 @@ class SpeculativeDecoder:
         kinds = spec.attention_kinds(config)
         self.attention_kinds = kinds
         self.cached_per_token = {kind: spec.cached_per_token(config, kind) for kind in kinds}
-        self.linear_layers = [i for i, kind in enumerate(kinds) if kind == "linear_attention"]
+        self.linear_layers = [i for i, kind in enumerate(kinds) if kind in RECURRENT_KINDS]
         self.sliding_layers = [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
         self.prefill_chunk = prefill_chunk
         self.prefill_activations: PrefillActivations | None = None  # made by the first prefill planned on CUDA
@@ -299,7 +299,7 @@ class SpeculativeDecoder:
         few MiB at most and left out."""
         ring = self._ring(max_len)
         target = sum((ring or max_len if kind == "sliding_attention" else max_len) * self.cached_per_token[kind]
-                     for kind in self.attention_kinds if kind != "linear_attention")
+                     for kind in self.attention_kinds if kind not in RECURRENT_KINDS)
         drafter = getattr(self.drafter, "cache_elements_per_slot", 0)  # an oracle drafter caches nothing
         elements = target + max_len * drafter
         return batch * elements * dtype.itemsize

@@ -8,8 +8,8 @@ for qwen3_moe, GatedDeltaNet linear-attention layers for qwen3_5_moe and qwen3_n
 with attention sinks for gpt_oss, sliding layers with sinks and narrower values for mimo_v2_flash, sliding layers
 before a full one for exaone_moe and laguna, a wider full layer whose keys are its values for gemma4_text, q/k/v
 biases for qwen2_moe, Granite's multipliers, shared experts where the family has them. The families added later
-(mellum, kolibri1, beam, flint, granitemoe_swa, minicpm5_moe, axk1, lara_mini, mistral4, aria, kimi_linear) keep theirs
-likewise; each entry's comment says what.
+(mellum, kolibri1, beam, flint, granitemoe_swa, minicpm5_moe, axk1, lara_mini, mistral4, aria, kimi_linear,
+lfm2_moe) keep theirs likewise; each entry's comment says what.
 """
 
 from __future__ import annotations
@@ -155,6 +155,9 @@ TINY_CONFIGS = {
         mlp_layer_types=["dense", "sparse", "sparse"], num_local_experts=8, bos_token_id=1, eos_token_id=2,
         pad_token_id=0, **_MLA, **_ROUTED,
         **{key: value for key, value in _DEEPSEEK_ROUTING.items() if key != "first_k_dense_replace"}),
+    "lfm2_moe": lambda: transformers.Lfm2MoeConfig(  # a dense first layer; short convolutions, then attention
+        num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_dense_layers=1,
+        layer_types=["conv", "conv", "full_attention"], initializer_range=0.1, **_ROUTED, **_COMMON),
     "phimoe": lambda: transformers.PhimoeConfig(  # LayerNorms, q/k/v biases
         num_hidden_layers=2, intermediate_size=48, num_local_experts=4, **_ROUTED, **_COMMON),
     "flex_olmo": lambda: transformers.FlexOlmoConfig(  # post-attention and post-MLP norms

@@ -257,6 +257,6 @@ def test_each_familys_experts_activation_is_read_from_its_experts_module(tiny):
     assert Gate.of(FAMILIES["aria"].layout, aria) == Gate(False, "silu")
     qwen.act_fn = torch.nn.ReLU()
     with pytest.raises(ValueError, match=r"^Qwen3MoeExperts uses the activation ReLU; dflash-compile's experts "
-                                         r"support \['GELUTanh', 'SiLU', 'SiLUActivation'\] \(and gpt-oss's clamped "
-                                         r"SwiGLU\)$"):
+                                         r"support \['GELUTanh', 'SiLU', 'SiLUActivation', 'silu'\] \(and gpt-oss's "
+                                         r"clamped SwiGLU\)$"):
         Gate.of(FAMILIES["qwen3_moe"].layout, qwen)

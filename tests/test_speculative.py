@@ -8,7 +8,7 @@ import transformers
 
 import dflash_compile
 from dflash_compile.adaptive import WidthChooser
-from dflash_compile.families import FAMILIES, spec_for_model
+from dflash_compile.families import FAMILIES, RECURRENT_KINDS, spec_for_model
 from dflash_compile.testing import OracleDrafter
 from tests.conftest import FAMILIES as FAMILY_NAMES
 from tests.conftest import token_ids
@@ -645,7 +645,7 @@ def test_unpadded_prompts_attend_by_sdpas_causal_flag(tiny, family, monkeypatch)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
     fast = dflash_compile.optimize(model, adaptive=False, compile=False)
-    kinds = [kind for kind in spec_for_model(model).attention_kinds(model.config) if kind != "linear_attention"]
+    kinds = [kind for kind in spec_for_model(model).attention_kinds(model.config) if kind not in RECURRENT_KINDS]
     for batch, masked_prefill in ((2, True), (1, False)):
         ids, mask = prompts(batch)
         expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8)
