@@ -506,13 +506,13 @@ def router_of(model: torch.nn.Module, experts_name: str) -> torch.nn.Module:
 def routing_of(model: torch.nn.Module, experts_name: str) -> Callable[[torch.Tensor], tuple]:
     """hidden [T, H] -> the router's outputs (expert indices last), as the MoE block of the routed-experts module
     `experts_name` calls its router: with the block's `RouterSpec.block_bias` where the family has one (read at each
-    call: moving the model to a device replaces a buffer such as MiniMax-M2's), the tokens as one row where it takes
-    rows."""
+    call: moving the model to a device replaces a buffer such as MiniMax-M2's; None where the block keeps none, as
+    LFM2-MoE's without `use_expert_bias` passes), the tokens as one row where it takes rows."""
     block, router = _block_and_router(model, experts_name)
     module = getattr(block, router.module)
 
     def route(hidden: torch.Tensor) -> tuple:
-        bias = {} if router.block_bias is None else {router.block_bias: getattr(block, router.block_bias)}
+        bias = {} if router.block_bias is None else {router.block_bias: getattr(block, router.block_bias, None)}
         return module(hidden[None] if router.tokens_in_rows else hidden, **bias)
 
     return route

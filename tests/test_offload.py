@@ -216,12 +216,14 @@ def test_each_poor_prefetch_window_drops_only_the_farthest_layer(tiny):
         assert offloaded.prefetch == depth, (used, depth)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_predicted_experts_are_the_routers_own_choice_on_its_own_input(tiny, family):
+@pytest.mark.parametrize("family, settings", [(family, {}) for family in FAMILIES]
+                         + [("lfm2_moe", {"use_expert_bias": False})], ids=[*FAMILIES, "lfm2_moe-no_expert_bias"])
+def test_predicted_experts_are_the_routers_own_choice_on_its_own_input(tiny, family, settings):
     """Prefetch applies a layer's router to another layer's input; on the router's own input the guess must be
     exactly its choice (DeepSeek's group-limited routing included), also after the model's buffers were replaced, as
-    a move to the GPU replaces them, and a bias the MoE block keeps (MiniMax-M2's, Hunyuan 3's) changed."""
-    model = tiny(family)
+    a move to the GPU replaces them, and a bias the MoE block keeps (MiniMax-M2's, Hunyuan 3's) changed, or does not
+    keep (LFM2-MoE without `use_expert_bias`)."""
+    model = tiny(family, **settings)
     name = next(iter(experts_modules(model)))
     router = routing_of(model, name)
     block = model.get_submodule(name.rpartition(".")[0])
