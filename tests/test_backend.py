@@ -38,15 +38,18 @@ def dispatch_calls(monkeypatch):
 # Gemma 4's tiny model in bf16: plain Inductor alone (no dflash) differs from eager by 0.03-0.05, its MoE blocks off
 # too (its many norms and scalars), past the bound below; its fp32 case holds (session 53)
 BF16_PAST_THE_BOUND = {"gemma4_text"}
-# Kimi Linear's prompt runs its KDA chunked rule, a 64-step loop that Inductor compiles unrolled: a minute of CI
-# with a cold compile cache. Its compiled generation (the verify steps' stepwise rule) is test_offload.py's.
-COMPILED_ELSEWHERE = {"kimi_linear"}
-# Each family compiled by Inductor once, in bf16 (fp32 where its tiny model is past the bf16 bound), and a few in fp32
-# too. Every family's fp32 logits are checked against eager at 1e-4 after the same passes in
+# Inductor's forward in bf16 for one family of each router, expert layout, activation and attention kind (softmax,
+# sigmoid with grouped top-k, top-k then softmax, sparsemixer, a block's bias, a bias on logits, a router over rows,
+# an fp32 router linear, a biased softmax; interleaved and transposed experts, GELU; linear attention, short
+# convolutions, latent attention, sinks), in fp32 where the tiny model is past the bf16 bound, and three in fp32 too.
+# Every family's fp32 logits are checked against eager at 1e-4 after the same passes in
 # test_one_dispatch_node_per_moe_layer_whatever_experts_implementation, and its Inductor-compiled generation against
-# transformers' tokens in test_offload.py and test_speculative.py.
+# transformers' tokens in test_speculative.py or test_offload.py. With a cold compile cache each case is 10-30 s.
+INDUCTOR_FORWARDS = ("mixtral", "qwen3_moe", "deepseek_v3", "deepseek_v2", "gpt_oss", "phimoe", "minimax_m2",
+                     "kolibri1", "afmoe", "hunyuan_v1_moe", "ernie4_5_moe", "aria", "gemma4_text", "qwen3_5_moe",
+                     "lfm2_moe")
 COMPILED_CASES = [(family, torch.float32 if family in BF16_PAST_THE_BOUND else torch.bfloat16)
-                  for family in FAMILY_NAMES if family not in COMPILED_ELSEWHERE] + [
+                  for family in INDUCTOR_FORWARDS] + [
     (family, torch.float32) for family in ("gpt_oss", "deepseek_v3", "qwen3_5_moe")]
 
 
