@@ -448,8 +448,9 @@ def builds_causal_lm(config) -> bool:
     """Whether `auto_model_class` builds `config` as a causal LM (the decoder's weights at the top level, as quantized
     checkpoints keep them): anything mapped as one, and Mistral 4's `Mistral4ForCausalLM` mapped as image-text."""
     model_class = auto_model_class(config)
-    return (model_class is transformers.AutoModelForCausalLM
-            or model_class._model_mapping[type(config)].__name__.endswith("ForCausalLM"))
+    mapping = model_class._model_mapping
+    return model_class is transformers.AutoModelForCausalLM or (
+        type(config) in mapping and mapping[type(config)].__name__.endswith("ForCausalLM"))
 
 
 class UnsupportedFamilyError(ValueError):
