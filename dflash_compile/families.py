@@ -121,6 +121,14 @@ def _gated_delta_rule_elements(config) -> int:
     return config.linear_num_value_heads * (10 * width + 3 * 64)
 
 
+def _kimi_delta_rule_elements(config) -> int:
+    """transformers' chunk_kimi_delta_attention per token: fp32 copies of the query, key, value, gate and their
+    beta-scaled and decayed forms, and, its forget gate being one value per key dimension, each 64-token chunk's
+    decay mask and the product summed into its triangular matrix over every key dimension ([64, 64, key dim] a chunk
+    each, three held together at its peak), with the matrix's rows."""
+    return config.linear_num_heads * ((3 * 64 + 11) * config.linear_head_dim + 3 * 64)
+
+
 @dataclass(frozen=True)
 class FamilySpec:
     name: str
@@ -211,15 +219,6 @@ _SOFTMAX = RouterSpec(scoring="softmax")
 _TOP_K_THEN_SOFTMAX = RouterSpec(scoring="top_k_then_softmax", module="router")  # gpt-oss, Granite-MoE
 _GATED_DELTA_NET = LinearAttentionSpec("linear_attn", "torch_chunk_gated_delta_rule",
                                        "torch_recurrent_gated_delta_rule", _gated_delta_rule_elements)
-
-def _kimi_delta_rule_elements(config) -> int:
-    """transformers' chunk_kimi_delta_attention per token: fp32 copies of the query, key, value, gate and their
-    beta-scaled and decayed forms, and, its forget gate being one value per key dimension, each 64-token chunk's
-    decay mask and the product summed into its triangular matrix over every key dimension ([64, 64, key dim] a chunk
-    each, three held together at its peak), with the matrix's rows."""
-    return config.linear_num_heads * ((3 * 64 + 11) * config.linear_head_dim + 3 * 64)
-
-
 # Kimi Linear's KDA layers: the decoder layer's `self_attn`, as its latent-attention layers
 _KIMI_DELTA_ATTENTION = LinearAttentionSpec("self_attn", "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention",
                                             _kimi_delta_rule_elements)
