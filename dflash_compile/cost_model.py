@@ -126,7 +126,8 @@ REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
     "mellum2-12b-a2.5b": transformers.MellumConfig,  # 28 layers, 64 experts of 896, top-8
     "kolibri-1": transformers.Kolibri1Config,  # 50 layers (4 in 5 sliding), 384 experts of 512, top-6, a shared expert
     "flint": transformers.FlintConfig,  # 49 layers (47 routed), 256 experts of 512, top-6, a shared expert
-    "minicpm5-15b-a2.5b": transformers.MiniCPM5MoeConfig,  # 28 layers (the first dense), 160 experts of 512, top-16
+    # 28 layers (the first dense), 160 experts of 512, top-16; transformers 5.25 and later
+    "minicpm5-15b-a2.5b": lambda: transformers.MiniCPM5MoeConfig(),
     "beam-1.0-501b-a23b": transformers.BeamConfig,  # 52 layers (49 routed), 256 experts of 2560, top-8
     "lara-4-mini": transformers.LaraMiniConfig,  # 34 layers (14 linear, 13 sliding), 128 experts of 512, top-4
     "mistral-small-4-119b": transformers.Mistral4Config,  # 36 layers, MLA, 128 experts of 2048, top-4, a shared expert
@@ -148,7 +149,11 @@ def reference_config(name_or_path: str, layers: int | None = None):
     """A config by reference name (REFERENCE_CONFIGS) or from a checkpoint directory; with `layers`, its first
     `layers` decoder layers only."""
     if name_or_path in REFERENCE_CONFIGS:
-        config = REFERENCE_CONFIGS[name_or_path]()
+        try:
+            config = REFERENCE_CONFIGS[name_or_path]()
+        except AttributeError as missing:  # a config class newer than the installed transformers
+            raise ValueError(f"{name_or_path!r} needs a newer transformers than {transformers.__version__} "
+                             f"({missing}): pip install -U transformers") from None
     else:
         config = transformers.AutoConfig.from_pretrained(name_or_path)
     if layers:

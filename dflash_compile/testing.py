@@ -21,7 +21,7 @@ import torch
 import transformers
 
 from .drafter import drafter_config, save_drafter  # noqa: F401  (save_drafter: the tests' writer too)
-from .families import auto_model_class
+from .families import FAMILIES, auto_model_class
 
 _COMMON = dict(
     vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -177,9 +177,17 @@ TINY_CONFIGS = {
 }
 
 
+def in_installed_transformers(family: str) -> bool:
+    """Whether the installed transformers has the family's model (MiniCPM5-MoE came in 5.25; 5.24 is supported)."""
+    return all(model_type in transformers.CONFIG_MAPPING for model_type in FAMILIES[family].model_types)
+
+
 def tiny_config(family: str, **overrides) -> transformers.PretrainedConfig:
     if family not in TINY_CONFIGS:
         raise ValueError(f"no tiny config for {family!r}; choose one of {sorted(TINY_CONFIGS)}")
+    if not in_installed_transformers(family):
+        raise ValueError(f"transformers {transformers.__version__} has no {family!r} model: "
+                         "pip install -U transformers")
     config = TINY_CONFIGS[family]()
     for key, value in overrides.items():
         setattr(config, key, value)

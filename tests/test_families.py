@@ -125,8 +125,11 @@ def test_unsupported_moe_family_is_a_clear_error_before_any_state():
 
 
 def test_unsupported_experts_class_is_recognised_without_a_config():
-    experts = _tiny_longcat().model.layers[0].mlp.experts
-    with pytest.raises(UnsupportedFamilyError, match=r"LongcatFlashExperts .* does not support yet"):
+    """MiniMax (MiniMax-Text-01: lightning attention, refused) keeps routed experts of transformers' kind."""
+    config = transformers.MiniMaxConfig(vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                        num_key_value_heads=1, head_dim=16, intermediate_size=32, num_local_experts=4)
+    experts = transformers.AutoModelForCausalLM.from_config(config).model.layers[0].mlp.experts
+    with pytest.raises(UnsupportedFamilyError, match=r"MiniMaxExperts .* does not support yet"):
         spec_for_experts_class(type(experts))
 
 

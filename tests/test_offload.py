@@ -10,11 +10,10 @@ import dflash_compile.testing
 from dflash_compile.families import experts_modules, router_of, routing_of
 from dflash_compile.offload import (PREFETCH_TRIAL, BlobLayout, ExpertCache, MissCosts, choose_manager,
                                     offload_experts, parse_size, plan_offload, predict_experts)
-from dflash_compile.testing import TINY_CONFIGS, random_drafter_weights, save_drafter, tiny_drafter_config
-from tests.conftest import needs_interpreter, token_ids
+from dflash_compile.testing import random_drafter_weights, save_drafter, tiny_drafter_config
+from tests.conftest import FAMILIES, needs_interpreter, token_ids
 from tests.test_speculative import IDENTITY_CASES
 
-FAMILIES = sorted(TINY_CONFIGS)
 CPU_MANAGERS = ["host", pytest.param("device", marks=needs_interpreter)]  # "device" is CPU memory here
 
 
