@@ -9,7 +9,7 @@ import torch
 from .adaptive import WidthChooser
 from .checkpoint import pack_experts_expanded_at_load, refuse_hub_kernel_experts, refuse_weights_outside_the_model
 from .drafter import load_drafter
-from .families import spec_for_model, supported_families
+from .families import adapt_model, spec_for_model, supported_families
 from .linear_attention import check_verify_block
 from .offload import offload_experts
 from .projections import share_storage
@@ -113,6 +113,7 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
     if drafter is not None:
         drafter, layer_ids = load_drafter(drafter, model)
         check_verify_block(model, drafter.config.block_size)
+    adapt_model(model)  # Llama 4's blocks call routed experts (the same sums)
     if gpu_memory is not None:  # checks the budget before it moves anything
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         model = offload_experts(model, gpu_memory, device=device, policy=offload_policy,

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import GraphModule
 
-from .families import spec_for_model, warn_dense
+from .families import spec_for_model, traced_unadapted, warn_dense
 from .graph_text import graph_text
 from .passes import PassContext, check_pass_names, run_pipeline
 
@@ -81,11 +81,16 @@ def _lower(gm: GraphModule, example_inputs, options: BackendOptions, mode: str |
 
 def _dense_model(gm: GraphModule, ctx: PassContext) -> torch.nn.Module | None:
     """The traced model when it is a transformers model without routed experts. Raises UnsupportedFamilyError for
-    a MoE model of a family the registry does not know."""
+    a MoE model of a family the registry does not know, ValueError for one traced before its family's `adapt`."""
     root = ctx.traced_root(gm.graph)
-    if root is not None and hasattr(root, "config") and spec_for_model(root) is None:
-        return root
-    return None
+    if root is None or not hasattr(root, "config"):
+        return None
+    spec = spec_for_model(root)
+    if traced_unadapted(root):
+        raise ValueError(f"{spec.name}'s MoE blocks run every expert on every token as transformers builds them: call "
+                         "dflash_compile.families.adapt_model(model) before torch.compile(model, backend='dflash') "
+                         "(optimize does), which makes them call routed experts, with the same sums")
+    return root if spec is None else None
 
 
 def compile_graph(

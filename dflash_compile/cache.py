@@ -276,8 +276,11 @@ class TargetCache(Cache):
             torch.ops.dflash.state_select(self.recurrent[layer], state, kept > 0)
         self.pending_conv, self.pending_recurrent = {}, {}
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        raise RuntimeError("TargetCache lengths are per row and on the device; pass position_ids explicitly")
+    def get_seq_length(self, layer_idx: int = 0) -> torch.Tensor:
+        """The longest row's length (a 0-d device tensor). Exact for rows of one length (one row, a prompt); Llama 4,
+        the one family that reads it (its NoPE layers' query temperature), is refused past the context where the
+        temperature depends on it (`FamilySpec.max_context`). The models take position_ids from `positions`."""
+        return self.lengths.max()
 
     def positions(self, width: int) -> torch.Tensor:
         """Position ids [b, width] of the next `width` tokens: slot minus left padding, at least 0. A padding slot's

@@ -132,6 +132,9 @@ REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
     "lara-4-mini": transformers.LaraMiniConfig,  # 34 layers (14 linear, 13 sliding), 128 experts of 512, top-4
     "mistral-small-4-119b": transformers.Mistral4Config,  # 36 layers, MLA, 128 experts of 2048, top-4, a shared expert
     "kimi-linear-48b-a3b": transformers.KimiLinearConfig,  # 27 layers (21 KDA, 6 MLA; the first dense), 256 experts
+    "llama-4-scout-17b-16e": transformers.Llama4TextConfig,  # 48 layers (3 in 4 chunked), 16 experts, top-1, shared
+    "llama-4-maverick-17b-128e": lambda: transformers.Llama4TextConfig(  # every other layer routed, 128 experts
+        num_local_experts=128, interleave_moe_layer_step=2, use_qk_norm=False),
     "a.x-k1": transformers.AXK1Config,  # 61 layers (the first dense), MLA, 192 experts of 2048, top-8, a shared expert
     "qwen3-vl-30b-a3b": lambda: transformers.Qwen3VLMoeConfig(text_config=dict(  # image-text-to-text: the text decoder
         hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
@@ -214,7 +217,9 @@ class ModelSizes:
             experts=experts,
             top_k=routed_top_k(text),
             moe_layers=len(modules),
-            kv_elements_per_token=kinds.count("full_attention") * per_layer("full_attention"),
+            # chunked layers read every slot: dflash-compile runs Llama 4 only inside one chunk
+            kv_elements_per_token=sum(per_layer(kind) for kind in kinds
+                                      if kind in ("full_attention", "chunked_attention")),
             sliding_kv_elements_per_token=kinds.count("sliding_attention") * per_layer("sliding_attention"),
             window=getattr(text, "sliding_window", None) or 0,
             attention_width=sum(kind not in RECURRENT_KINDS for kind in kinds) * text.num_attention_heads * head_size,

@@ -9,6 +9,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from .backend import GraphReport, compile_graph
+from .families import adapt_model, experts_modules
 
 
 @dataclass
@@ -40,8 +41,6 @@ class ExplainReport:
 
 def expert_placement(model: torch.nn.Module) -> str:
     """Where the routed experts live and in which format: resident, packed, or offloaded behind a slot pool."""
-    from .families import experts_modules
-
     if not isinstance(model, torch.nn.Module):  # explain() also takes functions, e.g. the verify step
         return ""
     modules = list(experts_modules(model).values())
@@ -67,6 +66,8 @@ def expert_placement(model: torch.nn.Module) -> str:
 def explain(model: torch.nn.Module, *example_inputs, options: dict | None = None, **example_kwargs) -> ExplainReport:
     """Compile `model` with the dflash passes (lowered eagerly, no Inductor), run it once on the example inputs and
     report pass match counts, graph breaks and each graph before and after the passes."""
+    if isinstance(model, torch.nn.Module):
+        adapt_model(model)
     report = ExplainReport()
     options = {**(options or {}), "lowering": "eager"}
     backend = functools.partial(compile_graph, options=options, on_graph=report.graphs.append)

@@ -15,10 +15,11 @@ from typing import Literal
 
 import torch
 import transformers
+from transformers.integrations.moe import grouped_mm_experts_forward, use_experts_implementation
 
 GateUpLayout = Literal["concatenated", "interleaved"]
 Activation = Literal["act_fn", "clamped_swiglu"]
-AttentionKind = Literal["full_attention", "sliding_attention", "linear_attention", "conv"]
+AttentionKind = Literal["full_attention", "sliding_attention", "chunked_attention", "linear_attention", "conv"]
 # kinds whose layers keep a conv window (and a linear-attention layer a recurrent state), not keys and values: their
 # padding masks are 2-D, their states committed by `TargetCache.commit_linear`; LFM2's short-convolution layers ("conv")
 # need no recurrent rule, a block's convolution over the kept window being exact
@@ -49,6 +50,9 @@ class RouterSpec:
     # correction bias there, not on the router)
     block_bias: str | None = None
     tokens_in_rows: bool = False  # the router takes hidden states [batch, tokens, H] (AFMoE's), not [tokens, H]
+    # a method of the MoE block that `routing_of` calls instead of the router, where the router does not return the
+    # choice (Llama 4's returns every expert's score; `Llama4RoutedMoe.route` chooses)
+    call: str | None = None
 
 
 @dataclass(frozen=True)
@@ -149,6 +153,11 @@ class FamilySpec:
     # (config, attention kind) -> elements a layer of that kind hands the cache per token (what `generate` budgets
     # its cache by)
     cached_per_token: Callable[[object, AttentionKind], int] = _keys_and_values
+    # rewrites, in place, a model whose MoE blocks transformers runs otherwise into blocks that call routed experts
+    # (Llama 4: every expert on every token, the router's scores on the inputs); `adapt_model` calls it
+    adapt: Callable[[torch.nn.Module], None] | None = None
+    # config -> the most tokens (prompt, new tokens and a verify block) dflash-compile's steps reproduce the family for
+    max_context: Callable[[object], int] | None = None
 
     @property
     def latent_attention(self) -> bool:
@@ -212,6 +221,66 @@ def _window_everywhere(config) -> list[AttentionKind]:
     """Mixtral and Qwen3-MoE: one `sliding_window` (Qwen3 only with `use_sliding_window`) for every layer."""
     slides = config.sliding_window and getattr(config, "use_sliding_window", True)
     return ["sliding_attention" if slides else "full_attention"] * config.num_hidden_layers
+
+
+@use_experts_implementation(is_transposed=True)
+class Llama4RoutedExperts(torch.nn.Module):
+    """Llama 4's experts (`Llama4TextExperts`, weights [E, H, 2I] and [E, I, H]) called as routed experts, each row
+    through the experts `top_k_index` names (transformers' grouped_mm; the model's experts implementation, as for any
+    decorated experts class), where transformers runs every expert on every row. `Llama4RoutedMoe` gives them one row
+    per (token, expert) pair. Made by changing a module's class: the attributes the decorator's __init__ would set
+    are the class's, `config` the adapter's."""
+
+    has_gate, has_bias, has_post_expert_norm, is_transposed, is_concatenated = True, False, False, True, True
+    _is_expert_parallel = False
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        return grouped_mm_experts_forward(self, hidden, top_k_index, top_k_weights)
+
+
+class Llama4RoutedMoe(torch.nn.Module):
+    """Llama 4's MoE block (`Llama4TextMoe`) calling its experts as routed experts, with the same sums: transformers
+    scales each token's input to every expert by sigmoid(the expert's logit if among the top-k, else -inf) and runs
+    every expert, so only the chosen ones add anything. Here each (token, chosen expert) pair is one row, its input
+    scaled by its score, through that expert alone (weight 1), and a token's rows are summed."""
+
+    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, H] -> (the chosen experts' scores, their indices), both [T, k]: the router's choice, which
+        offload's prefetch asks for too."""
+        _, logits = self.router(hidden)  # and every expert's score, which the choice does not need
+        top, index = torch.topk(logits, self.top_k, dim=1)
+        return torch.sigmoid(top.float()).to(top.dtype), index
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, None]:
+        hidden = hidden_states.reshape(-1, self.hidden_dim)
+        scores, index = self.route(hidden)
+        pairs = (hidden[:, None, :] * scores[..., None]).reshape(-1, self.hidden_dim)
+        routed = self.experts(pairs, index.reshape(-1, 1), torch.ones_like(pairs[:, :1]))
+        out = self.shared_expert(hidden)
+        return out + routed.view(-1, self.top_k, self.hidden_dim).sum(dim=1), None  # the decoder drops the second
+
+
+def _route_llama4_experts(model: torch.nn.Module) -> None:
+    """Llama 4: each `Llama4TextMoe` becomes a `Llama4RoutedMoe` and its experts `Llama4RoutedExperts` (the same
+    modules and weights, another class)."""
+    for module in model.modules():
+        if type(module).__name__ == "Llama4TextMoe":
+            module.__class__ = Llama4RoutedMoe
+            module.experts.__class__ = Llama4RoutedExperts
+            module.experts.config = model.config.get_text_config()
+
+
+def _llama4_context(config) -> int:
+    """Llama 4's chunked-attention layers attend as full ones inside one chunk (`attention_chunk_size`), and its NoPE
+    layers scale queries by log1p(floor((slot + 1) / floor_scale)) * attn_scale + 1, which is 1 below floor_scale - 1
+    slots; its cache masks and `TargetCache.get_seq_length` hold inside both."""
+    limits = [config.attention_chunk_size, config.floor_scale - 1 if config.attn_temperature_tuning else None]
+    return min(limit for limit in limits if limit)
+
+
+def _declared_moe_layers(config) -> list[int]:
+    """Llama 4: `moe_layers` (every `interleave_moe_layer_step`-th layer unless listed)."""
+    return list(config.moe_layers)
 
 
 _SWIGLU = ExpertLayout(gate_up="concatenated", transposed=False, bias=False, activation="act_fn")
@@ -417,6 +486,15 @@ FAMILIES: dict[str, FamilySpec] = {
             RouterSpec(scoring="sigmoid", block_bias="expert_bias", routed_scaling_factor=True),
             _after_num_dense_layers, _declared_layer_types,
         ),
+        FamilySpec(  # Llama 4 (Scout, Maverick): experts stored [E, in, out] that transformers runs on every token,
+            # rewritten to routed ones (`Llama4RoutedMoe`: the sigmoid of each chosen logit on the expert's input), a
+            # shared expert; MoE layers declared; chunked-attention layers with rotary positions and L2-normed q/k,
+            # full ones without rotary and with position-scaled queries
+            "llama4_text", ("llama4_text", "llama4"), "Llama4RoutedExperts",
+            ExpertLayout(gate_up="concatenated", transposed=True, bias=False, activation="act_fn"),
+            RouterSpec(scoring="sigmoid", module="router", call="route"), _declared_moe_layers, _declared_layer_types,
+            adapt=_route_llama4_experts, max_context=_llama4_context,
+        ),
         FamilySpec(  # Phi-3.5-MoE: Mixtral's layout and window rule, a sparsemixer router (top-2 by masked softmaxes)
             "phimoe", ("phimoe",), "PhimoeExperts", _SWIGLU, RouterSpec(scoring="softmax", module="router"),
             _all_layers, _window_everywhere,
@@ -485,9 +563,29 @@ def spec_for_experts_class(cls: type) -> FamilySpec | None:
     return spec
 
 
-def experts_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """The routed-experts modules of a model by name, as the registry recognises them (by class)."""
+def _recognised_experts(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return {name: module for name, module in model.named_modules() if spec_for_experts_class(type(module))}
+
+
+def adapt_model(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with its family's `adapt` applied (in place; again changes nothing). `experts_modules` applies it; so
+    must anything that traces a model before looking for its experts (`optimize`, `explain`)."""
+    spec = spec_for_model(model)
+    if spec is not None and spec.adapt is not None:
+        spec.adapt(model)
+    return model
+
+
+def traced_unadapted(model: torch.nn.Module) -> bool:
+    """Whether `model`'s family has an `adapt` that has not run (a graph traced from it holds no routed experts)."""
+    spec = spec_for_model(model)
+    return spec is not None and spec.adapt is not None and not _recognised_experts(model)
+
+
+def experts_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The routed-experts modules of a model by name, as the registry recognises them (by class), its family's
+    `adapt` applied first (Llama 4's experts are routed experts only after it)."""
+    return _recognised_experts(adapt_model(model))
 
 
 def _block_and_router(model: torch.nn.Module, experts_name: str) -> tuple[torch.nn.Module, RouterSpec]:
@@ -509,7 +607,7 @@ def routing_of(model: torch.nn.Module, experts_name: str) -> Callable[[torch.Ten
     call: moving the model to a device replaces a buffer such as MiniMax-M2's; None where the block keeps none, as
     LFM2-MoE's without `use_expert_bias` passes), the tokens as one row where it takes rows."""
     block, router = _block_and_router(model, experts_name)
-    module = getattr(block, router.module)
+    module = getattr(block, router.call or router.module)
 
     def route(hidden: torch.Tensor) -> tuple:
         bias = {} if router.block_bias is None else {router.block_bias: getattr(block, router.block_bias, None)}

@@ -215,6 +215,8 @@ class SpeculativeDecoder:
         self.windows = {kind: window if kind == "sliding_attention" else None for kind in dict.fromkeys(kinds)}
         self.per_kind_masks = getattr(config, "layer_types", None) is not None  # the model takes {kind: mask}
         self.max_positions = getattr(config, "max_position_embeddings", None)
+        self.max_context = spec.max_context(config) if spec.max_context else None
+        self.family = spec.name
         self.verify_step = self._verify_step
         self.backend = dflash_backend_with(fused_experts=fused_experts)
         self.mode = default_mode(model) if mode is None else mode
@@ -521,6 +523,12 @@ class SpeculativeDecoder:
             raise ValueError(
                 f"prompt of {prompt} tokens + max_new_tokens {max_new_tokens} exceeds the model's "
                 f"max_position_embeddings {self.max_positions}; shorten the prompt or generate fewer tokens"
+            )
+        if self.max_context and prompt + max_new_tokens + self.block_size > self.max_context:
+            raise ValueError(
+                f"prompt of {prompt} tokens + max_new_tokens {max_new_tokens} + a verify block of {self.block_size} "
+                f"exceeds {self.max_context} tokens, the longest context dflash-compile reproduces {self.family} "
+                "for (families.FamilySpec.max_context); shorten the prompt or generate fewer tokens"
             )
 
     def _sampler(self, do_sample, settings: dict, generator, argmax_drafts) -> Sampler | None:

@@ -9,7 +9,7 @@ with attention sinks for gpt_oss, sliding layers with sinks and narrower values 
 before a full one for exaone_moe and laguna, a wider full layer whose keys are its values for gemma4_text, q/k/v
 biases for qwen2_moe, Granite's multipliers, shared experts where the family has them. The families added later
 (mellum, kolibri1, beam, flint, granitemoe_swa, minicpm5_moe, axk1, lara_mini, mistral4, aria, kimi_linear,
-lfm2_moe) keep theirs likewise; each entry's comment says what.
+lfm2_moe, llama4_text) keep theirs likewise; each entry's comment says what.
 """
 
 from __future__ import annotations
@@ -158,6 +158,11 @@ TINY_CONFIGS = {
     "lfm2_moe": lambda: transformers.Lfm2MoeConfig(  # a dense first layer; short convolutions, then attention
         num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_dense_layers=1,
         layer_types=["conv", "conv", "full_attention"], initializer_range=0.1, **_ROUTED, **_COMMON),
+    "llama4_text": lambda: transformers.Llama4TextConfig(  # dense layers between MoE ones; chunked attention with
+        # rotary positions and L2-normed q/k, then a full layer without rotary (position-scaled queries past 8191)
+        num_hidden_layers=4, head_dim=16, intermediate_size=32, intermediate_size_mlp=96, num_local_experts=8,
+        interleave_moe_layer_step=2, attention_chunk_size=256, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, **_ROUTED, **_COMMON),
     "phimoe": lambda: transformers.PhimoeConfig(  # LayerNorms, q/k/v biases
         num_hidden_layers=2, intermediate_size=48, num_local_experts=4, **_ROUTED, **_COMMON),
     "flex_olmo": lambda: transformers.FlexOlmoConfig(  # post-attention and post-MLP norms
@@ -220,6 +225,10 @@ MULTIMODAL = {
         patch_size=8)),
     "aria": (transformers.AriaConfig, lambda: tiny_config("aria"), lambda hidden_size: dict(  # Idefics3's
         hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=64, patch_size=8)),
+    "llama4": (transformers.Llama4Config, lambda: tiny_config("llama4_text"), lambda hidden_size: dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=64, patch_size=8,
+        vision_output_dim=32, projector_input_dim=32, projector_output_dim=hidden_size,
+        intermediate_layers_indices=[0])),
 }
 
 
@@ -259,7 +268,14 @@ def load_tiny_model(
         with tempfile.TemporaryDirectory() as tmp:
             return load_tiny_model(family, dtype, save_tiny_model(family, tmp), **load_kwargs)
     config = transformers.AutoConfig.from_pretrained(directory)
-    model = auto_model_class(config).from_pretrained(directory, dtype=dtype, **load_kwargs)
+    model_class = auto_model_class(config)
+    implementation = None
+    if not model_class._model_mapping[type(config)]._can_set_experts_implementation():
+        # Llama 4 takes none (transformers runs its experts densely); the experts `adapt_model` makes read the config's
+        implementation = load_kwargs.pop("experts_implementation", None)
+    model = model_class.from_pretrained(directory, dtype=dtype, **load_kwargs)
+    if implementation:
+        model.config._experts_implementation = implementation
     return model.eval()
 
 

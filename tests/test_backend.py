@@ -40,14 +40,15 @@ def dispatch_calls(monkeypatch):
 BF16_PAST_THE_BOUND = {"gemma4_text"}
 # Inductor's forward in bf16 for one family of each router, expert layout, activation and attention kind (softmax,
 # sigmoid with grouped top-k, top-k then softmax, sparsemixer, a block's bias, a bias on logits, a router over rows,
-# an fp32 router linear, a biased softmax; interleaved and transposed experts, GELU; linear attention, short
-# convolutions, latent attention, sinks), in fp32 where the tiny model is past the bf16 bound, and three in fp32 too.
+# an fp32 router linear, a biased softmax, scores on the experts' inputs; interleaved and transposed experts, GELU;
+# linear attention, short convolutions, latent attention, sinks, chunked attention), in fp32 where the tiny model is
+# past the bf16 bound, and three in fp32 too.
 # Every family's fp32 logits are checked against eager at 1e-4 after the same passes in
 # test_one_dispatch_node_per_moe_layer_whatever_experts_implementation, and its Inductor-compiled generation against
 # transformers' tokens in test_speculative.py or test_offload.py. With a cold compile cache each case is 10-30 s.
 INDUCTOR_FORWARDS = ("mixtral", "qwen3_moe", "deepseek_v3", "deepseek_v2", "gpt_oss", "phimoe", "minimax_m2",
                      "kolibri1", "afmoe", "hunyuan_v1_moe", "ernie4_5_moe", "aria", "gemma4_text", "qwen3_5_moe",
-                     "lfm2_moe")
+                     "lfm2_moe", "llama4_text")
 COMPILED_CASES = [(family, torch.float32 if family in BF16_PAST_THE_BOUND else torch.bfloat16)
                   for family in INDUCTOR_FORWARDS] + [
     (family, torch.float32) for family in ("gpt_oss", "deepseek_v3", "qwen3_5_moe")]
@@ -172,8 +173,10 @@ def test_one_dispatch_node_per_moe_layer_whatever_experts_implementation(tiny, f
     assert report.graph_break_count == 0
     assert len(report.graphs) == 1
     # DeepSeek-V3's grouped router: group scores (top 2 each), groups, experts; DeepSeek-V2's group-limited greedy
-    # scores a group by its largest score (no topk); Phi-MoE's sparsemixer takes maxima, no topk at all
-    routers_top_k = {"deepseek_v2": 2, "phimoe": 0}.get(family, 3 if FAMILIES[family].router.grouped_top_k else 1)
+    # scores a group by its largest score (no topk); Phi-MoE's sparsemixer takes maxima, no topk at all; Llama 4's
+    # router takes one for every expert's score too, which nothing reads (Inductor drops it), beside the choice's
+    routers_top_k = {"deepseek_v2": 2, "phimoe": 0, "llama4_text": 2}.get(
+        family, 3 if FAMILIES[family].router.grouped_top_k else 1)
     # Lara Mini's checkpoints store its GatedDeltaNet's input projections as one `in_proj`, which transformers loads
     # as views of one buffer: the pass fuses them too, one GEMM in its one linear-attention layer
     loaded_together = 1 if family == "lara_mini" else 0

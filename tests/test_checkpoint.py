@@ -11,7 +11,7 @@ import transformers
 import dflash_compile
 from dflash_compile import checkpoint
 from dflash_compile.checkpoint import FP8Linear, expert_bytes, load_packed, quantize
-from dflash_compile.families import experts_modules, router_of
+from dflash_compile.families import experts_modules, router_of, spec_for_model
 from dflash_compile.packed import packed_weights
 from dflash_compile.testing import load_tiny_model, save_tiny_model
 from tests.conftest import FAMILIES, token_ids
@@ -28,7 +28,7 @@ SIZES = {"gpt_oss": {"intermediate_size": 64}, "deepseek_v2": {"moe_intermediate
          "afmoe": {"moe_intermediate_size": 128}, "gemma4_text": {"moe_intermediate_size": 128},
          "phimoe": {"intermediate_size": 128}, "granitemoe_swa": {"intermediate_size": 128},
          "mixtral": {"intermediate_size": 128}, "olmoe": {"intermediate_size": 128},
-         "aria": {"intermediate_size": 128},
+         "aria": {"intermediate_size": 128}, "llama4_text": {"intermediate_size": 128},
          **{family: {"moe_intermediate_size": 128}
             for family in ("mellum", "kolibri1", "beam", "flint", "minicpm5_moe", "axk1", "lara_mini", "mistral4",
                            "kimi_linear", "lfm2_moe")},
@@ -136,13 +136,14 @@ def test_optimize_names_the_packed_load_when_transformers_expanded_fp8_experts(t
 def _dequantized_reference(original, packed):
     """The original model with every packed tensor replaced by its reference dequantization."""
     reference = load_tiny_model(original.config.model_type, directory=original.name_or_path)
+    transposed = spec_for_model(reference).layout.transposed  # as transformers' modules, even Llama 4's, hold them
     for (name, module), (_, source) in zip(reference.named_modules(), packed.named_modules()):
         if isinstance(source, FP8Linear):
             weight = torch.ops.dflash.fp8_block_dequantize(source.weight, source.weight_scale_inv, 128, 128,
                                                            torch.float32)
             module.weight.data.copy_(weight)
-        elif hasattr(source, "packed_format"):  # packed [E, out, in]; Aria's module holds [E, in, out]
-            stored = (lambda weight: weight.transpose(1, 2)) if module.is_transposed else (lambda weight: weight)
+        elif hasattr(source, "packed_format"):  # packed [E, out, in]; Aria's and Llama 4's modules hold [E, in, out]
+            stored = (lambda weight: weight.transpose(1, 2)) if transposed else (lambda weight: weight)
             gate_up, down = packed_weights(source)
             module.gate_up_proj.data.copy_(stored(gate_up.dequantize()))
             module.down_proj.data.copy_(stored(down.dequantize()))

@@ -9,18 +9,18 @@ from torch._dynamo.exc import BackendCompilerFailed
 import dflash_compile
 from dflash_compile.expert_store import _STORES_BY_ROOT
 from dflash_compile.families import (
-    FAMILIES, UnsupportedFamilyError, experts_modules, spec_for_config, spec_for_experts_class)
+    FAMILIES, UnsupportedFamilyError, adapt_model, experts_modules, spec_for_config, spec_for_experts_class)
 from tests.conftest import token_ids
 
 
-def test_registry_covers_the_forty_one_families():
+def test_registry_covers_the_forty_two_families():
     assert dflash_compile.supported_families() == sorted(
         ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe", "glm4_moe_lite",
          "deepseek_v2", "deepseek_v3", "olmoe", "ernie4_5_moe", "phimoe", "dots1", "flex_olmo", "solar_open",
          "exaone_moe", "qwen3_vl_moe", "glm4v_moe", "granitemoe", "granitemoeshared", "cohere2_moe",
          "minimax_m2", "hunyuan_v1_moe", "hy_v3", "laguna", "mimo_v2_flash", "afmoe", "gemma4_text", "mellum",
          "kolibri1", "beam", "flint", "granitemoe_swa", "minicpm5_moe", "axk1", "lara_mini", "mistral4", "aria",
-         "kimi_linear", "lfm2_moe"]
+         "kimi_linear", "lfm2_moe", "llama4_text"]
     )
 
 
@@ -66,6 +66,7 @@ def test_registry_covers_the_forty_one_families():
         ("aria", [0, 1], ["full_attention"] * 2),
         ("kimi_linear", [1, 2], ["linear_attention", "linear_attention", "full_attention"]),  # mlp_layer_types
         ("lfm2_moe", [1, 2], ["conv", "conv", "full_attention"]),  # num_dense_layers=1
+        ("llama4_text", [1, 3], ["chunked_attention"] * 3 + ["full_attention"]),  # interleave_moe_layer_step=2
     ],
 )
 def test_spec_of_each_tiny_model(tiny, family, moe_layers, attention):
@@ -147,3 +148,27 @@ def test_dense_model_compiles_with_zero_matches_and_a_warning():
     with torch.no_grad(), pytest.warns(UserWarning, match="no routed experts"):
         out = torch.compile(model, backend="dflash", options={"lowering": "aot_eager"})(ids).logits
         torch.testing.assert_close(out, model(ids).logits)
+
+
+def test_llama4_blocks_call_routed_experts_with_transformers_sums(tiny):
+    """Llama 4's MoE blocks run every expert on every token, the router's sigmoid scores on their inputs (zero for
+    the experts not chosen); adapted (by `experts_modules` on the way), each chosen (token, expert) pair is one row
+    through its expert: the same logits in fp32, and adapting again changes nothing."""
+    model = tiny("llama4_text")
+    ids = token_ids()
+    with torch.no_grad():
+        expected = model(ids).logits
+        assert list(experts_modules(model)) == [f"model.layers.{i}.feed_forward.experts" for i in (1, 3)]
+        torch.testing.assert_close(adapt_model(model)(ids).logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_llama4_traced_before_adapting_and_past_its_chunk_are_refused(tiny):
+    model = tiny("llama4_text", attention_chunk_size=32)
+    with pytest.raises(BackendCompilerFailed, match=r"llama4_text's MoE blocks run every expert on every token .* "
+                                                    r"call dflash_compile.families.adapt_model\(model\)"):
+        torch.compile(model, backend="dflash")(token_ids())
+    fast = dflash_compile.optimize(model, compile=False)
+    with pytest.raises(ValueError, match=r"prompt of 9 tokens \+ max_new_tokens 24 \+ a verify block of 1 exceeds 32 "
+                                         r"tokens, the longest context dflash-compile reproduces llama4_text for"):
+        fast.generate(token_ids(), max_new_tokens=24)
+    assert fast.generate(token_ids(), max_new_tokens=22).shape[1] == 9 + 22

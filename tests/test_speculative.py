@@ -15,6 +15,8 @@ from tests.conftest import token_ids
 
 SPECULATIVE_FAMILIES = FAMILY_NAMES  # every family (the image-text-to-text releases: further below)
 NEW_TOKENS = 48  # crosses the gpt_oss test model's 8-token sliding window several times
+# attention kinds that see every slot: Llama 4's chunked layers inside one chunk (`FamilySpec.max_context`)
+FULL_KINDS = ("full_attention", "chunked_attention")
 
 
 def prompts(batch: int, seed: int = 3):
@@ -284,12 +286,12 @@ def test_a_sampling_cutoff_out_of_range_is_refused(tiny, setting, message):
     assert fast.decoder.target_cache is None
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl_moe", "glm4v_moe", "gemma4", "mistral3", "aria"])
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", "glm4v_moe", "gemma4", "mistral3", "aria", "llama4"])
 def test_an_image_text_to_text_release_generates_like_generate(tmp_path, family):
     """Qwen3-VL-MoE and GLM-4.5V, which transformers builds only as image-text-to-text models (the decoder under
     `model.language_model`, its rotary positions in three sections, a vision tower beside it), and Gemma 4 as
     released (an image-text-to-text model whose causal LM class is that one too), Mistral Small 4 (Mistral 3's
-    vision model around a Mistral 4 decoder) and Aria: text prompts keep
+    vision model around a Mistral 4 decoder), Aria and Llama 4 (Scout and Maverick): text prompts keep
     `generate`'s tokens through partly accepted blocks, eager and compiled, with their experts offloaded, and loaded
     by `dflash_compile.from_pretrained`."""
     from dflash_compile.offload import offload_experts, plan_offload
@@ -656,7 +658,7 @@ def test_unpadded_prompts_attend_by_sdpas_causal_flag(tiny, family, monkeypatch)
             assert calls == ([] if masked_prefill else [(ids.shape[1], True, True)] * len(kinds))
             continue
         # a sliding layer keeps its window's mask (EXAONE-MoE's 8-token window, shorter than the prompt)
-        causal = [not masked_prefill and kind == "full_attention" for kind in kinds]
+        causal = [not masked_prefill and kind in FULL_KINDS for kind in kinds]
         assert prefill == [(ids.shape[1], flag, flag) for flag in causal]
         assert steps and all(not unmasked and not causal for _, unmasked, causal in steps)
     model.set_attn_implementation("eager")  # after optimize: the prefill follows, with masks for eager attention
@@ -724,7 +726,7 @@ def test_left_padded_prompts_attend_row_by_row_without_masks(tiny, monkeypatch, 
     assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
     spec = spec_for_model(model)  # row by row: full attention, and a sliding layer that keeps its window itself (sinks)
     kinds = [kind for kind in spec.attention_kinds(model.config)
-             if kind == "full_attention" or kind == "sliding_attention" and spec.attention_sinks]
+             if kind in FULL_KINDS or kind == "sliding_attention" and spec.attention_sinks]
     chunks = [9] if prefill_chunk is None else [4, 4, 1]
     assert [t for t, _ in calls] == [t for t in chunks for _ in kinds]
     assert calls[kinds.index("full_attention")][1] == [0, 2, 4]  # each row's padding
