@@ -157,7 +157,7 @@ class FamilySpec:
     # (Llama 4: every expert on every token, the router's scores on the inputs); `adapt_model` calls it
     adapt: Callable[[torch.nn.Module], None] | None = None
     # config -> the most tokens (prompt, new tokens and a verify block) dflash-compile's steps reproduce the family for
-    max_context: Callable[[object], int] | None = None
+    max_context: Callable[[object], int | None] | None = None
 
     @property
     def latent_attention(self) -> bool:
@@ -270,12 +270,12 @@ def _route_llama4_experts(model: torch.nn.Module) -> None:
             module.experts.config = model.config.get_text_config()
 
 
-def _llama4_context(config) -> int:
+def _llama4_context(config) -> int | None:
     """Llama 4's chunked-attention layers attend as full ones inside one chunk (`attention_chunk_size`), and its NoPE
     layers scale queries by log1p(floor((slot + 1) / floor_scale)) * attn_scale + 1, which is 1 below floor_scale - 1
-    slots; its cache masks and `TargetCache.get_seq_length` hold inside both."""
+    slots; its cache masks and `TargetCache.get_seq_length` hold inside both (None: neither is configured)."""
     limits = [config.attention_chunk_size, config.floor_scale - 1 if config.attn_temperature_tuning else None]
-    return min(limit for limit in limits if limit)
+    return min((limit for limit in limits if limit), default=None)
 
 
 def _declared_moe_layers(config) -> list[int]:

@@ -10,6 +10,7 @@ import dflash_compile
 from dflash_compile.expert_store import _STORES_BY_ROOT
 from dflash_compile.families import (
     FAMILIES, UnsupportedFamilyError, adapt_model, experts_modules, spec_for_config, spec_for_experts_class)
+from dflash_compile.testing import tiny_config
 from tests.conftest import token_ids
 
 
@@ -172,3 +173,5 @@ def test_llama4_traced_before_adapting_and_past_its_chunk_are_refused(tiny):
                                          r"tokens, the longest context dflash-compile reproduces llama4_text for"):
         fast.generate(token_ids(), max_new_tokens=24)
     assert fast.generate(token_ids(), max_new_tokens=22).shape[1] == 9 + 22
+    unbounded = tiny_config("llama4_text", attention_chunk_size=None, attn_temperature_tuning=False)
+    assert FAMILIES["llama4_text"].max_context(unbounded) is None
