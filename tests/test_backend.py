@@ -143,8 +143,8 @@ def test_a_model_with_grad_enabled_compiles_for_inference(tiny, lowering):
 
 
 # The families whose experts' forward is their own, not a modular copy of Mixtral's: gpt-oss (interleaved, biases),
-# Beam (the same math in other words), Aria (weights stored [E, in, out])
-OWN_EXPERTS_CODE = ("gpt_oss", "beam", "aria")
+# Beam (the same math in other words), Aria (weights stored [E, in, out]), Llama 4 (its adapted experts: grouped_mm)
+OWN_EXPERTS_CODE = ("gpt_oss", "beam", "aria", "llama4_text")
 
 
 def test_every_familys_experts_run_their_own_or_mixtrals_code(tiny):
