@@ -5,6 +5,7 @@ import re
 import pytest
 import torch
 import transformers
+from packaging.version import Version
 
 import dflash_compile
 from dflash_compile.adaptive import WidthChooser
@@ -286,7 +287,9 @@ def test_a_sampling_cutoff_out_of_range_is_refused(tiny, setting, message):
     assert fast.decoder.target_cache is None
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl_moe", "glm4v_moe", "gemma4", "mistral3", "aria", "llama4"])
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", "glm4v_moe", "gemma4", "mistral3", "aria", pytest.param(
+    "llama4", marks=pytest.mark.skipif(Version(transformers.__version__) < Version("5.25"), reason="transformers "
+                                       "5.24's Llama 4 release fails on text prompts in its own generate"))])
 def test_an_image_text_to_text_release_generates_like_generate(tmp_path, family):
     """Qwen3-VL-MoE and GLM-4.5V, which transformers builds only as image-text-to-text models (the decoder under
     `model.language_model`, its rotary positions in three sections, a vision tower beside it), and Gemma 4 as
