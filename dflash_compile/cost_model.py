@@ -135,6 +135,14 @@ REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
     "llama-4-scout-17b-16e": transformers.Llama4TextConfig,  # 48 layers (3 in 4 chunked), 16 experts, top-1, shared
     "llama-4-maverick-17b-128e": lambda: transformers.Llama4TextConfig(  # every other layer routed, 128 experts
         num_local_experts=128, interleave_moe_layer_step=2, use_qk_norm=False),
+    # Granite 4.0-H-Small (32B, 9B active): 40 layers, attention at 5, 15, 25, 35 and Mamba2 elsewhere, 72 experts of
+    # 768, top-10, a shared MLP of 8192, no rotary positions
+    "granite-4.0-h-small": lambda: transformers.GraniteMoeHybridConfig(
+        hidden_size=4096, num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=8, intermediate_size=768,
+        shared_intermediate_size=8192, num_local_experts=72, num_experts_per_tok=10, mamba_n_heads=128,
+        mamba_d_head=64, mamba_d_state=128, mamba_n_groups=1, mamba_chunk_size=256, vocab_size=100352,
+        max_position_embeddings=131072, position_embedding_type="nope",
+        layer_types=["full_attention" if i % 10 == 5 else "linear_attention" for i in range(40)]),
     "a.x-k1": transformers.AXK1Config,  # 61 layers (the first dense), MLA, 192 experts of 2048, top-8, a shared expert
     "qwen3-vl-30b-a3b": lambda: transformers.Qwen3VLMoeConfig(text_config=dict(  # image-text-to-text: the text decoder
         hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,

@@ -57,14 +57,21 @@ class RouterSpec:
 
 @dataclass(frozen=True)
 class LinearAttentionSpec:
-    """A linear-attention (gated delta rule) mixer: its attribute on the decoder layer, and the names of the rules its
-    module calls for a multi-token input (chunked) and for one token with a state (recurrent; transformers' decode)."""
+    """A linear-attention mixer (a gated delta rule, or a Mamba2 state space scan): its attribute on the decoder layer,
+    and the names of the rules its module calls for a multi-token input (chunked) and for one token with a state
+    (recurrent; transformers' decode)."""
 
     mixer: str
     chunked: str
     recurrent: str
     # config -> fp32 elements the chunked rule holds per prompt token at its peak (`prefill_memory`)
     chunked_elements_per_token: Callable[[object], int]
+    # config -> the recurrent state's elements: `linear_attention`'s stepped rule keeps one after each token of a
+    # block it steps (a verify block, or a prefill chunk of at most STEPWISE_TOKENS after the first)
+    state_elements: Callable[[object], int]
+    # the rules' signature, by which `linear_attention.stepwise_linear_attention` steps a verify block: "delta"
+    # (GatedDeltaNet, KDA: query, key, value, g, beta) or "mamba2" (hidden states, dt, A, B, C)
+    rule: Literal["delta", "mamba2"] = "delta"
 
 
 def layer_configs(config) -> list:
@@ -123,6 +130,31 @@ def _gated_delta_rule_elements(config) -> int:
     triangular matrices, held together at its peak."""
     width = max(config.linear_key_head_dim, config.linear_value_head_dim)
     return config.linear_num_value_heads * (10 * width + 3 * 64)
+
+
+def _delta_state(config) -> int:
+    """GatedDeltaNet's state: [value heads, key dim, value dim]."""
+    return config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
+
+
+def _kimi_delta_state(config) -> int:
+    """KDA's state: [heads, head dim, head dim]."""
+    return config.linear_num_heads * config.linear_head_dim ** 2
+
+
+def _mamba2_state(config) -> int:
+    """Mamba2's state: [heads, head dim, state size]."""
+    return config.mamba_n_heads * config.mamba_d_head * config.mamba_d_state
+
+
+def _mamba2_scan_elements(config) -> int:
+    """transformers' mamba2_chunk_scan per token: fp32 copies of the input, its dt-scaled form and two partial outputs
+    (heads x head dim each), B and C repeated to every head and B decayed (heads x state size), its chunk's decay,
+    scores and masked scores (heads x chunk size each), and eight chunk states' share ([heads, head dim, state size]
+    a chunk: the chunks' states, their concatenation, the decayed ones, ...), held together at its peak."""
+    chunk_states = 8 * _mamba2_state(config) // config.mamba_chunk_size
+    return config.mamba_n_heads * (4 * config.mamba_d_head + 3 * config.mamba_d_state + 3 * config.mamba_chunk_size) \
+        + chunk_states
 
 
 def _kimi_delta_rule_elements(config) -> int:
@@ -201,6 +233,11 @@ def _after_num_dense_layers(config) -> list[int]:
 def _moe_block_layers(config) -> list[int]:
     """Gemma 4: every layer when `enable_moe_block` (an MoE block beside each layer's MLP), else none."""
     return list(range(config.num_hidden_layers)) if config.enable_moe_block else []
+
+
+def _routed_everywhere(config) -> list[int]:
+    """Granite 4.0-H: every layer when it has `num_local_experts` (its dense releases have none)."""
+    return list(range(config.num_hidden_layers)) if config.num_local_experts else []
 
 
 def _ernie_sparse_layers(config) -> list[int]:
@@ -287,10 +324,13 @@ _SWIGLU = ExpertLayout(gate_up="concatenated", transposed=False, bias=False, act
 _SOFTMAX = RouterSpec(scoring="softmax")
 _TOP_K_THEN_SOFTMAX = RouterSpec(scoring="top_k_then_softmax", module="router")  # gpt-oss, Granite-MoE
 _GATED_DELTA_NET = LinearAttentionSpec("linear_attn", "torch_chunk_gated_delta_rule",
-                                       "torch_recurrent_gated_delta_rule", _gated_delta_rule_elements)
+                                       "torch_recurrent_gated_delta_rule", _gated_delta_rule_elements, _delta_state)
 # Kimi Linear's KDA layers: the decoder layer's `self_attn`, as its latent-attention layers
+# Mamba2 layers (Granite 4.0-H): the decoder layer's `mamba`
+_MAMBA2 = LinearAttentionSpec("mamba", "mamba2_chunk_scan", "mamba2_selective_state_update", _mamba2_scan_elements,
+                              _mamba2_state, rule="mamba2")
 _KIMI_DELTA_ATTENTION = LinearAttentionSpec("self_attn", "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention",
-                                            _kimi_delta_rule_elements)
+                                            _kimi_delta_rule_elements, _kimi_delta_state)
 # Multi-head latent attention's linears reading the same input (q_proj where there is no q_lora_rank)
 _MLA_SHARED_INPUTS = (("q_a_proj", "kv_a_proj_with_mqa"), ("q_proj", "kv_a_proj_with_mqa"), ("gate_proj", "up_proj"))
 _DEEPSEEK_ROUTER = RouterSpec(scoring="sigmoid", correction_bias="e_score_correction_bias", grouped_top_k=True,
@@ -494,6 +534,11 @@ FAMILIES: dict[str, FamilySpec] = {
             ExpertLayout(gate_up="concatenated", transposed=True, bias=False, activation="act_fn"),
             RouterSpec(scoring="sigmoid", module="router", call="route"), _declared_moe_layers, _declared_layer_types,
             adapt=_route_llama4_experts, max_context=_llama4_context,
+        ),
+        FamilySpec(  # Granite 4.0-H (GraniteMoeHybrid): Mamba2 layers between full-attention ones (without rotary
+            # positions as released), Granite-MoE's router and multipliers, a shared MLP beside the experts everywhere
+            "granitemoehybrid", ("granitemoehybrid",), "GraniteMoeHybridExperts", _SWIGLU, _TOP_K_THEN_SOFTMAX,
+            _routed_everywhere, _declared_layer_types, _MAMBA2,
         ),
         FamilySpec(  # Phi-3.5-MoE: Mixtral's layout and window rule, a sparsemixer router (top-2 by masked softmaxes)
             "phimoe", ("phimoe",), "PhimoeExperts", _SWIGLU, RouterSpec(scoring="softmax", module="router"),

@@ -1,4 +1,4 @@
-"""Linear-attention (gated delta rule) layers over a verify block: token by token, the state after every token kept.
+"""Linear-attention layers (gated delta rules, Mamba2 scans) over a verify block: token by token, every state kept.
 
 transformers runs a GatedDeltaNet layer over more than one token by its chunked rule, which pads the block to a
 64-token chunk and solves the chunk's triangular system one row at a time (63 dependent launches a layer on CUDA,
@@ -49,6 +49,40 @@ def stepwise_rule(chunked, recurrent):
     return rule
 
 
+@functools.cache
+def stepwise_mamba2_rule(chunked, recurrent):
+    """Mamba2's chunked scan (`mamba2_chunk_scan`'s signature and results) computed, where a state is given and the
+    block is at most STEPWISE_TOKENS long, by `recurrent` (`mamba2_selective_state_update`) one token at a time on
+    the per-head parameters transformers' mixer expands for its decode; the final state is then the state after
+    each token [batch, tokens, heads, head dim, state size]. The update writes its state in place: it gets a copy."""
+
+    @functools.wraps(chunked)
+    def rule(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None, dt_softplus=False,
+             dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):
+        batch, tokens, heads, head_dim = hidden_states.shape
+        if initial_states is None or tokens > STEPWISE_TOKENS:
+            return chunked(hidden_states, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, initial_states=initial_states,
+                           dt_softplus=dt_softplus, dt_limit=dt_limit, return_final_states=return_final_states,
+                           **kwargs)
+        per_head = dict(A=A[:, None, None].expand(-1, head_dim, B.shape[-1]),
+                        D=None if D is None else D[:, None].expand(-1, head_dim),
+                        dt_bias=None if dt_bias is None else dt_bias[:, None].expand(-1, head_dim))
+        state, outputs, states = initial_states.clone(), [], []
+        for t in range(tokens):
+            outputs.append(recurrent(state, hidden_states[:, t], dt[:, t, :, None].expand(-1, -1, head_dim),
+                                     B=B[:, t], C=C[:, t], dt_softplus=dt_softplus, **per_head, **kwargs))
+            states.append(state.clone())
+        output = torch.stack(outputs, dim=1)
+        return (output, torch.stack(states, dim=1)) if return_final_states else output
+
+    rule.stepwise = True
+    return rule
+
+
+# a verify block's stepped rule by `LinearAttentionSpec.rule`
+STEPWISE_RULES = {"delta": stepwise_rule, "mamba2": stepwise_mamba2_rule}
+
+
 def check_verify_block(model, block_size: int) -> None:
     """A drafter's block must fit `stepwise_rule`: a longer verify block would leave one state for all its tokens."""
     spec = spec_for_model(model)
@@ -74,7 +108,7 @@ def stepwise_linear_attention(model):
     try:
         for ns, chunked in originals:
             if not getattr(chunked, "stepwise", False):  # ours already inside a nested call
-                setattr(ns, linear.chunked, stepwise_rule(chunked, getattr(ns, linear.recurrent)))
+                setattr(ns, linear.chunked, STEPWISE_RULES[linear.rule](chunked, getattr(ns, linear.recurrent)))
         yield
     finally:
         for ns, chunked in originals:

@@ -3,7 +3,8 @@ the model's own modules and the paths its layers take, so that `generate` can pi
 device's free memory before it allocates anything, or refuse the prompt naming what it needs.
 
     bytes(rows, chunk, prompt) = rows * chunk * (layer + experts(rows * chunk))       one decoder layer at a time
-                               + rows * chunk rounded up to 64 * linear_rule         a linear-attention layer's
+                               + max(rows * chunk rounded up to 64 * linear_rule,    a linear-attention layer's
+                                     rows * chunk * stepped_rule if stepped)
                                + rows * prompt * (prompt_token + slot)               held for the whole prompt
                                + rows * chunk * prompt * mask entry                  masked chunks only
                                + experts' weight buffer(rows * chunk)                dequantizing path only
@@ -11,7 +12,9 @@ device's free memory before it allocates anything, or refuse the prompt naming w
 - layer: the largest decoder layer's activations per token, as if every one of its linears' outputs (attention,
   routers, shared experts, dense MLPs) were held at once, with the residual stream and the routers' fp32 scores.
 - linear_rule: a linear-attention layer's chunked rule per token (`LinearAttentionSpec.chunked_elements_per_token`),
-  over the chunk padded to the rule's 64-token chunks (Kimi Linear's decay masks make that count).
+  over the chunk padded to the rule's 64-token chunks (Kimi Linear's decay masks make that count); or, for chunks of
+  at most 64 tokens after the first, which `linear_attention` steps token by token, stepped_rule: the state kept
+  after each token, 4 times (`LinearAttentionSpec.state_elements`; Qwen3.5's 32 x 128 x 128 fp32, 8 MiB a token).
 - experts: packed experts' temporaries on the path `kernels.moe.fused_moe` takes at that many pairs per expert: its
   fused launches' activated rows and fp32 down rows, or from DEQUANTIZE_PAIRS the dequantizing path's gathered rows,
   grouped GEMM outputs and their concatenation, plus the buffer its experts are dequantized into (a fixed term: a
@@ -76,6 +79,7 @@ class PrefillActivations:
     itemsize: int
     layer: int  # bytes per token of the largest decoder layer, routed experts aside
     linear_rule: int  # bytes per token, padded to the rule's chunks, of a linear-attention layer's chunked rule
+    stepped_rule: int  # bytes per token of a chunk the layer steps token by token: the state after each, 4 times
     experts: RoutedExperts | None
     prompt_token: int  # bytes per prompt token held through the prefill
     slot: int  # bytes per visible slot of a latent-attention layer's expansion
@@ -86,7 +90,8 @@ class PrefillActivations:
         per_token, fixed = self.experts.bytes(tokens, self.itemsize) if self.experts else (0, 0)
         masks = tokens * prompt * self.mask_entry if masked else 0
         padded = rows * -(-chunk // RULE_CHUNK) * RULE_CHUNK
-        return (tokens * (self.layer + per_token) + padded * self.linear_rule
+        stepped = tokens * self.stepped_rule if chunk < prompt and chunk <= RULE_CHUNK else 0  # chunks with a state
+        return (tokens * (self.layer + per_token) + max(padded * self.linear_rule, stepped)
                 + rows * prompt * (self.prompt_token + self.slot) + masks + fixed)
 
     @classmethod
@@ -98,6 +103,9 @@ class PrefillActivations:
         itemsize = model.dtype.itemsize
         linear = spec.linear_attention
         chunked_rule = linear.chunked_elements_per_token(config) * FP32 if linear else 0
+        # the states kept (a list of them, their stack, the update's temporaries: 3.3 a token measured on Mamba2) when a
+        # chunk after the first is stepped
+        stepped_rule = 4 * linear.state_elements(config) * FP32 if linear else 0
         experts = _routed_experts(model, config)
         routers = experts.experts if experts else 0  # a router's scores per token, one per expert
         layer = max((_linear_outputs(decoder) for decoder in model.modules()
@@ -106,7 +114,7 @@ class PrefillActivations:
         kinds = set(spec.attention_kinds(config)) - set(RECURRENT_KINDS)
         groups = max(config.num_attention_heads // view.num_key_value_heads for view in layer_configs(config))
         features = (3 * feature_layers + 4) * config.hidden_size * itemsize if drafter else 0
-        return cls(itemsize=itemsize, layer=layer, linear_rule=chunked_rule, experts=experts,
+        return cls(itemsize=itemsize, layer=layer, linear_rule=chunked_rule, stepped_rule=stepped_rule, experts=experts,
                    prompt_token=features, slot=spec.expanded_per_slot(config) * itemsize,
                    mask_entry=len(kinds) * (1 + groups) * itemsize)
 

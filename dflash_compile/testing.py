@@ -9,7 +9,7 @@ with attention sinks for gpt_oss, sliding layers with sinks and narrower values 
 before a full one for exaone_moe and laguna, a wider full layer whose keys are its values for gemma4_text, q/k/v
 biases for qwen2_moe, Granite's multipliers, shared experts where the family has them. The families added later
 (mellum, kolibri1, beam, flint, granitemoe_swa, minicpm5_moe, axk1, lara_mini, mistral4, aria, kimi_linear,
-lfm2_moe, llama4_text) keep theirs likewise; each entry's comment says what.
+lfm2_moe, llama4_text, granitemoehybrid) keep theirs likewise; each entry's comment says what.
 """
 
 from __future__ import annotations
@@ -163,6 +163,11 @@ TINY_CONFIGS = {
         num_hidden_layers=4, head_dim=16, intermediate_size=32, intermediate_size_mlp=96, num_local_experts=8,
         interleave_moe_layer_step=2, attention_chunk_size=256, pad_token_id=0, bos_token_id=1,
         eos_token_id=2, **_ROUTED, **_COMMON),
+    "granitemoehybrid": lambda: transformers.GraniteMoeHybridConfig(  # Mamba2 layers (two groups, 16-token chunks),
+        # then attention without rotary positions; a shared MLP beside the experts
+        num_hidden_layers=3, layer_types=["linear_attention", "linear_attention", "full_attention"],
+        intermediate_size=32, shared_intermediate_size=48, num_local_experts=8, mamba_n_heads=8, mamba_d_head=16,
+        mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=16, **_ROUTED, **_COMMON),
     "phimoe": lambda: transformers.PhimoeConfig(  # LayerNorms, q/k/v biases
         num_hidden_layers=2, intermediate_size=48, num_local_experts=4, **_ROUTED, **_COMMON),
     "flex_olmo": lambda: transformers.FlexOlmoConfig(  # post-attention and post-MLP norms

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import dflash_compile
-from dflash_compile.linear_attention import STEPWISE_TOKENS, stepwise_linear_attention, stepwise_rule
+from dflash_compile.linear_attention import (STEPWISE_TOKENS, stepwise_linear_attention, stepwise_mamba2_rule,
+                                             stepwise_rule)
 from dflash_compile.testing import OracleDrafter
 
 HEADS, K_DIM, V_DIM = 4, 16, 8
@@ -46,6 +47,39 @@ def test_a_block_runs_as_decode_runs_each_token(tiny):
     chunk_out, chunk_state = chunked(query, key, value, g=g, beta=beta, initial_state=state, **options)
     torch.testing.assert_close(out, chunk_out, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(states[:, -1], chunk_state, rtol=1e-4, atol=1e-5)
+
+
+def test_a_mamba2_block_runs_as_decode_runs_each_token(tiny):
+    """Granite 4.0-H's Mamba2 scan over a block from a state: bit for bit one recurrent update per token on the
+    per-head parameters its mixer expands for decode (the update writes the state in place: the given one is
+    untouched), the state after each token kept; and within rounding of the chunked scan."""
+    model = tiny("granitemoehybrid")
+    mixer = model.model.layers[0].mamba
+    module = sys.modules[type(mixer).__module__]
+    chunked, recurrent = module.mamba2_chunk_scan, module.mamba2_selective_state_update
+    generator = torch.Generator().manual_seed(0)
+    batch, tokens, heads, head_dim, groups, size = 2, 5, mixer.num_heads, mixer.head_dim, mixer.n_groups, 16
+    hidden = torch.randn(batch, tokens, heads, head_dim, generator=generator)
+    dt = torch.randn(batch, tokens, heads, generator=generator)
+    B, C = (torch.randn(batch, tokens, groups, size, generator=generator) for _ in range(2))
+    A = -torch.exp(mixer.A_log.float())
+    state = torch.randn(batch, heads, head_dim, size, generator=generator)
+    given = state.clone()
+    options = dict(D=mixer.D, dt_bias=mixer.dt_bias, dt_softplus=True, z=None)
+    out, states = stepwise_mamba2_rule(chunked, recurrent)(hidden, dt, A, B, C, 16, initial_states=state,
+                                                           return_final_states=True, **options)
+    assert torch.equal(state, given) and states.shape == (batch, tokens, heads, head_dim, size)
+    decoded = state.clone()
+    for t in range(tokens):  # as the mixer's one-token path calls it
+        token_out = recurrent(decoded, hidden[:, t], dt[:, t, :, None].expand(-1, -1, head_dim),
+                              A[:, None, None].expand(-1, head_dim, size), B[:, t], C[:, t],
+                              mixer.D[:, None].expand(-1, head_dim), z=None,
+                              dt_bias=mixer.dt_bias[:, None].expand(-1, head_dim), dt_softplus=True)
+        assert torch.equal(out[:, t], token_out) and torch.equal(states[:, t], decoded)
+    chunk_out, chunk_state = chunked(hidden, dt, A, B, C, 16, initial_states=state, return_final_states=True,
+                                     **options)
+    torch.testing.assert_close(out, chunk_out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(states[:, -1], chunk_state, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("tokens, with_state", [(5, False), (STEPWISE_TOKENS + 1, True)])
