@@ -190,6 +190,9 @@ class FamilySpec:
     adapt: Callable[[torch.nn.Module], None] | None = None
     # config -> the most tokens (prompt, new tokens and a verify block) dflash-compile's steps reproduce the family for
     max_context: Callable[[object], int | None] | None = None
+    # the attribute of an MoE block (ERNIE-4.5-VL's `vision_moe`) whose experts text prompts never call: left to the
+    # model's own code (images), out of `experts_modules`
+    image_experts: str | None = None
 
     @property
     def latent_attention(self) -> bool:
@@ -333,6 +336,7 @@ _KIMI_DELTA_ATTENTION = LinearAttentionSpec("self_attn", "chunk_kimi_delta_atten
                                             _kimi_delta_rule_elements, _kimi_delta_state)
 # Multi-head latent attention's linears reading the same input (q_proj where there is no q_lora_rank)
 _MLA_SHARED_INPUTS = (("q_a_proj", "kv_a_proj_with_mqa"), ("q_proj", "kv_a_proj_with_mqa"), ("gate_proj", "up_proj"))
+_ERNIE_ROUTER = RouterSpec(scoring="softmax", correction_bias="moe_statics.e_score_correction_bias")
 _DEEPSEEK_ROUTER = RouterSpec(scoring="sigmoid", correction_bias="e_score_correction_bias", grouped_top_k=True,
                               routed_scaling_factor=True)
 # DeepSeek-V2: softmax scores, top-k over all experts ("greedy") or inside the best `topk_group` groups by their
@@ -545,10 +549,13 @@ FAMILIES: dict[str, FamilySpec] = {
             _all_layers, _window_everywhere,
         ),
         FamilySpec(  # ERNIE-4.5-MoE: softmax scores, the choice made on them plus `moe_statics`' bias, renormalised
-            "ernie4_5_moe", ("ernie4_5_moe",), "Ernie4_5_MoeExperts", _SWIGLU,
-            RouterSpec(scoring="softmax", correction_bias="moe_statics.e_score_correction_bias"),
-            _ernie_sparse_layers,
+            "ernie4_5_moe", ("ernie4_5_moe",), "Ernie4_5_MoeExperts", _SWIGLU, _ERNIE_ROUTER, _ernie_sparse_layers,
             _full_attention,
+        ),
+        FamilySpec(  # ERNIE-4.5-VL (text prompts): ERNIE-4.5's router and experts under `text_moe`, image tokens' own
+            # experts beside them (`vision_moe`), shared experts, MLPs declared; rotary positions in three sections
+            "ernie4_5_vl_moe", ("ernie4_5_vl_moe", "ernie4_5_vl_moe_text"), "Ernie4_5_VLMoeMoeExperts", _SWIGLU,
+            _ERNIE_ROUTER, _declared_sparse_layers, _full_attention, image_experts="vision_moe",
         ),
     )
 }
@@ -609,7 +616,12 @@ def spec_for_experts_class(cls: type) -> FamilySpec | None:
 
 
 def _recognised_experts(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    return {name: module for name, module in model.named_modules() if spec_for_experts_class(type(module))}
+    found = {}
+    for name, module in model.named_modules():
+        spec = spec_for_experts_class(type(module))
+        if spec and not (spec.image_experts and name.rpartition(".")[0].endswith("." + spec.image_experts)):
+            found[name] = module
+    return found
 
 
 def adapt_model(model: torch.nn.Module) -> torch.nn.Module:

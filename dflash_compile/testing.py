@@ -230,6 +230,11 @@ MULTIMODAL = {
         patch_size=8)),
     "aria": (transformers.AriaConfig, lambda: tiny_config("aria"), lambda hidden_size: dict(  # Idefics3's
         hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=64, patch_size=8)),
+    "ernie4_5_vl_moe": (transformers.Ernie4_5_VLMoeConfig, lambda: transformers.Ernie4_5_VLMoeTextConfig(  # a dense
+        # first layer; text and image experts in the others, shared experts
+        num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=[32, 32], moe_num_experts=8,
+        moe_layer_start_index=1, rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[3, 3, 2]),
+        **_ROUTED, **_COMMON), lambda hidden_size: dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32)),
     "llama4": (transformers.Llama4Config, lambda: tiny_config("llama4_text"), lambda hidden_size: dict(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=64, patch_size=8,
         vision_output_dim=32, projector_input_dim=32, projector_output_dim=hidden_size,

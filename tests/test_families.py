@@ -10,18 +10,18 @@ import dflash_compile
 from dflash_compile.expert_store import _STORES_BY_ROOT
 from dflash_compile.families import (
     FAMILIES, UnsupportedFamilyError, adapt_model, experts_modules, spec_for_config, spec_for_experts_class)
-from dflash_compile.testing import tiny_config
+from dflash_compile.testing import tiny_config, tiny_multimodal_config
 from tests.conftest import token_ids
 
 
-def test_registry_covers_the_forty_three_families():
+def test_registry_covers_the_forty_four_families():
     assert dflash_compile.supported_families() == sorted(
         ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe", "glm4_moe_lite",
          "deepseek_v2", "deepseek_v3", "olmoe", "ernie4_5_moe", "phimoe", "dots1", "flex_olmo", "solar_open",
          "exaone_moe", "qwen3_vl_moe", "glm4v_moe", "granitemoe", "granitemoeshared", "cohere2_moe",
          "minimax_m2", "hunyuan_v1_moe", "hy_v3", "laguna", "mimo_v2_flash", "afmoe", "gemma4_text", "mellum",
          "kolibri1", "beam", "flint", "granitemoe_swa", "minicpm5_moe", "axk1", "lara_mini", "mistral4", "aria",
-         "kimi_linear", "lfm2_moe", "llama4_text", "granitemoehybrid"]
+         "kimi_linear", "lfm2_moe", "llama4_text", "granitemoehybrid", "ernie4_5_vl_moe"]
     )
 
 
@@ -176,3 +176,13 @@ def test_llama4_traced_before_adapting_and_past_its_chunk_are_refused(tiny):
     assert fast.generate(token_ids(), max_new_tokens=22).shape[1] == 9 + 22
     unbounded = tiny_config("llama4_text", attention_chunk_size=None, attn_temperature_tuning=False)
     assert FAMILIES["llama4_text"].max_context(unbounded) is None
+
+
+def test_ernie_vl_image_experts_are_left_to_the_model():
+    """ERNIE-4.5-VL's MoE layers hold text and image experts of one class; text prompts call the text ones only, so
+    those alone are routed experts to dflash-compile (dispatched, offloaded)."""
+    config = tiny_multimodal_config("ernie4_5_vl_moe")
+    model = transformers.AutoModelForImageTextToText.from_config(config)
+    experts = [name for name, module in model.named_modules() if type(module).__name__ == "Ernie4_5_VLMoeMoeExperts"]
+    assert len(experts) == 4
+    assert list(experts_modules(model)) == [f"model.language_model.layers.{i}.mlp.text_moe.experts" for i in (1, 2)]
