@@ -83,6 +83,8 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
     `small_top_k`), and so does each bf16 linear of a decode or verify step with more inputs than outputs
     (routers, o_proj: pass `split_k_linear`). On CUDA each attention layer of a bf16 / fp16 decode or verify step is one
     launch too (`dflash::decode_attention`, split over the cache's slots).
+    Llama 4's MoE blocks, which transformers runs over every expert, are changed in place to call the chosen experts
+    only, with the same sums (`families.adapt_model`; the model's own forward and `generate` then run them too).
     A model that transformers loaded from an MXFP4 checkpoint by expanding its experts gets them packed again
     (losslessly; `pack_experts_expanded_at_load`); one whose experts transformers' MXFP4 hub kernels hold is refused
     with the loads that work (`refuse_hub_kernel_experts`).
