@@ -122,6 +122,22 @@ def test_a_block_longer_than_stepwise_is_refused(tiny):
     dflash_compile.optimize(tiny("olmoe"), drafter=oracle, compile=False)  # no linear attention: any block
 
 
+def test_a_dense_granite_hybrid_verifies_partial_blocks_like_generate(tiny):
+    """Granite 4.0-H's dense releases (H-Micro: Mamba2 and attention layers, no experts) keep `generate`'s tokens on a
+    left-padded batch through partly accepted blocks: the family without routed experts."""
+    model = tiny("granitemoehybrid", num_local_experts=0)
+    assert not dflash_compile.families.experts_modules(model)
+    ids = torch.randint(3, 127, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20)
+    oracle = OracleDrafter(expected, mask, 4, corruption=0.3, vocab_size=128)
+    fast = dflash_compile.optimize(model, drafter=oracle, adaptive=False, compile=False)
+    assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=20), expected)
+    assert 1 < fast.last_stats.tau < 4
+
+
 def test_the_multimodal_model_verifies_partial_blocks_like_generate(tmp_path):
     """A Qwen3.5-MoE checkpoint as released (image-text-to-text: the decoder under `model.language_model`) keeps
     `generate`'s tokens through partly accepted blocks."""
