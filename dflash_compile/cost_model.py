@@ -27,7 +27,8 @@ import sympy
 import torch
 import transformers
 
-from .families import RECURRENT_KINDS, auto_model_class, experts_modules, head_dim, routed_top_k, spec_for_model
+from .families import (FULL_KINDS, RECURRENT_KINDS, auto_model_class, experts_modules, head_dim, routed_top_k,
+                       spec_for_model)
 
 # Target step times measured on the H200 (docs/benchmarks.md, "Session 44"): random bf16 weights, uniform routing,
 # 512-token context, compiled step as `generate` runs it (`bench/spec_decode.py --steps-only`, 2026-12-04).
@@ -225,9 +226,7 @@ class ModelSizes:
             experts=experts,
             top_k=routed_top_k(text),
             moe_layers=len(modules),
-            # chunked layers read every slot: dflash-compile runs Llama 4 only inside one chunk
-            kv_elements_per_token=sum(per_layer(kind) for kind in kinds
-                                      if kind in ("full_attention", "chunked_attention")),
+            kv_elements_per_token=sum(per_layer(kind) for kind in kinds if kind in FULL_KINDS),
             sliding_kv_elements_per_token=kinds.count("sliding_attention") * per_layer("sliding_attention"),
             window=getattr(text, "sliding_window", None) or 0,
             attention_width=sum(kind not in RECURRENT_KINDS for kind in kinds) * text.num_attention_heads * head_size,

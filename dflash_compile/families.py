@@ -24,6 +24,8 @@ AttentionKind = Literal["full_attention", "sliding_attention", "chunked_attentio
 # padding masks are 2-D, their states committed by `TargetCache.commit_linear`; LFM2's short-convolution layers ("conv")
 # need no recurrent rule, a block's convolution over the kept window being exact
 RECURRENT_KINDS = ("linear_attention", "conv")
+# kinds whose layers see every slot: Llama 4's chunked layers as full ones, inside one chunk (`FamilySpec.max_context`)
+FULL_KINDS = ("full_attention", "chunked_attention")
 
 
 @dataclass(frozen=True)

@@ -9,15 +9,13 @@ from packaging.version import Version
 
 import dflash_compile
 from dflash_compile.adaptive import WidthChooser
-from dflash_compile.families import FAMILIES, RECURRENT_KINDS, spec_for_model
+from dflash_compile.families import FAMILIES, FULL_KINDS, RECURRENT_KINDS, spec_for_model
 from dflash_compile.testing import OracleDrafter
 from tests.conftest import FAMILIES as FAMILY_NAMES
 from tests.conftest import token_ids
 
 SPECULATIVE_FAMILIES = FAMILY_NAMES  # every family (the image-text-to-text releases: further below)
 NEW_TOKENS = 48  # crosses the gpt_oss test model's 8-token sliding window several times
-# attention kinds that see every slot: Llama 4's chunked layers inside one chunk (`FamilySpec.max_context`)
-FULL_KINDS = ("full_attention", "chunked_attention")
 
 
 def prompts(batch: int, seed: int = 3):
