@@ -235,14 +235,10 @@ def _after_num_dense_layers(config) -> list[int]:
     return list(range(config.num_dense_layers, config.num_hidden_layers))
 
 
-def _moe_block_layers(config) -> list[int]:
-    """Gemma 4: every layer when `enable_moe_block` (an MoE block beside each layer's MLP), else none."""
-    return list(range(config.num_hidden_layers)) if config.enable_moe_block else []
-
-
-def _routed_everywhere(config) -> list[int]:
-    """Granite 4.0-H: every layer when it has `num_local_experts` (its dense releases have none)."""
-    return list(range(config.num_hidden_layers)) if config.num_local_experts else []
+def _every_layer_when(setting: str) -> Callable[[object], list[int]]:
+    """config -> every layer when the config's `setting` is set, else none: Gemma 4's `enable_moe_block` (an MoE block
+    beside each layer's MLP), Granite 4.0-H's `num_local_experts` (its dense releases have none)."""
+    return lambda config: list(range(config.num_hidden_layers)) if getattr(config, setting) else []
 
 
 def _ernie_sparse_layers(config) -> list[int]:
@@ -470,7 +466,8 @@ FAMILIES: dict[str, FamilySpec] = {
             # on the layer's input times per-expert scales (`router`, on the decoder layer); sliding and full layers
             # declared, the full ones with wider heads (per-layer config)
             "gemma4_text", ("gemma4_text", "gemma4"), "Gemma4TextExperts", _SWIGLU,
-            RouterSpec(scoring="softmax", module="router"), _moe_block_layers, _declared_layer_types,
+            RouterSpec(scoring="softmax", module="router"), _every_layer_when("enable_moe_block"),
+            _declared_layer_types,
         ),
         FamilySpec(  # Mellum: Qwen3-MoE's router and q/k norms; MLPs and attention layers declared (sliding and full)
             "mellum", ("mellum",), "MellumExperts", _SWIGLU, _SOFTMAX, _declared_sparse_layers, _declared_layer_types,
@@ -544,7 +541,7 @@ FAMILIES: dict[str, FamilySpec] = {
         FamilySpec(  # Granite 4.0-H (GraniteMoeHybrid): Mamba2 layers between full-attention ones (without rotary
             # positions as released), Granite-MoE's router and multipliers, a shared MLP beside the experts everywhere
             "granitemoehybrid", ("granitemoehybrid",), "GraniteMoeHybridExperts", _SWIGLU, _TOP_K_THEN_SOFTMAX,
-            _routed_everywhere, _declared_layer_types, _MAMBA2,
+            _every_layer_when("num_local_experts"), _declared_layer_types, _MAMBA2,
         ),
         FamilySpec(  # Phi-3.5-MoE: Mixtral's layout and window rule, a sparsemixer router (top-2 by masked softmaxes)
             "phimoe", ("phimoe",), "PhimoeExperts", _SWIGLU, RouterSpec(scoring="softmax", module="router"),
