@@ -6,7 +6,7 @@ keys/values at `lengths[b], lengths[b] + 1, ...` (`dflash::kv_write`) without mo
 dead: masked out of attention and overwritten by the next write. That is the whole rollback for full attention,
 and it needs no host sync: lengths stay on the device.
 
-Sliding-window layers keep a ring of W - 1 + C slots (C: the most tokens one step writes, the block); token slot p
+Sliding-window layers (and chunked ones, W their chunk) keep a ring of W - 1 + C slots (C: the most tokens one step writes, the block); token slot p
 lives at ring slot p mod (W - 1 + C). A step's writes then never overwrite a key that any of its queries, or any
 later query, still needs, and a rolled-back tail is overwritten by the tokens that replace it: a key inside a
 query's window was written at most W - 1 slots before it and the block reaches at most C - 1 slots past it. A
@@ -278,8 +278,9 @@ class TargetCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> torch.Tensor:
         """The longest row's length (a 0-d device tensor). Exact for rows of one length (one row, a prompt); Llama 4,
-        the one family that reads it (its NoPE layers' query temperature), is refused past the context where the
-        temperature depends on it (`FamilySpec.max_context`). The models take position_ids from `positions`."""
+        the one family that reads it (its NoPE layers' query temperature), is refused rows of several lengths past
+        the context where the temperature depends on it (`FamilySpec.max_context`). The models take position_ids from
+        `positions`."""
         return self.lengths.max()
 
     def positions(self, width: int) -> torch.Tensor:
@@ -300,7 +301,8 @@ class TargetCache(Cache):
     def masks(self, width: int, windows: dict[str, int | None], causal_prompt: bool = False,
               causal_chunks: bool = False, pads: list[int] | None = None) -> dict[str, torch.Tensor | None]:
         """Masks for the next `width` tokens, one per attention kind: additive [b, 1, width, slots], causal over
-        the row's own tokens (and inside the window, over the ring, for sliding kinds); a 2-D padding mask of the
+        the row's own tokens (and inside the window, over the ring, for sliding kinds; inside the query's chunk of the
+        row's tokens for chunked ones, `windows` giving the chunk); a 2-D padding mask of the
         new tokens for linear attention. `causal_prompt`: the attention reads a missing mask as causal over the
         last of its keys (`attention.unmasked_is_causal`); then a prompt's first chunk gets None for every kind whose
         mask would be plain causal over the chunk's own keys (all but a window shorter than the chunk, or a ring).
@@ -337,7 +339,9 @@ class TargetCache(Cache):
             else:
                 key = torch.arange(self.visible or self.rows.max_len, device=device)[None, None, :]
             ok = (key <= query) & (key >= pad)
-            if window:
+            if kind == "chunked_attention" and window:  # its own chunk of the row's tokens, as transformers' masks
+                ok &= (query - pad) // window == (key - pad) // window
+            elif window:
                 ok &= query - key < window
             masks[kind] = additive_mask(ok, self.rows.dtype)
         return masks

@@ -27,8 +27,8 @@ import sympy
 import torch
 import transformers
 
-from .families import (FULL_KINDS, RECURRENT_KINDS, auto_model_class, experts_modules, head_dim, routed_top_k,
-                       spec_for_model)
+from .families import (RECURRENT_KINDS, RING_KINDS, auto_model_class, experts_modules, head_dim, ring_window,
+                       routed_top_k, spec_for_model)
 
 # Target step times measured on the H200 (docs/benchmarks.md, "Session 44"): random bf16 weights, uniform routing,
 # 512-token context, compiled step as `generate` runs it (`bench/spec_decode.py --steps-only`, 2026-12-04).
@@ -188,7 +188,7 @@ class ModelSizes:
     top_k: int
     moe_layers: int
     kv_elements_per_token: int  # K and V elements cached per context token, full-attention layers
-    sliding_kv_elements_per_token: int  # the same for sliding-window layers, which read at most `window` tokens
+    sliding_kv_elements_per_token: int  # the same for ring layers (sliding, chunked), which read at most `window` tokens
     window: int
     attention_width: int  # query heads x head dim, summed over attention layers (for attention FLOPs)
     layers: int  # decoder layers (each costs the hardware's layer overhead)
@@ -226,9 +226,9 @@ class ModelSizes:
             experts=experts,
             top_k=routed_top_k(text),
             moe_layers=len(modules),
-            kv_elements_per_token=sum(per_layer(kind) for kind in kinds if kind in FULL_KINDS),
-            sliding_kv_elements_per_token=kinds.count("sliding_attention") * per_layer("sliding_attention"),
-            window=getattr(text, "sliding_window", None) or 0,
+            kv_elements_per_token=kinds.count("full_attention") * per_layer("full_attention"),
+            sliding_kv_elements_per_token=sum(per_layer(kind) for kind in kinds if kind in RING_KINDS),
+            window=max(ring_window(text, kind) or 0 for kind in kinds),
             attention_width=sum(kind not in RECURRENT_KINDS for kind in kinds) * text.num_attention_heads * head_size,
             layers=text.num_hidden_layers,
         )

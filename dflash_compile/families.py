@@ -24,8 +24,9 @@ AttentionKind = Literal["full_attention", "sliding_attention", "chunked_attentio
 # padding masks are 2-D, their states committed by `TargetCache.commit_linear`; LFM2's short-convolution layers ("conv")
 # need no recurrent rule, a block's convolution over the kept window being exact
 RECURRENT_KINDS = ("linear_attention", "conv")
-# kinds whose layers see every slot: Llama 4's chunked layers as full ones, inside one chunk (`FamilySpec.max_context`)
-FULL_KINDS = ("full_attention", "chunked_attention")
+# kinds whose layers see at most their window's last keys (`ring_window`), which `TargetCache` keeps in a ring:
+# sliding-window layers, and Llama 4's chunked ones, whose queries see the keys of their own chunk
+RING_KINDS = ("sliding_attention", "chunked_attention")
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,13 @@ class LinearAttentionSpec:
     # the rules' signature, by which `linear_attention.stepwise_linear_attention` steps a verify block: "delta"
     # (GatedDeltaNet, KDA: query, key, value, g, beta) or "mamba2" (hidden states, dt, A, B, C)
     rule: Literal["delta", "mamba2"] = "delta"
+
+
+def ring_window(config, kind: AttentionKind) -> int | None:
+    """How many of the latest keys a layer of `kind` sees at most: a sliding layer's window, a chunked layer's
+    chunk (`attention_chunk_size`); None for every other kind, or where the config sets none."""
+    setting = {"sliding_attention": "sliding_window", "chunked_attention": "attention_chunk_size"}.get(kind)
+    return getattr(config, setting, None) if setting else None
 
 
 def layer_configs(config) -> list:
@@ -190,8 +198,9 @@ class FamilySpec:
     # rewrites, in place, a model whose MoE blocks transformers runs otherwise into blocks that call routed experts
     # (Llama 4: every expert on every token, the router's scores on the inputs); `adapt_model` calls it
     adapt: Callable[[torch.nn.Module], None] | None = None
-    # config -> the most tokens (prompt, new tokens and a verify block) dflash-compile's steps reproduce the family for
-    max_context: Callable[[object], int | None] | None = None
+    # (config, rows) -> the most slots (left padding, prompt, new tokens and a verify block) dflash-compile's steps
+    # reproduce the family for in a generation of that many rows; None: no bound
+    max_context: Callable[[object, int], int | None] | None = None
     # the attribute of an MoE block (ERNIE-4.5-VL's `vision_moe`) whose experts text prompts never call: left to the
     # model's own code (images), out of `experts_modules`
     image_experts: str | None = None
@@ -308,12 +317,12 @@ def _route_llama4_experts(model: torch.nn.Module) -> None:
             module.experts.config = model.config.get_text_config()
 
 
-def _llama4_context(config) -> int | None:
-    """Llama 4's chunked-attention layers attend as full ones inside one chunk (`attention_chunk_size`), and its NoPE
-    layers scale queries by log1p(floor((slot + 1) / floor_scale)) * attn_scale + 1, which is 1 below floor_scale - 1
-    slots; its cache masks and `TargetCache.get_seq_length` hold inside both (None: neither is configured)."""
-    limits = [config.attention_chunk_size, config.floor_scale - 1 if config.attn_temperature_tuning else None]
-    return min((limit for limit in limits if limit), default=None)
+def _llama4_context(config, rows: int) -> int | None:
+    """Llama 4's NoPE layers scale queries by log1p(floor((slot + 1) / floor_scale)) * attn_scale + 1, from the
+    cache's one length (`TargetCache.get_seq_length`: the longest row's). Rows that speculative decoding leaves at
+    different lengths each need their own, which transformers' layer cannot take: more than one row holds only where
+    the scale is 1 for every row, below floor_scale - 1 slots. One row is exact at any length (None: no bound)."""
+    return config.floor_scale - 1 if rows > 1 and config.attn_temperature_tuning else None
 
 
 def _declared_moe_layers(config) -> list[int]:
@@ -531,8 +540,8 @@ FAMILIES: dict[str, FamilySpec] = {
         ),
         FamilySpec(  # Llama 4 (Scout, Maverick): experts stored [E, in, out] that transformers runs on every token,
             # rewritten to routed ones (`Llama4RoutedMoe`: the sigmoid of each chosen logit on the expert's input), a
-            # shared expert; MoE layers declared; chunked-attention layers with rotary positions and L2-normed q/k,
-            # full ones without rotary and with position-scaled queries
+            # shared expert; MoE layers declared; chunked-attention layers (a ring) with rotary positions and L2-normed
+            # q/k, full ones without rotary and with position-scaled queries
             "llama4_text", ("llama4_text", "llama4"), "Llama4RoutedExperts",
             ExpertLayout(gate_up="concatenated", transposed=True, bias=False, activation="act_fn"),
             RouterSpec(scoring="sigmoid", module="router", call="route"), _declared_moe_layers, _declared_layer_types,

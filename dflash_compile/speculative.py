@@ -26,7 +26,7 @@ from .attention import SEEN_SLOTS, grouped_attention, unmasked_chunks, unmasked_
 from .backend import dflash_backend_with
 from .cache import RowCache, TargetCache
 from .drafter import DFlashDrafter, context_features
-from .families import RECURRENT_KINDS, spec_for_model
+from .families import RECURRENT_KINDS, ring_window, spec_for_model
 from .linear_attention import stepwise_linear_attention
 from .prefill_memory import PrefillActivations
 from .sampling import (Sampler, SequenceBiases, begin_suppressed, check_generation_config, check_ngram_size,
@@ -208,14 +208,13 @@ class SpeculativeDecoder:
         self.attention_kinds = kinds
         self.cached_per_token = {kind: spec.cached_per_token(config, kind) for kind in kinds}
         self.linear_layers = [i for i, kind in enumerate(kinds) if kind in RECURRENT_KINDS]
-        self.sliding_layers = [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
         self.prefill_chunk = prefill_chunk
         self.prefill_activations: PrefillActivations | None = None  # made by the first prefill planned on CUDA
-        self.window = window = getattr(config, "sliding_window", None)
-        self.windows = {kind: window if kind == "sliding_attention" else None for kind in dict.fromkeys(kinds)}
+        self.windows = {kind: ring_window(config, kind) for kind in dict.fromkeys(kinds)}
+        self.ring_layers = [i for i, kind in enumerate(kinds) if self.windows[kind]]
         self.per_kind_masks = getattr(config, "layer_types", None) is not None  # the model takes {kind: mask}
         self.max_positions = getattr(config, "max_position_embeddings", None)
-        self.max_context = spec.max_context(config) if spec.max_context else None
+        self.max_context = functools.partial(spec.max_context, config) if spec.max_context else lambda rows: None
         self.family = spec.name
         self.verify_step = self._verify_step
         self.backend = dflash_backend_with(fused_experts=fused_experts)
@@ -286,21 +285,21 @@ class SpeculativeDecoder:
         return out.logits, features
 
     def _ring(self, max_len: int) -> int:
-        """Slots of a sliding layer's ring: window - 1 + (the most tokens one step writes); 0, none, when that is
-        no shorter than the whole sequence (it would save nothing)."""
-        ring = self.window - 1 + self.block_size if self.sliding_layers else 0
+        """Slots of a ring layer's ring (sliding, chunked): window - 1 + (the most tokens one step writes); 0, none,
+        when that is no shorter than the whole sequence (it would save nothing)."""
+        ring = max(window or 0 for window in self.windows.values()) - 1 + self.block_size if self.ring_layers else 0
         return ring if 0 < ring < max_len else 0
 
     def _new_cache(self, batch: int, max_len: int, dtype, device) -> TargetCache:
         ring = self._ring(max_len)
-        return TargetCache(batch, max_len, dtype, device, self.sliding_layers if ring else (), ring)
+        return TargetCache(batch, max_len, dtype, device, self.ring_layers if ring else (), ring)
 
     def _cache_bytes(self, batch: int, max_len: int, dtype: torch.dtype) -> int:
         """Device bytes of the keys and values of new target and drafter caches (`_new_cache`, the drafter's
-        `new_cache`): every slot of a full-attention layer, a sliding layer's ring. Linear-attention states are a
+        `new_cache`): every slot of a full-attention layer, a ring layer's ring. Linear-attention states are a
         few MiB at most and left out."""
         ring = self._ring(max_len)
-        target = sum((ring or max_len if kind == "sliding_attention" else max_len) * self.cached_per_token[kind]
+        target = sum((ring or max_len if self.windows[kind] else max_len) * self.cached_per_token[kind]
                      for kind in self.attention_kinds if kind not in RECURRENT_KINDS)
         drafter = getattr(self.drafter, "cache_elements_per_slot", 0)  # an oracle drafter caches nothing
         elements = target + max_len * drafter
@@ -516,7 +515,7 @@ class SpeculativeDecoder:
             raise ValueError(f"token id {low if low < 0 else high} is outside the model's vocabulary of {vocabulary}: "
                              "was the prompt tokenized for another model?")
 
-    def _check_lengths(self, prompt: int, max_new_tokens: int) -> None:
+    def _check_lengths(self, rows: int, prompt: int, max_new_tokens: int) -> None:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         if self.max_positions and prompt + max_new_tokens > self.max_positions:
@@ -524,11 +523,13 @@ class SpeculativeDecoder:
                 f"prompt of {prompt} tokens + max_new_tokens {max_new_tokens} exceeds the model's "
                 f"max_position_embeddings {self.max_positions}; shorten the prompt or generate fewer tokens"
             )
-        if self.max_context and prompt + max_new_tokens + self.block_size > self.max_context:
+        max_context = self.max_context(rows)
+        if max_context and prompt + max_new_tokens + self.block_size > max_context:
             raise ValueError(
                 f"prompt of {prompt} tokens + max_new_tokens {max_new_tokens} + a verify block of {self.block_size} "
-                f"exceeds {self.max_context} tokens, the longest context dflash-compile reproduces {self.family} "
-                "for (families.FamilySpec.max_context); shorten the prompt or generate fewer tokens"
+                f"exceeds {max_context} tokens, the longest context dflash-compile reproduces {self.family} for in a "
+                f"batch of {rows} rows (families.FamilySpec.max_context); shorten the prompt, generate fewer tokens "
+                "or generate row by row"
             )
 
     def _sampler(self, do_sample, settings: dict, generator, argmax_drafts) -> Sampler | None:
@@ -594,7 +595,7 @@ class SpeculativeDecoder:
         if pad_token_id is None:
             pad_token_id = min(eos) if eos else 0
         batch, prompt = input_ids.shape
-        self._check_lengths(prompt, max_new_tokens)
+        self._check_lengths(batch, prompt, max_new_tokens)
         pad = _left_padding(input_ids, attention_mask)
         device, dtype = input_ids.device, self.model.dtype
         max_len = cache_capacity(prompt + max_new_tokens + self.block_size)

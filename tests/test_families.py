@@ -10,7 +10,7 @@ import dflash_compile
 from dflash_compile.expert_store import _STORES_BY_ROOT
 from dflash_compile.families import (
     FAMILIES, UnsupportedFamilyError, adapt_model, experts_modules, spec_for_config, spec_for_experts_class)
-from dflash_compile.testing import tiny_config, tiny_multimodal_config
+from dflash_compile.testing import OracleDrafter, tiny_config, tiny_multimodal_config
 from tests.conftest import token_ids
 
 
@@ -164,18 +164,40 @@ def test_llama4_blocks_call_routed_experts_with_transformers_sums(tiny):
         torch.testing.assert_close(adapt_model(model)(ids).logits, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_llama4_traced_before_adapting_and_past_its_chunk_are_refused(tiny):
-    model = tiny("llama4_text", attention_chunk_size=32)
+def test_llama4_traced_before_adapting_is_refused(tiny):
+    model = tiny("llama4_text")
     with pytest.raises(BackendCompilerFailed, match=r"llama4_text's MoE blocks run every expert on every token .* "
                                                     r"call dflash_compile.families.adapt_model\(model\)"):
         torch.compile(model, backend="dflash")(token_ids())
-    fast = dflash_compile.optimize(model, compile=False)
-    with pytest.raises(ValueError, match=r"prompt of 9 tokens \+ max_new_tokens 24 \+ a verify block of 1 exceeds 32 "
-                                         r"tokens, the longest context dflash-compile reproduces llama4_text for"):
-        fast.generate(token_ids(), max_new_tokens=24)
-    assert fast.generate(token_ids(), max_new_tokens=22).shape[1] == 9 + 22
-    unbounded = tiny_config("llama4_text", attention_chunk_size=None, attn_temperature_tuning=False)
-    assert FAMILIES["llama4_text"].max_context(unbounded) is None
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_llama4_past_its_chunks_and_query_temperature_matches_generate(tiny, compile):
+    """Llama 4's chunked layers keep a ring of chunk - 1 + block slots, each query seeing its own chunk's keys, and
+    its NoPE layers scale queries from floor_scale - 1 slots on: one row of 9 + 40 tokens (chunks of 8, the scale
+    rising every 16 slots) through blocks of 4 accepted in part gives transformers' tokens. Several rows are exact
+    only where the scale is 1 for all of them (`FamilySpec.max_context`): a batch past that is refused, with the
+    fix, and one inside it passes."""
+    model = tiny("llama4_text", attention_chunk_size=8, floor_scale=16, attn_scale=8.0)
+    ids, mask = token_ids(batch=1), None
+    with torch.no_grad():
+        expected = model.generate(ids, do_sample=False, max_new_tokens=40)
+    fast = dflash_compile.optimize(model, OracleDrafter(expected, mask, 4, corruption=0.3, vocab_size=128),
+                                   adaptive=False, compile=compile)
+    assert torch.equal(fast.generate(ids, max_new_tokens=40), expected)
+    assert 1.5 < fast.last_stats.tau < 4
+    assert fast.decoder.target_cache.rows.sizes == {layer: 8 - 1 + 4 for layer in (0, 1, 2)}  # the chunked layers
+    rows = token_ids(batch=2)
+    with pytest.raises(ValueError, match=r"prompt of 9 tokens \+ max_new_tokens 3 \+ a verify block of 4 exceeds 15 "
+                                         r"tokens, the longest context dflash-compile reproduces llama4_text for in "
+                                         r"a batch of 2 rows .* or generate row by row"):
+        fast.generate(rows, max_new_tokens=3)
+    fast = dflash_compile.optimize(model, adaptive=False, compile=compile)
+    with torch.no_grad():
+        assert torch.equal(fast.generate(rows, max_new_tokens=2), model.generate(rows, do_sample=False,
+                                                                                 max_new_tokens=2))
+    unbounded = tiny_config("llama4_text", attn_temperature_tuning=False)
+    assert FAMILIES["llama4_text"].max_context(unbounded, 2) is None
 
 
 def test_ernie_vl_image_experts_are_left_to_the_model():

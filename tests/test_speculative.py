@@ -9,7 +9,7 @@ from packaging.version import Version
 
 import dflash_compile
 from dflash_compile.adaptive import WidthChooser
-from dflash_compile.families import FAMILIES, FULL_KINDS, RECURRENT_KINDS, spec_for_model
+from dflash_compile.families import FAMILIES, RECURRENT_KINDS, ring_window, spec_for_model
 from dflash_compile.testing import OracleDrafter
 from tests.conftest import FAMILIES as FAMILY_NAMES
 from tests.conftest import token_ids
@@ -663,8 +663,10 @@ def test_unpadded_prompts_attend_by_sdpas_causal_flag(tiny, family, monkeypatch)
         if latent:
             assert calls == ([] if masked_prefill else [(ids.shape[1], True, True)] * len(kinds))
             continue
-        # a sliding layer keeps its window's mask (EXAONE-MoE's 8-token window, shorter than the prompt)
-        causal = [not masked_prefill and kind in FULL_KINDS for kind in kinds]
+        # a sliding layer keeps its window's mask (EXAONE-MoE's 8-token window, shorter than the prompt); Llama 4's
+        # 256-token chunks hold the prompt
+        windows = [ring_window(model.config, kind) for kind in kinds]
+        causal = [not masked_prefill and not (window and window < ids.shape[1]) for window in windows]
         assert prefill == [(ids.shape[1], flag, flag) for flag in causal]
         assert steps and all(not unmasked and not causal for _, unmasked, causal in steps)
     model.set_attn_implementation("eager")  # after optimize: the prefill follows, with masks for eager attention
@@ -731,8 +733,8 @@ def test_left_padded_prompts_attend_row_by_row_without_masks(tiny, monkeypatch, 
     expected = reference(model, ids, mask)
     assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
     spec = spec_for_model(model)  # row by row: full attention, and a sliding layer that keeps its window itself (sinks)
-    kinds = [kind for kind in spec.attention_kinds(model.config)
-             if kind in FULL_KINDS or kind == "sliding_attention" and spec.attention_sinks]
+    kinds = [kind for kind in spec.attention_kinds(model.config)  # Llama 4's 256-token chunks hold the prompt
+             if kind not in RECURRENT_KINDS and (kind != "sliding_attention" or spec.attention_sinks)]
     chunks = [9] if prefill_chunk is None else [4, 4, 1]
     assert [t for t, _ in calls] == [t for t in chunks for _ in kinds]
     assert calls[kinds.index("full_attention")][1] == [0, 2, 4]  # each row's padding
