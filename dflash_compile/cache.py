@@ -6,12 +6,12 @@ keys/values at `lengths[b], lengths[b] + 1, ...` (`dflash::kv_write`) without mo
 dead: masked out of attention and overwritten by the next write. That is the whole rollback for full attention,
 and it needs no host sync: lengths stay on the device.
 
-Sliding-window layers (and chunked ones, W their chunk) keep a ring of W - 1 + C slots (C: the most tokens one step writes, the block); token slot p
-lives at ring slot p mod (W - 1 + C). A step's writes then never overwrite a key that any of its queries, or any
-later query, still needs, and a rolled-back tail is overwritten by the tokens that replace it: a key inside a
-query's window was written at most W - 1 slots before it and the block reaches at most C - 1 slots past it. A
-prefill chunk, which may be longer than the ring, attends over the ring as it was followed by the chunk's own keys,
-and the ring then keeps the chunk's last tokens.
+Sliding-window layers (and chunked ones, W their chunk) keep a ring of W - 1 + C slots (C: the most tokens one
+step writes, the block); token slot p lives at ring slot p mod (W - 1 + C). A step's writes then never overwrite a
+key that any of its queries, or any later query, still needs, and a rolled-back tail is overwritten by the tokens
+that replace it: a key inside a query's window was written at most W - 1 slots before it and the block reaches at
+most C - 1 slots past it. A prefill chunk, which may be longer than the ring, attends over the ring as it was
+followed by the chunk's own keys, and the ring then keeps the chunk's last tokens.
 
 `RowCache` is the storage (the drafter uses it directly for its context K/V); `TargetCache` plugs it into
 transformers models through their `Cache.update` interface, with masks built here and passed in as 4-D tensors.

@@ -188,7 +188,7 @@ class ModelSizes:
     top_k: int
     moe_layers: int
     kv_elements_per_token: int  # K and V elements cached per context token, full-attention layers
-    sliding_kv_elements_per_token: int  # the same for ring layers (sliding, chunked), which read at most `window` tokens
+    sliding_kv_elements_per_token: int  # the same for ring layers (sliding, chunked), reading at most `window` tokens
     window: int
     attention_width: int  # query heads x head dim, summed over attention layers (for attention FLOPs)
     layers: int  # decoder layers (each costs the hardware's layer overhead)
