@@ -331,8 +331,9 @@ void check_moe_inputs(Format format, c10::string_view activation, const at::Tens
                       const at::Tensor& top_k_index, const at::Tensor& top_k_weights, const at::Tensor& gate_up_data,
                       const std::optional<at::Tensor>& gate_up_scales, const at::Tensor& down_data,
                       const std::optional<at::Tensor>& down_scales) {
-  TORCH_CHECK(activation == "silu" || activation == "clamped_swiglu" || activation == "gelu_tanh", "activation '",
-              activation, "' has no CPU kernel: expected silu, gelu_tanh or clamped_swiglu");
+  TORCH_CHECK(activation == "silu" || activation == "clamped_swiglu" || activation == "gelu_tanh" ||
+                  activation == "clamped_silu",
+              "activation '", activation, "' has no CPU kernel: expected silu, gelu_tanh, clamped_swiglu or clamped_silu");
   TORCH_CHECK(hidden.dim() == 2 && top_k_index.dim() == 2 && top_k_index.sizes() == top_k_weights.sizes(),
               "hidden must be [T, H] and top_k_index / top_k_weights [T, k]");
   const int64_t experts = gate_up_data.size(0);
@@ -351,7 +352,9 @@ at::Tensor packed_moe_cpu(const at::Tensor& hidden, const at::Tensor& top_k_inde
   const Format format = parse_format(format_name);
   check_moe_inputs(format, activation, hidden, top_k_index, top_k_weights, gate_up_data, gate_up_scales, down_data,
                    down_scales);
-  const bool clamped_swiglu = activation == "clamped_swiglu", gelu_tanh = activation == "gelu_tanh";
+  const bool clamped_swiglu = activation == "clamped_swiglu", gelu_tanh = activation == "gelu_tanh",
+             clamped_silu = activation == "clamped_silu";
+  const float bound = static_cast<float>(limit);
   const int64_t tokens = hidden.size(0), hidden_size = hidden.size(1), top_k = top_k_index.size(1);
   const int64_t experts = gate_up_data.size(0), two_i = gate_up_data.size(1), inter = two_i / 2;
   const at::Tensor index = top_k_index.to(at::kLong).contiguous();
@@ -388,11 +391,13 @@ at::Tensor packed_moe_cpu(const at::Tensor& hidden, const at::Tensor& top_k_inde
         float up = interleaved ? h[2 * j + 1] : h[j + inter];
         float value;
         if (clamped_swiglu) {
-          gate = std::min(gate, static_cast<float>(limit));
-          up = std::max(std::min(up, static_cast<float>(limit)), -static_cast<float>(limit));
+          gate = std::min(gate, bound);
+          up = std::max(std::min(up, bound), -bound);
           value = (up + 1.f) * gate / (1.f + std::exp(-gate * static_cast<float>(alpha)));
         } else if (gelu_tanh) {  // GELU(gate) * up, tanh approximation
           value = 0.5f * gate * (1.f + std::tanh(0.7978845608f * (gate + 0.044715f * gate * gate * gate))) * up;
+        } else if (clamped_silu) {  // Step 3.7: SiLU(gate) <= limit, times up clamped to [-limit, limit]
+          value = std::min(gate / (1.f + std::exp(-gate)), bound) * std::max(std::min(up, bound), -bound);
         } else {  // SiLU(gate) * up
           value = gate / (1.f + std::exp(-gate)) * up;
         }

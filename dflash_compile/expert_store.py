@@ -9,6 +9,7 @@ pool with offload) is the store's business, never the graph's.
 from __future__ import annotations
 
 import itertools
+import math
 import weakref
 from dataclasses import dataclass
 
@@ -73,11 +74,12 @@ GATED_ACTIVATIONS = {SiLUActivation: "silu", torch.nn.SiLU: "silu", F.silu: "sil
 @dataclass(frozen=True)
 class Gate:
     """The gated activation of a family's experts: gate/up split (interleaved or concatenated) and the activation,
-    SiLU(gate) * up, GELU(gate) * up with GELU's tanh approximation (Gemma 4), or gpt-oss's clamped SwiGLU with
-    `alpha` / `limit`. The fused kernels take the same fields."""
+    SiLU(gate) * up, GELU(gate) * up with GELU's tanh approximation (Gemma 4), gpt-oss's clamped SwiGLU with
+    `alpha` / `limit`, or Step 3.7's SiLU(gate) <= `limit` times up clamped to [-`limit`, `limit`]. The fused kernels
+    take the same fields."""
 
     interleaved: bool
-    activation: str  # "silu" | "gelu_tanh" | "clamped_swiglu"
+    activation: str  # "silu" | "gelu_tanh" | "clamped_swiglu" | "clamped_silu"
     alpha: float = 1.702
     limit: float = 7.0
 
@@ -91,7 +93,13 @@ class Gate:
             supported = sorted({known.__name__ for known in GATED_ACTIVATIONS})
             raise ValueError(f"{type(module).__name__} uses the activation {act.__name__}; dflash-compile's experts "
                              f"support {supported} (and gpt-oss's clamped SwiGLU)")
-        return cls(interleaved, GATED_ACTIVATIONS[act])
+        limit = getattr(module, "limit", None) if layout.activation == "clamped_act_fn" else None
+        if limit is None or math.isinf(limit):  # a layer without clamps (transformers 5.24: inf; 5.25: None)
+            return cls(interleaved, GATED_ACTIVATIONS[act])
+        if GATED_ACTIVATIONS[act] != "silu":
+            raise ValueError(f"{type(module).__name__} clamps its activation {act.__name__}; dflash-compile's "
+                             "experts clamp SiLU only")
+        return cls(interleaved, "clamped_silu", limit=float(limit))
 
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[..., 2I] gate/up projection -> [..., I]."""
@@ -101,6 +109,8 @@ class Gate:
             return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
         if self.activation == "gelu_tanh":
             return F.gelu(gate, approximate="tanh") * up
+        if self.activation == "clamped_silu":
+            return F.silu(gate).clamp(max=self.limit) * up.clamp(min=-self.limit, max=self.limit)
         return F.silu(gate) * up
 
 

@@ -18,7 +18,7 @@ import transformers
 from transformers.integrations.moe import grouped_mm_experts_forward, use_experts_implementation
 
 GateUpLayout = Literal["concatenated", "interleaved"]
-Activation = Literal["act_fn", "clamped_swiglu"]
+Activation = Literal["act_fn", "clamped_swiglu", "clamped_act_fn"]
 AttentionKind = Literal["full_attention", "sliding_attention", "chunked_attention", "linear_attention", "conv"]
 # kinds whose layers keep a conv window (and a linear-attention layer a recurrent state), not keys and values: their
 # padding masks are 2-D, their states committed by `TargetCache.commit_linear`; LFM2's short-convolution layers ("conv")
@@ -37,7 +37,9 @@ class ExpertLayout:
     transposed: bool  # weights stored [E, in, out] instead of [E, out, in]
     bias: bool  # `gate_up_proj_bias` [E, 2I] and `down_proj_bias` [E, H]
     activation: Activation  # "act_fn": act(gate) * up with the module's `act_fn`;
-    # "clamped_swiglu": gate <= limit, |up| <= limit, (up + 1) * gate * sigmoid(alpha * gate), from `alpha`/`limit`
+    # "clamped_swiglu": gate <= limit, |up| <= limit, (up + 1) * gate * sigmoid(alpha * gate), from `alpha`/`limit`;
+    # "clamped_act_fn": act(gate) <= limit times up clamped to [-limit, limit], the module's `limit` (None or inf:
+    # act(gate) * up; Step 3.7 clamps a few layers)
 
 
 @dataclass(frozen=True)

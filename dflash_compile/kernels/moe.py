@@ -78,7 +78,7 @@ from .arrivals import arrival_counts
 
 FORMATS = {"dense": 0, "mxfp4": 1, "fp8_block": 2}
 FP16_PRESCALE = tl.constexpr(2.0**-8)  # activations times this are fp16 operands (see FP16_OPERANDS)
-ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1, "gelu_tanh": 2}
+ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1, "gelu_tanh": 2, "clamped_silu": 3}
 
 
 @triton.jit
@@ -258,6 +258,8 @@ def _activate(gate, up, ACTIVATION: tl.constexpr, alpha, limit):
         result = (up + 1.0) * gate * tl.sigmoid(gate * alpha)
     elif ACTIVATION == 2:  # GELU(gate) * up, tanh approximation: 0.5 (1 + tanh(z)) = sigmoid(2z)
         result = gate * tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)) * up
+    elif ACTIVATION == 3:  # Step 3.7: SiLU(gate) <= limit, times up clamped to [-limit, limit]
+        result = tl.minimum(gate * tl.sigmoid(gate), limit) * tl.minimum(tl.maximum(up, -limit), limit)
     else:  # SiLU(gate) * up
         result = gate * tl.sigmoid(gate) * up
     return result
