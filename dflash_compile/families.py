@@ -319,6 +319,34 @@ def _route_llama4_experts(model: torch.nn.Module) -> None:
             module.experts.config = model.config.get_text_config()
 
 
+_DECORATED: dict[type, type] = {}  # an undecorated experts class -> its `@use_experts_implementation` subclass
+
+
+def _decorate_experts(class_name: str) -> Callable[[torch.nn.Module], None]:
+    """An `adapt` for transformers versions that leave a family's routed experts undecorated (Step 3.7 before 5.25):
+    each module of class `class_name` gets a subclass of the same name decorated with `@use_experts_implementation`
+    (its defaults: concatenated [E, 2I, H] gate/up, no bias), and the flags and `config` the decorator's __init__
+    would have set; a model whose config names no experts implementation (its class cannot set one) gets "eager",
+    which traces as transformers' grouped_mm (`seam`). Decorated classes are left as they are."""
+
+    def adapt(model: torch.nn.Module) -> None:
+        config = model.config.get_text_config()
+        for module in model.modules():
+            cls = type(module)
+            if cls.__name__ != class_name or is_experts_module_class(cls):
+                continue
+            if cls not in _DECORATED:
+                _DECORATED[cls] = use_experts_implementation(type(cls.__name__, (cls,), {"__module__": cls.__module__}))
+            module.__class__ = _DECORATED[cls]
+            module.config = config
+            module.has_gate, module.has_bias, module.has_post_expert_norm = True, False, False
+            module.is_transposed, module.is_concatenated, module._is_expert_parallel = False, True, False
+            if getattr(config, "_experts_implementation", None) is None:
+                config._experts_implementation = "eager"
+
+    return adapt
+
+
 def _llama4_context(config, rows: int) -> int | None:
     """Llama 4's NoPE layers scale queries by log1p(floor((slot + 1) / floor_scale)) * attn_scale + 1, from the
     cache's one length (`TargetCache.get_seq_length`: the longest row's). Rows that speculative decoding leaves at
@@ -548,6 +576,15 @@ FAMILIES: dict[str, FamilySpec] = {
             ExpertLayout(gate_up="concatenated", transposed=True, bias=False, activation="act_fn"),
             RouterSpec(scoring="sigmoid", module="router", call="route"), _declared_moe_layers, _declared_layer_types,
             adapt=_route_llama4_experts, max_context=_llama4_context,
+        ),
+        FamilySpec(  # Step 3.7 (step3p7; its text model step3p5): sliding and full layers of their own head counts,
+            # the attention output gated per head; a sigmoid router choosing with a correction bias, renormalised;
+            # SiLU experts clamped in the layers `swiglu_limits` names, a shared expert; MLPs declared. transformers
+            # 5.24 leaves its experts undecorated (`_decorate_experts`)
+            "step3p7", ("step3p5", "step3p7"), "Step3p7Experts",
+            ExpertLayout(gate_up="concatenated", transposed=False, bias=False, activation="clamped_act_fn"),
+            RouterSpec(scoring="sigmoid", correction_bias="e_score_correction_bias"), _declared_sparse_layers,
+            _declared_layer_types, adapt=_decorate_experts("Step3p7Experts"),
         ),
         FamilySpec(  # Granite 4.0-H (GraniteMoeHybrid): Mamba2 layers between full-attention ones (without rotary
             # positions as released), Granite-MoE's router and multipliers, a shared MLP beside the experts everywhere

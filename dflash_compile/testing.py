@@ -235,6 +235,14 @@ MULTIMODAL = {
         num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=[32, 32], moe_num_experts=8,
         moe_layer_start_index=1, rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[3, 3, 2]),
         **_ROUTED, **_COMMON), lambda hidden_size: dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32)),
+    "step3p7": (transformers.Step3p7Config, lambda: transformers.Step3p7TextConfig(  # a dense first layer, sliding
+        # layers of fewer heads, then full; the experts clamped in layer 1 (at 0.5: most values), not in layer 2
+        num_hidden_layers=3, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse"], sliding_window=8, num_sliding_attention_heads=2, head_dim=16,
+        intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, share_expert_dim=48,
+        swiglu_limits=[0, 0.5, 0], swiglu_limits_shared=[0, 1.0, 0], moe_router_scaling_factor=2.0, pad_token_id=0,
+        **_ROUTED, **_COMMON),
+        lambda hidden_size: dict(width=32, layers=1, heads=2, image_size=28, patch_size=14)),
     "llama4": (transformers.Llama4Config, lambda: tiny_config("llama4_text"), lambda hidden_size: dict(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=64, patch_size=8,
         vision_output_dim=32, projector_input_dim=32, projector_output_dim=hidden_size,

@@ -14,14 +14,14 @@ from dflash_compile.testing import OracleDrafter, tiny_config, tiny_multimodal_c
 from tests.conftest import token_ids
 
 
-def test_registry_covers_the_forty_four_families():
+def test_registry_covers_the_forty_five_families():
     assert dflash_compile.supported_families() == sorted(
         ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe", "glm4_moe_lite",
          "deepseek_v2", "deepseek_v3", "olmoe", "ernie4_5_moe", "phimoe", "dots1", "flex_olmo", "solar_open",
          "exaone_moe", "qwen3_vl_moe", "glm4v_moe", "granitemoe", "granitemoeshared", "cohere2_moe",
          "minimax_m2", "hunyuan_v1_moe", "hy_v3", "laguna", "mimo_v2_flash", "afmoe", "gemma4_text", "mellum",
          "kolibri1", "beam", "flint", "granitemoe_swa", "minicpm5_moe", "axk1", "lara_mini", "mistral4", "aria",
-         "kimi_linear", "lfm2_moe", "llama4_text", "granitemoehybrid", "ernie4_5_vl_moe"]
+         "kimi_linear", "lfm2_moe", "llama4_text", "granitemoehybrid", "ernie4_5_vl_moe", "step3p7"]
     )
 
 
@@ -208,3 +208,14 @@ def test_ernie_vl_image_experts_are_left_to_the_model():
     experts = [name for name, module in model.named_modules() if type(module).__name__ == "Ernie4_5_VLMoeMoeExperts"]
     assert len(experts) == 4
     assert list(experts_modules(model)) == [f"model.language_model.layers.{i}.mlp.text_moe.experts" for i in (1, 2)]
+
+
+def test_step_experts_clamp_in_the_layers_their_config_names():
+    """Step 3.7's experts clamp SiLU(gate) and up at `swiglu_limits[layer]` (0: no clamp): layer 1's at 0.5, layer 2's
+    plain SiLU; transformers 5.24's undecorated experts class is decorated by the family's `adapt`."""
+    from dflash_compile.expert_store import Gate
+
+    model = transformers.AutoModelForImageTextToText.from_config(tiny_multimodal_config("step3p7"))
+    layout = FAMILIES["step3p7"].layout
+    gates = [Gate.of(layout, module) for module in experts_modules(model).values()]
+    assert gates == [Gate(False, "clamped_silu", limit=0.5), Gate(False, "silu")]

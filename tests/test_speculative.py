@@ -291,13 +291,13 @@ LLAMA4_RELEASE = pytest.param("llama4", marks=pytest.mark.skipif(
 
 
 @pytest.mark.parametrize("family", ["qwen3_vl_moe", "glm4v_moe", "gemma4", "mistral3", "aria", "ernie4_5_vl_moe",
-                                    LLAMA4_RELEASE])
+                                    "step3p7", LLAMA4_RELEASE])
 def test_an_image_text_to_text_release_generates_like_generate(tmp_path, family):
     """Qwen3-VL-MoE and GLM-4.5V, which transformers builds only as image-text-to-text models (the decoder under
     `model.language_model`, its rotary positions in three sections, a vision tower beside it), and Gemma 4 as
     released (an image-text-to-text model whose causal LM class is that one too), Mistral Small 4 (Mistral 3's
-    vision model around a Mistral 4 decoder), Aria, ERNIE-4.5-VL (text prompts call its text experts only) and Llama 4
-    (Scout and Maverick): text prompts keep
+    vision model around a Mistral 4 decoder), Aria, ERNIE-4.5-VL (text prompts call its text experts only), Step 3.7
+    (clamped experts in one layer) and Llama 4 (Scout and Maverick): text prompts keep
     `generate`'s tokens through partly accepted blocks, eager and compiled, with their experts offloaded, and loaded
     by `dflash_compile.from_pretrained`."""
     from dflash_compile.offload import offload_experts, plan_offload
