@@ -562,6 +562,12 @@ FAMILIES: dict[str, FamilySpec] = {
             _declared_layer_types, _KIMI_DELTA_ATTENTION, shared_input_linears=_MLA_SHARED_INPUTS,
             cached_per_token=_latent,
         ),
+        FamilySpec(  # Ling 3 (bailing_hybrid): Kimi Linear's layers (KDA with its forget gate beside the mixer,
+            # latent attention) with the attention outputs gated, DeepSeek-V3's router and shared experts
+            "bailing_hybrid", ("bailing_hybrid",), "BailingHybridExperts", _SWIGLU, _DEEPSEEK_ROUTER,
+            _declared_sparse_layers, _declared_layer_types, _KIMI_DELTA_ATTENTION,
+            shared_input_linears=_MLA_SHARED_INPUTS, cached_per_token=_latent,
+        ),
         FamilySpec(  # LFM2-MoE: short-convolution layers between full-attention ones (dense MLPs first,
             # `num_dense_layers`), a sigmoid router choosing with the MoE block's `expert_bias`, renormalised, scaled
             "lfm2_moe", ("lfm2_moe",), "Lfm2MoeExperts", _SWIGLU,

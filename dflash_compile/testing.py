@@ -155,6 +155,12 @@ TINY_CONFIGS = {
         mlp_layer_types=["dense", "sparse", "sparse"], num_local_experts=8, bos_token_id=1, eos_token_id=2,
         pad_token_id=0, **_MLA, **_ROUTED,
         **{key: value for key, value in _DEEPSEEK_ROUTING.items() if key != "first_k_dense_replace"}),
+    "bailing_hybrid": lambda: transformers.BailingHybridConfig(  # Kimi Linear's layers, gated; KDA's heads are
+        # the attention's (its head_dim, before the config sets head_dim to the rotary part)
+        layer_types=["linear_attention", "linear_attention", "full_attention"], head_dim=16,
+        mlp_layer_types=["dense", "sparse", "sparse"], num_local_experts=8, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, **_MLA, **_ROUTED,
+        **{key: value for key, value in _DEEPSEEK_ROUTING.items() if key != "first_k_dense_replace"}),
     "lfm2_moe": lambda: transformers.Lfm2MoeConfig(  # a dense first layer; short convolutions, then attention
         num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_dense_layers=1,
         layer_types=["conv", "conv", "full_attention"], initializer_range=0.1, **_ROUTED, **_COMMON),

@@ -14,14 +14,14 @@ from dflash_compile.testing import OracleDrafter, tiny_config, tiny_multimodal_c
 from tests.conftest import token_ids
 
 
-def test_registry_covers_the_forty_five_families():
+def test_registry_covers_the_forty_six_families():
     assert dflash_compile.supported_families() == sorted(
         ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe", "glm4_moe_lite",
          "deepseek_v2", "deepseek_v3", "olmoe", "ernie4_5_moe", "phimoe", "dots1", "flex_olmo", "solar_open",
          "exaone_moe", "qwen3_vl_moe", "glm4v_moe", "granitemoe", "granitemoeshared", "cohere2_moe",
          "minimax_m2", "hunyuan_v1_moe", "hy_v3", "laguna", "mimo_v2_flash", "afmoe", "gemma4_text", "mellum",
          "kolibri1", "beam", "flint", "granitemoe_swa", "minicpm5_moe", "axk1", "lara_mini", "mistral4", "aria",
-         "kimi_linear", "lfm2_moe", "llama4_text", "granitemoehybrid", "ernie4_5_vl_moe", "step3p7"]
+         "kimi_linear", "lfm2_moe", "llama4_text", "granitemoehybrid", "ernie4_5_vl_moe", "step3p7", "bailing_hybrid"]
     )
 
 
@@ -66,6 +66,7 @@ def test_registry_covers_the_forty_five_families():
         ("mistral4", [1, 2], ["full_attention"] * 3),  # first_k_dense_replace=1
         ("aria", [0, 1], ["full_attention"] * 2),
         ("kimi_linear", [1, 2], ["linear_attention", "linear_attention", "full_attention"]),  # mlp_layer_types
+        ("bailing_hybrid", [1, 2], ["linear_attention", "linear_attention", "full_attention"]),  # as kimi_linear
         ("lfm2_moe", [1, 2], ["conv", "conv", "full_attention"]),  # num_dense_layers=1
         ("llama4_text", [1, 3], ["chunked_attention"] * 3 + ["full_attention"]),  # interleave_moe_layer_step=2
         ("granitemoehybrid", [0, 1, 2], ["linear_attention", "linear_attention", "full_attention"]),

@@ -51,14 +51,14 @@ def _generates_with_partial_drafts(model, ids, mask, expected, compile: bool, **
 # sliding and full layers with a per-head output gate, AFMoE MiniMax-M2's router and gated attention, Mellum
 # Qwen3-MoE's router on Laguna's layers, Kolibri EXAONE-MoE's layers with FlexOlmo's norms, Flint and Granite-MoE-SWA
 # gpt-oss's sinks on sliding and full layers, MiniCPM5-MoE GLM-4.5's router with a gated output, A.X K1 DeepSeek-V3,
-# Lara Mini Qwen3.5's linear attention beside gpt-oss's sliding layers (each family's compiled speculative step
-# keeps its identity test: `test_offload_with_compiled_dflash_speculative_decoding`, one unpadded row). Beam's and
-# Mistral 4's queries scaled by position (a left-padded row's padding included) and Aria's experts stored [E, in, out]
-# stay. A batch of one row also for gpt-oss's sliding rings and sinks.
+# Lara Mini Qwen3.5's linear attention beside gpt-oss's sliding layers, Ling 3 Kimi Linear's layers gated (each
+# family's compiled speculative step keeps its identity test: `test_offload_with_compiled_dflash_speculative_decoding`,
+# one unpadded row). Beam's and Mistral 4's queries scaled by position (a left-padded row's padding included) and
+# Aria's experts stored [E, in, out] stay. A batch of one row also for gpt-oss's sliding rings and sinks.
 COVERED_ELSEWHERE = ("qwen2_moe", "qwen3_next", "glm4_moe_lite", "deepseek_v2", "ernie4_5_moe", "phimoe", "dots1",
                      "flex_olmo", "solar_open", "granitemoe", "granitemoeshared", "cohere2_moe", "minimax_m2", "hy_v3",
                      "hunyuan_v1_moe", "laguna", "afmoe", "mellum", "kolibri1", "flint", "granitemoe_swa",
-                     "minicpm5_moe", "axk1", "lara_mini")
+                     "minicpm5_moe", "axk1", "lara_mini", "bailing_hybrid")
 IDENTITY_CASES = [(family, 3) for family in SPECULATIVE_FAMILIES if family not in COVERED_ELSEWHERE]
 
 
