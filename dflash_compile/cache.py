@@ -144,20 +144,17 @@ class TargetCache(Cache):
         eos_ids.zero_()[[t for t in sorted(eos) if 0 <= t < vocabulary]] = True
         return eos_ids
 
-    def history_buffers(self, ids: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`history` holding the prompt `ids` [b, P] as given (left padding too, as generate's input_ids), and its
-        `history_lengths` P (`sampling.repeated_ngrams_banned`, `sampling.sequence_biased`)."""
-        history = self._kept("history", (self.rows.batch, capacity), torch.int64)
-        history[:, : ids.shape[1]] = ids
-        lengths = self._kept("history_lengths", (self.rows.batch,), torch.int64)
-        return history, lengths.fill_(ids.shape[1])
+    def fill_history(self, ids: torch.Tensor, capacity: int) -> None:
+        """`history` set to the prompt `ids` [b, P] as given (left padding too, as generate's input_ids), and its
+        `history_lengths` to P (`sampling.repeated_ngrams_banned`, `sampling.sequence_biased`)."""
+        self._kept("history", (self.rows.batch, capacity), torch.int64)[:, : ids.shape[1]] = ids
+        self._kept("history_lengths", (self.rows.batch,), torch.int64).fill_(ids.shape[1])
 
-    def bias_buffers(self, biases: SequenceBiases) -> SequenceBiases:
-        """`sequence_biases`: `biases` copied into kept buffers (`bias_tokens`, ...)."""
+    def keep_biases(self, biases: SequenceBiases) -> None:
+        """`sequence_biases` set to `biases`, copied into kept buffers (`bias_tokens`, ...)."""
         values = {field.name: getattr(biases, field.name) for field in dataclasses.fields(biases)}
         self.sequence_biases = SequenceBiases(**{
             name: self._kept(f"bias_{name}", value.shape, value.dtype).copy_(value) for name, value in values.items()})
-        return self.sequence_biases
 
     def waits_buffer(self) -> torch.Tensor:
         """How many new tokens each row must still make before its EOS may come (`sampling.eos_held_back`)."""

@@ -207,7 +207,6 @@ class SpeculativeDecoder:
         kinds = spec.attention_kinds(config)
         self.attention_kinds = kinds
         self.cached_per_token = {kind: spec.cached_per_token(config, kind) for kind in kinds}
-        self.linear_layers = [i for i, kind in enumerate(kinds) if kind in RECURRENT_KINDS]
         self.prefill_chunk = prefill_chunk
         self.prefill_activations: PrefillActivations | None = None  # made by the first prefill planned on CUDA
         self.windows = {kind: ring_window(config, kind) for kind in dict.fromkeys(kinds)}
@@ -618,9 +617,9 @@ class SpeculativeDecoder:
             cache.waits_buffer().fill_(min_tokens)
             cache.eos_buffer(logits.shape[-1], eos)
         if self.bias_shape or self.ngram_size:
-            cache.history_buffers(input_ids, max_len)
+            cache.fill_history(input_ids, max_len)
         if self.bias_shape:
-            cache.bias_buffers(biases)
+            cache.keep_biases(biases)
         logits = self._processed(logits[:, None], cache, None)[:, 0]
         if banned_first:  # generate's begin_suppress_tokens: the first new token only
             logits[:, banned_first] = float("-inf")
