@@ -332,8 +332,9 @@ void check_moe_inputs(Format format, c10::string_view activation, const at::Tens
                       const std::optional<at::Tensor>& gate_up_scales, const at::Tensor& down_data,
                       const std::optional<at::Tensor>& down_scales) {
   TORCH_CHECK(activation == "silu" || activation == "clamped_swiglu" || activation == "gelu_tanh" ||
-                  activation == "clamped_silu",
-              "activation '", activation, "' has no CPU kernel: expected silu, gelu_tanh, clamped_swiglu or clamped_silu");
+                  activation == "clamped_silu" || activation == "relu2",
+              "activation '", activation,
+              "' has no CPU kernel: expected silu, gelu_tanh, clamped_swiglu, clamped_silu or relu2");
   TORCH_CHECK(hidden.dim() == 2 && top_k_index.dim() == 2 && top_k_index.sizes() == top_k_weights.sizes(),
               "hidden must be [T, H] and top_k_index / top_k_weights [T, k]");
   const int64_t experts = gate_up_data.size(0);
@@ -353,10 +354,11 @@ at::Tensor packed_moe_cpu(const at::Tensor& hidden, const at::Tensor& top_k_inde
   check_moe_inputs(format, activation, hidden, top_k_index, top_k_weights, gate_up_data, gate_up_scales, down_data,
                    down_scales);
   const bool clamped_swiglu = activation == "clamped_swiglu", gelu_tanh = activation == "gelu_tanh",
-             clamped_silu = activation == "clamped_silu";
+             clamped_silu = activation == "clamped_silu", relu2 = activation == "relu2";
   const float bound = static_cast<float>(limit);
   const int64_t tokens = hidden.size(0), hidden_size = hidden.size(1), top_k = top_k_index.size(1);
-  const int64_t experts = gate_up_data.size(0), two_i = gate_up_data.size(1), inter = two_i / 2;
+  // relu2: experts without a gate, the first projection up alone (Nemotron-H)
+  const int64_t experts = gate_up_data.size(0), two_i = gate_up_data.size(1), inter = relu2 ? two_i : two_i / 2;
   const at::Tensor index = top_k_index.to(at::kLong).contiguous();
   const int64_t* index_data = index.data_ptr<int64_t>();
   const at::Tensor x = hidden.to(at::kFloat).contiguous();
@@ -390,7 +392,10 @@ at::Tensor packed_moe_cpu(const at::Tensor& hidden, const at::Tensor& top_k_inde
         float gate = interleaved ? h[2 * j] : h[j];
         float up = interleaved ? h[2 * j + 1] : h[j + inter];
         float value;
-        if (clamped_swiglu) {
+        if (relu2) {  // relu(up)^2
+          const float up_only = std::max(h[j], 0.f);
+          value = up_only * up_only;
+        } else if (clamped_swiglu) {
           gate = std::min(gate, bound);
           up = std::max(std::min(up, bound), -bound);
           value = (up + 1.f) * gate / (1.f + std::exp(-gate * static_cast<float>(alpha)));

@@ -32,7 +32,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .cost_model import BITS_PER_WEIGHT
-from .families import auto_model_class, builds_causal_lm, experts_modules, router_of, spec_for_model
+from .families import (auto_model_class, builds_causal_lm, experts_modules, first_projection, router_of,
+                       spec_for_model)
 from .packed import FP8_BLOCK, PackedWeight, attach_packed, expert_weights, packed_weights
 from .quant import quantize_fp8_block
 
@@ -73,10 +74,12 @@ def _quantized_tensors(model: torch.nn.Module, format: str) -> dict[str, torch.T
                          f"{'mxfp4' if spec.name == 'gpt_oss' else 'fp8_block'} for it")
     if format == "fp8_block":  # before any work: a checkpoint `load_packed` would refuse is not written
         for path, experts in experts_modules(model).items():
-            _check_fp8_stackable(path, expert_weights(experts)[0].shape[1] // 2)
+            if _gated(experts):
+                _check_fp8_stackable(path, expert_weights(experts)[0].shape[1] // 2)
     tensors = {k: v.detach() for k, v in model.state_dict().items()}
     for path, experts in experts_modules(model).items():
-        for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+        first = first_projection(experts)
+        for name in (first, "down_proj", f"{first}_bias", "down_proj_bias"):
             tensors.pop(f"{path}.{name}", None)
         gate_up, down = expert_weights(experts)
         if format == "mxfp4":
@@ -86,8 +89,9 @@ def _quantized_tensors(model: torch.nn.Module, format: str) -> dict[str, torch.T
                 tensors[f"{path}.{name}_bias"] = weight.bias
             continue
         for j in range(gate_up.shape[0]):
-            gate, up = gate_up.data[j].chunk(2, dim=0)
-            for name, weight in (("gate_proj", gate), ("up_proj", up), ("down_proj", down.data[j])):
+            first = dict(zip(("gate_proj", "up_proj"), gate_up.data[j].chunk(2, dim=0))) if _gated(experts) else {
+                "up_proj": gate_up.data[j]}
+            for name, weight in (*first.items(), ("down_proj", down.data[j])):
                 quantized, scale = quantize_fp8_block(weight, FP8_BLOCK)
                 tensors[f"{path}.{j}.{name}.weight"] = quantized
                 tensors[f"{path}.{j}.{name}.weight_scale_inv"] = scale
@@ -294,22 +298,31 @@ def _check_fp8_stackable(path: str, intermediate: int) -> None:
                          "cannot be kept packed in fp8_block; keep them in bf16")
 
 
-def _packed_experts(checkpoint: _Checkpoint, path: str, format: str, experts: int, device) -> tuple[PackedWeight, ...]:
+def _gated(experts: torch.nn.Module) -> bool:
+    """Whether the experts' first projection holds gate and up rows (not up alone: Nemotron-H)."""
+    return first_projection(experts) == "gate_up_proj"
+
+
+def _packed_experts(checkpoint: _Checkpoint, path: str, format: str, experts: int, gated: bool,
+                    device) -> tuple[PackedWeight, ...]:
+    """An experts module's (gate_up, down) from the checkpoint; `gated` False: up alone first (Nemotron-H)."""
     if format == "mxfp4":
         return tuple(PackedWeight("mxfp4", checkpoint.get(f"{path}.{name}_blocks").to(device),
                                   checkpoint.get(f"{path}.{name}_scales").to(device),
                                   checkpoint.get(f"{path}.{name}_bias").to(device) if f"{path}.{name}_bias"
                                   in checkpoint else None) for name in ("gate_up_proj", "down_proj"))
+    first = ("gate_proj", "up_proj") if gated else ("up_proj",)
     parts = {name: [(checkpoint.get(f"{path}.{j}.{name}.weight"), checkpoint.get(f"{path}.{j}.{name}.weight_scale_inv"))
-                    for j in range(experts)] for name in ("gate_proj", "up_proj", "down_proj")}
-    _check_fp8_stackable(path, parts["gate_proj"][0][0].shape[0])
+                    for j in range(experts)] for name in (*first, "down_proj")}
+    if gated:
+        _check_fp8_stackable(path, parts["gate_proj"][0][0].shape[0])
 
     def stack(names):
         data = torch.stack([torch.cat([parts[n][j][0].view(torch.uint8) for n in names]) for j in range(experts)])
         scales = torch.stack([torch.cat([parts[n][j][1].float() for n in names]) for j in range(experts)])
         return PackedWeight("fp8_block", data.to(device), scales.to(device))
 
-    return stack(("gate_proj", "up_proj")), stack(("down_proj",))
+    return stack(first), stack(("down_proj",))
 
 
 def _set(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
@@ -346,8 +359,8 @@ def load_packed(path: str | Path, dtype: torch.dtype = torch.bfloat16, device="c
     with torch.device("meta"):
         model = auto_model_class(config).from_config(config, dtype=dtype)
     for name, experts in experts_modules(model).items():
-        count = experts.gate_up_proj.shape[0]
-        attach_packed(experts, *_packed_experts(checkpoint, name, format, count, device))
+        count = experts.down_proj.shape[0]
+        attach_packed(experts, *_packed_experts(checkpoint, name, format, count, _gated(experts), device))
     if format == "fp8_block":
         for name, module in list(model.named_modules()):
             if isinstance(module, torch.nn.Linear) and f"{name}.weight_scale_inv" in checkpoint:

@@ -27,8 +27,8 @@ import sympy
 import torch
 import transformers
 
-from .families import (RECURRENT_KINDS, RING_KINDS, auto_model_class, experts_modules, head_dim, ring_window,
-                       routed_top_k, spec_for_model)
+from .families import (RECURRENT_KINDS, RING_KINDS, STATELESS_KINDS, auto_model_class, experts_modules, head_dim,
+                       ring_window, routed_top_k, spec_for_model)
 
 # Target step times measured on the H200 (docs/benchmarks.md, "Session 44"): random bf16 weights, uniform routing,
 # 512-token context, compiled step as `generate` runs it (`bench/spec_decode.py --steps-only`, 2026-12-04).
@@ -208,7 +208,7 @@ class ModelSizes:
         # the decoder's and the output head's weights (not an image-text-to-text model's vision tower)
         stepped = {id(p): p for p in (*model.get_decoder().parameters(), *model.get_output_embeddings().parameters())}
         dense = sum(p.numel() for key, p in stepped.items() if key not in expert_ids and p is not embedding)
-        experts = modules[0].gate_up_proj.shape[0]
+        experts = modules[0].down_proj.shape[0]
         per_expert = sum(p.numel() for p in modules[0].parameters()) // experts
         kinds = spec.attention_kinds(text)
         head_size = head_dim(text)
@@ -229,7 +229,8 @@ class ModelSizes:
             kv_elements_per_token=kinds.count("full_attention") * per_layer("full_attention"),
             sliding_kv_elements_per_token=sum(per_layer(kind) for kind in kinds if kind in RING_KINDS),
             window=max(ring_window(text, kind) or 0 for kind in kinds),
-            attention_width=sum(kind not in RECURRENT_KINDS for kind in kinds) * text.num_attention_heads * head_size,
+            attention_width=sum(kind not in RECURRENT_KINDS + STATELESS_KINDS for kind in kinds)
+            * text.num_attention_heads * head_size,
             layers=text.num_hidden_layers,
         )
 

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers.activations import GELUTanh, SiLUActivation
+from transformers.activations import GELUTanh, ReLUSquaredActivation, SiLUActivation
 from transformers.integrations.moe import grouped_mm_experts_forward
 
-from .families import ExpertLayout, FamilySpec
+from .families import ExpertLayout, FamilySpec, first_projection
 from .packed import PackedWeight, expert_weights, packed_weights
 
 _store_ids = itertools.count()
@@ -27,10 +27,10 @@ _STORES_BY_ROOT: weakref.WeakKeyDictionary[torch.nn.Module, ExpertStore] = weakr
 
 # The flags `@use_experts_implementation` puts on every experts module, and the registry's answer for each.
 _DECLARED_FLAGS = {
-    "is_concatenated": lambda layout: layout.gate_up == "concatenated",
+    "is_concatenated": lambda layout: layout.gate_up != "interleaved",  # transformers' default for ungated ones
     "is_transposed": lambda layout: layout.transposed,
     "has_bias": lambda layout: layout.bias,
-    "has_gate": lambda layout: True,
+    "has_gate": lambda layout: layout.gate_up != "ungated",
 }
 
 
@@ -69,17 +69,20 @@ def expert_sum(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
 # `hidden_activation`; Aria's experts always SiLU), by its class, or a function (LFM2-MoE's F.silu) -> the kernels'
 # activation
 GATED_ACTIVATIONS = {SiLUActivation: "silu", torch.nn.SiLU: "silu", F.silu: "silu", GELUTanh: "gelu_tanh"}
+# likewise for experts without a gate (`ExpertLayout.gate_up` "ungated"): act(up), Nemotron-H's squared ReLU
+UNGATED_ACTIVATIONS = {ReLUSquaredActivation: "relu2"}
 
 
 @dataclass(frozen=True)
 class Gate:
     """The gated activation of a family's experts: gate/up split (interleaved or concatenated) and the activation,
     SiLU(gate) * up, GELU(gate) * up with GELU's tanh approximation (Gemma 4), gpt-oss's clamped SwiGLU with
-    `alpha` / `limit`, or Step 3.7's SiLU(gate) <= `limit` times up clamped to [-`limit`, `limit`]. The fused kernels
-    take the same fields."""
+    `alpha` / `limit`, or Step 3.7's SiLU(gate) <= `limit` times up clamped to [-`limit`, `limit`]; or of experts
+    without a gate, relu(up)^2 (Nemotron-H, "relu2": the projection is up alone). The fused kernels take the same
+    fields."""
 
     interleaved: bool
-    activation: str  # "silu" | "gelu_tanh" | "clamped_swiglu" | "clamped_silu"
+    activation: str  # "silu" | "gelu_tanh" | "clamped_swiglu" | "clamped_silu" | "relu2"
     alpha: float = 1.702
     limit: float = 7.0
 
@@ -89,6 +92,12 @@ class Gate:
         if layout.activation == "clamped_swiglu":
             return cls(interleaved, "clamped_swiglu", float(module.alpha), float(module.limit))
         act = module.act_fn if not isinstance(module.act_fn, torch.nn.Module) else type(module.act_fn)
+        if layout.gate_up == "ungated":
+            if act not in UNGATED_ACTIVATIONS:
+                supported = [known.__name__ for known in UNGATED_ACTIVATIONS]
+                raise ValueError(f"{type(module).__name__} uses the activation {act.__name__} without a gate; "
+                                 f"dflash-compile's ungated experts support {supported}")
+            return cls(False, UNGATED_ACTIVATIONS[act])
         if act not in GATED_ACTIVATIONS:
             supported = sorted({known.__name__ for known in GATED_ACTIVATIONS})
             raise ValueError(f"{type(module).__name__} uses the activation {act.__name__}; dflash-compile's experts "
@@ -102,7 +111,9 @@ class Gate:
         return cls(interleaved, "clamped_silu", limit=float(limit))
 
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """[..., 2I] gate/up projection -> [..., I]."""
+        """[..., 2I] gate/up projection (ungated: [..., I] up) -> [..., I]."""
+        if self.activation == "relu2":
+            return torch.relu(gate_up).square()
         gate, up = (gate_up[..., ::2], gate_up[..., 1::2]) if self.interleaved else gate_up.chunk(2, dim=-1)
         if self.activation == "clamped_swiglu":
             gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
@@ -179,9 +190,10 @@ class ResidentExperts:
     def expert_mlp(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """One expert's MLP on the tokens routed to it, in the module's dtype."""
         module, layout = self.module, self.layout
-        gate_up_bias = module.gate_up_proj_bias[expert] if layout.bias else None
+        first = first_projection(module)
+        gate_up_bias = getattr(module, f"{first}_bias")[expert] if layout.bias else None
         down_bias = module.down_proj_bias[expert] if layout.bias else None
-        hidden = Gate.of(layout, module)(_project(x, module.gate_up_proj[expert], gate_up_bias, layout.transposed))
+        hidden = Gate.of(layout, module)(_project(x, getattr(module, first)[expert], gate_up_bias, layout.transposed))
         return _project(hidden, module.down_proj[expert], down_bias, layout.transposed)
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -192,7 +204,7 @@ class ResidentExperts:
             return offloaded.run(layer, hidden, top_k_index, top_k_weights, Gate.of(self.layout, module))
         if getattr(module, "packed_format", None):  # MXFP4 / FP8 weights kept packed (dflash_compile.packed)
             return run_packed(hidden, top_k_index, top_k_weights, *packed_weights(module), Gate.of(self.layout, module))
-        if self.fused and module.gate_up_proj.dtype in FUSED_DTYPES:  # weights in place
+        if self.fused and module.down_proj.dtype in FUSED_DTYPES:  # weights in place
             return run_packed(hidden, top_k_index, top_k_weights, *expert_weights(module), Gate.of(self.layout, module))
         if hidden.is_cuda:  # transformers' grouped GEMM: no host sync, one kernel per projection
             return grouped_mm_experts_forward(module, hidden, top_k_index, top_k_weights)
@@ -200,7 +212,7 @@ class ResidentExperts:
 
     def reference(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """Reference routed-experts math: every family's Experts forward, accumulated in fp32."""
-        experts = self.module.gate_up_proj.shape[0]
+        experts = self.module.down_proj.shape[0]
         return expert_sum(hidden, top_k_index, top_k_weights, experts, self.expert_mlp)
 
 

@@ -57,7 +57,7 @@ def expert_placement(model: torch.nn.Module) -> str:
                 f"CPU compute of misses {offload.cpu_compute}")
     first = modules[0]
     packed = getattr(first, "packed_format", None)
-    tensor = first.packed_gate_up_data if packed else first.gate_up_proj
+    tensor = first.packed_gate_up_data if packed else first.down_proj
     size = sum(t.numel() * t.element_size() for m in modules for t in (*m.parameters(), *m.buffers()))
     return (f"{len(modules)} layers resident on {tensor.device}, {packed or str(tensor.dtype).removeprefix('torch.')}"
             f", {size / 2**20:.1f} MiB")

@@ -17,13 +17,15 @@ import torch
 import transformers
 from transformers.integrations.moe import grouped_mm_experts_forward, use_experts_implementation
 
-GateUpLayout = Literal["concatenated", "interleaved"]
+GateUpLayout = Literal["concatenated", "interleaved", "ungated"]
 Activation = Literal["act_fn", "clamped_swiglu", "clamped_act_fn"]
-AttentionKind = Literal["full_attention", "sliding_attention", "chunked_attention", "linear_attention", "conv"]
+AttentionKind = Literal["full_attention", "sliding_attention", "chunked_attention", "linear_attention", "conv", "mlp"]
 # kinds whose layers keep a conv window (and a linear-attention layer a recurrent state), not keys and values: their
 # padding masks are 2-D, their states committed by `TargetCache.commit_linear`; LFM2's short-convolution layers ("conv")
 # need no recurrent rule, a block's convolution over the kept window being exact
 RECURRENT_KINDS = ("linear_attention", "conv")
+# kinds of layers that neither attend nor keep a state: Nemotron-H's MLP and MoE layers, a mixer of their own
+STATELESS_KINDS = ("mlp",)
 # kinds whose layers see at most their window's last keys (`ring_window`), which `TargetCache` keeps in a ring:
 # sliding-window layers, and Llama 4's chunked ones, whose queries see the keys of their own chunk
 RING_KINDS = ("sliding_attention", "chunked_attention")
@@ -33,7 +35,8 @@ RING_KINDS = ("sliding_attention", "chunked_attention")
 class ExpertLayout:
     """How one family stores and applies its routed experts (transformers' 3-D `gate_up_proj` / `down_proj`)."""
 
-    gate_up: GateUpLayout  # "concatenated": [gate; up] rows; "interleaved": gate = rows 0::2, up = rows 1::2
+    gate_up: GateUpLayout  # "concatenated": [gate; up] rows; "interleaved": gate = rows 0::2, up = rows 1::2;
+    # "ungated": `up_proj` [E, I, H] alone, act(up) (Nemotron-H's squared ReLU)
     transposed: bool  # weights stored [E, in, out] instead of [E, out, in]
     bias: bool  # `gate_up_proj_bias` [E, 2I] and `down_proj_bias` [E, H]
     activation: Activation  # "act_fn": act(gate) * up with the module's `act_fn`;
@@ -77,6 +80,12 @@ class LinearAttentionSpec:
     # the rules' signature, by which `linear_attention.stepwise_linear_attention` steps a verify block: "delta"
     # (GatedDeltaNet, KDA: query, key, value, g, beta) or "mamba2" (hidden states, dt, A, B, C)
     rule: Literal["delta", "mamba2"] = "delta"
+
+
+def first_projection(experts: torch.nn.Module) -> str:
+    """The experts module's first projection parameter: `gate_up_proj`, or `up_proj` where transformers declares the
+    experts ungated (`has_gate`, set by `@use_experts_implementation`)."""
+    return "gate_up_proj" if getattr(experts, "has_gate", True) else "up_proj"
 
 
 def ring_window(config, kind: AttentionKind) -> int | None:
@@ -154,19 +163,23 @@ def _kimi_delta_state(config) -> int:
     return config.linear_num_heads * config.linear_head_dim ** 2
 
 
-def _mamba2_state(config) -> int:
-    """Mamba2's state: [heads, head dim, state size]."""
-    return config.mamba_n_heads * config.mamba_d_head * config.mamba_d_state
+def _mamba2(mixer: str, heads: str, head_dim: str, state: str, chunk: str) -> LinearAttentionSpec:
+    """A Mamba2 mixer (the decoder layer's attribute `mixer`), its sizes under the config's names: its state is
+    [heads, head dim, state size]. transformers' mamba2_chunk_scan holds per token fp32 copies of the input, its
+    dt-scaled form and two partial outputs (heads x head dim each), B and C repeated to every head and B decayed
+    (heads x state size), its chunk's decay, scores and masked scores (heads x chunk size each), and eight chunk
+    states' share ([heads, head dim, state size] a chunk: the chunks' states, their concatenation, the decayed ones,
+    ...), held together at its peak."""
 
+    def state_elements(config) -> int:
+        return getattr(config, heads) * getattr(config, head_dim) * getattr(config, state)
 
-def _mamba2_scan_elements(config) -> int:
-    """transformers' mamba2_chunk_scan per token: fp32 copies of the input, its dt-scaled form and two partial outputs
-    (heads x head dim each), B and C repeated to every head and B decayed (heads x state size), its chunk's decay,
-    scores and masked scores (heads x chunk size each), and eight chunk states' share ([heads, head dim, state size]
-    a chunk: the chunks' states, their concatenation, the decayed ones, ...), held together at its peak."""
-    chunk_states = 8 * _mamba2_state(config) // config.mamba_chunk_size
-    return config.mamba_n_heads * (4 * config.mamba_d_head + 3 * config.mamba_d_state + 3 * config.mamba_chunk_size) \
-        + chunk_states
+    def scan_elements(config) -> int:
+        per_head = 4 * getattr(config, head_dim) + 3 * getattr(config, state) + 3 * getattr(config, chunk)
+        return getattr(config, heads) * per_head + 8 * state_elements(config) // getattr(config, chunk)
+
+    return LinearAttentionSpec(mixer, "mamba2_chunk_scan", "mamba2_selective_state_update", scan_elements,
+                               state_elements, rule="mamba2")
 
 
 def _kimi_delta_rule_elements(config) -> int:
@@ -355,6 +368,17 @@ def _llama4_context(config, rows: int) -> int | None:
     return config.floor_scale - 1 if rows > 1 and config.attn_temperature_tuning else None
 
 
+def _nemotron_moe_layers(config) -> list[int]:
+    """Nemotron-H: the layers whose one mixer is an MoE block (`layers_block_type` "moe")."""
+    return [i for i, block in enumerate(config.layers_block_type) if block == "moe"]
+
+
+def _nemotron_layer_kinds(config) -> list[AttentionKind]:
+    """Nemotron-H: each layer is one mixer, Mamba2 ("linear_attention"), attention, or an MLP or MoE block ("mlp":
+    nothing in the cache)."""
+    return [block if block in ("linear_attention", "full_attention") else "mlp" for block in config.layers_block_type]
+
+
 def _declared_moe_layers(config) -> list[int]:
     """Llama 4: `moe_layers` (every `interleave_moe_layer_step`-th layer unless listed)."""
     return list(config.moe_layers)
@@ -367,8 +391,7 @@ _GATED_DELTA_NET = LinearAttentionSpec("linear_attn", "torch_chunk_gated_delta_r
                                        "torch_recurrent_gated_delta_rule", _gated_delta_rule_elements, _delta_state)
 # Kimi Linear's KDA layers: the decoder layer's `self_attn`, as its latent-attention layers
 # Mamba2 layers (Granite 4.0-H): the decoder layer's `mamba`
-_MAMBA2 = LinearAttentionSpec("mamba", "mamba2_chunk_scan", "mamba2_selective_state_update", _mamba2_scan_elements,
-                              _mamba2_state, rule="mamba2")
+_MAMBA2 = _mamba2("mamba", "mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_chunk_size")  # Granite 4.0-H
 _KIMI_DELTA_ATTENTION = LinearAttentionSpec("self_attn", "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention",
                                             _kimi_delta_rule_elements, _kimi_delta_state)
 # Multi-head latent attention's linears reading the same input (q_proj where there is no q_lora_rank)
@@ -563,8 +586,11 @@ FAMILIES: dict[str, FamilySpec] = {
             cached_per_token=_latent,
         ),
         FamilySpec(  # Ling 3 (bailing_hybrid): Kimi Linear's layers (KDA with its forget gate beside the mixer,
-            # latent attention) with the attention outputs gated, DeepSeek-V3's router and shared experts
-            "bailing_hybrid", ("bailing_hybrid",), "BailingHybridExperts", _SWIGLU, _DEEPSEEK_ROUTER,
+            # latent attention) with the attention outputs gated, DeepSeek-V3's router and shared experts; from
+            # transformers 5.25 Step 3.7's per-layer clamps (`swiglu_limits`)
+            "bailing_hybrid", ("bailing_hybrid",), "BailingHybridExperts",
+            ExpertLayout(gate_up="concatenated", transposed=False, bias=False, activation="clamped_act_fn"),
+            _DEEPSEEK_ROUTER,
             _declared_sparse_layers, _declared_layer_types, _KIMI_DELTA_ATTENTION,
             shared_input_linears=_MLA_SHARED_INPUTS, cached_per_token=_latent,
         ),
@@ -591,6 +617,13 @@ FAMILIES: dict[str, FamilySpec] = {
             ExpertLayout(gate_up="concatenated", transposed=False, bias=False, activation="clamped_act_fn"),
             RouterSpec(scoring="sigmoid", correction_bias="e_score_correction_bias"), _declared_sparse_layers,
             _declared_layer_types, adapt=_decorate_experts("Step3p7Experts"),
+        ),
+        FamilySpec(  # Nemotron-H (Nemotron 3): layers of one mixer each, Mamba2, attention (no rotary), or MoE
+            # blocks of experts without a gate (relu(up)^2) beside a shared MLP, DeepSeek-V3's router
+            "nemotron_h", ("nemotron_h",), "NemotronHExperts",
+            ExpertLayout(gate_up="ungated", transposed=False, bias=False, activation="act_fn"), _DEEPSEEK_ROUTER,
+            _nemotron_moe_layers, _nemotron_layer_kinds,
+            _mamba2("mixer", "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "chunk_size"),
         ),
         FamilySpec(  # Granite 4.0-H (GraniteMoeHybrid): Mamba2 layers between full-attention ones (without rotary
             # positions as released), Granite-MoE's router and multipliers, a shared MLP beside the experts everywhere

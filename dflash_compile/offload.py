@@ -727,7 +727,7 @@ def offload_experts(model: torch.nn.Module, gpu_memory, device="cuda", policy: s
     for name, module in tqdm(modules.items(), desc="offloading experts", unit="layer", disable=len(modules) < 8):
         layer = offloaded.add_layer(module, routing_of(model, name))
         for tensor_name in list(module._parameters) + list(module._buffers):
-            if tensor_name.startswith(("gate_up_proj", "down_proj", "packed_")):
+            if tensor_name.startswith(("gate_up_proj", "up_proj", "down_proj", "packed_")):
                 module._parameters.pop(tensor_name, None)
                 module._buffers.pop(tensor_name, None)
         module.packed_format = None

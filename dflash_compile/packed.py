@@ -13,6 +13,7 @@ from typing import Literal
 
 import torch
 
+from .families import first_projection
 from .quant import MXFP4_GROUP, dequantize_fp8_block, dequantize_mxfp4, quantize_fp8_block, quantize_mxfp4
 
 Format = Literal["mxfp4", "fp8_block", "dense"]
@@ -91,7 +92,8 @@ def attach_packed(module: torch.nn.Module, gate_up: PackedWeight, down: PackedWe
     """
     if gate_up.format != down.format:
         raise ValueError(f"gate_up is {gate_up.format} but down is {down.format}: one format per experts module")
-    for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+    first = first_projection(module)
+    for name in (first, "down_proj", f"{first}_bias", "down_proj_bias"):
         module._parameters.pop(name, None)
     for prefix, weight in (("gate_up", gate_up), ("down", down)):
         for part in _PARTS:
@@ -108,7 +110,8 @@ def packed_weights(module: torch.nn.Module) -> tuple[PackedWeight, PackedWeight]
 
 def expert_weights(module: torch.nn.Module) -> tuple[PackedWeight, PackedWeight]:
     """(gate_up, down) of an experts module as output-major PackedWeights: its packed buffers, or its 3-D
-    parameters (transposed back where the family stores [E, in, out]) as "dense" ones with their biases."""
+    parameters (transposed back where the family stores [E, in, out]) as "dense" ones with their biases; "gate_up"
+    is `up_proj` for experts without a gate."""
     if getattr(module, "packed_format", None):
         return packed_weights(module)
 
@@ -117,4 +120,4 @@ def expert_weights(module: torch.nn.Module) -> tuple[PackedWeight, PackedWeight]
         bias = getattr(module, f"{name}_bias").detach() if module.has_bias else None
         return PackedWeight("dense", weight.transpose(1, 2) if module.is_transposed else weight, None, bias)
 
-    return dense("gate_up_proj"), dense("down_proj")
+    return dense(first_projection(module)), dense("down_proj")

@@ -26,7 +26,7 @@ from .attention import SEEN_SLOTS, grouped_attention, unmasked_chunks, unmasked_
 from .backend import dflash_backend_with
 from .cache import RowCache, TargetCache
 from .drafter import DFlashDrafter, context_features
-from .families import RECURRENT_KINDS, ring_window, spec_for_model
+from .families import RECURRENT_KINDS, STATELESS_KINDS, ring_window, spec_for_model
 from .linear_attention import stepwise_linear_attention
 from .prefill_memory import PrefillActivations
 from .sampling import (Sampler, SequenceBiases, begin_suppressed, check_generation_config, check_ngram_size,
@@ -209,8 +209,9 @@ class SpeculativeDecoder:
         self.cached_per_token = {kind: spec.cached_per_token(config, kind) for kind in kinds}
         self.prefill_chunk = prefill_chunk
         self.prefill_activations: PrefillActivations | None = None  # made by the first prefill planned on CUDA
-        self.windows = {kind: ring_window(config, kind) for kind in dict.fromkeys(kinds)}
-        self.ring_layers = [i for i, kind in enumerate(kinds) if self.windows[kind]]
+        # one mask per kind of layer that attends or keeps a state (`TargetCache.masks`)
+        self.windows = {kind: ring_window(config, kind) for kind in dict.fromkeys(kinds) if kind not in STATELESS_KINDS}
+        self.ring_layers = [i for i, kind in enumerate(kinds) if self.windows.get(kind)]
         self.per_kind_masks = getattr(config, "layer_types", None) is not None  # the model takes {kind: mask}
         self.max_positions = getattr(config, "max_position_embeddings", None)
         self.max_context = functools.partial(spec.max_context, config) if spec.max_context else lambda rows: None
@@ -299,7 +300,7 @@ class SpeculativeDecoder:
         few MiB at most and left out."""
         ring = self._ring(max_len)
         target = sum((ring or max_len if self.windows[kind] else max_len) * self.cached_per_token[kind]
-                     for kind in self.attention_kinds if kind not in RECURRENT_KINDS)
+                     for kind in self.attention_kinds if kind not in RECURRENT_KINDS + STATELESS_KINDS)
         drafter = getattr(self.drafter, "cache_elements_per_slot", 0)  # an oracle drafter caches nothing
         elements = target + max_len * drafter
         return batch * elements * dtype.itemsize

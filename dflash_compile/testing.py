@@ -156,8 +156,9 @@ TINY_CONFIGS = {
         pad_token_id=0, **_MLA, **_ROUTED,
         **{key: value for key, value in _DEEPSEEK_ROUTING.items() if key != "first_k_dense_replace"}),
     "bailing_hybrid": lambda: transformers.BailingHybridConfig(  # Kimi Linear's layers, gated; KDA's heads are
-        # the attention's (its head_dim, before the config sets head_dim to the rotary part)
-        layer_types=["linear_attention", "linear_attention", "full_attention"], head_dim=16,
+        # the attention's (its head_dim, before the config sets head_dim to the rotary part); layer 1's experts
+        # clamped at 0.5 (transformers 5.25; 5.24 has no clamps)
+        layer_types=["linear_attention", "linear_attention", "full_attention"], head_dim=16, swiglu_limits=[0, 0.5, 0],
         mlp_layer_types=["dense", "sparse", "sparse"], num_local_experts=8, bos_token_id=1, eos_token_id=2,
         pad_token_id=0, **_MLA, **_ROUTED,
         **{key: value for key, value in _DEEPSEEK_ROUTING.items() if key != "first_k_dense_replace"}),
@@ -174,6 +175,12 @@ TINY_CONFIGS = {
         num_hidden_layers=3, layer_types=["linear_attention", "linear_attention", "full_attention"],
         intermediate_size=32, shared_intermediate_size=48, num_local_experts=8, mamba_n_heads=8, mamba_d_head=16,
         mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=16, **_ROUTED, **_COMMON),
+    "nemotron_h": lambda: transformers.NemotronHConfig(  # one mixer a layer: Mamba2 (two groups, 16-token chunks),
+        # MoE (experts without a gate, a shared MLP), attention, MoE
+        layers_block_type=["linear_attention", "moe", "full_attention", "moe"], head_dim=16, mamba_num_heads=8,
+        mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=16, n_routed_experts=8, moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=48, intermediate_size=96, n_group=1, topk_group=1,
+        routed_scaling_factor=2.5, initializer_range=0.1, **_ROUTED, **_COMMON),
     "phimoe": lambda: transformers.PhimoeConfig(  # LayerNorms, q/k/v biases
         num_hidden_layers=2, intermediate_size=48, num_local_experts=4, **_ROUTED, **_COMMON),
     "flex_olmo": lambda: transformers.FlexOlmoConfig(  # post-attention and post-MLP norms

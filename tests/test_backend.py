@@ -10,6 +10,8 @@ from importlib.metadata import entry_points
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 
 import dflash_compile
 from dflash_compile.expert_store import ExpertStore
@@ -48,7 +50,7 @@ BF16_PAST_THE_BOUND = {"gemma4_text"}
 # transformers' tokens in test_speculative.py or test_offload.py. With a cold compile cache each case is 10-30 s.
 INDUCTOR_FORWARDS = ("mixtral", "qwen3_moe", "deepseek_v3", "deepseek_v2", "gpt_oss", "phimoe", "minimax_m2",
                      "kolibri1", "afmoe", "hunyuan_v1_moe", "ernie4_5_moe", "aria", "gemma4_text", "qwen3_5_moe",
-                     "lfm2_moe", "llama4_text", "granitemoehybrid")
+                     "lfm2_moe", "llama4_text", "granitemoehybrid", "nemotron_h")
 COMPILED_CASES = [(family, torch.float32 if family in BF16_PAST_THE_BOUND else torch.bfloat16)
                   for family in INDUCTOR_FORWARDS] + [
     (family, torch.float32) for family in ("gpt_oss", "deepseek_v3", "qwen3_5_moe")]
@@ -144,7 +146,9 @@ def test_a_model_with_grad_enabled_compiles_for_inference(tiny, lowering):
 
 # The families whose experts' forward is their own, not a modular copy of Mixtral's: gpt-oss (interleaved, biases),
 # Beam (the same math in other words), Aria (weights stored [E, in, out]), Llama 4 (its adapted experts: grouped_mm)
-OWN_EXPERTS_CODE = ("gpt_oss", "beam", "aria", "llama4_text")
+# transformers 5.25 gives Ling 3's experts Step 3.7's per-layer clamps (`_apply_gate`)
+OWN_EXPERTS_CODE = ("gpt_oss", "beam", "aria", "llama4_text", "nemotron_h") + (
+    ("bailing_hybrid",) if Version(transformers.__version__) >= Version("5.25") else ())
 
 
 def test_every_familys_experts_run_their_own_or_mixtrals_code(tiny):

@@ -11,7 +11,7 @@ import transformers
 import dflash_compile
 from dflash_compile import checkpoint
 from dflash_compile.checkpoint import FP8Linear, expert_bytes, load_packed, quantize
-from dflash_compile.families import experts_modules, router_of, spec_for_model
+from dflash_compile.families import experts_modules, first_projection, router_of, spec_for_model
 from dflash_compile.packed import packed_weights
 from dflash_compile.testing import load_tiny_model, save_tiny_model
 from tests.conftest import FAMILIES, token_ids
@@ -32,7 +32,7 @@ SIZES = {"gpt_oss": {"intermediate_size": 64}, "deepseek_v2": {"moe_intermediate
          "granitemoehybrid": {"intermediate_size": 128},
          **{family: {"moe_intermediate_size": 128}
             for family in ("mellum", "kolibri1", "beam", "flint", "minicpm5_moe", "axk1", "lara_mini", "mistral4",
-                           "kimi_linear", "bailing_hybrid", "lfm2_moe")},
+                           "kimi_linear", "bailing_hybrid", "lfm2_moe", "nemotron_h")},
          "glm4_moe": {"moe_intermediate_size": 128}, "glm4_moe_lite": {"moe_intermediate_size": 128},
          "qwen2_moe": {"moe_intermediate_size": 128}, "qwen3_moe": {"moe_intermediate_size": 128},
          "qwen3_next": {"moe_intermediate_size": 128}}
@@ -146,7 +146,7 @@ def _dequantized_reference(original, packed):
         elif hasattr(source, "packed_format"):  # packed [E, out, in]; Aria's and Llama 4's modules hold [E, in, out]
             stored = (lambda weight: weight.transpose(1, 2)) if transposed else (lambda weight: weight)
             gate_up, down = packed_weights(source)
-            module.gate_up_proj.data.copy_(stored(gate_up.dequantize()))
+            getattr(module, first_projection(module)).data.copy_(stored(gate_up.dequantize()))
             module.down_proj.data.copy_(stored(down.dequantize()))
     return reference
 

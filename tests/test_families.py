@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from packaging.version import Version
 from torch._dynamo.exc import BackendCompilerFailed
 
 import dflash_compile
@@ -14,14 +15,15 @@ from dflash_compile.testing import OracleDrafter, tiny_config, tiny_multimodal_c
 from tests.conftest import token_ids
 
 
-def test_registry_covers_the_forty_six_families():
+def test_registry_covers_the_forty_seven_families():
     assert dflash_compile.supported_families() == sorted(
         ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe", "glm4_moe_lite",
          "deepseek_v2", "deepseek_v3", "olmoe", "ernie4_5_moe", "phimoe", "dots1", "flex_olmo", "solar_open",
          "exaone_moe", "qwen3_vl_moe", "glm4v_moe", "granitemoe", "granitemoeshared", "cohere2_moe",
          "minimax_m2", "hunyuan_v1_moe", "hy_v3", "laguna", "mimo_v2_flash", "afmoe", "gemma4_text", "mellum",
          "kolibri1", "beam", "flint", "granitemoe_swa", "minicpm5_moe", "axk1", "lara_mini", "mistral4", "aria",
-         "kimi_linear", "lfm2_moe", "llama4_text", "granitemoehybrid", "ernie4_5_vl_moe", "step3p7", "bailing_hybrid"]
+         "kimi_linear", "lfm2_moe", "llama4_text", "granitemoehybrid", "ernie4_5_vl_moe", "step3p7", "bailing_hybrid",
+         "nemotron_h"]
     )
 
 
@@ -67,6 +69,7 @@ def test_registry_covers_the_forty_six_families():
         ("aria", [0, 1], ["full_attention"] * 2),
         ("kimi_linear", [1, 2], ["linear_attention", "linear_attention", "full_attention"]),  # mlp_layer_types
         ("bailing_hybrid", [1, 2], ["linear_attention", "linear_attention", "full_attention"]),  # as kimi_linear
+        ("nemotron_h", [1, 3], ["linear_attention", "mlp", "full_attention", "mlp"]),  # one mixer a layer
         ("lfm2_moe", [1, 2], ["conv", "conv", "full_attention"]),  # num_dense_layers=1
         ("llama4_text", [1, 3], ["chunked_attention"] * 3 + ["full_attention"]),  # interleave_moe_layer_step=2
         ("granitemoehybrid", [0, 1, 2], ["linear_attention", "linear_attention", "full_attention"]),
@@ -211,12 +214,21 @@ def test_ernie_vl_image_experts_are_left_to_the_model():
     assert list(experts_modules(model)) == [f"model.language_model.layers.{i}.mlp.text_moe.experts" for i in (1, 2)]
 
 
-def test_step_experts_clamp_in_the_layers_their_config_names():
-    """Step 3.7's experts clamp SiLU(gate) and up at `swiglu_limits[layer]` (0: no clamp): layer 1's at 0.5, layer 2's
-    plain SiLU; transformers 5.24's undecorated experts class is decorated by the family's `adapt`."""
+CLAMPS_LING_3 = Version(transformers.__version__) >= Version("5.25")  # transformers 5.24's Ling 3 has no clamps
+
+
+@pytest.mark.parametrize("family", ["step3p7", "bailing_hybrid"])
+def test_experts_clamp_in_the_layers_their_config_names(tiny, family):
+    """Step 3.7's experts (and from transformers 5.25 Ling 3's) clamp SiLU(gate) and up at `swiglu_limits[layer]`
+    (0: no clamp): layer 1's at 0.5, layer 2's plain SiLU; transformers 5.24's undecorated Step 3.7 experts class is
+    decorated by the family's `adapt`. The tokens of such a layer are checked by each family's identity tests."""
     from dflash_compile.expert_store import Gate
 
-    model = transformers.AutoModelForImageTextToText.from_config(tiny_multimodal_config("step3p7"))
-    layout = FAMILIES["step3p7"].layout
-    gates = [Gate.of(layout, module) for module in experts_modules(model).values()]
-    assert gates == [Gate(False, "clamped_silu", limit=0.5), Gate(False, "silu")]
+    if family == "step3p7":
+        model = transformers.AutoModelForImageTextToText.from_config(tiny_multimodal_config("step3p7"))
+    else:
+        model = tiny(family)
+    gates = [Gate.of(FAMILIES[family].layout, module) for module in experts_modules(model).values()]
+    clamped = family == "step3p7" or CLAMPS_LING_3
+    assert gates == [Gate(False, "clamped_silu" if clamped else "silu", limit=0.5 if clamped else 7.0),
+                     Gate(False, "silu")]

@@ -10,7 +10,7 @@ import dflash_compile
 from dflash_compile.families import RECURRENT_KINDS
 from dflash_compile.linear_attention import (STEPWISE_TOKENS, stepwise_linear_attention, stepwise_mamba2_rule,
                                              stepwise_rule)
-from dflash_compile.testing import OracleDrafter
+from dflash_compile.testing import OracleDrafter, load_tiny_model, save_tiny_model
 
 HEADS, K_DIM, V_DIM = 4, 16, 8
 
@@ -123,11 +123,17 @@ def test_a_block_longer_than_stepwise_is_refused(tiny):
     dflash_compile.optimize(tiny("olmoe"), drafter=oracle, compile=False)  # no linear attention: any block
 
 
-def test_a_dense_granite_hybrid_verifies_partial_blocks_like_generate(tiny):
-    """Granite 4.0-H's dense releases (H-Micro: Mamba2 and attention layers, no experts) keep `generate`'s tokens on a
-    left-padded batch through partly accepted blocks: the family without routed experts."""
-    model = tiny("granitemoehybrid", num_local_experts=0)
-    assert not dflash_compile.families.experts_modules(model)
+@pytest.mark.parametrize("family, overrides, routed", [
+    ("granitemoehybrid", dict(num_local_experts=0), False),  # Granite 4.0-H's dense releases (H-Micro)
+    ("nemotron_h", dict(layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"]), False),  # dense
+    ("nemotron_h", dict(moe_latent_size=32), True),  # Nemotron 3 Super's experts in a narrower latent width
+])
+def test_hybrid_releases_verify_partial_blocks_like_generate(tmp_path, family, overrides, routed):
+    """Granite 4.0-H's and Nemotron-H's dense releases (Mamba2 and attention layers, MLPs, no experts), and
+    Nemotron-H's latent MoE (the experts between projections to and from `moe_latent_size`), keep `generate`'s
+    tokens on a left-padded batch through partly accepted blocks."""
+    model = load_tiny_model(family, directory=save_tiny_model(family, tmp_path, **overrides))
+    assert bool(dflash_compile.families.experts_modules(model)) == routed
     ids = torch.randint(3, 127, (2, 12), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0

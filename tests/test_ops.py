@@ -15,8 +15,8 @@ def _routed(model, family):
 
 def _routing(experts, tokens=11, top_k=3, dtype=torch.float32, seed=0):
     generator = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(tokens, experts.gate_up_proj.shape[1 if experts.is_transposed else 2], generator=generator)
-    scores = torch.rand(tokens, experts.gate_up_proj.shape[0], generator=generator)
+    hidden = torch.randn(tokens, experts.down_proj.shape[2 if experts.is_transposed else 1], generator=generator)
+    scores = torch.rand(tokens, experts.down_proj.shape[0], generator=generator)
     weights, index = scores.topk(top_k, dim=-1)
     return hidden.to(dtype), index, (weights / weights.sum(-1, keepdim=True)).to(dtype)
 

@@ -78,7 +78,8 @@ from .arrivals import arrival_counts
 
 FORMATS = {"dense": 0, "mxfp4": 1, "fp8_block": 2}
 FP16_PRESCALE = tl.constexpr(2.0**-8)  # activations times this are fp16 operands (see FP16_OPERANDS)
-ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1, "gelu_tanh": 2, "clamped_silu": 3}
+ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1, "gelu_tanh": 2, "clamped_silu": 3, "relu2": 4}
+UNGATED_ACTIVATIONS = ("relu2",)  # of experts without a gate: their first projection is up alone
 
 
 @triton.jit
@@ -260,6 +261,8 @@ def _activate(gate, up, ACTIVATION: tl.constexpr, alpha, limit):
         result = gate * tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)) * up
     elif ACTIVATION == 3:  # Step 3.7: SiLU(gate) <= limit, times up clamped to [-limit, limit]
         result = tl.minimum(gate * tl.sigmoid(gate), limit) * tl.minimum(tl.maximum(up, -limit), limit)
+    elif ACTIVATION == 4:  # Nemotron-H, experts without a gate: relu(up)^2, up passed as both
+        result = tl.maximum(up, 0.0) * tl.maximum(up, 0.0)
     else:  # SiLU(gate) * up
         result = gate * tl.sigmoid(gate) * up
     return result
@@ -810,7 +813,8 @@ def _moe_gemm_kernel(
     x, data, scales, bias, out, pair_ids, block_expert, pair_weights, host_data, host_scales, host_bias, slot_of,
     words_tma, x_shifts, out_shifts, summed, arrivals,
     P, N, K, N_OUT, ROW_DIV, alpha, limit, data_stride, scales_stride, bias_stride, row_stride, column_stride, k_split,
-    FORMAT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACTIVATION: tl.constexpr,
+    FORMAT: tl.constexpr, GATED: tl.constexpr, ACTIVATE: tl.constexpr, INTERLEAVED: tl.constexpr,
+    ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr, APPLY_WEIGHT: tl.constexpr, COMPUTE_FP32: tl.constexpr, FP16_OPERANDS: tl.constexpr,
     HOST_FALLBACK: tl.constexpr, BLOCKING: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, TMA_LOADS: tl.constexpr,
@@ -875,13 +879,6 @@ def _moe_gemm_kernel(
         else:
             gate, up = tl.split(tl.reshape(both, (BLOCK_M, BLOCK_N, 2)))
             result, out_width = _activate(gate, up, ACTIVATION, alpha, limit), N_OUT
-            if FP16_OPERANDS:  # the down launch's activations
-                result = result * FP16_PRESCALE
-            if PAIRED_SHIFT:  # the down launch's activations as its row path reads them (X_PAIRED)
-                result = result * (2.0**PAIRED_SHIFT)
-                columns = _paired_columns(columns)
-                tl.store(out_shifts + pairs, tl.full(pairs.shape, PAIRED_SHIFT, tl.int32),
-                         mask=pair_ok & (tl.program_id(1) == 0))
     else:
         rows = tl.where(column_ok, columns, 0)
         result = _project(x, data, scales, rows, column_ok, pair_rows, pair_ok, K, k_start, k_stop, row_stride,
@@ -890,6 +887,16 @@ def _moe_gemm_kernel(
         out_width = N_OUT
         if HAS_BIAS:
             result += _first_split_bias(bias, rows, column_ok, split)[None, :]
+        if ACTIVATE:  # experts without a gate: the activation of up alone (unsplit)
+            result = _activate(result, result, ACTIVATION, alpha, limit)
+    if ACTIVATE and SPLIT_K == 1:  # the down launch's activations
+        if FP16_OPERANDS:
+            result = result * FP16_PRESCALE
+        if PAIRED_SHIFT:  # as the down launch's row path reads them (X_PAIRED)
+            result = result * (2.0**PAIRED_SHIFT)
+            columns = _paired_columns(columns)
+            tl.store(out_shifts + pairs, tl.full(pairs.shape, PAIRED_SHIFT, tl.int32),
+                     mask=pair_ok & (tl.program_id(1) == 0))
     _let_next_launch(DEPENDENT_LAUNCH)
     if APPLY_WEIGHT:
         result *= tl.load(pair_weights + pairs, mask=pair_ok, other=0.0).to(tl.float32)[:, None]
@@ -915,7 +922,8 @@ def _launch(x, weight: PackedWeight, blocks: Blocks, pair_weights, rows_out, n_o
             sum_top_k: int = 0):
     """One GEMM launch over `blocks`; with fp16 operands `x` is fp16 times FP16_PRESCALE (`_activations`) or in its
     own dtype, scaled in the kernel; with `slot_of`, `weight` is a slot pool and `host` the same weight over the host
-    blobs. The output: gate/up unsplit in the down launch's operand dtype, otherwise `out_dtype`. With `splits` > 1
+    blobs. The output: the first launch's (gate/up, or up alone for an activation in UNGATED_ACTIVATIONS) unsplit in
+    the down launch's operand dtype, otherwise `out_dtype`. With `splits` > 1
     each program takes one of that many shares of K and the launch returns [splits, rows_out, width] fp32 partial
     sums (gate/up: both projections, interleaved), for `_finish_gate_up` or `_sum_pairs` to add. `x_shifts`: x is
     fp16 pairs (`_pair_rows`), row r times 2^x_shifts[r] (X_PAIRED); `paired_shift`: a gate/up launch writes its
@@ -926,6 +934,7 @@ def _launch(x, weight: PackedWeight, blocks: Blocks, pair_weights, rows_out, n_o
     took one token's call 1.02-1.05x faster (gpt-oss-20b 29.0 -> 27.6 us, Qwen3-30B-A3B-FP8 18.5 -> 17.8) and cost
     M = 16's grouped blocks 0.98-1.01x (there the sums fall to the launch's last programs)."""
     _, n, k = weight.shape
+    activates = gated or activation in UNGATED_ACTIVATIONS  # the first launch: its output is the down launch's x
     fp16_operands = _fp16_operands(operands, compute_fp32)
     summed, arrivals = None, None
     if sum_top_k:
@@ -936,7 +945,7 @@ def _launch(x, weight: PackedWeight, blocks: Blocks, pair_weights, rows_out, n_o
         sum_dtype, out_dtype = out_dtype, torch.float32
     if splits > 1:
         out_dtype = torch.float32
-    elif gated:
+    elif activates:
         out_dtype = torch.float16 if paired_shift else _gate_up_dtype(x.dtype, compute_fp32, fp16_operands)
     out = torch.empty(splits, rows_out, 2 * n_out if gated and splits > 1 else n_out, dtype=out_dtype, device=x.device)
     k_split = triton.cdiv(triton.cdiv(k, block_k), splits) * block_k
@@ -952,7 +961,8 @@ def _launch(x, weight: PackedWeight, blocks: Blocks, pair_weights, rows_out, n_o
         pointer(pair_weights), *weight_pointers(host if host is not None else weight), pointer(slot_of), words_tma,
         pointer(x_shifts), pointer(out_shifts), pointer(summed), pointer(arrivals),
         rows_out, n, k, n_out, row_div, float(alpha), float(limit), *_strides(weight), k_split,
-        FORMAT=FORMATS[weight.format], GATED=gated, INTERLEAVED=interleaved, ACTIVATION=ACTIVATIONS[activation],
+        FORMAT=FORMATS[weight.format], GATED=gated, ACTIVATE=activates, INTERLEAVED=interleaved,
+        ACTIVATION=ACTIVATIONS[activation],
         HAS_BIAS=weight.bias is not None, APPLY_WEIGHT=pair_weights is not None, COMPUTE_FP32=compute_fp32,
         FP16_OPERANDS=fp16_operands, HOST_FALLBACK=slot_of is not None, BLOCKING=blocks.blocking,
         SPLIT_K=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
@@ -1349,7 +1359,8 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
               host: tuple[PackedWeight, PackedWeight] | None = None, slot_of: torch.Tensor | None = None,
               routed_experts: int | None = None, **tiles) -> torch.Tensor:
     """Routed experts of one MoE layer: hidden [M, H], top_k_index / top_k_weights [M, k] -> [M, H] in
-    hidden's dtype. gate_up is [E, 2I, H], down [E, H, I] (output-major), each packed in any format; `tiles`
+    hidden's dtype. gate_up is [E, 2I, H] (for an activation in UNGATED_ACTIVATIONS, up alone: [E, I, H]), down
+    [E, H, I] (output-major), each packed in any format; `tiles`
     override the format's tiles for the call's size (`TILES`, or `ROW_TILES` for blocks of few rows, chosen by
     `rows_per_block`; block_m < 16 picks the CUDA-core path for MXFP4 and FP8). Without tiles, resident experts
     with DEQUANTIZE_PAIRS pairs or more each are dequantized for torch's grouped GEMM (`_dequantized_moe`). With
@@ -1367,10 +1378,12 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
         raise ValueError("the host weights must have the slot pool's strides (one blob layout for both)")
     experts = gate_up.shape[0] if slot_of is None else slot_of.numel()
     routable = min(experts, routed_experts or experts)
-    _, two_i, h = gate_up.shape
-    if down.shape != (gate_up.shape[0], h, two_i // 2):
+    _, first_rows, h = gate_up.shape
+    gated = activation not in UNGATED_ACTIVATIONS
+    inter = first_rows // 2 if gated else first_rows
+    if down.shape != (gate_up.shape[0], h, inter):
         raise ValueError(f"down weight {list(down.shape)} does not match gate_up {list(gate_up.shape)}: expected "
-                         f"[E, H, I] = {[gate_up.shape[0], h, two_i // 2]}")
+                         f"[E, H, I] = {[gate_up.shape[0], h, inter]}")
     if hidden.shape[-1] != h:
         raise ValueError(f"hidden size {hidden.shape[-1]} differs from the experts' {h}")
     if hidden.ndim != 2 or top_k_index.ndim != 2 or top_k_weights.shape != top_k_index.shape \
@@ -1399,7 +1412,9 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     settings = tiles_for(gate_up.format, tiles, rows, loads, _row_blocker(gate_up, down))
     blocks = _blocks(top_k_index, experts, settings["block_m"])
     down_tiles, split_k = settings.pop("down_launch"), settings.pop("split_k")
-    splits, down_splits = _splits(split_k, blocks), _splits(down_tiles.pop("split_k", split_k), blocks)
+    # an ungated first launch is not split: `_finish_gate_up` adds gate/up pairs
+    splits = _splits(split_k, blocks) if gated else 1
+    down_splits = _splits(down_tiles.pop("split_k", split_k), blocks)
     settings |= dict(alpha=alpha, limit=limit, compute_fp32=compute_fp32, slot_of=slot_of)
     x, x_shifts = _activations(hidden, settings), None
     paired_shift, out_shifts = 0, None
@@ -1408,8 +1423,8 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
         if paired_input:
             x, x_shifts = _pair_rows(hidden)
         out_shifts = torch.empty(tokens * top_k, dtype=torch.int32, device=x.device) if paired_shift else None
-    intermediate = _launch(x, gate_up, blocks, None, tokens * top_k, two_i // 2, top_k,
-                           gated=True, interleaved=interleaved, activation=activation,
+    intermediate = _launch(x, gate_up, blocks, None, tokens * top_k, inter, top_k,
+                           gated=gated, interleaved=interleaved, activation=activation,
                            host=host[0] if host else None, x_shifts=x_shifts, paired_shift=paired_shift,
                            out_shifts=out_shifts, splits=splits, **settings)
     if splits > 1:
@@ -1490,8 +1505,12 @@ def _dequantized_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
         offsets = torch.tensor(ends, dtype=torch.int32, device=hidden.device)
         gated = torch._grouped_mm(x[rows], _expert_run(gate_up, experts_of_group, buffer).transpose(1, 2),
                                   offs=offsets)
-        activated = _finish_gate_up(gated[None], hidden.dtype, activation, alpha, limit, False, interleaved,
-                                    gate_up.bias, expert_of_row[rows])
+        if activation in UNGATED_ACTIVATIONS:  # relu(up)^2 in fp32, rounded once as `_finish_gate_up` rounds
+            up = gated.float() if gate_up.bias is None else gated.float() + gate_up.bias[expert_of_row[rows]].float()
+            activated = torch.relu(up).square().to(hidden.dtype)
+        else:
+            activated = _finish_gate_up(gated[None], hidden.dtype, activation, alpha, limit, False, interleaved,
+                                        gate_up.bias, expert_of_row[rows])
         projected.append(torch._grouped_mm(activated, _expert_run(down, experts_of_group, buffer).transpose(1, 2),
                                            offs=offsets))
     projected = projected[0] if len(projected) == 1 else torch.cat(projected)  # rows of the routed pairs

@@ -35,6 +35,20 @@ def test_cpu_kernel_clamps_silu_as_step_3_7(format):
     torch.testing.assert_close(reference_packed(x, index, weights, gate_up, down, gate), actual, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("format", ["mxfp4", "fp8_block", "dense"])
+def test_cpu_kernel_runs_ungated_experts(format):
+    """Nemotron-H's experts: up [E, I, H] alone, relu(up)^2, then down (with biases)."""
+    up, down = _experts(format, 3, 96, 160, True, device="cpu", gated=False)
+    index, weights = _routing(5, 3, 2)
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(1))
+    expected = reference_moe(x, index, weights, up, down, False, "relu2")
+    actual = torch.ops.dflash.packed_moe(x, index, weights, format, up.data, up.scales, up.bias, down.data,
+                                         down.scales, down.bias, False, "relu2", 1.702, 7.0)
+    assert (actual.double() - expected).norm() / expected.norm() <= 1e-5
+    gate = Gate(False, "relu2")
+    torch.testing.assert_close(reference_packed(x, index, weights, up, down, gate), actual, atol=1e-5, rtol=1e-5)
+
+
 def test_the_kernel_is_registered_for_the_cpu_dispatch_key():
     assert cpu.load(), cpu.status()
     assert torch._C._dispatch_has_kernel_for_dispatch_key("dflash::packed_moe", "CPU")

@@ -22,7 +22,9 @@ def reference_moe(hidden, index, weights, gate_up: PackedWeight, down: PackedWei
             if gate_up.bias is not None:
                 h = h + gate_up.bias[e].double().cpu()
             gate, up = (h[0::2], h[1::2]) if interleaved else h.chunk(2)
-            if activation == "clamped_swiglu":
+            if activation == "relu2":  # no gate: h is up alone
+                act = torch.relu(h).square()
+            elif activation == "clamped_swiglu":
                 gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
                 act = (up + 1) * gate * torch.sigmoid(gate * alpha)
             elif activation == "gelu_tanh":
@@ -51,11 +53,13 @@ FAMILY_CASES = {
 }
 
 
-def _experts(format, experts, hidden, inter, bias, seed=0, device=DEVICE):
+def _experts(format, experts, hidden, inter, bias, seed=0, device=DEVICE, gated=True):
+    """(gate_up [E, 2I, H], down [E, H, I]) packed in `format`; `gated=False`: up [E, I, H] alone first."""
     generator = torch.Generator().manual_seed(seed)
-    w1 = torch.randn(experts, 2 * inter, hidden, generator=generator) * hidden**-0.5
+    first = 2 * inter if gated else inter
+    w1 = torch.randn(experts, first, hidden, generator=generator) * hidden**-0.5
     w2 = torch.randn(experts, hidden, inter, generator=generator) * inter**-0.5
-    b1 = torch.randn(experts, 2 * inter, generator=generator) * 0.1 if bias else None
+    b1 = torch.randn(experts, first, generator=generator) * 0.1 if bias else None
     b2 = torch.randn(experts, hidden, generator=generator) * 0.1 if bias else None
     pack = lambda w, b: PackedWeight.quantize(w, format, b)  # noqa: E731
     move = lambda p: PackedWeight(p.format, p.data.to(device), None if p.scales is None else p.scales.to(device),  # noqa: E731
@@ -115,6 +119,42 @@ def test_clamped_silu_clips_the_gate_and_up_projections(format, tokens):
     actual = fused_moe(x.to(DEVICE), index.to(DEVICE), weights.to(DEVICE), gate_up, down, interleaved=interleaved,
                        activation="clamped_silu", limit=0.5)
     assert (actual.cpu().double() - expected).norm() / expected.norm() <= 1e-4
+
+
+@pytest.mark.parametrize("format", ["mxfp4", "fp8_block", "dense"])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_ungated_experts_square_the_relu_of_up(format, tokens):
+    """Nemotron-H's experts: up [E, I, H] alone, relu(up)^2, then down; one token's launches (its tiles' K splits
+    not taken: the first launch writes activations) and blocks of several tokens' pairs, biases included."""
+    experts, hidden, inter, top_k, _, _, _, _ = FAMILY_CASES["silu_concatenated"]
+    up, down = _experts(format, experts, hidden, inter, True, gated=False)
+    index, weights = _routing(tokens, experts, top_k)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1))
+    expected = reference_moe(x, index, weights, up, down, False, "relu2")
+    actual = fused_moe(x.to(DEVICE), index.to(DEVICE), weights.to(DEVICE), up, down, activation="relu2",
+                       **({"split_k": 2} if tokens == 1 else {}))
+    assert (actual.cpu().double() - expected).norm() / expected.norm() <= 1e-4
+    with pytest.raises(ValueError, match=r"down weight \[3, 96, 160\] does not match gate_up \[3, 160, 96\]: "
+                                         r"expected \[E, H, I\] = \[3, 96, 80\]"):
+        fused_moe(x.to(DEVICE), index.to(DEVICE), weights.to(DEVICE), up, down, activation="silu")
+
+
+@pytest.mark.parametrize("format", ["mxfp4", "fp8_block", "dense"])
+def test_ungated_experts_dequantized_for_a_grouped_gemm(monkeypatch, format):
+    """Many pairs per expert (`_dequantized_moe`, DEQUANTIZE_PAIRS lowered): relu(up + bias)^2 between the grouped
+    GEMMs, in fp32, rounded once."""
+    from dflash_compile.kernels import moe
+
+    monkeypatch.setattr(moe, "DEQUANTIZE_PAIRS", dict.fromkeys(moe.DEQUANTIZE_PAIRS, 8))
+    up, down = _experts(format, 4, 160, 64, bias=True, seed=15, gated=False)
+    index, weights = _routing(48, 3, 2, seed=16)
+    x = torch.randn(48, 160, generator=torch.Generator().manual_seed(17))
+    expected = reference_moe(x, index, weights, up, down, False, "relu2")
+    dequantized = moe._dequantized_moe
+    monkeypatch.setattr(moe, "_dequantized_moe", lambda *args: calls.append(1) or dequantized(*args))
+    calls = []
+    actual = fused_moe(x.to(DEVICE), index.to(DEVICE), weights.to(DEVICE), up, down, activation="relu2")
+    assert calls and (actual.cpu().double() - expected).norm() / expected.norm() <= 1e-4
 
 
 @pytest.mark.parametrize("format", ["mxfp4", "fp8_block", "dense"])
