@@ -144,6 +144,15 @@ REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
         mamba_d_head=64, mamba_d_state=128, mamba_n_groups=1, mamba_chunk_size=256, vocab_size=100352,
         max_position_embeddings=131072, position_embedding_type="nope",
         layer_types=["full_attention" if i % 10 == 5 else "linear_attention" for i in range(40)]),
+    # Nemotron 3 Nano (30B, 3.5B active): 52 layers of one mixer each, 23 Mamba2, 23 MoE (128 experts of 1856 without
+    # a gate, top-6, a shared MLP of 3712), 6 attention (widths as recalled, not read from its config.json here)
+    "nemotron-3-nano-30b-a3b": lambda: transformers.NemotronHConfig(
+        hidden_size=2688, num_attention_heads=32, num_key_value_heads=2, head_dim=128, mamba_num_heads=64,
+        mamba_head_dim=64, ssm_state_size=128, n_groups=8, chunk_size=128, n_routed_experts=128, num_experts_per_tok=6,
+        moe_intermediate_size=1856, moe_shared_expert_intermediate_size=3712, routed_scaling_factor=2.5,
+        vocab_size=131072, max_position_embeddings=262144,
+        layers_block_type=[{"M": "linear_attention", "E": "moe", "*": "full_attention"}[block]
+                           for block in "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"]),
     "a.x-k1": transformers.AXK1Config,  # 61 layers (the first dense), MLA, 192 experts of 2048, top-8, a shared expert
     "qwen3-vl-30b-a3b": lambda: transformers.Qwen3VLMoeConfig(text_config=dict(  # image-text-to-text: the text decoder
         hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
@@ -202,6 +211,9 @@ class ModelSizes:
             raise ValueError(f"{config.model_type} is not a MoE model of a supported family")
         text = config.get_text_config()
         modules = list(experts_modules(model).values())
+        if not modules:
+            raise ValueError(f"{config.model_type} with {config.get_text_config().num_hidden_layers} layers has no "
+                             "routed experts in them (dense first layers): take more layers")
         expert_ids = {id(p) for m in modules for p in m.parameters()}
         embedding = model.get_input_embeddings().weight
         tied = model.get_output_embeddings().weight is embedding

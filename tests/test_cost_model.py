@@ -8,8 +8,8 @@ import sympy
 
 from dflash_compile.cli import main
 from dflash_compile.cost_model import (
-    B, CSV_COLUMNS, HARDWARE, HELD_OUT_STEPS, MEASURED_STEPS, Hardware, ModelSizes, StepCost, calibrate,
-    fit_step_overheads, reference_config)
+    B, CSV_COLUMNS, HARDWARE, HELD_OUT_STEPS, MEASURED_STEPS, REFERENCE_CONFIGS, Hardware, ModelSizes, StepCost,
+    calibrate, fit_step_overheads, reference_config)
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +104,20 @@ def test_an_image_text_to_text_reference_shape_sizes_its_text_decoder():
     multimodal, text = (ModelSizes.of(reference_config(name, 4)) for name in ("qwen3-vl-30b-a3b", "qwen3-30b-a3b"))
     for field in ("dense_params", "expert_params", "experts", "top_k", "moe_layers", "layers", "kv_elements_per_token"):
         assert getattr(multimodal, field) == getattr(text, field), field
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE_CONFIGS))
+def test_every_reference_shape_sizes_its_first_layers(name):
+    """Every reference shape builds (on the meta device) and sizes its first 4 layers: experts, their top-k and the
+    parameters of one, as `roofline` and `bench/spec_decode.py --model` read them; one that needs a newer
+    transformers says so, and too few layers to reach the experts (DeepSeek-V3's first 3 are dense) say that."""
+    try:
+        config = reference_config(name, 4)
+    except ValueError as error:
+        assert "needs a newer transformers" in str(error)
+        pytest.skip(str(error))
+    sizes = ModelSizes.of(config)
+    assert sizes.experts > sizes.top_k >= 1 and sizes.expert_params > 0 and 1 <= sizes.moe_layers <= 4
+    if name == "deepseek-v3":
+        with pytest.raises(ValueError, match="deepseek_v3 with 2 layers has no routed experts in them"):
+            ModelSizes.of(reference_config(name, 2))
