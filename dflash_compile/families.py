@@ -42,7 +42,7 @@ class ExpertLayout:
     activation: Activation  # "act_fn": act(gate) * up with the module's `act_fn`;
     # "clamped_swiglu": gate <= limit, |up| <= limit, (up + 1) * gate * sigmoid(alpha * gate), from `alpha`/`limit`;
     # "clamped_act_fn": act(gate) <= limit times up clamped to [-limit, limit], the module's `limit` (None or inf:
-    # act(gate) * up; Step 3.7 clamps a few layers)
+    # act(gate) * up; Step 3.7 and, from transformers 5.25, Ling 3 clamp a few layers)
 
 
 @dataclass(frozen=True)

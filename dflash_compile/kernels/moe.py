@@ -923,9 +923,9 @@ def _launch(x, weight: PackedWeight, blocks: Blocks, pair_weights, rows_out, n_o
     """One GEMM launch over `blocks`; with fp16 operands `x` is fp16 times FP16_PRESCALE (`_activations`) or in its
     own dtype, scaled in the kernel; with `slot_of`, `weight` is a slot pool and `host` the same weight over the host
     blobs. The output: the first launch's (gate/up, or up alone for an activation in UNGATED_ACTIVATIONS) unsplit in
-    the down launch's operand dtype, otherwise `out_dtype`. With `splits` > 1
-    each program takes one of that many shares of K and the launch returns [splits, rows_out, width] fp32 partial
-    sums (gate/up: both projections, interleaved), for `_finish_gate_up` or `_sum_pairs` to add. `x_shifts`: x is
+    the down launch's operand dtype, otherwise `out_dtype`. With `splits` > 1 each program takes one of that many
+    shares of K and the launch returns [splits, rows_out, width] fp32 partial sums (gate/up: both projections,
+    interleaved), for `_finish_gate_up` or `_sum_pairs` to add. `x_shifts`: x is
     fp16 pairs (`_pair_rows`), row r times 2^x_shifts[r] (X_PAIRED); `paired_shift`: a gate/up launch writes its
     output so, times 2^paired_shift, with `out_shifts` [rows_out] the shifts (PAIRED_SHIFT). `sum_top_k`: the
     rows are tokens' consecutive pairs, this many each, and the launch returns each token's sum over its pairs and
@@ -1360,9 +1360,9 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
               routed_experts: int | None = None, **tiles) -> torch.Tensor:
     """Routed experts of one MoE layer: hidden [M, H], top_k_index / top_k_weights [M, k] -> [M, H] in
     hidden's dtype. gate_up is [E, 2I, H] (for an activation in UNGATED_ACTIVATIONS, up alone: [E, I, H]), down
-    [E, H, I] (output-major), each packed in any format; `tiles`
-    override the format's tiles for the call's size (`TILES`, or `ROW_TILES` for blocks of few rows, chosen by
-    `rows_per_block`; block_m < 16 picks the CUDA-core path for MXFP4 and FP8). Without tiles, resident experts
+    [E, H, I] (output-major), each packed in any format; `tiles` override the format's tiles for the call's size
+    (`TILES`, or `ROW_TILES` for blocks of few rows, chosen by `rows_per_block`; block_m < 16 picks the CUDA-core
+    path for MXFP4 and FP8). Without tiles, resident experts
     with DEQUANTIZE_PAIRS pairs or more each are dequantized for torch's grouped GEMM (`_dequantized_moe`). With
     `slot_of` ([E] int32 on the device: expert -> slot, -1 for none), gate_up and down are slot pools and `host` the
     (gate_up, down) views over all experts' host blobs (pinned memory on CUDA, same strides): experts without a slot
