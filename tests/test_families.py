@@ -181,7 +181,8 @@ def test_llama4_past_its_chunks_and_query_temperature_matches_generate(tiny, com
     its NoPE layers scale queries from floor_scale - 1 slots on: one row of 9 + 40 tokens (chunks of 8, the scale
     rising every 16 slots) through blocks of 4 accepted in part gives transformers' tokens. Several rows are exact
     only where the scale is 1 for all of them (`FamilySpec.max_context`): a batch past that is refused, with the
-    fix, and one inside it passes."""
+    fix; inside it, left-padded rows of 4, 7 and 9 prompt tokens over several chunks (counted from each row's first
+    real token, as transformers' masks count them) give transformers' tokens."""
     model = tiny("llama4_text", attention_chunk_size=8, floor_scale=16, attn_scale=8.0)
     ids, mask = token_ids(batch=1), None
     with torch.no_grad():
@@ -196,10 +197,15 @@ def test_llama4_past_its_chunks_and_query_temperature_matches_generate(tiny, com
                                          r"tokens, the longest context dflash-compile reproduces llama4_text for in "
                                          r"a batch of 2 rows .* or generate row by row"):
         fast.generate(rows, max_new_tokens=3)
-    fast = dflash_compile.optimize(model, adaptive=False, compile=compile)
+    padded = tiny("llama4_text", attention_chunk_size=8)  # floor_scale 8192: the scale stays 1
+    rows, mask = token_ids(batch=3), torch.ones(3, 9, dtype=torch.long)
+    mask[0, :5], mask[1, :2] = 0, 0
+    rows = rows * mask
     with torch.no_grad():
-        assert torch.equal(fast.generate(rows, max_new_tokens=2), model.generate(rows, do_sample=False,
-                                                                                 max_new_tokens=2))
+        expected = padded.generate(rows, attention_mask=mask, do_sample=False, max_new_tokens=30)
+    fast = dflash_compile.optimize(padded, OracleDrafter(expected, mask, 4, corruption=0.3, vocab_size=128),
+                                   adaptive=False, compile=compile)
+    assert torch.equal(fast.generate(rows, attention_mask=mask, max_new_tokens=30), expected)
     unbounded = tiny_config("llama4_text", attn_temperature_tuning=False)
     assert FAMILIES["llama4_text"].max_context(unbounded, 2) is None
 
