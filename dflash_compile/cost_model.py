@@ -28,7 +28,7 @@ import torch
 import transformers
 
 from .families import (RECURRENT_KINDS, RING_KINDS, STATELESS_KINDS, auto_model_class, experts_modules, head_dim,
-                       ring_window, routed_top_k, spec_for_model)
+                       layer_configs, ring_window, routed_top_k, spec_for_model)
 
 # Target step times measured on the H200 (docs/benchmarks.md, "Session 44"): random bf16 weights, uniform routing,
 # 512-token context, compiled step as `generate` runs it (`bench/spec_decode.py --steps-only`, 2026-12-04).
@@ -223,7 +223,8 @@ class ModelSizes:
         experts = modules[0].down_proj.shape[0]
         per_expert = sum(p.numel() for p in modules[0].parameters()) // experts
         kinds = spec.attention_kinds(text)
-        head_size = head_dim(text)
+        # query heads x head dim of each attention layer (Gemma 4's full and Step 3.7's sliding layers differ)
+        widths = [layer.num_attention_heads * head_dim(text, i) for i, layer in enumerate(layer_configs(text))]
 
         def per_layer(kind) -> int:  # K and V elements a layer of `kind` reads per context token
             if not spec.latent_attention:
@@ -241,8 +242,8 @@ class ModelSizes:
             kv_elements_per_token=kinds.count("full_attention") * per_layer("full_attention"),
             sliding_kv_elements_per_token=sum(per_layer(kind) for kind in kinds if kind in RING_KINDS),
             window=max(ring_window(text, kind) or 0 for kind in kinds),
-            attention_width=sum(kind not in RECURRENT_KINDS + STATELESS_KINDS for kind in kinds)
-            * text.num_attention_heads * head_size,
+            attention_width=sum(width for kind, width in zip(kinds, widths)
+                                if kind not in RECURRENT_KINDS + STATELESS_KINDS),
             layers=text.num_hidden_layers,
         )
 

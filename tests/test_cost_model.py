@@ -121,3 +121,11 @@ def test_every_reference_shape_sizes_its_first_layers(name):
     if name == "deepseek-v3":
         with pytest.raises(ValueError, match="deepseek_v3 with 2 layers has no routed experts in them"):
             ModelSizes.of(reference_config(name, 2))
+
+
+def test_attention_width_sums_each_layers_own_heads():
+    """Step 3.7's sliding layers have fewer heads than its full ones (2 and 4 of 16 here): the attention FLOPs count
+    each layer's own, 2 x 16 + 2 x 16 + 4 x 16."""
+    from dflash_compile.testing import tiny_multimodal_config
+
+    assert ModelSizes.of(tiny_multimodal_config("step3p7")).attention_width == 128
