@@ -87,12 +87,16 @@ def test_generate_streams_the_tokens(capsys):
     assert out.startswith("import os\n") and "12 new tokens" in out
 
 
-def test_generate_argument_errors():
+def test_generate_argument_errors(tiny_dirs):
     with pytest.raises(SystemExit, match="--drafter needs --model, the target it drafts for"):
         main(["generate", "--drafter", "somewhere"])
     with pytest.raises(SystemExit, match="dflash-compile generate: no/such/dir is neither a checkpoint directory nor "
                                          "a Hugging Face Hub repo id"):
         main(["generate", "--model", "no/such/dir"])
+    tokenless = tiny_dirs("nemotron_h")  # weights and config, no tokenizer
+    with pytest.raises(SystemExit, match=rf"dflash-compile generate: {tokenless} has no tokenizer transformers can "
+                                         r"load \(.*\); the prompts are text: save the model's tokenizer beside"):
+        main(["generate", "--model", str(tokenless)])
     with pytest.raises(SystemExit, match=r"dflash-compile generate: prefill_chunk must be at least 1 token \(or "
                                          r"None: optimize's choice\), got 0"):
         main(["generate", "--prefill-chunk", "0"])
