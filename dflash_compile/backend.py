@@ -87,9 +87,11 @@ def _dense_model(gm: GraphModule, ctx: PassContext) -> torch.nn.Module | None:
         return None
     spec = spec_for_model(root)
     if traced_unadapted(root):
-        raise ValueError(f"{spec.name}'s MoE blocks run every expert on every token as transformers builds them: call "
+        raise ValueError(f"{spec.name}'s experts are routed experts dflash-compile dispatches only after the family's "
+                         "adapt (Llama 4's MoE blocks run every expert on every token as transformers builds them; "
+                         "transformers 5.24 leaves Step 3.7's experts class undecorated): call "
                          "dflash_compile.families.adapt_model(model) before torch.compile(model, backend='dflash') "
-                         "(optimize does), which makes them call routed experts, with the same sums")
+                         "(optimize does), with the same sums")
     return root if spec is None else None
 
 

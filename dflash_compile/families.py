@@ -211,8 +211,9 @@ class FamilySpec:
     # its cache by)
     cached_per_token: Callable[[object, AttentionKind], int] = _keys_and_values
     # rewrites, in place, a model whose MoE blocks transformers runs otherwise into blocks that call routed experts
-    # (Llama 4: every expert on every token, the router's scores on the inputs); `adapt_model` calls it
-    adapt: Callable[[torch.nn.Module], None] | None = None
+    # (Llama 4: every expert on every token, the router's scores on the inputs; Step 3.7's experts undecorated on
+    # transformers 5.24); `adapt_model` applies it
+    adapt: Adapter | None = None
     # (config, rows) -> the most slots (left padding, prompt, new tokens and a verify block) dflash-compile's steps
     # reproduce the family for in a generation of that many rows; None: no bound
     max_context: Callable[[object, int], int | None] | None = None
@@ -322,42 +323,56 @@ class Llama4RoutedMoe(torch.nn.Module):
         return out + routed.view(-1, self.top_k, self.hidden_dim).sum(dim=1), None  # the decoder drops the second
 
 
-def _route_llama4_experts(model: torch.nn.Module) -> None:
-    """Llama 4: each `Llama4TextMoe` becomes a `Llama4RoutedMoe` and its experts `Llama4RoutedExperts` (the same
+@dataclass(frozen=True)
+class Adapter:
+    """A family's in-place rewrite of the modules transformers builds so that they call routed experts the registry
+    dispatches: `rewrite(model, module)` for each module `pending` picks out (after which it picks none: adapting
+    again changes nothing)."""
+
+    pending: Callable[[torch.nn.Module], bool]
+    rewrite: Callable[[torch.nn.Module, torch.nn.Module], None]
+
+    def __call__(self, model: torch.nn.Module) -> None:
+        for module in [module for module in model.modules() if self.pending(module)]:
+            self.rewrite(model, module)
+
+    def needed(self, model: torch.nn.Module) -> bool:
+        return any(self.pending(module) for module in model.modules())
+
+
+def _route_llama4_experts(model: torch.nn.Module, block: torch.nn.Module) -> None:
+    """Llama 4: a `Llama4TextMoe` becomes a `Llama4RoutedMoe` and its experts `Llama4RoutedExperts` (the same
     modules and weights, another class)."""
-    for module in model.modules():
-        if type(module).__name__ == "Llama4TextMoe":
-            module.__class__ = Llama4RoutedMoe
-            module.experts.__class__ = Llama4RoutedExperts
-            module.experts.config = model.config.get_text_config()
+    block.__class__ = Llama4RoutedMoe
+    block.experts.__class__ = Llama4RoutedExperts
+    block.experts.config = model.config.get_text_config()
 
 
+_ROUTE_LLAMA4_EXPERTS = Adapter(lambda module: type(module).__name__ == "Llama4TextMoe", _route_llama4_experts)
 _DECORATED: dict[type, type] = {}  # an undecorated experts class -> its `@use_experts_implementation` subclass
 
 
-def _decorate_experts(class_name: str) -> Callable[[torch.nn.Module], None]:
-    """An `adapt` for transformers versions that leave a family's routed experts undecorated (Step 3.7 before 5.25):
-    each module of class `class_name` gets a subclass of the same name decorated with `@use_experts_implementation`
-    (its defaults: concatenated [E, 2I, H] gate/up, no bias), and the flags and `config` the decorator's __init__
-    would have set; a model whose config names no experts implementation (its class cannot set one) gets "eager",
-    which traces as transformers' grouped_mm (`seam`). Decorated classes are left as they are."""
+def _decorate_experts(model: torch.nn.Module, experts: torch.nn.Module) -> None:
+    """For transformers versions that leave a family's routed experts undecorated (Step 3.7 before 5.25): the module
+    gets a subclass of the same name decorated with `@use_experts_implementation` (its defaults: concatenated
+    [E, 2I, H] gate/up, no bias), and the flags and `config` the decorator's __init__ would have set; a model whose
+    config names no experts implementation (its class cannot set one) gets "eager", which traces as transformers'
+    grouped_mm (`seam`)."""
+    cls, config = type(experts), model.config.get_text_config()
+    if cls not in _DECORATED:
+        _DECORATED[cls] = use_experts_implementation(type(cls.__name__, (cls,), {"__module__": cls.__module__}))
+    experts.__class__ = _DECORATED[cls]
+    experts.config = config
+    experts.has_gate, experts.has_bias, experts.has_post_expert_norm = True, False, False
+    experts.is_transposed, experts.is_concatenated, experts._is_expert_parallel = False, True, False
+    if getattr(config, "_experts_implementation", None) is None:
+        config._experts_implementation = "eager"
 
-    def adapt(model: torch.nn.Module) -> None:
-        config = model.config.get_text_config()
-        for module in model.modules():
-            cls = type(module)
-            if cls.__name__ != class_name or is_experts_module_class(cls):
-                continue
-            if cls not in _DECORATED:
-                _DECORATED[cls] = use_experts_implementation(type(cls.__name__, (cls,), {"__module__": cls.__module__}))
-            module.__class__ = _DECORATED[cls]
-            module.config = config
-            module.has_gate, module.has_bias, module.has_post_expert_norm = True, False, False
-            module.is_transposed, module.is_concatenated, module._is_expert_parallel = False, True, False
-            if getattr(config, "_experts_implementation", None) is None:
-                config._experts_implementation = "eager"
 
-    return adapt
+def _undecorated(class_name: str) -> Adapter:
+    """The adapter decorating each module of class `class_name` that transformers left undecorated."""
+    return Adapter(lambda module: type(module).__name__ == class_name and not is_experts_module_class(type(module)),
+                   _decorate_experts)
 
 
 def _llama4_context(config, rows: int) -> int | None:
@@ -607,7 +622,7 @@ FAMILIES: dict[str, FamilySpec] = {
             "llama4_text", ("llama4_text", "llama4"), "Llama4RoutedExperts",
             ExpertLayout(gate_up="concatenated", transposed=True, bias=False, activation="act_fn"),
             RouterSpec(scoring="sigmoid", module="router", call="route"), _declared_moe_layers, _declared_layer_types,
-            adapt=_route_llama4_experts, max_context=_llama4_context,
+            adapt=_ROUTE_LLAMA4_EXPERTS, max_context=_llama4_context,
         ),
         FamilySpec(  # Step 3.7 (step3p7; its text model step3p5): sliding and full layers of their own head counts,
             # the attention output gated per head; a sigmoid router choosing with a correction bias, renormalised;
@@ -616,7 +631,7 @@ FAMILIES: dict[str, FamilySpec] = {
             "step3p7", ("step3p5", "step3p7"), "Step3p7Experts",
             ExpertLayout(gate_up="concatenated", transposed=False, bias=False, activation="clamped_act_fn"),
             RouterSpec(scoring="sigmoid", correction_bias="e_score_correction_bias"), _declared_sparse_layers,
-            _declared_layer_types, adapt=_decorate_experts("Step3p7Experts"),
+            _declared_layer_types, adapt=_undecorated("Step3p7Experts"),
         ),
         FamilySpec(  # Nemotron-H (Nemotron 3): layers of one mixer each, Mamba2, attention (no rotary), or MoE
             # blocks of experts without a gate (relu(up)^2) beside a shared MLP, DeepSeek-V3's router
@@ -720,9 +735,10 @@ def adapt_model(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def traced_unadapted(model: torch.nn.Module) -> bool:
-    """Whether `model`'s family has an `adapt` that has not run (a graph traced from it holds no routed experts)."""
+    """Whether `model`'s family has an `adapt` that has modules left to rewrite (a graph traced from it would not
+    dispatch their experts)."""
     spec = spec_for_model(model)
-    return spec is not None and spec.adapt is not None and not _recognised_experts(model)
+    return spec is not None and spec.adapt is not None and spec.adapt.needed(model)
 
 
 def experts_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:

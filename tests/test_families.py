@@ -10,7 +10,8 @@ from torch._dynamo.exc import BackendCompilerFailed
 import dflash_compile
 from dflash_compile.expert_store import _STORES_BY_ROOT
 from dflash_compile.families import (
-    FAMILIES, UnsupportedFamilyError, adapt_model, experts_modules, spec_for_config, spec_for_experts_class)
+    FAMILIES, UnsupportedFamilyError, adapt_model, experts_modules, spec_for_config, spec_for_experts_class,
+    traced_unadapted)
 from dflash_compile.testing import OracleDrafter, tiny_config, tiny_multimodal_config
 from tests.conftest import token_ids
 
@@ -170,8 +171,10 @@ def test_llama4_blocks_call_routed_experts_with_transformers_sums(tiny):
 
 def test_llama4_traced_before_adapting_is_refused(tiny):
     model = tiny("llama4_text")
-    with pytest.raises(BackendCompilerFailed, match=r"llama4_text's MoE blocks run every expert on every token .* "
-                                                    r"call dflash_compile.families.adapt_model\(model\)"):
+    with pytest.raises(BackendCompilerFailed, match=r"llama4_text's experts are routed experts dflash-compile "
+                                                    r"dispatches only after the family's adapt \(Llama 4's MoE blocks "
+                                                    r"run every expert on every token .* call "
+                                                    r"dflash_compile.families.adapt_model\(model\)"):
         torch.compile(model, backend="dflash")(token_ids())
 
 
@@ -232,9 +235,11 @@ def test_experts_clamp_in_the_layers_their_config_names(tiny, family):
 
     if family == "step3p7":
         model = transformers.AutoModelForImageTextToText.from_config(tiny_multimodal_config("step3p7"))
+        assert traced_unadapted(model) == (not CLAMPS_LING_3)  # 5.24: undecorated until adapted
     else:
         model = tiny(family)
     gates = [Gate.of(FAMILIES[family].layout, module) for module in experts_modules(model).values()]
     clamped = family == "step3p7" or CLAMPS_LING_3
     assert gates == [Gate(False, "clamped_silu" if clamped else "silu", limit=0.5 if clamped else 7.0),
                      Gate(False, "silu")]
+    assert not traced_unadapted(model)
