@@ -172,7 +172,9 @@ def step_times(model, decoder, args, bandwidth, expert_bits: float = 16.0):
         with torch.no_grad():
             decoder._target_forward(tokens, cache)  # eager pass to count the experts a block touches
         routing.record = False
-        distinct = statistics.mean(routing.distinct)
+        # nan where no hook ran: a router whose forward Dynamo traced already (its hook then inlined, not recording),
+        # as Nemotron-H's on the H100 (session 56)
+        distinct = statistics.mean(routing.distinct) if routing.distinct else float("nan")
         with generation_context(model):
             _, seconds = timed(lambda: decoder.verify_step(tokens, cache, active), args.repeats * 3, args.device)
         floor = floor_seconds(model, block, args.prompt, bandwidth, expert_bits)
