@@ -274,9 +274,9 @@ class TargetCache(Cache):
         self.pending_conv, self.pending_recurrent = {}, {}
 
     def get_seq_length(self, layer_idx: int = 0) -> torch.Tensor:
-        """The longest row's length (a 0-d device tensor). Exact for rows of one length (one row, a prompt); Llama 4,
-        the one family that reads it (its NoPE layers' query temperature), is refused rows of several lengths past
-        the context where the temperature depends on it (`FamilySpec.max_context`). The models take position_ids from
+        """The longest row's length (a 0-d device tensor). Exact for rows of one length (one row, a prompt); for
+        Llama 4, the one family that reads it (its NoPE layers' query temperature), `FamilySpec.max_context` refuses
+        several rows past the context where the temperature depends on it. The models take position_ids from
         `positions`."""
         return self.lengths.max()
 
@@ -297,16 +297,16 @@ class TargetCache(Cache):
 
     def masks(self, width: int, windows: dict[str, int | None], causal_prompt: bool = False,
               causal_chunks: bool = False, pads: list[int] | None = None) -> dict[str, torch.Tensor | None]:
-        """Masks for the next `width` tokens, one per attention kind: additive [b, 1, width, slots], causal over
-        the row's own tokens (and inside the window, over the ring, for sliding kinds; inside the query's chunk of the
-        row's tokens for chunked ones, `windows` giving the chunk); a 2-D padding mask of the
-        new tokens for linear attention. `causal_prompt`: the attention reads a missing mask as causal over the
-        last of its keys (`attention.unmasked_is_causal`); then a prompt's first chunk gets None for every kind whose
-        mask would be plain causal over the chunk's own keys (all but a window shorter than the chunk, or a ring).
-        With `causal_chunks` (`attention.unmasked_chunks`: the attention keeps to a window itself, and sees the keys
-        before the chunk's own, every one a real earlier token: a ring's in order, `_prefill_ring`) every attention
-        kind gets None in every chunk. With `pads` (the rows' left padding, on the host) such a kind gets
-        `attention.row_starts` instead: each row's first real key among the keys the layer sees."""
+        """Masks for the next `width` tokens, one per attention kind: additive [b, 1, width, slots], causal over the
+        row's own tokens (and inside the window, over the ring, for sliding kinds; inside the query's chunk of the row's
+        tokens for chunked ones, `windows` giving the chunk); a 2-D padding mask of the new tokens for linear attention.
+        `causal_prompt`: the attention reads a missing mask as causal over the last of its keys
+        (`attention.unmasked_is_causal`); then a prompt's first chunk gets None for every kind whose mask would be plain
+        causal over the chunk's own keys (all but a window shorter than the chunk, or a ring). With `causal_chunks`
+        (`attention.unmasked_chunks`: the attention keeps to a window itself, and sees the keys before the chunk's own,
+        every one a real earlier token: a ring's in order, `_prefill_ring`) every attention kind gets None in every
+        chunk. With `pads` (the rows' left padding, on the host) such a kind gets `attention.row_starts` instead: each
+        row's first real key among the keys the layer sees."""
         device = self.lengths.device
         first_chunk = causal_prompt and self.visible == width
         every_chunk = causal_chunks and self.visible is not None
