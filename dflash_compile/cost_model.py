@@ -27,8 +27,8 @@ import sympy
 import torch
 import transformers
 
-from .families import (RECURRENT_KINDS, RING_KINDS, STATELESS_KINDS, auto_model_class, experts_modules, head_dim,
-                       layer_configs, ring_window, routed_top_k, spec_for_model)
+from .families import (KEYED_KINDS, RING_KINDS, auto_model_class, experts_modules, head_dim, layer_configs,
+                       ring_window, routed_top_k, spec_for_model)
 
 # Target step times measured on the H200 (docs/benchmarks.md, "Session 44"): random bf16 weights, uniform routing,
 # 512-token context, compiled step as `generate` runs it (`bench/spec_decode.py --steps-only`, 2026-12-04).
@@ -212,7 +212,7 @@ class ModelSizes:
         text = config.get_text_config()
         modules = list(experts_modules(model).values())
         if not modules:
-            raise ValueError(f"{config.model_type} with {config.get_text_config().num_hidden_layers} layers has no "
+            raise ValueError(f"{config.model_type} with {text.num_hidden_layers} layers has no "
                              "routed experts in them (dense first layers): take more layers")
         expert_ids = {id(p) for m in modules for p in m.parameters()}
         embedding = model.get_input_embeddings().weight
@@ -242,8 +242,7 @@ class ModelSizes:
             kv_elements_per_token=kinds.count("full_attention") * per_layer("full_attention"),
             sliding_kv_elements_per_token=sum(per_layer(kind) for kind in kinds if kind in RING_KINDS),
             window=max(ring_window(text, kind) or 0 for kind in kinds),
-            attention_width=sum(width for kind, width in zip(kinds, widths)
-                                if kind not in RECURRENT_KINDS + STATELESS_KINDS),
+            attention_width=sum(width for kind, width in zip(kinds, widths) if kind in KEYED_KINDS),
             layers=text.num_hidden_layers,
         )
 

@@ -29,6 +29,8 @@ STATELESS_KINDS = ("mlp",)
 # kinds whose layers see at most their window's last keys (`ring_window`), which `TargetCache` keeps in a ring:
 # sliding-window layers, and Llama 4's chunked ones, whose queries see the keys of their own chunk
 RING_KINDS = ("sliding_attention", "chunked_attention")
+# kinds whose layers attend over cached keys and values: every kind but the recurrent and the stateless ones
+KEYED_KINDS = ("full_attention", *RING_KINDS)
 
 
 @dataclass(frozen=True)
@@ -400,13 +402,15 @@ def _declared_moe_layers(config) -> list[int]:
 
 
 _SWIGLU = ExpertLayout(gate_up="concatenated", transposed=False, bias=False, activation="act_fn")
+# SiLU experts clamped in the layers their config's `swiglu_limits` names (Step 3.7; Ling 3 from transformers 5.25)
+_CLAMPED_SWIGLU = ExpertLayout(gate_up="concatenated", transposed=False, bias=False, activation="clamped_act_fn")
 _SOFTMAX = RouterSpec(scoring="softmax")
 _TOP_K_THEN_SOFTMAX = RouterSpec(scoring="top_k_then_softmax", module="router")  # gpt-oss, Granite-MoE
 _GATED_DELTA_NET = LinearAttentionSpec("linear_attn", "torch_chunk_gated_delta_rule",
                                        "torch_recurrent_gated_delta_rule", _gated_delta_rule_elements, _delta_state)
-# Kimi Linear's KDA layers: the decoder layer's `self_attn`, as its latent-attention layers
 # Mamba2 layers (Granite 4.0-H): the decoder layer's `mamba`
-_MAMBA2 = _mamba2("mamba", "mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_chunk_size")  # Granite 4.0-H
+_MAMBA2 = _mamba2("mamba", "mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_chunk_size")
+# Kimi Linear's KDA layers: the decoder layer's `self_attn`, as its latent-attention layers
 _KIMI_DELTA_ATTENTION = LinearAttentionSpec("self_attn", "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention",
                                             _kimi_delta_rule_elements, _kimi_delta_state)
 # Multi-head latent attention's linears reading the same input (q_proj where there is no q_lora_rank)
@@ -603,9 +607,7 @@ FAMILIES: dict[str, FamilySpec] = {
         FamilySpec(  # Ling 3 (bailing_hybrid): Kimi Linear's layers (KDA with its forget gate beside the mixer,
             # latent attention) with the attention outputs gated, DeepSeek-V3's router and shared experts; from
             # transformers 5.25 Step 3.7's per-layer clamps (`swiglu_limits`)
-            "bailing_hybrid", ("bailing_hybrid",), "BailingHybridExperts",
-            ExpertLayout(gate_up="concatenated", transposed=False, bias=False, activation="clamped_act_fn"),
-            _DEEPSEEK_ROUTER,
+            "bailing_hybrid", ("bailing_hybrid",), "BailingHybridExperts", _CLAMPED_SWIGLU, _DEEPSEEK_ROUTER,
             _declared_sparse_layers, _declared_layer_types, _KIMI_DELTA_ATTENTION,
             shared_input_linears=_MLA_SHARED_INPUTS, cached_per_token=_latent,
         ),
@@ -628,8 +630,7 @@ FAMILIES: dict[str, FamilySpec] = {
             # the attention output gated per head; a sigmoid router choosing with a correction bias, renormalised;
             # SiLU experts clamped in the layers `swiglu_limits` names, a shared expert; MLPs declared. transformers
             # 5.24 leaves its experts undecorated (`_decorate_experts`)
-            "step3p7", ("step3p5", "step3p7"), "Step3p7Experts",
-            ExpertLayout(gate_up="concatenated", transposed=False, bias=False, activation="clamped_act_fn"),
+            "step3p7", ("step3p5", "step3p7"), "Step3p7Experts", _CLAMPED_SWIGLU,
             RouterSpec(scoring="sigmoid", correction_bias="e_score_correction_bias"), _declared_sparse_layers,
             _declared_layer_types, adapt=_undecorated("Step3p7Experts"),
         ),

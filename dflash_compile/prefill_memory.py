@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from .families import RECURRENT_KINDS, STATELESS_KINDS, experts_modules, layer_configs, routed_top_k, spec_for_model
+from .families import KEYED_KINDS, experts_modules, layer_configs, routed_top_k, spec_for_model
 from .kernels.moe import DEQUANTIZE_EXPERT_ELEMENTS, DEQUANTIZE_PAIRS, pairs_per_routed_expert
 from .linear_attention import STEPWISE_TOKENS as RULE_CHUNK
 from .packed import expert_weights
@@ -111,7 +111,7 @@ class PrefillActivations:
         layer = max((_linear_outputs(decoder) for decoder in model.modules()
                      if isinstance(decoder, GradientCheckpointingLayer)), default=0)
         layer = (2 * layer + RESIDUAL_STREAM * config.hidden_size) * itemsize + 2 * routers * FP32
-        kinds = set(spec.attention_kinds(config)) - set(RECURRENT_KINDS) - set(STATELESS_KINDS)
+        kinds = set(spec.attention_kinds(config)) & set(KEYED_KINDS)
         groups = max(config.num_attention_heads // view.num_key_value_heads for view in layer_configs(config))
         features = (3 * feature_layers + 4) * config.hidden_size * itemsize if drafter else 0
         return cls(itemsize=itemsize, layer=layer, linear_rule=chunked_rule, stepped_rule=stepped_rule, experts=experts,

@@ -26,7 +26,7 @@ from .attention import SEEN_SLOTS, grouped_attention, unmasked_chunks, unmasked_
 from .backend import dflash_backend_with
 from .cache import RowCache, TargetCache
 from .drafter import DFlashDrafter, context_features
-from .families import RECURRENT_KINDS, STATELESS_KINDS, ring_window, spec_for_model
+from .families import KEYED_KINDS, STATELESS_KINDS, ring_window, spec_for_model
 from .linear_attention import stepwise_linear_attention
 from .prefill_memory import PrefillActivations
 from .sampling import (Sampler, SequenceBiases, begin_suppressed, check_generation_config, check_ngram_size,
@@ -300,7 +300,7 @@ class SpeculativeDecoder:
         few MiB at most and left out."""
         ring = self._ring(max_len)
         target = sum((ring or max_len if self.windows[kind] else max_len) * self.cached_per_token[kind]
-                     for kind in self.attention_kinds if kind not in RECURRENT_KINDS + STATELESS_KINDS)
+                     for kind in self.attention_kinds if kind in KEYED_KINDS)
         drafter = getattr(self.drafter, "cache_elements_per_slot", 0)  # an oracle drafter caches nothing
         elements = target + max_len * drafter
         return batch * elements * dtype.itemsize

@@ -9,7 +9,7 @@ from packaging.version import Version
 
 import dflash_compile
 from dflash_compile.adaptive import WidthChooser
-from dflash_compile.families import FAMILIES, RECURRENT_KINDS, STATELESS_KINDS, ring_window, spec_for_model
+from dflash_compile.families import FAMILIES, KEYED_KINDS, ring_window, spec_for_model
 from dflash_compile.testing import OracleDrafter
 from tests.conftest import FAMILIES as FAMILY_NAMES
 from tests.conftest import token_ids
@@ -653,8 +653,7 @@ def test_unpadded_prompts_attend_by_sdpas_causal_flag(tiny, family, monkeypatch)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
     fast = dflash_compile.optimize(model, adaptive=False, compile=False)
-    kinds = [kind for kind in spec_for_model(model).attention_kinds(model.config)
-             if kind not in RECURRENT_KINDS + STATELESS_KINDS]
+    kinds = [kind for kind in spec_for_model(model).attention_kinds(model.config) if kind in KEYED_KINDS]
     for batch, masked_prefill in ((2, True), (1, False)):
         ids, mask = prompts(batch)
         expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8)
@@ -735,7 +734,7 @@ def test_left_padded_prompts_attend_row_by_row_without_masks(tiny, monkeypatch, 
     assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
     spec = spec_for_model(model)  # row by row: full attention, and a sliding layer that keeps its window itself (sinks)
     kinds = [kind for kind in spec.attention_kinds(model.config)  # Llama 4's 256-token chunks hold the prompt
-             if kind not in RECURRENT_KINDS + STATELESS_KINDS and (kind != "sliding_attention" or spec.attention_sinks)]
+             if kind in KEYED_KINDS and (kind != "sliding_attention" or spec.attention_sinks)]
     chunks = [9] if prefill_chunk is None else [4, 4, 1]
     assert [t for t, _ in calls] == [t for t in chunks for _ in kinds]
     assert calls[kinds.index("full_attention")][1] == [0, 2, 4]  # each row's padding
