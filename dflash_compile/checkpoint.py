@@ -78,7 +78,7 @@ def _quantized_tensors(model: torch.nn.Module, format: str) -> dict[str, torch.T
                 _check_fp8_stackable(path, expert_weights(experts)[0].shape[1] // 2)
     tensors = {k: v.detach() for k, v in model.state_dict().items()}
     for path, experts in experts_modules(model).items():
-        first = first_projection(experts)
+        first, gated = first_projection(experts), _gated(experts)
         for name in (first, "down_proj", f"{first}_bias", "down_proj_bias"):
             tensors.pop(f"{path}.{name}", None)
         gate_up, down = expert_weights(experts)
@@ -89,9 +89,8 @@ def _quantized_tensors(model: torch.nn.Module, format: str) -> dict[str, torch.T
                 tensors[f"{path}.{name}_bias"] = weight.bias
             continue
         for j in range(gate_up.shape[0]):
-            first = dict(zip(("gate_proj", "up_proj"), gate_up.data[j].chunk(2, dim=0))) if _gated(experts) else {
-                "up_proj": gate_up.data[j]}
-            for name, weight in (*first.items(), ("down_proj", down.data[j])):
+            rows = gate_up.data[j].chunk(2, dim=0) if gated else (gate_up.data[j],)
+            for name, weight in (*zip(_FP8_FIRST[gated], rows), ("down_proj", down.data[j])):
                 quantized, scale = quantize_fp8_block(weight, FP8_BLOCK)
                 tensors[f"{path}.{j}.{name}.weight"] = quantized
                 tensors[f"{path}.{j}.{name}.weight_scale_inv"] = scale
@@ -298,6 +297,10 @@ def _check_fp8_stackable(path: str, intermediate: int) -> None:
                          "cannot be kept packed in fp8_block; keep them in bf16")
 
 
+# An FP8 checkpoint's per-expert first projections, by whether the experts are gated (Nemotron-H's: up alone)
+_FP8_FIRST = {True: ("gate_proj", "up_proj"), False: ("up_proj",)}
+
+
 def _gated(experts: torch.nn.Module) -> bool:
     """Whether the experts' first projection holds gate and up rows (not up alone: Nemotron-H)."""
     return first_projection(experts) == "gate_up_proj"
@@ -311,7 +314,7 @@ def _packed_experts(checkpoint: _Checkpoint, path: str, format: str, experts: in
                                   checkpoint.get(f"{path}.{name}_scales").to(device),
                                   checkpoint.get(f"{path}.{name}_bias").to(device) if f"{path}.{name}_bias"
                                   in checkpoint else None) for name in ("gate_up_proj", "down_proj"))
-    first = ("gate_proj", "up_proj") if gated else ("up_proj",)
+    first = _FP8_FIRST[gated]
     parts = {name: [(checkpoint.get(f"{path}.{j}.{name}.weight"), checkpoint.get(f"{path}.{j}.{name}.weight_scale_inv"))
                     for j in range(experts)] for name in (*first, "down_proj")}
     if gated:
