@@ -30,6 +30,8 @@ _COMMON = dict(
 _ROUTED = dict(num_experts_per_tok=2)  # top-k
 _DEEPSEEK_ROUTING = dict(n_routed_experts=8, n_group=2, topk_group=1, first_k_dense_replace=1, norm_topk_prob=True,
                          routed_scaling_factor=2.5, moe_intermediate_size=32, intermediate_size=96, n_shared_experts=1)
+# the same where the config declares its dense layers itself (`mlp_layer_types`), or has none
+_DECLARED_DEEPSEEK_ROUTING = {key: value for key, value in _DEEPSEEK_ROUTING.items() if key != "first_k_dense_replace"}
 # Qwen3.5-MoE and Qwen3-Next: a GatedDeltaNet linear-attention layer, then a full-attention one, a shared expert
 _GATED_DELTA_NET = dict(num_hidden_layers=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
                         num_experts=8, head_dim=16, layer_types=["linear_attention", "full_attention"],
@@ -38,6 +40,10 @@ _GATED_DELTA_NET = dict(num_hidden_layers=2, moe_intermediate_size=32, shared_ex
 # DeepSeek-V3 and GLM-4.7-Flash: multi-head latent attention, as many key/value heads as heads
 _MLA = dict(num_hidden_layers=3, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
             v_head_dim=16, **{**_COMMON, "num_key_value_heads": 4})
+# Kimi Linear's layers (KDA twice, then latent attention; a dense first MLP) and routing, which Ling 3 shares
+_KIMI_LINEAR_LAYERS = dict(layer_types=["linear_attention", "linear_attention", "full_attention"],
+                           mlp_layer_types=["dense", "sparse", "sparse"], num_local_experts=8, bos_token_id=1,
+                           eos_token_id=2, pad_token_id=0, **_MLA, **_ROUTED, **_DECLARED_DEEPSEEK_ROUTING)
 
 TINY_CONFIGS = {
     "mixtral": lambda: transformers.MixtralConfig(
@@ -139,7 +145,7 @@ TINY_CONFIGS = {
            if key not in ("first_k_dense_replace", "n_routed_experts")}),
     "axk1": lambda: transformers.AXK1Config(  # DeepSeek-V3's latent attention, MLPs declared
         mlp_layer_types=["dense", "sparse", "sparse"], bos_token_id=1, eos_token_id=2, **_MLA, **_ROUTED,
-        **{key: value for key, value in _DEEPSEEK_ROUTING.items() if key != "first_k_dense_replace"}),
+        **_DECLARED_DEEPSEEK_ROUTING),
     "lara_mini": lambda: transformers.LaraMiniConfig(  # GatedDeltaNet, sliding and full layers, a shared expert
         sliding_window=8, **{**_GATED_DELTA_NET, "num_hidden_layers": 3,
                              "layer_types": ["linear_attention", "sliding_attention", "full_attention"]},
@@ -151,17 +157,11 @@ TINY_CONFIGS = {
         **_COMMON),
     "kimi_linear": lambda: transformers.KimiLinearConfig(  # KDA linear attention, then latent attention; a dense
         # first layer, a shared expert
-        layer_types=["linear_attention", "linear_attention", "full_attention"], linear_head_dim=16, linear_num_heads=4,
-        mlp_layer_types=["dense", "sparse", "sparse"], num_local_experts=8, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0, **_MLA, **_ROUTED,
-        **{key: value for key, value in _DEEPSEEK_ROUTING.items() if key != "first_k_dense_replace"}),
+        linear_head_dim=16, linear_num_heads=4, **_KIMI_LINEAR_LAYERS),
     "bailing_hybrid": lambda: transformers.BailingHybridConfig(  # Kimi Linear's layers, gated; KDA's heads are
         # the attention's (its head_dim, before the config sets head_dim to the rotary part); layer 1's experts
         # clamped at 0.5 (transformers 5.25; 5.24 has no clamps)
-        layer_types=["linear_attention", "linear_attention", "full_attention"], head_dim=16, swiglu_limits=[0, 0.5, 0],
-        mlp_layer_types=["dense", "sparse", "sparse"], num_local_experts=8, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0, **_MLA, **_ROUTED,
-        **{key: value for key, value in _DEEPSEEK_ROUTING.items() if key != "first_k_dense_replace"}),
+        head_dim=16, swiglu_limits=[0, 0.5, 0], **_KIMI_LINEAR_LAYERS),
     "lfm2_moe": lambda: transformers.Lfm2MoeConfig(  # a dense first layer; short convolutions, then attention
         num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_dense_layers=1,
         layer_types=["conv", "conv", "full_attention"], initializer_range=0.1, **_ROUTED, **_COMMON),
@@ -188,7 +188,7 @@ TINY_CONFIGS = {
         **_COMMON),
     "solar_open": lambda: transformers.SolarOpenConfig(  # every layer routed
         num_hidden_layers=2, head_dim=16, initializer_range=0.1, **_ROUTED, **_COMMON,
-        **{key: value for key, value in _DEEPSEEK_ROUTING.items() if key != "first_k_dense_replace"}),
+        **_DECLARED_DEEPSEEK_ROUTING),
     "exaone_moe": lambda: transformers.ExaoneMoeConfig(  # a dense first layer; sliding, then full without rotary
         num_hidden_layers=3, head_dim=16, sliding_window=8, mlp_layer_types=["dense", "sparse", "sparse"],
         layer_types=["sliding_attention", "sliding_attention", "full_attention"], num_experts=8,
