@@ -37,7 +37,7 @@ from dflash_compile.benchmark import timed
 from dflash_compile.cache import TargetCache
 from dflash_compile.cost_model import (BITS_PER_WEIGHT, HARDWARE, REFERENCE_CONFIGS, B, C, Hardware, ModelSizes,
                                        StepCost, reference_config)
-from dflash_compile.families import auto_model_class, experts_modules
+from dflash_compile.families import auto_model_class, experts_modules, routed_top_k, router_of
 from dflash_compile.packed import PackedWeight, attach_packed, expert_weights
 from dflash_compile.speculative import generation_context
 from dflash_compile.testing import (
@@ -47,10 +47,12 @@ def build_model(name: str, device: str, layers: int | None = None) -> transforme
     """A tiny test model, or a reference shape with random bf16 weights (its first `layers` layers when given)."""
     if name.startswith("tiny-"):
         return load_tiny_model(name.removeprefix("tiny-")).to(device)
-    config = reference_config(name, layers)
-    if all(kind == "linear_attention" for kind in getattr(config, "layer_types", None) or ["attention"]):
+    kinds = getattr(reference_config(name), "layer_types", None) or ["attention"]
+    first_attention = next(layer for layer, kind in enumerate(kinds) if kind != "linear_attention")
+    if layers and layers <= first_attention:
         raise SystemExit(f"--layers {layers} keeps only linear-attention layers of {name}, and model.generate needs "
-                         "an attention layer in its cache: keep more layers (Qwen3-Next: 4)")
+                         f"an attention layer in its cache: keep at least {first_attention + 1}")
+    config = reference_config(name, layers)
     with torch.device(device):
         model = auto_model_class(config).from_config(config, dtype=torch.bfloat16)
     with torch.no_grad():  # transformers initialises biases and sinks to zero; small random values are realistic
@@ -109,22 +111,25 @@ def first_mismatch(expected: torch.Tensor, actual: torch.Tensor) -> str:
 
 
 class UniformRouting:
-    """Keeps each router's computation but replaces its top-k choice by uniform random experts (random-weight
-    routers collapse onto a few experts; real ones spread). Records distinct experts per call when asked."""
+    """Keeps each router's computation but replaces its choice by uniform random experts (random-weight routers
+    collapse onto a few experts; real ones spread). Records distinct experts per call when asked. Each router is
+    the registry's (`router_of`): its last output is the chosen indices, replaced by random picks, or, where the
+    MoE block takes the top-k itself (Llama 4's), every expert's logits, replaced by random logits."""
 
     def __init__(self, model):
         self.handles, self.distinct = [], []
-        self.record = False
-        for module in model.modules():
-            if type(module).__name__.endswith(("TopKRouter", "TopkRouter")):
-                self.handles.append(module.register_forward_hook(self._hook))
+        self.record, self.top_k = False, routed_top_k(model.config)
+        for name in experts_modules(model):
+            self.handles.append(router_of(model, name).register_forward_hook(self._hook))
 
     def _hook(self, module, args, output):
-        logits, weights, indices = output
-        picks = torch.rand(indices.shape[0], logits.shape[-1], device=indices.device).topk(indices.shape[-1]).indices
+        *kept, last = output
+        chooses = not last.is_floating_point()  # the router's own top-k indices, or every expert's logits
+        logits = torch.rand(last.shape[0], kept[0].shape[-1] if chooses else last.shape[-1], device=last.device)
+        picks = logits.topk(self.top_k).indices
         if self.record:
             self.distinct.append(picks.unique().numel())
-        return logits, weights, picks
+        return (*kept, picks if chooses else logits)
 
     def remove(self):
         for handle in self.handles:
