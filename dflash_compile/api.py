@@ -33,11 +33,11 @@ class OptimizedModel:
 
     def generate(self, input_ids, attention_mask=None, max_new_tokens: int = 20, **kwargs) -> torch.Tensor:
         """Greedy: the tokens `model.generate(input_ids, attention_mask=..., do_sample=False, ...)` returns.
-        With do_sample=True (temperature, top_k, top_p, min_p, epsilon_cutoff, generator, argmax_drafts): samples
-        distributed exactly as the target's own `generate(do_sample=True, ...)`; `repetition_penalty`,
-        `min_new_tokens`, `min_length`, `sequence_bias`, `bad_words_ids`, `suppress_tokens`, `begin_suppress_tokens`
-        and `no_repeat_ngram_size` as generate applies them. Other `model.generate` settings (beams, forced BOS/EOS,
-        max_length, ...) are refused by name."""
+        With do_sample=True (temperature, top_h, top_k, top_p, min_p, typical_p, epsilon_cutoff, eta_cutoff,
+        generator, argmax_drafts): samples distributed exactly as the target's own `generate(do_sample=True, ...)`;
+        `repetition_penalty`, `min_new_tokens`, `min_length`, `sequence_bias`, `bad_words_ids`, `suppress_tokens`,
+        `begin_suppress_tokens` and `no_repeat_ngram_size` as generate applies them. Other `model.generate`
+        settings (beams, forced BOS/EOS, max_length, ...) are refused by name."""
         supported = inspect.signature(self.decoder.generate).parameters
         unsupported = sorted(set(kwargs) - set(supported))
         if unsupported:

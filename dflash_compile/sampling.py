@@ -1,6 +1,7 @@
 """Sampling settings, applied to target and draft logits alike, in transformers' generate order
-(temperature, top-k, top-p, min-p, epsilon cutoff), using transformers' own logits warpers (top-p's softmax taken
-before its sort, `TopPWarper`)."""
+(temperature, top-h, top-k, top-p, min-p, typical-p, epsilon cutoff, eta cutoff), using transformers' own logits
+warpers (top-p's and typical-p's probabilities read from a sort before their scan, `TopPWarper`, `TypicalWarper`;
+top-h's and eta's entropies without a torch.distributions object, `TopHWarper`, `EtaWarper`)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from dataclasses import dataclass
 
 import torch
 from transformers.generation.logits_process import (
-    EpsilonLogitsWarper, LogitsProcessorList, MinPLogitsWarper, NoBadWordsLogitsProcessor, NoRepeatNGramLogitsProcessor,
-    SequenceBiasLogitsProcessor, SuppressTokensAtBeginLogitsProcessor, SuppressTokensLogitsProcessor,
-    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+    EpsilonLogitsWarper, EtaLogitsWarper, LogitsProcessorList, MinPLogitsWarper, NoBadWordsLogitsProcessor,
+    NoRepeatNGramLogitsProcessor, SequenceBiasLogitsProcessor, SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor, TemperatureLogitsWarper, TopHLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
+    TypicalLogitsWarper)
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
@@ -24,32 +26,29 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
-# generation_config fields with which transformers' generate outputs something else than greedy decoding or
-# temperature / top-k / top-p / min-p / epsilon-cutoff sampling with a repetition penalty, a minimum length, sequence
-# biases (banned tokens and words among them) and banned repeated n-grams, which dflash_compile's generate
-# implements: other logits processors, other decoding modes, more sequences per prompt; the second group only when
-# sampling (typical_p and top_h sort or scan the vocabulary with a softmax before it, which torch 2.11's Inductor
-# fails to generate on CUDA, see `TopPWarper`; eta_cutoff builds a torch.distributions object in the compiled step).
-# A model whose generation_config sets one (to anything but transformers' default or a no-op, _NO_OPS) would decode
+# generation_config fields with which transformers' generate outputs something else than greedy decoding or sampling
+# with temperature / top-h / top-k / top-p / min-p / typical-p / epsilon / eta cutoffs, a repetition penalty, a
+# minimum length, sequence biases (banned tokens and words among them) and banned repeated n-grams, which
+# dflash_compile's generate implements: other logits processors, other decoding modes, more sequences per prompt. A
+# model whose generation_config sets one (to anything but transformers' default or a no-op, _NO_OPS) would decode
 # differently from model.generate.
 _APPLIED = ("forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty", "watermarking_config",
             "guidance_scale", "num_beams", "num_beam_groups", "diversity_penalty", "penalty_alpha", "constraints",
             "force_words_ids", "dola_layers", "num_return_sequences")
-_APPLIED_WHEN_SAMPLING = ("typical_p", "eta_cutoff", "top_h")
 _NO_OPS = {"guidance_scale": 1.0, "penalty_alpha": 0.0}
 
 
-def check_generation_config(config, do_sample: bool) -> None:
+def check_generation_config(config) -> None:
     """Refuse, before any state changes, a generation_config that makes transformers' generate do what this one does
     not (`_APPLIED`), naming the fields and how to go without them."""
     defaults = config._get_default_generation_params()  # transformers' own defaults, e.g. repetition_penalty 1.0
-    names = _APPLIED + (_APPLIED_WHEN_SAMPLING if do_sample else ())
-    applied = [f"{name}={value!r}" for name in names if (value := getattr(config, name, None)) is not None
+    applied = [f"{name}={value!r}" for name in _APPLIED if (value := getattr(config, name, None)) is not None
                and value != defaults.get(name) and value != _NO_OPS.get(name)]
     if applied:
         raise ValueError(f"the model's generation_config sets {', '.join(applied)}, which transformers' generate "
                          "applies and dflash_compile's does not (it decodes greedily or samples with temperature, "
-                         "top_k, top_p, min_p and epsilon_cutoff, with repetition_penalty, min_new_tokens / "
+                         "top_h, top_k, top_p, min_p, typical_p, epsilon_cutoff and eta_cutoff, with "
+                         "repetition_penalty, min_new_tokens / "
                          "min_length, sequence_bias, bad_words_ids, suppress_tokens and no_repeat_ngram_size): set "
                          "them to None on model.generation_config to generate without them, or run model.generate")
 
@@ -68,8 +67,67 @@ class TopPWarper(TopPLogitsWarper):
         return scores.masked_fill(remove.scatter(1, order, remove), self.filter_value)
 
 
+def _entropy(scores: torch.Tensor) -> torch.Tensor:
+    """[..., V] logits -> [...] entropies, as torch.distributions.Categorical(logits=scores).entropy() computes them
+    (a filtered token's -inf log-probability clamped to the dtype's lowest before its zero weight), without the
+    distribution object, whose argument checks Dynamo would trace into the compiled step."""
+    normalized = scores - scores.logsumexp(dim=-1, keepdim=True)
+    return -(normalized.clamp(min=torch.finfo(normalized.dtype).min) * normalized.softmax(dim=-1)).sum(-1)
+
+
+class TopHWarper(TopHLogitsWarper):
+    """transformers' top-h filter with `_entropy` for its torch.distributions object: the same tokens kept."""
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        top_logits, top_index = torch.topk(scores, min(self.top_n, scores.shape[-1]), dim=-1, sorted=True)
+        normalized = top_logits - top_logits.logsumexp(dim=-1, keepdim=True)
+        probs = normalized.softmax(dim=-1)
+        keep = (-probs * torch.log(probs)).cumsum(dim=-1) <= _entropy(top_logits)[..., None] * self.top_h
+        keep[..., 0] = True  # the likeliest token, whatever the threshold
+        kept = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, top_index, keep)
+        return scores.masked_fill(~kept, self.filter_value)
+
+
+class TypicalWarper(TypicalLogitsWarper):
+    """transformers' typical-p filter with the probabilities its scan adds up read from a sort of their own (the
+    tokens' probabilities in descending order, gathered into the typical order) instead of a softmax taken after the
+    typical sort: the softmax's per-row max and sum then stay out of the vocabulary-long scan, which torch 2.11's
+    Inductor fails to generate on CUDA (see `TopPWarper`). The same tokens kept, up to the last bit of a sum."""
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        normalized = torch.nn.functional.log_softmax(scores, dim=-1)
+        probs = torch.exp(normalized)
+        entropy = -(normalized * probs).nansum(-1, keepdim=True)
+        shifted, order = torch.sort(torch.abs(-normalized - entropy))  # the most typical tokens first
+        descending, by_probability = torch.sort(scores.softmax(dim=-1), descending=True)
+        rank = torch.empty_like(by_probability).scatter_(-1, by_probability, torch.arange(
+            scores.shape[-1], device=scores.device).expand_as(by_probability))  # each token's place in `descending`
+        cumulative = descending.gather(-1, rank.gather(-1, order)).cumsum(dim=-1)
+        last = (cumulative < self.mass).sum(dim=-1, keepdim=True).clamp(max=scores.shape[-1] - 1)
+        remove = shifted > shifted.gather(-1, last)
+        remove[..., :self.min_tokens_to_keep] = False
+        return scores.masked_fill(remove.scatter(-1, order, remove), self.filter_value)
+
+
+class EtaWarper(EtaLogitsWarper):
+    """transformers' eta filter with `_entropy` for its torch.distributions object, and its epsilon (fp32, as
+    transformers keeps it) and that epsilon's fp32 square root as numbers: the same cutoff on any device."""
+
+    def __init__(self, epsilon: float, min_tokens_to_keep: int = 1):
+        super().__init__(epsilon, min_tokens_to_keep=min_tokens_to_keep)
+        self.cutoff, self.root = float(self.epsilon), float(self.epsilon.sqrt())
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        eta = (self.root * torch.exp(-_entropy(scores))).clamp(max=self.cutoff)[..., None]
+        remove = scores.softmax(dim=-1) < eta
+        # the likeliest min_tokens_to_keep tokens stay, whatever the cutoff
+        remove &= scores < torch.topk(scores, min(self.min_tokens_to_keep, scores.shape[-1]))[0][..., -1, None]
+        return scores.masked_fill(remove, self.filter_value)
+
+
 def warpers(temperature: float | None = 1.0, top_k: int | None = None, top_p: float | None = None,
-            min_p: float | None = None, epsilon_cutoff: float | None = None) -> LogitsProcessorList:
+            min_p: float | None = None, epsilon_cutoff: float | None = None, top_h: float | None = None,
+            typical_p: float | None = None, eta_cutoff: float | None = None) -> LogitsProcessorList:
     """The warper chain generate builds for these settings (None: not applied), in its order and on its conditions;
     transformers' warpers refuse what generate's would (min_p outside [0, 1], ...)."""
     temperature = 1.0 if temperature is None else temperature
@@ -77,14 +135,20 @@ def warpers(temperature: float | None = 1.0, top_k: int | None = None, top_p: fl
     chain = LogitsProcessorList()
     if temperature != 1.0:
         chain.append(TemperatureLogitsWarper(temperature))
+    if top_h is not None:
+        chain.append(TopHWarper(top_h))
     if top_k:
         chain.append(TopKLogitsWarper(top_k))
     if top_p is not None and top_p < 1.0:
         chain.append(TopPWarper(top_p))
     if min_p is not None:
         chain.append(MinPLogitsWarper(min_p))
+    if typical_p is not None and typical_p < 1.0:
+        chain.append(TypicalWarper(typical_p))
     if epsilon_cutoff is not None and epsilon_cutoff != 0.0:  # its default; the warper refuses values outside (0, 1)
         chain.append(EpsilonLogitsWarper(epsilon_cutoff))
+    if eta_cutoff is not None and eta_cutoff != 0.0:  # likewise
+        chain.append(EtaWarper(eta_cutoff))
     return chain
 
 

@@ -557,10 +557,11 @@ class SpeculativeDecoder:
                  min_new_tokens: int | None = None, min_length: int | None = None, min_p: float | None = None,
                  epsilon_cutoff: float | None = None, suppress_tokens: list[int] | None = None,
                  begin_suppress_tokens: list[int] | None = None, bad_words_ids: list[list[int]] | None = None,
-                 no_repeat_ngram_size: int | None = None, sequence_bias=None) -> torch.Tensor:
+                 no_repeat_ngram_size: int | None = None, sequence_bias=None, top_h: float | None = None,
+                 typical_p: float | None = None, eta_cutoff: float | None = None) -> torch.Tensor:
         """Greedy: the same tensor as `model.generate(..., do_sample=False)`. Sampled (`do_sample=True`): tokens
-        distributed exactly as the target's own sampling with the same temperature / top-k / top-p / min-p /
-        epsilon cutoff. Either with
+        distributed exactly as the target's own sampling with the same temperature / top-h / top-k / top-p / min-p /
+        typical-p / epsilon and eta cutoffs. Either with
         transformers' `repetition_penalty` (default: the generation_config's), applied to every verified position
         over the row's prompt and tokens so far, its `min_new_tokens` / `min_length` (likewise): a row's EOS
         ids are held back at every position before its minimum, its `sequence_bias`, `bad_words_ids` and
@@ -569,11 +570,12 @@ class SpeculativeDecoder:
         prompt and tokens.
         `streamer` (transformers' TextStreamer interface, batch 1) gets the prompt, then each step's new tokens."""
         self._check_ids(input_ids, attention_mask)
-        check_generation_config(self.model.generation_config, do_sample)
+        check_generation_config(self.model.generation_config)
         if streamer is not None and input_ids.shape[0] != 1:
             raise ValueError(f"a streamer takes one row, got a batch of {input_ids.shape[0]}; stream one prompt")
         sampler = self._sampler(do_sample, dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                                epsilon_cutoff=epsilon_cutoff), generator, argmax_drafts)
+                                                epsilon_cutoff=epsilon_cutoff, top_h=top_h, typical_p=typical_p,
+                                                eta_cutoff=eta_cutoff), generator, argmax_drafts)
         generation_config = self.model.generation_config
         given = dict(repetition_penalty=repetition_penalty, min_new_tokens=min_new_tokens, min_length=min_length,
                      sequence_bias=sequence_bias, bad_words_ids=bad_words_ids, suppress_tokens=suppress_tokens,

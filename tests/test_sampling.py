@@ -5,13 +5,14 @@ import itertools
 import pytest
 import torch
 
-from transformers.generation.logits_process import (NoBadWordsLogitsProcessor, NoRepeatNGramLogitsProcessor,
-                                                    RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor,
-                                                    SuppressTokensLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper)
+from transformers.generation.logits_process import (
+    EtaLogitsWarper, NoBadWordsLogitsProcessor, NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor, SuppressTokensLogitsProcessor, TopHLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
+    TypicalLogitsWarper)
 
-from dflash_compile.sampling import (SequenceBiases, TopPWarper, check_sampling, processed_probs,
-                                     repeated_ngrams_banned, repetition_penalized, seen_tokens, sequence_biased,
-                                     warpers)
+from dflash_compile.sampling import (EtaWarper, SequenceBiases, TopHWarper, TopPWarper, TypicalWarper, check_sampling,
+                                     processed_probs, repeated_ngrams_banned, repetition_penalized, seen_tokens,
+                                     sequence_biased, warpers)
 
 VOCAB, BLOCK = 4, 3  # two drafts and the bonus position
 
@@ -110,7 +111,8 @@ def max_deviation(settings, one_hot, rule_one_hot=None):
 @pytest.mark.parametrize(
     "settings",
     [dict(), dict(temperature=0.7), dict(temperature=1.3, top_k=3), dict(temperature=0.9, top_p=0.8),
-     dict(top_k=2, top_p=0.9), dict(temperature=1.3, min_p=0.3), dict(epsilon_cutoff=0.2)],
+     dict(top_k=2, top_p=0.9), dict(temperature=1.3, min_p=0.3), dict(epsilon_cutoff=0.2),
+     dict(temperature=0.8, typical_p=0.6), dict(eta_cutoff=0.3), dict(top_h=0.6)],
 )
 def test_committed_tokens_follow_the_target_exactly(settings, one_hot):
     assert max_deviation(settings, one_hot) <= 1e-6
@@ -153,24 +155,35 @@ def test_bad_sampling_settings(settings, message):
         check_sampling(**{"temperature": 1.0, "top_k": None, "top_p": None, **settings})
 
 
-@pytest.mark.parametrize("top_p, keep", [(0.9, 1), (0.5, 1), (0.05, 3)])
-def test_top_p_keeps_the_tokens_transformers_keeps(top_p, keep):
-    """Against transformers' TopPLogitsWarper on logits with bf16's ties and top-k's -inf, down to
-    min_tokens_to_keep."""
-    generator = torch.Generator().manual_seed(0)
-    logits = (torch.randn(8, 1000, generator=generator) * 3).bfloat16().float()
-    logits = TopKLogitsWarper(200)(None, logits)
-    ours, theirs = (warper(top_p, min_tokens_to_keep=keep)(None, logits) for warper in (TopPWarper, TopPLogitsWarper))
-    assert torch.equal(ours, theirs)
-    assert (ours.isfinite().sum(-1) >= keep).all() and (ours.isinf().sum(-1) > 800).all()
+@pytest.mark.parametrize("ours, theirs, settings", [
+    (TopPWarper, TopPLogitsWarper, dict(top_p=0.9)), (TopPWarper, TopPLogitsWarper, dict(top_p=0.5)),
+    (TopPWarper, TopPLogitsWarper, dict(top_p=0.05, min_tokens_to_keep=3)),
+    (TypicalWarper, TypicalLogitsWarper, dict(mass=0.9)), (TypicalWarper, TypicalLogitsWarper, dict(mass=0.2)),
+    (TypicalWarper, TypicalLogitsWarper, dict(mass=0.01, min_tokens_to_keep=3)),
+    (EtaWarper, EtaLogitsWarper, dict(epsilon=3e-4)), (EtaWarper, EtaLogitsWarper, dict(epsilon=0.05)),
+    (EtaWarper, EtaLogitsWarper, dict(epsilon=0.9, min_tokens_to_keep=3)),
+    (TopHWarper, TopHLogitsWarper, dict(top_h=0.4)), (TopHWarper, TopHLogitsWarper, dict(top_h=1.0)),
+    (TopHWarper, TopHLogitsWarper, dict(top_h=0.02)),
+], ids=lambda value: value.__name__ if isinstance(value, type) else "-".join(f"{k}={v}" for k, v in value.items()))
+def test_our_warpers_keep_the_tokens_transformers_keeps(ours, theirs, settings):
+    """Against transformers' own warper on logits with bf16's ties and top-k's -inf (fp32, then fp64 as the
+    exactness tests run them), down to min_tokens_to_keep: the same tokens kept, each filter removing some."""
+    for seed, dtype in itertools.product(range(3), (torch.float32, torch.float64)):
+        generator = torch.Generator().manual_seed(seed)
+        logits = TopKLogitsWarper(200)(None, (torch.randn(8, 1000, generator=generator) * 3).bfloat16().to(dtype))
+        kept = ours(**settings)(None, logits)
+        assert torch.equal(kept, theirs(**settings)(None, logits))
+        counts = kept.isfinite().sum(-1)
+        assert (counts >= settings.get("min_tokens_to_keep", 1)).all() and (counts < 200).any()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Inductor splits the scan on CUDA")
 @pytest.mark.parametrize("settings", [dict(temperature=0.7, top_k=50, top_p=0.9),
-                                      dict(temperature=0.7, top_p=0.95, min_p=0.05, epsilon_cutoff=3e-4)])
+                                      dict(temperature=0.7, top_p=0.95, min_p=0.05, epsilon_cutoff=3e-4),
+                                      dict(temperature=0.7, top_h=0.5, typical_p=0.9, eta_cutoff=3e-4)])
 def test_sampling_compiles_at_a_real_vocabulary_on_cuda(settings):
     """The sampled step's probabilities compiled at GLM-4.7-Flash's vocabulary over a verify block of 8, where
-    transformers' own top-p made Inductor (torch 2.11) fail in code generation."""
+    transformers' own top-p made Inductor (torch 2.11) fail in code generation (typical-p scans its vocabulary too)."""
     chain = warpers(**settings)
     logits = torch.randn(1, 8, 154880, device="cuda", dtype=torch.bfloat16) * 3
     compiled = torch.compile(processed_probs, fullgraph=True, dynamic=False)

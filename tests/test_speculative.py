@@ -233,12 +233,12 @@ def test_the_caches_bytes_are_known_before_they_are_made(tiny, random_drafter, f
     assert target.rows.nbytes + drafter.nbytes == fast.decoder._cache_bytes(*target.rows.shape[:3])
 
 
-@pytest.mark.parametrize("field, value, do_sample", [("exponential_decay_length_penalty", (4, 1.5), False),
-                                                     ("forced_eos_token_id", 3, False), ("num_beams", 2, False),
-                                                     ("typical_p", 0.5, True)])
+@pytest.mark.parametrize("field, value", [("exponential_decay_length_penalty", (4, 1.5)), ("forced_eos_token_id", 3),
+                                          ("num_beams", 2)])
+@pytest.mark.parametrize("do_sample", [False, True])
 def test_generation_settings_transformers_would_apply_are_refused(tiny, field, value, do_sample):
-    """model.generate applies these from the model's generation_config (typical_p only when sampling): decoding without
-    them would not give its outputs, so `generate` refuses before anything is made."""
+    """model.generate applies these from the model's generation_config, greedy or sampling: decoding without them
+    would not give its outputs, so `generate` refuses before anything is made."""
     model = tiny("qwen3_moe")
     ids, mask = prompts(1)
     fast = dflash_compile.optimize(model, adaptive=False, compile=False)
@@ -246,7 +246,8 @@ def test_generation_settings_transformers_would_apply_are_refused(tiny, field, v
     with pytest.raises(ValueError, match=rf"^the model's generation_config sets {re.escape(f'{field}={value!r}')}, "
                                          r"which transformers' "
                                          r"generate applies and dflash_compile's does not \(it decodes greedily or "
-                                         r"samples with temperature, top_k, top_p, min_p and epsilon_cutoff, with "
+                                         r"samples with temperature, top_h, top_k, top_p, min_p, typical_p, "
+                                         r"epsilon_cutoff and eta_cutoff, with "
                                          r"repetition_penalty, min_new_tokens / min_length, sequence_bias, "
                                          r"bad_words_ids, suppress_tokens and no_repeat_ngram_size\): set them to None "
                                          "on model.generation_config to generate without them, or run "
@@ -255,19 +256,23 @@ def test_generation_settings_transformers_would_apply_are_refused(tiny, field, v
     assert fast.decoder.target_cache is None
 
 
-@pytest.mark.parametrize("setting", [dict(min_p=1.0), dict(epsilon_cutoff=0.5)])
-def test_min_p_and_epsilon_cutoff_sample_as_generate(tiny, setting):
-    """min_p 1 keeps the tokens as likely as the likeliest, an epsilon cutoff of 0.5 the likeliest alone: sampled at
-    temperature 5 (which alone would leave the greedy path within a few tokens), the anchor and every verified
-    position, drafts accepted up to a miss, give greedy model.generate's tokens; given to generate or read from the
+@pytest.mark.parametrize("setting", [dict(min_p=1.0), dict(epsilon_cutoff=0.5), dict(top_h=0.01),
+                                     dict(typical_p=1e-3)])
+def test_cutoffs_that_leave_one_token_sample_as_generate(tiny, setting):
+    """min_p 1 keeps the tokens as likely as the likeliest, an epsilon cutoff of 0.5 and top-h 0.01 the likeliest
+    alone, typical-p 0.001 the most typical token alone: sampled at temperature 5 (which alone would leave that path
+    within a few tokens), the anchor and every verified position, drafts accepted up to a miss, give sampling
+    model.generate's tokens (for the first three the greedy ones); given to generate or read from the
     generation_config, compiled."""
     model = tiny("qwen3_moe")
     ids, mask = prompts(3)
-    expected = reference(model, ids, mask)
+    sample = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=True, temperature=5.0)
+    with torch.no_grad():
+        expected = model.generate(ids, **sample, **setting)
+    assert torch.equal(expected, reference(model, ids, mask)) == ("typical_p" not in setting)
     drafter = OracleDrafter(expected, mask, 4, corruption=0.3, vocab_size=128)
     fast = dflash_compile.optimize(model, drafter, adaptive=False)
-    sample = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=True, temperature=5.0,
-                  generator=torch.Generator().manual_seed(0))
+    sample["generator"] = torch.Generator().manual_seed(0)
     assert not torch.equal(fast.generate(ids, **sample), expected)
     assert torch.equal(fast.generate(ids, **sample, **setting), expected) and 1.5 < fast.last_stats.tau < 4
     model.generation_config.update(**setting)
