@@ -70,9 +70,19 @@ def _dtype(name: str | None, device: str, bundled: bool) -> torch.dtype:
     return DTYPES[name] if name else torch.bfloat16 if device.startswith("cuda") and not bundled else torch.float32
 
 
+def _sampling(args) -> dict:
+    """`generate`'s sampling settings from --sample (temperature, top-k and top-p left out fall back to the model's
+    generation_config, as transformers' generate does); {} for greedy decoding."""
+    settings = {name: value for name in ("temperature", "top_k", "top_p") if (value := getattr(args, name)) is not None}
+    if settings and not args.sample:
+        given = ", ".join(f"--{name.replace('_', '-')}" for name in settings)
+        raise SystemExit(f"{given} apply when sampling: add --sample (without it generation is greedy)")
+    return {"do_sample": True, **settings} if args.sample else {}
+
+
 def generate_command(args) -> int:
-    """Speculative greedy generation of one prompt (one token a step on the compiled step when --model comes
-    without --drafter), then plain decoding of the same prompt for the speedup."""
+    """Speculative generation of one prompt, greedy or sampled (one token a step on the compiled step when --model
+    comes without --drafter), then plain decoding of the same prompt for the speedup."""
     from transformers import TextStreamer
 
     from . import optimize
@@ -81,6 +91,7 @@ def generate_command(args) -> int:
 
     if args.drafter and not args.model:
         raise SystemExit("--drafter needs --model, the target it drafts for (without either: the bundled pair)")
+    sampling = _sampling(args)
     target_dir, drafter_dir = (args.model, args.drafter) if args.model else pair_paths()
     device = _device(args.device)
     dtype = _dtype(args.dtype, device, bundled=args.model is None)
@@ -93,16 +104,19 @@ def generate_command(args) -> int:
     if compile:  # a silent minute on a full-size model otherwise (docs/benchmarks.md, session 42)
         print("compiling the step in the first generate; Inductor's and Triton's caches keep it for later processes",
               file=sys.stderr, flush=True)
+    generator = torch.Generator(device).manual_seed(args.seed)  # ours; transformers' generate draws from torch's
+    ours = dict(max_new_tokens=args.max_new_tokens, **sampling, generator=generator if sampling else None)
     start = time.perf_counter()
-    output = fast.generate(ids, max_new_tokens=args.max_new_tokens, streamer=streamer)
+    output = fast.generate(ids, streamer=streamer, **ours)
     if compile:
         print(f"first generate, compiling included: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     if not args.stream:
         print(tokenizer.decode(output[0]))
     new_tokens = output.shape[1] - ids.shape[1]
+    torch.manual_seed(args.seed)
     (plain, plain_seconds), (_, ours_seconds) = timed_together(
-        [lambda: model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False),
-         lambda: fast.generate(ids, max_new_tokens=args.max_new_tokens)], args.repeats, device)
+        [lambda: model.generate(ids, max_new_tokens=args.max_new_tokens, **{"do_sample": False, **sampling}),
+         lambda: fast.generate(ids, **ours)], args.repeats, device)
     stats = fast.last_stats  # the last timed run's (the width chooser keeps learning from run to run)
     widths = ", ".join(f"{w} token{'s' * (w > 1)} x {stats.widths.count(w)}"
                        for w in sorted(set(stats.widths), reverse=True))
@@ -112,9 +126,10 @@ def generate_command(args) -> int:
         from .explain import expert_placement
 
         print(f"experts: {expert_placement(model)}")
+    # sampled, the two sides draw from one distribution with their own random numbers: their tokens differ
+    tokens = "sampled from the same distribution" if sampling else f"same tokens: {torch.equal(output, plain)}"
     print(f"median of {args.repeats}: dflash {new_tokens / ours_seconds:.1f} tok/s, plain decoding (transformers "
-          f"generate) {new_tokens / plain_seconds:.1f} tok/s: {plain_seconds / ours_seconds:.2f}x; "
-          f"same tokens: {torch.equal(output, plain)}")
+          f"generate) {new_tokens / plain_seconds:.1f} tok/s: {plain_seconds / ours_seconds:.2f}x; {tokens}")
     return 0
 
 
@@ -283,6 +298,13 @@ def build_parser() -> argparse.ArgumentParser:
                           help="compile the verify step (default: on CUDA only; on a CPU compiling takes longer "
                                "than a short generation saves)")
     generate.add_argument("--stream", action="store_true", help="print tokens as each verify step commits them")
+    generate.add_argument("--sample", action="store_true",
+                          help="sample instead of greedy decoding, exactly from the model's distribution (the "
+                               "generation_config's temperature, top-k and top-p unless given)")
+    generate.add_argument("--temperature", type=float, help="with --sample")
+    generate.add_argument("--top-k", type=int, help="with --sample")
+    generate.add_argument("--top-p", type=float, help="with --sample")
+    generate.add_argument("--seed", type=int, default=0, help="the random numbers' seed with --sample")
     generate.add_argument("--repeats", type=int, default=5, help="timed generations per side (alternating)")
     generate.add_argument("--gpu-memory", help="offload routed experts to host memory under this budget, e.g. 20GiB")
     generate.add_argument("--prefill-chunk", type=int,

@@ -40,6 +40,22 @@ def test_generate_on_the_bundled_pair(capsys):
     assert 1.0 <= tau <= 8.0 and speedup > 0
 
 
+def test_generate_samples_with_a_seed(capsys):
+    """--sample draws from the target's distribution: the same seed the same text, another seed another text, and
+    the line says the sides' tokens are draws (no token check); sampling settings without --sample are refused."""
+    texts = []
+    for seed in ("1", "1", "2"):
+        assert main(["generate", "--max-new-tokens", "24", "--repeats", "1", "--sample", "--temperature", "1.5",
+                     "--top-k", "40", "--seed", seed]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith("def fibonacci(n):\n") and "; sampled from the same distribution" in out
+        texts.append(out.split("\n--- ")[0])
+    assert texts[0] == texts[1] != texts[2]
+    with pytest.raises(SystemExit, match=r"^--temperature, --top-p apply when sampling: add --sample \(without it "
+                                         r"generation is greedy\)$"):
+        main(["generate", "--temperature", "0.7", "--top-p", "0.9"])
+
+
 def test_generate_says_when_it_compiles(capsys, monkeypatch):
     """--compile asks `optimize` to compile and says so on stderr, with the first generate's time (the compile
     itself runs eagerly here: compiling the pair on this CPU takes ~50 s of the CI's budget)."""
