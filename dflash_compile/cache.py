@@ -266,7 +266,7 @@ class TargetCache(Cache):
             end = full.shape[-1] - width + kept
             torch.ops.dflash.conv_window_commit(self.conv[layer], full, end)
         for layer, state in pending_recurrent.items():
-            if state.dim() == 5:  # [b, width, heads, key dim, value dim]
+            if layer in self.recurrent and state.dim() > self.recurrent[layer].dim():  # [b, width, *the state's]
                 state = state[torch.arange(len(kept), device=kept.device), (kept - 1).clamp(min=0)]
             if layer not in self.recurrent:
                 self.recurrent[layer] = self._zero_state("recurrent", layer, state, state.shape)

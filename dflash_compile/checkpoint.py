@@ -95,11 +95,12 @@ def _quantized_tensors(model: torch.nn.Module, format: str) -> dict[str, torch.T
                 tensors[f"{path}.{j}.{name}.weight"] = quantized
                 tensors[f"{path}.{j}.{name}.weight_scale_inv"] = scale
     if format == "fp8_block":  # plain linears but the output head and the routers' (Hunyuan-A13B's fp32 `gate.wg`;
-        # Phi-MoE's router is an nn.Linear subclass): routing stays in the model's dtype, as released FP8 keeps it
+        # Phi-MoE's router is an nn.Linear subclass): routing stays in the model's dtype, as released FP8 keeps it;
+        # and those the family's code multiplies by their weight instead of calling (`unquantized_linears`)
         routers = {part for path in experts_modules(model) for part in router_of(model, path).modules()}
         for name, module in model.named_modules():
             if (type(module) is torch.nn.Linear and module is not model.get_output_embeddings()
-                    and module not in routers):
+                    and module not in routers and name.rpartition(".")[2] not in spec.unquantized_linears):
                 quantized, scale = quantize_fp8_block(module.weight.detach(), FP8_BLOCK)
                 tensors[f"{name}.weight"], tensors[f"{name}.weight_scale_inv"] = quantized, scale
     return tensors

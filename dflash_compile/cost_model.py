@@ -136,6 +136,9 @@ REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
     "llama-4-scout-17b-16e": transformers.Llama4TextConfig,  # 48 layers (3 in 4 chunked), 16 experts, top-1, shared
     "llama-4-maverick-17b-128e": lambda: transformers.Llama4TextConfig(  # every other layer routed, 128 experts
         num_local_experts=128, interleave_moe_layer_step=2, use_qk_norm=False),
+    # Jamba 1.5 Mini (52B, 12B active; Jamba-v0.1's shape): 32 layers, attention at 4, 12, 20, 28 and Mamba elsewhere,
+    # 16 experts of 14336 in every other layer, top-2; dflash-compile runs it on transformers 5.25 and later
+    "jamba-1.5-mini": transformers.JambaConfig,
     # Granite 4.0-H-Small (32B, 9B active): 40 layers, attention at 5, 15, 25, 35 and Mamba2 elsewhere, 72 experts of
     # 768, top-10, a shared MLP of 8192, no rotary positions
     "granite-4.0-h-small": lambda: transformers.GraniteMoeHybridConfig(
@@ -181,7 +184,8 @@ def reference_config(name_or_path: str, layers: int | None = None):
         text = config.get_text_config()  # the decoder's, under an image-text-to-text config
         text.num_hidden_layers = layers
         for per_layer in ("layer_types", "mlp_layer_types"):  # attention kinds; GLM-4.7-Flash's dense / sparse MLPs
-            if getattr(text, per_layer, None):
+            # (a property, as Jamba's, follows the layer count by itself)
+            if getattr(text, per_layer, None) and not isinstance(getattr(type(text), per_layer, None), property):
                 setattr(text, per_layer, getattr(text, per_layer)[:layers])
     return config
 

@@ -15,6 +15,7 @@ from typing import Literal
 
 import torch
 import transformers
+from packaging.version import Version
 from transformers.integrations.moe import grouped_mm_experts_forward, use_experts_implementation
 
 GateUpLayout = Literal["concatenated", "interleaved", "ungated"]
@@ -80,8 +81,9 @@ class LinearAttentionSpec:
     # block it steps (a verify block, or a prefill chunk of at most STEPWISE_TOKENS after the first)
     state_elements: Callable[[object], int]
     # the rules' signature, by which `linear_attention.stepwise_linear_attention` steps a verify block: "delta"
-    # (GatedDeltaNet, KDA: query, key, value, g, beta) or "mamba2" (hidden states, dt, A, B, C)
-    rule: Literal["delta", "mamba2"] = "delta"
+    # (GatedDeltaNet, KDA: query, key, value, g, beta), "mamba2" (hidden states, dt, A, B, C) or "mamba1" (Jamba's
+    # scan of the mixer, its inputs and the cache)
+    rule: Literal["delta", "mamba2", "mamba1"] = "delta"
 
 
 def first_projection(experts: torch.nn.Module) -> str:
@@ -184,6 +186,18 @@ def _mamba2(mixer: str, heads: str, head_dim: str, state: str, chunk: str) -> Li
                                state_elements, rule="mamba2")
 
 
+def _mamba1_state(config) -> int:
+    """Jamba's Mamba state: [intermediate size (mamba_expand x hidden size), state size]."""
+    return config.mamba_expand * config.hidden_size * config.mamba_d_state
+
+
+def _mamba1_scan_elements(config) -> int:
+    """transformers' mamba_selective_scan (its PyTorch scan) per token: fp32 copies of the input, its time step and
+    gate (intermediate size each), and the discretized decay and input, the associative scan's two levels of them
+    and the states it outputs ([intermediate size, state size] each, six held together at its peak)."""
+    return (6 * config.mamba_d_state + 3) * config.mamba_expand * config.hidden_size
+
+
 def _kimi_delta_rule_elements(config) -> int:
     """transformers' chunk_kimi_delta_attention per token: fp32 copies of the query, key, value, gate and their
     beta-scaled and decayed forms, and, its forget gate being one value per key dimension, each 64-token chunk's
@@ -222,6 +236,16 @@ class FamilySpec:
     # the attribute of an MoE block (ERNIE-4.5-VL's `vision_moe`) whose experts text prompts never call: left to the
     # model's own code (images), out of `experts_modules`
     image_experts: str | None = None
+    # linears the family's code multiplies by their `weight` instead of calling (Jamba's `dt_proj`): FP8
+    # checkpoints keep them in the model's dtype
+    unquantized_linears: tuple[str, ...] = ()
+    # the oldest transformers whose model code for the family dflash-compile reproduces (Jamba's verify blocks need
+    # 5.25's cache-reading scan); an older one is refused by `spec_for_config`
+    min_transformers: str | None = None
+
+    def installed(self) -> bool:
+        """Whether the installed transformers is recent enough for the family (`min_transformers`)."""
+        return self.min_transformers is None or Version(transformers.__version__) >= Version(self.min_transformers)
 
     @property
     def latent_attention(self) -> bool:
@@ -394,6 +418,16 @@ def _nemotron_layer_kinds(config) -> list[AttentionKind]:
     """Nemotron-H: each layer is one mixer, Mamba2 ("linear_attention"), attention, or an MLP or MoE block ("mlp":
     nothing in the cache)."""
     return [block if block in ("linear_attention", "full_attention") else "mlp" for block in config.layers_block_type]
+
+
+def _jamba_layer_kinds(config) -> list[AttentionKind]:
+    """Jamba: Mamba layers ("linear_attention") and every `attn_layer_period`-th an attention layer."""
+    return ["full_attention" if block == "attention" else "linear_attention" for block in config.layers_block_type]
+
+
+def _jamba_moe_layers(config) -> list[int]:
+    """Jamba: every `expert_layer_period`-th layer has routed experts, the others one MLP."""
+    return [layer for layer, experts in enumerate(config.layers_num_experts) if experts > 1]
 
 
 def _declared_moe_layers(config) -> list[int]:
@@ -641,6 +675,16 @@ FAMILIES: dict[str, FamilySpec] = {
             _nemotron_moe_layers, _nemotron_layer_kinds,
             _mamba2("mixer", "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "chunk_size"),
         ),
+        FamilySpec(  # Jamba: Mamba (Mamba1) layers with every eighth an attention one (no rotary positions), routed
+            # experts in every other layer (a softmax router, its top-k weights not renormalised), MLPs between.
+            # Verify blocks step the scan through `mamba_scan_forward`, which transformers 5.25 gives the cache
+            # (5.24's multi-token scan ignores the cached state: refused there)
+            "jamba", ("jamba",), "JambaExperts", _SWIGLU, RouterSpec(scoring="softmax", module="router"),
+            _jamba_moe_layers, _jamba_layer_kinds,
+            LinearAttentionSpec("mamba", "mamba_scan_forward", "mamba_selective_state_update", _mamba1_scan_elements,
+                                _mamba1_state, rule="mamba1"),
+            unquantized_linears=("dt_proj",), min_transformers="5.25",
+        ),
         FamilySpec(  # Granite 4.0-H (GraniteMoeHybrid): Mamba2 layers between full-attention ones (without rotary
             # positions as released), Granite-MoE's router and multipliers, a shared MLP beside the experts everywhere
             "granitemoehybrid", ("granitemoehybrid",), "GraniteMoeHybridExperts", _SWIGLU, _TOP_K_THEN_SOFTMAX,
@@ -781,6 +825,9 @@ def spec_for_config(config) -> FamilySpec | None:
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     for cfg in (config, text_config):
         spec = _BY_MODEL_TYPE.get(getattr(cfg, "model_type", None))
+        if spec is not None and not spec.installed():
+            raise UnsupportedFamilyError(f"model_type {cfg.model_type!r} needs transformers >= {spec.min_transformers} "
+                                         f"(installed: {transformers.__version__}): pip install -U transformers")
         if spec is not None:
             return spec
     if any((getattr(text_config, key, 0) or 0) > 0 for key in _EXPERT_COUNT_KEYS):

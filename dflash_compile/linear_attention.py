@@ -79,8 +79,36 @@ def stepwise_mamba2_rule(chunked, recurrent):
     return rule
 
 
+@functools.cache
+def stepwise_mamba1_scan(chunked, recurrent):
+    """Jamba's scan of a mixer (`mamba_scan_forward`, which reads and writes the layer's state in the cache itself)
+    computed, where the cache holds a state and the block has 2 to STEPWISE_TOKENS tokens, by `recurrent`
+    (`mamba_selective_state_update`, on the parameters as the scan reads them) one token at a time, as transformers'
+    decode runs each token; the cache then gets the state after each token [batch, tokens, intermediate, state
+    size]. The update writes its state in place: it gets a copy."""
+
+    @functools.wraps(chunked)
+    def scan(module, hidden_states, time_step, B, C, gate, cache, **kwargs):
+        tokens = hidden_states.shape[-1]
+        state = None if cache is None else cache.get_recurrent_state(module.layer_idx)
+        if state is None or not 1 < tokens <= STEPWISE_TOKENS:
+            return chunked(module, hidden_states, time_step, B, C, gate, cache, **kwargs)
+        A = -torch.exp(module.A_log.float())
+        dt_bias = module.dt_proj.bias.float() if module.dt_proj.bias is not None else None
+        state, outputs, states = state.clone(), [], []
+        for t in range(tokens):
+            outputs.append(recurrent(state, hidden_states[..., t], time_step[..., t], A, B[:, t], C[:, t], module.D,
+                                     z=gate[..., t], dt_bias=dt_bias, dt_softplus=True))
+            states.append(state.clone())
+        cache.update_recurrent_state(torch.stack(states, dim=1), module.layer_idx)
+        return torch.stack(outputs, dim=-1)
+
+    scan.stepwise = True
+    return scan
+
+
 # a verify block's stepped rule by `LinearAttentionSpec.rule`
-STEPWISE_RULES = {"delta": stepwise_rule, "mamba2": stepwise_mamba2_rule}
+STEPWISE_RULES = {"delta": stepwise_rule, "mamba2": stepwise_mamba2_rule, "mamba1": stepwise_mamba1_scan}
 
 
 def check_verify_block(model, block_size: int) -> None:

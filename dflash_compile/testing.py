@@ -9,7 +9,7 @@ with attention sinks for gpt_oss, sliding layers with sinks and narrower values 
 before a full one for exaone_moe and laguna, a wider full layer whose keys are its values for gemma4_text, q/k/v
 biases for qwen2_moe, Granite's multipliers, shared experts where the family has them. The families added later
 (mellum, kolibri1, beam, flint, granitemoe_swa, minicpm5_moe, axk1, lara_mini, mistral4, aria, kimi_linear,
-lfm2_moe, llama4_text, granitemoehybrid) keep theirs likewise; each entry's comment says what.
+lfm2_moe, llama4_text, granitemoehybrid, jamba) keep theirs likewise; each entry's comment says what.
 """
 
 from __future__ import annotations
@@ -181,6 +181,11 @@ TINY_CONFIGS = {
         mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=16, n_routed_experts=8, moe_intermediate_size=32,
         moe_shared_expert_intermediate_size=48, intermediate_size=96, n_group=1, topk_group=1,
         routed_scaling_factor=2.5, initializer_range=0.1, **_ROUTED, **_COMMON),
+    "jamba": lambda: transformers.JambaConfig(  # Mamba layers and an attention one; experts in the first and third
+        # layers, MLPs in the others
+        num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=2, expert_layer_period=2, expert_layer_offset=0,
+        intermediate_size=32, num_experts=8, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8,
+        **_ROUTED, **_COMMON),
     "phimoe": lambda: transformers.PhimoeConfig(  # LayerNorms, q/k/v biases
         num_hidden_layers=2, intermediate_size=48, num_local_experts=4, **_ROUTED, **_COMMON),
     "flex_olmo": lambda: transformers.FlexOlmoConfig(  # post-attention and post-MLP norms
@@ -201,8 +206,10 @@ TINY_CONFIGS = {
 
 
 def in_installed_transformers(family: str) -> bool:
-    """Whether the installed transformers has the family's model (MiniCPM5-MoE came in 5.25; 5.24 is supported)."""
-    return all(model_type in transformers.CONFIG_MAPPING for model_type in FAMILIES[family].model_types)
+    """Whether the installed transformers has the family's model (MiniCPM5-MoE came in 5.25; 5.24 is supported) in
+    a version dflash-compile supports (Jamba's from 5.25)."""
+    spec = FAMILIES[family]
+    return spec.installed() and all(model_type in transformers.CONFIG_MAPPING for model_type in spec.model_types)
 
 
 def tiny_config(family: str, **overrides) -> transformers.PretrainedConfig:

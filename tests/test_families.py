@@ -8,6 +8,7 @@ from packaging.version import Version
 from torch._dynamo.exc import BackendCompilerFailed
 
 import dflash_compile
+from dflash_compile import families
 from dflash_compile.expert_store import _STORES_BY_ROOT
 from dflash_compile.families import (
     FAMILIES, UnsupportedFamilyError, adapt_model, experts_modules, spec_for_config, spec_for_experts_class,
@@ -16,7 +17,7 @@ from dflash_compile.testing import OracleDrafter, tiny_config, tiny_multimodal_c
 from tests.conftest import token_ids
 
 
-def test_registry_covers_the_forty_seven_families():
+def test_registry_covers_the_forty_eight_families():
     assert dflash_compile.supported_families() == sorted(
         ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe", "glm4_moe_lite",
          "deepseek_v2", "deepseek_v3", "olmoe", "ernie4_5_moe", "phimoe", "dots1", "flex_olmo", "solar_open",
@@ -24,7 +25,7 @@ def test_registry_covers_the_forty_seven_families():
          "minimax_m2", "hunyuan_v1_moe", "hy_v3", "laguna", "mimo_v2_flash", "afmoe", "gemma4_text", "mellum",
          "kolibri1", "beam", "flint", "granitemoe_swa", "minicpm5_moe", "axk1", "lara_mini", "mistral4", "aria",
          "kimi_linear", "lfm2_moe", "llama4_text", "granitemoehybrid", "ernie4_5_vl_moe", "step3p7", "bailing_hybrid",
-         "nemotron_h"]
+         "nemotron_h", "jamba"]
     )
 
 
@@ -130,6 +131,20 @@ def test_unsupported_moe_family_is_a_clear_error_before_any_state():
     assert isinstance(err.value.inner_exception, UnsupportedFamilyError)
     assert ", ".join(dflash_compile.supported_families()) in str(err.value)
     assert model not in _STORES_BY_ROOT  # nothing registered before the error
+
+
+def test_a_family_on_too_old_a_transformers_is_refused_before_any_state(monkeypatch):
+    """Jamba's verify blocks need transformers 5.25's scan, which reads the cached state (5.24's ignores it):
+    `optimize` on 5.24 names the version and the fix before it changes the model."""
+    config = transformers.JambaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, intermediate_size=32, num_experts=4, attn_layer_period=2,
+                                      attn_layer_offset=1, expert_layer_period=1, expert_layer_offset=0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    monkeypatch.setattr(families.transformers, "__version__", "5.24.0")  # the version the registry reads
+    with pytest.raises(UnsupportedFamilyError, match=r"^model_type 'jamba' needs transformers >= 5.25 \(installed: "
+                                                     r"5.24.0\): pip install -U transformers$"):
+        dflash_compile.optimize(model)
+    assert model not in _STORES_BY_ROOT and not hasattr(model, "dflash_offload")
 
 
 def test_unsupported_experts_class_is_recognised_without_a_config():
