@@ -8,7 +8,7 @@ a call that starts from a state and covers at most STEPWISE_TOKENS tokens runs t
 at a time instead -- the rule transformers' own decode runs for each token, bit for bit on the same inputs -- and
 returns the state after each token, stacked [batch, tokens, heads, key dim, value dim]:
 `TargetCache.commit_linear` keeps each row's state after its last kept token. Prompts (no state yet, or longer
-chunks) keep the chunked rule.
+chunks) keep the chunked rule, but for Jamba's scan, which cannot start from a state: it steps a longer chunk too.
 """
 
 from __future__ import annotations
@@ -82,16 +82,18 @@ def stepwise_mamba2_rule(chunked, recurrent):
 @functools.cache
 def stepwise_mamba1_scan(chunked, recurrent):
     """Jamba's scan of a mixer (`mamba_scan_forward`, which reads and writes the layer's state in the cache itself)
-    computed, where the cache holds a state and the block has 2 to STEPWISE_TOKENS tokens, by `recurrent`
+    computed, where the cache holds a state and the input has more than one token, by `recurrent`
     (`mamba_selective_state_update`, on the parameters as the scan reads them) one token at a time, as transformers'
-    decode runs each token; the cache then gets the state after each token [batch, tokens, intermediate, state
-    size]. The update writes its state in place: it gets a copy."""
+    decode runs each token; the cache then gets the state after each token [batch, tokens, intermediate, state size]
+    of a block of at most STEPWISE_TOKENS, or the last state of a longer prompt chunk. (transformers' own scan over
+    several tokens starts from a zero state, whatever the cache holds.) The update writes its state in place: it
+    gets a copy."""
 
     @functools.wraps(chunked)
     def scan(module, hidden_states, time_step, B, C, gate, cache, **kwargs):
         tokens = hidden_states.shape[-1]
         state = None if cache is None else cache.get_recurrent_state(module.layer_idx)
-        if state is None or not 1 < tokens <= STEPWISE_TOKENS:
+        if state is None or tokens == 1:
             return chunked(module, hidden_states, time_step, B, C, gate, cache, **kwargs)
         A = -torch.exp(module.A_log.float())
         dt_bias = module.dt_proj.bias.float() if module.dt_proj.bias is not None else None
@@ -99,8 +101,9 @@ def stepwise_mamba1_scan(chunked, recurrent):
         for t in range(tokens):
             outputs.append(recurrent(state, hidden_states[..., t], time_step[..., t], A, B[:, t], C[:, t], module.D,
                                      z=gate[..., t], dt_bias=dt_bias, dt_softplus=True))
-            states.append(state.clone())
-        cache.update_recurrent_state(torch.stack(states, dim=1), module.layer_idx)
+            if tokens <= STEPWISE_TOKENS:
+                states.append(state.clone())
+        cache.update_recurrent_state(torch.stack(states, dim=1) if states else state, module.layer_idx)
         return torch.stack(outputs, dim=-1)
 
     scan.stepwise = True

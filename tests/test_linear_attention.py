@@ -8,9 +8,9 @@ import torch
 
 import dflash_compile
 from dflash_compile.families import RECURRENT_KINDS
-from dflash_compile.linear_attention import (STEPWISE_TOKENS, stepwise_linear_attention, stepwise_mamba2_rule,
-                                             stepwise_rule)
-from dflash_compile.testing import OracleDrafter, load_tiny_model, save_tiny_model
+from dflash_compile.linear_attention import (STEPWISE_TOKENS, stepwise_linear_attention, stepwise_mamba1_scan,
+                                             stepwise_mamba2_rule, stepwise_rule)
+from dflash_compile.testing import OracleDrafter, in_installed_transformers, load_tiny_model, save_tiny_model
 
 HEADS, K_DIM, V_DIM = 4, 16, 8
 
@@ -81,6 +81,78 @@ def test_a_mamba2_block_runs_as_decode_runs_each_token(tiny):
                                      **options)
     torch.testing.assert_close(out, chunk_out, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(states[:, -1], chunk_state, rtol=1e-4, atol=1e-4)
+
+
+class StateCache:
+    """The calls transformers 5.25's `mamba_scan_forward` makes on a cache: one layer's recurrent state."""
+
+    def __init__(self, state):
+        self.state, self.updated = state, None
+
+    def get_recurrent_state(self, layer_idx, state_idx=0):
+        return self.state
+
+    def update_recurrent_state(self, state, layer_idx, **kwargs):
+        self.updated = state
+
+    def get_recurrent_states_to_keep(self, layer_idx):
+        return 0
+
+
+@pytest.mark.skipif(not in_installed_transformers("jamba"), reason="Jamba's scan takes the cache from 5.25")
+@pytest.mark.parametrize("tokens", [5, STEPWISE_TOKENS + 3])
+def test_a_jamba_block_runs_as_decode_runs_each_token(tiny, tokens):
+    """Jamba's (Mamba1) scan from a cached state: bit for bit one recurrent update per token on a copy of the state
+    (the cached one untouched), the cache given the state after each token of a verify block, or the last one
+    after a longer prompt chunk; and from a zero state within rounding of transformers' own scan (which starts from
+    zeros whatever the cache holds)."""
+    mixer = tiny("jamba").model.layers[0].mamba
+    module = sys.modules[type(mixer).__module__]
+    chunked, recurrent = module.mamba_scan_forward, module.mamba_selective_state_update
+    generator = torch.Generator().manual_seed(0)
+    batch, inner, size = 2, mixer.intermediate_size, mixer.ssm_state_size
+    hidden, time_step, gate = (torch.randn(batch, inner, tokens, generator=generator) for _ in range(3))
+    B, C = (torch.randn(batch, tokens, size, generator=generator) for _ in range(2))
+    state = torch.randn(batch, inner, size, generator=generator)
+    cache, given = StateCache(state), state.clone()
+    out = stepwise_mamba1_scan(chunked, recurrent)(mixer, hidden, time_step, B, C, gate, cache)
+    assert torch.equal(state, given) and out.shape == hidden.shape
+    decoded = state.clone()
+    for t in range(tokens):  # as the scan's one-token path calls it
+        token_out = recurrent(decoded, hidden[..., t], time_step[..., t], -torch.exp(mixer.A_log.float()), B[:, t],
+                              C[:, t], mixer.D, z=gate[..., t], dt_bias=mixer.dt_proj.bias.float(), dt_softplus=True)
+        assert torch.equal(out[..., t], token_out)
+        if tokens <= STEPWISE_TOKENS:
+            assert torch.equal(cache.updated[:, t], decoded)
+    assert torch.equal(cache.updated if tokens > STEPWISE_TOKENS else cache.updated[:, -1], decoded)
+    zeros = StateCache(torch.zeros_like(state))
+    stepped = stepwise_mamba1_scan(chunked, recurrent)(mixer, hidden, time_step, B, C, gate, zeros)
+    own = StateCache(None)
+    torch.testing.assert_close(stepped, chunked(mixer, hidden, time_step, B, C, gate, own), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not in_installed_transformers("jamba"), reason="Jamba's scan takes the cache from 5.25")
+def test_jamba_prompt_chunks_longer_than_a_block_resume_from_the_state(tiny):
+    """A 150-token prompt in chunks of 70, 70 and 10: the second chunk, longer than a verify block, resumes from the
+    first one's state (transformers' own multi-token scan would restart from zeros): each Mamba layer's state after
+    the prompt is within rounding of model.generate's, which takes the prompt in one forward, and so are the
+    tokens."""
+    model = tiny("jamba")
+    ids = torch.randint(3, 127, (1, 150), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model.generate(ids, do_sample=False, max_new_tokens=16)
+        own = model(ids, use_cache=True).past_key_values
+    fast = dflash_compile.optimize(model, adaptive=False, compile=False, prefill_chunk=70)
+    forward, lengths = fast.decoder._target_forward, []
+    fast.decoder._target_forward = lambda ids, *args, **kwargs: lengths.append(ids.shape[1]) or forward(
+        ids, *args, **kwargs)
+    fast.generate(ids, max_new_tokens=1)  # the prompt alone
+    assert lengths == [70, 70, 10]
+    mamba = [layer for layer, kind in enumerate(model.config.layers_block_type) if kind == "mamba"]
+    for layer in mamba:
+        torch.testing.assert_close(fast.decoder.target_cache.get_recurrent_state(layer),
+                                   own.get_recurrent_state(layer), rtol=1e-4, atol=1e-5)
+    assert torch.equal(fast.generate(ids, max_new_tokens=16), expected)
 
 
 @pytest.mark.parametrize("tokens, with_state", [(5, False), (STEPWISE_TOKENS + 1, True)])
