@@ -825,10 +825,11 @@ def spec_for_config(config) -> FamilySpec | None:
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     for cfg in (config, text_config):
         spec = _BY_MODEL_TYPE.get(getattr(cfg, "model_type", None))
-        if spec is not None and not spec.installed():
-            raise UnsupportedFamilyError(f"model_type {cfg.model_type!r} needs transformers >= {spec.min_transformers} "
-                                         f"(installed: {transformers.__version__}): pip install -U transformers")
         if spec is not None:
+            if not spec.installed():
+                raise UnsupportedFamilyError(f"model_type {cfg.model_type!r} needs transformers >= "
+                                             f"{spec.min_transformers} (installed: {transformers.__version__}): pip "
+                                             "install -U transformers")
             return spec
     if any((getattr(text_config, key, 0) or 0) > 0 for key in _EXPERT_COUNT_KEYS):
         raise _unsupported(f"model_type {config.model_type!r}")

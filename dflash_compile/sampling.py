@@ -99,7 +99,7 @@ class TypicalWarper(TypicalLogitsWarper):
         probs = torch.exp(normalized)
         entropy = -(normalized * probs).nansum(-1, keepdim=True)
         shifted, order = torch.sort(torch.abs(-normalized - entropy))  # the most typical tokens first
-        descending, by_probability = torch.sort(scores.softmax(dim=-1), descending=True)
+        descending, by_probability = torch.sort(probs, descending=True)
         rank = torch.empty_like(by_probability).scatter_(-1, by_probability, torch.arange(
             scores.shape[-1], device=scores.device).expand_as(by_probability))  # each token's place in `descending`
         cumulative = descending.gather(-1, rank.gather(-1, order)).cumsum(dim=-1)
