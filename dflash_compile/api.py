@@ -36,8 +36,9 @@ class OptimizedModel:
         With do_sample=True (temperature, top_h, top_k, top_p, min_p, typical_p, epsilon_cutoff, eta_cutoff,
         generator, argmax_drafts): samples distributed exactly as the target's own `generate(do_sample=True, ...)`;
         `repetition_penalty`, `min_new_tokens`, `min_length`, `sequence_bias`, `bad_words_ids`, `suppress_tokens`,
-        `begin_suppress_tokens` and `no_repeat_ngram_size` as generate applies them. Other `model.generate`
-        settings (beams, forced BOS/EOS, max_length, ...) are refused by name."""
+        `begin_suppress_tokens`, `no_repeat_ngram_size`, `forced_bos_token_id`, `forced_eos_token_id` and
+        `exponential_decay_length_penalty` as generate applies them. Other `model.generate` settings (beams,
+        max_length, ...) are refused by name."""
         supported = inspect.signature(self.decoder.generate).parameters
         unsupported = sorted(set(kwargs) - set(supported))
         if unsupported:

@@ -119,8 +119,11 @@ class TargetCache(Cache):
         # lengths): every slot.
         self.visible: int | None = None
         self.tokens_seen: torch.Tensor | None = None  # [b, vocabulary + 1] bool, for a repetition penalty
-        self.eos_waits: torch.Tensor | None = None  # [b] new tokens before each row's EOS, for a minimum length
-        self.eos_ids: torch.Tensor | None = None  # [vocabulary] bool: which ids are EOS, likewise
+        # [b, 3] countdowns in new tokens (columns `sampling.COUNTDOWNS`): before each row's EOS may come (a minimum
+        # length), to its forced EOS (its last token), and to where its EOS logit starts to grow (a length penalty)
+        self.countdowns: torch.Tensor | None = None
+        self.eos_ids: torch.Tensor | None = None  # [vocabulary] bool: which ids are EOS, for the first and third
+        self.forced_eos_ids: torch.Tensor | None = None  # [vocabulary] bool: which ids a forced EOS allows
         # [b, capacity] each row's padded prompt and tokens, and [b] how much of it is filled: for n-gram bans and
         # sequence biases
         self.history: torch.Tensor | None = None
@@ -138,11 +141,12 @@ class TargetCache(Cache):
             setattr(self, name, buffer)
         return buffer
 
-    def eos_buffer(self, vocabulary: int, eos: set[int]) -> torch.Tensor:
-        """`eos_ids` set to `eos` (ids past the vocabulary, e.g. -1 for none, can never be drawn: left out)."""
-        eos_ids = self._kept("eos_ids", (vocabulary,), torch.bool)
-        eos_ids.zero_()[[t for t in sorted(eos) if 0 <= t < vocabulary]] = True
-        return eos_ids
+    def ids_buffer(self, name: str, vocabulary: int, ids: set[int]) -> torch.Tensor:
+        """The [vocabulary] bool buffer `name` (`eos_ids`, `forced_eos_ids`) set to `ids` (ids past the vocabulary,
+        e.g. -1 for none, can never be drawn: left out)."""
+        buffer = self._kept(name, (vocabulary,), torch.bool)
+        buffer.zero_()[[t for t in sorted(ids) if 0 <= t < vocabulary]] = True
+        return buffer
 
     def fill_history(self, ids: torch.Tensor, capacity: int) -> None:
         """`history` set to the prompt `ids` [b, P] as given (left padding too, as generate's input_ids), and its
@@ -156,9 +160,9 @@ class TargetCache(Cache):
         self.sequence_biases = SequenceBiases(**{
             name: self._kept(f"bias_{name}", value.shape, value.dtype).copy_(value) for name, value in values.items()})
 
-    def waits_buffer(self) -> torch.Tensor:
-        """How many new tokens each row must still make before its EOS may come (`sampling.eos_held_back`)."""
-        return self._kept("eos_waits", (self.rows.batch,), torch.int64)
+    def countdowns_buffer(self) -> torch.Tensor:
+        """`countdowns` [b, 3]: what the length processors count down to (`sampling.COUNTDOWNS`)."""
+        return self._kept("countdowns", (self.rows.batch, 3), torch.int64)
 
     def seen_buffer(self, vocabulary: int) -> torch.Tensor:
         """Which tokens each row has held (`sampling.seen_tokens`; the last column counts nothing)."""

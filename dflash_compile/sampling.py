@@ -28,13 +28,13 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
 
 # generation_config fields with which transformers' generate outputs something else than greedy decoding or sampling
 # with temperature / top-h / top-k / top-p / min-p / typical-p / epsilon / eta cutoffs, a repetition penalty, a
-# minimum length, sequence biases (banned tokens and words among them) and banned repeated n-grams, which
+# minimum length, forced BOS / EOS tokens, an exponentially decaying length penalty, sequence biases (banned tokens
+# and words among them) and banned repeated n-grams, which
 # dflash_compile's generate implements: other logits processors, other decoding modes, more sequences per prompt. A
 # model whose generation_config sets one (to anything but transformers' default or a no-op, _NO_OPS) would decode
 # differently from model.generate.
-_APPLIED = ("forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty", "watermarking_config",
-            "guidance_scale", "num_beams", "num_beam_groups", "diversity_penalty", "penalty_alpha", "constraints",
-            "force_words_ids", "dola_layers", "num_return_sequences")
+_APPLIED = ("watermarking_config", "guidance_scale", "num_beams", "num_beam_groups", "diversity_penalty",
+            "penalty_alpha", "constraints", "force_words_ids", "dola_layers", "num_return_sequences")
 _NO_OPS = {"guidance_scale": 1.0, "penalty_alpha": 0.0}
 
 
@@ -48,9 +48,10 @@ def check_generation_config(config) -> None:
         raise ValueError(f"the model's generation_config sets {', '.join(applied)}, which transformers' generate "
                          "applies and dflash_compile's does not (it decodes greedily or samples with temperature, "
                          "top_h, top_k, top_p, min_p, typical_p, epsilon_cutoff and eta_cutoff, with "
-                         "repetition_penalty, min_new_tokens / "
-                         "min_length, sequence_bias, bad_words_ids, suppress_tokens and no_repeat_ngram_size): set "
-                         "them to None on model.generation_config to generate without them, or run model.generate")
+                         "repetition_penalty, min_new_tokens / min_length, forced_bos_token_id, forced_eos_token_id, "
+                         "exponential_decay_length_penalty, sequence_bias, bad_words_ids, suppress_tokens and "
+                         "no_repeat_ngram_size): set them to None on model.generation_config to generate without "
+                         "them, or run model.generate")
 
 
 class TopPWarper(TopPLogitsWarper):
@@ -281,12 +282,55 @@ def repeated_ngrams_banned(logits: torch.Tensor, history: torch.Tensor, lengths:
     return logits.masked_fill(banned[..., :vocab], float("-inf"))
 
 
+@dataclass(frozen=True)
+class LengthProcessors:
+    """A generate call's processors that depend on how many tokens each row has made (part of a compiled step's
+    key; their counts live in `TargetCache.countdowns`): a minimum length holding EOS back, a forced EOS as the last
+    token, an exponentially decaying length penalty's factor (None: none), and a forced BOS id as the first token
+    (None: none; generate forces it after a one-token prompt only)."""
+
+    holds_eos: bool = False
+    forces_eos: bool = False
+    decay: float | None = None
+    forced_bos: int | None = None
+
+    @property
+    def count(self) -> bool:
+        """Whether the steps count down `TargetCache.countdowns`."""
+        return self.holds_eos or self.forces_eos or self.decay is not None
+
+
+# the columns of `TargetCache.countdowns`: new tokens before a row's EOS may come (`eos_held_back`), to its forced
+# EOS (`forced`), and to where its EOS logit starts to grow (`eos_decayed`); each verified position j is that many
+# tokens further
+COUNTDOWNS = HOLD, FORCE, DECAY = range(3)
+
+
 def eos_held_back(logits: torch.Tensor, waits: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
     """Logits [b, w, V] of a verify block with transformers' minimum length (MinNewTokensLengthLogitsProcessor,
     MinLengthLogitsProcessor): a row that must still make `waits` [b] new tokens before its EOS gets -inf at its EOS
     ids (`eos` [V] bool) at positions j < waits."""
     early = torch.arange(logits.shape[1], device=logits.device)[None, :] < waits[:, None]
     return logits.masked_fill(early[..., None] & eos, float("-inf"))
+
+
+def forced(logits: torch.Tensor, at: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Logits [b, w, V] with transformers' ForcedEOSTokenLogitsProcessor (or its BOS one): at position j == at[b] (a
+    row's last new token) -inf everywhere but 0 at the `allowed` [V] ids."""
+    now = torch.arange(logits.shape[1], device=logits.device)[None, :] == at[:, None]
+    only = torch.zeros_like(allowed, dtype=logits.dtype).masked_fill(~allowed, float("-inf"))
+    return torch.where(now[..., None], only, logits)
+
+
+def eos_decayed(logits: torch.Tensor, start: torch.Tensor, eos: torch.Tensor, factor: float) -> torch.Tensor:
+    """Logits [b, w, V] in fp32 with transformers' ExponentialDecayLengthPenalty: at position j, i = j - start[b]
+    tokens past the row's regulation start, each finite EOS logit x gets |x| * (factor^i - 1) added where i > 0 (the
+    multiplier in double, then fp32, as generate's Python float)."""
+    past = (torch.arange(logits.shape[1], device=logits.device)[None, :] - start[:, None]).clamp(min=0)
+    multiplier = (torch.full_like(past, factor, dtype=torch.float64) ** past - 1).float()
+    scores = logits.float()
+    penalty = (scores.abs() * multiplier[..., None]).masked_fill(~(eos & scores.isfinite()), 0.0)
+    return scores + penalty
 
 
 def processed_probs(logits: torch.Tensor, chain: LogitsProcessorList) -> torch.Tensor:

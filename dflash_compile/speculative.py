@@ -29,9 +29,10 @@ from .drafter import DFlashDrafter, context_features
 from .families import KEYED_KINDS, STATELESS_KINDS, ring_window, spec_for_model
 from .linear_attention import stepwise_linear_attention
 from .prefill_memory import PrefillActivations
-from .sampling import (Sampler, SequenceBiases, begin_suppressed, check_generation_config, check_ngram_size,
-                       check_repetition_penalty, eos_held_back, processed_probs, repeated_ngrams_banned,
-                       repetition_penalized, seen_tokens, sequence_biased, warpers)
+from .sampling import (DECAY, FORCE, HOLD, LengthProcessors, Sampler, SequenceBiases, begin_suppressed,
+                       check_generation_config, check_ngram_size, check_repetition_penalty, eos_decayed, eos_held_back,
+                       forced, processed_probs, repeated_ngrams_banned, repetition_penalized, seen_tokens,
+                       sequence_biased, warpers)
 from .step_graphs import StepGraphs
 
 
@@ -107,6 +108,31 @@ def _eos_ids(eos_token_id) -> set[int]:
     if eos_token_id is None:
         return set()
     return {int(t) for t in (eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id])}
+
+
+def _forced_ids(forced_eos_token_id, forced_bos_token_id, suppress_tokens) -> tuple[set[int], int | None]:
+    """generate's forced EOS ids and forced BOS id, refused where negative, or where `suppress_tokens` (which
+    generate applies after them) bans them: no token would be left to choose."""
+    forced_eos = _eos_ids(forced_eos_token_id)
+    forced = forced_eos | _eos_ids(forced_bos_token_id)
+    if any(t < 0 for t in forced):
+        raise ValueError(f"forced_eos_token_id / forced_bos_token_id must be token ids >= 0, got "
+                         f"{forced_eos_token_id!r} / {forced_bos_token_id!r}")
+    if clash := sorted(forced & set(suppress_tokens or ())):
+        raise ValueError(f"token(s) {clash} are forced (forced_eos_token_id / forced_bos_token_id) and also in "
+                         "suppress_tokens: model.generate would leave no token to choose there; drop one of them")
+    return forced_eos, None if forced_bos_token_id is None else int(forced_bos_token_id)
+
+
+def _length_penalty(setting) -> tuple[int, float] | None:
+    """generate's exponential_decay_length_penalty: (start index, decay factor), or None."""
+    if setting is None:
+        return None
+    if not (isinstance(setting, (tuple, list)) and len(setting) == 2 and isinstance(setting[0], int)
+            and isinstance(setting[1], (int, float))):
+        raise ValueError(f"exponential_decay_length_penalty must be (start_index: int, decay_factor: float), got "
+                         f"{setting!r}")
+    return setting[0], float(setting[1])
 
 
 STEP_GRAPHS = 64  # compiled verify steps kept per decoder code object before Dynamo falls back to eager
@@ -235,7 +261,7 @@ class SpeculativeDecoder:
         self.last_stats = GenerationStats(block_size=self.block_size)
         self.sampler: Sampler | None = None  # the running generate call's sampling settings
         self.repetition_penalty: float | None = None  # and its repetition penalty (None: none)
-        self.holds_eos = False  # and whether rows make a minimum of new tokens before an EOS (`TargetCache.eos_ids`)
+        self.lengths = LengthProcessors()  # and its processors that count each row's tokens
         self.bias_shape: tuple | None = None  # and its sequence biases' shape (`TargetCache.sequence_biases`), if any
         self.ngram_size = 0  # and its no_repeat_ngram_size (0: none; `TargetCache.history`)
         self.target_cache: TargetCache | None = None  # kept between generate calls (see `_cache`)
@@ -256,7 +282,7 @@ class SpeculativeDecoder:
         chain = self.sampler.chain if self.sampler else ()
         warpers = tuple((type(w).__name__, repr(vars(w))) for w in chain)
         return (self.model.config._attn_implementation, self.model.training, warpers, self.repetition_penalty,
-                self.holds_eos, self.bias_shape, self.ngram_size)
+                self.lengths, self.bias_shape, self.ngram_size)
 
     @property
     def hidden_states_read(self) -> list[int]:
@@ -434,8 +460,8 @@ class SpeculativeDecoder:
         if self.repetition_penalty:  # the anchor and the accepted drafts join the row's tokens
             kept = torch.arange(block.shape[1], device=block.device)[None, :] <= accepted[:, None]
             cache.tokens_seen.scatter_(1, block.masked_fill(~kept, cache.tokens_seen.shape[1] - 1), True)
-        if self.holds_eos:
-            cache.eos_waits.sub_((accepted + 1) * active)
+        if self.lengths.count:
+            cache.countdowns.sub_(((accepted + 1) * active)[:, None])
         if self.bias_shape or self.ngram_size:  # the block goes in after each row's history; its kept part counts
             cache.history.scatter_(1, cache.history_lengths[:, None] + torch.arange(block.shape[1],
                                                                                    device=block.device), block)
@@ -443,18 +469,28 @@ class SpeculativeDecoder:
         return accepted, tokens, features, cache.pending_linear()
 
     def _processed(self, logits: torch.Tensor, cache: TargetCache, block: torch.Tensor | None) -> torch.Tensor:
-        """Logits [b, w, V] with the running call's sequence biases, repetition penalty, minimum length and banned
-        repeated n-grams, as generate's processors apply them before its warpers: over a verify `block`, or (None)
-        the prefill's position after the prompt. Sequence biases come first, as in generate; its bad words and
-        suppressed tokens, which come later there, join them: -inf, which no other processor moves."""
+        """Logits [b, w, V] with the running call's sequence biases, repetition penalty, minimum length, banned
+        repeated n-grams, forced BOS and EOS and length penalty, as generate's processors apply them before its
+        warpers: over a verify `block`, or (None) the prefill's position after the prompt. Sequence biases come
+        first, as in generate; its bad words and suppressed tokens, which come later there, join them: -inf, which
+        no other processor moves but a forced token (`generate` refuses a forced token that is also suppressed)."""
+        lengths = self.lengths
         if self.bias_shape:
             logits = sequence_biased(logits, cache.history, cache.history_lengths, block, cache.sequence_biases)
         if self.repetition_penalty:
             logits = repetition_penalized(logits, cache.tokens_seen, block, self.repetition_penalty)
-        if self.holds_eos:
-            logits = eos_held_back(logits, cache.eos_waits, cache.eos_ids)
+        if lengths.holds_eos:
+            logits = eos_held_back(logits, cache.countdowns[:, HOLD], cache.eos_ids)
         if self.ngram_size:
             logits = repeated_ngrams_banned(logits, cache.history, cache.history_lengths, block, self.ngram_size)
+        if lengths.forced_bos is not None and block is None:  # the first new token
+            bos = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+            bos[lengths.forced_bos] = True
+            logits = forced(logits, torch.zeros_like(cache.pad), bos)
+        if lengths.forces_eos:
+            logits = forced(logits, cache.countdowns[:, FORCE], cache.forced_eos_ids)
+        if lengths.decay is not None:
+            logits = eos_decayed(logits, cache.countdowns[:, DECAY], cache.eos_ids, lengths.decay)
         return logits
 
     def _draft(self, anchor: torch.Tensor, drafter_cache: RowCache, width: int, pending: list):
@@ -558,7 +594,8 @@ class SpeculativeDecoder:
                  epsilon_cutoff: float | None = None, suppress_tokens: list[int] | None = None,
                  begin_suppress_tokens: list[int] | None = None, bad_words_ids: list[list[int]] | None = None,
                  no_repeat_ngram_size: int | None = None, sequence_bias=None, top_h: float | None = None,
-                 typical_p: float | None = None, eta_cutoff: float | None = None) -> torch.Tensor:
+                 typical_p: float | None = None, eta_cutoff: float | None = None, forced_bos_token_id=None,
+                 forced_eos_token_id=None, exponential_decay_length_penalty=None) -> torch.Tensor:
         """Greedy: the same tensor as `model.generate(..., do_sample=False)`. Sampled (`do_sample=True`): tokens
         distributed exactly as the target's own sampling with the same temperature / top-h / top-k / top-p / min-p /
         typical-p / epsilon and eta cutoffs. Either with
@@ -567,7 +604,9 @@ class SpeculativeDecoder:
         ids are held back at every position before its minimum, its `sequence_bias`, `bad_words_ids` and
         `suppress_tokens` (likewise) at every position, `begin_suppress_tokens` at the first new token, and its
         `no_repeat_ngram_size` (likewise); the last and the sequences of several tokens over each row's left-padded
-        prompt and tokens.
+        prompt and tokens; its `forced_eos_token_id` as each row's last token (at max_new_tokens),
+        `forced_bos_token_id` as the first after a one-token prompt, and `exponential_decay_length_penalty` growing
+        each row's EOS logits past its start (likewise).
         `streamer` (transformers' TextStreamer interface, batch 1) gets the prompt, then each step's new tokens."""
         self._check_ids(input_ids, attention_mask)
         check_generation_config(self.model.generation_config)
@@ -580,7 +619,9 @@ class SpeculativeDecoder:
         given = dict(repetition_penalty=repetition_penalty, min_new_tokens=min_new_tokens, min_length=min_length,
                      sequence_bias=sequence_bias, bad_words_ids=bad_words_ids, suppress_tokens=suppress_tokens,
                      begin_suppress_tokens=begin_suppress_tokens, no_repeat_ngram_size=no_repeat_ngram_size,
-                     eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+                     eos_token_id=eos_token_id, pad_token_id=pad_token_id, forced_bos_token_id=forced_bos_token_id,
+                     forced_eos_token_id=forced_eos_token_id,
+                     exponential_decay_length_penalty=exponential_decay_length_penalty)
         # each processor's setting as generate takes it: the argument, else the generation_config's
         setting = {name: getattr(generation_config, name) if value is None else value for name, value in given.items()}
         penalty = setting["repetition_penalty"]
@@ -589,6 +630,9 @@ class SpeculativeDecoder:
             check_repetition_penalty(penalty)
         eos = _eos_ids(setting["eos_token_id"])
         min_tokens = _min_tokens(setting["min_new_tokens"], setting["min_length"], input_ids.shape[1])
+        forced_eos, forced_bos = _forced_ids(setting["forced_eos_token_id"], setting["forced_bos_token_id"],
+                                             setting["suppress_tokens"])
+        decay = _length_penalty(setting["exponential_decay_length_penalty"])
         biases = SequenceBiases.of(self.model.get_output_embeddings().weight.shape[0], setting["sequence_bias"],
                                    setting["bad_words_ids"], setting["suppress_tokens"], eos)
         banned_first = begin_suppressed(setting["begin_suppress_tokens"])
@@ -606,7 +650,9 @@ class SpeculativeDecoder:
 
         self.sampler = sampler
         self.repetition_penalty = penalty
-        self.holds_eos = bool(eos) and min_tokens > 0  # without an EOS generate adds no processor either
+        self.lengths = LengthProcessors(  # without an EOS generate adds no minimum length or length penalty either
+            holds_eos=bool(eos) and min_tokens > 0, forces_eos=bool(forced_eos),
+            decay=decay[1] if decay and eos else None, forced_bos=forced_bos if prompt == 1 else None)
         self.bias_shape = None if biases is None else tuple(biases.prefixes.shape)
         self.ngram_size = ngram_size
         if streamer is not None:
@@ -616,9 +662,10 @@ class SpeculativeDecoder:
         logits, features = self._prefill(input_ids, cache, padded=bool(pad.any()), chunk=chunk)
         if self.repetition_penalty:
             seen_tokens(input_ids, pad, logits.shape[-1], cache.seen_buffer(logits.shape[-1]))
-        if self.holds_eos:  # the anchor is each row's first new token
-            cache.waits_buffer().fill_(min_tokens)
-            cache.eos_buffer(logits.shape[-1], eos)
+        if self.lengths.count:  # the anchor is each row's first new token (columns `sampling.COUNTDOWNS`)
+            cache.countdowns_buffer().copy_(torch.tensor([min_tokens, max_new_tokens - 1, decay[0] if decay else 0]))
+            cache.ids_buffer("eos_ids", logits.shape[-1], eos)
+            cache.ids_buffer("forced_eos_ids", logits.shape[-1], forced_eos)
         if self.bias_shape or self.ngram_size:
             cache.fill_history(input_ids, max_len)
         if self.bias_shape:
@@ -626,8 +673,8 @@ class SpeculativeDecoder:
         logits = self._processed(logits[:, None], cache, None)[:, 0]
         if banned_first:  # generate's begin_suppress_tokens: the first new token only
             logits[:, banned_first] = float("-inf")
-        if self.holds_eos:
-            cache.eos_waits.sub_(1)
+        if self.lengths.count:
+            cache.countdowns.sub_(1)
         anchor = sampler.draw(processed_probs(logits, sampler.chain)) if sampler else logits.argmax(dim=-1)
 
         drafter_cache = None

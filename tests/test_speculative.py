@@ -233,8 +233,7 @@ def test_the_caches_bytes_are_known_before_they_are_made(tiny, random_drafter, f
     assert target.rows.nbytes + drafter.nbytes == fast.decoder._cache_bytes(*target.rows.shape[:3])
 
 
-@pytest.mark.parametrize("field, value", [("exponential_decay_length_penalty", (4, 1.5)), ("forced_eos_token_id", 3),
-                                          ("num_beams", 2)])
+@pytest.mark.parametrize("field, value", [("num_beams", 2), ("penalty_alpha", 0.6), ("num_return_sequences", 2)])
 @pytest.mark.parametrize("do_sample", [False, True])
 def test_generation_settings_transformers_would_apply_are_refused(tiny, field, value, do_sample):
     """model.generate applies these from the model's generation_config, greedy or sampling: decoding without them
@@ -248,7 +247,8 @@ def test_generation_settings_transformers_would_apply_are_refused(tiny, field, v
                                          r"generate applies and dflash_compile's does not \(it decodes greedily or "
                                          r"samples with temperature, top_h, top_k, top_p, min_p, typical_p, "
                                          r"epsilon_cutoff and eta_cutoff, with "
-                                         r"repetition_penalty, min_new_tokens / min_length, sequence_bias, "
+                                         r"repetition_penalty, min_new_tokens / min_length, forced_bos_token_id, "
+                                         r"forced_eos_token_id, exponential_decay_length_penalty, sequence_bias, "
                                          r"bad_words_ids, suppress_tokens and no_repeat_ngram_size\): set them to None "
                                          "on model.generation_config to generate without them, or run "
                                          "model.generate$"):
@@ -422,6 +422,57 @@ def test_a_minimum_length_holds_eos_back_as_generate_does(tiny, family, compile,
     fast = _generates_with_partial_drafts(model, ids, mask, expected, compile, **options, **setting)
     model.generation_config.update(**setting)
     assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, **options), expected)
+
+
+@pytest.mark.parametrize("family, compile, setting", [
+    ("qwen3_moe", False, dict(forced_eos_token_id=5)),
+    ("deepseek_v3", False, dict(exponential_decay_length_penalty=(2, 2.5))),
+    ("gpt_oss", True, dict(forced_eos_token_id=[5, 6], exponential_decay_length_penalty=(4, 1.8), min_new_tokens=3)),
+])
+def test_forced_eos_and_a_length_penalty_as_generate_applies_them(tiny, family, compile, setting):
+    """A forced EOS (each row's 48th and last new token) and an exponentially decaying length penalty on the EOS row
+    0 emits as its 10th new token (growing past each row's start, so rows stop earlier), alone and with a minimum
+    length, at every verified position, drafts accepted up to a miss: token-identical to model.generate with them,
+    given to generate or read from the generation_config."""
+    model = tiny(family)
+    ids, mask = prompts(3)
+    eos = int(reference(model, ids, mask)[0, ids.shape[1] + 9])
+    options = dict(eos_token_id=eos, pad_token_id=0)
+    expected = reference(model, ids, mask, **options, **setting)
+    plain = reference(model, ids, mask, **options)
+    assert expected.shape != plain.shape or not torch.equal(expected, plain)
+    if "forced_eos_token_id" in setting:
+        assert set(expected[:, -1].tolist()) <= {5, 6, 0, eos}
+    fast = _generates_with_partial_drafts(model, ids, mask, expected, compile, **options, **setting)
+    model.generation_config.update(**setting)
+    assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, **options), expected)
+
+
+def test_a_forced_bos_after_a_one_token_prompt_as_generate_applies_it(tiny):
+    """forced_bos_token_id makes the first new token after a one-token prompt (generate forces it at length 1 only;
+    after a longer prompt it changes nothing)."""
+    model = tiny("qwen3_moe")
+    fast = dflash_compile.optimize(model, adaptive=False, compile=False)
+    for ids in (torch.tensor([[3], [9]]), prompts(2)[0].clamp(min=3)):
+        expected = reference(model, ids, None, forced_bos_token_id=7)
+        assert (expected[:, ids.shape[1]] == 7).all() == (ids.shape[1] == 1)
+        assert torch.equal(fast.generate(ids, max_new_tokens=NEW_TOKENS, forced_bos_token_id=7), expected)
+
+
+@pytest.mark.parametrize("setting, message", [
+    (dict(forced_eos_token_id=-2), r"forced_eos_token_id / forced_bos_token_id must be token ids >= 0, got -2 / None"),
+    (dict(forced_eos_token_id=[4, 11], suppress_tokens=[11]), r"token\(s\) \[11\] are forced \(forced_eos_token_id / "
+     r"forced_bos_token_id\) and also in suppress_tokens: model.generate would leave no token to choose there; drop "
+     r"one of them"),
+    (dict(exponential_decay_length_penalty=1.5), r"exponential_decay_length_penalty must be \(start_index: int, "
+     r"decay_factor: float\), got 1.5"),
+])
+def test_forced_tokens_and_length_penalties_that_cannot_apply_are_refused(tiny, setting, message):
+    fast = dflash_compile.optimize(tiny("qwen3_moe"), adaptive=False, compile=False)
+    ids, mask = prompts(1)
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        fast.generate(ids, attention_mask=mask, max_new_tokens=8, **setting)
+    assert fast.decoder.target_cache is None
 
 
 @pytest.mark.parametrize("setting", [dict(min_new_tokens=-1), dict(min_length=2.5)])
