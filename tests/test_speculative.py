@@ -358,6 +358,20 @@ def test_history_settings_replayed_from_cuda_graphs_as_generate_applies_them(tin
     assert fast.decoder.mode == "reduce-overhead"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_length_processors_replayed_from_cuda_graphs_as_generate_applies_them(tiny):
+    """A minimum length, a forced EOS and a length penalty (`TargetCache.countdowns`) in steps replayed from CUDA
+    graphs: token-identical to model.generate with them, through partly accepted drafts."""
+    model = tiny("gpt_oss").cuda()
+    ids, mask = (tensor.cuda() for tensor in prompts(3))
+    eos = int(reference(model, ids, mask)[0, ids.shape[1] + 9])
+    settings = dict(eos_token_id=eos, pad_token_id=0, min_new_tokens=3, forced_eos_token_id=[5, 6],
+                    exponential_decay_length_penalty=(4, 1.8))
+    expected = reference(model, ids, mask, **settings)
+    fast = _generates_with_partial_drafts(model, ids, mask, expected, compile=True, **settings)
+    assert fast.decoder.mode == "reduce-overhead"
+
+
 def test_a_bias_outside_the_vocabulary_is_refused(tiny):
     fast = dflash_compile.optimize(tiny("qwen3_moe"), adaptive=False, compile=False)
     ids, mask = prompts(1)
