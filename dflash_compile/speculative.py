@@ -110,13 +110,14 @@ def _eos_ids(eos_token_id) -> set[int]:
     return {int(t) for t in (eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id])}
 
 
-def _forced_ids(forced_eos_token_id, forced_bos_token_id, suppress_tokens) -> tuple[set[int], int | None]:
-    """generate's forced EOS ids and forced BOS id, refused where negative, or where `suppress_tokens` (which
-    generate applies after them) bans them: no token would be left to choose."""
+def _forced_ids(forced_eos_token_id, forced_bos_token_id, suppress_tokens,
+                vocabulary: int) -> tuple[set[int], int | None]:
+    """generate's forced EOS ids and forced BOS id, refused outside [0, vocabulary), or where `suppress_tokens`
+    (which generate applies after them) bans them: no token would be left to choose."""
     forced_eos = _eos_ids(forced_eos_token_id)
     forced = forced_eos | _eos_ids(forced_bos_token_id)
-    if any(t < 0 for t in forced):
-        raise ValueError(f"forced_eos_token_id / forced_bos_token_id must be token ids >= 0, got "
+    if any(not 0 <= t < vocabulary for t in forced):
+        raise ValueError(f"forced_eos_token_id / forced_bos_token_id must be token ids in [0, {vocabulary}), got "
                          f"{forced_eos_token_id!r} / {forced_bos_token_id!r}")
     if clash := sorted(forced & set(suppress_tokens or ())):
         raise ValueError(f"token(s) {clash} are forced (forced_eos_token_id / forced_bos_token_id) and also in "
@@ -630,10 +631,11 @@ class SpeculativeDecoder:
             check_repetition_penalty(penalty)
         eos = _eos_ids(setting["eos_token_id"])
         min_tokens = _min_tokens(setting["min_new_tokens"], setting["min_length"], input_ids.shape[1])
+        vocabulary = self.model.get_output_embeddings().weight.shape[0]
         forced_eos, forced_bos = _forced_ids(setting["forced_eos_token_id"], setting["forced_bos_token_id"],
-                                             setting["suppress_tokens"])
+                                             setting["suppress_tokens"], vocabulary)
         decay = _length_penalty(setting["exponential_decay_length_penalty"])
-        biases = SequenceBiases.of(self.model.get_output_embeddings().weight.shape[0], setting["sequence_bias"],
+        biases = SequenceBiases.of(vocabulary, setting["sequence_bias"],
                                    setting["bad_words_ids"], setting["suppress_tokens"], eos)
         banned_first = begin_suppressed(setting["begin_suppress_tokens"])
         ngram_size = check_ngram_size(setting["no_repeat_ngram_size"])

@@ -474,7 +474,10 @@ def test_a_forced_bos_after_a_one_token_prompt_as_generate_applies_it(tiny):
 
 
 @pytest.mark.parametrize("setting, message", [
-    (dict(forced_eos_token_id=-2), r"forced_eos_token_id / forced_bos_token_id must be token ids >= 0, got -2 / None"),
+    (dict(forced_eos_token_id=-2), r"forced_eos_token_id / forced_bos_token_id must be token ids in \[0, 128\), got -2 "
+     r"/ None"),
+    (dict(forced_bos_token_id=128), r"forced_eos_token_id / forced_bos_token_id must be token ids in \[0, 128\), got "
+     r"None / 128"),
     (dict(forced_eos_token_id=[4, 11], suppress_tokens=[11]), r"token\(s\) \[11\] are forced \(forced_eos_token_id / "
      r"forced_bos_token_id\) and also in suppress_tokens: model.generate would leave no token to choose there; drop "
      r"one of them"),
