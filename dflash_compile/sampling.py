@@ -1,7 +1,7 @@
 """Sampling settings, applied to target and draft logits alike, in transformers' generate order
 (temperature, top-h, top-k, top-p, min-p, typical-p, epsilon cutoff, eta cutoff), using transformers' own logits
 warpers (top-p's and typical-p's probabilities read from a sort before their scan, `TopPWarper`, `TypicalWarper`;
-top-h's and eta's entropies without a torch.distributions object, `TopHWarper`, `EtaWarper`)."""
+top-h's and eta's entropies without a torch.distributions object, `_categorical`)."""
 
 from __future__ import annotations
 
@@ -68,22 +68,23 @@ class TopPWarper(TopPLogitsWarper):
         return scores.masked_fill(remove.scatter(1, order, remove), self.filter_value)
 
 
-def _entropy(scores: torch.Tensor) -> torch.Tensor:
-    """[..., V] logits -> [...] entropies, as torch.distributions.Categorical(logits=scores).entropy() computes them
-    (a filtered token's -inf log-probability clamped to the dtype's lowest before its zero weight), without the
-    distribution object, whose argument checks Dynamo would trace into the compiled step."""
+def _categorical(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[..., V] logits -> (log-probabilities, probabilities, [...] entropies), as
+    torch.distributions.Categorical(logits=scores) computes them (for the entropy a filtered token's -inf
+    log-probability clamped to the dtype's lowest before its zero weight), without the distribution object, whose
+    argument checks Dynamo would trace into the compiled step."""
     normalized = scores - scores.logsumexp(dim=-1, keepdim=True)
-    return -(normalized.clamp(min=torch.finfo(normalized.dtype).min) * normalized.softmax(dim=-1)).sum(-1)
+    probs = normalized.softmax(dim=-1)
+    return normalized, probs, -(normalized.clamp(min=torch.finfo(normalized.dtype).min) * probs).sum(-1)
 
 
 class TopHWarper(TopHLogitsWarper):
-    """transformers' top-h filter with `_entropy` for its torch.distributions object: the same tokens kept."""
+    """transformers' top-h filter with `_categorical` for its torch.distributions object: the same tokens kept."""
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         top_logits, top_index = torch.topk(scores, min(self.top_n, scores.shape[-1]), dim=-1, sorted=True)
-        normalized = top_logits - top_logits.logsumexp(dim=-1, keepdim=True)
-        probs = normalized.softmax(dim=-1)
-        keep = (-probs * torch.log(probs)).cumsum(dim=-1) <= _entropy(top_logits)[..., None] * self.top_h
+        _, probs, entropy = _categorical(top_logits)
+        keep = (-probs * torch.log(probs)).cumsum(dim=-1) <= entropy[..., None] * self.top_h
         keep[..., 0] = True  # the likeliest token, whatever the threshold
         kept = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, top_index, keep)
         return scores.masked_fill(~kept, self.filter_value)
@@ -111,7 +112,7 @@ class TypicalWarper(TypicalLogitsWarper):
 
 
 class EtaWarper(EtaLogitsWarper):
-    """transformers' eta filter with `_entropy` for its torch.distributions object, and its epsilon (fp32, as
+    """transformers' eta filter with `_categorical` for its torch.distributions object, and its epsilon (fp32, as
     transformers keeps it) and that epsilon's fp32 square root as numbers: the same cutoff on any device."""
 
     def __init__(self, epsilon: float, min_tokens_to_keep: int = 1):
@@ -119,7 +120,7 @@ class EtaWarper(EtaLogitsWarper):
         self.cutoff, self.root = float(self.epsilon), float(self.epsilon.sqrt())
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
-        eta = (self.root * torch.exp(-_entropy(scores))).clamp(max=self.cutoff)[..., None]
+        eta = (self.root * torch.exp(-_categorical(scores)[2])).clamp(max=self.cutoff)[..., None]
         remove = scores.softmax(dim=-1) < eta
         # the likeliest min_tokens_to_keep tokens stay, whatever the cutoff
         remove &= scores < torch.topk(scores, min(self.min_tokens_to_keep, scores.shape[-1]))[0][..., -1, None]

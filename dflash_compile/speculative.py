@@ -104,18 +104,19 @@ def _min_tokens(min_new_tokens: int | None, min_length: int | None, prompt: int)
     return max(min_new_tokens or 0, (min_length or 0) - prompt)
 
 
-def _eos_ids(eos_token_id) -> set[int]:
-    if eos_token_id is None:
+def _token_ids(setting) -> set[int]:
+    """A generate setting of one token id or several (eos_token_id, forced_eos_token_id, ...) as a set."""
+    if setting is None:
         return set()
-    return {int(t) for t in (eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id])}
+    return {int(t) for t in (setting if isinstance(setting, (list, tuple, set)) else [setting])}
 
 
 def _forced_ids(forced_eos_token_id, forced_bos_token_id, suppress_tokens,
                 vocabulary: int) -> tuple[set[int], int | None]:
     """generate's forced EOS ids and forced BOS id, refused outside [0, vocabulary), or where `suppress_tokens`
     (which generate applies after them) bans them: no token would be left to choose."""
-    forced_eos = _eos_ids(forced_eos_token_id)
-    forced = forced_eos | _eos_ids(forced_bos_token_id)
+    forced_eos = _token_ids(forced_eos_token_id)
+    forced = forced_eos | _token_ids(forced_bos_token_id)
     if any(not 0 <= t < vocabulary for t in forced):
         raise ValueError(f"forced_eos_token_id / forced_bos_token_id must be token ids in [0, {vocabulary}), got "
                          f"{forced_eos_token_id!r} / {forced_bos_token_id!r}")
@@ -629,7 +630,7 @@ class SpeculativeDecoder:
         penalty = None if penalty == 1.0 else penalty  # None too: as generate, which then adds no processor
         if penalty is not None:
             check_repetition_penalty(penalty)
-        eos = _eos_ids(setting["eos_token_id"])
+        eos = _token_ids(setting["eos_token_id"])
         min_tokens = _min_tokens(setting["min_new_tokens"], setting["min_length"], input_ids.shape[1])
         vocabulary = self.model.get_output_embeddings().weight.shape[0]
         forced_eos, forced_bos = _forced_ids(setting["forced_eos_token_id"], setting["forced_bos_token_id"],
