@@ -304,7 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--temperature", type=float, help="with --sample")
     generate.add_argument("--top-k", type=int, help="with --sample")
     generate.add_argument("--top-p", type=float, help="with --sample")
-    generate.add_argument("--seed", type=int, default=0, help="the random numbers' seed with --sample")
+    generate.add_argument("--seed", type=int, default=0,
+                          help="the random numbers' seed with --sample (two runs can still differ: the adaptive "
+                               "verify width, which follows measured step times, sets how many numbers a step draws)")
     generate.add_argument("--repeats", type=int, default=5, help="timed generations per side (alternating)")
     generate.add_argument("--gpu-memory", help="offload routed experts to host memory under this budget, e.g. 20GiB")
     generate.add_argument("--prefill-chunk", type=int,
