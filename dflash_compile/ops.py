@@ -234,6 +234,21 @@ def _state_select_fake(state, candidate, take):
     torch._check(candidate.shape == state.shape, lambda: "candidate state differs in shape")
 
 
+@torch.library.custom_op("dflash::ordered_cumsum", mutates_args=())
+def ordered_cumsum(values: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """values.gather(-1, order).cumsum(-1): the running sum of `values` taken in `order` along the last dimension. An
+    op of its own so that Inductor never fuses the gather into the scan: torch 2.11 fails to generate the split scan
+    of a vocabulary-long cumsum on CUDA with a gather fused in (typical-p's, `sampling.TypicalWarper`; the same
+    family of failures as pytorch/pytorch#180221)."""
+    return values.gather(-1, order).cumsum(-1)
+
+
+@ordered_cumsum.register_fake
+def _ordered_cumsum_fake(values, order):
+    torch._check(values.shape[:-1] == order.shape[:-1], lambda: "values and order differ before the last dimension")
+    return values.new_empty(order.shape)
+
+
 @torch.library.custom_op("dflash::sampled_accept", mutates_args=())
 def sampled_accept(
     block: torch.Tensor, target_probs: torch.Tensor, draft_probs: torch.Tensor, uniforms: torch.Tensor,

@@ -14,6 +14,8 @@ from transformers.generation.logits_process import (
     SuppressTokensLogitsProcessor, TemperatureLogitsWarper, TopHLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
     TypicalLogitsWarper)
 
+from .ops import ordered_cumsum
+
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
     """Reject settings generate would reject, before any state changes."""
@@ -94,7 +96,8 @@ class TypicalWarper(TypicalLogitsWarper):
     """transformers' typical-p filter with the probabilities its scan adds up read from a sort of their own (the
     tokens' probabilities in descending order, gathered into the typical order) instead of a softmax taken after the
     typical sort: the softmax's per-row max and sum then stay out of the vocabulary-long scan, which torch 2.11's
-    Inductor fails to generate on CUDA (see `TopPWarper`). The same tokens kept, up to the last bit of a sum."""
+    Inductor fails to generate on CUDA (see `TopPWarper`), and the gather with it (`ops.ordered_cumsum`, opaque: a
+    gather fused into that scan fails as well, seen on an H100). The same tokens kept, up to the last bit of a sum."""
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         normalized = torch.nn.functional.log_softmax(scores, dim=-1)
@@ -104,7 +107,7 @@ class TypicalWarper(TypicalLogitsWarper):
         descending, by_probability = torch.sort(probs, descending=True)
         rank = torch.empty_like(by_probability).scatter_(-1, by_probability, torch.arange(
             scores.shape[-1], device=scores.device).expand_as(by_probability))  # each token's place in `descending`
-        cumulative = descending.gather(-1, rank.gather(-1, order)).cumsum(dim=-1)
+        cumulative = ordered_cumsum(descending, rank.gather(-1, order))
         last = (cumulative < self.mass).sum(dim=-1, keepdim=True).clamp(max=scores.shape[-1] - 1)
         remove = shifted > shifted.gather(-1, last)
         remove[..., :self.min_tokens_to_keep] = False

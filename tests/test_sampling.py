@@ -129,6 +129,13 @@ def _argmax_path(draft):
     return first, int(draft[(first,)].argmax())
 
 
+def test_opcheck_ordered_cumsum():
+    values = torch.randn(2, 3, 7)
+    order = torch.stack([torch.randperm(7) for _ in range(6)]).reshape(2, 3, 7)
+    torch.library.opcheck(torch.ops.dflash.ordered_cumsum.default, (values, order))
+    assert torch.equal(torch.ops.dflash.ordered_cumsum(values, order), values.gather(-1, order).cumsum(-1))
+
+
 def test_opcheck_sampled_accept():
     block = torch.tensor([[0, 1, 2], [3, 0, 0]])
     target = torch.softmax(torch.randn(2, 3, 5), -1)
