@@ -1,0 +1,424 @@
+"""Probe (not the library's kernel): one token's gpt-oss MXFP4 MoE layer as two CUDA C++ kernels on the CUDA cores,
+to measure how near the copy bandwidth a plain GEMV design gets where the Triton row path stops at 45-47% (H200).
+
+Design: every lane of a warp owns 32-code groups lane, lane + 32, lane + 64 of a row (K = 2880: 90 groups), so a
+warp reads a row's 1440 bytes as 16-byte loads, coalesced, with no shared-memory staging of weights and no CTA-wide
+barrier in the loop; the activations sit in shared memory as fp16 pairs in the decode's order (swizzled: conflict
+free 16-byte reads), the codes go to fp16x2 pairs by the library's 11-instruction word decode, products add in
+fp16x2 per group and in fp32 across groups, a warp shuffle sums the lanes. Warps are persistent (a grid of CTAS
+per SM) and keep DEPTH units' loads in flight.
+- gate/up: a warp's unit is one output column (its interleaved gate and up rows); activation; fp16 output times
+  2^PAIRED_SHIFT in pair order for the down kernel.
+- down: a warp's unit is one output row of all top-k experts, weighted and summed in a fixed order in the kernel (no
+  pair-sum launch).
+- The down kernel is a programmatic dependent launch: it issues its first weight loads, then waits for gate/up.
+- `--configs` DEPTH1,DEPTH2,CTAS1,CTAS2 (gate/up, down); each also timed with gate/up's loads alone (no decode) and
+  its decode alone (words made up, no loads). `--ncu`: a few plain calls for a profiler.
+
+Built with torch's load_inline (needs nvcc; sm_90a). Session 58 (docs/benchmarks.md): 1.15x the library on the H100.
+
+    python3 bench/probe_cuda_rows.py --layers 4 --configs 1,1,2,2 2,1,2,2
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils.cpp_extension import load_inline
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from moe_kernels import copy_bandwidth, graph_time_us, random_packed, random_routing, read_time_us, reference  # noqa: E402
+
+from dflash_compile.kernels.moe import fused_moe  # noqa: E402
+
+CUDA = r"""
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <torch/extension.h>
+#include <ATen/cuda/CUDAContext.h>
+
+constexpr int GPL = 3;  // groups per lane: K / 32 <= 96
+
+__device__ __forceinline__ void wait_previous() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void let_next() { asm volatile("griddepcontrol.launch_dependents;"); }
+
+__device__ __forceinline__ float exp2i(int e) { return __int_as_float((e + 127) << 23); }
+
+// quad q (a packed word's four fp16x2 pairs) of group g, swizzled so a warp's 16-byte reads of 32 groups are
+// conflict free
+__device__ __forceinline__ int quad(int g, int q) { return g * 4 + (q ^ ((g >> 1) & 3)); }
+
+__device__ __forceinline__ void decode(uint32_t w, uint32_t& p0, uint32_t& p1, uint32_t& p2, uint32_t& p3) {
+  asm("{\n.reg .b32 low, high, sign;\n"
+      "shl.b32 low, %4, 1;\nshl.b32 sign, %4, 4;\nand.b32 low, low, 0x0E0E0E0E;\n"
+      "and.b32 sign, sign, 0x80808080;\nor.b32 low, low, sign;\n"
+      "shr.b32 high, %4, 3;\nand.b32 high, high, 0x0E0E0E0E;\nand.b32 sign, %4, 0x80808080;\n"
+      "or.b32 high, high, sign;\n"
+      "prmt.b32 %0, low, 0, 0x1404;\nprmt.b32 %1, low, 0, 0x3424;\n"
+      "prmt.b32 %2, high, 0, 0x1404;\nprmt.b32 %3, high, 0, 0x3424;\n}"
+      : "=r"(p0), "=r"(p1), "=r"(p2), "=r"(p3) : "r"(w));
+}
+
+__device__ __forceinline__ __half2 h2(uint32_t u) { return *reinterpret_cast<__half2*>(&u); }
+
+__device__ __forceinline__ __half2 word_dot(uint32_t w, uint4 x, __half2 sum) {
+  uint32_t p0, p1, p2, p3;
+  decode(w, p0, p1, p2, p3);
+  sum = __hfma2(h2(p0), h2(x.x), sum);
+  sum = __hfma2(h2(p1), h2(x.y), sum);
+  sum = __hfma2(h2(p2), h2(x.z), sum);
+  return __hfma2(h2(p3), h2(x.w), sum);
+}
+
+// one group's 32 products, scaled by its E8M0 exponent
+__device__ __forceinline__ float group_dot(uint4 w, const uint4* xs, int g, uint8_t e) {
+  __half2 sum = __float2half2_rn(0.f);
+  sum = word_dot(w.x, xs[quad(g, 0)], sum);
+  sum = word_dot(w.y, xs[quad(g, 1)], sum);
+  sum = word_dot(w.z, xs[quad(g, 2)], sum);
+  sum = word_dot(w.w, xs[quad(g, 3)], sum);
+  float2 f = __half22float2(sum);
+  return (f.x + f.y) * __int_as_float(int(e) << 23);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ int paired_column(int c) {  // the library's _paired_columns
+  int r = c % 8;
+  return c - r + (r % 2) * 4 + (r / 4) * 2 + (r / 2) % 2;
+}
+
+template <int ROWS>
+struct Loads {
+  uint4 w[ROWS][GPL];
+  uint8_t e[ROWS][GPL];
+};
+
+// A row's groups lane + 32 i; past the row's G groups a lane reads group G - 1 again with exponent 0 (its products
+// count 0), so no load or product is branched around.
+template <int ROWS, int MODE>
+__device__ __forceinline__ void load_rows(Loads<ROWS>& l, const uint4* const* rows, const uint8_t* const* scales,
+                                          int lane, int G) {
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+    for (int i = 0; i < GPL; ++i) {
+      const int g = lane + 32 * i, gg = min(g, G - 1);
+      if (MODE == 2) {  // decode only: words made from the address, no loads
+        uint32_t a = uint32_t(size_t(rows[r] + gg));
+        l.w[r][i] = make_uint4(a, a ^ 0x5A5A5A5A, a * 3u, a ^ 0x33333333);
+        l.e[r][i] = g < G ? 120 : 0;
+      } else {
+        l.w[r][i] = __ldcs(rows[r] + gg);
+        l.e[r][i] = g < G ? __ldcs(scales[r] + gg) : uint8_t(0);
+      }
+    }
+}
+
+template <int MODE>
+__device__ __forceinline__ float row_dot(const uint4 (&w)[GPL], const uint8_t (&e)[GPL], const uint4* xs, int lane,
+                                         int G) {
+  float acc = 0.f;
+#pragma unroll
+  for (int i = 0; i < GPL; ++i) {
+    if (MODE == 1)  // loads only: the words folded, no decode
+      acc += __int_as_float((w[i].x ^ w[i].y ^ w[i].z ^ w[i].w) & 0x3FFFFF) + float(e[i]);
+    else
+      acc += group_dot(w[i], xs, min(lane + 32 * i, G - 1), e[i]);  // past G: group G - 1, exponent 0
+  }
+  return acc;
+}
+
+// Persistent warps: warp w of the grid takes units w, w + W, w + 2W, ... (W the grid's warps), DEPTH units' loads in
+// flight (a ring of registers indexed at compile time: the unit loop is unrolled DEPTH times, with no break, so the
+// shuffles stay convergent; units past the end load the last one again and store nothing).
+
+// gate/up: a unit is output column c of expert slot s (unit s * I + c), rows 2c (gate) and 2c + 1 (up)
+template <int WARPS, int DEPTH, int MODE>
+__global__ void __launch_bounds__(WARPS * 32) gate_up_kernel(
+    const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ blocks, const uint8_t* __restrict__ scales,
+    const __nv_bfloat16* __restrict__ bias, const int64_t* __restrict__ experts, __half* __restrict__ h,
+    int I, int G, int units, float alpha, float limit, int paired_shift) {
+  extern __shared__ uint4 xs[];
+  __shared__ float warp_max[WARPS];
+  __shared__ int64_t expert_rows[8];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int stride = gridDim.x * WARPS;
+  const int first = blockIdx.x * WARPS + warp;
+  const int iters = first < units ? (units - first + stride - 1) / stride : 0;
+  wait_previous();
+  if (threadIdx.x < units / I) expert_rows[threadIdx.x] = experts[threadIdx.x] * 2 * I;
+  __syncthreads();
+  // unit u = slot * I + column, stepped without divisions: the grid's warps (stride) are fewer than I
+  auto issue = [&](Loads<2>& l, int slot, int column) {
+    const int64_t row = expert_rows[min(slot, units / I - 1)] + 2 * column;
+    const uint4* r[2] = {blocks + row * G, blocks + (row + 1) * G};
+    const uint8_t* s[2] = {scales + row * G, scales + (row + 1) * G};
+    load_rows<2, MODE>(l, r, s, lane, G);
+  };
+  auto step = [&](int& slot, int& column, int by) {
+    column += by;
+    while (column >= I) { column -= I; ++slot; }
+  };
+  Loads<2> ring[DEPTH];
+  int slots[DEPTH], columns[DEPTH];  // the units in the ring
+  int next_slot = first / I, next_column = first % I;  // the next unit to load
+#pragma unroll
+  for (int d = 0; d < DEPTH; ++d) {
+    slots[d] = next_slot; columns[d] = next_column;
+    issue(ring[d], next_slot, next_column);
+    step(next_slot, next_column, stride);
+  }
+  // activations: fp16 times 2^shift (largest magnitude in [2^14, 2^15)), pairs in the decode's order
+  const int K = G * 32;
+  const uint4* x8 = reinterpret_cast<const uint4*>(x);
+  float m = 0.f;
+  for (int wd = threadIdx.x; wd < K / 8; wd += WARPS * 32) {
+    uint4 raw = x8[wd];
+    const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float2 f = __bfloat1622float2(v[j]);
+      m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
+    }
+  }
+  for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (lane == 0) warp_max[warp] = m;
+  __syncthreads();
+  m = 0.f;
+  for (int i = 0; i < WARPS; ++i) m = fmaxf(m, warp_max[i]);
+  const int shift = min(14 - (((__float_as_int(m) >> 23) & 255) - 127), 100);
+  const float scale = exp2i(shift);
+  for (int wd = threadIdx.x; wd < K / 8; wd += WARPS * 32) {
+    uint4 raw = x8[wd];
+    const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw);
+    float f[8];
+    for (int j = 0; j < 8; ++j) f[j] = __bfloat162float(v[j]) * scale;
+    __half2 a = __floats2half2_rn(f[0], f[2]), b = __floats2half2_rn(f[4], f[6]);
+    __half2 c = __floats2half2_rn(f[1], f[3]), d = __floats2half2_rn(f[5], f[7]);
+    uint4 q;
+    q.x = *reinterpret_cast<uint32_t*>(&a); q.y = *reinterpret_cast<uint32_t*>(&b);
+    q.z = *reinterpret_cast<uint32_t*>(&c); q.w = *reinterpret_cast<uint32_t*>(&d);
+    xs[quad(wd / 4, wd % 4)] = q;
+  }
+  __syncthreads();
+  let_next();
+  const float unscale = exp2i(14 - shift);
+  const float out_scale = exp2i(paired_shift);
+  for (int it = 0; it < iters; it += DEPTH) {
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d) {
+      float gate = row_dot<MODE>(ring[d].w[0], ring[d].e[0], xs, lane, G);
+      float up = row_dot<MODE>(ring[d].w[1], ring[d].e[1], xs, lane, G);
+      const int slot = slots[d], c = columns[d];
+      slots[d] = next_slot; columns[d] = next_column;
+      issue(ring[d], next_slot, next_column);
+      step(next_slot, next_column, stride);
+      // both sums in one butterfly: lanes 0-15 finish gate, 16-31 up (5 shuffles instead of 10)
+      const bool low = lane < 16;
+      float mine = (low ? gate : up) + __shfl_xor_sync(0xffffffffu, low ? up : gate, 16);
+      for (int o = 8; o; o >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, o);
+      gate = mine;
+      up = __shfl_sync(0xffffffffu, mine, 16);
+      if (lane == 0 && it + d < iters) {
+        const int64_t row = expert_rows[slot] + 2 * c;
+        gate = gate * unscale + __bfloat162float(bias[row]);
+        up = up * unscale + __bfloat162float(bias[row + 1]);
+        gate = fminf(gate, limit);
+        up = fminf(fmaxf(up, -limit), limit);
+        float act = (up + 1.f) * gate * __frcp_rn(1.f + __expf(-gate * alpha));
+        h[(int64_t)slot * I + paired_column(c)] = __float2half_rn(act * out_scale);
+      }
+    }
+  }
+}
+
+// down: a unit is output row n, the TOPK experts' rows n, weighted and summed in slot order
+template <int WARPS, int DEPTH, int TOPK>
+__global__ void __launch_bounds__(WARPS * 32) down_kernel(
+    const __half* __restrict__ h, const uint4* __restrict__ blocks, const uint8_t* __restrict__ scales,
+    const __nv_bfloat16* __restrict__ bias, const int64_t* __restrict__ experts, const float* __restrict__ weights,
+    __nv_bfloat16* __restrict__ out, int H, int G, int paired_shift) {
+  extern __shared__ uint4 xs[];  // TOPK x G x 4 quads
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int stride = gridDim.x * WARPS;
+  const int first = blockIdx.x * WARPS + warp;
+  const int iters = first < H ? (H - first + stride - 1) / stride : 0;
+  int64_t e[TOPK];
+#pragma unroll
+  for (int k = 0; k < TOPK; ++k) e[k] = experts[k];  // the routing is the previous launch's input: already there
+  auto issue = [&](Loads<TOPK>& l, int unit) {
+    const int n = min(unit, H - 1);
+    const uint4* r[TOPK]; const uint8_t* s[TOPK];
+#pragma unroll
+    for (int k = 0; k < TOPK; ++k) {
+      r[k] = blocks + (e[k] * H + n) * G;
+      s[k] = scales + (e[k] * H + n) * G;
+    }
+    load_rows<TOPK, 0>(l, r, s, lane, G);
+  };
+  Loads<TOPK> ring[DEPTH];
+#pragma unroll
+  for (int d = 0; d < DEPTH; ++d) issue(ring[d], first + d * stride);
+  wait_previous();  // gate/up's activations (read straight from global memory instead: 10.8 -> 15.7 us on the H100)
+  const uint4* hq = reinterpret_cast<const uint4*>(h);
+  for (int i = threadIdx.x; i < TOPK * G * 4; i += WARPS * 32) {
+    int k = i / (G * 4), rest = i % (G * 4);
+    xs[k * G * 4 + quad(rest / 4, rest % 4)] = hq[i];
+  }
+  __syncthreads();
+  let_next();
+  const float unscale = exp2i(14 - paired_shift);
+  for (int it = 0; it < iters; it += DEPTH) {
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d) {
+      const int n = first + (it + d) * stride;
+      float acc[TOPK];
+#pragma unroll
+      for (int k = 0; k < TOPK; ++k) acc[k] = row_dot<0>(ring[d].w[k], ring[d].e[k], xs + k * G * 4, lane, G);
+      issue(ring[d], n + DEPTH * stride);
+#pragma unroll
+      for (int k = 0; k < TOPK; ++k) acc[k] = warp_sum(acc[k]);
+      if (lane == 0 && it + d < iters) {
+        float total = 0.f;
+#pragma unroll
+        for (int k = 0; k < TOPK; ++k)
+          total += weights[k] * (acc[k] * unscale + __bfloat162float(bias[e[k] * H + n]));
+        out[n] = __float2bfloat16_rn(total);
+      }
+    }
+  }
+}
+
+template <typename Kernel, typename... Args>
+void launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, bool pdl, Args... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = at::cuda::getCurrentCUDAStream();
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = pdl ? 1 : 0;
+  TORCH_CHECK(cudaLaunchKernelEx(&config, kernel, args...) == cudaSuccess, "launch failed");
+}
+
+template <int DEPTH1, int DEPTH2>
+void moe_config(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor b1, torch::Tensor w2,
+                torch::Tensor s2, torch::Tensor b2, torch::Tensor experts, torch::Tensor weights, torch::Tensor h,
+                torch::Tensor out, double alpha, double limit, int64_t paired_shift, int64_t ctas1, int64_t ctas2,
+                int64_t parts, bool pdl, int64_t mode) {
+  constexpr int WARPS = 8, TOPK = 4;
+  const int I = w1.size(1) / 2, G = w1.size(2), H = w2.size(1);
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  auto gate_up = mode == 1 ? gate_up_kernel<WARPS, DEPTH1, 1>
+                 : mode == 2 ? gate_up_kernel<WARPS, DEPTH1, 2> : gate_up_kernel<WARPS, DEPTH1, 0>;
+  const int64_t gate_up_ctas = std::min<int64_t>(sms * ctas1, (TOPK * I + WARPS - 1) / WARPS);
+  if (parts & 1)
+    launch(gate_up, dim3(gate_up_ctas), dim3(WARPS * 32), G * 4 * 16, pdl,
+           (const __nv_bfloat16*)x.data_ptr(), (const uint4*)w1.data_ptr(), (const uint8_t*)s1.data_ptr(),
+           (const __nv_bfloat16*)b1.data_ptr(), (const int64_t*)experts.data_ptr(), (__half*)h.data_ptr(), I, G,
+           TOPK * I, float(alpha), float(limit), int(paired_shift));
+  if (parts & 2)
+    launch(down_kernel<WARPS, DEPTH2, TOPK>, dim3(sms * ctas2), dim3(WARPS * 32), TOPK * G * 4 * 16, pdl,
+           (const __half*)h.data_ptr(), (const uint4*)w2.data_ptr(), (const uint8_t*)s2.data_ptr(),
+           (const __nv_bfloat16*)b2.data_ptr(), (const int64_t*)experts.data_ptr(), (const float*)weights.data_ptr(),
+           (__nv_bfloat16*)out.data_ptr(), H, G, int(paired_shift));
+}
+
+void moe(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor b1, torch::Tensor w2, torch::Tensor s2,
+         torch::Tensor b2, torch::Tensor experts, torch::Tensor weights, torch::Tensor h, torch::Tensor out,
+         double alpha, double limit, int64_t paired_shift, int64_t depth1, int64_t depth2, int64_t ctas1,
+         int64_t ctas2, int64_t parts, bool pdl, int64_t mode) {
+  TORCH_CHECK(w1.size(2) <= 32 * GPL && w2.size(2) <= 32 * GPL, "K too large for GPL");
+#define CASE(A, B) \
+  if (depth1 == A && depth2 == B) \
+    return moe_config<A, B>(x, w1, s1, b1, w2, s2, b2, experts, weights, h, out, alpha, limit, paired_shift, ctas1, \
+                            ctas2, parts, pdl, mode);
+  CASE(1, 1) CASE(2, 1) CASE(2, 2) CASE(3, 1) CASE(3, 2) CASE(4, 2) CASE(3, 3)
+  TORCH_CHECK(false, "no such config");
+}
+"""
+
+CPP = ("void moe(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor b1, torch::Tensor w2, "
+       "torch::Tensor s2, torch::Tensor b2, torch::Tensor experts, torch::Tensor weights, torch::Tensor h, "
+       "torch::Tensor out, double alpha, double limit, int64_t paired_shift, int64_t depth1, int64_t depth2, "
+       "int64_t ctas1, int64_t ctas2, int64_t parts, bool pdl, int64_t mode);")
+
+ALPHA, LIMIT, PAIRED_SHIFT = 1.702, 7.0, 9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--ncu", action="store_true", help="a few plain calls of the first config, for a profiler")
+    parser.add_argument("--configs", nargs="+", default=["2,1,2,2", "2,2,2,2", "3,2,2,2", "2,2,3,2", "4,2,1,2"],
+                        help="DEPTH1,DEPTH2,CTAS1,CTAS2: units in flight per warp and CTAs per SM (gate/up, down)")
+    args = parser.parse_args()
+    module = load_inline("probe_cuda_rows", CPP, cuda_sources=CUDA, functions=["moe"],
+                         extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-lineinfo", "-Xptxas=-v"],
+                         verbose=True)  # ptxas' registers and spills
+    experts, top_k, hidden, inter = 32, 4, 2880, 2880
+    torch.manual_seed(0)
+    layers = [(random_packed("mxfp4", experts, 2 * inter, hidden, True),
+               random_packed("mxfp4", experts, hidden, inter, True)) for _ in range(args.layers)]
+    index = random_routing(1, experts, top_k)
+    weights = torch.softmax(torch.randn(1, top_k, device="cuda"), dim=-1)
+    x = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
+    h = torch.empty(top_k, inter, device="cuda", dtype=torch.float16)
+    out = torch.empty(1, hidden, device="cuda", dtype=torch.bfloat16)
+    flat_index, flat_weights = index.reshape(-1).contiguous(), weights.reshape(-1).contiguous()
+
+    def probe(gate_up, down, config, parts=3, pdl=True, mode=0):
+        module.moe(x, gate_up.data, gate_up.scales, gate_up.bias, down.data, down.scales, down.bias, flat_index,
+                   flat_weights, h, out, ALPHA, LIMIT, PAIRED_SHIFT, *config, parts, pdl, mode)
+        return out
+
+    def library(gate_up, down):
+        return fused_moe(x, index, weights, gate_up, down, interleaved=True, activation="clamped_swiglu",
+                         alpha=ALPHA, limit=LIMIT)
+
+    if args.ncu:
+        config = tuple(map(int, args.configs[0].split(",")))
+        for mode in (0, 1, 2):
+            for g, d in layers:
+                probe(g, d, config, parts=3 if mode == 0 else 1, mode=mode)
+        torch.cuda.synchronize()
+        return
+    expected = reference(x, index, weights, *layers[0], True, "clamped_swiglu")
+    error = lambda got: ((got.double() - expected).norm() / expected.norm()).item()  # noqa: E731
+    per_expert = sum(t.numel() * t.element_size() // experts for w in layers[0] for t in (w.data, w.scales, w.bias))
+    moved = top_k * per_expert
+    copy = copy_bandwidth() / 1e9
+    read_us = read_time_us(moved, args.layers)
+    library_us = graph_time_us([lambda g=g, d=d: library(g, d) for g, d in layers])
+    print(f"device {torch.cuda.get_device_name()}, copy {copy:.0f} GB/s; {moved / 1e6:.1f} MB per call; one read "
+          f"{read_us:.1f} us ({moved / read_us / 1e3 / copy:.0%})", flush=True)
+    print(f"library fused_moe {library_us:.1f} us ({moved / library_us / 1e3 / copy:.0%} of copy), "
+          f"err {error(library(*layers[0])):.1e}", flush=True)
+    for config in args.configs:
+        config = tuple(map(int, config.split(",")))
+        err = error(probe(*layers[0], config))
+        both = graph_time_us([lambda g=g, d=d: probe(g, d, config) for g, d in layers])
+        no_pdl = graph_time_us([lambda g=g, d=d: probe(g, d, config, pdl=False) for g, d in layers])
+        first = graph_time_us([lambda g=g, d=d: probe(g, d, config, parts=1) for g, d in layers])
+        second = graph_time_us([lambda g=g, d=d: probe(g, d, config, parts=2) for g, d in layers])
+        print(f"depths, CTAs per SM {config}: {both:6.1f} us ({moved / both / 1e3 / copy:.0%} of copy, "
+              f"{library_us / both:.2f}x library), no PDL {no_pdl:6.1f}, gate/up alone {first:6.1f}, "
+              f"down alone {second:6.1f}; err {err:.1e}", flush=True)
+        loads = graph_time_us([lambda g=g, d=d: probe(g, d, config, parts=1, mode=1) for g, d in layers])
+        decode = graph_time_us([lambda g=g, d=d: probe(g, d, config, parts=1, mode=2) for g, d in layers])
+        print(f"    gate/up loads only {loads:6.1f} us, decode only {decode:6.1f} us", flush=True)
+
+
+if __name__ == "__main__":
+    main()
