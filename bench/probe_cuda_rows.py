@@ -12,12 +12,14 @@ per SM) and keep DEPTH units' loads in flight.
 - down: a warp's unit is one output row of all top-k experts, weighted and summed in a fixed order in the kernel (no
   pair-sum launch).
 - The down kernel is a programmatic dependent launch: it issues its first weight loads, then waits for gate/up.
-- `--configs` DEPTH1,DEPTH2,CTAS1,CTAS2 (gate/up, down); each also timed with gate/up's loads alone (no decode) and
-  its decode alone (words made up, no loads). `--ncu`: a few plain calls for a profiler.
+- `--configs` DEPTH1,DEPTH2,CTAS1,CTAS2[,ROWS] (gate/up, down; ROWS 2 or 4: the down kernel by expert, a CTA of a
+  warp per routed expert adding ROWS rows' partials through shared memory); each also timed with gate/up's loads
+  alone (no decode) and its decode alone (words made up, no loads). `--ncu`: a few plain calls for a profiler.
 
-Built with torch's load_inline (needs nvcc; sm_90a). Session 58 (docs/benchmarks.md): 1.15x the library on the H100.
+Built with torch's load_inline (needs nvcc; sm_90a). Session 58 (docs/benchmarks.md): 1.24x the library on the H100
+(69% of copy) with `--configs 1,2,2,3,2`.
 
-    python3 bench/probe_cuda_rows.py --layers 4 --configs 1,1,2,2 2,1,2,2
+    python3 bench/probe_cuda_rows.py --layers 4 --configs 1,1,2,2 1,1,2,4,4
 """
 
 from __future__ import annotations
@@ -297,6 +299,71 @@ __global__ void __launch_bounds__(WARPS * 32) down_kernel(
   }
 }
 
+// down, by expert: a CTA is TOPK warps, warp k the routed expert of slot k, each staging only its own expert's
+// activations (no CTA barrier before the loop); a batch is ROWS output rows: warp k's weighted partial sums of its
+// expert's rows go to shared memory and ROWS threads add the TOPK partials in slot order (one barrier per batch,
+// partials double-buffered). Few registers per CTA, so its CTAs fit beside gate/up's and start early (PDL).
+template <int DEPTH, int ROWS, int TOPK>
+__global__ void __launch_bounds__(TOPK * 32) down_by_expert_kernel(
+    const __half* __restrict__ h, const uint4* __restrict__ blocks, const uint8_t* __restrict__ scales,
+    const __nv_bfloat16* __restrict__ bias, const int64_t* __restrict__ experts, const float* __restrict__ weights,
+    __nv_bfloat16* __restrict__ out, int H, int G, int paired_shift) {
+  extern __shared__ uint4 xs[];  // TOPK x G x 4 quads
+  __shared__ float partial[2][TOPK][ROWS];
+  const int lane = threadIdx.x & 31, k = threadIdx.x >> 5;
+  const int batches = (H + ROWS - 1) / ROWS;
+  const int iters = int(blockIdx.x) < batches ? (batches - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+  const int64_t e = experts[k];  // the routing is the previous launch's input: already there
+  auto issue = [&](Loads<ROWS>& l, int batch) {
+    const uint4* r[ROWS]; const uint8_t* s[ROWS];
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j) {
+      const int n = min(batch * ROWS + j, H - 1);
+      r[j] = blocks + (e * H + n) * G;
+      s[j] = scales + (e * H + n) * G;
+    }
+    load_rows<ROWS, 0>(l, r, s, lane, G);
+  };
+  Loads<ROWS> ring[DEPTH];
+#pragma unroll
+  for (int d = 0; d < DEPTH; ++d) issue(ring[d], blockIdx.x + d * gridDim.x);
+  wait_previous();  // gate/up's activations
+  const uint4* hq = reinterpret_cast<const uint4*>(h) + k * G * 4;
+  uint4* mine = xs + k * G * 4;
+  for (int i = lane; i < G * 4; i += 32) mine[quad(i / 4, i % 4)] = hq[i];
+  __syncwarp();
+  let_next();
+  const float unscale = exp2i(14 - paired_shift), weight = weights[k];
+  for (int it = 0; it < iters; it += DEPTH) {
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d) {
+      const int batch = blockIdx.x + (it + d) * gridDim.x;
+      float acc[ROWS];
+#pragma unroll
+      for (int j = 0; j < ROWS; ++j) acc[j] = row_dot<0>(ring[d].w[j], ring[d].e[j], mine, lane, G);
+      issue(ring[d], batch + DEPTH * gridDim.x);
+#pragma unroll
+      for (int j = 0; j < ROWS; ++j) acc[j] = warp_sum(acc[j]);
+      float* slot_partials = partial[(it + d) & 1][k];
+      if (lane == 0) {
+#pragma unroll
+        for (int j = 0; j < ROWS; ++j) {
+          const int n = min(batch * ROWS + j, H - 1);
+          slot_partials[j] = weight * (acc[j] * unscale + __bfloat162float(bias[e * H + n]));
+        }
+      }
+      __syncthreads();
+      const int n = batch * ROWS + threadIdx.x;
+      if (threadIdx.x < ROWS && it + d < iters && n < H) {
+        float total = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < TOPK; ++kk) total += partial[(it + d) & 1][kk][threadIdx.x];
+        out[n] = __float2bfloat16_rn(total);
+      }
+    }
+  }
+}
+
 template <typename Kernel, typename... Args>
 void launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, bool pdl, Args... args) {
   cudaLaunchConfig_t config = {};
@@ -316,7 +383,7 @@ template <int DEPTH1, int DEPTH2>
 void moe_config(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor b1, torch::Tensor w2,
                 torch::Tensor s2, torch::Tensor b2, torch::Tensor experts, torch::Tensor weights, torch::Tensor h,
                 torch::Tensor out, double alpha, double limit, int64_t paired_shift, int64_t ctas1, int64_t ctas2,
-                int64_t parts, bool pdl, int64_t mode) {
+                int64_t rows, int64_t parts, bool pdl, int64_t mode) {
   constexpr int WARPS = 8, TOPK = 4;
   const int I = w1.size(1) / 2, G = w1.size(2), H = w2.size(1);
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
@@ -328,8 +395,12 @@ void moe_config(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tens
            (const __nv_bfloat16*)x.data_ptr(), (const uint4*)w1.data_ptr(), (const uint8_t*)s1.data_ptr(),
            (const __nv_bfloat16*)b1.data_ptr(), (const int64_t*)experts.data_ptr(), (__half*)h.data_ptr(), I, G,
            TOPK * I, float(alpha), float(limit), int(paired_shift));
+  auto down = rows == 0 ? down_kernel<WARPS, DEPTH2, TOPK>
+              : rows == 2 ? down_by_expert_kernel<DEPTH2, 2, TOPK> : down_by_expert_kernel<DEPTH2, 4, TOPK>;
+  const int down_threads = rows == 0 ? WARPS * 32 : TOPK * 32;
+  const int64_t down_ctas = rows == 0 ? sms * ctas2 : std::min<int64_t>(sms * ctas2, (H + rows - 1) / rows);
   if (parts & 2)
-    launch(down_kernel<WARPS, DEPTH2, TOPK>, dim3(sms * ctas2), dim3(WARPS * 32), TOPK * G * 4 * 16, pdl,
+    launch(down, dim3(down_ctas), dim3(down_threads), TOPK * G * 4 * 16, pdl,
            (const __half*)h.data_ptr(), (const uint4*)w2.data_ptr(), (const uint8_t*)s2.data_ptr(),
            (const __nv_bfloat16*)b2.data_ptr(), (const int64_t*)experts.data_ptr(), (const float*)weights.data_ptr(),
            (__nv_bfloat16*)out.data_ptr(), H, G, int(paired_shift));
@@ -338,13 +409,14 @@ void moe_config(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tens
 void moe(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor b1, torch::Tensor w2, torch::Tensor s2,
          torch::Tensor b2, torch::Tensor experts, torch::Tensor weights, torch::Tensor h, torch::Tensor out,
          double alpha, double limit, int64_t paired_shift, int64_t depth1, int64_t depth2, int64_t ctas1,
-         int64_t ctas2, int64_t parts, bool pdl, int64_t mode) {
+         int64_t ctas2, int64_t rows, int64_t parts, bool pdl, int64_t mode) {
   TORCH_CHECK(w1.size(2) <= 32 * GPL && w2.size(2) <= 32 * GPL, "K too large for GPL");
+  TORCH_CHECK(rows == 0 || rows == 2 || rows == 4, "down rows per batch: 0 (a warp per output row), 2 or 4");
 #define CASE(A, B) \
   if (depth1 == A && depth2 == B) \
     return moe_config<A, B>(x, w1, s1, b1, w2, s2, b2, experts, weights, h, out, alpha, limit, paired_shift, ctas1, \
-                            ctas2, parts, pdl, mode);
-  CASE(1, 1) CASE(2, 1) CASE(2, 2) CASE(3, 1) CASE(3, 2) CASE(4, 2) CASE(3, 3)
+                            ctas2, rows, parts, pdl, mode);
+  CASE(1, 1) CASE(1, 2) CASE(2, 1) CASE(2, 2)
   TORCH_CHECK(false, "no such config");
 }
 """
@@ -352,17 +424,24 @@ void moe(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor b1, 
 CPP = ("void moe(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor b1, torch::Tensor w2, "
        "torch::Tensor s2, torch::Tensor b2, torch::Tensor experts, torch::Tensor weights, torch::Tensor h, "
        "torch::Tensor out, double alpha, double limit, int64_t paired_shift, int64_t depth1, int64_t depth2, "
-       "int64_t ctas1, int64_t ctas2, int64_t parts, bool pdl, int64_t mode);")
+       "int64_t ctas1, int64_t ctas2, int64_t rows, int64_t parts, bool pdl, int64_t mode);")
 
 ALPHA, LIMIT, PAIRED_SHIFT = 1.702, 7.0, 9
+
+
+def parse_config(text: str) -> tuple[int, ...]:
+    """DEPTH1,DEPTH2,CTAS1,CTAS2[,ROWS] -> the five ints `moe` takes before its parts (ROWS 0 when left out)."""
+    values = tuple(map(int, text.split(",")))
+    return values + (0,) * (5 - len(values))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--ncu", action="store_true", help="a few plain calls of the first config, for a profiler")
-    parser.add_argument("--configs", nargs="+", default=["2,1,2,2", "2,2,2,2", "3,2,2,2", "2,2,3,2", "4,2,1,2"],
-                        help="DEPTH1,DEPTH2,CTAS1,CTAS2: units in flight per warp and CTAs per SM (gate/up, down)")
+    parser.add_argument("--configs", nargs="+", default=["1,1,2,2", "1,1,2,4,4"],
+                        help="DEPTH1,DEPTH2,CTAS1,CTAS2[,ROWS]: units in flight per warp and CTAs per SM (gate/up, "
+                             "down), the by-expert down kernel's rows per batch (0: a warp per output row)")
     args = parser.parse_args()
     module = load_inline("probe_cuda_rows", CPP, cuda_sources=CUDA, functions=["moe"],
                          extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-lineinfo", "-Xptxas=-v"],
@@ -388,7 +467,7 @@ def main() -> None:
                          alpha=ALPHA, limit=LIMIT)
 
     if args.ncu:
-        config = tuple(map(int, args.configs[0].split(",")))
+        config = parse_config(args.configs[0])
         for mode in (0, 1, 2):
             for g, d in layers:
                 probe(g, d, config, parts=3 if mode == 0 else 1, mode=mode)
@@ -406,7 +485,7 @@ def main() -> None:
     print(f"library fused_moe {library_us:.1f} us ({moved / library_us / 1e3 / copy:.0%} of copy), "
           f"err {error(library(*layers[0])):.1e}", flush=True)
     for config in args.configs:
-        config = tuple(map(int, config.split(",")))
+        config = parse_config(config)
         err = error(probe(*layers[0], config))
         both = graph_time_us([lambda g=g, d=d: probe(g, d, config) for g, d in layers])
         no_pdl = graph_time_us([lambda g=g, d=d: probe(g, d, config, pdl=False) for g, d in layers])
