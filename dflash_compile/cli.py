@@ -74,9 +74,9 @@ def _sampling(args) -> dict:
     """`generate`'s sampling settings from --sample (temperature, top-k and top-p left out fall back to the model's
     generation_config, as transformers' generate does); {} for greedy decoding."""
     settings = {name: value for name in ("temperature", "top_k", "top_p") if (value := getattr(args, name)) is not None}
-    if settings and not args.sample:
-        given = ", ".join(f"--{name.replace('_', '-')}" for name in settings)
-        raise SystemExit(f"{given} apply when sampling: add --sample (without it generation is greedy)")
+    given = [f"--{name.replace('_', '-')}" for name in settings] + ["--seed"] * (args.seed is not None)
+    if given and not args.sample:
+        raise SystemExit(f"{', '.join(given)} apply when sampling: add --sample (without it generation is greedy)")
     return {"do_sample": True, **settings} if args.sample else {}
 
 
@@ -97,14 +97,18 @@ def generate_command(args) -> int:
     dtype = _dtype(args.dtype, device, bundled=args.model is None)
     model, tokenizer = load_target(target_dir, "cpu" if args.gpu_memory else device, dtype)
     compile = args.compile if args.compile is not None else device.startswith("cuda")
+    # a seed fixes the verify width at the drafter's block: the adaptive width follows measured step times, and the
+    # width sets how many random numbers a step draws, so the same seed would not give the same text
     fast = optimize(model, drafter=drafter_dir, compile=compile, gpu_memory=args.gpu_memory, device=device,
-                    offload_manager=args.offload_manager, prefill_chunk=args.prefill_chunk)
+                    offload_manager=args.offload_manager, prefill_chunk=args.prefill_chunk,
+                    adaptive=args.seed is None)
     ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(device)
     streamer = TextStreamer(tokenizer) if args.stream else None
     if compile:  # a silent minute on a full-size model otherwise (docs/benchmarks.md, session 42)
         print("compiling the step in the first generate; Inductor's and Triton's caches keep it for later processes",
               file=sys.stderr, flush=True)
-    generator = torch.Generator(device).manual_seed(args.seed)  # ours; transformers' generate draws from torch's
+    seed = 0 if args.seed is None else args.seed
+    generator = torch.Generator(device).manual_seed(seed)  # ours; transformers' generate draws from torch's
     ours = dict(max_new_tokens=args.max_new_tokens, **sampling, generator=generator if sampling else None)
     start = time.perf_counter()
     output = fast.generate(ids, streamer=streamer, **ours)
@@ -113,7 +117,7 @@ def generate_command(args) -> int:
     if not args.stream:
         print(tokenizer.decode(output[0]))
     new_tokens = output.shape[1] - ids.shape[1]
-    torch.manual_seed(args.seed)
+    torch.manual_seed(seed)
     (plain, plain_seconds), (_, ours_seconds) = timed_together(
         [lambda: model.generate(ids, max_new_tokens=args.max_new_tokens, **{"do_sample": False, **sampling}),
          lambda: fast.generate(ids, **ours)], args.repeats, device)
@@ -304,9 +308,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--temperature", type=float, help="with --sample")
     generate.add_argument("--top-k", type=int, help="with --sample")
     generate.add_argument("--top-p", type=float, help="with --sample")
-    generate.add_argument("--seed", type=int, default=0,
-                          help="the random numbers' seed with --sample (two runs can still differ: the adaptive "
-                               "verify width, which follows measured step times, sets how many numbers a step draws)")
+    generate.add_argument("--seed", type=int,
+                          help="with --sample: the random numbers' seed, for the same text on every run (the verify "
+                               "width is then fixed at the drafter's block: the adaptive width follows measured step "
+                               "times and sets how many numbers a step draws)")
     generate.add_argument("--repeats", type=int, default=5, help="timed generations per side (alternating)")
     generate.add_argument("--gpu-memory", help="offload routed experts to host memory under this budget, e.g. 20GiB")
     generate.add_argument("--prefill-chunk", type=int,

@@ -42,22 +42,24 @@ def test_generate_on_the_bundled_pair(capsys):
 
 def test_generate_samples(capsys):
     """--sample draws from the target's distribution: with top-k 1 that is the greedy text, whatever the draws; with
-    top-k 40 two seeds give two texts (the same seed need not give the same text: the adaptive width, which follows
-    measured step times, sets how many random numbers each step draws); the line says the sides' tokens are draws
-    (no token check); sampling settings without --sample are refused."""
+    top-k 40 a seed gives the same text on every run (the width fixed at the block: an adaptive one would follow
+    measured step times and change how many random numbers a step draws) and two seeds two texts; the line says the
+    sides' tokens are draws (no token check); sampling settings without --sample are refused."""
     def text(*options):
         assert main(["generate", "--max-new-tokens", "24", "--repeats", "1", *options]) == 0
         out = capsys.readouterr().out
         assert out.startswith("def fibonacci(n):\n")
         assert ("; sampled from the same distribution" in out) == ("--sample" in options)
+        if "--seed" in options:  # every step verified the whole block
+            assert re.search(r"verify steps \(8 tokens x \d+\)", out)
         return out.split("\n--- ")[0]
 
     assert text("--sample", "--temperature", "1.5", "--top-k", "1") == text()
     sampled = ("--sample", "--temperature", "1.5", "--top-k", "40")
-    assert text(*sampled, "--seed", "1") != text(*sampled, "--seed", "2")
-    with pytest.raises(SystemExit, match=r"^--temperature, --top-p apply when sampling: add --sample \(without it "
-                                         r"generation is greedy\)$"):
-        main(["generate", "--temperature", "0.7", "--top-p", "0.9"])
+    assert text(*sampled, "--seed", "1") == text(*sampled, "--seed", "1") != text(*sampled, "--seed", "2")
+    with pytest.raises(SystemExit, match=r"^--temperature, --top-p, --seed apply when sampling: add --sample \(without "
+                                         r"it generation is greedy\)$"):
+        main(["generate", "--temperature", "0.7", "--top-p", "0.9", "--seed", "3"])
 
 
 def test_generate_says_when_it_compiles(capsys, monkeypatch):
