@@ -1,5 +1,6 @@
-"""Probe (not the library's kernel): one token's gpt-oss MXFP4 MoE layer as two CUDA C++ kernels on the CUDA cores,
-to measure how near the copy bandwidth a plain GEMV design gets where the Triton row path stops at 45-47% (H200).
+"""Probe (not the library's kernel): one token's gpt-oss MXFP4 MoE layer (or, `--shape qwen3-30b-a3b-fp8`, a Qwen3
+FP8 one) as two CUDA C++ kernels on the CUDA cores, to measure how near the copy bandwidth a plain GEMV design gets
+where the Triton row path stops at 45-47% (MXFP4) and 50% (FP8) on the H200.
 
 Design: every lane of a warp owns 32-code groups lane, lane + 32, lane + 64 of a row (K = 2880: 90 groups), so a
 warp reads a row's 1440 bytes as 16-byte loads, coalesced, with no shared-memory staging of weights and no CTA-wide
@@ -12,6 +13,10 @@ per SM) and keep DEPTH units' loads in flight.
 - down: a warp's unit is one output row of all top-k experts, weighted and summed in a fixed order in the kernel (no
   pair-sum launch).
 - The down kernel is a programmatic dependent launch: it issues its first weight loads, then waits for gate/up.
+- FP8 (`fp8_gate_up_kernel`, `fp8_down_kernel`): 16-byte chunks of 16 codes per lane, the hardware's e4m3x2 ->
+  f16x2 conversion, each chunk's sum times its 128 x 128 block scale; gate and up rows concatenated, SiLU, fp32
+  activations out; the down kernel by expert (8 warps, top-8) scales each expert's activations to fp16 itself.
+  Written offline (SASS: ~430 instructions per gate/up column); never run yet.
 - `--configs` DEPTH1,DEPTH2,CTAS1,CTAS2[,ROWS] (gate/up, down; ROWS 2 or 4: the down kernel by expert, a CTA of a
   warp per routed expert adding ROWS rows' partials through shared memory); each also timed with gate/up's loads
   alone (no decode) and its decode alone (words made up, no loads). `--ncu`: a few plain calls for a profiler.
@@ -19,7 +24,8 @@ per SM) and keep DEPTH units' loads in flight.
 Built with torch's load_inline (needs nvcc; sm_90a). Session 58 (docs/benchmarks.md): 1.24x the library on the H100
 (69% of copy) with `--configs 1,2,2,3,2`.
 
-    python3 bench/probe_cuda_rows.py --layers 4 --configs 1,1,2,2 1,1,2,4,4
+    python3 bench/probe_cuda_rows.py --layers 4 --configs 1,1,2,2 1,2,2,3,2
+    python3 bench/probe_cuda_rows.py --shape qwen3-30b-a3b-fp8 --configs 1,1,2,2,2 1,1,2,2,4 2,1,2,2,2
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ from torch.utils.cpp_extension import load_inline
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from moe_kernels import copy_bandwidth, graph_time_us, random_packed, random_routing, read_time_us, reference  # noqa: E402
+from moe_kernels import (SHAPES, copy_bandwidth, expert_bytes, graph_time_us, random_packed,  # noqa: E402
+                         random_routing, read_time_us, reference)
 
 from dflash_compile.kernels.moe import fused_moe  # noqa: E402
 
@@ -364,6 +371,212 @@ __global__ void __launch_bounds__(TOPK * 32) down_by_expert_kernel(
   }
 }
 
+// ---- FP8 (float8_e4m3fn, 128 x 128 block scales; Qwen3-FP8 style: gate and up rows concatenated, SiLU) ----
+// A 16-byte chunk holds 16 codes; each pair goes to fp16x2 by the hardware conversion, times the activations' fp16
+// pairs (natural order: chunk c's are quads 2c and 2c + 1, swizzled in shared memory), the chunk's sum times its
+// block scale. Activations are fp16 times 2^shift putting the largest in [2^2, 2^3) (products <= 3584, eight per
+// half: no overflow).
+
+__device__ __forceinline__ int quad8(int c, int q) { return 2 * c + (q ^ ((c >> 2) & 1)); }
+
+__device__ __forceinline__ __half2 e4m3x2(uint32_t pair) {
+  uint32_t r;
+  asm("{\n.reg .b16 lo;\ncvt.u16.u32 lo, %1;\ncvt.rn.f16x2.e4m3x2 %0, lo;\n}" : "=r"(r) : "r"(pair));
+  return h2(r);
+}
+
+__device__ __forceinline__ float chunk_dot8(uint4 w, uint4 xa, uint4 xb) {
+  __half2 sum = __hmul2(e4m3x2(w.x), h2(xa.x));
+  sum = __hfma2(e4m3x2(w.x >> 16), h2(xa.y), sum);
+  sum = __hfma2(e4m3x2(w.y), h2(xa.z), sum);
+  sum = __hfma2(e4m3x2(w.y >> 16), h2(xa.w), sum);
+  sum = __hfma2(e4m3x2(w.z), h2(xb.x), sum);
+  sum = __hfma2(e4m3x2(w.z >> 16), h2(xb.y), sum);
+  sum = __hfma2(e4m3x2(w.w), h2(xb.z), sum);
+  sum = __hfma2(e4m3x2(w.w >> 16), h2(xb.w), sum);
+  float2 f = __half22float2(sum);
+  return f.x + f.y;
+}
+
+template <int ROWS, int CPL>
+struct Loads8 {
+  uint4 w[ROWS][CPL];
+  float s[ROWS][CPL];
+};
+
+// row r's chunks lane + 32 i (past C: chunk C - 1 again with scale 0); scales[r] is the row's block-row of scales
+template <int ROWS, int CPL>
+__device__ __forceinline__ void load_rows8(Loads8<ROWS, CPL>& l, const uint4* const* rows, const float* const* scales,
+                                           int lane, int C) {
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) {
+      const int c = lane + 32 * i, cc = min(c, C - 1);
+      l.w[r][i] = __ldcs(rows[r] + cc);
+      l.s[r][i] = c < C ? __ldg(scales[r] + cc / 8) : 0.f;
+    }
+}
+
+template <int CPL>
+__device__ __forceinline__ float row_dot8(const uint4 (&w)[CPL], const float (&s)[CPL], const uint4* xs, int lane,
+                                          int C) {
+  float acc = 0.f;
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) {
+    const int c = min(lane + 32 * i, C - 1);
+    acc += chunk_dot8(w[i], xs[quad8(c, 0)], xs[quad8(c, 1)]) * s[i];
+  }
+  return acc;
+}
+
+// fp16 pairs of n fp32 / bf16 values times 2^shift (largest in [2^2, 2^3)) into swizzled quads, by one warp or by
+// the whole CTA (`threads` of them from `first`); returns 2^-shift
+template <typename T>
+__device__ __forceinline__ float stage8(const T* v, int n, uint4* xs, int first, int threads, float* reduce,
+                                        bool warp_only) {
+  float m = 0.f;
+  for (int i = first; i < n; i += threads) m = fmaxf(m, fabsf(float(v[i])));
+  for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (!warp_only) {
+    if ((first & 31) == 0) reduce[first >> 5] = m;
+    __syncthreads();
+    m = 0.f;
+    for (int i = 0; i < threads / 32; ++i) m = fmaxf(m, reduce[i]);
+  }
+  const int shift = min(2 - (((__float_as_int(m) >> 23) & 255) - 127), 100);
+  const float scale = exp2i(shift);
+  for (int q = first; q < n / 8; q += threads) {  // quad q: values 8q .. 8q + 7
+    uint32_t p[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      __half2 pair = __floats2half2_rn(float(v[8 * q + 2 * j]) * scale, float(v[8 * q + 2 * j + 1]) * scale);
+      p[j] = *reinterpret_cast<uint32_t*>(&pair);
+    }
+    xs[quad8(q / 2, q % 2)] = make_uint4(p[0], p[1], p[2], p[3]);
+  }
+  return exp2i(-shift);
+}
+
+// gate/up: a unit is output column c of expert slot s: rows c (gate) and I + c (up); fp32 SiLU(gate) * up out
+template <int WARPS, int DEPTH, int CPL>
+__global__ void __launch_bounds__(WARPS * 32) fp8_gate_up_kernel(
+    const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ blocks, const float* __restrict__ scales,
+    const int64_t* __restrict__ experts, float* __restrict__ h, int I, int C, int units) {
+  extern __shared__ uint4 xs[];  // C x 2 quads
+  __shared__ float warp_max[WARPS];
+  __shared__ int64_t experts_of[16];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int stride = gridDim.x * WARPS;
+  const int first = blockIdx.x * WARPS + warp;
+  const int iters = first < units ? (units - first + stride - 1) / stride : 0;
+  const int slots = units / I, scale_columns = (C + 7) / 8, scale_rows = (2 * I + 127) / 128;
+  wait_previous();
+  if (threadIdx.x < slots) experts_of[threadIdx.x] = experts[threadIdx.x];
+  __syncthreads();
+  auto issue = [&](Loads8<2, CPL>& l, int slot, int column) {
+    const int64_t e = experts_of[min(slot, slots - 1)];
+    const int64_t gate = e * 2 * I + column, up = gate + I;
+    const uint4* r[2] = {blocks + gate * C, blocks + up * C};
+    const float* base = scales + e * scale_rows * scale_columns;
+    const float* s[2] = {base + (column / 128) * scale_columns, base + ((I + column) / 128) * scale_columns};
+    load_rows8<2, CPL>(l, r, s, lane, C);
+  };
+  auto step = [&](int& slot, int& column, int by) {
+    column += by;
+    while (column >= I) { column -= I; ++slot; }
+  };
+  Loads8<2, CPL> ring[DEPTH];
+  int slot_of[DEPTH], column_of[DEPTH];
+  int next_slot = first / I, next_column = first % I;
+#pragma unroll
+  for (int d = 0; d < DEPTH; ++d) {
+    slot_of[d] = next_slot; column_of[d] = next_column;
+    issue(ring[d], next_slot, next_column);
+    step(next_slot, next_column, stride);
+  }
+  const float unscale = stage8(x, C * 16, xs, threadIdx.x, WARPS * 32, warp_max, false);
+  __syncthreads();
+  let_next();
+  for (int it = 0; it < iters; it += DEPTH) {
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d) {
+      float gate = row_dot8<CPL>(ring[d].w[0], ring[d].s[0], xs, lane, C);
+      float up = row_dot8<CPL>(ring[d].w[1], ring[d].s[1], xs, lane, C);
+      const int slot = slot_of[d], c = column_of[d];
+      slot_of[d] = next_slot; column_of[d] = next_column;
+      issue(ring[d], next_slot, next_column);
+      step(next_slot, next_column, stride);
+      const bool low = lane < 16;
+      float mine = (low ? gate : up) + __shfl_xor_sync(0xffffffffu, low ? up : gate, 16);
+      for (int o = 8; o; o >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, o);
+      gate = mine * unscale;
+      up = __shfl_sync(0xffffffffu, mine, 16) * unscale;
+      if (lane == 0 && it + d < iters) h[(int64_t)slot * I + c] = gate * __frcp_rn(1.f + __expf(-gate)) * up;
+    }
+  }
+}
+
+// down by expert: a CTA is TOPK warps, warp k the routed expert of slot k staging its own activations (fp32 in,
+// scaled to fp16 by its own largest); ROWS output rows a batch, partials added in slot order through shared memory
+template <int DEPTH, int ROWS, int TOPK, int CPL>
+__global__ void __launch_bounds__(TOPK * 32) fp8_down_kernel(
+    const float* __restrict__ h, const uint4* __restrict__ blocks, const float* __restrict__ scales,
+    const int64_t* __restrict__ experts, const float* __restrict__ weights, __nv_bfloat16* __restrict__ out, int H,
+    int C) {
+  extern __shared__ uint4 xs[];  // TOPK x C x 2 quads
+  __shared__ float partial[2][TOPK][ROWS];
+  const int lane = threadIdx.x & 31, k = threadIdx.x >> 5;
+  const int batches = (H + ROWS - 1) / ROWS;
+  const int iters = int(blockIdx.x) < batches ? (batches - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+  const int scale_columns = (C + 7) / 8, scale_rows = (H + 127) / 128;
+  const int64_t e = experts[k];
+  auto issue = [&](Loads8<ROWS, CPL>& l, int batch) {
+    const uint4* r[ROWS]; const float* s[ROWS];
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j) {
+      const int n = min(batch * ROWS + j, H - 1);
+      r[j] = blocks + (e * H + n) * C;
+      s[j] = scales + (e * scale_rows + n / 128) * scale_columns;
+    }
+    load_rows8<ROWS, CPL>(l, r, s, lane, C);
+  };
+  Loads8<ROWS, CPL> ring[DEPTH];
+#pragma unroll
+  for (int d = 0; d < DEPTH; ++d) issue(ring[d], blockIdx.x + d * gridDim.x);
+  wait_previous();  // gate/up's activations
+  uint4* mine = xs + k * C * 2;
+  const float unscale = stage8(h + (int64_t)k * C * 16, C * 16, mine, lane, 32, nullptr, true);
+  __syncwarp();
+  let_next();
+  const float weight = weights[k] * unscale;
+  for (int it = 0; it < iters; it += DEPTH) {
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d) {
+      const int batch = blockIdx.x + (it + d) * gridDim.x;
+      float acc[ROWS];
+#pragma unroll
+      for (int j = 0; j < ROWS; ++j) acc[j] = row_dot8<CPL>(ring[d].w[j], ring[d].s[j], mine, lane, C);
+      issue(ring[d], batch + DEPTH * gridDim.x);
+#pragma unroll
+      for (int j = 0; j < ROWS; ++j) acc[j] = warp_sum(acc[j]);
+      float* slot_partials = partial[(it + d) & 1][k];
+      if (lane == 0) {
+#pragma unroll
+        for (int j = 0; j < ROWS; ++j) slot_partials[j] = weight * acc[j];
+      }
+      __syncthreads();
+      const int n = batch * ROWS + threadIdx.x;
+      if (threadIdx.x < ROWS && it + d < iters && n < H) {
+        float total = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < TOPK; ++kk) total += partial[(it + d) & 1][kk][threadIdx.x];
+        out[n] = __float2bfloat16_rn(total);
+      }
+    }
+  }
+}
+
 template <typename Kernel, typename... Args>
 void launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, bool pdl, Args... args) {
   cudaLaunchConfig_t config = {};
@@ -419,69 +632,112 @@ void moe(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor b1, 
   CASE(1, 1) CASE(1, 2) CASE(2, 1) CASE(2, 2)
   TORCH_CHECK(false, "no such config");
 }
+
+// one token's FP8 layer: gate/up (CPL 4: K <= 2048) then down by expert (TOPK 8, CPL 2: I <= 1024)
+template <int DEPTH1, int DEPTH2, int ROWS>
+void moe_fp8_config(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor w2, torch::Tensor s2,
+                    torch::Tensor experts, torch::Tensor weights, torch::Tensor h, torch::Tensor out, int64_t ctas1,
+                    int64_t ctas2, int64_t parts, bool pdl) {
+  constexpr int WARPS = 8, TOPK = 8;
+  const int I = w1.size(1) / 2, C1 = w1.size(2) / 16, H = w2.size(1), C2 = w2.size(2) / 16;
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t gate_up_ctas = std::min<int64_t>(sms * ctas1, (TOPK * I + WARPS - 1) / WARPS);
+  if (parts & 1)
+    launch(fp8_gate_up_kernel<WARPS, DEPTH1, 4>, dim3(gate_up_ctas), dim3(WARPS * 32), C1 * 2 * 16, pdl,
+           (const __nv_bfloat16*)x.data_ptr(), (const uint4*)w1.data_ptr(), (const float*)s1.data_ptr(),
+           (const int64_t*)experts.data_ptr(), (float*)h.data_ptr(), I, C1, TOPK * I);
+  const int64_t down_ctas = std::min<int64_t>(sms * ctas2, (H + ROWS - 1) / ROWS);
+  if (parts & 2)
+    launch(fp8_down_kernel<DEPTH2, ROWS, TOPK, 2>, dim3(down_ctas), dim3(TOPK * 32), TOPK * C2 * 2 * 16, pdl,
+           (const float*)h.data_ptr(), (const uint4*)w2.data_ptr(), (const float*)s2.data_ptr(),
+           (const int64_t*)experts.data_ptr(), (const float*)weights.data_ptr(), (__nv_bfloat16*)out.data_ptr(), H,
+           C2);
+}
+
+void moe_fp8(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor w2, torch::Tensor s2,
+             torch::Tensor experts, torch::Tensor weights, torch::Tensor h, torch::Tensor out, int64_t depth1,
+             int64_t depth2, int64_t ctas1, int64_t ctas2, int64_t rows, int64_t parts, bool pdl) {
+  TORCH_CHECK(w1.size(2) <= 16 * 32 * 4 && w2.size(2) <= 16 * 32 * 2 && experts.numel() == 8,
+              "the FP8 probe takes K <= 2048, I <= 1024 and top-8");
+#define CASE8(A, B, R) \
+  if (depth1 == A && depth2 == B && rows == R) \
+    return moe_fp8_config<A, B, R>(x, w1, s1, w2, s2, experts, weights, h, out, ctas1, ctas2, parts, pdl);
+  CASE8(1, 1, 2) CASE8(1, 1, 4) CASE8(2, 1, 2) CASE8(1, 2, 2) CASE8(2, 2, 2)
+  TORCH_CHECK(false, "no such FP8 config (depth1, depth2, rows)");
+}
 """
 
 CPP = ("void moe(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor b1, torch::Tensor w2, "
        "torch::Tensor s2, torch::Tensor b2, torch::Tensor experts, torch::Tensor weights, torch::Tensor h, "
        "torch::Tensor out, double alpha, double limit, int64_t paired_shift, int64_t depth1, int64_t depth2, "
-       "int64_t ctas1, int64_t ctas2, int64_t rows, int64_t parts, bool pdl, int64_t mode);")
+       "int64_t ctas1, int64_t ctas2, int64_t rows, int64_t parts, bool pdl, int64_t mode);\n"
+       "void moe_fp8(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor w2, torch::Tensor s2, "
+       "torch::Tensor experts, torch::Tensor weights, torch::Tensor h, torch::Tensor out, int64_t depth1, "
+       "int64_t depth2, int64_t ctas1, int64_t ctas2, int64_t rows, int64_t parts, bool pdl);")
 
-ALPHA, LIMIT, PAIRED_SHIFT = 1.702, 7.0, 9
+ALPHA, LIMIT, PAIRED_SHIFT = 1.702, 7.0, 9  # gpt-oss' clamped SwiGLU; its outputs times 2^9 stay in fp16
+PROBED = ("gpt-oss-20b", "qwen3-30b-a3b-fp8")
 
 
 def parse_config(text: str) -> tuple[int, ...]:
-    """DEPTH1,DEPTH2,CTAS1,CTAS2[,ROWS] -> the five ints `moe` takes before its parts (ROWS 0 when left out)."""
+    """DEPTH1,DEPTH2,CTAS1,CTAS2[,ROWS] -> the five ints `moe` and `moe_fp8` take before their parts (ROWS 0 when
+    left out; FP8 needs 2 or 4)."""
     values = tuple(map(int, text.split(",")))
     return values + (0,) * (5 - len(values))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", choices=PROBED, default="gpt-oss-20b")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--ncu", action="store_true", help="a few plain calls of the first config, for a profiler")
-    parser.add_argument("--configs", nargs="+", default=["1,1,2,2", "1,1,2,4,4"],
+    parser.add_argument("--configs", nargs="+", default=["1,1,2,2", "1,2,2,3,2"],
                         help="DEPTH1,DEPTH2,CTAS1,CTAS2[,ROWS]: units in flight per warp and CTAs per SM (gate/up, "
-                             "down), the by-expert down kernel's rows per batch (0: a warp per output row)")
+                             "down), the by-expert down kernel's rows per batch (0: a warp per output row, MXFP4)")
     args = parser.parse_args()
-    module = load_inline("probe_cuda_rows", CPP, cuda_sources=CUDA, functions=["moe"],
+    module = load_inline("probe_cuda_rows", CPP, cuda_sources=CUDA, functions=["moe", "moe_fp8"],
                          extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-lineinfo", "-Xptxas=-v"],
                          verbose=True)  # ptxas' registers and spills
-    experts, top_k, hidden, inter = 32, 4, 2880, 2880
+    experts, top_k, hidden, inter, format, gpt_oss = SHAPES[args.shape]
+    activation = "clamped_swiglu" if gpt_oss else "silu"
     torch.manual_seed(0)
-    layers = [(random_packed("mxfp4", experts, 2 * inter, hidden, True),
-               random_packed("mxfp4", experts, hidden, inter, True)) for _ in range(args.layers)]
+    layers = [(random_packed(format, experts, 2 * inter, hidden, gpt_oss),
+               random_packed(format, experts, hidden, inter, gpt_oss)) for _ in range(args.layers)]
     index = random_routing(1, experts, top_k)
     weights = torch.softmax(torch.randn(1, top_k, device="cuda"), dim=-1)
     x = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
-    h = torch.empty(top_k, inter, device="cuda", dtype=torch.float16)
+    h = torch.empty(top_k, inter, device="cuda", dtype=torch.float16 if gpt_oss else torch.float32)
     out = torch.empty(1, hidden, device="cuda", dtype=torch.bfloat16)
     flat_index, flat_weights = index.reshape(-1).contiguous(), weights.reshape(-1).contiguous()
 
     def probe(gate_up, down, config, parts=3, pdl=True, mode=0):
-        module.moe(x, gate_up.data, gate_up.scales, gate_up.bias, down.data, down.scales, down.bias, flat_index,
-                   flat_weights, h, out, ALPHA, LIMIT, PAIRED_SHIFT, *config, parts, pdl, mode)
+        if format == "mxfp4":
+            module.moe(x, gate_up.data, gate_up.scales, gate_up.bias, down.data, down.scales, down.bias, flat_index,
+                       flat_weights, h, out, ALPHA, LIMIT, PAIRED_SHIFT, *config, parts, pdl, mode)
+        else:
+            module.moe_fp8(x, gate_up.data, gate_up.scales, down.data, down.scales, flat_index, flat_weights, h, out,
+                           *config, parts, pdl)
         return out
 
     def library(gate_up, down):
-        return fused_moe(x, index, weights, gate_up, down, interleaved=True, activation="clamped_swiglu",
-                         alpha=ALPHA, limit=LIMIT)
+        gate = dict(alpha=ALPHA, limit=LIMIT) if gpt_oss else {}
+        return fused_moe(x, index, weights, gate_up, down, interleaved=gpt_oss, activation=activation, **gate)
 
     if args.ncu:
         config = parse_config(args.configs[0])
-        for mode in (0, 1, 2):
+        for mode in (0, 1, 2) if format == "mxfp4" else (0,):
             for g, d in layers:
                 probe(g, d, config, parts=3 if mode == 0 else 1, mode=mode)
         torch.cuda.synchronize()
         return
-    expected = reference(x, index, weights, *layers[0], True, "clamped_swiglu")
+    expected = reference(x, index, weights, *layers[0], gpt_oss, activation)
     error = lambda got: ((got.double() - expected).norm() / expected.norm()).item()  # noqa: E731
-    per_expert = sum(t.numel() * t.element_size() // experts for w in layers[0] for t in (w.data, w.scales, w.bias))
-    moved = top_k * per_expert
+    moved = top_k * sum(expert_bytes(weight) for weight in layers[0])
     copy = copy_bandwidth() / 1e9
     read_us = read_time_us(moved, args.layers)
     library_us = graph_time_us([lambda g=g, d=d: library(g, d) for g, d in layers])
-    print(f"device {torch.cuda.get_device_name()}, copy {copy:.0f} GB/s; {moved / 1e6:.1f} MB per call; one read "
-          f"{read_us:.1f} us ({moved / read_us / 1e3 / copy:.0%})", flush=True)
+    print(f"device {torch.cuda.get_device_name()}, copy {copy:.0f} GB/s; {args.shape}: {moved / 1e6:.1f} MB per "
+          f"call; one read {read_us:.1f} us ({moved / read_us / 1e3 / copy:.0%})", flush=True)
     print(f"library fused_moe {library_us:.1f} us ({moved / library_us / 1e3 / copy:.0%} of copy), "
           f"err {error(library(*layers[0])):.1e}", flush=True)
     for config in args.configs:
@@ -494,9 +750,10 @@ def main() -> None:
         print(f"depths, CTAs per SM {config}: {both:6.1f} us ({moved / both / 1e3 / copy:.0%} of copy, "
               f"{library_us / both:.2f}x library), no PDL {no_pdl:6.1f}, gate/up alone {first:6.1f}, "
               f"down alone {second:6.1f}; err {err:.1e}", flush=True)
-        loads = graph_time_us([lambda g=g, d=d: probe(g, d, config, parts=1, mode=1) for g, d in layers])
-        decode = graph_time_us([lambda g=g, d=d: probe(g, d, config, parts=1, mode=2) for g, d in layers])
-        print(f"    gate/up loads only {loads:6.1f} us, decode only {decode:6.1f} us", flush=True)
+        if format == "mxfp4":
+            loads = graph_time_us([lambda g=g, d=d: probe(g, d, config, parts=1, mode=1) for g, d in layers])
+            decode = graph_time_us([lambda g=g, d=d: probe(g, d, config, parts=1, mode=2) for g, d in layers])
+            print(f"    gate/up loads only {loads:6.1f} us, decode only {decode:6.1f} us", flush=True)
 
 
 if __name__ == "__main__":
