@@ -150,8 +150,8 @@ __device__ __forceinline__ float row_dot(const uint4 (&w)[GPL], const uint8_t (&
 // shuffles stay convergent; units past the end load the last one again and store nothing).
 
 // gate/up: a unit is output column c of expert slot s (unit s * I + c), rows 2c (gate) and 2c + 1 (up)
-template <int WARPS, int DEPTH, int MODE>
-__global__ void __launch_bounds__(WARPS * 32) gate_up_kernel(
+template <int WARPS, int DEPTH, int MODE, int MIN_CTAS = 1>
+__global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) gate_up_kernel(
     const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ blocks, const uint8_t* __restrict__ scales,
     const __nv_bfloat16* __restrict__ bias, const int64_t* __restrict__ experts, __half* __restrict__ h,
     int I, int G, int units, float alpha, float limit, int paired_shift) {
@@ -600,8 +600,9 @@ void moe_config(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tens
   constexpr int WARPS = 8, TOPK = 4;
   const int I = w1.size(1) / 2, G = w1.size(2), H = w2.size(1);
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  auto gate_up = mode == 1 ? gate_up_kernel<WARPS, DEPTH1, 1>
-                 : mode == 2 ? gate_up_kernel<WARPS, DEPTH1, 2> : gate_up_kernel<WARPS, DEPTH1, 0>;
+  // 3 CTAs per SM: registers capped for them (85 a thread: 64 bytes of spills offline)
+  auto gate_up = mode == 1 ? gate_up_kernel<WARPS, DEPTH1, 1> : mode == 2 ? gate_up_kernel<WARPS, DEPTH1, 2>
+                 : ctas1 >= 3 ? gate_up_kernel<WARPS, DEPTH1, 0, 3> : gate_up_kernel<WARPS, DEPTH1, 0>;
   const int64_t gate_up_ctas = std::min<int64_t>(sms * ctas1, (TOPK * I + WARPS - 1) / WARPS);
   if (parts & 1)
     launch(gate_up, dim3(gate_up_ctas), dim3(WARPS * 32), G * 4 * 16, pdl,
