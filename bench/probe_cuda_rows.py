@@ -10,21 +10,23 @@ fp16x2 per group and in fp32 across groups, a warp shuffle sums the lanes. Warps
 per SM) and keep DEPTH units' loads in flight.
 - gate/up: a warp's unit is one output column (its interleaved gate and up rows); activation; fp16 output times
   2^PAIRED_SHIFT in pair order for the down kernel.
-- down: a warp's unit is one output row of all top-k experts, weighted and summed in a fixed order in the kernel (no
-  pair-sum launch).
-- The down kernel is a programmatic dependent launch: it issues its first weight loads, then waits for gate/up.
+- down, by expert: a CTA is a warp per routed expert, each staging only its own expert's activations; ROWS output
+  rows a batch, the experts' weighted partials added in slot order through shared memory in the kernel (no
+  pair-sum launch). (Session 58's version 3, a warp per output row over all top-k experts, took 1.04-1.07x as
+  long on the H100 and is gone.) A programmatic dependent launch: it issues its first weight loads, then waits for
+  gate/up.
 - FP8 (`fp8_gate_up_kernel`, `fp8_down_kernel`): 16-byte chunks of 16 codes per lane, the hardware's e4m3x2 ->
   f16x2 conversion, each chunk's sum times its 128 x 128 block scale; gate and up rows concatenated, SiLU, fp32
   activations out; the down kernel by expert (8 warps, top-8) scales each expert's activations to fp16 itself.
   Written offline (SASS: ~430 instructions per gate/up column); never run yet.
-- `--configs` DEPTH1,DEPTH2,CTAS1,CTAS2[,ROWS] (gate/up, down; ROWS 2 or 4: the down kernel by expert, a CTA of a
-  warp per routed expert adding ROWS rows' partials through shared memory); each also timed with gate/up's loads
-  alone (no decode) and its decode alone (words made up, no loads). `--ncu`: a few plain calls for a profiler.
+- `--configs` DEPTH1,DEPTH2,CTAS1,CTAS2[,ROWS] (gate/up, down; ROWS 2 or 4, default 2); each also timed with
+  gate/up's loads alone (no decode) and its decode alone (words made up, no loads). `--ncu`: a few plain calls for
+  a profiler.
 
 Built with torch's load_inline (needs nvcc; sm_90a). Session 58 (docs/benchmarks.md): 1.24x the library on the H100
 (69% of copy) with `--configs 1,2,2,3,2`.
 
-    python3 bench/probe_cuda_rows.py --layers 4 --configs 1,1,2,2 1,2,2,3,2
+    python3 bench/probe_cuda_rows.py --layers 4 --configs 1,2,2,3,2 1,1,2,3,2 1,1,3,3,2
     python3 bench/probe_cuda_rows.py --shape qwen3-30b-a3b-fp8 --configs 1,1,2,2,2 1,1,2,2,4 2,1,2,2,2
 """
 
@@ -99,6 +101,54 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// This warp's place in a persistent grid of CTAs of `warps` warps: it takes units first, first + stride, ... (stride:
+// the grid's warps), `iters` of them below `units`
+struct PersistentWarp {
+  int lane, warp, first, stride, iters;
+  __device__ PersistentWarp(int warps, int units)
+      : lane(threadIdx.x & 31), warp(threadIdx.x >> 5), first(blockIdx.x * warps + warp), stride(gridDim.x * warps),
+        iters(first < units ? (units - first + stride - 1) / stride : 0) {}
+};
+
+// A warp's unit slot * I + column in the persistent grid, stepped without divisions (the grid's warps, the stride,
+// are fewer than I)
+struct Unit {
+  int slot, column;
+  __device__ void advance(int by, int I) {
+    column += by;
+    while (column >= I) { column -= I; ++slot; }
+  }
+};
+
+// the warp's sums of a and of b in one butterfly (5 shuffles instead of 10): lanes 0-15 finish a, 16-31 b
+__device__ __forceinline__ float2 warp_sums(float a, float b, int lane) {
+  const bool low = lane < 16;
+  float mine = (low ? a : b) + __shfl_xor_sync(0xffffffffu, low ? b : a, 16);
+  for (int o = 8; o; o >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, o);
+  return make_float2(__shfl_sync(0xffffffffu, mine, 0), __shfl_sync(0xffffffffu, mine, 16));
+}
+
+// The end of a by-expert down kernel's batch: warp k's weighted partials of its ROWS rows into the batch's half of
+// `partial`, then ROWS threads add the TOPK slots' in slot order and store the rows (one barrier a batch, the halves
+// alternating so the next batch's writes cannot overtake this one's reads)
+template <int ROWS, int TOPK>
+__device__ __forceinline__ void sum_slots(float (&partial)[2][TOPK][ROWS], const float (&weighted)[ROWS], int index,
+                                          bool live, int batch, int k, int lane, int H,
+                                          __nv_bfloat16* __restrict__ out) {
+  if (lane == 0) {
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j) partial[index & 1][k][j] = weighted[j];
+  }
+  __syncthreads();
+  const int n = batch * ROWS + threadIdx.x;
+  if (threadIdx.x < ROWS && live && n < H) {
+    float total = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < TOPK; ++kk) total += partial[index & 1][kk][threadIdx.x];
+    out[n] = __float2bfloat16_rn(total);
+  }
+}
+
 __device__ __forceinline__ int paired_column(int c) {  // the library's _paired_columns
   int r = c % 8;
   return c - r + (r % 2) * 4 + (r / 4) * 2 + (r / 2) % 2;
@@ -158,32 +208,24 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) gate_up_kernel(
   extern __shared__ uint4 xs[];
   __shared__ float warp_max[WARPS];
   __shared__ int64_t expert_rows[8];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int stride = gridDim.x * WARPS;
-  const int first = blockIdx.x * WARPS + warp;
-  const int iters = first < units ? (units - first + stride - 1) / stride : 0;
+  const PersistentWarp me(WARPS, units);
+  const int lane = me.lane, warp = me.warp, stride = me.stride, first = me.first, iters = me.iters;
   wait_previous();
   if (threadIdx.x < units / I) expert_rows[threadIdx.x] = experts[threadIdx.x] * 2 * I;
   __syncthreads();
-  // unit u = slot * I + column, stepped without divisions: the grid's warps (stride) are fewer than I
-  auto issue = [&](Loads<2>& l, int slot, int column) {
-    const int64_t row = expert_rows[min(slot, units / I - 1)] + 2 * column;
+  auto issue = [&](Loads<2>& l, Unit unit) {
+    const int64_t row = expert_rows[min(unit.slot, units / I - 1)] + 2 * unit.column;
     const uint4* r[2] = {blocks + row * G, blocks + (row + 1) * G};
     const uint8_t* s[2] = {scales + row * G, scales + (row + 1) * G};
     load_rows<2, MODE>(l, r, s, lane, G);
   };
-  auto step = [&](int& slot, int& column, int by) {
-    column += by;
-    while (column >= I) { column -= I; ++slot; }
-  };
   Loads<2> ring[DEPTH];
-  int slots[DEPTH], columns[DEPTH];  // the units in the ring
-  int next_slot = first / I, next_column = first % I;  // the next unit to load
+  Unit in_ring[DEPTH], next{first / I, first % I};  // the ring's units, the next to load
 #pragma unroll
   for (int d = 0; d < DEPTH; ++d) {
-    slots[d] = next_slot; columns[d] = next_column;
-    issue(ring[d], next_slot, next_column);
-    step(next_slot, next_column, stride);
+    in_ring[d] = next;
+    issue(ring[d], next);
+    next.advance(stride, I);
   }
   // activations: fp16 times 2^shift (largest magnitude in [2^14, 2^15)), pairs in the decode's order
   const int K = G * 32;
@@ -224,83 +266,20 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) gate_up_kernel(
   for (int it = 0; it < iters; it += DEPTH) {
 #pragma unroll
     for (int d = 0; d < DEPTH; ++d) {
-      float gate = row_dot<MODE>(ring[d].w[0], ring[d].e[0], xs, lane, G);
-      float up = row_dot<MODE>(ring[d].w[1], ring[d].e[1], xs, lane, G);
-      const int slot = slots[d], c = columns[d];
-      slots[d] = next_slot; columns[d] = next_column;
-      issue(ring[d], next_slot, next_column);
-      step(next_slot, next_column, stride);
-      // both sums in one butterfly: lanes 0-15 finish gate, 16-31 up (5 shuffles instead of 10)
-      const bool low = lane < 16;
-      float mine = (low ? gate : up) + __shfl_xor_sync(0xffffffffu, low ? up : gate, 16);
-      for (int o = 8; o; o >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, o);
-      gate = mine;
-      up = __shfl_sync(0xffffffffu, mine, 16);
+      const float2 sums = warp_sums(row_dot<MODE>(ring[d].w[0], ring[d].e[0], xs, lane, G),
+                                    row_dot<MODE>(ring[d].w[1], ring[d].e[1], xs, lane, G), lane);
+      const int slot = in_ring[d].slot, c = in_ring[d].column;
+      in_ring[d] = next;
+      issue(ring[d], next);
+      next.advance(stride, I);
       if (lane == 0 && it + d < iters) {
         const int64_t row = expert_rows[slot] + 2 * c;
-        gate = gate * unscale + __bfloat162float(bias[row]);
-        up = up * unscale + __bfloat162float(bias[row + 1]);
+        float gate = sums.x * unscale + __bfloat162float(bias[row]);
+        float up = sums.y * unscale + __bfloat162float(bias[row + 1]);
         gate = fminf(gate, limit);
         up = fminf(fmaxf(up, -limit), limit);
         float act = (up + 1.f) * gate * __frcp_rn(1.f + __expf(-gate * alpha));
         h[(int64_t)slot * I + paired_column(c)] = __float2half_rn(act * out_scale);
-      }
-    }
-  }
-}
-
-// down: a unit is output row n, the TOPK experts' rows n, weighted and summed in slot order
-template <int WARPS, int DEPTH, int TOPK>
-__global__ void __launch_bounds__(WARPS * 32) down_kernel(
-    const __half* __restrict__ h, const uint4* __restrict__ blocks, const uint8_t* __restrict__ scales,
-    const __nv_bfloat16* __restrict__ bias, const int64_t* __restrict__ experts, const float* __restrict__ weights,
-    __nv_bfloat16* __restrict__ out, int H, int G, int paired_shift) {
-  extern __shared__ uint4 xs[];  // TOPK x G x 4 quads
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int stride = gridDim.x * WARPS;
-  const int first = blockIdx.x * WARPS + warp;
-  const int iters = first < H ? (H - first + stride - 1) / stride : 0;
-  int64_t e[TOPK];
-#pragma unroll
-  for (int k = 0; k < TOPK; ++k) e[k] = experts[k];  // the routing is the previous launch's input: already there
-  auto issue = [&](Loads<TOPK>& l, int unit) {
-    const int n = min(unit, H - 1);
-    const uint4* r[TOPK]; const uint8_t* s[TOPK];
-#pragma unroll
-    for (int k = 0; k < TOPK; ++k) {
-      r[k] = blocks + (e[k] * H + n) * G;
-      s[k] = scales + (e[k] * H + n) * G;
-    }
-    load_rows<TOPK, 0>(l, r, s, lane, G);
-  };
-  Loads<TOPK> ring[DEPTH];
-#pragma unroll
-  for (int d = 0; d < DEPTH; ++d) issue(ring[d], first + d * stride);
-  wait_previous();  // gate/up's activations (read straight from global memory instead: 10.8 -> 15.7 us on the H100)
-  const uint4* hq = reinterpret_cast<const uint4*>(h);
-  for (int i = threadIdx.x; i < TOPK * G * 4; i += WARPS * 32) {
-    int k = i / (G * 4), rest = i % (G * 4);
-    xs[k * G * 4 + quad(rest / 4, rest % 4)] = hq[i];
-  }
-  __syncthreads();
-  let_next();
-  const float unscale = exp2i(14 - paired_shift);
-  for (int it = 0; it < iters; it += DEPTH) {
-#pragma unroll
-    for (int d = 0; d < DEPTH; ++d) {
-      const int n = first + (it + d) * stride;
-      float acc[TOPK];
-#pragma unroll
-      for (int k = 0; k < TOPK; ++k) acc[k] = row_dot<0>(ring[d].w[k], ring[d].e[k], xs + k * G * 4, lane, G);
-      issue(ring[d], n + DEPTH * stride);
-#pragma unroll
-      for (int k = 0; k < TOPK; ++k) acc[k] = warp_sum(acc[k]);
-      if (lane == 0 && it + d < iters) {
-        float total = 0.f;
-#pragma unroll
-        for (int k = 0; k < TOPK; ++k)
-          total += weights[k] * (acc[k] * unscale + __bfloat162float(bias[e[k] * H + n]));
-        out[n] = __float2bfloat16_rn(total);
       }
     }
   }
@@ -350,23 +329,9 @@ __global__ void __launch_bounds__(TOPK * 32) down_by_expert_kernel(
       for (int j = 0; j < ROWS; ++j) acc[j] = row_dot<0>(ring[d].w[j], ring[d].e[j], mine, lane, G);
       issue(ring[d], batch + DEPTH * gridDim.x);
 #pragma unroll
-      for (int j = 0; j < ROWS; ++j) acc[j] = warp_sum(acc[j]);
-      float* slot_partials = partial[(it + d) & 1][k];
-      if (lane == 0) {
-#pragma unroll
-        for (int j = 0; j < ROWS; ++j) {
-          const int n = min(batch * ROWS + j, H - 1);
-          slot_partials[j] = weight * (acc[j] * unscale + __bfloat162float(bias[e * H + n]));
-        }
-      }
-      __syncthreads();
-      const int n = batch * ROWS + threadIdx.x;
-      if (threadIdx.x < ROWS && it + d < iters && n < H) {
-        float total = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < TOPK; ++kk) total += partial[(it + d) & 1][kk][threadIdx.x];
-        out[n] = __float2bfloat16_rn(total);
-      }
+      for (int j = 0; j < ROWS; ++j)
+        acc[j] = weight * (warp_sum(acc[j]) * unscale + __bfloat162float(bias[e * H + min(batch * ROWS + j, H - 1)]));
+      sum_slots<ROWS, TOPK>(partial, acc, it + d, it + d < iters, batch, k, lane, H, out);
     }
   }
 }
@@ -466,34 +431,28 @@ __global__ void __launch_bounds__(WARPS * 32) fp8_gate_up_kernel(
   extern __shared__ uint4 xs[];  // C x 2 quads
   __shared__ float warp_max[WARPS];
   __shared__ int64_t experts_of[16];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int stride = gridDim.x * WARPS;
-  const int first = blockIdx.x * WARPS + warp;
-  const int iters = first < units ? (units - first + stride - 1) / stride : 0;
+  const PersistentWarp me(WARPS, units);
+  const int lane = me.lane, stride = me.stride, first = me.first, iters = me.iters;
   const int slots = units / I, scale_columns = (C + 7) / 8, scale_rows = (2 * I + 127) / 128;
   wait_previous();
   if (threadIdx.x < slots) experts_of[threadIdx.x] = experts[threadIdx.x];
   __syncthreads();
-  auto issue = [&](Loads8<2, CPL>& l, int slot, int column) {
-    const int64_t e = experts_of[min(slot, slots - 1)];
-    const int64_t gate = e * 2 * I + column, up = gate + I;
+  auto issue = [&](Loads8<2, CPL>& l, Unit unit) {
+    const int64_t e = experts_of[min(unit.slot, slots - 1)];
+    const int64_t gate = e * 2 * I + unit.column, up = gate + I;
     const uint4* r[2] = {blocks + gate * C, blocks + up * C};
     const float* base = scales + e * scale_rows * scale_columns;
-    const float* s[2] = {base + (column / 128) * scale_columns, base + ((I + column) / 128) * scale_columns};
+    const float* s[2] = {base + (unit.column / 128) * scale_columns,
+                         base + ((I + unit.column) / 128) * scale_columns};
     load_rows8<2, CPL>(l, r, s, lane, C);
   };
-  auto step = [&](int& slot, int& column, int by) {
-    column += by;
-    while (column >= I) { column -= I; ++slot; }
-  };
   Loads8<2, CPL> ring[DEPTH];
-  int slot_of[DEPTH], column_of[DEPTH];
-  int next_slot = first / I, next_column = first % I;
+  Unit in_ring[DEPTH], next{first / I, first % I};
 #pragma unroll
   for (int d = 0; d < DEPTH; ++d) {
-    slot_of[d] = next_slot; column_of[d] = next_column;
-    issue(ring[d], next_slot, next_column);
-    step(next_slot, next_column, stride);
+    in_ring[d] = next;
+    issue(ring[d], next);
+    next.advance(stride, I);
   }
   const float unscale = stage8(x, C * 16, xs, threadIdx.x, WARPS * 32, warp_max, false);
   __syncthreads();
@@ -501,18 +460,15 @@ __global__ void __launch_bounds__(WARPS * 32) fp8_gate_up_kernel(
   for (int it = 0; it < iters; it += DEPTH) {
 #pragma unroll
     for (int d = 0; d < DEPTH; ++d) {
-      float gate = row_dot8<CPL>(ring[d].w[0], ring[d].s[0], xs, lane, C);
-      float up = row_dot8<CPL>(ring[d].w[1], ring[d].s[1], xs, lane, C);
-      const int slot = slot_of[d], c = column_of[d];
-      slot_of[d] = next_slot; column_of[d] = next_column;
-      issue(ring[d], next_slot, next_column);
-      step(next_slot, next_column, stride);
-      const bool low = lane < 16;
-      float mine = (low ? gate : up) + __shfl_xor_sync(0xffffffffu, low ? up : gate, 16);
-      for (int o = 8; o; o >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, o);
-      gate = mine * unscale;
-      up = __shfl_sync(0xffffffffu, mine, 16) * unscale;
-      if (lane == 0 && it + d < iters) h[(int64_t)slot * I + c] = gate * __frcp_rn(1.f + __expf(-gate)) * up;
+      const float2 sums = warp_sums(row_dot8<CPL>(ring[d].w[0], ring[d].s[0], xs, lane, C),
+                                    row_dot8<CPL>(ring[d].w[1], ring[d].s[1], xs, lane, C), lane);
+      const Unit unit = in_ring[d];
+      in_ring[d] = next;
+      issue(ring[d], next);
+      next.advance(stride, I);
+      const float gate = sums.x * unscale, up = sums.y * unscale;
+      if (lane == 0 && it + d < iters)
+        h[(int64_t)unit.slot * I + unit.column] = gate * __frcp_rn(1.f + __expf(-gate)) * up;
     }
   }
 }
@@ -559,20 +515,8 @@ __global__ void __launch_bounds__(TOPK * 32) fp8_down_kernel(
       for (int j = 0; j < ROWS; ++j) acc[j] = row_dot8<CPL>(ring[d].w[j], ring[d].s[j], mine, lane, C);
       issue(ring[d], batch + DEPTH * gridDim.x);
 #pragma unroll
-      for (int j = 0; j < ROWS; ++j) acc[j] = warp_sum(acc[j]);
-      float* slot_partials = partial[(it + d) & 1][k];
-      if (lane == 0) {
-#pragma unroll
-        for (int j = 0; j < ROWS; ++j) slot_partials[j] = weight * acc[j];
-      }
-      __syncthreads();
-      const int n = batch * ROWS + threadIdx.x;
-      if (threadIdx.x < ROWS && it + d < iters && n < H) {
-        float total = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < TOPK; ++kk) total += partial[(it + d) & 1][kk][threadIdx.x];
-        out[n] = __float2bfloat16_rn(total);
-      }
+      for (int j = 0; j < ROWS; ++j) acc[j] = weight * warp_sum(acc[j]);
+      sum_slots<ROWS, TOPK>(partial, acc, it + d, it + d < iters, batch, k, lane, H, out);
     }
   }
 }
@@ -609,12 +553,10 @@ void moe_config(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tens
            (const __nv_bfloat16*)x.data_ptr(), (const uint4*)w1.data_ptr(), (const uint8_t*)s1.data_ptr(),
            (const __nv_bfloat16*)b1.data_ptr(), (const int64_t*)experts.data_ptr(), (__half*)h.data_ptr(), I, G,
            TOPK * I, float(alpha), float(limit), int(paired_shift));
-  auto down = rows == 0 ? down_kernel<WARPS, DEPTH2, TOPK>
-              : rows == 2 ? down_by_expert_kernel<DEPTH2, 2, TOPK> : down_by_expert_kernel<DEPTH2, 4, TOPK>;
-  const int down_threads = rows == 0 ? WARPS * 32 : TOPK * 32;
-  const int64_t down_ctas = rows == 0 ? sms * ctas2 : std::min<int64_t>(sms * ctas2, (H + rows - 1) / rows);
+  auto down = rows == 2 ? down_by_expert_kernel<DEPTH2, 2, TOPK> : down_by_expert_kernel<DEPTH2, 4, TOPK>;
+  const int64_t down_ctas = std::min<int64_t>(sms * ctas2, (H + rows - 1) / rows);
   if (parts & 2)
-    launch(down, dim3(down_ctas), dim3(down_threads), TOPK * G * 4 * 16, pdl,
+    launch(down, dim3(down_ctas), dim3(TOPK * 32), TOPK * G * 4 * 16, pdl,
            (const __half*)h.data_ptr(), (const uint4*)w2.data_ptr(), (const uint8_t*)s2.data_ptr(),
            (const __nv_bfloat16*)b2.data_ptr(), (const int64_t*)experts.data_ptr(), (const float*)weights.data_ptr(),
            (__nv_bfloat16*)out.data_ptr(), H, G, int(paired_shift));
@@ -625,7 +567,7 @@ void moe(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor b1, 
          double alpha, double limit, int64_t paired_shift, int64_t depth1, int64_t depth2, int64_t ctas1,
          int64_t ctas2, int64_t rows, int64_t parts, bool pdl, int64_t mode) {
   TORCH_CHECK(w1.size(2) <= 32 * GPL && w2.size(2) <= 32 * GPL, "K too large for GPL");
-  TORCH_CHECK(rows == 0 || rows == 2 || rows == 4, "down rows per batch: 0 (a warp per output row), 2 or 4");
+  TORCH_CHECK(rows == 2 || rows == 4, "down rows per batch: 2 or 4");
 #define CASE(A, B) \
   if (depth1 == A && depth2 == B) \
     return moe_config<A, B>(x, w1, s1, b1, w2, s2, b2, experts, weights, h, out, alpha, limit, paired_shift, ctas1, \
@@ -681,10 +623,10 @@ PROBED = ("gpt-oss-20b", "qwen3-30b-a3b-fp8")
 
 
 def parse_config(text: str) -> tuple[int, ...]:
-    """DEPTH1,DEPTH2,CTAS1,CTAS2[,ROWS] -> the five ints `moe` and `moe_fp8` take before their parts (ROWS 0 when
-    left out; FP8 needs 2 or 4)."""
+    """DEPTH1,DEPTH2,CTAS1,CTAS2[,ROWS] -> the five ints `moe` and `moe_fp8` take before their parts (ROWS 2 when
+    left out)."""
     values = tuple(map(int, text.split(",")))
-    return values + (0,) * (5 - len(values))
+    return values + (2,) * (5 - len(values))
 
 
 def main() -> None:
@@ -692,9 +634,9 @@ def main() -> None:
     parser.add_argument("--shape", choices=PROBED, default="gpt-oss-20b")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--ncu", action="store_true", help="a few plain calls of the first config, for a profiler")
-    parser.add_argument("--configs", nargs="+", default=["1,1,2,2", "1,2,2,3,2"],
+    parser.add_argument("--configs", nargs="+", default=["1,2,2,3,2", "1,1,2,3,2"],
                         help="DEPTH1,DEPTH2,CTAS1,CTAS2[,ROWS]: units in flight per warp and CTAs per SM (gate/up, "
-                             "down), the by-expert down kernel's rows per batch (0: a warp per output row, MXFP4)")
+                             "down), the down kernel's rows per batch (2 or 4; default 2)")
     args = parser.parse_args()
     module = load_inline("probe_cuda_rows", CPP, cuda_sources=CUDA, functions=["moe", "moe_fp8"],
                          extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-lineinfo", "-Xptxas=-v"],
