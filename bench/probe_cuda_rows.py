@@ -50,7 +50,7 @@ CUDA = r"""
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <torch/extension.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 
 constexpr int GPL = 3;  // groups per lane: K / 32 <= 96
 
@@ -521,13 +521,20 @@ __global__ void __launch_bounds__(TOPK * 32) fp8_down_kernel(
   }
 }
 
+int multiprocessors() {
+  int device, count;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+  return count;
+}
+
 template <typename Kernel, typename... Args>
 void launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, bool pdl, Args... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem;
-  config.stream = at::cuda::getCurrentCUDAStream();
+  config.stream = c10::cuda::getCurrentCUDAStream();
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
@@ -543,7 +550,7 @@ void moe_config(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tens
                 int64_t rows, int64_t parts, bool pdl, int64_t mode) {
   constexpr int WARPS = 8, TOPK = 4;
   const int I = w1.size(1) / 2, G = w1.size(2), H = w2.size(1);
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int sms = multiprocessors();
   // 3 CTAs per SM: registers capped for them (85 a thread: 64 bytes of spills offline)
   auto gate_up = mode == 1 ? gate_up_kernel<WARPS, DEPTH1, 1> : mode == 2 ? gate_up_kernel<WARPS, DEPTH1, 2>
                  : ctas1 >= 3 ? gate_up_kernel<WARPS, DEPTH1, 0, 3> : gate_up_kernel<WARPS, DEPTH1, 0>;
@@ -583,7 +590,7 @@ void moe_fp8_config(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::
                     int64_t ctas2, int64_t parts, bool pdl) {
   constexpr int WARPS = 8, TOPK = 8;
   const int I = w1.size(1) / 2, C1 = w1.size(2) / 16, H = w2.size(1), C2 = w2.size(2) / 16;
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int sms = multiprocessors();
   const int64_t gate_up_ctas = std::min<int64_t>(sms * ctas1, (TOPK * I + WARPS - 1) / WARPS);
   if (parts & 1)
     launch(fp8_gate_up_kernel<WARPS, DEPTH1, 4>, dim3(gate_up_ctas), dim3(WARPS * 32), C1 * 2 * 16, pdl,
