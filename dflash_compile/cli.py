@@ -264,9 +264,10 @@ def calibrate_command(args) -> int:
 def build_kernels_command(args) -> int:
     """Part of the set-up commands: a machine without a compiler still works (the reference runs), so the status
     is reported, not turned into a failure."""
-    from .kernels import cpu
+    from .kernels import cpu, cuda_rows
 
     print(cpu.status())
+    print(cuda_rows.status())  # built here when DFLASH_CUDA_ROWS=1 on a Hopper GPU
     return 0
 
 
@@ -381,7 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--device", help="default: cuda when available")
     calibrate.set_defaults(run=calibrate_command)
 
-    build = commands.add_parser("build-kernels", help="compile the C++ CPU kernels now (else on their first use)")
+    build = commands.add_parser("build-kernels", help="compile the C++ CPU kernels (and, where they are on, the CUDA "
+                                                      "row kernels) now, else on their first use")
     build.set_defaults(run=build_kernels_command)
     return parser
 

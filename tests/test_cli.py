@@ -184,9 +184,14 @@ def test_bench_writes_a_report_and_plots(tmp_path, capsys):
         main(["bench", "--drafter", "x"])
 
 
-def test_build_kernels_command(capsys):
+def test_build_kernels_command(capsys, monkeypatch):
+    from dflash_compile.kernels import cuda_rows
+
+    monkeypatch.delenv("DFLASH_CUDA_ROWS", raising=False)
+    cuda_rows.load.cache_clear()
     assert main(["build-kernels"]) == 0
-    assert capsys.readouterr().out.strip() == "C++ CPU kernels loaded"
+    assert capsys.readouterr().out.splitlines() == [
+        "C++ CPU kernels loaded", "CUDA row kernels unused: off (DFLASH_CUDA_ROWS=1 turns them on)"]
 
 
 def test_timed_together_alternates_the_sides():

@@ -51,6 +51,10 @@ X_PAIRED), loading pairs as words instead of converting and pairing bf16 values 
 call (`_pair_rows`) makes the gate/up launch's (one token scales its row in the kernel: there the launch cost more
 than it saved, 0.95-0.98x). 1.07-1.09x, then 1.02-1.06x, at verify sizes (session 20).
 
+One token's MXFP4 layer in gpt-oss's layout (interleaved gate/up, clamped SwiGLU, biases, top-4, resident experts)
+can run CUDA C++ kernels instead (`cuda_rows`, csrc/moe_rows_cuda.cu: 1.24x on the H100, session 58), off unless
+DFLASH_CUDA_ROWS=1 until measured on the H200.
+
 `FP16_OPERANDS` (FP8 weights, tile setting `operands="fp16"`): the weights go to the tensor cores as fp16 through
 the one-instruction e4m3x2 -> f16x2 conversion (bf16 takes two per value), and the activations come in as fp16
 times FP16_PRESCALE (made once per call; the gate/up launch writes its output the same way for the down launch),
@@ -73,7 +77,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..packed import PackedWeight
-from . import sm_count
+from . import cuda_rows, sm_count
 from .arrivals import arrival_counts
 
 FORMATS = {"dense": 0, "mxfp4": 1, "fp8_block": 2}
@@ -1402,6 +1406,9 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
                          "dequantizes them there (reference_packed)")
     if tokens == 0:  # nothing routed: the grids would be empty
         return hidden.new_empty(hidden.shape)
+    if not tiles and host is None and cuda_rows.covers(hidden, top_k_index, gate_up, down, interleaved, activation):
+        return cuda_rows.one_token_moe(hidden, top_k_index, top_k_weights, gate_up, down, alpha, limit,
+                                       _paired_shift(activation, alpha, limit))
     if (not tiles and host is None and compute_fp32 == (hidden.dtype == torch.float32)
             and pairs_per_routed_expert(tokens, top_k, routable) >= DEQUANTIZE_PAIRS[gate_up.format]
             and not (hidden.is_cuda and torch.cuda.is_current_stream_capturing())):

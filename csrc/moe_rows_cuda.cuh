@@ -1,0 +1,352 @@
+// One token's MXFP4 MoE layer on the CUDA cores (sm_90): the kernels of dflash_compile/kernels/cuda_rows.py, also
+// read by bench/probe_cuda_rows.py, which times their variants.
+//
+// Every lane of a warp owns 32-code groups lane, lane + 32, lane + 64 of a row (K <= 96 groups), read as 16-byte
+// loads, coalesced, with no shared-memory staging of weights and no CTA-wide barrier in the loop; the activations
+// sit in shared memory as fp16 pairs in the decode's order (swizzled: conflict-free 16-byte reads); the codes go to
+// fp16x2 pairs by an 11-instruction word decode (kernels/moe.py's `_e2m1_word_pairs`), products add in fp16x2 per
+// group and in fp32 across groups, a warp shuffle sums the lanes. Warps are persistent and keep DEPTH units' loads
+// in flight. gate/up: a warp's unit is one output column (its interleaved gate and up rows), clamped SwiGLU, fp16
+// output times 2^paired_shift in pair order. down: a CTA is a warp per routed expert, each staging its own expert's
+// activations; ROWS output rows a batch, the experts' weighted partials added in slot order (no pair-sum launch),
+// launched as a programmatic dependent launch that issues its first weight loads before it waits for gate/up.
+#pragma once
+#include <algorithm>
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/extension.h>
+
+constexpr int GPL = 3;  // groups per lane: K / 32 <= 96
+
+__device__ __forceinline__ void wait_previous() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void let_next() { asm volatile("griddepcontrol.launch_dependents;"); }
+
+__device__ __forceinline__ float exp2i(int e) { return __int_as_float((e + 127) << 23); }
+
+// quad q (a packed word's four fp16x2 pairs) of group g, swizzled so a warp's 16-byte reads of 32 groups are
+// conflict free
+__device__ __forceinline__ int quad(int g, int q) { return g * 4 + (q ^ ((g >> 1) & 3)); }
+
+__device__ __forceinline__ void decode(uint32_t w, uint32_t& p0, uint32_t& p1, uint32_t& p2, uint32_t& p3) {
+  asm("{\n.reg .b32 low, high, sign;\n"
+      "shl.b32 low, %4, 1;\nshl.b32 sign, %4, 4;\nand.b32 low, low, 0x0E0E0E0E;\n"
+      "and.b32 sign, sign, 0x80808080;\nor.b32 low, low, sign;\n"
+      "shr.b32 high, %4, 3;\nand.b32 high, high, 0x0E0E0E0E;\nand.b32 sign, %4, 0x80808080;\n"
+      "or.b32 high, high, sign;\n"
+      "prmt.b32 %0, low, 0, 0x1404;\nprmt.b32 %1, low, 0, 0x3424;\n"
+      "prmt.b32 %2, high, 0, 0x1404;\nprmt.b32 %3, high, 0, 0x3424;\n}"
+      : "=r"(p0), "=r"(p1), "=r"(p2), "=r"(p3) : "r"(w));
+}
+
+__device__ __forceinline__ __half2 h2(uint32_t u) { return *reinterpret_cast<__half2*>(&u); }
+
+__device__ __forceinline__ __half2 word_dot(uint32_t w, uint4 x, __half2 sum) {
+  uint32_t p0, p1, p2, p3;
+  decode(w, p0, p1, p2, p3);
+  sum = __hfma2(h2(p0), h2(x.x), sum);
+  sum = __hfma2(h2(p1), h2(x.y), sum);
+  sum = __hfma2(h2(p2), h2(x.z), sum);
+  return __hfma2(h2(p3), h2(x.w), sum);
+}
+
+// one group's 32 products, scaled by its E8M0 exponent
+__device__ __forceinline__ float group_dot(uint4 w, const uint4* xs, int g, uint8_t e) {
+  __half2 sum = __float2half2_rn(0.f);
+  sum = word_dot(w.x, xs[quad(g, 0)], sum);
+  sum = word_dot(w.y, xs[quad(g, 1)], sum);
+  sum = word_dot(w.z, xs[quad(g, 2)], sum);
+  sum = word_dot(w.w, xs[quad(g, 3)], sum);
+  float2 f = __half22float2(sum);
+  return (f.x + f.y) * __int_as_float(int(e) << 23);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// This warp's place in a persistent grid of CTAs of `warps` warps: it takes units first, first + stride, ... (stride:
+// the grid's warps), `iters` of them below `units`
+struct PersistentWarp {
+  int lane, warp, first, stride, iters;
+  __device__ PersistentWarp(int warps, int units)
+      : lane(threadIdx.x & 31), warp(threadIdx.x >> 5), first(blockIdx.x * warps + warp), stride(gridDim.x * warps),
+        iters(first < units ? (units - first + stride - 1) / stride : 0) {}
+};
+
+// A warp's unit slot * I + column in the persistent grid, stepped without divisions (the grid's warps, the stride,
+// are fewer than I)
+struct Unit {
+  int slot, column;
+  __device__ void advance(int by, int I) {
+    column += by;
+    while (column >= I) { column -= I; ++slot; }
+  }
+};
+
+// the warp's sums of a and of b in one butterfly (5 shuffles instead of 10): lanes 0-15 finish a, 16-31 b
+__device__ __forceinline__ float2 warp_sums(float a, float b, int lane) {
+  const bool low = lane < 16;
+  float mine = (low ? a : b) + __shfl_xor_sync(0xffffffffu, low ? b : a, 16);
+  for (int o = 8; o; o >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, o);
+  return make_float2(__shfl_sync(0xffffffffu, mine, 0), __shfl_sync(0xffffffffu, mine, 16));
+}
+
+// The end of a by-expert down kernel's batch: warp k's weighted partials of its ROWS rows into the batch's half of
+// `partial`, then ROWS threads add the TOPK slots' in slot order and store the rows (one barrier a batch, the halves
+// alternating so the next batch's writes cannot overtake this one's reads)
+template <int ROWS, int TOPK>
+__device__ __forceinline__ void sum_slots(float (&partial)[2][TOPK][ROWS], const float (&weighted)[ROWS], int index,
+                                          bool live, int batch, int k, int lane, int H,
+                                          __nv_bfloat16* __restrict__ out) {
+  if (lane == 0) {
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j) partial[index & 1][k][j] = weighted[j];
+  }
+  __syncthreads();
+  const int n = batch * ROWS + threadIdx.x;
+  if (threadIdx.x < ROWS && live && n < H) {
+    float total = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < TOPK; ++kk) total += partial[index & 1][kk][threadIdx.x];
+    out[n] = __float2bfloat16_rn(total);
+  }
+}
+
+__device__ __forceinline__ int paired_column(int c) {  // the library's _paired_columns
+  int r = c % 8;
+  return c - r + (r % 2) * 4 + (r / 4) * 2 + (r / 2) % 2;
+}
+
+template <int ROWS>
+struct Loads {
+  uint4 w[ROWS][GPL];
+  uint8_t e[ROWS][GPL];
+};
+
+// A row's groups lane + 32 i; past the row's G groups a lane reads group G - 1 again with exponent 0 (its products
+// count 0), so no load or product is branched around.
+template <int ROWS, int MODE>
+__device__ __forceinline__ void load_rows(Loads<ROWS>& l, const uint4* const* rows, const uint8_t* const* scales,
+                                          int lane, int G) {
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+    for (int i = 0; i < GPL; ++i) {
+      const int g = lane + 32 * i, gg = min(g, G - 1);
+      if (MODE == 2) {  // decode only: words made from the address, no loads
+        uint32_t a = uint32_t(size_t(rows[r] + gg));
+        l.w[r][i] = make_uint4(a, a ^ 0x5A5A5A5A, a * 3u, a ^ 0x33333333);
+        l.e[r][i] = g < G ? 120 : 0;
+      } else {
+        l.w[r][i] = __ldcs(rows[r] + gg);
+        l.e[r][i] = g < G ? __ldcs(scales[r] + gg) : uint8_t(0);
+      }
+    }
+}
+
+template <int MODE>
+__device__ __forceinline__ float row_dot(const uint4 (&w)[GPL], const uint8_t (&e)[GPL], const uint4* xs, int lane,
+                                         int G) {
+  float acc = 0.f;
+#pragma unroll
+  for (int i = 0; i < GPL; ++i) {
+    if (MODE == 1)  // loads only: the words folded, no decode
+      acc += __int_as_float((w[i].x ^ w[i].y ^ w[i].z ^ w[i].w) & 0x3FFFFF) + float(e[i]);
+    else
+      acc += group_dot(w[i], xs, min(lane + 32 * i, G - 1), e[i]);  // past G: group G - 1, exponent 0
+  }
+  return acc;
+}
+
+// Persistent warps: warp w of the grid takes units w, w + W, w + 2W, ... (W the grid's warps), DEPTH units' loads in
+// flight (a ring of registers indexed at compile time: the unit loop is unrolled DEPTH times, with no break, so the
+// shuffles stay convergent; units past the end load the last one again and store nothing).
+
+// gate/up: a unit is output column c of expert slot s (unit s * I + c), rows 2c (gate) and 2c + 1 (up)
+template <int WARPS, int DEPTH, int MODE, int MIN_CTAS = 1>
+__global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) gate_up_kernel(
+    const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ blocks, const uint8_t* __restrict__ scales,
+    const __nv_bfloat16* __restrict__ bias, const int64_t* __restrict__ experts, __half* __restrict__ h,
+    int I, int G, int units, float alpha, float limit, int paired_shift) {
+  extern __shared__ uint4 xs[];
+  __shared__ float warp_max[WARPS];
+  __shared__ int64_t expert_rows[8];
+  const PersistentWarp me(WARPS, units);
+  const int lane = me.lane, warp = me.warp, stride = me.stride, first = me.first, iters = me.iters;
+  wait_previous();
+  if (threadIdx.x < units / I) expert_rows[threadIdx.x] = experts[threadIdx.x] * 2 * I;
+  __syncthreads();
+  auto issue = [&](Loads<2>& l, Unit unit) {
+    const int64_t row = expert_rows[min(unit.slot, units / I - 1)] + 2 * unit.column;
+    const uint4* r[2] = {blocks + row * G, blocks + (row + 1) * G};
+    const uint8_t* s[2] = {scales + row * G, scales + (row + 1) * G};
+    load_rows<2, MODE>(l, r, s, lane, G);
+  };
+  Loads<2> ring[DEPTH];
+  Unit in_ring[DEPTH], next{first / I, first % I};  // the ring's units, the next to load
+#pragma unroll
+  for (int d = 0; d < DEPTH; ++d) {
+    in_ring[d] = next;
+    issue(ring[d], next);
+    next.advance(stride, I);
+  }
+  // activations: fp16 times 2^shift (largest magnitude in [2^14, 2^15)), pairs in the decode's order
+  const int K = G * 32;
+  const uint4* x8 = reinterpret_cast<const uint4*>(x);
+  float m = 0.f;
+  for (int wd = threadIdx.x; wd < K / 8; wd += WARPS * 32) {
+    uint4 raw = x8[wd];
+    const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float2 f = __bfloat1622float2(v[j]);
+      m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
+    }
+  }
+  for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (lane == 0) warp_max[warp] = m;
+  __syncthreads();
+  m = 0.f;
+  for (int i = 0; i < WARPS; ++i) m = fmaxf(m, warp_max[i]);
+  const int shift = min(14 - (((__float_as_int(m) >> 23) & 255) - 127), 100);
+  const float scale = exp2i(shift);
+  for (int wd = threadIdx.x; wd < K / 8; wd += WARPS * 32) {
+    uint4 raw = x8[wd];
+    const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw);
+    float f[8];
+    for (int j = 0; j < 8; ++j) f[j] = __bfloat162float(v[j]) * scale;
+    __half2 a = __floats2half2_rn(f[0], f[2]), b = __floats2half2_rn(f[4], f[6]);
+    __half2 c = __floats2half2_rn(f[1], f[3]), d = __floats2half2_rn(f[5], f[7]);
+    uint4 q;
+    q.x = *reinterpret_cast<uint32_t*>(&a); q.y = *reinterpret_cast<uint32_t*>(&b);
+    q.z = *reinterpret_cast<uint32_t*>(&c); q.w = *reinterpret_cast<uint32_t*>(&d);
+    xs[quad(wd / 4, wd % 4)] = q;
+  }
+  __syncthreads();
+  let_next();
+  const float unscale = exp2i(14 - shift);
+  const float out_scale = exp2i(paired_shift);
+  for (int it = 0; it < iters; it += DEPTH) {
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d) {
+      const float2 sums = warp_sums(row_dot<MODE>(ring[d].w[0], ring[d].e[0], xs, lane, G),
+                                    row_dot<MODE>(ring[d].w[1], ring[d].e[1], xs, lane, G), lane);
+      const int slot = in_ring[d].slot, c = in_ring[d].column;
+      in_ring[d] = next;
+      issue(ring[d], next);
+      next.advance(stride, I);
+      if (lane == 0 && it + d < iters) {
+        const int64_t row = expert_rows[slot] + 2 * c;
+        float gate = sums.x * unscale + __bfloat162float(bias[row]);
+        float up = sums.y * unscale + __bfloat162float(bias[row + 1]);
+        gate = fminf(gate, limit);
+        up = fminf(fmaxf(up, -limit), limit);
+        float act = (up + 1.f) * gate * __frcp_rn(1.f + __expf(-gate * alpha));
+        h[(int64_t)slot * I + paired_column(c)] = __float2half_rn(act * out_scale);
+      }
+    }
+  }
+}
+
+// down, by expert: a CTA is TOPK warps, warp k the routed expert of slot k, each staging only its own expert's
+// activations (no CTA barrier before the loop); a batch is ROWS output rows: warp k's weighted partial sums of its
+// expert's rows go to shared memory and ROWS threads add the TOPK partials in slot order (one barrier per batch,
+// partials double-buffered). Few registers per CTA, so its CTAs fit beside gate/up's and start early (PDL).
+template <int DEPTH, int ROWS, int TOPK>
+__global__ void __launch_bounds__(TOPK * 32) down_by_expert_kernel(
+    const __half* __restrict__ h, const uint4* __restrict__ blocks, const uint8_t* __restrict__ scales,
+    const __nv_bfloat16* __restrict__ bias, const int64_t* __restrict__ experts, const float* __restrict__ weights,
+    __nv_bfloat16* __restrict__ out, int H, int G, int paired_shift) {
+  extern __shared__ uint4 xs[];  // TOPK x G x 4 quads
+  __shared__ float partial[2][TOPK][ROWS];
+  const int lane = threadIdx.x & 31, k = threadIdx.x >> 5;
+  const int batches = (H + ROWS - 1) / ROWS;
+  const int iters = int(blockIdx.x) < batches ? (batches - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+  const int64_t e = experts[k];  // the routing is the previous launch's input: already there
+  auto issue = [&](Loads<ROWS>& l, int batch) {
+    const uint4* r[ROWS]; const uint8_t* s[ROWS];
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j) {
+      const int n = min(batch * ROWS + j, H - 1);
+      r[j] = blocks + (e * H + n) * G;
+      s[j] = scales + (e * H + n) * G;
+    }
+    load_rows<ROWS, 0>(l, r, s, lane, G);
+  };
+  Loads<ROWS> ring[DEPTH];
+#pragma unroll
+  for (int d = 0; d < DEPTH; ++d) issue(ring[d], blockIdx.x + d * gridDim.x);
+  wait_previous();  // gate/up's activations
+  const uint4* hq = reinterpret_cast<const uint4*>(h) + k * G * 4;
+  uint4* mine = xs + k * G * 4;
+  for (int i = lane; i < G * 4; i += 32) mine[quad(i / 4, i % 4)] = hq[i];
+  __syncwarp();
+  let_next();
+  const float unscale = exp2i(14 - paired_shift), weight = weights[k];
+  for (int it = 0; it < iters; it += DEPTH) {
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d) {
+      const int batch = blockIdx.x + (it + d) * gridDim.x;
+      float acc[ROWS];
+#pragma unroll
+      for (int j = 0; j < ROWS; ++j) acc[j] = row_dot<0>(ring[d].w[j], ring[d].e[j], mine, lane, G);
+      issue(ring[d], batch + DEPTH * gridDim.x);
+#pragma unroll
+      for (int j = 0; j < ROWS; ++j)
+        acc[j] = weight * (warp_sum(acc[j]) * unscale + __bfloat162float(bias[e * H + min(batch * ROWS + j, H - 1)]));
+      sum_slots<ROWS, TOPK>(partial, acc, it + d, it + d < iters, batch, k, lane, H, out);
+    }
+  }
+}
+
+inline int multiprocessors() {
+  int device, count;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+  return count;
+}
+
+template <typename Kernel, typename... Args>
+void launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, bool pdl, Args... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = c10::cuda::getCurrentCUDAStream();
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = pdl ? 1 : 0;
+  TORCH_CHECK(cudaLaunchKernelEx(&config, kernel, args...) == cudaSuccess, "launch failed");
+}
+
+// One token's MXFP4 MoE layer, gpt-oss's layout: x [1, H] bf16; gate_up blocks [E, 2I, G, 16] / scales [E, 2I, G]
+// uint8 with interleaved gate and up rows, bias [E, 2I] bf16; down [E, H, G', 16] / [E, H, G'] / [E, H]; experts
+// [4] int64, weights [4] fp32 -> out [1, H] bf16. Gate/up then down (by expert, rows summed in slot order), the
+// down launch programmatically dependent. The shapes were checked by dflash_compile/kernels/cuda_rows.py.
+inline torch::Tensor mxfp4_one_token(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& s1,
+                                     const torch::Tensor& b1, const torch::Tensor& w2, const torch::Tensor& s2,
+                                     const torch::Tensor& b2, const torch::Tensor& experts,
+                                     const torch::Tensor& weights, double alpha, double limit,
+                                     int64_t paired_shift) {
+  constexpr int WARPS = 8, TOPK = 4, DOWN_ROWS = 2;
+  constexpr int GATE_UP_CTAS = 2, DOWN_CTAS = 3;  // per SM: the H100's best (docs/benchmarks.md, session 58)
+  const int I = w1.size(1) / 2, G = w1.size(2), H = w2.size(1), G2 = w2.size(2);
+  auto h = torch::empty({TOPK, I}, x.options().dtype(torch::kHalf));
+  auto out = torch::empty({1, H}, x.options());
+  const int sms = multiprocessors();
+  launch(gate_up_kernel<WARPS, 1, 0>, dim3(std::min(sms * GATE_UP_CTAS, (TOPK * I + WARPS - 1) / WARPS)),
+         dim3(WARPS * 32), G * 4 * 16, true, (const __nv_bfloat16*)x.data_ptr(), (const uint4*)w1.data_ptr(),
+         (const uint8_t*)s1.data_ptr(), (const __nv_bfloat16*)b1.data_ptr(), (const int64_t*)experts.data_ptr(),
+         (__half*)h.data_ptr(), I, G, TOPK * I, float(alpha), float(limit), int(paired_shift));
+  launch(down_by_expert_kernel<2, DOWN_ROWS, TOPK>, dim3(std::min(sms * DOWN_CTAS, (H + DOWN_ROWS - 1) / DOWN_ROWS)),
+         dim3(TOPK * 32), TOPK * G2 * 4 * 16, true, (const __half*)h.data_ptr(), (const uint4*)w2.data_ptr(),
+         (const uint8_t*)s2.data_ptr(), (const __nv_bfloat16*)b2.data_ptr(), (const int64_t*)experts.data_ptr(),
+         (const float*)weights.data_ptr(), (__nv_bfloat16*)out.data_ptr(), H, G2, int(paired_shift));
+  return out;
+}

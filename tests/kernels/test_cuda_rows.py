@@ -1,0 +1,89 @@
+"""The CUDA C++ row kernels of one token's MXFP4 layer (csrc/moe_rows_cuda.cu, `kernels.cuda_rows`): off unless
+asked; on a Hopper GPU, gpt-oss layers against the reference, under CUDA graphs, and the calls they leave to Triton."""
+
+import pytest
+import torch
+
+from dflash_compile.kernels import cuda_rows
+from dflash_compile.kernels.moe import fused_moe
+from dflash_compile.packed import PackedWeight
+
+from .test_moe import _experts, _routing, reference_moe
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+needs_hopper = pytest.mark.skipif(not HOPPER, reason="the row kernels run on compute capability 9.0")
+
+
+@pytest.fixture
+def rows_on(monkeypatch):
+    """DFLASH_CUDA_ROWS=1 for the test, the loader asked again before and after."""
+    monkeypatch.setenv("DFLASH_CUDA_ROWS", "1")
+    cuda_rows.load.cache_clear()
+    yield
+    monkeypatch.delenv("DFLASH_CUDA_ROWS")
+    cuda_rows.load.cache_clear()
+
+
+def _gpt_oss_layer(hidden, inter, experts=8, seed=0):
+    """gate/up and down of a gpt-oss-style layer on the GPU, biases in bf16 as a bf16 model keeps them."""
+    gate_up, down = _experts("mxfp4", experts, hidden, inter, bias=True, seed=seed, device="cuda")
+    bf16 = lambda w: PackedWeight(w.format, w.data, w.scales, w.bias.to(torch.bfloat16))  # noqa: E731
+    return bf16(gate_up), bf16(down)
+
+
+def test_the_row_kernels_are_off_unless_asked(monkeypatch):
+    monkeypatch.delenv("DFLASH_CUDA_ROWS", raising=False)
+    cuda_rows.load.cache_clear()
+    assert cuda_rows.load() is None
+    assert cuda_rows.status() == "CUDA row kernels unused: off (DFLASH_CUDA_ROWS=1 turns them on)"
+
+
+@needs_hopper
+@pytest.mark.parametrize("hidden, inter", [(2880, 2880), (1024, 512)])  # 90 groups (three a lane for some), 16-32
+def test_one_token_gpt_oss_layers_match_the_reference(rows_on, hidden, inter):
+    """Interleaved gate/up, clamped SwiGLU, biases, top-4: within 1e-2 of fp64 math on the dequantized weights (fp16
+    products, as the Triton row path), the same result on every call."""
+    gate_up, down = _gpt_oss_layer(hidden, inter)
+    index, weights = _routing(1, 8, 4)
+    x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    expected = reference_moe(x.float(), index, weights, gate_up, down, True, "clamped_swiglu")
+    args = (x.cuda(), index.cuda(), weights.cuda(), gate_up, down)
+    assert cuda_rows.covers(args[0], args[1], gate_up, down, True, "clamped_swiglu")
+    actual = fused_moe(*args, interleaved=True, activation="clamped_swiglu")
+    assert actual.dtype == torch.bfloat16 and actual.shape == (1, hidden)
+    assert (actual.cpu().double() - expected).norm() / expected.norm() <= 1e-2
+    assert torch.equal(fused_moe(*args, interleaved=True, activation="clamped_swiglu"), actual)
+
+
+@needs_hopper
+def test_one_token_replayed_from_a_cuda_graph(rows_on):
+    """Captured in a CUDA graph (both launches, the down one programmatically dependent), replayed on new inputs
+    written in place: the eager call's result."""
+    gate_up, down = _gpt_oss_layer(1024, 512)
+    index, weights = (t.cuda() for t in _routing(1, 8, 4))
+    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+    call = lambda: fused_moe(x, index, weights, gate_up, down, interleaved=True, activation="clamped_swiglu")  # noqa: E731
+    call()  # compiles the extension and warms up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    x.copy_(torch.randn_like(x))
+    index.copy_(_routing(1, 8, 4, seed=5)[0].cuda())
+    graph.replay()
+    assert torch.equal(captured, call())
+
+
+@needs_hopper
+def test_calls_the_row_kernels_do_not_cover_run_triton(rows_on):
+    """Top-2, concatenated gate/up with SiLU, and fp32 biases are left to the Triton kernels, still correct."""
+    gate_up, down = _gpt_oss_layer(1024, 512)
+    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+    index, weights = (t.cuda() for t in _routing(1, 8, 2))
+    assert not cuda_rows.covers(x, index, gate_up, down, True, "clamped_swiglu")
+    index4 = _routing(1, 8, 4)[0].cuda()
+    assert not cuda_rows.covers(x, index4, gate_up, down, False, "silu")
+    fp32_bias = PackedWeight("mxfp4", gate_up.data, gate_up.scales, gate_up.bias.float())
+    assert not cuda_rows.covers(x, index4, fp32_bias, down, True, "clamped_swiglu")
+    expected = reference_moe(x.float().cpu(), index.cpu(), weights.cpu(), gate_up, down, True, "clamped_swiglu")
+    actual = fused_moe(x, index, weights, gate_up, down, interleaved=True, activation="clamped_swiglu")
+    assert (actual.cpu().double() - expected).norm() / expected.norm() <= 1e-2
