@@ -52,8 +52,8 @@ call (`_pair_rows`) makes the gate/up launch's (one token scales its row in the 
 than it saved, 0.95-0.98x). 1.07-1.09x, then 1.02-1.06x, at verify sizes (session 20).
 
 One token's MXFP4 layer in gpt-oss's layout (interleaved gate/up, clamped SwiGLU, biases, top-4, resident experts)
-can run CUDA C++ kernels instead (`cuda_rows`, csrc/moe_rows_cuda.cu: 1.24x on the H100, session 58), off unless
-DFLASH_CUDA_ROWS=1 until measured on the H200.
+can run CUDA C++ kernels instead (`cuda_rows`, csrc/moe_rows_cuda.cu; their probe ran a layer 1.24x faster on the
+H100, session 58), off unless DFLASH_CUDA_ROWS=1 until measured on the H200.
 
 `FP16_OPERANDS` (FP8 weights, tile setting `operands="fp16"`): the weights go to the tensor cores as fp16 through
 the one-instruction e4m3x2 -> f16x2 conversion (bf16 takes two per value), and the activations come in as fp16
