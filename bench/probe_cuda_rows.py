@@ -109,11 +109,14 @@ __device__ __forceinline__ float row_dot8(const uint4 (&w)[CPL], const float (&s
 
 // fp16 pairs of n fp32 / bf16 values times 2^shift (largest in [2^2, 2^3)) into swizzled quads, by one warp or by
 // the whole CTA (`threads` of them from `first`); returns 2^-shift
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(float v) { return v; }
+
 template <typename T>
 __device__ __forceinline__ float stage8(const T* v, int n, uint4* xs, int first, int threads, float* reduce,
                                         bool warp_only) {
   float m = 0.f;
-  for (int i = first; i < n; i += threads) m = fmaxf(m, fabsf(float(v[i])));
+  for (int i = first; i < n; i += threads) m = fmaxf(m, fabsf(to_float(v[i])));
   for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
   if (!warp_only) {
     if ((first & 31) == 0) reduce[first >> 5] = m;
@@ -127,7 +130,7 @@ __device__ __forceinline__ float stage8(const T* v, int n, uint4* xs, int first,
     uint32_t p[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      __half2 pair = __floats2half2_rn(float(v[8 * q + 2 * j]) * scale, float(v[8 * q + 2 * j + 1]) * scale);
+      __half2 pair = __floats2half2_rn(to_float(v[8 * q + 2 * j]) * scale, to_float(v[8 * q + 2 * j + 1]) * scale);
       p[j] = *reinterpret_cast<uint32_t*>(&pair);
     }
     xs[quad8(q / 2, q % 2)] = make_uint4(p[0], p[1], p[2], p[3]);
