@@ -66,7 +66,7 @@ def covers(hidden: torch.Tensor, top_k_index: torch.Tensor, gate_up: PackedWeigh
     weights = (gate_up, down)
     return (hidden.is_cuda and hidden.dtype == torch.bfloat16 and tuple(top_k_index.shape) == (1, TOP_K)
             and interleaved and activation == "clamped_swiglu"
-            and all(w.format == "mxfp4" and w.bias is not None and w.bias.dtype == torch.bfloat16
+            and all(w.format == "mxfp4" and w.data.is_cuda and w.bias is not None and w.bias.dtype == torch.bfloat16
                     and w.data.shape[2] <= MAX_GROUPS and all(t.is_contiguous() for t in (w.data, w.scales, w.bias))
                     for w in weights)
             and load() is not None)
