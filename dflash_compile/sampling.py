@@ -1,7 +1,7 @@
 """Sampling settings, applied to target and draft logits alike, in transformers' generate order
 (temperature, top-h, top-k, top-p, min-p, typical-p, epsilon cutoff, eta cutoff), using transformers' own logits
-warpers (top-p's and typical-p's probabilities read from a sort before their scan, `TopPWarper`, `TypicalWarper`;
-top-h's and eta's entropies without a torch.distributions object, `_categorical`)."""
+warpers (top-p's probabilities read from a sort before its scan, `TopPWarper`; typical-p's scan an op of its own,
+`TypicalWarper`; top-h's and eta's entropies without a torch.distributions object, `_categorical`)."""
 
 from __future__ import annotations
 
@@ -93,21 +93,18 @@ class TopHWarper(TopHLogitsWarper):
 
 
 class TypicalWarper(TypicalLogitsWarper):
-    """transformers' typical-p filter with the probabilities its scan adds up read from a sort of their own (the
-    tokens' probabilities in descending order, gathered into the typical order) instead of a softmax taken after the
-    typical sort: the softmax's per-row max and sum then stay out of the vocabulary-long scan, which torch 2.11's
-    Inductor fails to generate on CUDA (see `TopPWarper`), and the gather with it (`ops.ordered_cumsum`, opaque: a
-    gather fused into that scan fails as well, seen on an H100). The same tokens kept, up to the last bit of a sum."""
+    """transformers' typical-p filter with the probabilities its scan adds up taken from one softmax over the
+    vocabulary, gathered into the typical order inside `ops.ordered_cumsum` (opaque to Inductor), instead of a
+    softmax taken after the typical sort: the softmax's per-row max and sum then stay out of the vocabulary-long
+    scan, which torch 2.11's Inductor fails to generate on CUDA (see `TopPWarper`), and so does the gather (a gather
+    fused into that scan fails as well, seen on an H100). The same tokens kept, up to the last bit of a sum."""
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         normalized = torch.nn.functional.log_softmax(scores, dim=-1)
         probs = torch.exp(normalized)
         entropy = -(normalized * probs).nansum(-1, keepdim=True)
         shifted, order = torch.sort(torch.abs(-normalized - entropy))  # the most typical tokens first
-        descending, by_probability = torch.sort(probs, descending=True)
-        rank = torch.empty_like(by_probability).scatter_(-1, by_probability, torch.arange(
-            scores.shape[-1], device=scores.device).expand_as(by_probability))  # each token's place in `descending`
-        cumulative = ordered_cumsum(descending, rank.gather(-1, order))
+        cumulative = ordered_cumsum(probs, order)
         last = (cumulative < self.mass).sum(dim=-1, keepdim=True).clamp(max=scores.shape[-1] - 1)
         remove = shifted > shifted.gather(-1, last)
         remove[..., :self.min_tokens_to_keep] = False
