@@ -4,11 +4,11 @@ where the Triton row path stops at 45-47% (MXFP4) and 50% (FP8) on the H200.
 
 Design: every lane of a warp owns 32-code groups lane, lane + 32, lane + 64 of a row (K = 2880: 90 groups), so a
 warp reads a row's 1440 bytes as 16-byte loads, coalesced, with no shared-memory staging of weights and no CTA-wide
-barrier in the loop; the activations sit in shared memory as fp16 pairs in the decode's order (swizzled: conflict
+barrier in the loop; the activations sit in shared memory as fp16 pairs in the decode's order (padded: conflict
 free 16-byte reads), the codes go to fp16x2 pairs by the library's 11-instruction word decode, products add in
 fp16x2 per group and in fp32 across groups, a warp shuffle sums the lanes. Warps are persistent (a grid of CTAS
 per SM) and keep DEPTH units' loads in flight.
-- gate/up: a warp's unit is one output column (its interleaved gate and up rows); activation; fp16 output times
+- gate/up: a warp's unit is COLS output columns (their interleaved gate and up rows); activation; fp16 output times
   2^PAIRED_SHIFT in pair order for the down kernel.
 - down, by expert: a CTA is a warp per routed expert, each staging only its own expert's activations; ROWS output
   rows a batch, the experts' weighted partials added in slot order through shared memory in the kernel (no
@@ -18,16 +18,18 @@ per SM) and keep DEPTH units' loads in flight.
 - FP8 (`fp8_gate_up_kernel`, `fp8_down_kernel`): 16-byte chunks of 16 codes per lane, the hardware's e4m3x2 ->
   f16x2 conversion, each chunk's sum times its 128 x 128 block scale; gate and up rows concatenated, SiLU, fp32
   activations out; the down kernel by expert (8 warps, top-8) scales each expert's activations to fp16 itself.
-  Written offline (SASS: ~430 instructions per gate/up column); never run yet.
-- `--configs` DEPTH1,DEPTH2,CTAS1,CTAS2[,ROWS] (gate/up, down; ROWS 2 or 4, default 2); each also timed with
-  gate/up's loads alone (no decode) and its decode alone (words made up, no loads). `--ncu`: a few plain calls for
-  a profiler.
+  Written offline (SASS: ~430 instructions per gate/up column); never run yet. The library's header holds them
+  (`fp8_one_token`, DFLASH_CUDA_ROWS=1); this probe times their depths and CTAs.
+- `--configs` DEPTH1,DEPTH2,CTAS1,CTAS2[,ROWS[,COLS]] (gate/up, down; ROWS 2 or 4, default 2; COLS 1 or 2, default
+  1; gate/up's registers capped for CTAS1 CTAs per SM, up to 3); each also timed with gate/up's
+  loads alone (no decode) and its decode alone (words made up, no loads). `--ncu`: a few plain calls for a
+  profiler.
 
 Built with torch's load_inline (needs nvcc; sm_90a). Session 58 (docs/benchmarks.md): 1.24x the library on the H100
 (69% of copy) with `--configs 1,2,2,3,2`.
 
-    python3 bench/probe_cuda_rows.py --layers 4 --configs 1,2,2,3,2 1,1,2,3,2 1,1,3,3,2
-    python3 bench/probe_cuda_rows.py --shape qwen3-30b-a3b-fp8 --configs 1,1,2,2,2 1,1,2,2,4 2,1,2,2,2
+    python3 bench/probe_cuda_rows.py --layers 4 --configs 1,2,2,3,2 1,2,2,3,2,2 1,1,2,3,2,2 1,1,3,3,2
+    python3 bench/probe_cuda_rows.py --shape qwen3-30b-a3b-fp8 --configs 1,1,2,2,2 1,1,2,4,2 1,1,2,2,4 1,2,2,2,2
 """
 
 from __future__ import annotations
@@ -48,215 +50,42 @@ from dflash_compile.kernels.moe import fused_moe  # noqa: E402
 
 HEADER = Path(__file__).resolve().parents[1] / "csrc" / "moe_rows_cuda.cuh"  # the library's MXFP4 kernels
 CUDA = HEADER.read_text().replace("#pragma once\n", "") + r"""
-// ---- FP8 (float8_e4m3fn, 128 x 128 block scales; Qwen3-FP8 style: gate and up rows concatenated, SiLU) ----
-// A 16-byte chunk holds 16 codes; each pair goes to fp16x2 by the hardware conversion, times the activations' fp16
-// pairs (natural order: chunk c's are quads 2c and 2c + 1, swizzled in shared memory), the chunk's sum times its
-// block scale. Activations are fp16 times 2^shift putting the largest in [2^2, 2^3) (products <= 3584, eight per
-// half: no overflow).
+constexpr int WARPS = 8;
 
-__device__ __forceinline__ int quad8(int c, int q) { return 2 * c + (q ^ ((c >> 2) & 1)); }
-
-__device__ __forceinline__ __half2 e4m3x2(uint32_t pair) {
-  uint32_t r;
-  asm("{\n.reg .b16 lo;\ncvt.u16.u32 lo, %1;\ncvt.rn.f16x2.e4m3x2 %0, lo;\n}" : "=r"(r) : "r"(pair));
-  return h2(r);
+// gate/up as `mode` asks (0: whole, 1: loads only, 2: decode only), registers capped for `ctas1` CTAs per SM (up to
+// 3; offline: COLS 1 needs 95 registers uncapped, 79 at 3 CTAs; COLS 2 146, 127 at 2 CTAs, spills at 3)
+template <int DEPTH1, int COLS, int MIN_CTAS>
+auto gate_up_mode(int64_t mode) {
+  return mode == 1 ? gate_up_kernel<WARPS, DEPTH1, 1, MIN_CTAS, COLS> : mode == 2
+         ? gate_up_kernel<WARPS, DEPTH1, 2, MIN_CTAS, COLS> : gate_up_kernel<WARPS, DEPTH1, 0, MIN_CTAS, COLS>;
 }
 
-__device__ __forceinline__ float chunk_dot8(uint4 w, uint4 xa, uint4 xb) {
-  __half2 sum = __hmul2(e4m3x2(w.x), h2(xa.x));
-  sum = __hfma2(e4m3x2(w.x >> 16), h2(xa.y), sum);
-  sum = __hfma2(e4m3x2(w.y), h2(xa.z), sum);
-  sum = __hfma2(e4m3x2(w.y >> 16), h2(xa.w), sum);
-  sum = __hfma2(e4m3x2(w.z), h2(xb.x), sum);
-  sum = __hfma2(e4m3x2(w.z >> 16), h2(xb.y), sum);
-  sum = __hfma2(e4m3x2(w.w), h2(xb.z), sum);
-  sum = __hfma2(e4m3x2(w.w >> 16), h2(xb.w), sum);
-  float2 f = __half22float2(sum);
-  return f.x + f.y;
-}
-
-template <int ROWS, int CPL>
-struct Loads8 {
-  uint4 w[ROWS][CPL];
-  float s[ROWS][CPL];
-};
-
-// row r's chunks lane + 32 i (past C: chunk C - 1 again with scale 0); scales[r] is the row's block-row of scales
-template <int ROWS, int CPL>
-__device__ __forceinline__ void load_rows8(Loads8<ROWS, CPL>& l, const uint4* const* rows, const float* const* scales,
-                                           int lane, int C) {
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r)
-#pragma unroll
-    for (int i = 0; i < CPL; ++i) {
-      const int c = lane + 32 * i, cc = min(c, C - 1);
-      l.w[r][i] = __ldcs(rows[r] + cc);
-      l.s[r][i] = c < C ? __ldg(scales[r] + cc / 8) : 0.f;
-    }
-}
-
-template <int CPL>
-__device__ __forceinline__ float row_dot8(const uint4 (&w)[CPL], const float (&s)[CPL], const uint4* xs, int lane,
-                                          int C) {
-  float acc = 0.f;
-#pragma unroll
-  for (int i = 0; i < CPL; ++i) {
-    const int c = min(lane + 32 * i, C - 1);
-    acc += chunk_dot8(w[i], xs[quad8(c, 0)], xs[quad8(c, 1)]) * s[i];
-  }
-  return acc;
-}
-
-// fp16 pairs of n fp32 / bf16 values times 2^shift (largest in [2^2, 2^3)) into swizzled quads, by one warp or by
-// the whole CTA (`threads` of them from `first`); returns 2^-shift
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_float(float v) { return v; }
-
-template <typename T>
-__device__ __forceinline__ float stage8(const T* v, int n, uint4* xs, int first, int threads, float* reduce,
-                                        bool warp_only) {
-  float m = 0.f;
-  for (int i = first; i < n; i += threads) m = fmaxf(m, fabsf(to_float(v[i])));
-  for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  if (!warp_only) {
-    if ((first & 31) == 0) reduce[first >> 5] = m;
-    __syncthreads();
-    m = 0.f;
-    for (int i = 0; i < threads / 32; ++i) m = fmaxf(m, reduce[i]);
-  }
-  const int shift = min(2 - (((__float_as_int(m) >> 23) & 255) - 127), 100);
-  const float scale = exp2i(shift);
-  for (int q = first; q < n / 8; q += threads) {  // quad q: values 8q .. 8q + 7
-    uint32_t p[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      __half2 pair = __floats2half2_rn(to_float(v[8 * q + 2 * j]) * scale, to_float(v[8 * q + 2 * j + 1]) * scale);
-      p[j] = *reinterpret_cast<uint32_t*>(&pair);
-    }
-    xs[quad8(q / 2, q % 2)] = make_uint4(p[0], p[1], p[2], p[3]);
-  }
-  return exp2i(-shift);
-}
-
-// gate/up: a unit is output column c of expert slot s: rows c (gate) and I + c (up); fp32 SiLU(gate) * up out
-template <int WARPS, int DEPTH, int CPL>
-__global__ void __launch_bounds__(WARPS * 32) fp8_gate_up_kernel(
-    const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ blocks, const float* __restrict__ scales,
-    const int64_t* __restrict__ experts, float* __restrict__ h, int I, int C, int units) {
-  extern __shared__ uint4 xs[];  // C x 2 quads
-  __shared__ float warp_max[WARPS];
-  __shared__ int64_t experts_of[16];
-  const PersistentWarp me(WARPS, units);
-  const int lane = me.lane, stride = me.stride, first = me.first, iters = me.iters;
-  const int slots = units / I, scale_columns = (C + 7) / 8, scale_rows = (2 * I + 127) / 128;
-  wait_previous();
-  if (threadIdx.x < slots) experts_of[threadIdx.x] = experts[threadIdx.x];
-  __syncthreads();
-  auto issue = [&](Loads8<2, CPL>& l, Unit unit) {
-    const int64_t e = experts_of[min(unit.slot, slots - 1)];
-    const int64_t gate = e * 2 * I + unit.column, up = gate + I;
-    const uint4* r[2] = {blocks + gate * C, blocks + up * C};
-    const float* base = scales + e * scale_rows * scale_columns;
-    const float* s[2] = {base + (unit.column / 128) * scale_columns,
-                         base + ((I + unit.column) / 128) * scale_columns};
-    load_rows8<2, CPL>(l, r, s, lane, C);
-  };
-  Loads8<2, CPL> ring[DEPTH];
-  Unit in_ring[DEPTH], next{first / I, first % I};
-#pragma unroll
-  for (int d = 0; d < DEPTH; ++d) {
-    in_ring[d] = next;
-    issue(ring[d], next);
-    next.advance(stride, I);
-  }
-  const float unscale = stage8(x, C * 16, xs, threadIdx.x, WARPS * 32, warp_max, false);
-  __syncthreads();
-  let_next();
-  for (int it = 0; it < iters; it += DEPTH) {
-#pragma unroll
-    for (int d = 0; d < DEPTH; ++d) {
-      const float2 sums = warp_sums(row_dot8<CPL>(ring[d].w[0], ring[d].s[0], xs, lane, C),
-                                    row_dot8<CPL>(ring[d].w[1], ring[d].s[1], xs, lane, C), lane);
-      const Unit unit = in_ring[d];
-      in_ring[d] = next;
-      issue(ring[d], next);
-      next.advance(stride, I);
-      const float gate = sums.x * unscale, up = sums.y * unscale;
-      if (lane == 0 && it + d < iters)
-        h[(int64_t)unit.slot * I + unit.column] = gate * __frcp_rn(1.f + __expf(-gate)) * up;
-    }
-  }
-}
-
-// down by expert: a CTA is TOPK warps, warp k the routed expert of slot k staging its own activations (fp32 in,
-// scaled to fp16 by its own largest); ROWS output rows a batch, partials added in slot order through shared memory
-template <int DEPTH, int ROWS, int TOPK, int CPL>
-__global__ void __launch_bounds__(TOPK * 32) fp8_down_kernel(
-    const float* __restrict__ h, const uint4* __restrict__ blocks, const float* __restrict__ scales,
-    const int64_t* __restrict__ experts, const float* __restrict__ weights, __nv_bfloat16* __restrict__ out, int H,
-    int C) {
-  extern __shared__ uint4 xs[];  // TOPK x C x 2 quads
-  __shared__ float partial[2][TOPK][ROWS];
-  const int lane = threadIdx.x & 31, k = threadIdx.x >> 5;
-  const int batches = (H + ROWS - 1) / ROWS;
-  const int iters = int(blockIdx.x) < batches ? (batches - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
-  const int scale_columns = (C + 7) / 8, scale_rows = (H + 127) / 128;
-  const int64_t e = experts[k];
-  auto issue = [&](Loads8<ROWS, CPL>& l, int batch) {
-    const uint4* r[ROWS]; const float* s[ROWS];
-#pragma unroll
-    for (int j = 0; j < ROWS; ++j) {
-      const int n = min(batch * ROWS + j, H - 1);
-      r[j] = blocks + (e * H + n) * C;
-      s[j] = scales + (e * scale_rows + n / 128) * scale_columns;
-    }
-    load_rows8<ROWS, CPL>(l, r, s, lane, C);
-  };
-  Loads8<ROWS, CPL> ring[DEPTH];
-#pragma unroll
-  for (int d = 0; d < DEPTH; ++d) issue(ring[d], blockIdx.x + d * gridDim.x);
-  wait_previous();  // gate/up's activations
-  uint4* mine = xs + k * C * 2;
-  const float unscale = stage8(h + (int64_t)k * C * 16, C * 16, mine, lane, 32, nullptr, true);
-  __syncwarp();
-  let_next();
-  const float weight = weights[k] * unscale;
-  for (int it = 0; it < iters; it += DEPTH) {
-#pragma unroll
-    for (int d = 0; d < DEPTH; ++d) {
-      const int batch = blockIdx.x + (it + d) * gridDim.x;
-      float acc[ROWS];
-#pragma unroll
-      for (int j = 0; j < ROWS; ++j) acc[j] = row_dot8<CPL>(ring[d].w[j], ring[d].s[j], mine, lane, C);
-      issue(ring[d], batch + DEPTH * gridDim.x);
-#pragma unroll
-      for (int j = 0; j < ROWS; ++j) acc[j] = weight * warp_sum(acc[j]);
-      sum_slots<ROWS, TOPK>(partial, acc, it + d, it + d < iters, batch, k, lane, H, out);
-    }
-  }
+template <int DEPTH1, int COLS>
+auto gate_up_for(int64_t mode, int64_t ctas1) {
+  return ctas1 >= 3 ? gate_up_mode<DEPTH1, COLS, 3>(mode) : ctas1 == 2 ? gate_up_mode<DEPTH1, COLS, 2>(mode)
+         : gate_up_mode<DEPTH1, COLS, 1>(mode);
 }
 
 template <int DEPTH1, int DEPTH2>
 void moe_config(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor b1, torch::Tensor w2,
                 torch::Tensor s2, torch::Tensor b2, torch::Tensor experts, torch::Tensor weights, torch::Tensor h,
                 torch::Tensor out, double alpha, double limit, int64_t paired_shift, int64_t ctas1, int64_t ctas2,
-                int64_t rows, int64_t parts, bool pdl, int64_t mode) {
-  constexpr int WARPS = 8, TOPK = 4;
+                int64_t rows, int64_t cols, int64_t parts, bool pdl, int64_t mode) {
+  constexpr int TOPK = 4;
   const int I = w1.size(1) / 2, G = w1.size(2), H = w2.size(1);
   const int sms = multiprocessors();
-  // 3 CTAs per SM: registers capped for them (85 a thread: 64 bytes of spills offline)
-  auto gate_up = mode == 1 ? gate_up_kernel<WARPS, DEPTH1, 1> : mode == 2 ? gate_up_kernel<WARPS, DEPTH1, 2>
-                 : ctas1 >= 3 ? gate_up_kernel<WARPS, DEPTH1, 0, 3> : gate_up_kernel<WARPS, DEPTH1, 0>;
-  const int64_t gate_up_ctas = std::min<int64_t>(sms * ctas1, (TOPK * I + WARPS - 1) / WARPS);
+  auto gate_up = cols == 2 ? gate_up_for<DEPTH1, 2>(mode, ctas1) : gate_up_for<DEPTH1, 1>(mode, ctas1);
+  const int units = TOPK * I / cols;
+  const int64_t gate_up_ctas = std::min<int64_t>(sms * ctas1, (units + WARPS - 1) / WARPS);
   if (parts & 1)
-    launch(gate_up, dim3(gate_up_ctas), dim3(WARPS * 32), G * 4 * 16, pdl,
+    launch(gate_up, dim3(gate_up_ctas), dim3(WARPS * 32), activation_bytes(G), pdl,
            (const __nv_bfloat16*)x.data_ptr(), (const uint4*)w1.data_ptr(), (const uint8_t*)s1.data_ptr(),
            (const __nv_bfloat16*)b1.data_ptr(), (const int64_t*)experts.data_ptr(), (__half*)h.data_ptr(), I, G,
-           TOPK * I, float(alpha), float(limit), int(paired_shift));
+           units, float(alpha), float(limit), int(paired_shift));
   auto down = rows == 2 ? down_by_expert_kernel<DEPTH2, 2, TOPK> : down_by_expert_kernel<DEPTH2, 4, TOPK>;
   const int64_t down_ctas = std::min<int64_t>(sms * ctas2, (H + rows - 1) / rows);
   if (parts & 2)
-    launch(down, dim3(down_ctas), dim3(TOPK * 32), TOPK * G * 4 * 16, pdl,
+    launch(down, dim3(down_ctas), dim3(TOPK * 32), TOPK * activation_bytes(G), pdl,
            (const __half*)h.data_ptr(), (const uint4*)w2.data_ptr(), (const uint8_t*)s2.data_ptr(),
            (const __nv_bfloat16*)b2.data_ptr(), (const int64_t*)experts.data_ptr(), (const float*)weights.data_ptr(),
            (__nv_bfloat16*)out.data_ptr(), H, G, int(paired_shift));
@@ -265,14 +94,15 @@ void moe_config(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tens
 void moe(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor b1, torch::Tensor w2, torch::Tensor s2,
          torch::Tensor b2, torch::Tensor experts, torch::Tensor weights, torch::Tensor h, torch::Tensor out,
          double alpha, double limit, int64_t paired_shift, int64_t depth1, int64_t depth2, int64_t ctas1,
-         int64_t ctas2, int64_t rows, int64_t parts, bool pdl, int64_t mode) {
+         int64_t ctas2, int64_t rows, int64_t cols, int64_t parts, bool pdl, int64_t mode) {
   TORCH_CHECK(w1.size(2) <= 32 * GPL && w2.size(2) <= 32 * GPL, "K too large for GPL");
   TORCH_CHECK(rows == 2 || rows == 4, "down rows per batch: 2 or 4");
+  TORCH_CHECK((cols == 1 || cols == 2) && w1.size(1) / 2 % cols == 0, "gate/up columns per unit: 1 or 2, dividing I");
 #define CASE(A, B) \
   if (depth1 == A && depth2 == B) \
     return moe_config<A, B>(x, w1, s1, b1, w2, s2, b2, experts, weights, h, out, alpha, limit, paired_shift, ctas1, \
-                            ctas2, rows, parts, pdl, mode);
-  CASE(1, 1) CASE(1, 2) CASE(2, 1) CASE(2, 2)
+                            ctas2, rows, cols, parts, pdl, mode);
+  CASE(1, 1) CASE(1, 2)
   TORCH_CHECK(false, "no such config");
 }
 
@@ -281,7 +111,7 @@ template <int DEPTH1, int DEPTH2, int ROWS>
 void moe_fp8_config(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor w2, torch::Tensor s2,
                     torch::Tensor experts, torch::Tensor weights, torch::Tensor h, torch::Tensor out, int64_t ctas1,
                     int64_t ctas2, int64_t parts, bool pdl) {
-  constexpr int WARPS = 8, TOPK = 8;
+  constexpr int TOPK = 8;
   const int I = w1.size(1) / 2, C1 = w1.size(2) / 16, H = w2.size(1), C2 = w2.size(2) / 16;
   const int sms = multiprocessors();
   const int64_t gate_up_ctas = std::min<int64_t>(sms * ctas1, (TOPK * I + WARPS - 1) / WARPS);
@@ -313,7 +143,7 @@ void moe_fp8(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor 
 CPP = ("void moe(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor b1, torch::Tensor w2, "
        "torch::Tensor s2, torch::Tensor b2, torch::Tensor experts, torch::Tensor weights, torch::Tensor h, "
        "torch::Tensor out, double alpha, double limit, int64_t paired_shift, int64_t depth1, int64_t depth2, "
-       "int64_t ctas1, int64_t ctas2, int64_t rows, int64_t parts, bool pdl, int64_t mode);\n"
+       "int64_t ctas1, int64_t ctas2, int64_t rows, int64_t cols, int64_t parts, bool pdl, int64_t mode);\n"
        "void moe_fp8(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor w2, torch::Tensor s2, "
        "torch::Tensor experts, torch::Tensor weights, torch::Tensor h, torch::Tensor out, int64_t depth1, "
        "int64_t depth2, int64_t ctas1, int64_t ctas2, int64_t rows, int64_t parts, bool pdl);")
@@ -323,10 +153,10 @@ PROBED = ("gpt-oss-20b", "qwen3-30b-a3b-fp8")
 
 
 def parse_config(text: str) -> tuple[int, ...]:
-    """DEPTH1,DEPTH2,CTAS1,CTAS2[,ROWS] -> the five ints `moe` and `moe_fp8` take before their parts (ROWS 2 when
-    left out)."""
+    """DEPTH1,DEPTH2,CTAS1,CTAS2[,ROWS[,COLS]] -> the six ints `moe` takes before its parts (ROWS 2, COLS 1 when
+    left out; `moe_fp8` takes the first five)."""
     values = tuple(map(int, text.split(",")))
-    return values + (2,) * (5 - len(values))
+    return values + (2, 1)[len(values) - 4:]
 
 
 def main() -> None:
@@ -335,8 +165,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--ncu", action="store_true", help="a few plain calls of the first config, for a profiler")
     parser.add_argument("--configs", nargs="+", default=["1,2,2,3,2", "1,1,2,3,2"],
-                        help="DEPTH1,DEPTH2,CTAS1,CTAS2[,ROWS]: units in flight per warp and CTAs per SM (gate/up, "
-                             "down), the down kernel's rows per batch (2 or 4; default 2)")
+                        help="DEPTH1,DEPTH2,CTAS1,CTAS2[,ROWS[,COLS]]: units in flight per warp and CTAs per SM "
+                             "(gate/up, down), the down kernel's rows per batch (2 or 4; default 2), gate/up's "
+                             "columns per unit (1 or 2; default 1)")
     args = parser.parse_args()
     module = load_inline("probe_cuda_rows", CPP, cuda_sources=CUDA, functions=["moe", "moe_fp8"],
                          extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-lineinfo", "-Xptxas=-v"],
@@ -359,7 +190,7 @@ def main() -> None:
                        flat_weights, h, out, ALPHA, LIMIT, PAIRED_SHIFT, *config, parts, pdl, mode)
         else:
             module.moe_fp8(x, gate_up.data, gate_up.scales, down.data, down.scales, flat_index, flat_weights, h, out,
-                           *config, parts, pdl)
+                           *config[:5], parts, pdl)
         return out
 
     def library(gate_up, down):

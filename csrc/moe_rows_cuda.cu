@@ -1,6 +1,7 @@
-// The Python module of csrc/moe_rows_cuda.cuh's one-token MXFP4 MoE (built by dflash_compile/kernels/cuda_rows.py).
+// The Python module of csrc/moe_rows_cuda.cuh's one-token MoE layers (built by dflash_compile/kernels/cuda_rows.py).
 #include "moe_rows_cuda.cuh"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mxfp4_one_token", &mxfp4_one_token, "one token's MXFP4 MoE layer, gpt-oss's layout");
+  m.def("fp8_one_token", &fp8_one_token, "one token's FP8 block-scaled MoE layer, Qwen3-FP8's layout (top-8, SiLU)");
 }

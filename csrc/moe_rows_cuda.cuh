@@ -3,11 +3,12 @@
 //
 // Every lane of a warp owns 32-code groups lane, lane + 32, lane + 64 of a row (K <= 96 groups), read as 16-byte
 // loads, coalesced, with no shared-memory staging of weights and no CTA-wide barrier in the loop; the activations
-// sit in shared memory as fp16 pairs in the decode's order (swizzled: conflict-free 16-byte reads); the codes go to
-// fp16x2 pairs by an 11-instruction word decode (kernels/moe.py's `_e2m1_word_pairs`), products add in fp16x2 per
-// group and in fp32 across groups, a warp shuffle sums the lanes. Warps are persistent and keep DEPTH units' loads
-// in flight. gate/up: a warp's unit is one output column (its interleaved gate and up rows), clamped SwiGLU, fp16
-// output times 2^paired_shift in pair order. down: a CTA is a warp per routed expert, each staging its own expert's
+// sit in shared memory as fp16 pairs in the decode's order (a group's quads padded to 80 bytes: conflict-free
+// 16-byte reads); the codes go to fp16x2 pairs by an 11-instruction word decode (kernels/moe.py's
+// `_e2m1_word_pairs`), products add in fp16x2 per group and in fp32 across groups, warp shuffles sum the lanes (all
+// of a unit's rows in one transposing butterfly). Warps are persistent and keep DEPTH units' loads in flight.
+// gate/up: a warp's unit is COLS output columns (their interleaved gate and up rows), clamped SwiGLU, fp16 output
+// times 2^paired_shift in pair order. down: a CTA is a warp per routed expert, each staging its own expert's
 // activations; ROWS output rows a batch, the experts' weighted partials added in slot order (no pair-sum launch),
 // launched as a programmatic dependent launch that issues its first weight loads before it waits for gate/up.
 #pragma once
@@ -26,9 +27,11 @@ __device__ __forceinline__ void let_next() { asm volatile("griddepcontrol.launch
 
 __device__ __forceinline__ float exp2i(int e) { return __int_as_float((e + 127) << 23); }
 
-// quad q (a packed word's four fp16x2 pairs) of group g, swizzled so a warp's 16-byte reads of 32 groups are
-// conflict free
-__device__ __forceinline__ int quad(int g, int q) { return g * 4 + (q ^ ((g >> 1) & 3)); }
+// quad q (a packed word's four fp16x2 pairs) of group g: a group's 4 quads and one of padding, so that 8 lanes'
+// 16-byte reads of 8 consecutive groups fall on distinct banks (80-byte stride) and q is an immediate offset
+constexpr int QUADS = 5;
+__device__ __forceinline__ int quad(int g, int q) { return g * QUADS + q; }
+inline int activation_bytes(int groups) { return groups * QUADS * 16; }
 
 __device__ __forceinline__ void decode(uint32_t w, uint32_t& p0, uint32_t& p1, uint32_t& p2, uint32_t& p3) {
   asm("{\n.reg .b32 low, high, sign;\n"
@@ -63,9 +66,24 @@ __device__ __forceinline__ float group_dot(uint4 w, const uint4* xs, int g, uint
   return (f.x + f.y) * __int_as_float(int(e) << 23);
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
+// The warp's sums of v[0] .. v[N - 1] (N a power of two <= 32) in five rounds of shuffles: each round first halves
+// the values a lane keeps (the upper lanes of the round's pairs keep the upper half), so lane l ends with the sum of
+// v[l / (32 / N)] after N - 1 + 5 - log2(N) shuffles instead of 5 N.
+template <int N>
+__device__ __forceinline__ float lane_sums(float (&v)[N], int lane) {
+#pragma unroll
+  for (int n = N, o = 16; n > 1; n /= 2, o /= 2) {
+    const bool upper = lane & o;
+#pragma unroll
+    for (int i = 0; i < n / 2; ++i) {
+      const float send = upper ? v[i] : v[i + n / 2];
+      v[i] = (upper ? v[i + n / 2] : v[i]) + __shfl_xor_sync(0xffffffffu, send, o);
+    }
+  }
+  float sum = v[0];
+#pragma unroll
+  for (int o = 16 / N; o; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  return sum;
 }
 
 // This warp's place in a persistent grid of CTAs of `warps` warps: it takes units first, first + stride, ... (stride:
@@ -87,25 +105,14 @@ struct Unit {
   }
 };
 
-// the warp's sums of a and of b in one butterfly (5 shuffles instead of 10): lanes 0-15 finish a, 16-31 b
-__device__ __forceinline__ float2 warp_sums(float a, float b, int lane) {
-  const bool low = lane < 16;
-  float mine = (low ? a : b) + __shfl_xor_sync(0xffffffffu, low ? b : a, 16);
-  for (int o = 8; o; o >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, o);
-  return make_float2(__shfl_sync(0xffffffffu, mine, 0), __shfl_sync(0xffffffffu, mine, 16));
-}
-
-// The end of a by-expert down kernel's batch: warp k's weighted partials of its ROWS rows into the batch's half of
-// `partial`, then ROWS threads add the TOPK slots' in slot order and store the rows (one barrier a batch, the halves
-// alternating so the next batch's writes cannot overtake this one's reads)
+// The end of a by-expert down kernel's batch: warp k's weighted partial of row j (held by lane j * 32 / ROWS,
+// `lane_sums`' order) into the batch's half of `partial`, then ROWS threads add the TOPK slots' in slot order and
+// store the rows (one barrier a batch, the halves alternating so the next batch's writes cannot overtake this
+// one's reads)
 template <int ROWS, int TOPK>
-__device__ __forceinline__ void sum_slots(float (&partial)[2][TOPK][ROWS], const float (&weighted)[ROWS], int index,
-                                          bool live, int batch, int k, int lane, int H,
-                                          __nv_bfloat16* __restrict__ out) {
-  if (lane == 0) {
-#pragma unroll
-    for (int j = 0; j < ROWS; ++j) partial[index & 1][k][j] = weighted[j];
-  }
+__device__ __forceinline__ void sum_slots(float (&partial)[2][TOPK][ROWS], float weighted, int index, bool live,
+                                          int batch, int k, int lane, int H, __nv_bfloat16* __restrict__ out) {
+  if (lane % (32 / ROWS) == 0) partial[index & 1][k][lane / (32 / ROWS)] = weighted;
   __syncthreads();
   const int n = batch * ROWS + threadIdx.x;
   if (threadIdx.x < ROWS && live && n < H) {
@@ -166,8 +173,10 @@ __device__ __forceinline__ float row_dot(const uint4 (&w)[GPL], const uint8_t (&
 // flight (a ring of registers indexed at compile time: the unit loop is unrolled DEPTH times, with no break, so the
 // shuffles stay convergent; units past the end load the last one again and store nothing).
 
-// gate/up: a unit is output column c of expert slot s (unit s * I + c), rows 2c (gate) and 2c + 1 (up)
-template <int WARPS, int DEPTH, int MODE, int MIN_CTAS = 1>
+// gate/up: a unit is COLS output columns c .. c + COLS - 1 of expert slot s (unit s * I / COLS + c / COLS), their
+// interleaved gate and up rows 2c .. 2c + 2 COLS - 1 (I a multiple of COLS); more columns a unit share the
+// activations' shared-memory reads, the shuffles and the epilogue (lanes 32 j / COLS finish column c + j)
+template <int WARPS, int DEPTH, int MODE, int MIN_CTAS = 1, int COLS = 1>
 __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) gate_up_kernel(
     const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ blocks, const uint8_t* __restrict__ scales,
     const __nv_bfloat16* __restrict__ bias, const int64_t* __restrict__ experts, __half* __restrict__ h,
@@ -178,21 +187,28 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) gate_up_kernel(
   const PersistentWarp me(WARPS, units);
   const int lane = me.lane, warp = me.warp, stride = me.stride, first = me.first, iters = me.iters;
   wait_previous();
-  if (threadIdx.x < units / I) expert_rows[threadIdx.x] = experts[threadIdx.x] * 2 * I;
+  constexpr int ROWS = 2 * COLS;
+  const int per_slot = I / COLS, slots = units / per_slot;
+  if (threadIdx.x < slots) expert_rows[threadIdx.x] = experts[threadIdx.x] * 2 * I;
   __syncthreads();
-  auto issue = [&](Loads<2>& l, Unit unit) {
-    const int64_t row = expert_rows[min(unit.slot, units / I - 1)] + 2 * unit.column;
-    const uint4* r[2] = {blocks + row * G, blocks + (row + 1) * G};
-    const uint8_t* s[2] = {scales + row * G, scales + (row + 1) * G};
-    load_rows<2, MODE>(l, r, s, lane, G);
+  auto issue = [&](Loads<ROWS>& l, Unit unit) {
+    const int64_t row = expert_rows[min(unit.slot, slots - 1)] + ROWS * unit.column;
+    const uint4* r[ROWS];
+    const uint8_t* s[ROWS];
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j) {
+      r[j] = blocks + (row + j) * G;
+      s[j] = scales + (row + j) * G;
+    }
+    load_rows<ROWS, MODE>(l, r, s, lane, G);
   };
-  Loads<2> ring[DEPTH];
-  Unit in_ring[DEPTH], next{first / I, first % I};  // the ring's units, the next to load
+  Loads<ROWS> ring[DEPTH];
+  Unit in_ring[DEPTH], next{first / per_slot, first % per_slot};  // the ring's units, the next to load
 #pragma unroll
   for (int d = 0; d < DEPTH; ++d) {
     in_ring[d] = next;
     issue(ring[d], next);
-    next.advance(stride, I);
+    next.advance(stride, per_slot);
   }
   // activations: fp16 times 2^shift (largest magnitude in [2^14, 2^15)), pairs in the decode's order
   const int K = G * 32;
@@ -233,16 +249,19 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) gate_up_kernel(
   for (int it = 0; it < iters; it += DEPTH) {
 #pragma unroll
     for (int d = 0; d < DEPTH; ++d) {
-      const float2 sums = warp_sums(row_dot<MODE>(ring[d].w[0], ring[d].e[0], xs, lane, G),
-                                    row_dot<MODE>(ring[d].w[1], ring[d].e[1], xs, lane, G), lane);
-      const int slot = in_ring[d].slot, c = in_ring[d].column;
+      float dots[ROWS];
+#pragma unroll
+      for (int j = 0; j < ROWS; ++j) dots[j] = row_dot<MODE>(ring[d].w[j], ring[d].e[j], xs, lane, G);
+      const float sum = lane_sums<ROWS>(dots, lane);  // lane 32 j / ROWS: row j's
+      const float up_sum = __shfl_down_sync(0xffffffffu, sum, 16 / COLS);
+      const int slot = in_ring[d].slot, c = in_ring[d].column * COLS + lane / (32 / COLS);
       in_ring[d] = next;
       issue(ring[d], next);
-      next.advance(stride, I);
-      if (lane == 0 && it + d < iters) {
+      next.advance(stride, per_slot);
+      if (lane % (32 / COLS) == 0 && it + d < iters) {
         const int64_t row = expert_rows[slot] + 2 * c;
-        float gate = sums.x * unscale + __bfloat162float(bias[row]);
-        float up = sums.y * unscale + __bfloat162float(bias[row + 1]);
+        float gate = sum * unscale + __bfloat162float(bias[row]);
+        float up = up_sum * unscale + __bfloat162float(bias[row + 1]);
         gate = fminf(gate, limit);
         up = fminf(fmaxf(up, -limit), limit);
         float act = (up + 1.f) * gate * __frcp_rn(1.f + __expf(-gate * alpha));
@@ -261,7 +280,7 @@ __global__ void __launch_bounds__(TOPK * 32) down_by_expert_kernel(
     const __half* __restrict__ h, const uint4* __restrict__ blocks, const uint8_t* __restrict__ scales,
     const __nv_bfloat16* __restrict__ bias, const int64_t* __restrict__ experts, const float* __restrict__ weights,
     __nv_bfloat16* __restrict__ out, int H, int G, int paired_shift) {
-  extern __shared__ uint4 xs[];  // TOPK x G x 4 quads
+  extern __shared__ uint4 xs[];  // TOPK x activation_bytes(G)
   __shared__ float partial[2][TOPK][ROWS];
   const int lane = threadIdx.x & 31, k = threadIdx.x >> 5;
   const int batches = (H + ROWS - 1) / ROWS;
@@ -282,7 +301,7 @@ __global__ void __launch_bounds__(TOPK * 32) down_by_expert_kernel(
   for (int d = 0; d < DEPTH; ++d) issue(ring[d], blockIdx.x + d * gridDim.x);
   wait_previous();  // gate/up's activations
   const uint4* hq = reinterpret_cast<const uint4*>(h) + k * G * 4;
-  uint4* mine = xs + k * G * 4;
+  uint4* mine = xs + k * G * QUADS;
   for (int i = lane; i < G * 4; i += 32) mine[quad(i / 4, i % 4)] = hq[i];
   __syncwarp();
   let_next();
@@ -295,10 +314,198 @@ __global__ void __launch_bounds__(TOPK * 32) down_by_expert_kernel(
 #pragma unroll
       for (int j = 0; j < ROWS; ++j) acc[j] = row_dot<0>(ring[d].w[j], ring[d].e[j], mine, lane, G);
       issue(ring[d], batch + DEPTH * gridDim.x);
+      const int n = min(batch * ROWS + lane / (32 / ROWS), H - 1);  // this lane's row of the batch
+      const float sum = lane_sums<ROWS>(acc, lane);
+      sum_slots<ROWS, TOPK>(partial, weight * (sum * unscale + __bfloat162float(bias[e * H + n])), it + d,
+                            it + d < iters, batch, k, lane, H, out);
+    }
+  }
+}
+
+// ---- FP8 (float8_e4m3fn, 128 x 128 block scales; Qwen3-FP8 style: gate and up rows concatenated, SiLU) ----
+// A 16-byte chunk holds 16 codes; each pair goes to fp16x2 by the hardware conversion, times the activations' fp16
+// pairs (natural order: chunk c's are quads 2c and 2c + 1, swizzled in shared memory), the chunk's sum times its
+// block scale. Activations are fp16 times 2^shift putting the largest in [2^2, 2^3) (products <= 3584, eight per
+// half: no overflow).
+
+__device__ __forceinline__ int quad8(int c, int q) { return 2 * c + (q ^ ((c >> 2) & 1)); }
+
+__device__ __forceinline__ __half2 e4m3x2(uint32_t pair) {
+  uint32_t r;
+  asm("{\n.reg .b16 lo;\ncvt.u16.u32 lo, %1;\ncvt.rn.f16x2.e4m3x2 %0, lo;\n}" : "=r"(r) : "r"(pair));
+  return h2(r);
+}
+
+__device__ __forceinline__ float chunk_dot8(uint4 w, uint4 xa, uint4 xb) {
+  __half2 sum = __hmul2(e4m3x2(w.x), h2(xa.x));
+  sum = __hfma2(e4m3x2(w.x >> 16), h2(xa.y), sum);
+  sum = __hfma2(e4m3x2(w.y), h2(xa.z), sum);
+  sum = __hfma2(e4m3x2(w.y >> 16), h2(xa.w), sum);
+  sum = __hfma2(e4m3x2(w.z), h2(xb.x), sum);
+  sum = __hfma2(e4m3x2(w.z >> 16), h2(xb.y), sum);
+  sum = __hfma2(e4m3x2(w.w), h2(xb.z), sum);
+  sum = __hfma2(e4m3x2(w.w >> 16), h2(xb.w), sum);
+  float2 f = __half22float2(sum);
+  return f.x + f.y;
+}
+
+template <int ROWS, int CPL>
+struct Loads8 {
+  uint4 w[ROWS][CPL];
+  float s[ROWS][CPL];
+};
+
+// row r's chunks lane + 32 i (past C: chunk C - 1 again with scale 0); scales[r] is the row's block-row of scales
+template <int ROWS, int CPL>
+__device__ __forceinline__ void load_rows8(Loads8<ROWS, CPL>& l, const uint4* const* rows, const float* const* scales,
+                                           int lane, int C) {
 #pragma unroll
-      for (int j = 0; j < ROWS; ++j)
-        acc[j] = weight * (warp_sum(acc[j]) * unscale + __bfloat162float(bias[e * H + min(batch * ROWS + j, H - 1)]));
-      sum_slots<ROWS, TOPK>(partial, acc, it + d, it + d < iters, batch, k, lane, H, out);
+  for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) {
+      const int c = lane + 32 * i, cc = min(c, C - 1);
+      l.w[r][i] = __ldcs(rows[r] + cc);
+      l.s[r][i] = c < C ? __ldg(scales[r] + cc / 8) : 0.f;
+    }
+}
+
+template <int CPL>
+__device__ __forceinline__ float row_dot8(const uint4 (&w)[CPL], const float (&s)[CPL], const uint4* xs, int lane,
+                                          int C) {
+  float acc = 0.f;
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) {
+    const int c = min(lane + 32 * i, C - 1);
+    acc += chunk_dot8(w[i], xs[quad8(c, 0)], xs[quad8(c, 1)]) * s[i];
+  }
+  return acc;
+}
+
+// fp16 pairs of n fp32 / bf16 values times 2^shift (largest in [2^2, 2^3)) into swizzled quads, by one warp or by
+// the whole CTA (`threads` of them from `first`); returns 2^-shift
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(float v) { return v; }
+
+template <typename T>
+__device__ __forceinline__ float stage8(const T* v, int n, uint4* xs, int first, int threads, float* reduce,
+                                        bool warp_only) {
+  float m = 0.f;
+  for (int i = first; i < n; i += threads) m = fmaxf(m, fabsf(to_float(v[i])));
+  for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (!warp_only) {
+    if ((first & 31) == 0) reduce[first >> 5] = m;
+    __syncthreads();
+    m = 0.f;
+    for (int i = 0; i < threads / 32; ++i) m = fmaxf(m, reduce[i]);
+  }
+  const int shift = min(2 - (((__float_as_int(m) >> 23) & 255) - 127), 100);
+  const float scale = exp2i(shift);
+  for (int q = first; q < n / 8; q += threads) {  // quad q: values 8q .. 8q + 7
+    uint32_t p[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      __half2 pair = __floats2half2_rn(to_float(v[8 * q + 2 * j]) * scale, to_float(v[8 * q + 2 * j + 1]) * scale);
+      p[j] = *reinterpret_cast<uint32_t*>(&pair);
+    }
+    xs[quad8(q / 2, q % 2)] = make_uint4(p[0], p[1], p[2], p[3]);
+  }
+  return exp2i(-shift);
+}
+
+// gate/up: a unit is output column c of expert slot s: rows c (gate) and I + c (up); fp32 SiLU(gate) * up out
+template <int WARPS, int DEPTH, int CPL>
+__global__ void __launch_bounds__(WARPS * 32) fp8_gate_up_kernel(
+    const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ blocks, const float* __restrict__ scales,
+    const int64_t* __restrict__ experts, float* __restrict__ h, int I, int C, int units) {
+  extern __shared__ uint4 xs[];  // C x 2 quads
+  __shared__ float warp_max[WARPS];
+  __shared__ int64_t experts_of[16];
+  const PersistentWarp me(WARPS, units);
+  const int lane = me.lane, stride = me.stride, first = me.first, iters = me.iters;
+  const int slots = units / I, scale_columns = (C + 7) / 8, scale_rows = (2 * I + 127) / 128;
+  wait_previous();
+  if (threadIdx.x < slots) experts_of[threadIdx.x] = experts[threadIdx.x];
+  __syncthreads();
+  auto issue = [&](Loads8<2, CPL>& l, Unit unit) {
+    const int64_t e = experts_of[min(unit.slot, slots - 1)];
+    const int64_t gate = e * 2 * I + unit.column, up = gate + I;
+    const uint4* r[2] = {blocks + gate * C, blocks + up * C};
+    const float* base = scales + e * scale_rows * scale_columns;
+    const float* s[2] = {base + (unit.column / 128) * scale_columns,
+                         base + ((I + unit.column) / 128) * scale_columns};
+    load_rows8<2, CPL>(l, r, s, lane, C);
+  };
+  Loads8<2, CPL> ring[DEPTH];
+  Unit in_ring[DEPTH], next{first / I, first % I};
+#pragma unroll
+  for (int d = 0; d < DEPTH; ++d) {
+    in_ring[d] = next;
+    issue(ring[d], next);
+    next.advance(stride, I);
+  }
+  const float unscale = stage8(x, C * 16, xs, threadIdx.x, WARPS * 32, warp_max, false);
+  __syncthreads();
+  let_next();
+  for (int it = 0; it < iters; it += DEPTH) {
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d) {
+      float dots[2] = {row_dot8<CPL>(ring[d].w[0], ring[d].s[0], xs, lane, C),
+                       row_dot8<CPL>(ring[d].w[1], ring[d].s[1], xs, lane, C)};
+      const float sum = lane_sums<2>(dots, lane), up_sum = __shfl_down_sync(0xffffffffu, sum, 16);
+      const Unit unit = in_ring[d];
+      in_ring[d] = next;
+      issue(ring[d], next);
+      next.advance(stride, I);
+      const float gate = sum * unscale, up = up_sum * unscale;
+      if (lane == 0 && it + d < iters)
+        h[(int64_t)unit.slot * I + unit.column] = gate * __frcp_rn(1.f + __expf(-gate)) * up;
+    }
+  }
+}
+
+// down by expert: a CTA is TOPK warps, warp k the routed expert of slot k staging its own activations (fp32 in,
+// scaled to fp16 by its own largest); ROWS output rows a batch, partials added in slot order through shared memory
+template <int DEPTH, int ROWS, int TOPK, int CPL>
+__global__ void __launch_bounds__(TOPK * 32) fp8_down_kernel(
+    const float* __restrict__ h, const uint4* __restrict__ blocks, const float* __restrict__ scales,
+    const int64_t* __restrict__ experts, const float* __restrict__ weights, __nv_bfloat16* __restrict__ out, int H,
+    int C) {
+  extern __shared__ uint4 xs[];  // TOPK x C x 2 quads
+  __shared__ float partial[2][TOPK][ROWS];
+  const int lane = threadIdx.x & 31, k = threadIdx.x >> 5;
+  const int batches = (H + ROWS - 1) / ROWS;
+  const int iters = int(blockIdx.x) < batches ? (batches - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+  const int scale_columns = (C + 7) / 8, scale_rows = (H + 127) / 128;
+  const int64_t e = experts[k];
+  auto issue = [&](Loads8<ROWS, CPL>& l, int batch) {
+    const uint4* r[ROWS]; const float* s[ROWS];
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j) {
+      const int n = min(batch * ROWS + j, H - 1);
+      r[j] = blocks + (e * H + n) * C;
+      s[j] = scales + (e * scale_rows + n / 128) * scale_columns;
+    }
+    load_rows8<ROWS, CPL>(l, r, s, lane, C);
+  };
+  Loads8<ROWS, CPL> ring[DEPTH];
+#pragma unroll
+  for (int d = 0; d < DEPTH; ++d) issue(ring[d], blockIdx.x + d * gridDim.x);
+  wait_previous();  // gate/up's activations
+  uint4* mine = xs + k * C * 2;
+  const float unscale = stage8(h + (int64_t)k * C * 16, C * 16, mine, lane, 32, nullptr, true);
+  __syncwarp();
+  let_next();
+  const float weight = weights[k] * unscale;
+  for (int it = 0; it < iters; it += DEPTH) {
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d) {
+      const int batch = blockIdx.x + (it + d) * gridDim.x;
+      float acc[ROWS];
+#pragma unroll
+      for (int j = 0; j < ROWS; ++j) acc[j] = row_dot8<CPL>(ring[d].w[j], ring[d].s[j], mine, lane, C);
+      issue(ring[d], batch + DEPTH * gridDim.x);
+      sum_slots<ROWS, TOPK>(partial, weight * lane_sums<ROWS>(acc, lane), it + d, it + d < iters, batch, k, lane, H,
+                            out);
     }
   }
 }
@@ -341,12 +548,46 @@ inline torch::Tensor mxfp4_one_token(const torch::Tensor& x, const torch::Tensor
   auto out = torch::empty({1, H}, x.options());
   const int sms = multiprocessors();
   launch(gate_up_kernel<WARPS, 1, 0>, dim3(std::min(sms * GATE_UP_CTAS, (TOPK * I + WARPS - 1) / WARPS)),
-         dim3(WARPS * 32), G * 4 * 16, true, (const __nv_bfloat16*)x.data_ptr(), (const uint4*)w1.data_ptr(),
+         dim3(WARPS * 32), activation_bytes(G), true, (const __nv_bfloat16*)x.data_ptr(), (const uint4*)w1.data_ptr(),
          (const uint8_t*)s1.data_ptr(), (const __nv_bfloat16*)b1.data_ptr(), (const int64_t*)experts.data_ptr(),
          (__half*)h.data_ptr(), I, G, TOPK * I, float(alpha), float(limit), int(paired_shift));
   launch(down_by_expert_kernel<2, DOWN_ROWS, TOPK>, dim3(std::min(sms * DOWN_CTAS, (H + DOWN_ROWS - 1) / DOWN_ROWS)),
-         dim3(TOPK * 32), TOPK * G2 * 4 * 16, true, (const __half*)h.data_ptr(), (const uint4*)w2.data_ptr(),
+         dim3(TOPK * 32), TOPK * activation_bytes(G2), true, (const __half*)h.data_ptr(), (const uint4*)w2.data_ptr(),
          (const uint8_t*)s2.data_ptr(), (const __nv_bfloat16*)b2.data_ptr(), (const int64_t*)experts.data_ptr(),
          (const float*)weights.data_ptr(), (__nv_bfloat16*)out.data_ptr(), H, G2, int(paired_shift));
   return out;
+}
+
+// One token's FP8 layer (float8_e4m3fn, 128 x 128 block scales), Qwen3-FP8's layout: x [1, H] bf16; gate_up
+// [E, 2I, H] bytes with gate rows 0 .. I - 1 then up rows, scales [E, ceil(2I / 128), ceil(H / 128)] fp32; down
+// [E, H, I] / [E, ceil(H / 128), ceil(I / 128)]; SiLU, no biases; experts [8] int64, weights [8] fp32 -> out [1, H]
+// bf16. Gate/up (fp32 activations out) then down by expert, programmatically dependent; a lane owns up to CPL1 / CPL2
+// 16-byte chunks of a row (H <= 4096, I <= 2048). The shapes were checked by dflash_compile/kernels/cuda_rows.py.
+template <int CPL1, int CPL2>
+torch::Tensor fp8_one_token_cpl(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& s1,
+                                const torch::Tensor& w2, const torch::Tensor& s2, const torch::Tensor& experts,
+                                const torch::Tensor& weights) {
+  constexpr int WARPS = 8, TOPK = 8, DOWN_ROWS = 2, GATE_UP_CTAS = 2, DOWN_CTAS = 2;
+  const int I = w1.size(1) / 2, C1 = w1.size(2) / 16, H = w2.size(1), C2 = w2.size(2) / 16;
+  auto h = torch::empty({TOPK, I}, x.options().dtype(torch::kFloat));
+  auto out = torch::empty({1, H}, x.options());
+  const int sms = multiprocessors();
+  launch(fp8_gate_up_kernel<WARPS, 1, CPL1>, dim3(std::min(sms * GATE_UP_CTAS, (TOPK * I + WARPS - 1) / WARPS)),
+         dim3(WARPS * 32), C1 * 2 * 16, true, (const __nv_bfloat16*)x.data_ptr(), (const uint4*)w1.data_ptr(),
+         (const float*)s1.data_ptr(), (const int64_t*)experts.data_ptr(), (float*)h.data_ptr(), I, C1, TOPK * I);
+  launch(fp8_down_kernel<1, DOWN_ROWS, TOPK, CPL2>, dim3(std::min(sms * DOWN_CTAS, (H + DOWN_ROWS - 1) / DOWN_ROWS)),
+         dim3(TOPK * 32), TOPK * C2 * 2 * 16, true, (const float*)h.data_ptr(), (const uint4*)w2.data_ptr(),
+         (const float*)s2.data_ptr(), (const int64_t*)experts.data_ptr(), (const float*)weights.data_ptr(),
+         (__nv_bfloat16*)out.data_ptr(), H, C2);
+  return out;
+}
+
+inline torch::Tensor fp8_one_token(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& s1,
+                                   const torch::Tensor& w2, const torch::Tensor& s2, const torch::Tensor& experts,
+                                   const torch::Tensor& weights) {
+  const bool wide = w1.size(2) > 16 * 32 * 4, long_down = w2.size(2) > 16 * 32 * 2;  // H > 2048, I > 1024
+  if (wide) return long_down ? fp8_one_token_cpl<8, 4>(x, w1, s1, w2, s2, experts, weights)
+                             : fp8_one_token_cpl<8, 2>(x, w1, s1, w2, s2, experts, weights);
+  return long_down ? fp8_one_token_cpl<4, 4>(x, w1, s1, w2, s2, experts, weights)
+                   : fp8_one_token_cpl<4, 2>(x, w1, s1, w2, s2, experts, weights);
 }

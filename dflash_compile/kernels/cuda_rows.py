@@ -1,10 +1,11 @@
-"""One token's MXFP4 MoE layer as CUDA C++ kernels on the CUDA cores (csrc/moe_rows_cuda.cu), for `fused_moe`'s
-calls it covers: gpt-oss's layout (gate and up rows interleaved, clamped SwiGLU, biases), top-4, resident experts,
-bf16 activations, K up to 96 groups of 32, on a compute capability 9.0 GPU (Hopper: programmatic dependent launch).
+"""One token's MoE layer as CUDA C++ kernels on the CUDA cores (csrc/moe_rows_cuda.cu), for the `fused_moe` calls
+they cover: bf16 activations, resident experts, on a compute capability 9.0 GPU (Hopper: programmatic dependent
+launch), in two layouts: gpt-oss's MXFP4 (gate and up rows interleaved, clamped SwiGLU, biases, top-4, K up to 96
+groups of 32) and Qwen3-FP8's 128 x 128 block-scaled FP8 (gate rows then up rows, SiLU, top-8, H <= 4096, I <= 2048).
 
-Every lane of a warp reads its own 32-code groups of a row as 16-byte loads and decodes them in registers, the
-activations staged once per CTA in shared memory: none of the Triton row path's per-step staging and barriers. On
-the H100 a gpt-oss-20b layer took 25.4 us against the Triton path's 31.4 (69% of the copy bandwidth against 56%,
+Every lane of a warp reads its own 16-byte pieces of a row and decodes them in registers, the activations staged
+once per CTA in shared memory: none of the Triton row path's per-step staging and barriers. On the H100 a
+gpt-oss-20b layer took 25.4 us against the Triton path's 31.4 (69% of the copy bandwidth against 56%,
 bench/probe_cuda_rows.py, docs/benchmarks.md session 58). Off unless DFLASH_CUDA_ROWS=1 until it has been measured
 on the H200 and run by the GPU tests (tests/kernels/test_cuda_rows.py).
 
@@ -16,6 +17,7 @@ kernels run, and `status()` says why.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import warnings
 from pathlib import Path
@@ -25,8 +27,9 @@ import torch
 from ..packed import PackedWeight
 
 SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "moe_rows_cuda.cu"
-TOP_K = 4  # the kernels' routed experts per token (gpt-oss)
-MAX_GROUPS = 96  # 32-code groups a row may have: three per lane
+MXFP4_TOP_K, FP8_TOP_K = 4, 8  # the kernels' routed experts per token (gpt-oss; Qwen3-FP8)
+MAX_GROUPS = 96  # MXFP4: 32-code groups a row may have, three per lane
+FP8_MAX_HIDDEN, FP8_MAX_INTER = 4096, 2048  # FP8: up to 8 and 4 16-byte chunks per lane
 _failure: str | None = None
 
 
@@ -46,12 +49,15 @@ def load():
     from torch.utils import cpp_extension
 
     try:
-        return cpp_extension.load(name="dflash_cuda_rows", sources=[str(SOURCE)],
-                                  extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"], verbose=False)
+        # the kernels live in the header: its hash among the flags rebuilds the cached module when it changes
+        kernels = hashlib.sha1(SOURCE.with_suffix(".cuh").read_bytes()).hexdigest()[:16]
+        return cpp_extension.load(name="dflash_cuda_rows", sources=[str(SOURCE)], verbose=False,
+                                  extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a",
+                                                     f"-DDFLASH_KERNELS={kernels}"])
     except (RuntimeError, OSError, ImportError) as error:  # no nvcc / ninja, or a build error
         _failure = f"build failed: {str(error).strip().splitlines()[-1] if str(error).strip() else error!r}"
-        warnings.warn(f"dflash CUDA row kernels unavailable ({_failure}); one-token MXFP4 layers run the Triton "
-                      "kernels", stacklevel=2)
+        warnings.warn(f"dflash CUDA row kernels unavailable ({_failure}); one-token layers run the Triton kernels",
+                      stacklevel=2)
         return None
 
 
@@ -62,25 +68,47 @@ def status() -> str:
 
 def covers(hidden: torch.Tensor, top_k_index: torch.Tensor, gate_up: PackedWeight, down: PackedWeight,
            interleaved: bool, activation: str) -> bool:
-    """Whether a `fused_moe` call (resident experts, no tile overrides) is one these kernels run, and they are on."""
-    weights = (gate_up, down)
-    return (hidden.is_cuda and hidden.dtype == torch.bfloat16 and tuple(top_k_index.shape) == (1, TOP_K)
-            and interleaved and activation == "clamped_swiglu"
-            and all(w.format == "mxfp4" and w.data.is_cuda and w.bias is not None and w.bias.dtype == torch.bfloat16
-                    and w.data.shape[2] <= MAX_GROUPS and all(t.is_contiguous() for t in (w.data, w.scales, w.bias))
-                    for w in weights)
-            and load() is not None)
+    """Whether a `fused_moe` call (one bf16 token, resident experts, no tile overrides) is one these kernels run,
+    and they are on: gpt-oss's MXFP4 layout or Qwen3-FP8's."""
+    if not (hidden.is_cuda and hidden.dtype == torch.bfloat16 and top_k_index.shape[0] == 1
+            and all(w.format == gate_up.format and w.data.is_cuda
+                    and all(t.is_contiguous() for t in (w.data, w.scales, *([] if w.bias is None else [w.bias])))
+                    for w in (gate_up, down))):
+        return False
+    layout = LAYOUTS.get(gate_up.format)
+    return layout is not None and layout(top_k_index, gate_up, down, interleaved, activation) and load() is not None
+
+
+def _mxfp4_layout(top_k_index, gate_up, down, interleaved, activation) -> bool:
+    """gpt-oss: top-4, interleaved gate/up rows, clamped SwiGLU, bf16 biases, rows of at most 96 groups."""
+    return (top_k_index.shape[1] == MXFP4_TOP_K and interleaved and activation == "clamped_swiglu"
+            and all(w.bias is not None and w.bias.dtype == torch.bfloat16 and w.data.shape[2] <= MAX_GROUPS
+                    for w in (gate_up, down)))
+
+
+def _fp8_layout(top_k_index, gate_up, down, interleaved, activation) -> bool:
+    """Qwen3-FP8 (GLM-4.5-Air-FP8 alike): top-8, gate rows then up rows, SiLU, no biases, H <= 4096 and I <= 2048
+    in whole 16-byte chunks."""
+    hidden, inter = gate_up.data.shape[2], down.data.shape[2]
+    return (top_k_index.shape[1] == FP8_TOP_K and not interleaved and activation == "silu"
+            and gate_up.bias is None and down.bias is None and hidden % 16 == 0 and inter % 16 == 0
+            and hidden <= FP8_MAX_HIDDEN and inter <= FP8_MAX_INTER)
+
+
+LAYOUTS = {"mxfp4": _mxfp4_layout, "fp8_block": _fp8_layout}  # format -> whether a call has the kernels' layout
 
 
 def one_token_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                   gate_up: PackedWeight, down: PackedWeight, alpha: float, limit: float,
                   paired_shift: int) -> torch.Tensor:
     """`fused_moe` of one token on the CUDA row kernels (`covers` said yes): [1, H] bf16 out. `paired_shift`: the
-    power of two that keeps clamped SwiGLU's outputs in fp16 between the launches (`moe._paired_shift`)."""
+    power of two that keeps clamped SwiGLU's outputs in fp16 between the MXFP4 launches (`moe._paired_shift`)."""
     x = hidden.contiguous()
-    if x.data_ptr() % 16:  # the kernel reads the activations 16 bytes at a time
+    if x.data_ptr() % 16:  # the kernels read the activations 16 bytes at a time
         x = x.clone()
-    return load().mxfp4_one_token(
-        x, gate_up.data, gate_up.scales, gate_up.bias, down.data, down.scales, down.bias,
-        top_k_index.reshape(-1).to(torch.int64).contiguous(), top_k_weights.reshape(-1).float().contiguous(),
-        float(alpha), float(limit), int(paired_shift))
+    index = top_k_index.reshape(-1).to(torch.int64).contiguous()
+    weights = top_k_weights.reshape(-1).float().contiguous()
+    if gate_up.format == "fp8_block":
+        return load().fp8_one_token(x, gate_up.data, gate_up.scales, down.data, down.scales, index, weights)
+    return load().mxfp4_one_token(x, gate_up.data, gate_up.scales, gate_up.bias, down.data, down.scales, down.bias,
+                                  index, weights, float(alpha), float(limit), int(paired_shift))

@@ -1,5 +1,6 @@
-"""The CUDA C++ row kernels of one token's MXFP4 layer (csrc/moe_rows_cuda.cu, `kernels.cuda_rows`): off unless
-asked; on a Hopper GPU, gpt-oss layers against the reference, under CUDA graphs, and the calls they leave to Triton."""
+"""The CUDA C++ row kernels of one token's MoE layer (csrc/moe_rows_cuda.cu, `kernels.cuda_rows`): off unless asked;
+on a Hopper GPU, gpt-oss MXFP4 and Qwen3 FP8 layers against the reference, under CUDA graphs, and the calls they
+leave to Triton."""
 
 import pytest
 import torch
@@ -56,26 +57,49 @@ def test_one_token_gpt_oss_layers_match_the_reference(rows_on, hidden, inter):
 
 
 @needs_hopper
-def test_one_token_replayed_from_a_cuda_graph(rows_on):
+@pytest.mark.parametrize("hidden, inter", [(2048, 768), (4096, 1408), (1024, 2048)])  # Qwen3-30B, GLM-4.5-Air, widest
+def test_one_token_fp8_layers_match_the_reference(rows_on, hidden, inter):
+    """Concatenated gate/up, SiLU, no biases, top-8, 128 x 128 block scales (I = 1408: a partial scale block): within
+    1e-2 of fp64 math on the dequantized weights, the same result on every call."""
+    gate_up, down = _experts("fp8_block", 16, hidden, inter, bias=False, device="cuda")
+    index, weights = _routing(1, 16, 8)
+    x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    expected = reference_moe(x.float(), index, weights, gate_up, down, False, "silu")
+    args = (x.cuda(), index.cuda(), weights.cuda(), gate_up, down)
+    assert cuda_rows.covers(args[0], args[1], gate_up, down, False, "silu")
+    actual = fused_moe(*args)
+    assert actual.dtype == torch.bfloat16 and actual.shape == (1, hidden)
+    assert (actual.cpu().double() - expected).norm() / expected.norm() <= 1e-2
+    assert torch.equal(fused_moe(*args), actual)
+
+
+@needs_hopper
+@pytest.mark.parametrize("format", ["mxfp4", "fp8_block"])
+def test_one_token_replayed_from_a_cuda_graph(rows_on, format):
     """Captured in a CUDA graph (both launches, the down one programmatically dependent), replayed on new inputs
     written in place: the eager call's result."""
-    gate_up, down = _gpt_oss_layer(1024, 512)
-    index, weights = (t.cuda() for t in _routing(1, 8, 4))
+    gpt_oss = format == "mxfp4"
+    gate_up, down = _gpt_oss_layer(1024, 512) if gpt_oss else _experts(format, 16, 1024, 512, False, device="cuda")
+    top_k, experts = (4, 8) if gpt_oss else (8, 16)
+    index, weights = (t.cuda() for t in _routing(1, experts, top_k))
     x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
-    call = lambda: fused_moe(x, index, weights, gate_up, down, interleaved=True, activation="clamped_swiglu")  # noqa: E731
+    layout = dict(interleaved=True, activation="clamped_swiglu") if gpt_oss else {}
+    assert cuda_rows.covers(x, index, gate_up, down, gpt_oss, "clamped_swiglu" if gpt_oss else "silu")
+    call = lambda: fused_moe(x, index, weights, gate_up, down, **layout)  # noqa: E731
     call()  # compiles the extension and warms up outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = call()
     x.copy_(torch.randn_like(x))
-    index.copy_(_routing(1, 8, 4, seed=5)[0].cuda())
+    index.copy_(_routing(1, experts, top_k, seed=5)[0].cuda())
     graph.replay()
     assert torch.equal(captured, call())
 
 
 @needs_hopper
 def test_calls_the_row_kernels_do_not_cover_run_triton(rows_on):
-    """Top-2, concatenated gate/up with SiLU, and fp32 biases are left to the Triton kernels, still correct."""
+    """MXFP4 top-2, concatenated gate/up with SiLU or fp32 biases, FP8 top-4, and two tokens are left to the Triton
+    kernels, still correct."""
     gate_up, down = _gpt_oss_layer(1024, 512)
     x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
     index, weights = (t.cuda() for t in _routing(1, 8, 2))
@@ -84,6 +108,10 @@ def test_calls_the_row_kernels_do_not_cover_run_triton(rows_on):
     assert not cuda_rows.covers(x, index4, gate_up, down, False, "silu")
     fp32_bias = PackedWeight("mxfp4", gate_up.data, gate_up.scales, gate_up.bias.float())
     assert not cuda_rows.covers(x, index4, fp32_bias, down, True, "clamped_swiglu")
+    fp8 = _experts("fp8_block", 16, 1024, 512, bias=False, device="cuda")
+    assert cuda_rows.covers(x, _routing(1, 16, 8)[0].cuda(), *fp8, False, "silu")
+    assert not cuda_rows.covers(x, _routing(1, 16, 4)[0].cuda(), *fp8, False, "silu")  # top-4 FP8: Triton
+    assert not cuda_rows.covers(x.repeat(2, 1), _routing(2, 16, 8)[0].cuda(), *fp8, False, "silu")  # two tokens
     expected = reference_moe(x.float().cpu(), index.cpu(), weights.cpu(), gate_up, down, True, "clamped_swiglu")
     actual = fused_moe(x, index, weights, gate_up, down, interleaved=True, activation="clamped_swiglu")
     assert (actual.cpu().double() - expected).norm() / expected.norm() <= 1e-2
