@@ -123,9 +123,9 @@ __device__ __forceinline__ void sum_slots(float (&partial)[2][TOPK][ROWS], float
   }
 }
 
-__device__ __forceinline__ int paired_column(int c) {  // the library's _paired_columns
-  int r = c % 8;
-  return c - r + (r % 2) * 4 + (r / 4) * 2 + (r / 2) % 2;
+__device__ __forceinline__ int paired_column(int c) {  // the library's _paired_columns, c >= 0
+  const int r = c & 7;
+  return c - r + (r & 1) * 4 + (r >> 2) * 2 + ((r >> 1) & 1);
 }
 
 template <int ROWS>
@@ -134,25 +134,29 @@ struct Loads {
   uint8_t e[ROWS][GPL];
 };
 
-// A row's groups lane + 32 i; past the row's G groups a lane reads group G - 1 again with exponent 0 (its products
-// count 0), so no load or product is branched around.
+// Groups lane + 32 i of rows rows[0 .. ROWS - 1] of the [rows, G] views of blocks and scales (32-bit indices: the
+// host checks E N G < 2^31), loads at immediate offsets from the lane's first group. Past a row's G groups a lane
+// keeps the words it holds (any codes are finite) with exponent 0: their products count 0, and no product is
+// branched around.
 template <int ROWS, int MODE>
-__device__ __forceinline__ void load_rows(Loads<ROWS>& l, const uint4* const* rows, const uint8_t* const* scales,
-                                          int lane, int G) {
+__device__ __forceinline__ void load_rows(Loads<ROWS>& l, const uint4* blocks, const uint8_t* scales,
+                                          const int (&rows)[ROWS], int lane, int G) {
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r)
+  for (int r = 0; r < ROWS; ++r) {
+    const int first = rows[r] * G + lane;
 #pragma unroll
     for (int i = 0; i < GPL; ++i) {
-      const int g = lane + 32 * i, gg = min(g, G - 1);
-      if (MODE == 2) {  // decode only: words made from the address, no loads
-        uint32_t a = uint32_t(size_t(rows[r] + gg));
+      const bool in_row = lane + 32 * i < G;
+      if (MODE == 2) {  // decode only: words made from the index, no loads
+        const uint32_t a = uint32_t(first + 32 * i);
         l.w[r][i] = make_uint4(a, a ^ 0x5A5A5A5A, a * 3u, a ^ 0x33333333);
-        l.e[r][i] = g < G ? 120 : 0;
+        l.e[r][i] = in_row ? 120 : 0;
       } else {
-        l.w[r][i] = __ldcs(rows[r] + gg);
-        l.e[r][i] = g < G ? __ldcs(scales[r] + gg) : uint8_t(0);
+        if (in_row) l.w[r][i] = __ldcs(blocks + first + 32 * i);
+        l.e[r][i] = in_row ? __ldcs(scales + first + 32 * i) : uint8_t(0);
       }
     }
+  }
 }
 
 template <int MODE>
@@ -183,26 +187,21 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) gate_up_kernel(
     int I, int G, int units, float alpha, float limit, int paired_shift) {
   extern __shared__ uint4 xs[];
   __shared__ float warp_max[WARPS];
-  __shared__ int64_t expert_rows[8];
+  __shared__ int expert_rows[8];
   const PersistentWarp me(WARPS, units);
   const int lane = me.lane, warp = me.warp, stride = me.stride, first = me.first, iters = me.iters;
   wait_previous();
   constexpr int ROWS = 2 * COLS;
   const int per_slot = I / COLS, slots = units / per_slot;
-  if (threadIdx.x < slots) expert_rows[threadIdx.x] = experts[threadIdx.x] * 2 * I;
+  if (threadIdx.x < slots) expert_rows[threadIdx.x] = int(experts[threadIdx.x]) * 2 * I;
   __syncthreads();
   auto issue = [&](Loads<ROWS>& l, Unit unit) {
-    const int64_t row = expert_rows[min(unit.slot, slots - 1)] + ROWS * unit.column;
-    const uint4* r[ROWS];
-    const uint8_t* s[ROWS];
+    int rows[ROWS];
 #pragma unroll
-    for (int j = 0; j < ROWS; ++j) {
-      r[j] = blocks + (row + j) * G;
-      s[j] = scales + (row + j) * G;
-    }
-    load_rows<ROWS, MODE>(l, r, s, lane, G);
+    for (int j = 0; j < ROWS; ++j) rows[j] = expert_rows[min(unit.slot, slots - 1)] + ROWS * unit.column + j;
+    load_rows<ROWS, MODE>(l, blocks, scales, rows, lane, G);
   };
-  Loads<ROWS> ring[DEPTH];
+  Loads<ROWS> ring[DEPTH] = {};  // zeros: the words a lane keeps past a row's end
   Unit in_ring[DEPTH], next{first / per_slot, first % per_slot};  // the ring's units, the next to load
 #pragma unroll
   for (int d = 0; d < DEPTH; ++d) {
@@ -259,12 +258,12 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) gate_up_kernel(
       issue(ring[d], next);
       next.advance(stride, per_slot);
       if (lane % (32 / COLS) == 0 && it + d < iters) {
-        const int64_t row = expert_rows[slot] + 2 * c;
+        const int row = expert_rows[slot] + 2 * c;
         float gate = sum * unscale + __bfloat162float(bias[row]);
         float up = up_sum * unscale + __bfloat162float(bias[row + 1]);
         gate = fminf(gate, limit);
         up = fminf(fmaxf(up, -limit), limit);
-        float act = (up + 1.f) * gate * __frcp_rn(1.f + __expf(-gate * alpha));
+        float act = (up + 1.f) * __fdividef(gate, 1.f + __expf(-gate * alpha));  // no slow-path call
         h[(int64_t)slot * I + paired_column(c)] = __float2half_rn(act * out_scale);
       }
     }
@@ -285,18 +284,14 @@ __global__ void __launch_bounds__(TOPK * 32) down_by_expert_kernel(
   const int lane = threadIdx.x & 31, k = threadIdx.x >> 5;
   const int batches = (H + ROWS - 1) / ROWS;
   const int iters = int(blockIdx.x) < batches ? (batches - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
-  const int64_t e = experts[k];  // the routing is the previous launch's input: already there
+  const int e = int(experts[k]);  // the routing is the previous launch's input: already there
   auto issue = [&](Loads<ROWS>& l, int batch) {
-    const uint4* r[ROWS]; const uint8_t* s[ROWS];
+    int rows[ROWS];
 #pragma unroll
-    for (int j = 0; j < ROWS; ++j) {
-      const int n = min(batch * ROWS + j, H - 1);
-      r[j] = blocks + (e * H + n) * G;
-      s[j] = scales + (e * H + n) * G;
-    }
-    load_rows<ROWS, 0>(l, r, s, lane, G);
+    for (int j = 0; j < ROWS; ++j) rows[j] = e * H + min(batch * ROWS + j, H - 1);
+    load_rows<ROWS, 0>(l, blocks, scales, rows, lane, G);
   };
-  Loads<ROWS> ring[DEPTH];
+  Loads<ROWS> ring[DEPTH] = {};  // zeros: the words a lane keeps past a row's end
 #pragma unroll
   for (int d = 0; d < DEPTH; ++d) issue(ring[d], blockIdx.x + d * gridDim.x);
   wait_previous();  // gate/up's activations
@@ -458,7 +453,7 @@ __global__ void __launch_bounds__(WARPS * 32) fp8_gate_up_kernel(
       next.advance(stride, I);
       const float gate = sum * unscale, up = up_sum * unscale;
       if (lane == 0 && it + d < iters)
-        h[(int64_t)unit.slot * I + unit.column] = gate * __frcp_rn(1.f + __expf(-gate)) * up;
+        h[(int64_t)unit.slot * I + unit.column] = __fdividef(gate, 1.f + __expf(-gate)) * up;
     }
   }
 }
@@ -544,6 +539,7 @@ inline torch::Tensor mxfp4_one_token(const torch::Tensor& x, const torch::Tensor
   constexpr int WARPS = 8, TOPK = 4, DOWN_ROWS = 2;
   constexpr int GATE_UP_CTAS = 2, DOWN_CTAS = 3;  // per SM: the H100's best (docs/benchmarks.md, session 58)
   const int I = w1.size(1) / 2, G = w1.size(2), H = w2.size(1), G2 = w2.size(2);
+  TORCH_CHECK(w1.numel() / 16 < INT32_MAX && w2.numel() / 16 < INT32_MAX, "the kernels index groups in 32 bits");
   auto h = torch::empty({TOPK, I}, x.options().dtype(torch::kHalf));
   auto out = torch::empty({1, H}, x.options());
   const int sms = multiprocessors();
