@@ -87,7 +87,7 @@ void moe_config(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tens
   if (parts & 2)
     launch(down, dim3(down_ctas), dim3(TOPK * 32), TOPK * activation_bytes(G), pdl,
            (const __half*)h.data_ptr(), (const uint4*)w2.data_ptr(), (const uint8_t*)s2.data_ptr(),
-           (const __nv_bfloat16*)b2.data_ptr(), (const int64_t*)experts.data_ptr(), (const float*)weights.data_ptr(),
+           (const __nv_bfloat16*)b2.data_ptr(), (const int64_t*)experts.data_ptr(), routing_weights(weights),
            (__nv_bfloat16*)out.data_ptr(), H, G, int(paired_shift));
 }
 
@@ -123,7 +123,7 @@ void moe_fp8_config(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::
   if (parts & 2)
     launch(fp8_down_kernel<DEPTH2, ROWS, TOPK, 2>, dim3(down_ctas), dim3(TOPK * 32), TOPK * C2 * 2 * 16, pdl,
            (const float*)h.data_ptr(), (const uint4*)w2.data_ptr(), (const float*)s2.data_ptr(),
-           (const int64_t*)experts.data_ptr(), (const float*)weights.data_ptr(), (__nv_bfloat16*)out.data_ptr(), H,
+           (const int64_t*)experts.data_ptr(), routing_weights(weights), (__nv_bfloat16*)out.data_ptr(), H,
            C2);
 }
 

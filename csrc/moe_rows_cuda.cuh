@@ -27,6 +27,22 @@ __device__ __forceinline__ void let_next() { asm volatile("griddepcontrol.launch
 
 __device__ __forceinline__ float exp2i(int e) { return __int_as_float((e + 127) << 23); }
 
+// The routing weights as the router left them, fp32 or bf16 (gpt-oss' softmax keeps bf16): read in the kernel
+// rather than cast by a launch of its own
+struct RoutingWeights {
+  const void* data;
+  bool bf16;
+  __device__ float operator[](int k) const {
+    return bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(data)[k]) : static_cast<const float*>(data)[k];
+  }
+};
+
+inline RoutingWeights routing_weights(const torch::Tensor& weights) {
+  TORCH_CHECK(weights.scalar_type() == torch::kFloat || weights.scalar_type() == torch::kBFloat16,
+              "routing weights must be float32 or bfloat16");
+  return {weights.data_ptr(), weights.scalar_type() == torch::kBFloat16};
+}
+
 // quad q (a packed word's four fp16x2 pairs) of group g: a group's 4 quads and one of padding, so that 8 lanes'
 // 16-byte reads of 8 consecutive groups fall on distinct banks (80-byte stride) and q is an immediate offset
 constexpr int QUADS = 5;
@@ -277,7 +293,7 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) gate_up_kernel(
 template <int DEPTH, int ROWS, int TOPK>
 __global__ void __launch_bounds__(TOPK * 32) down_by_expert_kernel(
     const __half* __restrict__ h, const uint4* __restrict__ blocks, const uint8_t* __restrict__ scales,
-    const __nv_bfloat16* __restrict__ bias, const int64_t* __restrict__ experts, const float* __restrict__ weights,
+    const __nv_bfloat16* __restrict__ bias, const int64_t* __restrict__ experts, RoutingWeights weights,
     __nv_bfloat16* __restrict__ out, int H, int G, int paired_shift) {
   extern __shared__ uint4 xs[];  // TOPK x activation_bytes(G)
   __shared__ float partial[2][TOPK][ROWS];
@@ -463,7 +479,7 @@ __global__ void __launch_bounds__(WARPS * 32) fp8_gate_up_kernel(
 template <int DEPTH, int ROWS, int TOPK, int CPL>
 __global__ void __launch_bounds__(TOPK * 32) fp8_down_kernel(
     const float* __restrict__ h, const uint4* __restrict__ blocks, const float* __restrict__ scales,
-    const int64_t* __restrict__ experts, const float* __restrict__ weights, __nv_bfloat16* __restrict__ out, int H,
+    const int64_t* __restrict__ experts, RoutingWeights weights, __nv_bfloat16* __restrict__ out, int H,
     int C) {
   extern __shared__ uint4 xs[];  // TOPK x C x 2 quads
   __shared__ float partial[2][TOPK][ROWS];
@@ -550,7 +566,7 @@ inline torch::Tensor mxfp4_one_token(const torch::Tensor& x, const torch::Tensor
   launch(down_by_expert_kernel<2, DOWN_ROWS, TOPK>, dim3(std::min(sms * DOWN_CTAS, (H + DOWN_ROWS - 1) / DOWN_ROWS)),
          dim3(TOPK * 32), TOPK * activation_bytes(G2), true, (const __half*)h.data_ptr(), (const uint4*)w2.data_ptr(),
          (const uint8_t*)s2.data_ptr(), (const __nv_bfloat16*)b2.data_ptr(), (const int64_t*)experts.data_ptr(),
-         (const float*)weights.data_ptr(), (__nv_bfloat16*)out.data_ptr(), H, G2, int(paired_shift));
+         routing_weights(weights), (__nv_bfloat16*)out.data_ptr(), H, G2, int(paired_shift));
   return out;
 }
 
@@ -573,7 +589,7 @@ torch::Tensor fp8_one_token_cpl(const torch::Tensor& x, const torch::Tensor& w1,
          (const float*)s1.data_ptr(), (const int64_t*)experts.data_ptr(), (float*)h.data_ptr(), I, C1, TOPK * I);
   launch(fp8_down_kernel<1, DOWN_ROWS, TOPK, CPL2>, dim3(std::min(sms * DOWN_CTAS, (H + DOWN_ROWS - 1) / DOWN_ROWS)),
          dim3(TOPK * 32), TOPK * C2 * 2 * 16, true, (const float*)h.data_ptr(), (const uint4*)w2.data_ptr(),
-         (const float*)s2.data_ptr(), (const int64_t*)experts.data_ptr(), (const float*)weights.data_ptr(),
+         (const float*)s2.data_ptr(), (const int64_t*)experts.data_ptr(), routing_weights(weights),
          (__nv_bfloat16*)out.data_ptr(), H, C2);
   return out;
 }

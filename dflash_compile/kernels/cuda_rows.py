@@ -106,8 +106,10 @@ def one_token_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
     x = hidden.contiguous()
     if x.data_ptr() % 16:  # the kernels read the activations 16 bytes at a time
         x = x.clone()
-    index = top_k_index.reshape(-1).to(torch.int64).contiguous()
-    weights = top_k_weights.reshape(-1).float().contiguous()
+    index = top_k_index.reshape(-1).to(torch.int64).contiguous()  # torch.topk's already: no copy
+    weights = top_k_weights.reshape(-1).contiguous()  # fp32 or bf16, read as they are
+    if weights.dtype not in (torch.float32, torch.bfloat16):
+        weights = weights.float()
     if gate_up.format == "fp8_block":
         return load().fp8_one_token(x, gate_up.data, gate_up.scales, down.data, down.scales, index, weights)
     return load().mxfp4_one_token(x, gate_up.data, gate_up.scales, gate_up.bias, down.data, down.scales, down.bias,

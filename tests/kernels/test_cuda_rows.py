@@ -43,7 +43,7 @@ def test_the_row_kernels_are_off_unless_asked(monkeypatch):
 @pytest.mark.parametrize("hidden, inter", [(2880, 2880), (1024, 512)])  # 90 groups (three a lane for some), 16-32
 def test_one_token_gpt_oss_layers_match_the_reference(rows_on, hidden, inter):
     """Interleaved gate/up, clamped SwiGLU, biases, top-4: within 1e-2 of fp64 math on the dequantized weights (fp16
-    products, as the Triton row path), the same result on every call."""
+    products, as the Triton row path), the same result on every call; bf16 routing weights as their fp32 values."""
     gate_up, down = _gpt_oss_layer(hidden, inter)
     index, weights = _routing(1, 8, 4)
     x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
@@ -54,6 +54,9 @@ def test_one_token_gpt_oss_layers_match_the_reference(rows_on, hidden, inter):
     assert actual.dtype == torch.bfloat16 and actual.shape == (1, hidden)
     assert (actual.cpu().double() - expected).norm() / expected.norm() <= 1e-2
     assert torch.equal(fused_moe(*args, interleaved=True, activation="clamped_swiglu"), actual)
+    bf16 = args[2].bfloat16()  # as gpt-oss' router leaves them: read in the kernel, exactly their fp32 values
+    assert torch.equal(fused_moe(*args[:2], bf16, *args[3:], interleaved=True, activation="clamped_swiglu"),
+                       fused_moe(*args[:2], bf16.float(), *args[3:], interleaved=True, activation="clamped_swiglu"))
 
 
 @needs_hopper
