@@ -6,6 +6,7 @@ bf16 checkpoints) run the fused kernel on bf16 weights as their "fused" column.
     python bench/moe_kernels.py                     # all shapes, M in 1 4 8 16 64; prints a table, writes --json
     python bench/moe_kernels.py --shapes gpt-oss-20b --tokens 1 16
     python bench/moe_kernels.py --no-tune --baseline old_moe.py   # TILES as they are; vs another kernel version
+    DFLASH_CUDA_ROWS=1 python bench/moe_kernels.py --no-tune --tokens 1 --against-triton   # CUDA row kernels vs Triton
     python bench/moe_kernels.py --shapes gpt-oss-20b --tokens 1 --one-token-only   # sweep one token's tiles only
     python bench/moe_kernels.py --no-tune --down-sweep --shapes gpt-oss-20b --tokens 1 16   # down launch apart
     python bench/moe_kernels.py --no-tune --shapes gpt-oss-20b --tokens 4 8 --tiles block_m=2   # M > 1 overrides
@@ -43,7 +44,7 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_compile.expert_store import Gate, expert_sum  # noqa: E402
 from dflash_compile.families import spec_for_experts_class  # noqa: E402
-from dflash_compile.kernels import moe  # noqa: E402
+from dflash_compile.kernels import cuda_rows, moe  # noqa: E402
 from dflash_compile.kernels.moe import ROW_TILES, TILES, fused_moe, pairs_per_routed_expert, rows_per_block  # noqa: E402
 from dflash_compile.packed import PackedWeight, expert_weights  # noqa: E402
 from kernel_sass import parse_tiles, tile_grid  # noqa: E402  (bench/, the script's own folder)
@@ -52,7 +53,7 @@ SHAPES = {  # experts, top-k, hidden, intermediate, format, gpt-oss layout
     "gpt-oss-20b": (32, 4, 2880, 2880, "mxfp4", True),
     "gpt-oss-120b": (128, 4, 2880, 2880, "mxfp4", True),
     "qwen3-30b-a3b-fp8": (128, 8, 2048, 768, "fp8_block", False),
-    "qwen3-30b-a3b-mxfp4": (128, 8, 2048, 768, "mxfp4", False),  # `dflash_compile.quantize` output: gate/up concatenated
+    "qwen3-30b-a3b-mxfp4": (128, 8, 2048, 768, "mxfp4", False),  # quantize()'s output: gate/up concatenated
     # bf16 checkpoints' experts as transformers keeps them ([E, out, in]), through the same kernel
     "qwen3-30b-a3b": (128, 8, 2048, 768, "dense", False),
     "olmoe-1b-7b": (64, 8, 2048, 1024, "dense", False),
@@ -160,6 +161,16 @@ def copy_bandwidth() -> float:
     source = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     target = torch.empty_like(source)
     return 2 * source.numel() / (triton.testing.do_bench(lambda: target.copy_(source)) * 1e-3)
+
+
+def without_cuda_rows(*args, **kwargs):
+    """`fused_moe` with the CUDA row kernels turned away (`--against-triton`): the Triton kernels on the same call."""
+    covers = cuda_rows.covers
+    cuda_rows.covers = lambda *_: False
+    try:
+        return fused_moe(*args, **kwargs)
+    finally:
+        cuda_rows.covers = covers
 
 
 def load_baseline(path: Path):
@@ -409,6 +420,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--no-tune", action="store_true", help="the kernels' TILES as they are, no sweep")
     parser.add_argument("--baseline", type=Path, help="another moe.py to time on the same inputs and tiles")
+    parser.add_argument("--against-triton", action="store_true",
+                        help="the Triton kernels as the baseline of the CUDA row kernels (run with DFLASH_CUDA_ROWS=1)")
     parser.add_argument("--profile", action="store_true",
                         help="print each kernel's time in one fused call (later timings read slower: A/B without it)")
     parser.add_argument("--one-token-only", action="store_true", help="sweep one token's tiles only")
@@ -447,6 +460,9 @@ def main() -> None:
         return sweep(args.shapes, args.tokens, 2, tiles, args.sweep)
     rows = []
     baseline = load_baseline(args.baseline).fused_moe if args.baseline else None
+    if args.against_triton:
+        print(cuda_rows.status())  # they must be loaded: else both sides run Triton
+        baseline = without_cuda_rows
     for name in args.shapes:
         layers = args.layers if name != "gpt-oss-120b" else 2
         run_shape(name, args.tokens, layers, tiles[SHAPES[name][4]], copy_gbs, rows, baseline, args.profile,
