@@ -80,10 +80,11 @@ def covers(hidden: torch.Tensor, top_k_index: torch.Tensor, gate_up: PackedWeigh
 
 
 def _mxfp4_layout(top_k_index, gate_up, down, interleaved, activation) -> bool:
-    """gpt-oss: top-4, interleaved gate/up rows, clamped SwiGLU, bf16 biases, rows of at most 96 groups."""
+    """gpt-oss: top-4, interleaved gate/up rows, clamped SwiGLU, bf16 biases, rows of at most 96 groups, fewer than
+    2^31 groups in all (the kernels index them in 32 bits)."""
     return (top_k_index.shape[1] == MXFP4_TOP_K and interleaved and activation == "clamped_swiglu"
             and all(w.bias is not None and w.bias.dtype == torch.bfloat16 and w.data.shape[2] <= MAX_GROUPS
-                    for w in (gate_up, down)))
+                    and w.data.numel() // 16 < 2**31 for w in (gate_up, down)))
 
 
 def _fp8_layout(top_k_index, gate_up, down, interleaved, activation) -> bool:
@@ -92,7 +93,8 @@ def _fp8_layout(top_k_index, gate_up, down, interleaved, activation) -> bool:
     hidden, inter = gate_up.data.shape[2], down.data.shape[2]
     return (top_k_index.shape[1] == FP8_TOP_K and not interleaved and activation == "silu"
             and gate_up.bias is None and down.bias is None and hidden % 16 == 0 and inter % 16 == 0
-            and hidden <= FP8_MAX_HIDDEN and inter <= FP8_MAX_INTER)
+            and hidden <= FP8_MAX_HIDDEN and inter <= FP8_MAX_INTER
+            and all(w.scales.dtype == torch.float32 for w in (gate_up, down)))
 
 
 LAYOUTS = {"mxfp4": _mxfp4_layout, "fp8_block": _fp8_layout}  # format -> whether a call has the kernels' layout
