@@ -175,18 +175,23 @@ __device__ __forceinline__ void load_rows(Loads<ROWS>& l, const uint4* blocks, c
   }
 }
 
+// a lane's part of a row: the sum of piece(0) .. piece(N - 1), its groups' or chunks' dot products
+template <int N, typename Piece>
+__device__ __forceinline__ float lane_dot(Piece piece) {
+  float acc = 0.f;
+#pragma unroll
+  for (int i = 0; i < N; ++i) acc += piece(i);
+  return acc;
+}
+
 template <int MODE>
 __device__ __forceinline__ float row_dot(const uint4 (&w)[GPL], const uint8_t (&e)[GPL], const uint4* xs, int lane,
                                          int G) {
-  float acc = 0.f;
-#pragma unroll
-  for (int i = 0; i < GPL; ++i) {
+  return lane_dot<GPL>([&](int i) {
     if (MODE == 1)  // loads only: the words folded, no decode
-      acc += __int_as_float((w[i].x ^ w[i].y ^ w[i].z ^ w[i].w) & 0x3FFFFF) + float(e[i]);
-    else
-      acc += group_dot(w[i], xs, min(lane + 32 * i, G - 1), e[i]);  // past G: group G - 1, exponent 0
-  }
-  return acc;
+      return __int_as_float((w[i].x ^ w[i].y ^ w[i].z ^ w[i].w) & 0x3FFFFF) + float(e[i]);
+    return group_dot(w[i], xs, min(lane + 32 * i, G - 1), e[i]);  // past G: group G - 1, exponent 0
+  });
 }
 
 // Persistent warps: warp w of the grid takes units w, w + W, w + 2W, ... (W the grid's warps), DEPTH units' loads in
@@ -383,13 +388,10 @@ __device__ __forceinline__ void load_rows8(Loads8<ROWS, CPL>& l, const uint4* co
 template <int CPL>
 __device__ __forceinline__ float row_dot8(const uint4 (&w)[CPL], const float (&s)[CPL], const uint4* xs, int lane,
                                           int C) {
-  float acc = 0.f;
-#pragma unroll
-  for (int i = 0; i < CPL; ++i) {
+  return lane_dot<CPL>([&](int i) {
     const int c = min(lane + 32 * i, C - 1);
-    acc += chunk_dot8(w[i], xs[quad8(c, 0)], xs[quad8(c, 1)]) * s[i];
-  }
-  return acc;
+    return chunk_dot8(w[i], xs[quad8(c, 0)], xs[quad8(c, 1)]) * s[i];
+  });
 }
 
 // fp16 pairs of n fp32 / bf16 values times 2^shift (largest in [2^2, 2^3)) into swizzled quads, by one warp or by
