@@ -139,6 +139,27 @@ __device__ __forceinline__ void sum_slots(float (&partial)[2][TOPK][ROWS], float
   }
 }
 
+// A by-expert down kernel's loop: batches blockIdx.x, + gridDim.x, ... (`iters` of them), DEPTH in flight in `ring`
+// (`issue(ring[d], batch)` loads a batch's rows); each lane's row dots `dot(loads, j)`, summed over the warp
+// (`lane_sums`), `finish(sum, batch)` (bias, routing weight) on the lane holding row j, then the slots' sum
+template <int DEPTH, int ROWS, int TOPK, typename Ring, typename Issue, typename Dot, typename Finish>
+__device__ __forceinline__ void down_batches(Ring (&ring)[DEPTH], Issue issue, Dot dot, Finish finish,
+                                             float (&partial)[2][TOPK][ROWS], int iters, int k, int lane, int H,
+                                             __nv_bfloat16* __restrict__ out) {
+  for (int it = 0; it < iters; it += DEPTH) {
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d) {
+      const int batch = blockIdx.x + (it + d) * gridDim.x;
+      float acc[ROWS];
+#pragma unroll
+      for (int j = 0; j < ROWS; ++j) acc[j] = dot(ring[d], j);
+      issue(ring[d], batch + DEPTH * gridDim.x);
+      const float sum = lane_sums<ROWS>(acc, lane);
+      sum_slots<ROWS, TOPK>(partial, finish(sum, batch), it + d, it + d < iters, batch, k, lane, H, out);
+    }
+  }
+}
+
 __device__ __forceinline__ int paired_column(int c) {  // the library's _paired_columns, c >= 0
   const int r = c & 7;
   return c - r + (r & 1) * 4 + (r >> 2) * 2 + ((r >> 1) & 1);
@@ -322,20 +343,13 @@ __global__ void __launch_bounds__(TOPK * 32) down_by_expert_kernel(
   __syncwarp();
   let_next();
   const float unscale = exp2i(14 - paired_shift), weight = weights[k];
-  for (int it = 0; it < iters; it += DEPTH) {
-#pragma unroll
-    for (int d = 0; d < DEPTH; ++d) {
-      const int batch = blockIdx.x + (it + d) * gridDim.x;
-      float acc[ROWS];
-#pragma unroll
-      for (int j = 0; j < ROWS; ++j) acc[j] = row_dot<0>(ring[d].w[j], ring[d].e[j], mine, lane, G);
-      issue(ring[d], batch + DEPTH * gridDim.x);
-      const int n = min(batch * ROWS + lane / (32 / ROWS), H - 1);  // this lane's row of the batch
-      const float sum = lane_sums<ROWS>(acc, lane);
-      sum_slots<ROWS, TOPK>(partial, weight * (sum * unscale + __bfloat162float(bias[e * H + n])), it + d,
-                            it + d < iters, batch, k, lane, H, out);
-    }
-  }
+  down_batches<DEPTH, ROWS, TOPK>(
+      ring, issue, [&](const Loads<ROWS>& l, int j) { return row_dot<0>(l.w[j], l.e[j], mine, lane, G); },
+      [&](float sum, int batch) {
+        const int n = min(batch * ROWS + lane / (32 / ROWS), H - 1);  // this lane's row of the batch
+        return weight * (sum * unscale + __bfloat162float(bias[e * H + n]));
+      },
+      partial, iters, k, lane, H, out);
 }
 
 // ---- FP8 (float8_e4m3fn, 128 x 128 block scales; Qwen3-FP8 style: gate and up rows concatenated, SiLU) ----
@@ -509,18 +523,9 @@ __global__ void __launch_bounds__(TOPK * 32) fp8_down_kernel(
   __syncwarp();
   let_next();
   const float weight = weights[k] * unscale;
-  for (int it = 0; it < iters; it += DEPTH) {
-#pragma unroll
-    for (int d = 0; d < DEPTH; ++d) {
-      const int batch = blockIdx.x + (it + d) * gridDim.x;
-      float acc[ROWS];
-#pragma unroll
-      for (int j = 0; j < ROWS; ++j) acc[j] = row_dot8<CPL>(ring[d].w[j], ring[d].s[j], mine, lane, C);
-      issue(ring[d], batch + DEPTH * gridDim.x);
-      sum_slots<ROWS, TOPK>(partial, weight * lane_sums<ROWS>(acc, lane), it + d, it + d < iters, batch, k, lane, H,
-                            out);
-    }
-  }
+  down_batches<DEPTH, ROWS, TOPK>(
+      ring, issue, [&](const Loads8<ROWS, CPL>& l, int j) { return row_dot8<CPL>(l.w[j], l.s[j], mine, lane, C); },
+      [&](float sum, int) { return weight * sum; }, partial, iters, k, lane, H, out);
 }
 
 inline int multiprocessors() {
