@@ -14,6 +14,7 @@
 #pragma once
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -220,13 +221,16 @@ __device__ __forceinline__ float row_dot(const uint4 (&w)[GPL], const uint8_t (&
 // shuffles stay convergent; units past the end load the last one again and store nothing).
 
 // gate/up: a unit is COLS output columns c .. c + COLS - 1 of expert slot s (unit s * I / COLS + c / COLS), their
-// interleaved gate and up rows 2c .. 2c + 2 COLS - 1 (I a multiple of COLS); more columns a unit share the
-// activations' shared-memory reads, the shuffles and the epilogue (lanes 32 j / COLS finish column c + j)
-template <int WARPS, int DEPTH, int MODE, int MIN_CTAS = 1, int COLS = 1>
+// gate and up rows (I a multiple of COLS); more columns a unit share the activations' shared-memory reads, the
+// shuffles and the epilogue (lanes 32 j / COLS finish column c + j). Two layouts: GPT_OSS, gate and up rows
+// interleaved (2c, 2c + 1), biases, clamped SwiGLU, fp16 out times 2^paired_shift (bounded: no scale to find);
+// otherwise gate rows then up rows (c, I + c), no biases, SiLU(gate) * up, fp32 out. Both in pair order.
+template <int WARPS, int DEPTH, int MODE, int MIN_CTAS = 1, int COLS = 1, bool GPT_OSS = true>
 __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) gate_up_kernel(
     const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ blocks, const uint8_t* __restrict__ scales,
-    const __nv_bfloat16* __restrict__ bias, const int64_t* __restrict__ experts, __half* __restrict__ h,
-    int I, int G, int units, float alpha, float limit, int paired_shift) {
+    const __nv_bfloat16* __restrict__ bias, const int64_t* __restrict__ experts,
+    std::conditional_t<GPT_OSS, __half, float>* __restrict__ h, int I, int G, int units, float alpha, float limit,
+    int paired_shift) {
   extern __shared__ uint4 xs[];
   __shared__ float warp_max[WARPS];
   __shared__ int expert_rows[8];
@@ -240,7 +244,9 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) gate_up_kernel(
   auto issue = [&](Loads<ROWS>& l, Unit unit) {
     int rows[ROWS];
 #pragma unroll
-    for (int j = 0; j < ROWS; ++j) rows[j] = expert_rows[min(unit.slot, slots - 1)] + ROWS * unit.column + j;
+    for (int j = 0; j < ROWS; ++j)  // dots in lane_sums' order: gate and up of the unit's first column, then ...
+      rows[j] = expert_rows[min(unit.slot, slots - 1)]
+                + (GPT_OSS ? ROWS * unit.column + j : (j & 1) * I + COLS * unit.column + j / 2);
     load_rows<ROWS, MODE>(l, blocks, scales, rows, lane, G);
   };
   Loads<ROWS> ring[DEPTH] = {};  // zeros: the words a lane keeps past a row's end
@@ -300,25 +306,47 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) gate_up_kernel(
       issue(ring[d], next);
       next.advance(stride, per_slot);
       if (lane % (32 / COLS) == 0 && it + d < iters) {
-        const int row = expert_rows[slot] + 2 * c;
-        float gate = sum * unscale + __bfloat162float(bias[row]);
-        float up = up_sum * unscale + __bfloat162float(bias[row + 1]);
-        gate = fminf(gate, limit);
-        up = fminf(fmaxf(up, -limit), limit);
-        float act = (up + 1.f) * __fdividef(gate, 1.f + __expf(-gate * alpha));  // no slow-path call
-        h[(int64_t)slot * I + paired_column(c)] = __float2half_rn(act * out_scale);
+        float gate = sum * unscale, up = up_sum * unscale;
+        if constexpr (GPT_OSS) {
+          const int row = expert_rows[slot] + 2 * c;
+          gate = fminf(gate + __bfloat162float(bias[row]), limit);
+          up = fminf(fmaxf(up + __bfloat162float(bias[row + 1]), -limit), limit);
+          const float act = (up + 1.f) * __fdividef(gate, 1.f + __expf(-gate * alpha));  // no slow-path call
+          h[slot * I + paired_column(c)] = __float2half_rn(act * out_scale);
+        } else {
+          h[slot * I + paired_column(c)] = __fdividef(gate, 1.f + __expf(-gate)) * up;
+        }
       }
     }
   }
 }
 
+// A warp's staging of one expert's fp32 activations (in pair order, `values` of them) as fp16 times 2^shift, the
+// largest in [2^14, 2^15), into `mine`'s padded quads; returns shift
+__device__ __forceinline__ int stage_scaled(const float* __restrict__ v, int values, uint4* mine, int lane) {
+  float m = 0.f;
+  for (int i = lane; i < values; i += 32) m = fmaxf(m, fabsf(v[i]));
+  for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  const int shift = min(14 - (((__float_as_int(m) >> 23) & 255) - 127), 100);
+  const float scale = exp2i(shift);
+  const float4* v4 = reinterpret_cast<const float4*>(v);
+  for (int q = lane; q < values / 8; q += 32) {
+    const float4 a = v4[2 * q], b = v4[2 * q + 1];
+    __half2 p[4] = {__floats2half2_rn(a.x * scale, a.y * scale), __floats2half2_rn(a.z * scale, a.w * scale),
+                    __floats2half2_rn(b.x * scale, b.y * scale), __floats2half2_rn(b.z * scale, b.w * scale)};
+    mine[quad(q / 4, q % 4)] = *reinterpret_cast<uint4*>(p);
+  }
+  return shift;
+}
+
 // down, by expert: a CTA is TOPK warps, warp k the routed expert of slot k, each staging only its own expert's
-// activations (no CTA barrier before the loop); a batch is ROWS output rows: warp k's weighted partial sums of its
-// expert's rows go to shared memory and ROWS threads add the TOPK partials in slot order (one barrier per batch,
-// partials double-buffered). Few registers per CTA, so its CTAs fit beside gate/up's and start early (PDL).
-template <int DEPTH, int ROWS, int TOPK>
+// activations (no CTA barrier before the loop; fp16 ones already scaled by 2^paired_shift, fp32 ones scaled here);
+// a batch is ROWS output rows: warp k's weighted partial sums of its expert's rows go to shared memory and ROWS
+// threads add the TOPK partials in slot order (one barrier per batch, partials double-buffered). Few registers per
+// CTA, so its CTAs fit beside gate/up's and start early (PDL). `bias` may be null.
+template <int DEPTH, int ROWS, int TOPK, typename In = __half>
 __global__ void __launch_bounds__(TOPK * 32) down_by_expert_kernel(
-    const __half* __restrict__ h, const uint4* __restrict__ blocks, const uint8_t* __restrict__ scales,
+    const In* __restrict__ h, const uint4* __restrict__ blocks, const uint8_t* __restrict__ scales,
     const __nv_bfloat16* __restrict__ bias, const int64_t* __restrict__ experts, RoutingWeights weights,
     __nv_bfloat16* __restrict__ out, int H, int G, int paired_shift) {
   extern __shared__ uint4 xs[];  // TOPK x activation_bytes(G)
@@ -337,17 +365,22 @@ __global__ void __launch_bounds__(TOPK * 32) down_by_expert_kernel(
 #pragma unroll
   for (int d = 0; d < DEPTH; ++d) issue(ring[d], blockIdx.x + d * gridDim.x);
   wait_previous();  // gate/up's activations
-  const uint4* hq = reinterpret_cast<const uint4*>(h) + k * G * 4;
   uint4* mine = xs + k * G * QUADS;
-  for (int i = lane; i < G * 4; i += 32) mine[quad(i / 4, i % 4)] = hq[i];
+  int shift = paired_shift;
+  if constexpr (std::is_same_v<In, __half>) {
+    const uint4* hq = reinterpret_cast<const uint4*>(h) + k * G * 4;
+    for (int i = lane; i < G * 4; i += 32) mine[quad(i / 4, i % 4)] = hq[i];
+  } else {
+    shift = stage_scaled(h + k * G * 32, G * 32, mine, lane);
+  }
   __syncwarp();
   let_next();
-  const float unscale = exp2i(14 - paired_shift), weight = weights[k];
+  const float unscale = exp2i(14 - shift), weight = weights[k];
   down_batches<DEPTH, ROWS, TOPK>(
       ring, issue, [&](const Loads<ROWS>& l, int j) { return row_dot<0>(l.w[j], l.e[j], mine, lane, G); },
       [&](float sum, int batch) {
         const int n = min(batch * ROWS + lane / (32 / ROWS), H - 1);  // this lane's row of the batch
-        return weight * (sum * unscale + __bfloat162float(bias[e * H + n]));
+        return weight * (sum * unscale + (bias ? __bfloat162float(bias[e * H + n]) : 0.f));
       },
       partial, iters, k, lane, H, out);
 }
@@ -550,31 +583,54 @@ void launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, bool pdl, Args...
   TORCH_CHECK(cudaLaunchKernelEx(&config, kernel, args...) == cudaSuccess, "launch failed");
 }
 
-// One token's MXFP4 MoE layer, gpt-oss's layout: x [1, H] bf16; gate_up blocks [E, 2I, G, 16] / scales [E, 2I, G]
-// uint8 with interleaved gate and up rows, bias [E, 2I] bf16; down [E, H, G', 16] / [E, H, G'] / [E, H]; experts
-// [4] int64, weights [4] fp32 -> out [1, H] bf16. Gate/up then down (by expert, rows summed in slot order), the
-// down launch programmatically dependent. The shapes were checked by dflash_compile/kernels/cuda_rows.py.
+// One token's MXFP4 MoE layer: x [1, H] bf16; gate_up blocks [E, 2I, G, 16] / scales [E, 2I, G] uint8; down
+// [E, H, G', 16] / [E, H, G']; experts [TOPK] int64, weights [TOPK] fp32 or bf16 -> out [1, H] bf16. GPT_OSS: gate
+// and up rows interleaved, biases [E, 2I] / [E, H] bf16, clamped SwiGLU; otherwise gate rows then up rows, no
+// biases, SiLU. Gate/up then down (by expert, rows summed in slot order), the down launch programmatically dependent.
+// The shapes were checked by dflash_compile/kernels/cuda_rows.py.
+template <int TOPK, bool GPT_OSS>
+torch::Tensor mxfp4_layer(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& s1,
+                          const __nv_bfloat16* b1, const torch::Tensor& w2, const torch::Tensor& s2,
+                          const __nv_bfloat16* b2, const torch::Tensor& experts, const torch::Tensor& weights,
+                          double alpha, double limit, int64_t paired_shift) {
+  using Activations = std::conditional_t<GPT_OSS, __half, float>;
+  constexpr int WARPS = 8, DOWN_ROWS = 2;
+  constexpr int GATE_UP_CTAS = 2, DOWN_CTAS = 3;  // per SM: the H100's best (docs/benchmarks.md, session 58)
+  const int I = w1.size(1) / 2, G = w1.size(2), H = w2.size(1), G2 = w2.size(2);
+  TORCH_CHECK(w1.numel() / 16 < INT32_MAX && w2.numel() / 16 < INT32_MAX, "the kernels index groups in 32 bits");
+  auto h = torch::empty({TOPK, I}, x.options().dtype(GPT_OSS ? torch::kHalf : torch::kFloat));
+  auto out = torch::empty({1, H}, x.options());
+  const int sms = multiprocessors();
+  launch(gate_up_kernel<WARPS, 1, 0, 1, 1, GPT_OSS>, dim3(std::min(sms * GATE_UP_CTAS, (TOPK * I + WARPS - 1) / WARPS)),
+         dim3(WARPS * 32), activation_bytes(G), true, (const __nv_bfloat16*)x.data_ptr(), (const uint4*)w1.data_ptr(),
+         (const uint8_t*)s1.data_ptr(), b1, (const int64_t*)experts.data_ptr(), (Activations*)h.data_ptr(), I, G,
+         TOPK * I, float(alpha), float(limit), int(paired_shift));
+  launch(down_by_expert_kernel<2, DOWN_ROWS, TOPK, Activations>,
+         dim3(std::min(sms * DOWN_CTAS, (H + DOWN_ROWS - 1) / DOWN_ROWS)), dim3(TOPK * 32), TOPK * activation_bytes(G2),
+         true, (const Activations*)h.data_ptr(), (const uint4*)w2.data_ptr(), (const uint8_t*)s2.data_ptr(), b2,
+         (const int64_t*)experts.data_ptr(), routing_weights(weights), (__nv_bfloat16*)out.data_ptr(), H, G2,
+         int(paired_shift));
+  return out;
+}
+
+// gpt-oss's layout, top-4
 inline torch::Tensor mxfp4_one_token(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& s1,
                                      const torch::Tensor& b1, const torch::Tensor& w2, const torch::Tensor& s2,
                                      const torch::Tensor& b2, const torch::Tensor& experts,
                                      const torch::Tensor& weights, double alpha, double limit,
                                      int64_t paired_shift) {
-  constexpr int WARPS = 8, TOPK = 4, DOWN_ROWS = 2;
-  constexpr int GATE_UP_CTAS = 2, DOWN_CTAS = 3;  // per SM: the H100's best (docs/benchmarks.md, session 58)
-  const int I = w1.size(1) / 2, G = w1.size(2), H = w2.size(1), G2 = w2.size(2);
-  TORCH_CHECK(w1.numel() / 16 < INT32_MAX && w2.numel() / 16 < INT32_MAX, "the kernels index groups in 32 bits");
-  auto h = torch::empty({TOPK, I}, x.options().dtype(torch::kHalf));
-  auto out = torch::empty({1, H}, x.options());
-  const int sms = multiprocessors();
-  launch(gate_up_kernel<WARPS, 1, 0>, dim3(std::min(sms * GATE_UP_CTAS, (TOPK * I + WARPS - 1) / WARPS)),
-         dim3(WARPS * 32), activation_bytes(G), true, (const __nv_bfloat16*)x.data_ptr(), (const uint4*)w1.data_ptr(),
-         (const uint8_t*)s1.data_ptr(), (const __nv_bfloat16*)b1.data_ptr(), (const int64_t*)experts.data_ptr(),
-         (__half*)h.data_ptr(), I, G, TOPK * I, float(alpha), float(limit), int(paired_shift));
-  launch(down_by_expert_kernel<2, DOWN_ROWS, TOPK>, dim3(std::min(sms * DOWN_CTAS, (H + DOWN_ROWS - 1) / DOWN_ROWS)),
-         dim3(TOPK * 32), TOPK * activation_bytes(G2), true, (const __half*)h.data_ptr(), (const uint4*)w2.data_ptr(),
-         (const uint8_t*)s2.data_ptr(), (const __nv_bfloat16*)b2.data_ptr(), (const int64_t*)experts.data_ptr(),
-         routing_weights(weights), (__nv_bfloat16*)out.data_ptr(), H, G2, int(paired_shift));
-  return out;
+  return mxfp4_layer<4, true>(x, w1, s1, (const __nv_bfloat16*)b1.data_ptr(), w2, s2,
+                              (const __nv_bfloat16*)b2.data_ptr(), experts, weights, alpha, limit, paired_shift);
+}
+
+// concatenated gate/up, SiLU, no biases (`dflash_compile.quantize`'s MXFP4 of Qwen3-MoE, OLMoE, ...), top-2, 4 or 8
+inline torch::Tensor mxfp4_silu_one_token(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& s1,
+                                          const torch::Tensor& w2, const torch::Tensor& s2,
+                                          const torch::Tensor& experts, const torch::Tensor& weights) {
+  const int64_t top_k = experts.numel();
+  auto layer = top_k == 8 ? mxfp4_layer<8, false> : top_k == 4 ? mxfp4_layer<4, false> : mxfp4_layer<2, false>;
+  TORCH_CHECK(top_k == 2 || top_k == 4 || top_k == 8, "the SiLU row kernels take top-2, 4 or 8");
+  return layer(x, w1, s1, nullptr, w2, s2, nullptr, experts, weights, 1.0, 0.0, 0);
 }
 
 // One token's FP8 layer (float8_e4m3fn, 128 x 128 block scales), Qwen3-FP8's layout: x [1, H] bf16; gate_up

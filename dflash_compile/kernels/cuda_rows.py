@@ -1,7 +1,8 @@
 """One token's MoE layer as CUDA C++ kernels on the CUDA cores (csrc/moe_rows_cuda.cu), for the `fused_moe` calls
 they cover: bf16 activations, resident experts, on a compute capability 9.0 GPU (Hopper: programmatic dependent
-launch), in two layouts: gpt-oss's MXFP4 (gate and up rows interleaved, clamped SwiGLU, biases, top-4, K up to 96
-groups of 32) and Qwen3-FP8's 128 x 128 block-scaled FP8 (gate rows then up rows, SiLU, top-8, H <= 4096, I <= 2048).
+launch), in three layouts: gpt-oss's MXFP4 (gate and up rows interleaved, clamped SwiGLU, biases, top-4), MXFP4 of
+SiLU families as `quantize` writes them (gate rows then up rows, no biases, top-2, 4 or 8), both with K up to 96
+groups of 32; and Qwen3-FP8's 128 x 128 block-scaled FP8 (gate rows then up rows, SiLU, top-8, H <= 4096, I <= 2048).
 
 Every lane of a warp reads its own 16-byte pieces of a row and decodes them in registers, the activations staged
 once per CTA in shared memory: none of the Triton row path's per-step staging and barriers. On the H100 a
@@ -27,7 +28,7 @@ import torch
 from ..packed import PackedWeight
 
 SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "moe_rows_cuda.cu"
-MXFP4_TOP_K, FP8_TOP_K = 4, 8  # the kernels' routed experts per token (gpt-oss; Qwen3-FP8)
+MXFP4_TOP_K, MXFP4_SILU_TOP_K, FP8_TOP_K = 4, (2, 4, 8), 8  # routed experts per token: gpt-oss; SiLU; Qwen3-FP8
 MAX_GROUPS = 96  # MXFP4: 32-code groups a row may have, three per lane
 FP8_MAX_HIDDEN, FP8_MAX_INTER = 4096, 2048  # FP8: up to 8 and 4 16-byte chunks per lane
 _failure: str | None = None
@@ -80,11 +81,15 @@ def covers(hidden: torch.Tensor, top_k_index: torch.Tensor, gate_up: PackedWeigh
 
 
 def _mxfp4_layout(top_k_index, gate_up, down, interleaved, activation) -> bool:
-    """gpt-oss: top-4, interleaved gate/up rows, clamped SwiGLU, bf16 biases, rows of at most 96 groups, fewer than
-    2^31 groups in all (the kernels index them in 32 bits)."""
-    return (top_k_index.shape[1] == MXFP4_TOP_K and interleaved and activation == "clamped_swiglu"
-            and all(w.bias is not None and w.bias.dtype == torch.bfloat16 and w.data.shape[2] <= MAX_GROUPS
-                    and w.data.numel() // 16 < 2**31 for w in (gate_up, down)))
+    """gpt-oss (top-4, interleaved gate/up rows, clamped SwiGLU, bf16 biases) or gate rows then up rows with SiLU
+    and no biases (`quantize`'s MXFP4 of Qwen3-MoE, OLMoE, Mixtral: top-2, 4 or 8); rows of at most 96 groups (K <=
+    3072), fewer than 2^31 groups in all (the kernels index them in 32 bits)."""
+    weights = (gate_up, down)
+    gpt_oss = (top_k_index.shape[1] == MXFP4_TOP_K and interleaved and activation == "clamped_swiglu"
+               and all(w.bias is not None and w.bias.dtype == torch.bfloat16 for w in weights))
+    silu = (top_k_index.shape[1] in MXFP4_SILU_TOP_K and not interleaved and activation == "silu"
+            and all(w.bias is None for w in weights))
+    return (gpt_oss or silu) and all(w.data.shape[2] <= MAX_GROUPS and w.data.numel() // 16 < 2**31 for w in weights)
 
 
 def _fp8_layout(top_k_index, gate_up, down, interleaved, activation) -> bool:
@@ -101,7 +106,7 @@ LAYOUTS = {"mxfp4": _mxfp4_layout, "fp8_block": _fp8_layout}  # format -> whethe
 
 
 def one_token_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                  gate_up: PackedWeight, down: PackedWeight, alpha: float, limit: float,
+                  gate_up: PackedWeight, down: PackedWeight, interleaved: bool, alpha: float, limit: float,
                   paired_shift: int) -> torch.Tensor:
     """`fused_moe` of one token on the CUDA row kernels (`covers` said yes): [1, H] bf16 out. `paired_shift`: the
     power of two that keeps clamped SwiGLU's outputs in fp16 between the MXFP4 launches (`moe._paired_shift`)."""
@@ -114,5 +119,7 @@ def one_token_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
         weights = weights.float()
     if gate_up.format == "fp8_block":
         return load().fp8_one_token(x, gate_up.data, gate_up.scales, down.data, down.scales, index, weights)
+    if not interleaved:
+        return load().mxfp4_silu_one_token(x, gate_up.data, gate_up.scales, down.data, down.scales, index, weights)
     return load().mxfp4_one_token(x, gate_up.data, gate_up.scales, gate_up.bias, down.data, down.scales, down.bias,
                                   index, weights, float(alpha), float(limit), int(paired_shift))

@@ -51,10 +51,10 @@ X_PAIRED), loading pairs as words instead of converting and pairing bf16 values 
 call (`_pair_rows`) makes the gate/up launch's (one token scales its row in the kernel: there the launch cost more
 than it saved, 0.95-0.98x). 1.07-1.09x, then 1.02-1.06x, at verify sizes (session 20).
 
-One token's layer in gpt-oss's MXFP4 layout (interleaved gate/up, clamped SwiGLU, biases, top-4) or Qwen3-FP8's
-(concatenated gate/up, SiLU, top-8), experts resident, can run CUDA C++ kernels instead (`cuda_rows`,
-csrc/moe_rows_cuda.cu; their MXFP4 probe ran a layer 1.24x faster on the H100, session 58), off unless
-DFLASH_CUDA_ROWS=1 until measured on the H200.
+One token's layer in gpt-oss's MXFP4 layout (interleaved gate/up, clamped SwiGLU, biases, top-4), in MXFP4 with
+concatenated gate/up and SiLU (top-2, 4, 8) or in Qwen3-FP8's (top-8), experts resident, can run CUDA C++ kernels
+instead (`cuda_rows`, csrc/moe_rows_cuda.cu; their MXFP4 probe ran a layer 1.24x faster on the H100, session 58),
+off unless DFLASH_CUDA_ROWS=1 until measured on the H200.
 
 `FP16_OPERANDS` (FP8 weights, tile setting `operands="fp16"`): the weights go to the tensor cores as fp16 through
 the one-instruction e4m3x2 -> f16x2 conversion (bf16 takes two per value), and the activations come in as fp16
@@ -1409,7 +1409,7 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
         return hidden.new_empty(hidden.shape)
     if (not tiles and host is None and not compute_fp32
             and cuda_rows.covers(hidden, top_k_index, gate_up, down, interleaved, activation)):
-        return cuda_rows.one_token_moe(hidden, top_k_index, top_k_weights, gate_up, down, alpha, limit,
+        return cuda_rows.one_token_moe(hidden, top_k_index, top_k_weights, gate_up, down, interleaved, alpha, limit,
                                        _paired_shift(activation, alpha, limit))
     if (not tiles and host is None and compute_fp32 == (hidden.dtype == torch.float32)
             and pairs_per_routed_expert(tokens, top_k, routable) >= DEQUANTIZE_PAIRS[gate_up.format]
