@@ -19,4 +19,4 @@ DFLASH_CUDA_ROWS=0 timeout 150 python3 bench/probe_cuda_rows.py --shape qwen3-30
     --configs 1,1,2,2,2 1,1,2,4,2 1,1,2,2,4 1,2,2,2,2 2>&1 | quiet | tail -12
 echo "## library, one token: CUDA row kernels (fused) vs Triton (baseline)"
 DFLASH_CUDA_ROWS=1 timeout 200 python3 bench/moe_kernels.py --no-tune --tokens 1 --against-triton \
-    --shapes gpt-oss-20b gpt-oss-120b qwen3-30b-a3b-fp8 2>&1 | quiet | tail -12
+    --shapes gpt-oss-20b gpt-oss-120b qwen3-30b-a3b-mxfp4 qwen3-30b-a3b-fp8 2>&1 | quiet | tail -16
