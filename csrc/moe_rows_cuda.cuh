@@ -112,13 +112,13 @@ struct PersistentWarp {
         iters(first < units ? (units - first + stride - 1) / stride : 0) {}
 };
 
-// A warp's unit slot * I + column in the persistent grid, stepped without divisions (the grid's warps, the stride,
-// are fewer than I)
+// A warp's unit slot * per_slot + column in the persistent grid, stepped without divisions (subtractions: the
+// stride, the grid's warps, is at most a few slots' units)
 struct Unit {
   int slot, column;
-  __device__ void advance(int by, int I) {
+  __device__ void advance(int by, int per_slot) {
     column += by;
-    while (column >= I) { column -= I; ++slot; }
+    while (column >= per_slot) { column -= per_slot; ++slot; }
   }
 };
 
