@@ -95,7 +95,7 @@ void moe(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor b1, 
          torch::Tensor b2, torch::Tensor experts, torch::Tensor weights, torch::Tensor h, torch::Tensor out,
          double alpha, double limit, int64_t paired_shift, int64_t depth1, int64_t depth2, int64_t ctas1,
          int64_t ctas2, int64_t rows, int64_t cols, int64_t parts, bool pdl, int64_t mode) {
-  TORCH_CHECK(w1.size(2) <= 32 * GPL && w2.size(2) <= 32 * GPL, "K too large for GPL");
+  TORCH_CHECK(w1.size(2) <= 96 && w2.size(2) <= 96, "the probe's kernels take 3 groups a lane: K <= 3072");
   TORCH_CHECK(rows == 2 || rows == 4, "down rows per batch: 2 or 4");
   TORCH_CHECK((cols == 1 || cols == 2) && w1.size(1) / 2 % cols == 0, "gate/up columns per unit: 1 or 2, dividing I");
 #define CASE(A, B) \

@@ -1,7 +1,7 @@
 // One token's MXFP4 MoE layer on the CUDA cores (sm_90): the kernels of dflash_compile/kernels/cuda_rows.py, also
 // read by bench/probe_cuda_rows.py, which times their variants.
 //
-// Every lane of a warp owns 32-code groups lane, lane + 32, lane + 64 of a row (K <= 96 groups), read as 16-byte
+// Every lane of a warp owns 32-code groups lane, lane + 32, ... of a row (GPL of them, K <= 128 groups), as 16-byte
 // loads, coalesced, with no shared-memory staging of weights and no CTA-wide barrier in the loop; the activations
 // sit in shared memory as fp16 pairs in the decode's order (a group's quads padded to 80 bytes: conflict-free
 // 16-byte reads); the codes go to fp16x2 pairs by an 11-instruction word decode (kernels/moe.py's
@@ -21,7 +21,6 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
-constexpr int GPL = 3;  // groups per lane: K / 32 <= 96
 
 __device__ __forceinline__ void wait_previous() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void let_next() { asm volatile("griddepcontrol.launch_dependents;"); }
@@ -166,7 +165,7 @@ __device__ __forceinline__ int paired_column(int c) {  // the library's _paired_
   return c - r + (r & 1) * 4 + (r >> 2) * 2 + ((r >> 1) & 1);
 }
 
-template <int ROWS>
+template <int ROWS, int GPL>  // GPL: groups a lane owns, lane + 32 i for i < GPL
 struct Loads {
   uint4 w[ROWS][GPL];
   uint8_t e[ROWS][GPL];
@@ -176,8 +175,8 @@ struct Loads {
 // host checks E N G < 2^31), loads at immediate offsets from the lane's first group. Past a row's G groups a lane
 // keeps the words it holds (any codes are finite) with exponent 0: their products count 0, and no product is
 // branched around.
-template <int ROWS, int MODE>
-__device__ __forceinline__ void load_rows(Loads<ROWS>& l, const uint4* blocks, const uint8_t* scales,
+template <int ROWS, int MODE, int GPL>
+__device__ __forceinline__ void load_rows(Loads<ROWS, GPL>& l, const uint4* blocks, const uint8_t* scales,
                                           const int (&rows)[ROWS], int lane, int G) {
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
@@ -206,7 +205,7 @@ __device__ __forceinline__ float lane_dot(Piece piece) {
   return acc;
 }
 
-template <int MODE>
+template <int MODE, int GPL>
 __device__ __forceinline__ float row_dot(const uint4 (&w)[GPL], const uint8_t (&e)[GPL], const uint4* xs, int lane,
                                          int G) {
   return lane_dot<GPL>([&](int i) {
@@ -225,7 +224,7 @@ __device__ __forceinline__ float row_dot(const uint4 (&w)[GPL], const uint8_t (&
 // shuffles and the epilogue (lanes 32 j / COLS finish column c + j). Two layouts: GPT_OSS, gate and up rows
 // interleaved (2c, 2c + 1), biases, clamped SwiGLU, fp16 out times 2^paired_shift (bounded: no scale to find);
 // otherwise gate rows then up rows (c, I + c), no biases, SiLU(gate) * up, fp32 out. Both in pair order.
-template <int WARPS, int DEPTH, int MODE, int MIN_CTAS = 1, int COLS = 1, bool GPT_OSS = true>
+template <int WARPS, int DEPTH, int MODE, int MIN_CTAS = 1, int COLS = 1, bool GPT_OSS = true, int GPL = 3>
 __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) gate_up_kernel(
     const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ blocks, const uint8_t* __restrict__ scales,
     const __nv_bfloat16* __restrict__ bias, const int64_t* __restrict__ experts,
@@ -241,15 +240,15 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) gate_up_kernel(
   const int per_slot = I / COLS, slots = units / per_slot;
   if (threadIdx.x < slots) expert_rows[threadIdx.x] = int(experts[threadIdx.x]) * 2 * I;
   __syncthreads();
-  auto issue = [&](Loads<ROWS>& l, Unit unit) {
+  auto issue = [&](Loads<ROWS, GPL>& l, Unit unit) {
     int rows[ROWS];
 #pragma unroll
     for (int j = 0; j < ROWS; ++j)  // dots in lane_sums' order: gate and up of the unit's first column, then ...
       rows[j] = expert_rows[min(unit.slot, slots - 1)]
                 + (GPT_OSS ? ROWS * unit.column + j : (j & 1) * I + COLS * unit.column + j / 2);
-    load_rows<ROWS, MODE>(l, blocks, scales, rows, lane, G);
+    load_rows<ROWS, MODE, GPL>(l, blocks, scales, rows, lane, G);
   };
-  Loads<ROWS> ring[DEPTH] = {};  // zeros: the words a lane keeps past a row's end
+  Loads<ROWS, GPL> ring[DEPTH] = {};  // zeros: the words a lane keeps past a row's end
   Unit in_ring[DEPTH], next{first / per_slot, first % per_slot};  // the ring's units, the next to load
 #pragma unroll
   for (int d = 0; d < DEPTH; ++d) {
@@ -298,7 +297,7 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) gate_up_kernel(
     for (int d = 0; d < DEPTH; ++d) {
       float dots[ROWS];
 #pragma unroll
-      for (int j = 0; j < ROWS; ++j) dots[j] = row_dot<MODE>(ring[d].w[j], ring[d].e[j], xs, lane, G);
+      for (int j = 0; j < ROWS; ++j) dots[j] = row_dot<MODE, GPL>(ring[d].w[j], ring[d].e[j], xs, lane, G);
       const float sum = lane_sums<ROWS>(dots, lane);  // lane 32 j / ROWS: row j's
       const float up_sum = __shfl_down_sync(0xffffffffu, sum, 16 / COLS);
       const int slot = in_ring[d].slot, c = in_ring[d].column * COLS + lane / (32 / COLS);
@@ -344,7 +343,7 @@ __device__ __forceinline__ int stage_scaled(const float* __restrict__ v, int val
 // a batch is ROWS output rows: warp k's weighted partial sums of its expert's rows go to shared memory and ROWS
 // threads add the TOPK partials in slot order (one barrier per batch, partials double-buffered). Few registers per
 // CTA, so its CTAs fit beside gate/up's and start early (PDL). `bias` may be null.
-template <int DEPTH, int ROWS, int TOPK, typename In = __half>
+template <int DEPTH, int ROWS, int TOPK, typename In = __half, int GPL = 3>
 __global__ void __launch_bounds__(TOPK * 32) down_by_expert_kernel(
     const In* __restrict__ h, const uint4* __restrict__ blocks, const uint8_t* __restrict__ scales,
     const __nv_bfloat16* __restrict__ bias, const int64_t* __restrict__ experts, RoutingWeights weights,
@@ -355,13 +354,13 @@ __global__ void __launch_bounds__(TOPK * 32) down_by_expert_kernel(
   const int batches = (H + ROWS - 1) / ROWS;
   const int iters = int(blockIdx.x) < batches ? (batches - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
   const int e = int(experts[k]);  // the routing is the previous launch's input: already there
-  auto issue = [&](Loads<ROWS>& l, int batch) {
+  auto issue = [&](Loads<ROWS, GPL>& l, int batch) {
     int rows[ROWS];
 #pragma unroll
     for (int j = 0; j < ROWS; ++j) rows[j] = e * H + min(batch * ROWS + j, H - 1);
-    load_rows<ROWS, 0>(l, blocks, scales, rows, lane, G);
+    load_rows<ROWS, 0, GPL>(l, blocks, scales, rows, lane, G);
   };
-  Loads<ROWS> ring[DEPTH] = {};  // zeros: the words a lane keeps past a row's end
+  Loads<ROWS, GPL> ring[DEPTH] = {};  // zeros: the words a lane keeps past a row's end
 #pragma unroll
   for (int d = 0; d < DEPTH; ++d) issue(ring[d], blockIdx.x + d * gridDim.x);
   wait_previous();  // gate/up's activations
@@ -377,7 +376,7 @@ __global__ void __launch_bounds__(TOPK * 32) down_by_expert_kernel(
   let_next();
   const float unscale = exp2i(14 - shift), weight = weights[k];
   down_batches<DEPTH, ROWS, TOPK>(
-      ring, issue, [&](const Loads<ROWS>& l, int j) { return row_dot<0>(l.w[j], l.e[j], mine, lane, G); },
+      ring, issue, [&](const Loads<ROWS, GPL>& l, int j) { return row_dot<0, GPL>(l.w[j], l.e[j], mine, lane, G); },
       [&](float sum, int batch) {
         const int n = min(batch * ROWS + lane / (32 / ROWS), H - 1);  // this lane's row of the batch
         return weight * (sum * unscale + (bias ? __bfloat162float(bias[e * H + n]) : 0.f));
@@ -570,6 +569,9 @@ inline int multiprocessors() {
 
 template <typename Kernel, typename... Args>
 void launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, bool pdl, Args... args) {
+  if (smem > 48 * 1024)  // past the default: a down kernel's 8 experts x 128 groups of activations (80 KB)
+    TORCH_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) == cudaSuccess,
+                "the row kernels' shared memory (", smem, " bytes) does not fit this GPU");
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
@@ -581,6 +583,17 @@ void launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, bool pdl, Args...
   config.attrs = attribute;
   config.numAttrs = pdl ? 1 : 0;
   TORCH_CHECK(cudaLaunchKernelEx(&config, kernel, args...) == cudaSuccess, "launch failed");
+}
+
+// `f(std::integral_constant<int, GPL>)` for the fewest groups per lane that cover a row of `groups` (<= 128): no
+// lane decodes groups past a short row's end (Qwen3-30B-A3B's down rows: 24 groups, one a lane)
+template <typename F>
+void with_groups_per_lane(int groups, F f) {
+  TORCH_CHECK(groups <= 128, "the row kernels take rows of at most 128 groups of 32");
+  if (groups <= 32) return f(std::integral_constant<int, 1>{});
+  if (groups <= 64) return f(std::integral_constant<int, 2>{});
+  if (groups <= 96) return f(std::integral_constant<int, 3>{});
+  f(std::integral_constant<int, 4>{});
 }
 
 // One token's MXFP4 MoE layer: x [1, H] bf16; gate_up blocks [E, 2I, G, 16] / scales [E, 2I, G] uint8; down
@@ -601,15 +614,20 @@ torch::Tensor mxfp4_layer(const torch::Tensor& x, const torch::Tensor& w1, const
   auto h = torch::empty({TOPK, I}, x.options().dtype(GPT_OSS ? torch::kHalf : torch::kFloat));
   auto out = torch::empty({1, H}, x.options());
   const int sms = multiprocessors();
-  launch(gate_up_kernel<WARPS, 1, 0, 1, 1, GPT_OSS>, dim3(std::min(sms * GATE_UP_CTAS, (TOPK * I + WARPS - 1) / WARPS)),
-         dim3(WARPS * 32), activation_bytes(G), true, (const __nv_bfloat16*)x.data_ptr(), (const uint4*)w1.data_ptr(),
-         (const uint8_t*)s1.data_ptr(), b1, (const int64_t*)experts.data_ptr(), (Activations*)h.data_ptr(), I, G,
-         TOPK * I, float(alpha), float(limit), int(paired_shift));
-  launch(down_by_expert_kernel<2, DOWN_ROWS, TOPK, Activations>,
-         dim3(std::min(sms * DOWN_CTAS, (H + DOWN_ROWS - 1) / DOWN_ROWS)), dim3(TOPK * 32), TOPK * activation_bytes(G2),
-         true, (const Activations*)h.data_ptr(), (const uint4*)w2.data_ptr(), (const uint8_t*)s2.data_ptr(), b2,
-         (const int64_t*)experts.data_ptr(), routing_weights(weights), (__nv_bfloat16*)out.data_ptr(), H, G2,
-         int(paired_shift));
+  with_groups_per_lane(G, [&](auto gpl) {
+    launch(gate_up_kernel<WARPS, 1, 0, 1, 1, GPT_OSS, decltype(gpl)::value>,
+           dim3(std::min(sms * GATE_UP_CTAS, (TOPK * I + WARPS - 1) / WARPS)), dim3(WARPS * 32), activation_bytes(G),
+           true, (const __nv_bfloat16*)x.data_ptr(), (const uint4*)w1.data_ptr(), (const uint8_t*)s1.data_ptr(), b1,
+           (const int64_t*)experts.data_ptr(), (Activations*)h.data_ptr(), I, G, TOPK * I, float(alpha),
+           float(limit), int(paired_shift));
+  });
+  with_groups_per_lane(G2, [&](auto gpl) {
+    launch(down_by_expert_kernel<2, DOWN_ROWS, TOPK, Activations, decltype(gpl)::value>,
+           dim3(std::min(sms * DOWN_CTAS, (H + DOWN_ROWS - 1) / DOWN_ROWS)), dim3(TOPK * 32),
+           TOPK * activation_bytes(G2), true, (const Activations*)h.data_ptr(), (const uint4*)w2.data_ptr(),
+           (const uint8_t*)s2.data_ptr(), b2, (const int64_t*)experts.data_ptr(), routing_weights(weights),
+           (__nv_bfloat16*)out.data_ptr(), H, G2, int(paired_shift));
+  });
   return out;
 }
 

@@ -1,7 +1,7 @@
 """One token's MoE layer as CUDA C++ kernels on the CUDA cores (csrc/moe_rows_cuda.cu), for the `fused_moe` calls
 they cover: bf16 activations, resident experts, on a compute capability 9.0 GPU (Hopper: programmatic dependent
 launch), in three layouts: gpt-oss's MXFP4 (gate and up rows interleaved, clamped SwiGLU, biases, top-4), MXFP4 of
-SiLU families as `quantize` writes them (gate rows then up rows, no biases, top-2, 4 or 8), both with K up to 96
+SiLU families as `quantize` writes them (gate rows then up rows, no biases, top-2, 4 or 8), both with K up to 128
 groups of 32; and Qwen3-FP8's 128 x 128 block-scaled FP8 (gate rows then up rows, SiLU, top-8, H <= 4096, I <= 2048).
 
 Every lane of a warp reads its own 16-byte pieces of a row and decodes them in registers, the activations staged
@@ -29,7 +29,7 @@ from ..packed import PackedWeight
 
 SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "moe_rows_cuda.cu"
 MXFP4_TOP_K, MXFP4_SILU_TOP_K, FP8_TOP_K = 4, (2, 4, 8), 8  # routed experts per token: gpt-oss; SiLU; Qwen3-FP8
-MAX_GROUPS = 96  # MXFP4: 32-code groups a row may have, three per lane
+MAX_GROUPS = 128  # MXFP4: 32-code groups a row may have, up to four a lane
 FP8_MAX_HIDDEN, FP8_MAX_INTER = 4096, 2048  # FP8: up to 8 and 4 16-byte chunks per lane
 _failure: str | None = None
 
@@ -82,8 +82,8 @@ def covers(hidden: torch.Tensor, top_k_index: torch.Tensor, gate_up: PackedWeigh
 
 def _mxfp4_layout(top_k_index, gate_up, down, interleaved, activation) -> bool:
     """gpt-oss (top-4, interleaved gate/up rows, clamped SwiGLU, bf16 biases) or gate rows then up rows with SiLU
-    and no biases (`quantize`'s MXFP4 of Qwen3-MoE, OLMoE, Mixtral: top-2, 4 or 8); rows of at most 96 groups (K <=
-    3072), fewer than 2^31 groups in all (the kernels index them in 32 bits)."""
+    and no biases (`quantize`'s MXFP4 of Qwen3-MoE, OLMoE, Mixtral: top-2, 4 or 8); rows of at most 128 groups (K <=
+    4096), fewer than 2^31 groups in all (the kernels index them in 32 bits)."""
     weights = (gate_up, down)
     gpt_oss = (top_k_index.shape[1] == MXFP4_TOP_K and interleaved and activation == "clamped_swiglu"
                and all(w.bias is not None and w.bias.dtype == torch.bfloat16 for w in weights))

@@ -60,11 +60,14 @@ def test_one_token_gpt_oss_layers_match_the_reference(rows_on, hidden, inter):
 
 
 @needs_hopper
-@pytest.mark.parametrize("hidden, inter, experts, top_k", [(2048, 768, 16, 8), (3072, 1024, 8, 2), (1024, 512, 8, 4)])
+@pytest.mark.parametrize("hidden, inter, experts, top_k",
+                         [(2048, 768, 16, 8), (4096, 1024, 8, 2), (1024, 512, 8, 4), (2048, 4096, 16, 8)])
 def test_one_token_mxfp4_silu_layers_match_the_reference(rows_on, hidden, inter, experts, top_k):
-    """`quantize`'s MXFP4 of a SiLU family (Qwen3-30B-A3B's widths; Mixtral's top-2 at the widest K, 96 groups; top-4):
-    gate rows then up rows, no biases; the activations between the launches in fp32, each expert's scaled to fp16 by
-    the down kernel: within 1e-2 of fp64 math on the dequantized weights, the same result on every call."""
+    """`quantize`'s MXFP4 of a SiLU family: Qwen3-30B-A3B's widths (64 and 24 groups: two and one a lane), Mixtral's
+    top-2 at the widest K (128 groups, four a lane), top-4, and 8 experts x 128 groups of down activations (80 KB of
+    shared memory). Gate rows then up rows, no biases; the activations between the launches in fp32, each expert's
+    scaled to fp16 by the down kernel: within 1e-2 of fp64 math on the dequantized weights, the same result on every
+    call."""
     gate_up, down = _experts("mxfp4", experts, hidden, inter, bias=False, device="cuda")
     index, weights = _routing(1, experts, top_k)
     x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
@@ -119,7 +122,7 @@ def test_one_token_replayed_from_a_cuda_graph(rows_on, format):
 
 @needs_hopper
 def test_calls_the_row_kernels_do_not_cover_run_triton(rows_on):
-    """MXFP4 gpt-oss layouts with top-2 or fp32 biases, SiLU with biases, K past 96 groups, FP8 top-4, and two
+    """MXFP4 gpt-oss layouts with top-2 or fp32 biases, SiLU with biases, K past 128 groups, FP8 top-4, and two
     tokens are left to the Triton kernels, still correct."""
     gate_up, down = _gpt_oss_layer(1024, 512)
     x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
@@ -127,8 +130,8 @@ def test_calls_the_row_kernels_do_not_cover_run_triton(rows_on):
     assert not cuda_rows.covers(x, index, gate_up, down, True, "clamped_swiglu")
     index4 = _routing(1, 8, 4)[0].cuda()
     assert not cuda_rows.covers(x, index4, gate_up, down, False, "silu")  # SiLU with biases
-    wide = _experts("mxfp4", 8, 3104, 512, bias=False, device="cuda")  # 97 groups
-    assert not cuda_rows.covers(torch.randn(1, 3104, device="cuda", dtype=torch.bfloat16), index4, *wide, False,
+    wide = _experts("mxfp4", 8, 4128, 512, bias=False, device="cuda")  # 129 groups
+    assert not cuda_rows.covers(torch.randn(1, 4128, device="cuda", dtype=torch.bfloat16), index4, *wide, False,
                                 "silu")
     fp32_bias = PackedWeight("mxfp4", gate_up.data, gate_up.scales, gate_up.bias.float())
     assert not cuda_rows.covers(x, index4, fp32_bias, down, True, "clamped_swiglu")
