@@ -14,7 +14,9 @@
 #pragma once
 #include <algorithm>
 #include <cstdint>
+#include <mutex>
 #include <type_traits>
+#include <unordered_map>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -567,11 +569,21 @@ inline int multiprocessors() {
   return count;
 }
 
+// Past the default 48 KB of dynamic shared memory (a down kernel's 8 experts x 128 groups of activations: 80 KB), a
+// kernel must ask; once per kernel and size, so a call inside a CUDA-graph capture (after its warm-up) makes none
+inline void allow_shared_memory(const void* kernel, size_t smem) {
+  static std::mutex mutex;
+  static std::unordered_map<const void*, size_t> allowed;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (allowed[kernel] >= smem) return;
+  TORCH_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) == cudaSuccess,
+              "the row kernels' shared memory (", smem, " bytes) does not fit this GPU");
+  allowed[kernel] = smem;
+}
+
 template <typename Kernel, typename... Args>
 void launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, bool pdl, Args... args) {
-  if (smem > 48 * 1024)  // past the default: a down kernel's 8 experts x 128 groups of activations (80 KB)
-    TORCH_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) == cudaSuccess,
-                "the row kernels' shared memory (", smem, " bytes) does not fit this GPU");
+  if (smem > 48 * 1024) allow_shared_memory(reinterpret_cast<const void*>(kernel), smem);
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
