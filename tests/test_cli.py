@@ -30,8 +30,11 @@ def test_argument_errors(capsys):
     assert "invalid choice: 'llama'" in capsys.readouterr().err
 
 
+# Below, runs whose subject is not compiling pass --no-compile: compiling the pair takes ~30-50 s of the CI's 2 cores.
+
+
 def test_generate_on_the_bundled_pair(capsys):
-    assert main(["generate", "--max-new-tokens", "24", "--repeats", "1"]) == 0
+    assert main(["generate", "--max-new-tokens", "24", "--repeats", "1", "--no-compile"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("def fibonacci(n):\n")
     assert "24 new tokens, block 8" in out and "same tokens: True" in out
@@ -46,7 +49,7 @@ def test_generate_samples(capsys):
     measured step times and change how many random numbers a step draws) and two seeds two texts; the line says the
     sides' tokens are draws (no token check); sampling settings without --sample are refused."""
     def text(*options):
-        assert main(["generate", "--max-new-tokens", "24", "--repeats", "1", *options]) == 0
+        assert main(["generate", "--max-new-tokens", "24", "--repeats", "1", "--no-compile", *options]) == 0
         out = capsys.readouterr().out
         assert out.startswith("def fibonacci(n):\n")
         assert ("; sampled from the same distribution" in out) == ("--sample" in options)
@@ -64,7 +67,10 @@ def test_generate_samples(capsys):
 
 def test_generate_says_when_it_compiles(capsys, monkeypatch):
     """--compile asks `optimize` to compile and says so on stderr, with the first generate's time (the compile
-    itself runs eagerly here: compiling the pair on this CPU takes ~50 s of the CI's budget)."""
+    itself runs eagerly here: compiling the pair on this CPU takes ~50 s of the CI's budget). Without the flag a CPU
+    compiles too where Inductor finds a C++ compiler; without one it runs eagerly and says why."""
+    from torch._inductor import cpp_builder, exc
+
     import dflash_compile
 
     asked = []
@@ -80,8 +86,20 @@ def test_generate_says_when_it_compiles(capsys, monkeypatch):
     assert asked == [True] and "compiling the step in the first generate" in err
     # the eager generate of the tiny pair can take under 0.05 s: the time is checked for its form, not its size
     assert re.search(r"first generate, compiling included: \d+\.\d s\n", err)
-    assert main(["generate", "--max-new-tokens", "4", "--repeats", "1"]) == 0  # a CPU's default: no compile
-    assert asked == [True, False] and "compiling" not in capsys.readouterr().err
+    assert main(["generate", "--max-new-tokens", "4", "--repeats", "1"]) == 0  # a CPU's default, with g++: compile
+    assert asked == [True, True] and "compiling the step" in capsys.readouterr().err
+
+    def no_compiler():
+        raise exc.InvalidCxxCompiler()
+
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", no_compiler)
+    assert main(["generate", "--max-new-tokens", "4", "--repeats", "1"]) == 0
+    err = capsys.readouterr().err
+    assert asked == [True, True, False] and "compiling the step" not in err
+    assert ("no C++ compiler for Inductor's CPU code (install g++ or set CXX to compile the step): the step runs "
+            "eagerly\n") in err
+    assert main(["generate", "--max-new-tokens", "4", "--repeats", "1", "--no-compile"]) == 0
+    assert asked == [True, True, False, False] and "no C++ compiler" not in capsys.readouterr().err
 
 
 def test_generate_without_a_drafter(capsys):
@@ -89,7 +107,7 @@ def test_generate_without_a_drafter(capsys):
     from dflash_compile.pair import pair_paths
 
     target, _ = pair_paths()
-    assert main(["generate", "--model", str(target), "--max-new-tokens", "6", "--repeats", "1"]) == 0
+    assert main(["generate", "--model", str(target), "--max-new-tokens", "6", "--repeats", "1", "--no-compile"]) == 0
     out = capsys.readouterr().out
     assert "block 1, 5 verify steps (1 token x 5), mean accepted length 1.00" in out
     assert "same tokens: True" in out
@@ -104,7 +122,8 @@ def test_generate_dtype_defaults():
 
 
 def test_generate_streams_the_tokens(capsys):
-    assert main(["generate", "--prompt", "import os\n", "--max-new-tokens", "12", "--repeats", "1", "--stream"]) == 0
+    assert main(["generate", "--prompt", "import os\n", "--max-new-tokens", "12", "--repeats", "1", "--stream",
+                 "--no-compile"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("import os\n") and "12 new tokens" in out
 
@@ -164,7 +183,7 @@ def test_quantize_writes_a_packed_checkpoint_that_generates(tmp_path, capsys):
                  "--dtype", "float32"]) == 0
     assert "fp8_block checkpoint written to" in capsys.readouterr().out
     assert main(["generate", "--model", str(out), "--drafter", str(DEFAULT_PAIR / "drafter"), "--max-new-tokens",
-                 "16", "--repeats", "1"]) == 0
+                 "16", "--repeats", "1", "--no-compile"]) == 0
     assert "same tokens: True" in capsys.readouterr().out
     assert main(["explain", "--model", str(out), "--tokens", "4", "--repeats", "1"]) == 0
     explained = capsys.readouterr().out
@@ -174,7 +193,8 @@ def test_quantize_writes_a_packed_checkpoint_that_generates(tmp_path, capsys):
 
 def test_bench_writes_a_report_and_plots(tmp_path, capsys):
     out = tmp_path / "bench"
-    assert main(["bench", "--count", "1", "--max-new-tokens", "12", "--repeats", "1", "--out", str(out)]) == 0
+    assert main(["bench", "--count", "1", "--max-new-tokens", "12", "--repeats", "1", "--no-compile", "--out",
+                 str(out)]) == 0
     report = (out / "report.md").read_text()
     assert report.count("\n| dflash") == 5 and "| transformers generate |" in report
     for plot in ("acceptance.png", "step_time.png"):

@@ -197,7 +197,7 @@ def test_generate_command_with_a_gpu_memory_budget(capsys, manager):
     from dflash_compile.cli import main
 
     arguments = ["generate", "--max-new-tokens", "16", "--repeats", "1", "--gpu-memory", "12MB", "--device", "cpu",
-                 "--offload-manager", manager]
+                 "--offload-manager", manager, "--no-compile"]
     assert main(arguments) == 0
     out = capsys.readouterr().out
     assert "same tokens: True" in out and f"cache managed on the {manager}" in out
