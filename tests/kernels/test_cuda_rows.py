@@ -39,6 +39,33 @@ def test_the_row_kernels_are_off_unless_asked(monkeypatch):
     assert cuda_rows.status() == "CUDA row kernels unused: off (DFLASH_CUDA_ROWS=1 turns them on)"
 
 
+def test_which_layouts_the_row_kernels_take():
+    """The layout rules `covers` applies (any device: they read shapes and dtypes): gpt-oss's MXFP4 at top-4 with bf16
+    biases; MXFP4 with SiLU, no biases, top-2/4/8; rows of up to 128 groups; Qwen3-FP8 at top-8, H <= 4096, I <= 2048
+    in 16-byte chunks."""
+    mxfp4, fp8 = cuda_rows.LAYOUTS["mxfp4"], cuda_rows.LAYOUTS["fp8_block"]
+    top = lambda k: torch.zeros(1, k, dtype=torch.int64)  # noqa: E731
+    bf16 = lambda w: PackedWeight(w.format, w.data, w.scales, w.bias.to(torch.bfloat16))  # noqa: E731
+    gpt_oss = [bf16(w) for w in _experts("mxfp4", 2, 256, 128, bias=True, device="cpu")]
+    assert mxfp4(top(4), *gpt_oss, True, "clamped_swiglu")
+    assert not mxfp4(top(2), *gpt_oss, True, "clamped_swiglu")
+    assert not mxfp4(top(4), *gpt_oss, False, "silu")  # biases: Triton's
+    fp32_bias = PackedWeight("mxfp4", gpt_oss[0].data, gpt_oss[0].scales, gpt_oss[0].bias.float())
+    assert not mxfp4(top(4), fp32_bias, gpt_oss[1], True, "clamped_swiglu")
+    silu = _experts("mxfp4", 2, 256, 128, bias=False, device="cpu")
+    assert all(mxfp4(top(k), *silu, False, "silu") for k in (2, 4, 8))
+    assert not mxfp4(top(3), *silu, False, "silu") and not mxfp4(top(8), *silu, True, "silu")
+    assert not mxfp4(top(8), *silu, False, "gelu_tanh")
+    assert mxfp4(top(8), *_experts("mxfp4", 1, 4096, 64, bias=False, device="cpu"), False, "silu")  # 128 groups
+    assert not mxfp4(top(8), *_experts("mxfp4", 1, 4128, 64, bias=False, device="cpu"), False, "silu")
+    qwen3 = _experts("fp8_block", 2, 2048, 768, bias=False, device="cpu")
+    assert fp8(top(8), *qwen3, False, "silu")
+    assert not fp8(top(4), *qwen3, False, "silu") and not fp8(top(8), *qwen3, True, "silu")
+    assert not fp8(top(8), *_experts("fp8_block", 1, 4224, 64, bias=False, device="cpu"), False, "silu")  # H > 4096
+    assert not fp8(top(8), *_experts("fp8_block", 1, 256, 2064, bias=False, device="cpu"), False, "silu")  # I > 2048
+    assert not fp8(top(8), *_experts("fp8_block", 1, 264, 64, bias=False, device="cpu"), False, "silu")  # 16 | H
+
+
 @needs_hopper
 @pytest.mark.parametrize("hidden, inter", [(2880, 2880), (1024, 512)])  # 90 groups (three a lane for some), 16-32
 def test_one_token_gpt_oss_layers_match_the_reference(rows_on, hidden, inter):
