@@ -70,7 +70,7 @@ def status() -> str:
 def covers(hidden: torch.Tensor, top_k_index: torch.Tensor, gate_up: PackedWeight, down: PackedWeight,
            interleaved: bool, activation: str) -> bool:
     """Whether a `fused_moe` call (one bf16 token, resident experts, no tile overrides) is one these kernels run,
-    and they are on: gpt-oss's MXFP4 layout or Qwen3-FP8's."""
+    and they are on: a layout of `LAYOUTS` (gpt-oss's or SiLU MXFP4, Qwen3-FP8)."""
     if not (hidden.is_cuda and hidden.dtype == torch.bfloat16 and top_k_index.shape[0] == 1
             and all(w.format == gate_up.format and w.data.is_cuda
                     and all(t.is_contiguous() for t in (w.data, w.scales, *([] if w.bias is None else [w.bias])))
