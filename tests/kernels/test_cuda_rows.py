@@ -66,62 +66,47 @@ def test_which_layouts_the_row_kernels_take():
     assert not fp8(top(8), *_experts("fp8_block", 1, 264, 64, bias=False, device="cpu"), False, "silu")  # 16 | H
 
 
+def _matches_the_reference(gate_up, down, experts, top_k, interleaved, activation):
+    """One bf16 token through the row kernels (`covers` says they take it): within 1e-2 of fp64 math on the
+    dequantized weights (fp16 products, as the Triton row path), the same result on a second call. Returns the
+    call's arguments and result."""
+    hidden = gate_up.shape[2]
+    index, weights = _routing(1, experts, top_k)
+    x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    expected = reference_moe(x.float(), index, weights, gate_up, down, interleaved, activation)
+    args = (x.cuda(), index.cuda(), weights.cuda(), gate_up, down)
+    layout = dict(interleaved=interleaved, activation=activation)
+    assert cuda_rows.covers(*args[:2], gate_up, down, interleaved, activation)
+    actual = fused_moe(*args, **layout)
+    assert actual.dtype == torch.bfloat16 and actual.shape == (1, hidden)
+    assert (actual.cpu().double() - expected).norm() / expected.norm() <= 1e-2
+    assert torch.equal(fused_moe(*args, **layout), actual)
+    return args, layout
+
+
 @needs_hopper
 @pytest.mark.parametrize("hidden, inter", [(2880, 2880), (1024, 512)])  # 90 groups (three a lane for some), 16-32
 def test_one_token_gpt_oss_layers_match_the_reference(rows_on, hidden, inter):
-    """Interleaved gate/up, clamped SwiGLU, biases, top-4: within 1e-2 of fp64 math on the dequantized weights (fp16
-    products, as the Triton row path), the same result on every call; bf16 routing weights as their fp32 values."""
-    gate_up, down = _gpt_oss_layer(hidden, inter)
-    index, weights = _routing(1, 8, 4)
-    x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    expected = reference_moe(x.float(), index, weights, gate_up, down, True, "clamped_swiglu")
-    args = (x.cuda(), index.cuda(), weights.cuda(), gate_up, down)
-    assert cuda_rows.covers(args[0], args[1], gate_up, down, True, "clamped_swiglu")
-    actual = fused_moe(*args, interleaved=True, activation="clamped_swiglu")
-    assert actual.dtype == torch.bfloat16 and actual.shape == (1, hidden)
-    assert (actual.cpu().double() - expected).norm() / expected.norm() <= 1e-2
-    assert torch.equal(fused_moe(*args, interleaved=True, activation="clamped_swiglu"), actual)
-    bf16 = args[2].bfloat16()  # as gpt-oss' router leaves them: read in the kernel, exactly their fp32 values
-    assert torch.equal(fused_moe(*args[:2], bf16, *args[3:], interleaved=True, activation="clamped_swiglu"),
-                       fused_moe(*args[:2], bf16.float(), *args[3:], interleaved=True, activation="clamped_swiglu"))
+    """Interleaved gate/up, clamped SwiGLU, biases, top-4; bf16 routing weights give exactly their fp32 values'
+    result (read in the kernel, as gpt-oss' router leaves them)."""
+    args, layout = _matches_the_reference(*_gpt_oss_layer(hidden, inter), 8, 4, True, "clamped_swiglu")
+    bf16 = args[2].bfloat16()
+    assert torch.equal(fused_moe(*args[:2], bf16, *args[3:], **layout),
+                       fused_moe(*args[:2], bf16.float(), *args[3:], **layout))
 
 
 @needs_hopper
-@pytest.mark.parametrize("hidden, inter, experts, top_k",
-                         [(2048, 768, 16, 8), (4096, 1024, 8, 2), (1024, 512, 8, 4), (2048, 4096, 16, 8)])
-def test_one_token_mxfp4_silu_layers_match_the_reference(rows_on, hidden, inter, experts, top_k):
-    """`quantize`'s MXFP4 of a SiLU family: Qwen3-30B-A3B's widths (64 and 24 groups: two and one a lane), Mixtral's
-    top-2 at the widest K (128 groups, four a lane), top-4, and 8 experts x 128 groups of down activations (80 KB of
-    shared memory). Gate rows then up rows, no biases; the activations between the launches in fp32, each expert's
-    scaled to fp16 by the down kernel: within 1e-2 of fp64 math on the dequantized weights, the same result on every
-    call."""
-    gate_up, down = _experts("mxfp4", experts, hidden, inter, bias=False, device="cuda")
-    index, weights = _routing(1, experts, top_k)
-    x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    expected = reference_moe(x.float(), index, weights, gate_up, down, False, "silu")
-    args = (x.cuda(), index.cuda(), weights.cuda(), gate_up, down)
-    assert cuda_rows.covers(args[0], args[1], gate_up, down, False, "silu")
-    actual = fused_moe(*args)
-    assert actual.dtype == torch.bfloat16 and actual.shape == (1, hidden)
-    assert (actual.cpu().double() - expected).norm() / expected.norm() <= 1e-2
-    assert torch.equal(fused_moe(*args), actual)
-
-
-@needs_hopper
-@pytest.mark.parametrize("hidden, inter", [(2048, 768), (4096, 1408), (1024, 2048)])  # Qwen3-30B, GLM-4.5-Air, widest
-def test_one_token_fp8_layers_match_the_reference(rows_on, hidden, inter):
-    """Concatenated gate/up, SiLU, no biases, top-8, 128 x 128 block scales (I = 1408: a partial scale block): within
-    1e-2 of fp64 math on the dequantized weights, the same result on every call."""
-    gate_up, down = _experts("fp8_block", 16, hidden, inter, bias=False, device="cuda")
-    index, weights = _routing(1, 16, 8)
-    x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    expected = reference_moe(x.float(), index, weights, gate_up, down, False, "silu")
-    args = (x.cuda(), index.cuda(), weights.cuda(), gate_up, down)
-    assert cuda_rows.covers(args[0], args[1], gate_up, down, False, "silu")
-    actual = fused_moe(*args)
-    assert actual.dtype == torch.bfloat16 and actual.shape == (1, hidden)
-    assert (actual.cpu().double() - expected).norm() / expected.norm() <= 1e-2
-    assert torch.equal(fused_moe(*args), actual)
+@pytest.mark.parametrize("format, hidden, inter, experts, top_k", [
+    ("mxfp4", 2048, 768, 16, 8), ("mxfp4", 4096, 1024, 8, 2), ("mxfp4", 1024, 512, 8, 4), ("mxfp4", 2048, 4096, 16, 8),
+    ("fp8_block", 2048, 768, 16, 8), ("fp8_block", 4096, 1408, 16, 8), ("fp8_block", 1024, 2048, 16, 8)])
+def test_one_token_silu_layers_match_the_reference(rows_on, format, hidden, inter, experts, top_k):
+    """Gate rows then up rows, SiLU, no biases, the activations between the launches in fp32, each expert's scaled to
+    fp16 by the down kernel. MXFP4 as `quantize` writes it: Qwen3-30B-A3B's widths (64 and 24 groups: two and one a
+    lane), Mixtral's top-2 at the widest K (128 groups, four a lane), top-4, and 8 experts x 128 groups of down
+    activations (80 KB of shared memory). FP8 with 128 x 128 block scales: Qwen3-30B-A3B, GLM-4.5-Air (I = 1408: a
+    partial scale block), the widest I."""
+    _matches_the_reference(*_experts(format, experts, hidden, inter, bias=False, device="cuda"), experts, top_k, False,
+                           "silu")
 
 
 @needs_hopper
