@@ -1,22 +1,35 @@
 #!/usr/bin/env bash
-# One device call (~8 minutes on an H100 / H200) for the CUDA row kernels (csrc/moe_rows_cuda.cuh): their GPU tests,
-# the probe's configs for both formats (against the Triton kernels), and the library's one-token layers with
-# DFLASH_CUDA_ROWS=1 against the Triton kernels on the same calls. Run from the repository root with transformers
-# 5.24 importable (the device call's PYTHONPATH prefix, docs/benchmarks.md):
+# Device calls for the CUDA row kernels (csrc/moe_rows_cuda.cuh): their GPU tests, the probe's configs for both
+# formats (against the Triton kernels), and the library's one-token layers with DFLASH_CUDA_ROWS=1 against the
+# Triton kernels on the same calls. Run from the repository root with transformers 5.24 importable (the device
+# call's PYTHONPATH prefix, docs/benchmarks.md). The parts' time limits add up past one call's 600 s: run them in two
+# calls, e.g.
 #
-#     bash bench/cuda_rows_checks.sh
+#     bash bench/cuda_rows_checks.sh tests probe       # ~1 min to build the library module, ~1.5 for the probe's
+#     bash bench/cuda_rows_checks.sh fp8 library
 set -u
 quiet() { grep -v "^ptxas\|^    [0-9]* bytes\|^\[\|Compiling\|registers\|^SKIPPED\|^PASSED"; }
 nvidia-smi --query-gpu=name --format=csv,noheader
-echo "## GPU tests (the row kernels; sampling's CUDA compile)"
-DFLASH_CUDA_ROWS=1 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_cuda_rows.py \
-    tests/test_sampling.py -k "cuda or rows or ordered" 2>&1 | quiet | tail -25
-echo "## probe, gpt-oss-20b (DEPTH1,DEPTH2,CTAS1,CTAS2,ROWS,COLS)"
-DFLASH_CUDA_ROWS=0 timeout 200 python3 bench/probe_cuda_rows.py --layers 4 \
-    --configs 1,2,2,3,2 1,2,2,3,2,2 1,1,2,3,2,2 1,1,3,3,2 2>&1 | quiet | tail -22
-echo "## probe, qwen3-30b-a3b-fp8"
-DFLASH_CUDA_ROWS=0 timeout 150 python3 bench/probe_cuda_rows.py --shape qwen3-30b-a3b-fp8 \
-    --configs 1,1,2,2,2 1,1,2,4,2 1,1,2,2,4 1,2,2,2,2 2>&1 | quiet | tail -12
-echo "## library, one token: CUDA row kernels (fused) vs Triton (baseline)"
-DFLASH_CUDA_ROWS=1 timeout 200 python3 bench/moe_kernels.py --no-tune --tokens 1 --against-triton \
-    --shapes gpt-oss-20b gpt-oss-120b qwen3-30b-a3b-mxfp4 qwen3-30b-a3b-fp8 2>&1 | quiet | tail -16
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(tests probe fp8 library)
+for part in "${parts[@]}"; do
+  case $part in
+    tests)
+      echo "## GPU tests (the row kernels; sampling's CUDA compile)"
+      DFLASH_CUDA_ROWS=1 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_cuda_rows.py \
+          tests/test_sampling.py -k "cuda or rows or ordered" 2>&1 | quiet | tail -25 ;;
+    probe)
+      echo "## probe, gpt-oss-20b (DEPTH1,DEPTH2,CTAS1,CTAS2,ROWS,COLS)"
+      DFLASH_CUDA_ROWS=0 timeout 240 python3 bench/probe_cuda_rows.py --layers 4 \
+          --configs 1,2,2,3,2 1,2,2,3,2,2 1,1,2,3,2,2 1,1,3,3,2 2>&1 | quiet | tail -22 ;;
+    fp8)
+      echo "## probe, qwen3-30b-a3b-fp8"
+      DFLASH_CUDA_ROWS=0 timeout 200 python3 bench/probe_cuda_rows.py --shape qwen3-30b-a3b-fp8 \
+          --configs 1,1,2,2,2 1,1,2,4,2 1,1,2,2,4 1,2,2,2,2 2>&1 | quiet | tail -12 ;;
+    library)
+      echo "## library, one token: CUDA row kernels (fused) vs Triton (baseline)"
+      DFLASH_CUDA_ROWS=1 timeout 300 python3 bench/moe_kernels.py --no-tune --tokens 1 --against-triton \
+          --shapes gpt-oss-20b gpt-oss-120b qwen3-30b-a3b-mxfp4 qwen3-30b-a3b-fp8 2>&1 | quiet | tail -16 ;;
+    *) echo "unknown part $part (tests, probe, fp8, library)"; exit 2 ;;
+  esac
+done
