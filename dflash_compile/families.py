@@ -378,16 +378,35 @@ _ROUTE_LLAMA4_EXPERTS = Adapter(lambda module: type(module).__name__ == "Llama4T
 _DECORATED: dict[type, type] = {}  # an undecorated experts class -> its `@use_experts_implementation` subclass
 
 
+def _decorated(cls: type) -> type:
+    """`cls`'s `@use_experts_implementation` subclass, made once. It has no importable name (pickle would look up
+    `cls` itself under that name), so its modules pickle (torch.save of the model) as a call to `_rebuild_decorated`."""
+    if cls not in _DECORATED:
+        subclass = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__reduce_ex__": _reduce_decorated,
+                                               "_undecorated": cls})
+        _DECORATED[cls] = use_experts_implementation(subclass)
+    return _DECORATED[cls]
+
+
+def _reduce_decorated(module: torch.nn.Module, protocol: int):
+    return _rebuild_decorated, (type(module)._undecorated, module.__getstate__())
+
+
+def _rebuild_decorated(cls: type, state: dict) -> torch.nn.Module:
+    """An unpickled decorated experts module: `cls`'s decorated subclass (made again in a new process) with `state`."""
+    module = torch.nn.Module.__new__(_decorated(cls))
+    module.__setstate__(state)
+    return module
+
+
 def _decorate_experts(model: torch.nn.Module, experts: torch.nn.Module) -> None:
     """For transformers versions that leave a family's routed experts undecorated (Step 3.7 before 5.25): the module
     gets a subclass of the same name decorated with `@use_experts_implementation` (its defaults: concatenated
     [E, 2I, H] gate/up, no bias), and the flags and `config` the decorator's __init__ would have set; a model whose
     config names no experts implementation (its class cannot set one) gets "eager", which traces as transformers'
     grouped_mm (`seam`)."""
-    cls, config = type(experts), model.config.get_text_config()
-    if cls not in _DECORATED:
-        _DECORATED[cls] = use_experts_implementation(type(cls.__name__, (cls,), {"__module__": cls.__module__}))
-    experts.__class__ = _DECORATED[cls]
+    config = model.config.get_text_config()
+    experts.__class__ = _decorated(type(experts))
     experts.config = config
     experts.has_gate, experts.has_bias, experts.has_post_expert_norm = True, False, False
     experts.is_transposed, experts.is_concatenated, experts._is_expert_parallel = False, True, False

@@ -241,6 +241,32 @@ def test_ernie_vl_image_experts_are_left_to_the_model():
 CLAMPS_LING_3 = Version(transformers.__version__) >= Version("5.25")  # transformers 5.24's Ling 3 has no clamps
 
 
+def test_an_adapted_step3p7_model_pickles(tmp_path):
+    """transformers 5.24 leaves Step 3.7's experts undecorated and `adapt` swaps in a subclass made at run time: the
+    model still saves whole (torch.save, loaded in a new process), pickles and deep-copies, with the same logits (on
+    5.25, whose class is decorated, the same holds trivially)."""
+    import copy
+    import pickle
+    import subprocess
+    import sys
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForImageTextToText.from_config(tiny_multimodal_config("step3p7")).eval()
+    adapt_model(model)
+    assert not traced_unadapted(model)
+    ids = token_ids(batch=1)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+        for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            assert not traced_unadapted(clone)
+            assert torch.equal(clone(input_ids=ids).logits, logits)
+    torch.save(model, tmp_path / "model.pt")
+    load = (f"import torch; model = torch.load({str(tmp_path / 'model.pt')!r}, weights_only=False); "
+            f"print(type(model).__name__)")
+    assert subprocess.run([sys.executable, "-c", load], capture_output=True, text=True,
+                          check=True).stdout.strip() == "Step3p7ForConditionalGeneration"
+
+
 @pytest.mark.parametrize("family", ["step3p7", "bailing_hybrid"])
 def test_experts_clamp_in_the_layers_their_config_names(tiny, family):
     """Step 3.7's experts (and from transformers 5.25 Ling 3's) clamp SiLU(gate) and up at `swiglu_limits[layer]`
