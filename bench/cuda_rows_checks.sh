@@ -7,6 +7,7 @@
 #
 #     bash bench/cuda_rows_checks.sh tests probe       # ~1 min to build the library module, ~1.5 for the probe's
 #     bash bench/cuda_rows_checks.sh fp8 library
+#     bash bench/cuda_rows_checks.sh steps              # a decode step with and without them (gpt-oss-20b, 4 layers)
 set -u
 quiet() { grep -v "^ptxas\|^    [0-9]* bytes\|^\[\|Compiling\|registers\|^SKIPPED\|^PASSED"; }
 nvidia-smi --query-gpu=name --format=csv,noheader
@@ -30,6 +31,12 @@ for part in "${parts[@]}"; do
       echo "## library, one token: CUDA row kernels (fused) vs Triton (baseline)"
       DFLASH_CUDA_ROWS=1 timeout 300 python3 bench/moe_kernels.py --no-tune --tokens 1 --against-triton \
           --shapes gpt-oss-20b gpt-oss-120b qwen3-30b-a3b-mxfp4 qwen3-30b-a3b-fp8 2>&1 | quiet | tail -16 ;;
-    *) echo "unknown part $part (tests, probe, fp8, library)"; exit 2 ;;
+    steps)
+      echo "## gpt-oss-20b decode step (4 layers, MXFP4 experts): Triton (DFLASH_CUDA_ROWS=0), then the row kernels"
+      for rows in 0 1; do
+        DFLASH_CUDA_ROWS=$rows timeout 280 python3 bench/spec_decode.py --model gpt-oss-20b --layers 4 \
+            --experts mxfp4 --steps-only --step-blocks 1 --temperatures 2>&1 | quiet | grep "^| decode\|copy"
+      done ;;
+    *) echo "unknown part $part (tests, probe, fp8, library, steps)"; exit 2 ;;
   esac
 done
