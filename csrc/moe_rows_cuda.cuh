@@ -672,6 +672,7 @@ template <int CPL1, int CPL2>
 torch::Tensor fp8_one_token_cpl(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& s1,
                                 const torch::Tensor& w2, const torch::Tensor& s2, const torch::Tensor& experts,
                                 const torch::Tensor& weights) {
+  // the H100's best of the probe's configs (docs/benchmarks.md, session 59): down depth 2, 2 + 2 CTAs per SM
   constexpr int WARPS = 8, TOPK = 8, DOWN_ROWS = 2, GATE_UP_CTAS = 2, DOWN_CTAS = 2;
   const int I = w1.size(1) / 2, C1 = w1.size(2) / 16, H = w2.size(1), C2 = w2.size(2) / 16;
   auto h = torch::empty({TOPK, I}, x.options().dtype(torch::kFloat));
@@ -680,7 +681,7 @@ torch::Tensor fp8_one_token_cpl(const torch::Tensor& x, const torch::Tensor& w1,
   launch(fp8_gate_up_kernel<WARPS, 1, CPL1>, dim3(std::min(sms * GATE_UP_CTAS, (TOPK * I + WARPS - 1) / WARPS)),
          dim3(WARPS * 32), C1 * 2 * 16, true, (const __nv_bfloat16*)x.data_ptr(), (const uint4*)w1.data_ptr(),
          (const float*)s1.data_ptr(), (const int64_t*)experts.data_ptr(), (float*)h.data_ptr(), I, C1, TOPK * I);
-  launch(fp8_down_kernel<1, DOWN_ROWS, TOPK, CPL2>, dim3(std::min(sms * DOWN_CTAS, (H + DOWN_ROWS - 1) / DOWN_ROWS)),
+  launch(fp8_down_kernel<2, DOWN_ROWS, TOPK, CPL2>, dim3(std::min(sms * DOWN_CTAS, (H + DOWN_ROWS - 1) / DOWN_ROWS)),
          dim3(TOPK * 32), TOPK * C2 * 2 * 16, true, (const float*)h.data_ptr(), (const uint4*)w2.data_ptr(),
          (const float*)s2.data_ptr(), (const int64_t*)experts.data_ptr(), routing_weights(weights),
          (__nv_bfloat16*)out.data_ptr(), H, C2);

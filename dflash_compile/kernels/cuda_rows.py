@@ -73,7 +73,7 @@ def covers(hidden: torch.Tensor, top_k_index: torch.Tensor, gate_up: PackedWeigh
     and they are on: a layout of `LAYOUTS` (gpt-oss's or SiLU MXFP4, Qwen3-FP8)."""
     if not (hidden.is_cuda and hidden.dtype == torch.bfloat16 and top_k_index.shape[0] == 1
             and all(w.format == gate_up.format and w.data.is_cuda
-                    and all(t.is_contiguous() for t in (w.data, w.scales, *([] if w.bias is None else [w.bias])))
+                    and all(t.is_contiguous() for t in (w.data, w.scales, w.bias) if t is not None)
                     for w in (gate_up, down))):
         return False
     layout = LAYOUTS.get(gate_up.format)

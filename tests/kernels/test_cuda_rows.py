@@ -134,14 +134,15 @@ def test_one_token_replayed_from_a_cuda_graph(rows_on, format):
 
 @needs_hopper
 def test_calls_the_row_kernels_do_not_cover_run_triton(rows_on):
-    """MXFP4 gpt-oss layouts with top-2 or fp32 biases, SiLU with biases, K past 128 groups, FP8 top-4, and two
-    tokens are left to the Triton kernels, still correct."""
+    """MXFP4 gpt-oss layouts with top-2 or fp32 biases, SiLU with biases, K past 128 groups, bf16 (dense) experts,
+    FP8 top-4, and two tokens are left to the Triton kernels, still correct."""
     gate_up, down = _gpt_oss_layer(1024, 512)
     x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
     index, weights = (t.cuda() for t in _routing(1, 8, 2))
     assert not cuda_rows.covers(x, index, gate_up, down, True, "clamped_swiglu")
     index4 = _routing(1, 8, 4)[0].cuda()
     assert not cuda_rows.covers(x, index4, gate_up, down, False, "silu")  # SiLU with biases
+    assert not cuda_rows.covers(x, index4, *_experts("dense", 8, 1024, 512, bias=False, device="cuda"), False, "silu")
     wide = _experts("mxfp4", 8, 4128, 512, bias=False, device="cuda")  # 129 groups
     assert not cuda_rows.covers(torch.randn(1, 4128, device="cuda", dtype=torch.bfloat16), index4, *wide, False,
                                 "silu")
