@@ -17,6 +17,8 @@ import os
 import warnings
 from pathlib import Path
 
+from . import build_extension
+
 
 SOURCES = [Path(__file__).resolve().parents[2] / "csrc" / "moe_cpu.cpp"]
 _failure: str | None = None
@@ -33,17 +35,13 @@ def load() -> bool:
     if missing:
         _failure = f"sources not found ({', '.join(missing)}): install from a source checkout"
     else:
-        from torch.utils import cpp_extension
-
         from .. import ops  # noqa: F401  (the ops these kernels implement must be defined first)
 
-        try:
-            cpp_extension.load(name="dflash_cpu_kernels", sources=[str(path) for path in SOURCES],
-                               extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                               is_python_module=False, verbose=False)
+        _, _failure = build_extension(name="dflash_cpu_kernels", sources=[str(path) for path in SOURCES],
+                                      extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                                      is_python_module=False, verbose=False)
+        if _failure is None:
             return True
-        except (RuntimeError, OSError, ImportError) as error:  # no compiler / ninja, or a build error
-            _failure = f"build failed: {str(error).strip().splitlines()[-1] if str(error).strip() else error!r}"
     warnings.warn(f"dflash C++ CPU kernels unavailable ({_failure}); CPU MoE layers run the PyTorch reference",
                   stacklevel=2)
     return False
