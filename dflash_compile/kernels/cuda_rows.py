@@ -5,10 +5,10 @@ SiLU families as `quantize` writes them (gate rows then up rows, no biases, top-
 groups of 32; and Qwen3-FP8's 128 x 128 block-scaled FP8 (gate rows then up rows, SiLU, top-8, H <= 4096, I <= 2048).
 
 Every lane of a warp reads its own 16-byte pieces of a row and decodes them in registers, the activations staged
-once per CTA in shared memory: none of the Triton row path's per-step staging and barriers. On the H100 a
-gpt-oss-20b layer took 25.4 us against the Triton path's 31.4 (69% of the copy bandwidth against 56%,
-bench/probe_cuda_rows.py, docs/benchmarks.md session 58). Off unless DFLASH_CUDA_ROWS=1 until it has been measured
-on the H200 and run by the GPU tests (tests/kernels/test_cuda_rows.py).
+once per CTA in shared memory: none of the Triton row path's per-step staging and barriers. On an H100 a
+gpt-oss-20b layer took 27.5 us against the Triton path's 30.9 (64% of the copy bandwidth), a Qwen3-30B-A3B-FP8 one
+18.5 against 20.7 (docs/benchmarks.md, session 59; tests/kernels/test_cuda_rows.py passes there). Off unless
+DFLASH_CUDA_ROWS=1 until measured on the H200, where session 58's earlier versions ran 0.87-0.98x of Triton.
 
 Compiled once per machine and torch version on first use with `torch.utils.cpp_extension.load` (nvcc and a CUDA
 build of torch; cached in TORCH_EXTENSIONS_DIR), as the CPU kernels are (`kernels.cpu`); without them the Triton
@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ..packed import PackedWeight
+from . import build_extension
 
 SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "moe_rows_cuda.cu"
 MXFP4_TOP_K, MXFP4_SILU_TOP_K, FP8_TOP_K = 4, (2, 4, 8), 8  # routed experts per token: gpt-oss; SiLU; Qwen3-FP8
@@ -47,23 +48,19 @@ def load():
     if not SOURCE.exists():
         _failure = f"source not found ({SOURCE}): install from a source checkout"
         return None
-    from torch.utils import cpp_extension
-
-    try:
-        # the kernels live in the header: its hash among the flags rebuilds the cached module when it changes
-        kernels = hashlib.sha1(SOURCE.with_suffix(".cuh").read_bytes()).hexdigest()[:16]
-        return cpp_extension.load(name="dflash_cuda_rows", sources=[str(SOURCE)], verbose=False,
-                                  extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a",
-                                                     f"-DDFLASH_KERNELS={kernels}"])
-    except (RuntimeError, OSError, ImportError) as error:  # no nvcc / ninja, or a build error
-        _failure = f"build failed: {str(error).strip().splitlines()[-1] if str(error).strip() else error!r}"
+    # the kernels live in the header: its hash among the flags rebuilds the cached module when it changes
+    kernels = hashlib.sha1(SOURCE.with_suffix(".cuh").read_bytes()).hexdigest()[:16]
+    module, _failure = build_extension(name="dflash_cuda_rows", sources=[str(SOURCE)], verbose=False,
+                                       extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a",
+                                                          f"-DDFLASH_KERNELS={kernels}"])
+    if _failure is not None:  # no nvcc / ninja, or a build error
         warnings.warn(f"dflash CUDA row kernels unavailable ({_failure}); one-token layers run the Triton kernels",
                       stacklevel=2)
-        return None
+    return module
 
 
 def status() -> str:
-    """One line for reports: whether one-token MXFP4 layers run the CUDA C++ kernels."""
+    """One line for reports: whether one-token layers run the CUDA C++ kernels."""
     return "CUDA row kernels loaded" if load() is not None else f"CUDA row kernels unused: {_failure}"
 
 
