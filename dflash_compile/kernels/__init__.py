@@ -13,12 +13,14 @@ def sm_count(device: torch.device) -> int | None:
 
 def build_extension(**options) -> tuple[object, str | None]:
     """`torch.utils.cpp_extension.load(**options)` (compiled once per machine, then loaded from its cache): (its
-    result, None), or (None, "build failed: <the error's last line>") without a compiler or ninja, or on a build
-    error."""
+    result, None), or (None, "build failed: <the error's last line>") without a compiler or ninja, with a broken one
+    (CXX naming a program whose `--version` fails: a SubprocessError), or on a build error."""
+    import subprocess
+
     from torch.utils import cpp_extension
 
     try:
         return cpp_extension.load(**options), None
-    except (RuntimeError, OSError, ImportError) as error:
+    except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as error:
         message = str(error).strip()
         return None, f"build failed: {message.splitlines()[-1] if message else repr(error)}"

@@ -156,6 +156,19 @@ def test_without_the_kernels_the_reference_runs(monkeypatch):
         cpu.load.cache_clear()
 
 
+def test_a_broken_compiler_falls_back_with_the_reason(monkeypatch, tmp_path):
+    """CXX naming a program that fails (its `--version` probe raises CalledProcessError inside torch's build): the
+    kernels are reported unavailable with the build's error, not raised out of `load()`."""
+    monkeypatch.setenv("CXX", "/bin/false")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # no cached build to load instead
+    cpu.load.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match=r"C\+\+ CPU kernels unavailable \(build failed: .*/bin/false"):
+            assert not cpu.load()
+    finally:
+        cpu.load.cache_clear()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(300, 200, 3), (300, 2880, 3), (300, 200, 20), (1100, 4096, 20)])
 def test_fp8_block_linear_cpu_kernel(dtype, shape):
