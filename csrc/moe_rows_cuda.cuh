@@ -143,9 +143,10 @@ __device__ __forceinline__ void sum_slots(float (&partial)[2][TOPK][ROWS], float
 
 // A by-expert down kernel's loop: batches blockIdx.x, + gridDim.x, ... (`iters` of them), DEPTH in flight in `ring`
 // (`issue(ring[d], batch)` loads a batch's rows); each lane's row dots `dot(loads, j)`, summed over the warp
-// (`lane_sums`), `finish(sum, batch)` (bias, routing weight) on the lane holding row j, then the slots' sum
-template <int DEPTH, int ROWS, int TOPK, typename Ring, typename Issue, typename Dot, typename Finish>
-__device__ __forceinline__ void down_batches(Ring (&ring)[DEPTH], Issue issue, Dot dot, Finish finish,
+// (`lane_sums`), times `scale` (the routing weight and the activations' unscaling) on the lane holding row j, then
+// the slots' sum
+template <int DEPTH, int ROWS, int TOPK, typename Ring, typename Issue, typename Dot>
+__device__ __forceinline__ void down_batches(Ring (&ring)[DEPTH], Issue issue, Dot dot, float scale,
                                              float (&partial)[2][TOPK][ROWS], int iters, int k, int lane, int H,
                                              __nv_bfloat16* __restrict__ out) {
   for (int it = 0; it < iters; it += DEPTH) {
@@ -157,7 +158,7 @@ __device__ __forceinline__ void down_batches(Ring (&ring)[DEPTH], Issue issue, D
       for (int j = 0; j < ROWS; ++j) acc[j] = dot(ring[d], j);
       issue(ring[d], batch + DEPTH * gridDim.x);
       const float sum = lane_sums<ROWS>(acc, lane);
-      sum_slots<ROWS, TOPK>(partial, finish(sum, batch), it + d, it + d < iters, batch, k, lane, H, out);
+      sum_slots<ROWS, TOPK>(partial, scale * sum, it + d, it + d < iters, batch, k, lane, H, out);
     }
   }
 }
@@ -171,15 +172,23 @@ template <int ROWS, int GPL>  // GPL: groups a lane owns, lane + 32 i for i < GP
 struct Loads {
   uint4 w[ROWS][GPL];
   uint8_t e[ROWS][GPL];
+  float bias;  // on lane j < ROWS, row j's bias (0 without biases): read with the codes, its latency hidden with theirs
 };
 
 // Groups lane + 32 i of rows rows[0 .. ROWS - 1] of the [rows, G] views of blocks and scales (32-bit indices: the
 // host checks E N G < 2^31), loads at immediate offsets from the lane's first group. Past a row's G groups a lane
 // keeps the words it holds (any codes are finite) with exponent 0: their products count 0, and no product is
-// branched around.
+// branched around. `bias` ([rows] bf16, or null) is read here rather than in the epilogue, where its latency stalled
+// every unit (the down kernel's barrier waits for the slowest warp's).
 template <int ROWS, int MODE, int GPL>
 __device__ __forceinline__ void load_rows(Loads<ROWS, GPL>& l, const uint4* blocks, const uint8_t* scales,
-                                          const int (&rows)[ROWS], int lane, int G) {
+                                          const __nv_bfloat16* bias, const int (&rows)[ROWS], int lane, int G) {
+  if (MODE != 2 && bias) {
+    int row = rows[0];
+#pragma unroll
+    for (int r = 1; r < ROWS; ++r) row = lane == r ? rows[r] : row;  // selects: no local-memory array index
+    l.bias = lane < ROWS ? __bfloat162float(bias[row]) : 0.f;
+  }
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     const int first = rows[r] * G + lane;
@@ -207,13 +216,17 @@ __device__ __forceinline__ float lane_dot(Piece piece) {
   return acc;
 }
 
-template <int MODE, int GPL>
-__device__ __forceinline__ float row_dot(const uint4 (&w)[GPL], const uint8_t (&e)[GPL], const uint4* xs, int lane,
-                                         int G) {
-  return lane_dot<GPL>([&](int i) {
+// a lane's part of row j's dot; lane j adds the row's bias in the activations' scale (times `bias_scale`, the
+// inverse of their 2^(shift - 14)), so the warp's sum holds it
+template <int MODE, int ROWS, int GPL>
+__device__ __forceinline__ float row_dot(const Loads<ROWS, GPL>& l, int j, const uint4* xs, int lane, int G,
+                                         float bias_scale) {
+  const float bias = lane == j ? l.bias * bias_scale : 0.f;
+  return bias + lane_dot<GPL>([&](int i) {
+    const uint4 w = l.w[j][i];
     if (MODE == 1)  // loads only: the words folded, no decode
-      return __int_as_float((w[i].x ^ w[i].y ^ w[i].z ^ w[i].w) & 0x3FFFFF) + float(e[i]);
-    return group_dot(w[i], xs, min(lane + 32 * i, G - 1), e[i]);  // past G: group G - 1, exponent 0
+      return __int_as_float((w.x ^ w.y ^ w.z ^ w.w) & 0x3FFFFF) + float(l.e[j][i]);
+    return group_dot(w, xs, min(lane + 32 * i, G - 1), l.e[j][i]);  // past G: group G - 1, exponent 0
   });
 }
 
@@ -248,7 +261,7 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) gate_up_kernel(
     for (int j = 0; j < ROWS; ++j)  // dots in lane_sums' order: gate and up of the unit's first column, then ...
       rows[j] = expert_rows[min(unit.slot, slots - 1)]
                 + (GPT_OSS ? ROWS * unit.column + j : (j & 1) * I + COLS * unit.column + j / 2);
-    load_rows<ROWS, MODE, GPL>(l, blocks, scales, rows, lane, G);
+    load_rows<ROWS, MODE, GPL>(l, blocks, scales, bias, rows, lane, G);
   };
   Loads<ROWS, GPL> ring[DEPTH] = {};  // zeros: the words a lane keeps past a row's end
   Unit in_ring[DEPTH], next{first / per_slot, first % per_slot};  // the ring's units, the next to load
@@ -292,14 +305,14 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) gate_up_kernel(
   }
   __syncthreads();
   let_next();
-  const float unscale = exp2i(14 - shift);
+  const float unscale = exp2i(14 - shift), bias_scale = exp2i(shift - 14);
   const float out_scale = exp2i(paired_shift);
   for (int it = 0; it < iters; it += DEPTH) {
 #pragma unroll
     for (int d = 0; d < DEPTH; ++d) {
       float dots[ROWS];
 #pragma unroll
-      for (int j = 0; j < ROWS; ++j) dots[j] = row_dot<MODE, GPL>(ring[d].w[j], ring[d].e[j], xs, lane, G);
+      for (int j = 0; j < ROWS; ++j) dots[j] = row_dot<MODE>(ring[d], j, xs, lane, G, bias_scale);
       const float sum = lane_sums<ROWS>(dots, lane);  // lane 32 j / ROWS: row j's
       const float up_sum = __shfl_down_sync(0xffffffffu, sum, 16 / COLS);
       const int slot = in_ring[d].slot, c = in_ring[d].column * COLS + lane / (32 / COLS);
@@ -307,11 +320,10 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) gate_up_kernel(
       issue(ring[d], next);
       next.advance(stride, per_slot);
       if (lane % (32 / COLS) == 0 && it + d < iters) {
-        float gate = sum * unscale, up = up_sum * unscale;
+        float gate = sum * unscale, up = up_sum * unscale;  // biases included
         if constexpr (GPT_OSS) {
-          const int row = expert_rows[slot] + 2 * c;
-          gate = fminf(gate + __bfloat162float(bias[row]), limit);
-          up = fminf(fmaxf(up + __bfloat162float(bias[row + 1]), -limit), limit);
+          gate = fminf(gate, limit);
+          up = fminf(fmaxf(up, -limit), limit);
           const float act = (up + 1.f) * __fdividef(gate, 1.f + __expf(-gate * alpha));  // no slow-path call
           h[slot * I + paired_column(c)] = __float2half_rn(act * out_scale);
         } else {
@@ -360,7 +372,7 @@ __global__ void __launch_bounds__(TOPK * 32) down_by_expert_kernel(
     int rows[ROWS];
 #pragma unroll
     for (int j = 0; j < ROWS; ++j) rows[j] = e * H + min(batch * ROWS + j, H - 1);
-    load_rows<ROWS, 0, GPL>(l, blocks, scales, rows, lane, G);
+    load_rows<ROWS, 0, GPL>(l, blocks, scales, bias, rows, lane, G);
   };
   Loads<ROWS, GPL> ring[DEPTH] = {};  // zeros: the words a lane keeps past a row's end
 #pragma unroll
@@ -376,14 +388,10 @@ __global__ void __launch_bounds__(TOPK * 32) down_by_expert_kernel(
   }
   __syncwarp();
   let_next();
-  const float unscale = exp2i(14 - shift), weight = weights[k];
+  const float scale = weights[k] * exp2i(14 - shift), bias_scale = exp2i(shift - 14);
   down_batches<DEPTH, ROWS, TOPK>(
-      ring, issue, [&](const Loads<ROWS, GPL>& l, int j) { return row_dot<0, GPL>(l.w[j], l.e[j], mine, lane, G); },
-      [&](float sum, int batch) {
-        const int n = min(batch * ROWS + lane / (32 / ROWS), H - 1);  // this lane's row of the batch
-        return weight * (sum * unscale + (bias ? __bfloat162float(bias[e * H + n]) : 0.f));
-      },
-      partial, iters, k, lane, H, out);
+      ring, issue, [&](const Loads<ROWS, GPL>& l, int j) { return row_dot<0>(l, j, mine, lane, G, bias_scale); },
+      scale, partial, iters, k, lane, H, out);
 }
 
 // ---- FP8 (float8_e4m3fn, 128 x 128 block scales; Qwen3-FP8 style: gate and up rows concatenated, SiLU) ----
@@ -556,10 +564,9 @@ __global__ void __launch_bounds__(TOPK * 32) fp8_down_kernel(
   const float unscale = stage8(h + (int64_t)k * C * 16, C * 16, mine, lane, 32, nullptr, true);
   __syncwarp();
   let_next();
-  const float weight = weights[k] * unscale;
   down_batches<DEPTH, ROWS, TOPK>(
       ring, issue, [&](const Loads8<ROWS, CPL>& l, int j) { return row_dot8<CPL>(l.w[j], l.s[j], mine, lane, C); },
-      [&](float sum, int) { return weight * sum; }, partial, iters, k, lane, H, out);
+      weights[k] * unscale, partial, iters, k, lane, H, out);
 }
 
 inline int multiprocessors() {
@@ -619,8 +626,9 @@ torch::Tensor mxfp4_layer(const torch::Tensor& x, const torch::Tensor& w1, const
                           const __nv_bfloat16* b2, const torch::Tensor& experts, const torch::Tensor& weights,
                           double alpha, double limit, int64_t paired_shift) {
   using Activations = std::conditional_t<GPT_OSS, __half, float>;
-  constexpr int WARPS = 8, DOWN_ROWS = 2;
-  constexpr int GATE_UP_CTAS = 2, DOWN_CTAS = 3;  // per SM: the H100's best (docs/benchmarks.md, session 58)
+  // the H100's best of the probe's configs (docs/benchmarks.md, session 60): gate/up 2 CTAs per SM, one unit in
+  // flight; down 3 CTAs per SM, batches of 4 rows, one in flight (26.5 us for gpt-oss-20b; 2 rows, 2 in flight 28.0)
+  constexpr int WARPS = 8, DOWN_DEPTH = 1, DOWN_ROWS = 4, GATE_UP_CTAS = 2, DOWN_CTAS = 3;
   const int I = w1.size(1) / 2, G = w1.size(2), H = w2.size(1), G2 = w2.size(2);
   TORCH_CHECK(w1.numel() / 16 < INT32_MAX && w2.numel() / 16 < INT32_MAX, "the kernels index groups in 32 bits");
   auto h = torch::empty({TOPK, I}, x.options().dtype(GPT_OSS ? torch::kHalf : torch::kFloat));
@@ -634,7 +642,7 @@ torch::Tensor mxfp4_layer(const torch::Tensor& x, const torch::Tensor& w1, const
            float(limit), int(paired_shift));
   });
   with_groups_per_lane(G2, [&](auto gpl) {
-    launch(down_by_expert_kernel<2, DOWN_ROWS, TOPK, Activations, decltype(gpl)::value>,
+    launch(down_by_expert_kernel<DOWN_DEPTH, DOWN_ROWS, TOPK, Activations, decltype(gpl)::value>,
            dim3(std::min(sms * DOWN_CTAS, (H + DOWN_ROWS - 1) / DOWN_ROWS)), dim3(TOPK * 32),
            TOPK * activation_bytes(G2), true, (const Activations*)h.data_ptr(), (const uint4*)w2.data_ptr(),
            (const uint8_t*)s2.data_ptr(), b2, (const int64_t*)experts.data_ptr(), routing_weights(weights),
