@@ -278,10 +278,9 @@ class TargetCache(Cache):
         self.pending_conv, self.pending_recurrent = {}, {}
 
     def get_seq_length(self, layer_idx: int = 0) -> torch.Tensor:
-        """The longest row's length (a 0-d device tensor). Exact for rows of one length (one row, a prompt); for
-        Llama 4, the one family that reads it (its NoPE layers' query temperature), `FamilySpec.max_context` refuses
-        several rows past the context where the temperature depends on it. The models take position_ids from
-        `positions`."""
+        """The longest row's length (a 0-d device tensor). Exact for rows of one length (one row, a prompt); Llama
+        4's NoPE layers, the one family that reads it (its query temperature), read each row's `lengths` instead
+        (`families._temper_llama4_queries`). The models take position_ids from `positions`."""
         return self.lengths.max()
 
     def positions(self, width: int) -> torch.Tensor:

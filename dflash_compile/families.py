@@ -230,9 +230,6 @@ class FamilySpec:
     # (Llama 4: every expert on every token, the router's scores on the inputs; Step 3.7's experts undecorated on
     # transformers 5.24); `adapt_model` applies it
     adapt: Adapter | None = None
-    # (config, rows) -> the most slots (left padding, prompt, new tokens and a verify block) dflash-compile's steps
-    # reproduce the family for in a generation of that many rows; None: no bound
-    max_context: Callable[[object, int], int | None] | None = None
     # the attribute of an MoE block (ERNIE-4.5-VL's `vision_moe`) whose experts text prompts never call: left to the
     # model's own code (images), out of `experts_modules`
     image_experts: str | None = None
@@ -374,7 +371,52 @@ def _route_llama4_experts(model: torch.nn.Module, block: torch.nn.Module) -> Non
     block.experts.config = model.config.get_text_config()
 
 
-_ROUTE_LLAMA4_EXPERTS = Adapter(lambda module: type(module).__name__ == "Llama4TextMoe", _route_llama4_experts)
+def _query_slots(attention: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """The pre-hook of a tempered Llama 4 NoPE attention (`_temper_llama4_queries`): its queries' scales, from each
+    row's own slots where the cache keeps rows of their own lengths (a `TargetCache`), else from the cache's one
+    length as transformers' layer does, left on `q_proj` for `_tempered_queries`."""
+    hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if cache is None:
+        first = 0
+    elif hasattr(cache, "lengths"):  # dflash_compile.cache.TargetCache
+        first = cache.lengths[:, None]
+    else:
+        first = cache.get_seq_length(attention.layer_idx)
+    slots = torch.arange(hidden.shape[1], device=hidden.device) + first
+    scales = torch.log1p(torch.floor((slots.float() + 1.0) / attention.floor_scale)) * attention.attn_scale + 1.0
+    attention.q_proj.query_scales = scales[..., None]  # [rows or 1, tokens, 1]: over q_proj's heads x head_dim
+
+
+def _tempered_queries(q_proj: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    """The forward hook of a tempered Llama 4 NoPE attention's `q_proj`: transformers' `(q * scales).to(q.dtype)`
+    (fp32 products, the same bits), per row."""
+    return (output * q_proj.query_scales).to(output.dtype)
+
+
+def _temper_llama4_queries(model: torch.nn.Module, attention: torch.nn.Module) -> None:
+    """Llama 4's NoPE layers scale queries by log1p(floor((slot + 1) / floor_scale)) * attn_scale + 1, the slots
+    counted from the cache's one length (`get_seq_length`). Rows that speculative decoding leaves at different lengths
+    each need their own: the layer's own scaling is turned off and done by hooks instead, per row where the cache has
+    rows' lengths (module-level functions: the model still pickles)."""
+    attention.attn_temperature_tuning = False
+    attention.register_forward_pre_hook(_query_slots, with_kwargs=True)
+    attention.q_proj.register_forward_hook(_tempered_queries)
+
+
+def _adapt_llama4(model: torch.nn.Module, module: torch.nn.Module) -> None:
+    (_route_llama4_experts if type(module).__name__ == "Llama4TextMoe" else _temper_llama4_queries)(model, module)
+
+
+def _llama4_pending(module: torch.nn.Module) -> bool:
+    """A Llama 4 MoE block not yet routed, or a NoPE attention whose queries transformers scales by the cache's one
+    length."""
+    name = type(module).__name__
+    return name == "Llama4TextMoe" or (name == "Llama4TextAttention" and module.attn_temperature_tuning
+                                       and not module.use_rope)
+
+
+_ADAPT_LLAMA4 = Adapter(_llama4_pending, _adapt_llama4)
 _DECORATED: dict[type, type] = {}  # an undecorated experts class -> its `@use_experts_implementation` subclass
 
 
@@ -418,14 +460,6 @@ def _undecorated(class_name: str) -> Adapter:
     """The adapter decorating each module of class `class_name` that transformers left undecorated."""
     return Adapter(lambda module: type(module).__name__ == class_name and not is_experts_module_class(type(module)),
                    _decorate_experts)
-
-
-def _llama4_context(config, rows: int) -> int | None:
-    """Llama 4's NoPE layers scale queries by log1p(floor((slot + 1) / floor_scale)) * attn_scale + 1, from the
-    cache's one length (`TargetCache.get_seq_length`: the longest row's). Rows that speculative decoding leaves at
-    different lengths each need their own, which transformers' layer cannot take: more than one row holds only where
-    the scale is 1 for every row, below floor_scale - 1 slots. One row is exact at any length (None: no bound)."""
-    return config.floor_scale - 1 if rows > 1 and config.attn_temperature_tuning else None
 
 
 def _nemotron_moe_layers(config) -> list[int]:
@@ -677,7 +711,7 @@ FAMILIES: dict[str, FamilySpec] = {
             "llama4_text", ("llama4_text", "llama4"), "Llama4RoutedExperts",
             ExpertLayout(gate_up="concatenated", transposed=True, bias=False, activation="act_fn"),
             RouterSpec(scoring="sigmoid", module="router", call="route"), _declared_moe_layers, _declared_layer_types,
-            adapt=_ROUTE_LLAMA4_EXPERTS, max_context=_llama4_context,
+            adapt=_ADAPT_LLAMA4,
         ),
         FamilySpec(  # Step 3.7 (step3p7; its text model step3p5): sliding and full layers of their own head counts,
             # the attention output gated per head; a sigmoid router choosing with a correction bias, renormalised;

@@ -242,8 +242,6 @@ class SpeculativeDecoder:
         self.ring_layers = [i for i, kind in enumerate(kinds) if self.windows.get(kind)]
         self.per_kind_masks = getattr(config, "layer_types", None) is not None  # the model takes {kind: mask}
         self.max_positions = getattr(config, "max_position_embeddings", None)
-        self.max_context = functools.partial(spec.max_context, config) if spec.max_context else lambda rows: None
-        self.family = spec.name
         self.verify_step = self._verify_step
         self.backend = dflash_backend_with(fused_experts=fused_experts)
         self.mode = default_mode(model) if mode is None else mode
@@ -553,21 +551,13 @@ class SpeculativeDecoder:
             raise ValueError(f"token id {low if low < 0 else high} is outside the model's vocabulary of {vocabulary}: "
                              "was the prompt tokenized for another model?")
 
-    def _check_lengths(self, rows: int, prompt: int, max_new_tokens: int) -> None:
+    def _check_lengths(self, prompt: int, max_new_tokens: int) -> None:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         if self.max_positions and prompt + max_new_tokens > self.max_positions:
             raise ValueError(
                 f"prompt of {prompt} tokens + max_new_tokens {max_new_tokens} exceeds the model's "
                 f"max_position_embeddings {self.max_positions}; shorten the prompt or generate fewer tokens"
-            )
-        max_context = self.max_context(rows)
-        if max_context and prompt + max_new_tokens + self.block_size > max_context:
-            raise ValueError(
-                f"prompt of {prompt} tokens + max_new_tokens {max_new_tokens} + a verify block of {self.block_size} "
-                f"exceeds {max_context} tokens, the longest context dflash-compile reproduces {self.family} for in a "
-                f"batch of {rows} rows (families.FamilySpec.max_context); shorten the prompt, generate fewer tokens "
-                "or generate row by row"
             )
 
     def _sampler(self, do_sample, settings: dict, generator, argmax_drafts) -> Sampler | None:
@@ -644,7 +634,7 @@ class SpeculativeDecoder:
         if pad_token_id is None:
             pad_token_id = min(eos) if eos else 0
         batch, prompt = input_ids.shape
-        self._check_lengths(batch, prompt, max_new_tokens)
+        self._check_lengths(prompt, max_new_tokens)
         pad = _left_padding(input_ids, attention_mask)
         device, dtype = input_ids.device, self.model.dtype
         max_len = cache_capacity(prompt + max_new_tokens + self.block_size)

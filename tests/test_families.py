@@ -1,3 +1,4 @@
+import pickle
 import re
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from dflash_compile.expert_store import _STORES_BY_ROOT
 from dflash_compile.families import (
     FAMILIES, UnsupportedFamilyError, adapt_model, experts_modules, spec_for_config, spec_for_experts_class,
     traced_unadapted)
-from dflash_compile.testing import OracleDrafter, tiny_config, tiny_multimodal_config
+from dflash_compile.testing import OracleDrafter, tiny_multimodal_config
 from tests.conftest import token_ids
 
 
@@ -196,11 +197,11 @@ def test_llama4_traced_before_adapting_is_refused(tiny):
 @pytest.mark.parametrize("compile", [False, True])
 def test_llama4_past_its_chunks_and_query_temperature_matches_generate(tiny, compile):
     """Llama 4's chunked layers keep a ring of chunk - 1 + block slots, each query seeing its own chunk's keys, and
-    its NoPE layers scale queries from floor_scale - 1 slots on: one row of 9 + 40 tokens (chunks of 8, the scale
-    rising every 16 slots) through blocks of 4 accepted in part gives transformers' tokens. Several rows are exact
-    only where the scale is 1 for all of them (`FamilySpec.max_context`): a batch past that is refused, with the
-    fix; inside it, left-padded rows of 4, 7 and 9 prompt tokens over several chunks (counted from each row's first
-    real token, as transformers' masks count them) give transformers' tokens."""
+    its NoPE layers scale queries from floor_scale - 1 slots on, by each row's own slot (transformers takes the
+    cache's one length, which rows accepted in part do not share; the adapted layers read the rows' lengths): one
+    row and left-padded rows of 4, 7 and 9 prompt tokens, 9 + 40 tokens over several chunks (of 8, counted from each
+    row's first real token, as transformers' masks count them) with the scale rising every 16 slots, through blocks
+    of 4 accepted in part, give transformers' tokens."""
     model = tiny("llama4_text", attention_chunk_size=8, floor_scale=16, attn_scale=8.0)
     ids, mask = token_ids(batch=1), None
     with torch.no_grad():
@@ -210,22 +211,18 @@ def test_llama4_past_its_chunks_and_query_temperature_matches_generate(tiny, com
     assert torch.equal(fast.generate(ids, max_new_tokens=40), expected)
     assert 1.5 < fast.last_stats.tau < 4
     assert fast.decoder.target_cache.rows.sizes == {layer: 8 - 1 + 4 for layer in (0, 1, 2)}  # the chunked layers
-    rows = token_ids(batch=2)
-    with pytest.raises(ValueError, match=r"prompt of 9 tokens \+ max_new_tokens 3 \+ a verify block of 4 exceeds 15 "
-                                         r"tokens, the longest context dflash-compile reproduces llama4_text for in "
-                                         r"a batch of 2 rows .* or generate row by row"):
-        fast.generate(rows, max_new_tokens=3)
-    padded = tiny("llama4_text", attention_chunk_size=8)  # floor_scale 8192: the scale stays 1
     rows, mask = token_ids(batch=3), torch.ones(3, 9, dtype=torch.long)
     mask[0, :5], mask[1, :2] = 0, 0
     rows = rows * mask
+    batched = tiny("llama4_text", attention_chunk_size=8, floor_scale=16, attn_scale=8.0)
     with torch.no_grad():
-        expected = padded.generate(rows, attention_mask=mask, do_sample=False, max_new_tokens=30)
-    fast = dflash_compile.optimize(padded, OracleDrafter(expected, mask, 4, corruption=0.3, vocab_size=128),
+        expected = batched.generate(rows, attention_mask=mask, do_sample=False, max_new_tokens=40)
+    fast = dflash_compile.optimize(batched, OracleDrafter(expected, mask, 4, corruption=0.3, vocab_size=128),
                                    adaptive=False, compile=compile)
-    assert torch.equal(fast.generate(rows, attention_mask=mask, max_new_tokens=30), expected)
-    unbounded = tiny_config("llama4_text", attn_temperature_tuning=False)
-    assert FAMILIES["llama4_text"].max_context(unbounded, 2) is None
+    assert torch.equal(fast.generate(rows, attention_mask=mask, max_new_tokens=40), expected)
+    unpickled = pickle.loads(pickle.dumps(batched))  # hooks of module-level functions: the adapted model pickles
+    with torch.no_grad():  # and its own generate, the hooks scaling as transformers' layer did, is transformers'
+        assert torch.equal(unpickled.generate(rows, attention_mask=mask, do_sample=False, max_new_tokens=40), expected)
 
 
 def test_ernie_vl_image_experts_are_left_to_the_model():
