@@ -22,7 +22,7 @@ for part in "${parts[@]}"; do
     probe)
       echo "## probe, gpt-oss-20b (DEPTH1,DEPTH2,CTAS1,CTAS2,ROWS,COLS)"
       DFLASH_CUDA_ROWS=0 timeout 240 python3 bench/probe_cuda_rows.py --layers 4 \
-          --configs 1,2,2,3,2 1,2,2,3,2,2 1,1,2,3,2,2 1,1,3,3,2 2>&1 | quiet | tail -22 ;;
+          --configs 1,1,2,3,4 1,1,3,3,4 1,1,2,4,4 1,2,2,3,2 2>&1 | quiet | tail -22 ;;
     fp8)
       echo "## probe, qwen3-30b-a3b-fp8"
       DFLASH_CUDA_ROWS=0 timeout 200 python3 bench/probe_cuda_rows.py --shape qwen3-30b-a3b-fp8 \

@@ -26,9 +26,9 @@ per SM) and keep DEPTH units' loads in flight.
   profiler.
 
 Built with torch's load_inline (needs nvcc; sm_90a). Session 58 (docs/benchmarks.md): 1.24x the library on the H100
-(69% of copy) with `--configs 1,2,2,3,2`.
+(69% of copy) with `--configs 1,2,2,3,2`; session 60 on the H100: 66% with `1,1,2,3,4` (the library's since).
 
-    python3 bench/probe_cuda_rows.py --layers 4 --configs 1,2,2,3,2 1,2,2,3,2,2 1,1,2,3,2,2 1,1,3,3,2
+    python3 bench/probe_cuda_rows.py --layers 4 --configs 1,1,2,3,4 1,1,3,3,4 1,1,2,4,4 1,2,2,3,2
     python3 bench/probe_cuda_rows.py --shape qwen3-30b-a3b-fp8 --configs 1,1,2,2,2 1,1,2,4,2 1,1,2,2,4 1,2,2,2,2
 """
 
@@ -164,7 +164,7 @@ def main() -> None:
     parser.add_argument("--shape", choices=PROBED, default="gpt-oss-20b")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--ncu", action="store_true", help="a few plain calls of the first config, for a profiler")
-    parser.add_argument("--configs", nargs="+", default=["1,2,2,3,2", "1,1,2,3,2"],
+    parser.add_argument("--configs", nargs="+", default=["1,1,2,3,4", "1,2,2,3,2"],
                         help="DEPTH1,DEPTH2,CTAS1,CTAS2[,ROWS[,COLS]]: units in flight per warp and CTAs per SM "
                              "(gate/up, down), the down kernel's rows per batch (2 or 4; default 2), gate/up's "
                              "columns per unit (1 or 2; default 1)")
