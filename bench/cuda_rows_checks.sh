@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Device calls for the CUDA row kernels (csrc/moe_rows_cuda.cuh): their GPU tests, the probe's configs for both
-# formats (against the Triton kernels), and the library's one-token layers with DFLASH_CUDA_ROWS=1 against the
+# Device calls for the CUDA row kernels (csrc/moe_rows_cuda.cuh): their GPU tests, the probe's configs for the three
+# layouts (against the Triton kernels), and the library's one-token layers with DFLASH_CUDA_ROWS=1 against the
 # Triton kernels on the same calls. Run from the repository root with transformers 5.24 importable (the device
 # call's PYTHONPATH prefix, docs/benchmarks.md). The parts' time limits add up past one call's 600 s: run them in two
 # calls, e.g.
 #
 #     bash bench/cuda_rows_checks.sh tests probe       # ~1 min to build the library module, ~1.5 for the probe's
-#     bash bench/cuda_rows_checks.sh fp8 library
+#     bash bench/cuda_rows_checks.sh fp8 silu library
 #     bash bench/cuda_rows_checks.sh steps              # a decode step with and without them (gpt-oss-20b, 4 layers)
 set -u
 quiet() { grep -v "^ptxas\|^    [0-9]* bytes\|^\[\|Compiling\|registers\|^SKIPPED\|^PASSED"; }
@@ -26,7 +26,11 @@ for part in "${parts[@]}"; do
     fp8)
       echo "## probe, qwen3-30b-a3b-fp8"
       DFLASH_CUDA_ROWS=0 timeout 200 python3 bench/probe_cuda_rows.py --shape qwen3-30b-a3b-fp8 \
-          --configs 1,1,2,2,2 1,1,2,4,2 1,1,2,2,4 1,2,2,2,2 2>&1 | quiet | tail -12 ;;
+          --configs 1,2,2,2,2 1,2,2,1,2 1,2,2,3,2 1,1,2,1,4 2>&1 | quiet | tail -12 ;;
+    silu)
+      echo "## probe, qwen3-30b-a3b-mxfp4 (SiLU MXFP4; DEPTH1 is 1)"
+      DFLASH_CUDA_ROWS=0 timeout 200 python3 bench/probe_cuda_rows.py --shape qwen3-30b-a3b-mxfp4 \
+          --configs 1,1,2,3,4 1,1,2,1,4 1,2,2,1,2 1,1,3,2,4 1,1,2,2,4 2>&1 | quiet | tail -12 ;;
     library)
       echo "## library, one token: CUDA row kernels (fused) vs Triton (baseline)"
       DFLASH_CUDA_ROWS=1 timeout 300 python3 bench/moe_kernels.py --no-tune --tokens 1 --against-triton \
@@ -37,6 +41,6 @@ for part in "${parts[@]}"; do
         DFLASH_CUDA_ROWS=$rows timeout 280 python3 bench/spec_decode.py --model gpt-oss-20b --layers 4 \
             --experts mxfp4 --steps-only --step-blocks 1 --temperatures 2>&1 | quiet | grep "^| decode\|copy"
       done ;;
-    *) echo "unknown part $part (tests, probe, fp8, library, steps)"; exit 2 ;;
+    *) echo "unknown part $part (tests, probe, fp8, silu, library, steps)"; exit 2 ;;
   esac
 done

@@ -18,8 +18,10 @@ per SM) and keep DEPTH units' loads in flight.
 - FP8 (`fp8_gate_up_kernel`, `fp8_down_kernel`): 16-byte chunks of 16 codes per lane, the hardware's e4m3x2 ->
   f16x2 conversion, each chunk's sum times its 128 x 128 block scale; gate and up rows concatenated, SiLU, fp32
   activations out; the down kernel by expert (8 warps, top-8) scales each expert's activations to fp16 itself.
-  Written offline (SASS: ~430 instructions per gate/up column); never run yet. The library's header holds them
-  (`fp8_one_token`, DFLASH_CUDA_ROWS=1); this probe times their depths and CTAs.
+  The library's header holds them (`fp8_one_token`, DFLASH_CUDA_ROWS=1); this probe times their depths and CTAs.
+- SiLU MXFP4 (`--shape qwen3-30b-a3b-mxfp4`, `moe_silu`): the library's `mxfp4_layer<8, false>` launches (gate
+  rows then up rows, no biases, fp32 activations; 2 groups a lane in gate/up, 1 in down) with the config's
+  DEPTH2, CTAS1, CTAS2 and ROWS (DEPTH1 is 1).
 - `--configs` DEPTH1,DEPTH2,CTAS1,CTAS2[,ROWS[,COLS]] (gate/up, down; ROWS 2 or 4, default 2; COLS 1 or 2, default
   1; gate/up's registers capped for CTAS1 CTAs per SM, up to 3); each also timed with gate/up's
   loads alone (no decode) and its decode alone (words made up, no loads). `--ncu`: a few plain calls for a
@@ -30,6 +32,7 @@ Built with torch's load_inline (needs nvcc; sm_90a). Session 58 (docs/benchmarks
 
     python3 bench/probe_cuda_rows.py --layers 4 --configs 1,1,2,3,4 1,1,3,3,4 1,1,2,4,4 1,2,2,3,2
     python3 bench/probe_cuda_rows.py --shape qwen3-30b-a3b-fp8 --configs 1,1,2,2,2 1,1,2,4,2 1,1,2,2,4 1,2,2,2,2
+    python3 bench/probe_cuda_rows.py --shape qwen3-30b-a3b-mxfp4 --configs 1,1,2,3,4 1,1,2,1,4 1,2,2,1,2 1,1,3,2,4
 """
 
 from __future__ import annotations
@@ -106,6 +109,41 @@ void moe(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor b1, 
   TORCH_CHECK(false, "no such config");
 }
 
+// one token's SiLU MXFP4 layer, Qwen3-30B-A3B's shape (K 2048: 2 groups a lane; I 768: 1), as the library's
+// mxfp4_layer<8, false> launches it but for the depths, CTAs per SM and down rows
+template <int DEPTH2, int ROWS>
+void moe_silu_config(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor w2, torch::Tensor s2,
+                     torch::Tensor experts, torch::Tensor weights, torch::Tensor h, torch::Tensor out, int64_t ctas1,
+                     int64_t ctas2, int64_t parts, bool pdl) {
+  constexpr int TOPK = 8;
+  const int I = w1.size(1) / 2, G = w1.size(2), H = w2.size(1), G2 = w2.size(2);
+  const int sms = multiprocessors();
+  const int64_t gate_up_ctas = std::min<int64_t>(sms * ctas1, (TOPK * I + WARPS - 1) / WARPS);
+  if (parts & 1)
+    launch(gate_up_kernel<WARPS, 1, 0, 1, 1, false, 2>, dim3(gate_up_ctas), dim3(WARPS * 32), activation_bytes(G),
+           pdl, (const __nv_bfloat16*)x.data_ptr(), (const uint4*)w1.data_ptr(), (const uint8_t*)s1.data_ptr(),
+           (const __nv_bfloat16*)nullptr, (const int64_t*)experts.data_ptr(), (float*)h.data_ptr(), I, G, TOPK * I,
+           1.f, 0.f, 0);
+  const int64_t down_ctas = std::min<int64_t>(sms * ctas2, (H + ROWS - 1) / ROWS);
+  if (parts & 2)
+    launch(down_by_expert_kernel<DEPTH2, ROWS, TOPK, float, 1>, dim3(down_ctas), dim3(TOPK * 32),
+           TOPK * activation_bytes(G2), pdl, (const float*)h.data_ptr(), (const uint4*)w2.data_ptr(),
+           (const uint8_t*)s2.data_ptr(), (const __nv_bfloat16*)nullptr, (const int64_t*)experts.data_ptr(),
+           routing_weights(weights), (__nv_bfloat16*)out.data_ptr(), H, G2, 0);
+}
+
+void moe_silu(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor w2, torch::Tensor s2,
+              torch::Tensor experts, torch::Tensor weights, torch::Tensor h, torch::Tensor out, int64_t depth2,
+              int64_t ctas1, int64_t ctas2, int64_t rows, int64_t parts, bool pdl) {
+  TORCH_CHECK(w1.size(2) > 32 && w1.size(2) <= 64 && w2.size(2) <= 32 && experts.numel() == 8,
+              "the SiLU probe takes 33-64 groups (gate/up), up to 32 (down) and top-8");
+#define CASES(D, R) \
+  if (depth2 == D && rows == R) \
+    return moe_silu_config<D, R>(x, w1, s1, w2, s2, experts, weights, h, out, ctas1, ctas2, parts, pdl);
+  CASES(1, 2) CASES(1, 4) CASES(2, 2) CASES(2, 4)
+  TORCH_CHECK(false, "no such SiLU config (depth2, rows)");
+}
+
 // one token's FP8 layer: gate/up (CPL 4: K <= 2048) then down by expert (TOPK 8, CPL 2: I <= 1024)
 template <int DEPTH1, int DEPTH2, int ROWS>
 void moe_fp8_config(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor w2, torch::Tensor s2,
@@ -146,10 +184,13 @@ CPP = ("void moe(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Ten
        "int64_t ctas1, int64_t ctas2, int64_t rows, int64_t cols, int64_t parts, bool pdl, int64_t mode);\n"
        "void moe_fp8(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor w2, torch::Tensor s2, "
        "torch::Tensor experts, torch::Tensor weights, torch::Tensor h, torch::Tensor out, int64_t depth1, "
-       "int64_t depth2, int64_t ctas1, int64_t ctas2, int64_t rows, int64_t parts, bool pdl);")
+       "int64_t depth2, int64_t ctas1, int64_t ctas2, int64_t rows, int64_t parts, bool pdl);\n"
+       "void moe_silu(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor w2, torch::Tensor s2, "
+       "torch::Tensor experts, torch::Tensor weights, torch::Tensor h, torch::Tensor out, int64_t depth2, "
+       "int64_t ctas1, int64_t ctas2, int64_t rows, int64_t parts, bool pdl);")
 
 ALPHA, LIMIT, PAIRED_SHIFT = 1.702, 7.0, 9  # gpt-oss' clamped SwiGLU; its outputs times 2^9 stay in fp16
-PROBED = ("gpt-oss-20b", "qwen3-30b-a3b-fp8")
+PROBED = ("gpt-oss-20b", "qwen3-30b-a3b-fp8", "qwen3-30b-a3b-mxfp4")
 
 
 def parse_config(text: str) -> tuple[int, ...]:
@@ -169,7 +210,7 @@ def main() -> None:
                              "(gate/up, down), the down kernel's rows per batch (2 or 4; default 2), gate/up's "
                              "columns per unit (1 or 2; default 1)")
     args = parser.parse_args()
-    module = load_inline("probe_cuda_rows", CPP, cuda_sources=CUDA, functions=["moe", "moe_fp8"],
+    module = load_inline("probe_cuda_rows", CPP, cuda_sources=CUDA, functions=["moe", "moe_fp8", "moe_silu"],
                          extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-lineinfo", "-Xptxas=-v"],
                          verbose=True)  # ptxas' registers and spills
     experts, top_k, hidden, inter, format, gpt_oss = SHAPES[args.shape]
@@ -185,9 +226,12 @@ def main() -> None:
     flat_index, flat_weights = index.reshape(-1).contiguous(), weights.reshape(-1).contiguous()
 
     def probe(gate_up, down, config, parts=3, pdl=True, mode=0):
-        if format == "mxfp4":
+        if gpt_oss:
             module.moe(x, gate_up.data, gate_up.scales, gate_up.bias, down.data, down.scales, down.bias, flat_index,
                        flat_weights, h, out, ALPHA, LIMIT, PAIRED_SHIFT, *config, parts, pdl, mode)
+        elif format == "mxfp4":  # DEPTH1 is 1 here
+            module.moe_silu(x, gate_up.data, gate_up.scales, down.data, down.scales, flat_index, flat_weights, h, out,
+                            *config[1:5], parts, pdl)
         else:
             module.moe_fp8(x, gate_up.data, gate_up.scales, down.data, down.scales, flat_index, flat_weights, h, out,
                            *config[:5], parts, pdl)
@@ -199,7 +243,7 @@ def main() -> None:
 
     if args.ncu:
         config = parse_config(args.configs[0])
-        for mode in (0, 1, 2) if format == "mxfp4" else (0,):
+        for mode in (0, 1, 2) if gpt_oss else (0,):
             for g, d in layers:
                 probe(g, d, config, parts=3 if mode == 0 else 1, mode=mode)
         torch.cuda.synchronize()
@@ -224,7 +268,7 @@ def main() -> None:
         print(f"depths, CTAs per SM {config}: {both:6.1f} us ({moved / both / 1e3 / copy:.0%} of copy, "
               f"{library_us / both:.2f}x library), no PDL {no_pdl:6.1f}, gate/up alone {first:6.1f}, "
               f"down alone {second:6.1f}; err {err:.1e}", flush=True)
-        if format == "mxfp4":
+        if gpt_oss:
             loads = graph_time_us([lambda g=g, d=d: probe(g, d, config, parts=1, mode=1) for g, d in layers])
             decode = graph_time_us([lambda g=g, d=d: probe(g, d, config, parts=1, mode=2) for g, d in layers])
             print(f"    gate/up loads only {loads:6.1f} us, decode only {decode:6.1f} us", flush=True)
