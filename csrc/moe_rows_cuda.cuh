@@ -627,8 +627,11 @@ torch::Tensor mxfp4_layer(const torch::Tensor& x, const torch::Tensor& w1, const
                           double alpha, double limit, int64_t paired_shift) {
   using Activations = std::conditional_t<GPT_OSS, __half, float>;
   // the H100's best of the probe's configs (docs/benchmarks.md, session 60): gate/up 2 CTAs per SM, one unit in
-  // flight; down 3 CTAs per SM, batches of 4 rows, one in flight (26.5 us for gpt-oss-20b; 2 rows, 2 in flight 28.0)
-  constexpr int WARPS = 8, DOWN_DEPTH = 1, DOWN_ROWS = 4, GATE_UP_CTAS = 2, DOWN_CTAS = 3;
+  // flight; down for gpt-oss 3 CTAs per SM, batches of 4 rows, one in flight (26.5 us for gpt-oss-20b; 2 rows, 2 in
+  // flight 28.0), for SiLU (top-8, fp32 activations each warp stages) 1 CTA per SM, 2 rows, 2 in flight (14.1 us for
+  // Qwen3-30B-A3B's shape; as gpt-oss 16.4)
+  constexpr int WARPS = 8, GATE_UP_CTAS = 2;
+  constexpr int DOWN_DEPTH = GPT_OSS ? 1 : 2, DOWN_ROWS = GPT_OSS ? 4 : 2, DOWN_CTAS = GPT_OSS ? 3 : 1;
   const int I = w1.size(1) / 2, G = w1.size(2), H = w2.size(1), G2 = w2.size(2);
   TORCH_CHECK(w1.numel() / 16 < INT32_MAX && w2.numel() / 16 < INT32_MAX, "the kernels index groups in 32 bits");
   auto h = torch::empty({TOPK, I}, x.options().dtype(GPT_OSS ? torch::kHalf : torch::kFloat));
