@@ -6,9 +6,10 @@ groups of 32; and Qwen3-FP8's 128 x 128 block-scaled FP8 (gate rows then up rows
 
 Every lane of a warp reads its own 16-byte pieces of a row and decodes them in registers, the activations staged
 once per CTA in shared memory: none of the Triton row path's per-step staging and barriers. On an H100 a
-gpt-oss-20b layer took 27.5 us against the Triton path's 30.9 (64% of the copy bandwidth), a Qwen3-30B-A3B-FP8 one
-18.5 against 20.7 (docs/benchmarks.md, session 59; tests/kernels/test_cuda_rows.py passes there). Off unless
-DFLASH_CUDA_ROWS=1 until measured on the H200, where session 58's earlier versions ran 0.87-0.98x of Triton.
+gpt-oss-20b layer took 26.7 us against the Triton path's 31.0 (66% of the copy bandwidth), a SiLU MXFP4 one of
+Qwen3-30B-A3B's shape 14.3 against 18.3, a Qwen3-30B-A3B-FP8 one 18.4 against 20.6 (docs/benchmarks.md, session 60;
+tests/kernels/test_cuda_rows.py passes there). Off unless DFLASH_CUDA_ROWS=1 until measured on the H200, where
+session 58's earlier versions ran 0.87-0.98x of Triton.
 
 Compiled once per machine and torch version on first use with `torch.utils.cpp_extension.load` (nvcc and a CUDA
 build of torch; cached in TORCH_EXTENSIONS_DIR), as the CPU kernels are (`kernels.cpu`); without them the Triton
