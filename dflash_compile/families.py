@@ -226,10 +226,10 @@ class FamilySpec:
     # (config, attention kind) -> elements a layer of that kind hands the cache per token (what `generate` budgets
     # its cache by)
     cached_per_token: Callable[[object, AttentionKind], int] = _keys_and_values
-    # rewrites, in place, a model whose MoE blocks transformers runs otherwise into blocks that call routed experts
+    # rewrites, in place, of modules transformers builds otherwise: MoE blocks into blocks that call routed experts
     # (Llama 4: every expert on every token, the router's scores on the inputs; Step 3.7's experts undecorated on
-    # transformers 5.24); `adapt_model` applies it
-    adapt: Adapter | None = None
+    # transformers 5.24), Llama 4's NoPE query temperature per row; `adapt_model` applies each
+    adapt: tuple[Adapter, ...] = ()
     # the attribute of an MoE block (ERNIE-4.5-VL's `vision_moe`) whose experts text prompts never call: left to the
     # model's own code (images), out of `experts_modules`
     image_experts: str | None = None
@@ -404,19 +404,14 @@ def _temper_llama4_queries(model: torch.nn.Module, attention: torch.nn.Module) -
     attention.q_proj.register_forward_hook(_tempered_queries)
 
 
-def _adapt_llama4(model: torch.nn.Module, module: torch.nn.Module) -> None:
-    (_route_llama4_experts if type(module).__name__ == "Llama4TextMoe" else _temper_llama4_queries)(model, module)
+def _tempered_by_one_length(module: torch.nn.Module) -> bool:
+    """A Llama 4 NoPE attention whose queries transformers' layer scales by the cache's one length."""
+    return (type(module).__name__ == "Llama4TextAttention" and module.attn_temperature_tuning
+            and not module.use_rope)
 
 
-def _llama4_pending(module: torch.nn.Module) -> bool:
-    """A Llama 4 MoE block not yet routed, or a NoPE attention whose queries transformers scales by the cache's one
-    length."""
-    name = type(module).__name__
-    return name == "Llama4TextMoe" or (name == "Llama4TextAttention" and module.attn_temperature_tuning
-                                       and not module.use_rope)
-
-
-_ADAPT_LLAMA4 = Adapter(_llama4_pending, _adapt_llama4)
+_ROUTE_LLAMA4_EXPERTS = Adapter(lambda module: type(module).__name__ == "Llama4TextMoe", _route_llama4_experts)
+_TEMPER_LLAMA4_QUERIES = Adapter(_tempered_by_one_length, _temper_llama4_queries)
 _DECORATED: dict[type, type] = {}  # an undecorated experts class -> its `@use_experts_implementation` subclass
 
 
@@ -711,7 +706,7 @@ FAMILIES: dict[str, FamilySpec] = {
             "llama4_text", ("llama4_text", "llama4"), "Llama4RoutedExperts",
             ExpertLayout(gate_up="concatenated", transposed=True, bias=False, activation="act_fn"),
             RouterSpec(scoring="sigmoid", module="router", call="route"), _declared_moe_layers, _declared_layer_types,
-            adapt=_ADAPT_LLAMA4,
+            adapt=(_ROUTE_LLAMA4_EXPERTS, _TEMPER_LLAMA4_QUERIES),
         ),
         FamilySpec(  # Step 3.7 (step3p7; its text model step3p5): sliding and full layers of their own head counts,
             # the attention output gated per head; a sigmoid router choosing with a correction bias, renormalised;
@@ -719,7 +714,7 @@ FAMILIES: dict[str, FamilySpec] = {
             # 5.24 leaves its experts undecorated (`_decorate_experts`)
             "step3p7", ("step3p5", "step3p7"), "Step3p7Experts", _CLAMPED_SWIGLU,
             RouterSpec(scoring="sigmoid", correction_bias="e_score_correction_bias"), _declared_sparse_layers,
-            _declared_layer_types, adapt=_undecorated("Step3p7Experts"),
+            _declared_layer_types, adapt=(_undecorated("Step3p7Experts"),),
         ),
         FamilySpec(  # Nemotron-H (Nemotron 3): layers of one mixer each, Mamba2, attention (no rotary), or MoE
             # blocks of experts without a gate (relu(up)^2) beside a shared MLP, DeepSeek-V3's router
@@ -827,16 +822,16 @@ def adapt_model(model: torch.nn.Module) -> torch.nn.Module:
     """`model` with its family's `adapt` applied (in place; again changes nothing). `experts_modules` applies it; so
     must anything that traces a model before looking for its experts (`optimize`, `explain`)."""
     spec = spec_for_model(model)
-    if spec is not None and spec.adapt is not None:
-        spec.adapt(model)
+    for adapter in spec.adapt if spec is not None else ():
+        adapter(model)
     return model
 
 
 def traced_unadapted(model: torch.nn.Module) -> bool:
     """Whether `model`'s family has an `adapt` that has modules left to rewrite (a graph traced from it would not
-    dispatch their experts)."""
+    dispatch their experts, or would scale Llama 4's queries by one length)."""
     spec = spec_for_model(model)
-    return spec is not None and spec.adapt is not None and spec.adapt.needed(model)
+    return spec is not None and any(adapter.needed(model) for adapter in spec.adapt)
 
 
 def experts_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:

@@ -243,7 +243,6 @@ def test_an_adapted_step3p7_model_pickles(tmp_path):
     model still saves whole (torch.save, loaded in a new process), pickles and deep-copies, with the same logits (on
     5.25, whose class is decorated, the same holds trivially)."""
     import copy
-    import pickle
     import subprocess
     import sys
 
