@@ -70,7 +70,7 @@ def packed_twin(model, format: str) -> transformers.PreTrainedModel:
     with torch.no_grad():
         for experts, twin_experts in zip(experts_modules(model).values(), experts_modules(twin).values()):
             dense = expert_weights(experts)  # output-major views of the parameters
-            packed = [PackedWeight.quantize(weight.data.float(), format, weight.bias) for weight in dense]
+            packed = [PackedWeight.quantize(weight.data, format, weight.bias) for weight in dense]
             for weight, quantized in zip(dense, packed):
                 weight.data.copy_(quantized.dequantize(weight.data.dtype))
             attach_packed(twin_experts, *packed)

@@ -282,7 +282,7 @@ def _lossless_mxfp4(experts: torch.nn.Module) -> tuple[PackedWeight, PackedWeigh
     packed = []
     with torch.no_grad():
         for weight in expert_weights(experts):
-            quantized = PackedWeight.quantize(weight.data.float(), "mxfp4", weight.bias)
+            quantized = PackedWeight.quantize(weight.data, "mxfp4", weight.bias)
             if not torch.equal(quantized.dequantize(weight.data.dtype), weight.data):
                 return None
             packed.append(quantized)

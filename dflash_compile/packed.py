@@ -9,6 +9,7 @@ kept in its stored format. The layout is data; the kernels in `kernels/moe.py` r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 import torch
@@ -60,24 +61,29 @@ class PackedWeight:
         return sum(t.numel() * t.element_size() for t in (self.data, self.scales, self.bias) if t is not None)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The reference [E, N, K] weight (pure PyTorch, the definition the kernels are tested against)."""
-        if self.format == "mxfp4":
-            return dequantize_mxfp4(self.data, self.scales, dtype)
-        if self.format == "fp8_block":
-            weight = self.data.view(torch.float8_e4m3fn)
-            return torch.stack([dequantize_fp8_block(w, s, FP8_BLOCK, dtype) for w, s in zip(weight, self.scales)])
-        return self.data.to(dtype)
+        """The reference [E, N, K] weight (pure PyTorch, the definition the kernels are tested against), decoded an
+        expert at a time into the result: the decode's fp32 and int64 scratch is a few copies of one expert's."""
+        if self.format == "dense":
+            return self.data.to(dtype)
+        out = torch.empty(self.shape, dtype=dtype, device=self.data.device)
+        for expert, (data, scales) in enumerate(zip(self.data, self.scales)):
+            if self.format == "mxfp4":
+                out[expert] = dequantize_mxfp4(data, scales, dtype)
+            else:
+                out[expert] = dequantize_fp8_block(data.view(torch.float8_e4m3fn), scales, FP8_BLOCK, dtype)
+        return out
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, format: Format, bias: torch.Tensor | None = None) -> PackedWeight:
-        """Pack an [E, N, K] weight with the format's own rounding rules."""
-        if format == "mxfp4":
-            return cls("mxfp4", *quantize_mxfp4(weight), bias)
-        if format == "fp8_block":
-            pairs = [quantize_fp8_block(w, FP8_BLOCK) for w in weight]
-            data = torch.stack([q.view(torch.uint8) for q, _ in pairs])
-            return cls("fp8_block", data, torch.stack([s for _, s in pairs]), bias)
-        return cls("dense", weight, None, bias)
+        """Pack an [E, N, K] weight (any float dtype) with the format's own rounding rules, an expert at a time: the
+        rounding's fp32 scratch is a few copies of one expert, where a whole layer's (gpt-oss-120b's gate/up: 2.1G
+        weights, ~40 GB of scratch) would not fit beside the model."""
+        if format == "dense":
+            return cls("dense", weight, None, bias)
+        quantizer = quantize_mxfp4 if format == "mxfp4" else partial(quantize_fp8_block, block=FP8_BLOCK)
+        parts = [quantizer(w) for w in weight]
+        data = torch.stack([d.view(torch.uint8) for d, _ in parts])  # float8_e4m3fn bytes as uint8; MXFP4's as they are
+        return cls(format, data, torch.stack([s for _, s in parts]), bias)
 
 
 PACKED_IMPLEMENTATION = "dflash_packed"  # transformers experts_implementation that runs packed weights

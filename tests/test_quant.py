@@ -64,7 +64,8 @@ def test_fp8_block_partial_blocks():
     out = dequantize_fp8_block(weight, scale_inv)
     for (r, c) in [(0, 0), (127, 127), (128, 128), (199, 299), (150, 260)]:
         assert out[r, c] == weight[r, c].float() * scale_inv[r // 128, c // 128]
-    with pytest.raises(ValueError, match=r"FP8 weight \[200, 300\] with block \[128, 128\] needs a scale grid \[2, 3\]"):
+    grid = r"FP8 weight \[200, 300\] with block \[128, 128\] needs a scale grid \[2, 3\]"
+    with pytest.raises(ValueError, match=grid):
         dequantize_fp8_block(weight, torch.ones(1, 3))
 
 
@@ -91,3 +92,41 @@ def test_dequantize_ops_match_the_reference_and_pass_opcheck():
     as_bytes = weight.view(torch.uint8)  # opcheck's schema test cannot do arithmetic on float8 tensors
     assert torch.equal(torch.ops.dflash.fp8_block_dequantize(as_bytes, scale_inv, 128, 128, torch.float32), out)
     torch.library.opcheck(torch.ops.dflash.fp8_block_dequantize.default, (as_bytes, scale_inv, 128, 128, torch.float32))
+
+
+_PEAK_SCRIPT = """
+import resource, sys, torch
+from dflash_compile.packed import PackedWeight
+weight = torch.randn(64, 512, 1024, dtype=torch.bfloat16)  # 64 experts: one expert's scratch is 1/64 of the layer's
+peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+PackedWeight.quantize(weight[:2, :64], sys.argv[1]).dequantize()  # the ops' first-call costs apart
+before = peak()
+packed = PackedWeight.quantize(weight, sys.argv[1])
+quantized = peak()
+packed.dequantize(torch.float32)
+print(quantized - before, peak() - quantized)
+"""
+
+
+@pytest.mark.parametrize("format", ["mxfp4", "fp8_block"])
+def test_packing_a_layer_takes_one_experts_scratch_not_the_layers(format):
+    """PackedWeight.quantize / dequantize work an expert at a time: quantizing a layer raises a fresh process's peak
+    resident memory by less than two fp32 copies of the layer (rounding it whole: ~8, 1032 MiB here for MXFP4; 16
+    GiB for gpt-oss-20b's gate/up, 1.2 GiB an expert at a time), dequantizing it by its fp32 result and little more."""
+    import subprocess
+    import sys
+
+    from dflash_compile.packed import PackedWeight
+
+    weight = torch.randn(4, 256, 512, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    packed = PackedWeight.quantize(weight, format)
+    whole = [quantize_mxfp4(weight)] if format == "mxfp4" else [quantize_fp8_block(w) for w in weight]
+    assert torch.equal(packed.data, torch.cat([q.view(torch.uint8) for q, _ in whole]).view(packed.data.shape))
+    expected = (dequantize_mxfp4(*whole[0]) if format == "mxfp4"
+                else torch.stack([dequantize_fp8_block(q, s) for q, s in whole]))
+    assert torch.equal(packed.dequantize(torch.float32), expected)
+    run = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, format], capture_output=True, text=True, check=True)
+    quantize_growth, dequantize_growth = map(int, run.stdout.split())
+    layer_fp32 = 64 * 512 * 1024 * 4
+    assert quantize_growth < 2 * layer_fp32, f"quantize grew the peak by {quantize_growth / 2**20:.0f} MiB"
+    assert dequantize_growth < 1.5 * layer_fp32, f"dequantize grew the peak by {dequantize_growth / 2**20:.0f} MiB"
