@@ -30,6 +30,7 @@ import transformers
 from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tqdm.auto import tqdm
 
 from .cost_model import BITS_PER_WEIGHT
 from .families import (auto_model_class, builds_causal_lm, experts_modules, first_projection, router_of,
@@ -77,7 +78,8 @@ def _quantized_tensors(model: torch.nn.Module, format: str) -> dict[str, torch.T
             if _gated(experts):
                 _check_fp8_stackable(path, expert_weights(experts)[0].shape[1] // 2)
     tensors = {k: v.detach() for k, v in model.state_dict().items()}
-    for path, experts in experts_modules(model).items():
+    layers = experts_modules(model)  # a full-size layer takes seconds to round on a CPU
+    for path, experts in tqdm(layers.items(), desc="quantizing experts", unit="layer", disable=len(layers) < 8):
         first, gated = first_projection(experts), _gated(experts)
         for name in (first, "down_proj", f"{first}_bias", "down_proj_bias"):
             tensors.pop(f"{path}.{name}", None)

@@ -48,6 +48,9 @@ def test_mxfp4_round_trip():
     assert dequantize_mxfp4(*quantize_mxfp4(ties))[0, :8].tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 4.0]
     with pytest.raises(ValueError, match="divisible by 32, got 30"):
         quantize_mxfp4(torch.zeros(2, 30))
+    for bad in (torch.nan, torch.inf):
+        with pytest.raises(ValueError, match="holds NaN or infinite values, which MXFP4 cannot represent"):
+            quantize_mxfp4(x.index_put((torch.tensor([3]), torch.tensor([100])), torch.tensor(bad)))
 
 
 def test_fp8_block_dequantize_matches_transformers_on_full_blocks():
