@@ -5,9 +5,13 @@ leave to Triton."""
 import pytest
 import torch
 
+import dflash_compile
+from dflash_compile.checkpoint import load_packed, quantize
 from dflash_compile.kernels import cuda_rows
 from dflash_compile.kernels.moe import fused_moe
 from dflash_compile.packed import PackedWeight
+from dflash_compile.testing import load_tiny_model, save_tiny_model
+from tests.conftest import token_ids
 
 from .test_moe import _experts, _routing, reference_moe
 
@@ -155,3 +159,21 @@ def test_calls_the_row_kernels_do_not_cover_run_triton(rows_on):
     expected = reference_moe(x.float().cpu(), index.cpu(), weights.cpu(), gate_up, down, True, "clamped_swiglu")
     actual = fused_moe(x, index, weights, gate_up, down, interleaved=True, activation="clamped_swiglu")
     assert (actual.cpu().double() - expected).norm() / expected.norm() <= 1e-2
+
+
+@needs_hopper
+def test_a_packed_gpt_oss_generates_through_the_row_kernels(rows_on, tmp_path, monkeypatch):
+    """A tiny gpt-oss MXFP4 checkpoint loaded packed in bf16 on the GPU, top-4 of 8 experts (the row kernels'
+    layout): `model.generate` on it runs its decode layers through the row kernels (counted), and `optimize`'s
+    compiled step, captured in CUDA graphs, gives the same tokens."""
+    directory = save_tiny_model("gpt_oss", tmp_path / "bf16", hidden_size=256, intermediate_size=256,
+                                num_local_experts=8, num_experts_per_tok=4)
+    packed = load_packed(quantize(load_tiny_model("gpt_oss", directory=directory), tmp_path / "mxfp4", "mxfp4"),
+                         dtype=torch.bfloat16, device="cuda")
+    calls = []
+    one_token_moe = cuda_rows.one_token_moe
+    monkeypatch.setattr(cuda_rows, "one_token_moe", lambda *args: calls.append(1) or one_token_moe(*args))
+    ids = token_ids()[:1].cuda()
+    expected = packed.generate(ids, max_new_tokens=12, do_sample=False)
+    assert len(calls) >= 11 * packed.config.num_hidden_layers  # every decode step's every layer
+    assert torch.equal(dflash_compile.optimize(packed).generate(ids, max_new_tokens=12), expected)
