@@ -1,10 +1,14 @@
 """Reference MXFP4 / FP8-block quantizers against transformers' own dequantizers and the formats' rules."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 from transformers.integrations.mxfp4 import FP4_VALUES, _convert_moe_packed_tensors
 
+from dflash_compile.packed import PackedWeight
 from dflash_compile.quant import dequantize_fp8_block, dequantize_mxfp4, quantize_fp8_block, quantize_mxfp4
 
 
@@ -115,12 +119,7 @@ print(quantized - before, peak() - quantized)
 def test_packing_a_layer_takes_one_experts_scratch_not_the_layers(format):
     """PackedWeight.quantize / dequantize work an expert at a time: quantizing a layer raises a fresh process's peak
     resident memory by less than two fp32 copies of the layer (rounding it whole: ~8, 1032 MiB here for MXFP4; 16
-    GiB for gpt-oss-20b's gate/up, 1.2 GiB an expert at a time), dequantizing it by its fp32 result and little more."""
-    import subprocess
-    import sys
-
-    from dflash_compile.packed import PackedWeight
-
+    GiB for gpt-oss-20b's gate/up, 0.9 GiB an expert at a time), dequantizing it by its fp32 result and little more."""
     weight = torch.randn(4, 256, 512, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     packed = PackedWeight.quantize(weight, format)
     whole = [quantize_mxfp4(weight)] if format == "mxfp4" else [quantize_fp8_block(w) for w in weight]
