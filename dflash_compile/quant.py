@@ -86,9 +86,19 @@ def _block_grid(weight_shape, block: tuple[int, int]) -> tuple[int, int]:
     return (-(-weight_shape[0] // block[0]), -(-weight_shape[1] // block[1]))
 
 
-def _expand_blocks(scale: torch.Tensor, shape, block: tuple[int, int]) -> torch.Tensor:
-    """Per-block values [ceil(N/bn), ceil(K/bk)] -> per-element [N, K] (partial last blocks included)."""
-    return scale.repeat_interleave(block[0], dim=0)[: shape[0]].repeat_interleave(block[1], dim=1)[:, : shape[1]]
+def _padded_blocks(weight: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """`weight` [N, K] as fp32 zero-padded to whole blocks, viewed [N/bn, bn, K/bk, bk]: one copy, over which
+    per-block values broadcast (partial last blocks included) and reductions run per block."""
+    rows, cols = _block_grid(weight.shape, block)
+    padded = torch.zeros(rows * block[0], cols * block[1], dtype=torch.float32, device=weight.device)
+    padded[: weight.shape[0], : weight.shape[1]] = weight
+    return padded.view(rows, block[0], cols, block[1])
+
+
+def _unpadded(blocks: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
+    """`_padded_blocks`' [N, K] again, in `dtype`, contiguous."""
+    rows, bn, cols, bk = blocks.shape
+    return blocks.view(rows * bn, cols * bk)[: shape[0], : shape[1]].to(dtype).contiguous()
 
 
 def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
@@ -98,15 +108,14 @@ def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: t
     if tuple(scale_inv.shape) != expected:
         raise ValueError(f"FP8 weight {list(weight.shape)} with block {list(block)} needs a scale grid "
                          f"{list(expected)}, got weight_scale_inv {list(scale_inv.shape)}")
-    return (weight.float() * _expand_blocks(scale_inv.float(), weight.shape, block)).to(dtype)
+    blocks = _padded_blocks(weight, block).mul_(scale_inv.float()[:, None, :, None])
+    return _unpadded(blocks, weight.shape, dtype)
 
 
 def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] -> (float8_e4m3fn [N, K], fp32 scale_inv grid): scale = block amax / 448, values saturate."""
-    rows, cols = _block_grid(weight.shape, block)
-    padded = torch.zeros(rows * block[0], cols * block[1], dtype=torch.float32, device=weight.device)
-    padded[: weight.shape[0], : weight.shape[1]] = weight.float()
-    amax = padded.view(rows, block[0], cols, block[1]).abs().amax(dim=(1, 3))
+    blocks = _padded_blocks(weight, block)
+    amax = torch.maximum(blocks.amax(dim=(1, 3)), blocks.amin(dim=(1, 3)).neg())  # no |weight| copy
     scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    scaled = weight.float() / _expand_blocks(scale, weight.shape, block)
-    return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+    blocks.div_(scale[:, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX)
+    return _unpadded(blocks, weight.shape, torch.float8_e4m3fn), scale
