@@ -8,7 +8,7 @@
 #     bash bench/cuda_rows_checks.sh tests probe       # ~1 min to build the library module, ~1.5 for the probe's
 #     bash bench/cuda_rows_checks.sh fp8 silu library
 #     bash bench/cuda_rows_checks.sh steps              # a decode step with and without them (gpt-oss-20b, 4 layers)
-#     bash bench/cuda_rows_checks.sh verify             # the M = 1 and 16 table of the MXFP4 shapes
+#     bash bench/cuda_rows_checks.sh verify             # the M = 1 and 16 table (MXFP4 and FP8 shapes)
 set -u
 quiet() { grep -v "^ptxas\|^    [0-9]* bytes\|^\[\|Compiling\|registers\|^SKIPPED\|^PASSED"; }
 nvidia-smi --query-gpu=name --format=csv,noheader
@@ -43,9 +43,9 @@ for part in "${parts[@]}"; do
             --experts mxfp4 --steps-only --step-blocks 1 --temperatures 2>&1 | quiet | grep "^| decode\|copy"
       done ;;
     verify)
-      echo "## verify-block sizes (M = 16) next to one token: the issue's table for the MXFP4 shapes"
+      echo "## verify-block sizes (M = 16) next to one token: the issue's table"
       timeout 200 python3 bench/moe_kernels.py --no-tune --tokens 1 16 --shapes gpt-oss-20b gpt-oss-120b \
-          2>&1 | quiet | tail -10 ;;
+          qwen3-30b-a3b-fp8 2>&1 | quiet | tail -10 ;;
     *) echo "unknown part $part (tests, probe, fp8, silu, library, steps, verify)"; exit 2 ;;
   esac
 done
