@@ -18,22 +18,24 @@ E2M1_MAX_EXPONENT = 2  # 6 = 1.5 * 2^2
 E4M3_MAX = 448.0
 
 
-def _e2m1_table(device, dtype=torch.float32) -> torch.Tensor:
-    magnitudes = torch.tensor(E2M1_VALUES, dtype=dtype, device=device)
-    return torch.cat([magnitudes, -magnitudes])  # codes 0x0-0x7, then the same negated
+def _e2m1_byte_table(device) -> torch.Tensor:
+    """The two values of every byte of packed codes, [256, 2] fp32: the low nibble's first."""
+    magnitudes = torch.tensor(E2M1_VALUES, device=device)
+    values = torch.cat([magnitudes, -magnitudes])  # codes 0x0-0x7, then the same negated
+    byte = torch.arange(256, device=device)
+    return torch.stack([values[byte & 15], values[byte >> 4]], dim=-1)
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """blocks uint8 [..., G, 16], scales uint8 [..., G] -> [..., G * 32]. A 0xFF scale is NaN."""
+    """blocks uint8 [..., G, 16], scales uint8 [..., G] -> [..., G * 32]. A 0xFF scale is NaN. Each byte's pair
+    of values from a 256-entry table (int32 indices), times its group's 2^(e - 127) (exact: a power of two)."""
     if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != MXFP4_GROUP // 2:
         raise ValueError(f"MXFP4 blocks {list(blocks.shape)} and scales {list(scales.shape)} do not match: expected "
                          f"blocks [..., G, {MXFP4_GROUP // 2}] and scales [..., G]")
-    table = _e2m1_table(blocks.device)
-    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # low nibble first
-    exponent = scales.to(torch.int32) - 127
-    values = torch.ldexp(table[codes], exponent[..., None].float())
-    values = torch.where((scales == 0xFF)[..., None], torch.nan, values)
-    return values.flatten(-2).to(dtype)
+    pairs = _e2m1_byte_table(blocks.device).index_select(0, blocks.flatten().int()).view(*blocks.shape, 2)
+    scale = torch.ldexp(torch.ones_like(scales, dtype=torch.float32), scales.to(torch.float32) - 127)
+    values = pairs.mul_(torch.where(scales == 0xFF, torch.nan, scale)[..., None, None])
+    return values.flatten(-3).to(dtype)
 
 
 def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
