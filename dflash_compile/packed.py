@@ -77,7 +77,7 @@ class PackedWeight:
     def quantize(cls, weight: torch.Tensor, format: Format, bias: torch.Tensor | None = None) -> PackedWeight:
         """Pack an [E, N, K] weight (any float dtype) with the format's own rounding rules, an expert at a time: the
         rounding's fp32 scratch is a few copies of one expert, where a whole layer's (gpt-oss-120b's gate/up: 2.1G
-        weights, ~40 GB of scratch) would not fit beside the model."""
+        weights, ~64 GiB at the ~32 bytes a weight that rounding a whole layer took) would not fit beside the model."""
         if format == "dense":
             return cls("dense", weight, None, bias)
         quantizer = quantize_mxfp4 if format == "mxfp4" else partial(quantize_fp8_block, block=FP8_BLOCK)
