@@ -48,14 +48,19 @@ def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                          f"{x.shape[-1]}")
     groups = x.contiguous().float().reshape(*x.shape[:-1], -1, MXFP4_GROUP)
     amax = groups.abs().amax(dim=-1)
-    if not torch.isfinite(amax).all():
-        raise ValueError("the weight holds NaN or infinite values, which MXFP4 cannot represent: check the model's "
-                         "weights before quantizing")
+    _check_finite(amax, "MXFP4")
     exponent = torch.where(amax > 0, torch.floor(torch.log2(amax)) - E2M1_MAX_EXPONENT, torch.zeros_like(amax))
     exponent = exponent.clamp(-127, 127)
     scaled = groups / torch.ldexp(torch.ones_like(exponent), exponent)[..., None]
     codes = _nearest_e2m1_code(scaled)
     return codes[..., 0::2] | (codes[..., 1::2] << 4), (exponent + 127).to(torch.uint8)
+
+
+def _check_finite(amax: torch.Tensor, format: str) -> None:
+    """Refuse a weight whose blocks' largest magnitudes (`amax`) hold NaN or inf: no scale represents them."""
+    if not torch.isfinite(amax).all():
+        raise ValueError(f"the weight holds NaN or infinite values, which {format} cannot represent: check the "
+                         "model's weights before quantizing")
 
 
 def _e2m1_code_table() -> torch.Tensor:
@@ -118,6 +123,7 @@ def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = (128, 128)
     """[N, K] -> (float8_e4m3fn [N, K], fp32 scale_inv grid): scale = block amax / 448, values saturate."""
     blocks = _padded_blocks(weight, block)
     amax = torch.maximum(blocks.amax(dim=(1, 3)), blocks.amin(dim=(1, 3)).neg())  # no |weight| copy
+    _check_finite(amax, "FP8")
     scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
     blocks.div_(scale[:, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX)
     return _unpadded(blocks, weight.shape, torch.float8_e4m3fn), scale

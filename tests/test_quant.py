@@ -85,6 +85,9 @@ def test_fp8_block_round_trip_saturates_and_bounds_error():
     assert torch.isfinite(y).all() and y[5, 7] == pytest.approx(1e6, rel=0.07)
     relative = (w - y).abs() / (scale_inv.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :260] * 448)
     assert relative.max() <= 2 ** -4  # e4m3: 3 mantissa bits, error <= half an ULP of the block's range
+    for bad in (torch.nan, -torch.inf):
+        with pytest.raises(ValueError, match="holds NaN or infinite values, which FP8 cannot represent"):
+            quantize_fp8_block(w.index_put((torch.tensor([299]), torch.tensor([259])), torch.tensor(bad)))
 
 
 def test_dequantize_ops_match_the_reference_and_pass_opcheck():
