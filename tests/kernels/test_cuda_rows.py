@@ -166,10 +166,10 @@ def test_a_packed_gpt_oss_generates_through_the_row_kernels(rows_on, tmp_path, m
     """A tiny gpt-oss MXFP4 checkpoint loaded packed in bf16 on the GPU, top-4 of 8 experts (the row kernels'
     layout): `model.generate` on it runs its decode layers through the row kernels (counted), and `optimize`'s
     compiled step, captured in CUDA graphs, gives the same tokens."""
-    directory = save_tiny_model("gpt_oss", tmp_path / "bf16", hidden_size=256, intermediate_size=256,
+    directory = save_tiny_model("gpt_oss", tmp_path / "fp32", hidden_size=256, intermediate_size=256,
                                 num_local_experts=8, num_experts_per_tok=4)
-    packed = load_packed(quantize(load_tiny_model("gpt_oss", directory=directory), tmp_path / "mxfp4", "mxfp4"),
-                         dtype=torch.bfloat16, device="cuda")
+    model = load_tiny_model("gpt_oss", torch.bfloat16, directory)  # bf16 biases, as the release stores them
+    packed = load_packed(quantize(model, tmp_path / "mxfp4", "mxfp4"), dtype=torch.bfloat16, device="cuda")
     calls = []
     one_token_moe = cuda_rows.one_token_moe
     monkeypatch.setattr(cuda_rows, "one_token_moe", lambda *args: calls.append(1) or one_token_moe(*args))
