@@ -280,10 +280,13 @@ def pack_experts_expanded_at_load(model: torch.nn.Module) -> None:
 
 
 def _lossless_mxfp4(experts: torch.nn.Module) -> tuple[PackedWeight, PackedWeight] | None:
-    """The module's (gate_up, down) packed as MXFP4 if that reproduces every weight exactly, else None."""
+    """The module's (gate_up, down) packed as MXFP4 if that reproduces every weight exactly, else None (NaN or inf
+    weights too: no code holds them, and the quantizer refuses them)."""
     packed = []
     with torch.no_grad():
         for weight in expert_weights(experts):
+            if not torch.isfinite(weight.data).all():
+                return None
             quantized = PackedWeight.quantize(weight.data, "mxfp4", weight.bias)
             if not torch.equal(quantized.dequantize(weight.data.dtype), weight.data):
                 return None

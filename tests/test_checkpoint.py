@@ -104,6 +104,18 @@ def test_optimize_packs_again_the_mxfp4_experts_transformers_expanded_at_load(tm
     assert torch.equal(fast.generate(ids, max_new_tokens=8), expected)
 
 
+def test_expanded_mxfp4_experts_that_do_not_pack_again_keep_their_dtype_with_a_warning(tmp_path):
+    """Expanded experts MXFP4 cannot reproduce (here one NaN weight, which no code holds and the quantizer refuses)
+    are left in the model's dtype: optimize warns and names the packed load rather than raising."""
+    _, directory = _quantized("gpt_oss", "mxfp4", tmp_path)
+    model = _transformers_dequantized_load(directory).eval()
+    with torch.no_grad():
+        model.model.layers[1].mlp.experts.down_proj[0, 0, 0] = torch.nan
+    with pytest.warns(UserWarning, match=r"transformers expanded the checkpoint's mxfp4 routed experts"):
+        dflash_compile.optimize(model, compile=False)
+    assert not hasattr(model.model.layers[0].mlp.experts, "packed_format")
+
+
 def test_experts_on_transformers_mxfp4_hub_kernels_are_refused_naming_the_loads_that_work(tmp_path):
     """transformers with the `kernels` package (a dependency from 5.25) loads an MXFP4 checkpoint into its hub
     kernels' experts (`Mxfp4GptOssExperts`, swizzled weights); optimize refuses them before changing anything."""
