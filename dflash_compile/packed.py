@@ -62,7 +62,7 @@ class PackedWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The reference [E, N, K] weight (pure PyTorch, the definition the kernels are tested against), decoded an
-        expert at a time into the result: the decode's fp32 and int64 scratch is a few copies of one expert's."""
+        expert at a time into the result: the decode's fp32 scratch is a few copies of one expert's."""
         if self.format == "dense":
             return self.data.to(dtype)
         out = torch.empty(self.shape, dtype=dtype, device=self.data.device)

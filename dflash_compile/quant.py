@@ -18,12 +18,15 @@ E2M1_MAX_EXPONENT = 2  # 6 = 1.5 * 2^2
 E4M3_MAX = 448.0
 
 
-def _e2m1_byte_table(device) -> torch.Tensor:
+def _e2m1_byte_table() -> torch.Tensor:
     """The two values of every byte of packed codes, [256, 2] fp32: the low nibble's first."""
-    magnitudes = torch.tensor(E2M1_VALUES, device=device)
+    magnitudes = torch.tensor(E2M1_VALUES)
     values = torch.cat([magnitudes, -magnitudes])  # codes 0x0-0x7, then the same negated
-    byte = torch.arange(256, device=device)
+    byte = torch.arange(256)
     return torch.stack([values[byte & 15], values[byte >> 4]], dim=-1)
+
+
+_E2M1_PAIRS = _e2m1_byte_table()
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -32,7 +35,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != MXFP4_GROUP // 2:
         raise ValueError(f"MXFP4 blocks {list(blocks.shape)} and scales {list(scales.shape)} do not match: expected "
                          f"blocks [..., G, {MXFP4_GROUP // 2}] and scales [..., G]")
-    pairs = _e2m1_byte_table(blocks.device).index_select(0, blocks.flatten().int()).view(*blocks.shape, 2)
+    pairs = _E2M1_PAIRS.to(blocks.device).index_select(0, blocks.flatten().int()).view(*blocks.shape, 2)
     scale = torch.ldexp(torch.ones_like(scales, dtype=torch.float32), scales.to(torch.float32) - 127)
     values = pairs.mul_(torch.where(scales == 0xFF, torch.nan, scale)[..., None, None])
     return values.flatten(-3).to(dtype)
