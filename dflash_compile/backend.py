@@ -137,13 +137,16 @@ def _without_grad(compiled: Callable) -> Callable:
 
 def _make_lasting_buffers(example_inputs) -> None:
     """The fused kernels' buffers that live for the process, made now for the graph's CUDA devices
-    (`make_arrival_counts`): its first run may be a CUDA-graph warm-up, whose allocations must not outlive it."""
+    (`make_arrival_counts`): its first run may be a CUDA-graph warm-up, whose allocations must not outlive it. The
+    CUDA row kernels are built (or found unused) now as well, and a bad DFLASH_CUDA_ROWS raises before any run."""
     devices = {t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda}
     if devices:
+        from .kernels import cuda_rows
         from .kernels.arrivals import make_arrival_counts
 
         for device in devices:
             make_arrival_counts(device)
+        cuda_rows.load()
 
 
 def dflash_backend(gm: GraphModule, example_inputs, options: dict | None = None, mode: str | None = None):

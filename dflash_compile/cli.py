@@ -286,7 +286,7 @@ def build_kernels_command(args) -> int:
     from .kernels import cpu, cuda_rows
 
     print(cpu.status())
-    print(cuda_rows.status())  # built here when DFLASH_CUDA_ROWS=1 on a Hopper GPU
+    print(cuda_rows.status())  # built here on an H100, or any Hopper GPU with DFLASH_CUDA_ROWS=1
     return 0
 
 

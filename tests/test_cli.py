@@ -207,11 +207,12 @@ def test_bench_writes_a_report_and_plots(tmp_path, capsys):
 def test_build_kernels_command(capsys, monkeypatch):
     from dflash_compile.kernels import cuda_rows
 
-    monkeypatch.delenv("DFLASH_CUDA_ROWS", raising=False)
+    monkeypatch.setenv("DFLASH_CUDA_ROWS", "0")
     cuda_rows.load.cache_clear()
     assert main(["build-kernels"]) == 0
     assert capsys.readouterr().out.splitlines() == [
-        "C++ CPU kernels loaded", "CUDA row kernels unused: off (DFLASH_CUDA_ROWS=1 turns them on)"]
+        "C++ CPU kernels loaded", "CUDA row kernels unused: off (DFLASH_CUDA_ROWS=0)"]
+    cuda_rows.load.cache_clear()
 
 
 def test_timed_together_alternates_the_sides():

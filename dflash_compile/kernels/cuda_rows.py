@@ -8,8 +8,9 @@ Every lane of a warp reads its own 16-byte pieces of a row and decodes them in r
 once per CTA in shared memory: none of the Triton row path's per-step staging and barriers. On an H100 a
 gpt-oss-20b layer took 26.7 us against the Triton path's 31.0 (66% of the copy bandwidth), a SiLU MXFP4 one of
 Qwen3-30B-A3B's shape 14.3 against 18.3, a Qwen3-30B-A3B-FP8 one 18.4 against 20.6 (docs/benchmarks.md, session 60;
-tests/kernels/test_cuda_rows.py passes there). Off unless DFLASH_CUDA_ROWS=1 until measured on the H200, where
-session 58's earlier versions ran 0.87-0.98x of Triton.
+tests/kernels/test_cuda_rows.py passes there). So they run by default on the GPUs of `FASTER_ON`, where they were
+measured faster; elsewhere (the H200, where session 58's versions of the same design ran 0.87-0.98x of Triton) only
+with DFLASH_CUDA_ROWS=1, and never with DFLASH_CUDA_ROWS=0.
 
 Compiled once per machine and torch version on first use with `torch.utils.cpp_extension.load` (nvcc and a CUDA
 build of torch; cached in TORCH_EXTENSIONS_DIR), as the CPU kernels are (`kernels.cpu`); without them the Triton
@@ -32,19 +33,31 @@ from . import build_extension
 SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "moe_rows_cuda.cu"
 MXFP4_TOP_K, MXFP4_SILU_TOP_K, FP8_TOP_K = 4, (2, 4, 8), 8  # routed experts per token: gpt-oss; SiLU; Qwen3-FP8
 MAX_GROUPS = 128  # MXFP4: 32-code groups a row may have, up to four a lane
+FASTER_ON = ("H100",)  # GPUs (in the device name) where they beat the Triton kernels (docs/benchmarks.md, 60 and 62)
+SETTINGS = ("0", "1", "auto")  # DFLASH_CUDA_ROWS: off, on (any Hopper GPU), on where FASTER_ON (the default)
 FP8_MAX_HIDDEN, FP8_MAX_INTER = 4096, 2048  # FP8: up to 8 and 4 16-byte chunks per lane
 _failure: str | None = None
 
 
 @functools.cache
 def load():
-    """The compiled module, or None (with `status()` saying why): off, no CUDA Hopper GPU, or no build."""
+    """The compiled module, or None (with `status()` saying why): turned off, no CUDA Hopper GPU, a GPU they are not
+    faster on (unless asked for), or no build."""
     global _failure
-    if os.environ.get("DFLASH_CUDA_ROWS", "0") != "1":
-        _failure = "off (DFLASH_CUDA_ROWS=1 turns them on)"
+    setting = os.environ.get("DFLASH_CUDA_ROWS", "auto")
+    if setting not in SETTINGS:
+        raise ValueError(f"DFLASH_CUDA_ROWS={setting!r}: use 1 (the CUDA row kernels on), 0 (off) or auto (on the "
+                         f"GPUs they are faster on: {', '.join(FASTER_ON)})")
+    if setting == "0":
+        _failure = "off (DFLASH_CUDA_ROWS=0)"
         return None
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         _failure = "they need a GPU of compute capability 9.0 (H100, H200)"
+        return None
+    name = torch.cuda.get_device_name()
+    if setting == "auto" and not any(faster in name for faster in FASTER_ON):
+        _failure = (f"off on the {name}: measured faster than the Triton kernels only on the {', '.join(FASTER_ON)} "
+                    "(DFLASH_CUDA_ROWS=1 turns them on)")
         return None
     if not SOURCE.exists():
         _failure = f"source not found ({SOURCE}): install from a source checkout"
@@ -54,7 +67,7 @@ def load():
     module, _failure = build_extension(name="dflash_cuda_rows", sources=[str(SOURCE)], verbose=False,
                                        extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a",
                                                           f"-DDFLASH_KERNELS={kernels}"])
-    if _failure is not None:  # no nvcc / ninja, or a build error
+    if _failure is not None and setting == "1":  # asked for, but no nvcc / ninja, or a build error
         warnings.warn(f"dflash CUDA row kernels unavailable ({_failure}); one-token layers run the Triton kernels",
                       stacklevel=2)
     return module

@@ -1,6 +1,6 @@
-"""The CUDA C++ row kernels of one token's MoE layer (csrc/moe_rows_cuda.cu, `kernels.cuda_rows`): off unless asked;
-on a Hopper GPU, gpt-oss MXFP4 and Qwen3 FP8 layers against the reference, under CUDA graphs, and the calls they
-leave to Triton."""
+"""The CUDA C++ row kernels of one token's MoE layer (csrc/moe_rows_cuda.cu, `kernels.cuda_rows`): on by default where
+they were measured faster (the H100), asked for or turned off by DFLASH_CUDA_ROWS; on a Hopper GPU, gpt-oss MXFP4 and
+Qwen3 FP8 layers against the reference, under CUDA graphs, and the calls they leave to Triton."""
 
 import pytest
 import torch
@@ -36,11 +36,39 @@ def _gpt_oss_layer(hidden, inter, experts=8, seed=0):
     return bf16(gate_up), bf16(down)
 
 
-def test_the_row_kernels_are_off_unless_asked(monkeypatch):
-    monkeypatch.delenv("DFLASH_CUDA_ROWS", raising=False)
+def _loaded_with(monkeypatch, setting):
+    """cuda_rows.load() with DFLASH_CUDA_ROWS=setting (None: unset, the default), asked afresh."""
+    if setting is None:
+        monkeypatch.delenv("DFLASH_CUDA_ROWS", raising=False)
+    else:
+        monkeypatch.setenv("DFLASH_CUDA_ROWS", setting)
     cuda_rows.load.cache_clear()
-    assert cuda_rows.load() is None
-    assert cuda_rows.status() == "CUDA row kernels unused: off (DFLASH_CUDA_ROWS=1 turns them on)"
+    return cuda_rows.load()
+
+
+def test_the_row_kernels_can_be_turned_off_and_need_a_hopper_gpu(monkeypatch):
+    assert _loaded_with(monkeypatch, "0") is None
+    assert cuda_rows.status() == "CUDA row kernels unused: off (DFLASH_CUDA_ROWS=0)"
+    if not HOPPER:  # on by default and when asked, but not without the GPU
+        for setting in (None, "1"):
+            assert _loaded_with(monkeypatch, setting) is None
+            assert cuda_rows.status() == ("CUDA row kernels unused: they need a GPU of compute capability 9.0 "
+                                          "(H100, H200)")
+    with pytest.raises(ValueError, match=r"DFLASH_CUDA_ROWS='yes': use 1 \(the CUDA row kernels on\), 0 \(off\) or"):
+        _loaded_with(monkeypatch, "yes")
+    cuda_rows.load.cache_clear()
+
+
+@needs_hopper
+def test_by_default_the_row_kernels_run_on_the_gpus_they_are_faster_on(monkeypatch):
+    name = torch.cuda.get_device_name()
+    faster = any(gpu in name for gpu in cuda_rows.FASTER_ON)
+    assert (_loaded_with(monkeypatch, None) is not None) == faster
+    if not faster:
+        assert cuda_rows.status() == (f"CUDA row kernels unused: off on the {name}: measured faster than the Triton "
+                                      "kernels only on the H100 (DFLASH_CUDA_ROWS=1 turns them on)")
+    assert _loaded_with(monkeypatch, "1") is not None  # asked for: on any Hopper GPU
+    cuda_rows.load.cache_clear()
 
 
 def test_which_layouts_the_row_kernels_take():
