@@ -22,8 +22,6 @@ per SM) and keep DEPTH units' loads in flight.
 - SiLU MXFP4 (`--shape qwen3-30b-a3b-mxfp4`, `moe_silu`): the library's `mxfp4_layer<8, false>` launches (gate
   rows then up rows, no biases, fp32 activations; 2 groups a lane in gate/up, 1 in down) with the config's
   DEPTH2, CTAS1, CTAS2 and ROWS (DEPTH1 is 1).
-- One launch (`layer_kernel`, the header's; configs `fused,CTAS`): gate/up units, a grid barrier, then down units
-  of one output row (its top-k experts' rows); checked bit for bit against the two launches of config 1,1,2,3,4.
 - `--configs` DEPTH1,DEPTH2,CTAS1,CTAS2[,ROWS[,COLS]] (gate/up, down; ROWS 2 or 4, default 2; COLS 1 or 2, default
   1; gate/up's registers capped for CTAS1 CTAs per SM, up to 3); each also timed with gate/up's
   loads alone (no decode) and its decode alone (words made up, no loads). `--ncu`: a few plain calls for a
@@ -111,14 +109,6 @@ void moe(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor b1, 
   TORCH_CHECK(false, "no such config");
 }
 
-// one token's gpt-oss layer in one launch (the header's layer_kernel), 2 or 3 CTAs per SM
-torch::Tensor moe_fused(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor b1, torch::Tensor w2,
-                        torch::Tensor s2, torch::Tensor b2, torch::Tensor experts, torch::Tensor weights,
-                        torch::Tensor counters, double alpha, double limit, int64_t paired_shift, int64_t ctas) {
-  auto layer = ctas == 3 ? mxfp4_fused_layer<4, 3> : mxfp4_fused_layer<4, 2>;
-  return layer(x, w1, s1, b1, w2, s2, b2, experts, weights, counters, alpha, limit, paired_shift);
-}
-
 // one token's SiLU MXFP4 layer, Qwen3-30B-A3B's shape (K 2048: 2 groups a lane; I 768: 1), as the library's
 // mxfp4_layer<8, false> launches it but for the depths, CTAs per SM and down rows
 template <int DEPTH2, int ROWS>
@@ -197,10 +187,7 @@ CPP = ("void moe(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Ten
        "int64_t depth2, int64_t ctas1, int64_t ctas2, int64_t rows, int64_t parts, bool pdl);\n"
        "void moe_silu(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor w2, torch::Tensor s2, "
        "torch::Tensor experts, torch::Tensor weights, torch::Tensor h, torch::Tensor out, int64_t depth2, "
-       "int64_t ctas1, int64_t ctas2, int64_t rows, int64_t parts, bool pdl);\n"
-       "torch::Tensor moe_fused(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor b1, "
-       "torch::Tensor w2, torch::Tensor s2, torch::Tensor b2, torch::Tensor experts, torch::Tensor weights, "
-       "torch::Tensor counters, double alpha, double limit, int64_t paired_shift, int64_t ctas);")
+       "int64_t ctas1, int64_t ctas2, int64_t rows, int64_t parts, bool pdl);")
 
 ALPHA, LIMIT, PAIRED_SHIFT = 1.702, 7.0, 9  # gpt-oss' clamped SwiGLU; its outputs times 2^9 stay in fp16
 PROBED = ("gpt-oss-20b", "qwen3-30b-a3b-fp8", "qwen3-30b-a3b-mxfp4")
@@ -223,8 +210,7 @@ def main() -> None:
                              "(gate/up, down), the down kernel's rows per batch (2 or 4; default 2), gate/up's "
                              "columns per unit (1 or 2; default 1)")
     args = parser.parse_args()
-    module = load_inline("probe_cuda_rows", CPP, cuda_sources=CUDA,
-                         functions=["moe", "moe_fp8", "moe_silu", "moe_fused"],
+    module = load_inline("probe_cuda_rows", CPP, cuda_sources=CUDA, functions=["moe", "moe_fp8", "moe_silu"],
                          extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-lineinfo", "-Xptxas=-v"],
                          verbose=True)  # ptxas' registers and spills
     experts, top_k, hidden, inter, format, gpt_oss = SHAPES[args.shape]
@@ -251,21 +237,10 @@ def main() -> None:
                            *config[:5], parts, pdl)
         return out
 
-    counters = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
-
-    def fused(gate_up, down, config):  # config: ("fused", CTAS)
-        return module.moe_fused(x, gate_up.data, gate_up.scales, gate_up.bias, down.data, down.scales, down.bias,
-                                flat_index, flat_weights, counters, ALPHA, LIMIT, PAIRED_SHIFT, *config[1:])
-
     def library(gate_up, down):
         gate = dict(alpha=ALPHA, limit=LIMIT) if gpt_oss else {}
         return fused_moe(x, index, weights, gate_up, down, interleaved=gpt_oss, activation=activation, **gate)
 
-    if args.ncu and args.configs[0].startswith("fused"):
-        for g, d in layers:
-            fused(g, d, ("fused", *map(int, args.configs[0].split(",")[1:])))
-        torch.cuda.synchronize()
-        return
     if args.ncu:
         config = parse_config(args.configs[0])
         for mode in (0, 1, 2) if gpt_oss else (0,):
@@ -283,17 +258,7 @@ def main() -> None:
           f"call; one read {read_us:.1f} us ({moved / read_us / 1e3 / copy:.0%})", flush=True)
     print(f"library fused_moe {library_us:.1f} us ({moved / library_us / 1e3 / copy:.0%} of copy), "
           f"err {error(library(*layers[0])):.1e}", flush=True)
-    two_launches = probe(*layers[0], parse_config("1,1,2,3,4")).clone()  # the library's row kernels
     for config in args.configs:
-        if config.startswith("fused"):
-            config = ("fused", *map(int, config.split(",")[1:]))
-            got = fused(*layers[0], config)
-            same = torch.equal(got, two_launches) and torch.equal(fused(*layers[0], config), got)
-            took = graph_time_us([lambda g=g, d=d: fused(g, d, config) for g, d in layers])
-            print(f"one launch, CTAs per SM {config[1]}: {took:6.1f} us ({moved / took / 1e3 / copy:.0%}"
-                  f" of copy, {library_us / took:.2f}x library); err {error(got):.1e}, bit for bit the two launches'"
-                  f" (twice): {same}", flush=True)
-            continue
         config = parse_config(config)
         err = error(probe(*layers[0], config))
         both = graph_time_us([lambda g=g, d=d: probe(g, d, config) for g, d in layers])

@@ -29,12 +29,6 @@ __device__ __forceinline__ void let_next() { asm volatile("griddepcontrol.launch
 
 __device__ __forceinline__ float exp2i(int e) { return __int_as_float((e + 127) << 23); }
 
-__device__ __forceinline__ int load_acquire(const int* p) {  // later loads, L1's included, see what p's writers wrote
-  int v;
-  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
 // The routing weights as the router left them, fp32 or bf16 (gpt-oss' softmax keeps bf16): read in the kernel
 // rather than cast by a launch of its own
 struct RoutingWeights {
@@ -243,16 +237,18 @@ __device__ __forceinline__ float row_dot(const Loads<ROWS, GPL>& l, int j, const
 // gate/up: a unit is COLS output columns c .. c + COLS - 1 of expert slot s (unit s * I / COLS + c / COLS), their
 // gate and up rows (I a multiple of COLS); more columns a unit share the activations' shared-memory reads, the
 // shuffles and the epilogue (lanes 32 j / COLS finish column c + j). Two layouts: GPT_OSS, gate and up rows
-// interleaved (2c, 2c + 1), biases, clamped SwiGLU times 2^paired_shift (for fp16 out: bounded, no scale to find);
-// otherwise gate rows then up rows (c, I + c), no biases, SiLU(gate) * up. `store(slot, c, value)` writes column c's
-// activation. The units of a persistent grid's warp `me`; xs: the CTA's activation_bytes(G) of shared memory.
-template <int WARPS, int DEPTH, int MODE, int COLS, bool GPT_OSS, int GPL, typename Store>
-__device__ __forceinline__ void gate_up_units(
-    const PersistentWarp& me, const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ blocks,
-    const uint8_t* __restrict__ scales, const __nv_bfloat16* __restrict__ bias, const int64_t* __restrict__ experts,
-    int I, int G, int units, float alpha, float limit, int paired_shift, uint4* xs, Store store) {
+// interleaved (2c, 2c + 1), biases, clamped SwiGLU, fp16 out times 2^paired_shift (bounded: no scale to find);
+// otherwise gate rows then up rows (c, I + c), no biases, SiLU(gate) * up, fp32 out. Both in pair order.
+template <int WARPS, int DEPTH, int MODE, int MIN_CTAS = 1, int COLS = 1, bool GPT_OSS = true, int GPL = 3>
+__global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) gate_up_kernel(
+    const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ blocks, const uint8_t* __restrict__ scales,
+    const __nv_bfloat16* __restrict__ bias, const int64_t* __restrict__ experts,
+    std::conditional_t<GPT_OSS, __half, float>* __restrict__ h, int I, int G, int units, float alpha, float limit,
+    int paired_shift) {
+  extern __shared__ uint4 xs[];
   __shared__ float warp_max[WARPS];
   __shared__ int expert_rows[8];
+  const PersistentWarp me(WARPS, units);
   const int lane = me.lane, warp = me.warp, stride = me.stride, first = me.first, iters = me.iters;
   wait_previous();
   constexpr int ROWS = 2 * COLS;
@@ -329,29 +325,13 @@ __device__ __forceinline__ void gate_up_units(
           gate = fminf(gate, limit);
           up = fminf(fmaxf(up, -limit), limit);
           const float act = (up + 1.f) * __fdividef(gate, 1.f + __expf(-gate * alpha));  // no slow-path call
-          store(slot, c, act * out_scale);
+          h[slot * I + paired_column(c)] = __float2half_rn(act * out_scale);
         } else {
-          store(slot, c, __fdividef(gate, 1.f + __expf(-gate)) * up);
+          h[slot * I + paired_column(c)] = __fdividef(gate, 1.f + __expf(-gate)) * up;
         }
       }
     }
   }
-}
-
-// gate/up as a launch of its own: h [slots, I] in pair order, fp16 (GPT_OSS) or fp32
-template <int WARPS, int DEPTH, int MODE, int MIN_CTAS = 1, int COLS = 1, bool GPT_OSS = true, int GPL = 3>
-__global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) gate_up_kernel(
-    const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ blocks, const uint8_t* __restrict__ scales,
-    const __nv_bfloat16* __restrict__ bias, const int64_t* __restrict__ experts,
-    std::conditional_t<GPT_OSS, __half, float>* __restrict__ h, int I, int G, int units, float alpha, float limit,
-    int paired_shift) {
-  extern __shared__ uint4 xs[];
-  gate_up_units<WARPS, DEPTH, MODE, COLS, GPT_OSS, GPL>(
-      PersistentWarp(WARPS, units), x, blocks, scales, bias, experts, I, G, units, alpha, limit, paired_shift, xs,
-      [&](int slot, int c, float value) {
-        if constexpr (GPT_OSS) h[slot * I + paired_column(c)] = __float2half_rn(value);
-        else h[slot * I + paired_column(c)] = value;
-      });
 }
 
 // A warp's staging of one expert's fp32 activations (in pair order, `values` of them) as fp16 times 2^shift, the
@@ -412,69 +392,6 @@ __global__ void __launch_bounds__(TOPK * 32) down_by_expert_kernel(
   down_batches<DEPTH, ROWS, TOPK>(
       ring, issue, [&](const Loads<ROWS, GPL>& l, int j) { return row_dot<0>(l, j, mine, lane, G, bias_scale); },
       scale, partial, iters, k, lane, H, out);
-}
-
-// One token's whole layer in one persistent launch (gpt-oss's layout): every warp takes its gate/up units (as
-// gate_up_kernel), the grid waits for all of them (every CTA resident: the host sizes the grid so), then a warp's
-// unit is one output row: its TOPK experts' rows, each slot's activations staged in the CTA's shared memory, their
-// weighted sums added in slot order in the warp (bit for bit the two launches' sums). Against the two launches: each
-// warp's first down rows are in flight while the grid finishes gate/up, every SM's warps take part in down (not only
-// those of the down CTAs that fit beside gate/up's), and no partial sums cross shared memory or barriers.
-// `counters`: two zeroed int32 (warps past gate/up, CTAs finished), left zero.
-template <int WARPS, int TOPK, int GPL, int MIN_CTAS>
-__global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) layer_kernel(
-    const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ w1, const uint8_t* __restrict__ s1,
-    const __nv_bfloat16* __restrict__ b1, const int64_t* __restrict__ experts, __half* h,
-    const uint4* __restrict__ w2, const uint8_t* __restrict__ s2, const __nv_bfloat16* __restrict__ b2,
-    RoutingWeights weights, __nv_bfloat16* __restrict__ out, int* counters, int I, int G, int H, int G2,
-    float alpha, float limit, int paired_shift) {
-  extern __shared__ uint4 xs[];  // gate/up's activations, then down's (TOPK slots)
-  const PersistentWarp gate_up(WARPS, TOPK * I), down(WARPS, H);
-  const int lane = gate_up.lane;
-  gate_up_units<WARPS, 1, 0, 1, true, GPL>(
-      gate_up, x, w1, s1, b1, experts, I, G, TOPK * I, alpha, limit, paired_shift, xs,
-      [&](int slot, int c, float value) { h[slot * I + paired_column(c)] = __float2half_rn(value); });
-  auto issue = [&](Loads<TOPK, GPL>& l, int n) {
-    int rows[TOPK];
-#pragma unroll
-    for (int k = 0; k < TOPK; ++k) rows[k] = int(experts[k]) * H + min(n, H - 1);  // past H: nothing stored
-    load_rows<TOPK, 0, GPL>(l, w2, s2, b2, rows, lane, G2);
-  };
-  Loads<TOPK, GPL> ring = {};
-  issue(ring, down.first);  // in flight while the grid finishes gate/up
-  __syncthreads();  // the grid's barrier: every warp's activations stored, then visible to every CTA
-  if (threadIdx.x == 0) {
-    __threadfence();
-    atomicAdd(counters, 1);
-    while (load_acquire(counters) < int(gridDim.x)) __nanosleep(64);
-  }
-  __syncthreads();
-  const uint4* hq = reinterpret_cast<const uint4*>(h);
-  for (int i = threadIdx.x; i < TOPK * G2 * 4; i += WARPS * 32) {
-    const int k = i / (G2 * 4), q = i % (G2 * 4);
-    xs[k * G2 * QUADS + quad(q / 4, q % 4)] = hq[i];
-  }
-  __syncthreads();
-  const float unscale = exp2i(14 - paired_shift), bias_scale = exp2i(paired_shift - 14);
-  const float scale = weights[lane / (32 / TOPK)] * unscale;  // lane 32 k / TOPK: slot k's weight
-  for (int it = 0, n = down.first; it < down.iters; ++it, n += down.stride) {
-    float dots[TOPK];
-#pragma unroll
-    for (int k = 0; k < TOPK; ++k) dots[k] = row_dot<0>(ring, k, xs + k * G2 * QUADS, lane, G2, bias_scale);
-    issue(ring, n + down.stride);
-    const float weighted = scale * lane_sums<TOPK>(dots, lane);  // lane 32 k / TOPK: slot k's
-    float total = 0.f;
-#pragma unroll
-    for (int k = 0; k < TOPK; ++k) total += __shfl_sync(0xffffffffu, weighted, k * (32 / TOPK));
-    if (lane == 0) out[n] = __float2bfloat16_rn(total);
-  }
-  if (threadIdx.x == 0) {  // the last CTA out leaves the counters zero for the next launch
-    __threadfence();
-    if (atomicAdd(counters + 1, 1) == int(gridDim.x) - 1) {
-      counters[0] = 0;
-      counters[1] = 0;
-    }
-  }
 }
 
 // ---- FP8 (float8_e4m3fn, 128 x 128 block scales; Qwen3-FP8 style: gate and up rows concatenated, SiLU) ----
@@ -733,38 +650,6 @@ torch::Tensor mxfp4_layer(const torch::Tensor& x, const torch::Tensor& w1, const
            TOPK * activation_bytes(G2), true, (const Activations*)h.data_ptr(), (const uint4*)w2.data_ptr(),
            (const uint8_t*)s2.data_ptr(), b2, (const int64_t*)experts.data_ptr(), routing_weights(weights),
            (__nv_bfloat16*)out.data_ptr(), H, G2, int(paired_shift));
-  });
-  return out;
-}
-
-// One token's gpt-oss-layout MXFP4 layer in one launch (layer_kernel), same inputs and result as mxfp4_layer<TOPK,
-// true>, bit for bit; `counters` two zeroed int32; MIN_CTAS per SM (registers capped for them)
-template <int TOPK, int MIN_CTAS>
-torch::Tensor mxfp4_fused_layer(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& s1,
-                                const torch::Tensor& b1, const torch::Tensor& w2, const torch::Tensor& s2,
-                                const torch::Tensor& b2, const torch::Tensor& experts, const torch::Tensor& weights,
-                                const torch::Tensor& counters, double alpha, double limit,
-                                int64_t paired_shift) {
-  constexpr int WARPS = 8;
-  const int I = w1.size(1) / 2, G = w1.size(2), H = w2.size(1), G2 = w2.size(2);
-  TORCH_CHECK(w1.numel() / 16 < INT32_MAX && w2.numel() / 16 < INT32_MAX, "the kernels index groups in 32 bits");
-  TORCH_CHECK(counters.scalar_type() == torch::kInt && counters.numel() >= 2, "the fused layer needs 2 zeroed int32");
-  auto out = torch::empty({1, H}, x.options());
-  auto h = torch::empty({TOPK, I}, x.options().dtype(torch::kHalf));
-  with_groups_per_lane(std::max(G, G2), [&](auto gpl) {
-    auto kernel = layer_kernel<WARPS, TOPK, decltype(gpl)::value, MIN_CTAS>;
-    const size_t smem = std::max(activation_bytes(G), TOPK * activation_bytes(G2));
-    if (smem > 48 * 1024) allow_shared_memory(reinterpret_cast<const void*>(kernel), smem);
-    int resident = 0;
-    TORCH_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, WARPS * 32, smem) == cudaSuccess
-                && resident > 0, "the fused layer kernel does not fit an SM");
-    const int grid = std::min(multiprocessors() * std::min(MIN_CTAS, resident), (TOPK * I + WARPS - 1) / WARPS);
-    launch(kernel, dim3(grid), dim3(WARPS * 32), smem, true, (const __nv_bfloat16*)x.data_ptr(),
-           (const uint4*)w1.data_ptr(), (const uint8_t*)s1.data_ptr(), (const __nv_bfloat16*)b1.data_ptr(),
-           (const int64_t*)experts.data_ptr(), (__half*)h.data_ptr(), (const uint4*)w2.data_ptr(),
-           (const uint8_t*)s2.data_ptr(), (const __nv_bfloat16*)b2.data_ptr(), routing_weights(weights),
-           (__nv_bfloat16*)out.data_ptr(), (int*)counters.data_ptr(), I, G, H, G2, float(alpha), float(limit),
-           int(paired_shift));
   });
   return out;
 }
