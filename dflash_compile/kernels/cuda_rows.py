@@ -33,7 +33,7 @@ from . import build_extension
 SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "moe_rows_cuda.cu"
 MXFP4_TOP_K, MXFP4_SILU_TOP_K, FP8_TOP_K = 4, (2, 4, 8), 8  # routed experts per token: gpt-oss; SiLU; Qwen3-FP8
 MAX_GROUPS = 128  # MXFP4: 32-code groups a row may have, up to four a lane
-FASTER_ON = ("H100",)  # GPUs (in the device name) where they beat the Triton kernels (docs/benchmarks.md, 60 and 62)
+FASTER_ON = ("H100",)  # GPUs (in the device name) where they beat the Triton kernels (docs/benchmarks.md, 60-64)
 SETTINGS = ("0", "1", "auto")  # DFLASH_CUDA_ROWS: off, on (any Hopper GPU), on where FASTER_ON (the default)
 FP8_MAX_HIDDEN, FP8_MAX_INTER = 4096, 2048  # FP8: up to 8 and 4 16-byte chunks per lane
 _failure: str | None = None
