@@ -1480,17 +1480,15 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
         intermediate = _finish_gate_up(intermediate, _gate_up_dtype(x.dtype, compute_fp32, fp16_operands),
                                        activation, alpha, limit, fp16_operands)
     weights = top_k_weights.reshape(-1).contiguous()
-    down_call = dict(gated=False, interleaved=False, activation="silu", host=host[1] if host else None,
-                     x_shifts=out_shifts, splits=down_splits)
-    if not split_rows:
-        return _launch(intermediate, down, blocks, weights, tokens * top_k, h, 1, **down_call,
-                       out_dtype=hidden.dtype, sum_top_k=top_k, **settings | down_tiles)
-    per_pair = None  # each pair's weighted rows in fp32 from both launches, then summed as one launch's are
-    for tiles_of_part, down_tiles_of_part, blocks_of_part in parts:
-        per_pair = _launch(intermediate, down, blocks, weights, tokens * top_k, h, 1, **down_call,
-                           out_dtype=torch.float32, **tiles_of_part | down_tiles_of_part, **blocks_of_part,
-                           into=None if per_pair is None else per_pair[None])
-    return _sum_pairs(per_pair.view(1, tokens, top_k, h), hidden.dtype)
+    result = None
+    for part, (tiles_of_part, down_tiles_of_part, blocks_of_part) in enumerate(parts):
+        last = part == len(parts) - 1  # sums each token's pairs, the earlier launches' fp32 rows included
+        result = _launch(intermediate, down, blocks, weights, tokens * top_k, h, 1, gated=False, interleaved=False,
+                         activation="silu", host=host[1] if host else None, x_shifts=out_shifts, splits=down_splits,
+                         out_dtype=hidden.dtype if last else torch.float32, sum_top_k=top_k if last else 0,
+                         **tiles_of_part | down_tiles_of_part, **blocks_of_part,
+                         into=None if result is None else result[None])
+    return result
 
 
 # Pairs per routed expert, by format, from which an MoE call (prefill sizes) dequantizes its experts to the
