@@ -2,6 +2,10 @@
 run it under TRITON_INTERPRET=1, whose bf16 arithmetic is wrong. The ops fall back to the pure-PyTorch reference in
 `dflash_compile.expert_store` where no kernel is registered."""
 
+import contextlib
+import fcntl
+import os
+
 import torch
 
 
@@ -20,7 +24,21 @@ def build_extension(**options) -> tuple[object, str | None]:
     from torch.utils import cpp_extension
 
     try:
-        return cpp_extension.load(**options), None
+        with _no_stale_build_lock(cpp_extension._get_build_directory(options["name"], verbose=False)):
+            return cpp_extension.load(**options), None
     except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as error:
         message = str(error).strip()
         return None, f"build failed: {message.splitlines()[-1] if message else repr(error)}"
+
+
+@contextlib.contextmanager
+def _no_stale_build_lock(directory: str):
+    """Holds an exclusive flock on `<directory>/dflash.lock` while torch builds or loads the extension there. Torch's
+    own `lock` file in that directory outlives a build killed midway (a timeout's SIGTERM, SIGKILL), and every later
+    load of the extension, cached or not, then waits on it forever. The flock dies with its process, so once it is
+    held no live build of ours is running there and a `lock` left behind is stale: removed."""
+    with open(os.path.join(directory, "dflash.lock"), "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)  # released when the file closes or the process dies
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(directory, "lock"))
+        yield

@@ -1,5 +1,9 @@
 """The C++ CPU kernel of `dflash::packed_moe` (csrc/moe_cpu.cpp) against reference dequantization + fp64 math."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -167,6 +171,23 @@ def test_a_broken_compiler_falls_back_with_the_reason(monkeypatch, tmp_path):
             assert not cpu.load()
     finally:
         cpu.load.cache_clear()
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_stall_the_next_load():
+    """Torch's `lock` file in the build directory, as a build killed midway leaves it (a timeout's SIGTERM): every
+    later load of the kernels used to wait on it forever. A fresh process loads them (the set-up command's cached
+    build) within the time limit and the stale lock is gone."""
+    from torch.utils import cpp_extension
+
+    assert cpu.load()  # built and cached before the lock is planted
+    lock = Path(cpp_extension._get_build_directory("dflash_cpu_kernels", verbose=False)) / "lock"
+    lock.touch()
+    try:
+        subprocess.run([sys.executable, "-c", "from dflash_compile.kernels import cpu; assert cpu.load()"],
+                       check=True, timeout=300)
+        assert not lock.exists()
+    finally:
+        lock.unlink(missing_ok=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
