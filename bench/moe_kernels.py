@@ -10,7 +10,6 @@ bf16 checkpoints) run the fused kernel on bf16 weights as their "fused" column.
     python bench/moe_kernels.py --shapes gpt-oss-20b --tokens 1 --one-token-only   # sweep one token's tiles only
     python bench/moe_kernels.py --no-tune --down-sweep --shapes gpt-oss-20b --tokens 1 16   # down launch apart
     python bench/moe_kernels.py --no-tune --shapes gpt-oss-20b --tokens 4 8 --tiles block_m=2   # M > 1 overrides
-    python bench/moe_kernels.py --no-tune --shapes gpt-oss-20b --tokens 16 --tiles split_rows=4   # split by pairs
     python bench/moe_kernels.py --no-tune --shapes gpt-oss-120b --tokens 4 16 --routing-skew 1   # a skewed router
     python bench/moe_kernels.py --no-tune --tokens 256 --sweep block_m=16,64 num_warps=4,8   # best tiles per shape, M
     python bench/moe_kernels.py --no-tune --tokens 2048 4096 --dequantize-pairs 1 --baseline old_moe.py   # prefill

@@ -824,7 +824,7 @@ def _moe_gemm_kernel(
     HOST_FALLBACK: tl.constexpr, BLOCKING: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, TMA_LOADS: tl.constexpr,
     DEPENDENT_LAUNCH: tl.constexpr, X_PAIRED: tl.constexpr, PAIRED_SHIFT: tl.constexpr, SCAN: tl.constexpr,
-    SUM_TOP_K: tl.constexpr, ALIGNED_M: tl.constexpr = 0, FEWEST: tl.constexpr = 1,
+    SUM_TOP_K: tl.constexpr,
 ):
     _wait_for_previous_launch(DEPENDENT_LAUNCH)
     block = tl.program_id(0)
@@ -849,11 +849,6 @@ def _moe_gemm_kernel(
         pairs = tl.where(tl.arange(0, BLOCK_M) == 0, block, P)
     elif BLOCKING == 2:  # ROWS_IN_ORDER
         pairs = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    elif ALIGNED_M:  # one launch of a call split by block size (`split_rows`): blocks of FEWEST..BLOCK_M pairs only
-        valid = tl.sum((tl.load(pair_ids + block * ALIGNED_M + tl.arange(0, ALIGNED_M)) < P).to(tl.int32))
-        if (valid < FEWEST) | (valid > BLOCK_M):
-            return
-        pairs = tl.load(pair_ids + block * ALIGNED_M + tl.arange(0, BLOCK_M))  # an expert's pairs fill slots first
     else:
         pairs = tl.load(pair_ids + block * BLOCK_M + tl.arange(0, BLOCK_M))
     pair_ok = pairs < P
@@ -929,7 +924,7 @@ def _launch(x, weight: PackedWeight, blocks: Blocks, pair_weights, rows_out, n_o
             operands="bf16", weight_loads="pointers", host: PackedWeight | None = None,
             slot_of: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
             x_shifts: torch.Tensor | None = None, paired_shift: int = 0, out_shifts: torch.Tensor | None = None,
-            sum_top_k: int = 0, aligned_m: int = 0, fewest: int = 1, into: torch.Tensor | None = None):
+            sum_top_k: int = 0):
     """One GEMM launch over `blocks`; with fp16 operands `x` is fp16 times FP16_PRESCALE (`_activations`) or in its
     own dtype, scaled in the kernel; with `slot_of`, `weight` is a slot pool and `host` the same weight over the host
     blobs. The output: the first launch's (gate/up, or up alone for an activation in UNGATED_ACTIVATIONS) unsplit in
@@ -942,10 +937,7 @@ def _launch(x, weight: PackedWeight, blocks: Blocks, pair_weights, rows_out, n_o
     splits [rows_out / sum_top_k, n_out] in `out_dtype`, added in the launch (`_sum_when_last`) where blocks are
     not grouped by expert (one token, dense rows), else by `_sum_pairs`. On the H200 (session 24) the in-launch sum
     took one token's call 1.02-1.05x faster (gpt-oss-20b 29.0 -> 27.6 us, Qwen3-30B-A3B-FP8 18.5 -> 17.8) and cost
-    M = 16's grouped blocks 0.98-1.01x (there the sums fall to the launch's last programs). `aligned_m`, `fewest`:
-    one launch of a call split by block size (`split_rows`): `blocks` are aligned to aligned_m pairs, and this
-    launch takes those with fewest to block_m pairs; `into`: the output of the call's launch before it, written
-    into (unsplit, unsummed)."""
+    M = 16's grouped blocks 0.98-1.01x (there the sums fall to the launch's last programs)."""
     _, n, k = weight.shape
     activates = gated or activation in UNGATED_ACTIVATIONS  # the first launch: its output is the down launch's x
     fp16_operands = _fp16_operands(operands, compute_fp32)
@@ -960,8 +952,7 @@ def _launch(x, weight: PackedWeight, blocks: Blocks, pair_weights, rows_out, n_o
         out_dtype = torch.float32
     elif activates:
         out_dtype = torch.float16 if paired_shift else _gate_up_dtype(x.dtype, compute_fp32, fp16_operands)
-    out = into if into is not None else torch.empty(splits, rows_out, 2 * n_out if gated and splits > 1 else n_out,
-                                                    dtype=out_dtype, device=x.device)
+    out = torch.empty(splits, rows_out, 2 * n_out if gated and splits > 1 else n_out, dtype=out_dtype, device=x.device)
     k_split = triton.cdiv(triton.cdiv(k, block_k), splits) * block_k
     grid = (blocks.count, triton.cdiv(n_out, block_n), splits)
     words_tma, tma_loads = None, 0
@@ -981,7 +972,7 @@ def _launch(x, weight: PackedWeight, blocks: Blocks, pair_weights, rows_out, n_o
         FP16_OPERANDS=fp16_operands, HOST_FALLBACK=slot_of is not None, BLOCKING=blocks.blocking,
         SPLIT_K=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
         TMA_LOADS=tma_loads, X_PAIRED=x_shifts is not None, PAIRED_SHIFT=paired_shift, SCAN=_scan_width(k_split),
-        SUM_TOP_K=sum_top_k if summed is not None else 0, ALIGNED_M=aligned_m, FEWEST=fewest, num_warps=num_warps,
+        SUM_TOP_K=sum_top_k if summed is not None else 0, num_warps=num_warps,
         **_dependent_launch(x.device),
     )
     if sum_top_k:
@@ -1193,14 +1184,7 @@ def _activations(x: torch.Tensor, settings: dict) -> torch.Tensor:
 # the H200 (docs/benchmarks.md). block_m: pairs per block (tensor-core tiles: >= 16); block_n: output columns per
 # program; block_k: K per step (FP8: a divisor of its 128-column scale block); num_stages: K steps in flight;
 # operands (FP8): "bf16" or "fp16" tensor-core operands (see FP16_OPERANDS); split_k: shares of K for one token's
-# launches (see `_splits`), > 1 adds a launch that sums the gate/up shares and activates them. A call's own setting,
-# off unless given: split_rows (a power of two above block_m, below 16): blocks aligned to that many pairs, and each
-# projection in two launches, the blocks of up to block_m pairs on block_m rows and the others on split_rows rows
-# (ROW_TILES' entry), so that an expert with 3-4 pairs is decoded once, not twice as blocks of 2 do it, while the
-# experts with 1-2 pairs (most at verify sizes) keep the cheaper blocks of 2; offline, Triton 3.6's sm_90 SASS
-# (session 64): loop instructions per 128 gpt-oss rows decoded 835 on blocks of 2 and 1280 on blocks of 4 (two
-# 32-column programs), about 12% fewer for gpt-oss-20b at 16 tokens (2.2 pairs per routed expert) than blocks of 2
-# alone; not yet measured on a GPU.
+# launches (see `_splits`), > 1 adds a launch that sums the gate/up shares and activates them.
 # (CUDA-core tiles of 1-4 pairs with MXFP4 decoded by fp32 bit construction measured 2-10x slower in session 4; the
 # CUDA-core path for blocks of 1-2 rows with the fp16 PTX decode has tiles of its own: ROW_TILES.)
 _COMMON = {"block_m": 16, "block_n": 32, "num_warps": 4, "split_k": 1}
@@ -1243,10 +1227,7 @@ ROW_TILES = {
                            2: _COMMON | _ROW_STEP | {"block_n": 32, "num_warps": 4, "num_stages": 1}},
               "tma": {1: _COMMON | _ROW_STEP | {"block_n": 32, "num_warps": 8, "num_stages": 3,
                                                 "down_launch": {"block_n": 16, "num_warps": 2}},
-                      2: _COMMON | _ROW_STEP | {"block_n": 64, "num_warps": 4, "num_stages": 3},
-                      # blocks of 4 (`split_rows`' wide launch): 32 columns keep 155 registers a thread, 3 CTAs an
-                      # SM (64 columns: 225, 2; Triton 3.6's sm_90 SASS, session 64; unmeasured on a GPU)
-                      4: _COMMON | _ROW_STEP | {"block_n": 32, "num_warps": 4, "num_stages": 3}}},
+                      2: _COMMON | _ROW_STEP | {"block_n": 64, "num_warps": 4, "num_stages": 3}}},
     "fp8_block": {"pointers": {1: _COMMON | _FP8_ROW_STEP | {"block_n": 16, "num_warps": 4, "block_k": 256,
                                                              "num_stages": 1},
                                2: _COMMON | _FP8_ROW_STEP | {"block_n": 64, "num_warps": 4, "num_stages": 1}},
@@ -1336,10 +1317,8 @@ def tiles_for(format: str, overrides: dict, rows: int | None = None, weight_load
     where the format has one; `weight_loads`: how that path reads the weight words where no override says (the
     tensor-core tiles read through pointers); `row_blocker`: why that path cannot read the weights, if it cannot
     (`_row_blocker`). A `down_launch` dict (in the overrides or the chosen ROW_TILES entry) gives the down launch
-    settings of its own (DOWN_TILES); the result carries it as "down_launch", {} for none. `split_rows` (blocks of
-    fewer than 16 rows): blocks aligned to that many pairs, those with more than block_m of them run in a launch of
-    their own on split_rows rows (`fused_moe`)."""
-    known = set(TILES[format]) | {"weight_loads", "down_launch", "split_rows"}
+    settings of its own (DOWN_TILES); the result carries it as "down_launch", {} for none."""
+    known = set(TILES[format]) | {"weight_loads", "down_launch"}
     if set(overrides) - known:
         raise ValueError(f"unknown tile settings {sorted(set(overrides) - known)}; the kernel takes {sorted(known)}")
     preferred = rows if rows is not None and (rows >= 16 or not row_blocker) else TILES[format]["block_m"]
@@ -1351,9 +1330,6 @@ def tiles_for(format: str, overrides: dict, rows: int | None = None, weight_load
     loads = _check_weight_loads(overrides.get("weight_loads", weight_loads if block_m < 16 else "pointers"))
     if loads == "tma" and block_m >= 16:
         raise ValueError(f"weight_loads='tma' is for the CUDA-core path (block_m < 16), got block_m {block_m}")
-    split_rows = overrides.get("split_rows", 0)
-    if split_rows and not (block_m < split_rows < 16 and not split_rows & (split_rows - 1)):
-        raise ValueError(f"split_rows must be a power of two above block_m ({block_m}) and below 16, got {split_rows}")
     if block_m >= 16:
         base = _wide_tiles(format, block_m) or TILES[format]
     else:
@@ -1443,24 +1419,12 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     loads = _weight_loads(tiles, _tma_blocker(gate_up, down, compute_fp32, host))
     rows = rows_per_block(tokens, top_k, routable, host is not None, loads, gate_up.format, compute_fp32)
     settings = tiles_for(gate_up.format, tiles, rows, loads, _row_blocker(gate_up, down))
-    split_rows = settings.pop("split_rows", 0)
-    blocks = _blocks(top_k_index, experts, split_rows or settings["block_m"])
-    if blocks.blocking != GROUPED:  # one token's blocks are a pair each: nothing to split
-        split_rows = 0
+    blocks = _blocks(top_k_index, experts, settings["block_m"])
     down_tiles, split_k = settings.pop("down_launch"), settings.pop("split_k")
     # an ungated first launch is not split: `_finish_gate_up` adds gate/up pairs
     splits = _splits(split_k, blocks) if gated else 1
     down_splits = _splits(down_tiles.pop("split_k", split_k), blocks)
-    call = dict(alpha=alpha, limit=limit, compute_fp32=compute_fp32, slot_of=slot_of)
-    settings |= call
-    # each projection's launches as (tiles, down launch tiles, which blocks): one, or two split by block size
-    parts = [(settings, down_tiles, {})]
-    if split_rows:
-        wide = tiles_for(gate_up.format, {"block_m": split_rows, "weight_loads": loads}, None, loads) | call
-        wide_down = {key: value for key, value in wide.pop("down_launch").items() if key != "split_k"}
-        del wide["split_k"]
-        parts = [(settings, down_tiles, dict(aligned_m=split_rows)),
-                 (wide, wide_down, dict(aligned_m=split_rows, fewest=settings["block_m"] + 1))]
+    settings |= dict(alpha=alpha, limit=limit, compute_fp32=compute_fp32, slot_of=slot_of)
     x, x_shifts = _activations(hidden, settings), None
     paired_shift, out_shifts = 0, None
     if gate_up.format == "mxfp4" and settings["block_m"] < 16 and not compute_fp32:  # the row path on the GPU
@@ -1468,27 +1432,18 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
         if paired_input:
             x, x_shifts = _pair_rows(hidden)
         out_shifts = torch.empty(tokens * top_k, dtype=torch.int32, device=x.device) if paired_shift else None
-    intermediate = None
-    for tiles_of_part, _, blocks_of_part in parts:
-        intermediate = _launch(x, gate_up, blocks, None, tokens * top_k, inter, top_k,
-                               gated=gated, interleaved=interleaved, activation=activation,
-                               host=host[0] if host else None, x_shifts=x_shifts, paired_shift=paired_shift,
-                               out_shifts=out_shifts, splits=splits, **tiles_of_part, **blocks_of_part,
-                               into=None if intermediate is None else intermediate[None])
+    intermediate = _launch(x, gate_up, blocks, None, tokens * top_k, inter, top_k,
+                           gated=gated, interleaved=interleaved, activation=activation,
+                           host=host[0] if host else None, x_shifts=x_shifts, paired_shift=paired_shift,
+                           out_shifts=out_shifts, splits=splits, **settings)
     if splits > 1:
         fp16_operands = _fp16_operands(settings.get("operands", "bf16"), compute_fp32)
         intermediate = _finish_gate_up(intermediate, _gate_up_dtype(x.dtype, compute_fp32, fp16_operands),
                                        activation, alpha, limit, fp16_operands)
     weights = top_k_weights.reshape(-1).contiguous()
-    result = None
-    for part, (tiles_of_part, down_tiles_of_part, blocks_of_part) in enumerate(parts):
-        last = part == len(parts) - 1  # sums each token's pairs, the earlier launches' fp32 rows included
-        result = _launch(intermediate, down, blocks, weights, tokens * top_k, h, 1, gated=False, interleaved=False,
-                         activation="silu", host=host[1] if host else None, x_shifts=out_shifts, splits=down_splits,
-                         out_dtype=hidden.dtype if last else torch.float32, sum_top_k=top_k if last else 0,
-                         **tiles_of_part | down_tiles_of_part, **blocks_of_part,
-                         into=None if result is None else result[None])
-    return result
+    return _launch(intermediate, down, blocks, weights, tokens * top_k, h, 1, gated=False, interleaved=False,
+                   activation="silu", host=host[1] if host else None, x_shifts=out_shifts, splits=down_splits,
+                   out_dtype=hidden.dtype, sum_top_k=top_k, **settings | down_tiles)
 
 
 # Pairs per routed expert, by format, from which an MoE call (prefill sizes) dequantizes its experts to the

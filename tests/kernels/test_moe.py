@@ -558,61 +558,6 @@ def test_blocks_of_two_rows_on_the_cuda_cores(format, precision):
         assert error <= (1e-4 if precision == "fp32" else 1e-2), f"token {token}: relative error {error:.2e}"
 
 
-@pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("format", ["mxfp4", "fp8_block"])
-def test_blocks_split_by_their_pair_counts(monkeypatch, format, precision):
-    """Tile split_rows=4: blocks aligned to 4 pairs, those with 1-2 pairs on blocks of 2 rows and those with 3-4 on a
-    launch of blocks of 4 (experts here get 1 to 6 pairs: 6 = a block of 4 and one of 2): the reference's result, to
-    rounding the unsplit call's; two launches per projection and one pair sum; one token is not split. The setting
-    is checked."""
-    from dflash_compile.kernels import moe
-
-    gate_up, down = _experts(format, 4, 256, 64, bias=True, seed=9)
-    index = torch.tensor([[0, 1], [0, 1], [0, 1], [0, 2], [0, 2], [0, 3], [1, 2]])  # 6, 4, 3 and 1 pairs
-    weights = torch.softmax(torch.randn(7, 2, generator=torch.Generator().manual_seed(10)), dim=-1)
-    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(11))
-    x = x if precision == "fp32" else x.bfloat16()
-    launches = []
-    launch = moe._launch
-    monkeypatch.setattr(moe, "_launch", lambda *args, **kwargs: launches.append(kwargs["block_m"]) or launch(*args,
-                                                                                                            **kwargs))
-    run = lambda rows=slice(None), **tiles: fused_moe(  # noqa: E731
-        x[rows].to(DEVICE), index[rows].to(DEVICE), weights[rows].to(DEVICE), gate_up, down, interleaved=True,
-        activation="clamped_swiglu", block_m=2, **tiles).cpu().double()
-    split, unsplit = run(split_rows=4), run()
-    assert launches == [2, 4, 2, 4, 2, 2]
-    assert torch.equal(run(slice(0, 1), split_rows=4), run(slice(0, 1)))  # one token: a pair a block, no split
-    expected = reference_moe(x.float(), index, weights, gate_up, down, True, "clamped_swiglu")
-    tolerance = 1e-4 if precision == "fp32" else 1e-2
-    assert (split - expected).norm() / expected.norm() <= tolerance
-    assert (split - unsplit).norm() / expected.norm() <= (1e-5 if precision == "fp32" else 1e-2)
-    for wrong in (2, 3, 16):
-        with pytest.raises(ValueError, match=rf"split_rows must be a power of two above block_m \(2\) and below 16, "
-                                             rf"got {wrong}"):
-            run(split_rows=wrong)
-
-
-def test_a_split_launch_takes_only_the_blocks_of_its_pair_counts():
-    """The two launches of a split call (`split_rows`) over blocks aligned to 4 pairs: the blocks of 2 rows write
-    only the pairs of blocks with 1-2 pairs, the blocks of 4 only those of blocks with 3-4 (every other output row is
-    left as it was)."""
-    from dflash_compile.kernels import moe
-
-    down = _experts("mxfp4", 4, 256, 64, bias=False, seed=9)[1]
-    index = torch.tensor([[0, 1], [0, 1], [0, 1], [0, 2]]).to(DEVICE)  # expert 0: 4 pairs, 1: 3, 2: 1
-    blocks = moe._blocks(index, 4, 4)
-    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    experts_of_pairs = index.reshape(-1).cpu()
-    for block_m, fewest, experts in ((2, 1, {2}), (4, 3, {0, 1})):
-        tiles = moe.tiles_for("mxfp4", {"block_m": block_m, "weight_loads": "pointers"}, None, "pointers")
-        del tiles["down_launch"], tiles["split_k"]
-        into = torch.full((1, 8, 256), float("nan"), device=DEVICE)
-        moe._launch(x, down, blocks, None, 8, 256, 1, gated=False, interleaved=False, activation="silu", alpha=1.0,
-                    limit=7.0, compute_fp32=True, aligned_m=4, fewest=fewest, into=into, **tiles)
-        written = ~into[0].isnan().all(dim=1).cpu()
-        assert written.tolist() == [int(e) in experts for e in experts_of_pairs], (block_m, written.tolist())
-
-
 @pytest.mark.parametrize("format", ["mxfp4", "fp8_block", "dense"])
 def test_empty_inputs_give_empty_outputs(format):
     """No tokens: an MoE call and a dense layer return empty outputs of the right shape and dtype, as torch's linear
