@@ -54,10 +54,18 @@ INDUCTOR_FORWARDS = ("mixtral", "qwen3_moe", "deepseek_v3", "deepseek_v2", "gpt_
 COMPILED_CASES = [(family, torch.float32 if family in BF16_PAST_THE_BOUND else torch.bfloat16)
                   for family in INDUCTOR_FORWARDS] + [
     (family, torch.float32) for family in ("gpt_oss", "deepseek_v3", "qwen3_5_moe")]
+# Gemma 4's forward without a cache builds its own, and transformers 5.24 copies the config there with `copy.copy`,
+# which torch 2.11's Dynamo refuses to trace in a full graph (the GPU machine, session 65; torch 2.13 traces it).
+# `optimize` and generation pass their caches and are unaffected (README).
+OWN_CACHE_UNTRACEABLE = pytest.mark.xfail(Version(torch.__version__).release < (2, 13),
+                                          raises=torch._dynamo.exc.Unsupported,
+                                          reason="torch < 2.13 cannot trace copy.copy in a full graph")
 
 
-@pytest.mark.parametrize("family, dtype", COMPILED_CASES, ids=[f"{family}-{str(dtype)[6:]}"
-                                                               for family, dtype in COMPILED_CASES])
+@pytest.mark.parametrize("family, dtype", [
+    pytest.param(family, dtype, id=f"{family}-{str(dtype)[6:]}",
+                 marks=OWN_CACHE_UNTRACEABLE if family == "gemma4_text" else ())
+    for family, dtype in COMPILED_CASES])
 def test_compiled_logits_match_eager(tiny, family, dtype, dispatch_calls):
     model = tiny(family, dtype)
     moe_layers = FAMILIES[family].moe_layers(model.config)
