@@ -3,7 +3,6 @@ run it under TRITON_INTERPRET=1, whose bf16 arithmetic is wrong. The ops fall ba
 `dflash_compile.expert_store` where no kernel is registered."""
 
 import contextlib
-import fcntl
 import os
 
 import torch
@@ -36,7 +35,10 @@ def _no_stale_build_lock(directory: str):
     """Holds an exclusive flock on `<directory>/dflash.lock` while torch builds or loads the extension there. Torch's
     own `lock` file in that directory outlives a build killed midway (a timeout's SIGTERM, SIGKILL), and every later
     load of the extension, cached or not, then waits on it forever. The flock dies with its process, so once it is
-    held no live build of ours is running there and a `lock` left behind is stale: removed."""
+    held no live build of ours is running there and a `lock` left behind is stale: removed. (Imported here: where
+    there is no fcntl the build fails as `build_extension` reports it, not the package's import.)"""
+    import fcntl
+
     with open(os.path.join(directory, "dflash.lock"), "w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)  # released when the file closes or the process dies
         with contextlib.suppress(FileNotFoundError):
