@@ -5,6 +5,7 @@
     fast = dflash_compile.optimize(model, drafter=path)    # DFlash speculative decoding, same tokens as generate
     dflash_compile.train_drafter(model, texts, "drafter/", tokenizer=tokenizer)   # a drafter for any target
     dflash_compile.quantize(model, "out/", "mxfp4")       # MXFP4 (gpt-oss) / FP8 block checkpoint, public layout
+    dflash_compile.quantize_checkpoint("bf16/", "out/", "fp8_block")   # the same from disk, layer by layer
     model = dflash_compile.load_packed("out/")             # experts stay packed; fused kernels run them on CUDA
     fast = dflash_compile.optimize(model, gpu_memory="20GiB")   # experts in host memory, a slot pool on the GPU
 """
@@ -12,7 +13,7 @@
 from . import ops, seam
 from .api import OptimizedModel, from_pretrained, optimize
 from .backend import dflash_backend
-from .checkpoint import load_packed, quantize
+from .checkpoint import load_packed, quantize, quantize_checkpoint
 from .drafter import DFlashDrafter, DrafterConfig, DrafterPairingError
 from .expert_store import ExpertStore
 from .explain import ExplainReport, explain
@@ -30,6 +31,7 @@ __all__ = [
     "OptimizedModel",
     "optimize",
     "quantize",
+    "quantize_checkpoint",
     "FAMILIES",
     "ExpertStore",
     "ExplainReport",

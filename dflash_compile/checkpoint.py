@@ -19,15 +19,18 @@ Qwen3.5's `mtp.*` and vision tower); any other tensor the model does not use is 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import shutil
+import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import transformers
-from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
@@ -36,7 +39,7 @@ from .cost_model import BITS_PER_WEIGHT
 from .families import (auto_model_class, builds_causal_lm, experts_modules, first_projection, router_of,
                        spec_for_model)
 from .packed import FP8_BLOCK, PackedWeight, attach_packed, expert_weights, packed_weights
-from .quant import quantize_fp8_block
+from .quant import check_mxfp4_groups, quantize_fp8_block
 
 FORMATS = ("mxfp4", "fp8_block")
 _FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
@@ -66,66 +69,147 @@ class FP8Linear(torch.nn.Module):
         return F.linear(x, self.dense_weight(x.dtype), self.bias)
 
 
-def _quantized_tensors(model: torch.nn.Module, format: str) -> dict[str, torch.Tensor]:
+def _check_quantizable(model: torch.nn.Module, format: str) -> None:
+    """Refuse, before any work, a model without supported routed experts, a format its family has no public layout
+    for, and FP8 experts that `load_packed` could not read back."""
     spec = spec_for_model(model)
     if spec is None:
         raise ValueError(f"{type(model).__name__} has no routed experts of a supported family to quantize")
     if (format == "mxfp4") != (spec.name == "gpt_oss"):
         raise ValueError(f"{spec.name} has no public {format} checkpoint layout: use "
                          f"{'mxfp4' if spec.name == 'gpt_oss' else 'fp8_block'} for it")
-    if format == "fp8_block":  # before any work: a checkpoint `load_packed` would refuse is not written
-        for path, experts in experts_modules(model).items():
-            if _gated(experts):
-                _check_fp8_stackable(path, expert_weights(experts)[0].shape[1] // 2)
-    tensors = {k: v.detach() for k, v in model.state_dict().items()}
-    layers = experts_modules(model)  # a full-size layer takes seconds to round on a CPU
-    for path, experts in tqdm(layers.items(), desc="quantizing experts", unit="layer", disable=len(layers) < 8):
-        first, gated = first_projection(experts), _gated(experts)
-        for name in (first, "down_proj", f"{first}_bias", "down_proj_bias"):
-            tensors.pop(f"{path}.{name}", None)
-        gate_up, down = expert_weights(experts)
+    for path, experts in experts_modules(model).items():  # shapes only: an offloaded model's weights stay on disk
+        weights = expert_weights(experts)
         if format == "mxfp4":
-            for name, weight in (("gate_up_proj", gate_up), ("down_proj", down)):
-                packed = PackedWeight.quantize(weight.data, "mxfp4")
-                tensors[f"{path}.{name}_blocks"], tensors[f"{path}.{name}_scales"] = packed.data, packed.scales
-                tensors[f"{path}.{name}_bias"] = weight.bias
-            continue
-        for j in range(gate_up.shape[0]):
-            rows = gate_up.data[j].chunk(2, dim=0) if gated else (gate_up.data[j],)
-            for name, weight in (*zip(_FP8_FIRST[gated], rows), ("down_proj", down.data[j])):
-                quantized, scale = quantize_fp8_block(weight, FP8_BLOCK)
-                tensors[f"{path}.{j}.{name}.weight"] = quantized
-                tensors[f"{path}.{j}.{name}.weight_scale_inv"] = scale
-    if format == "fp8_block":  # plain linears but the output head and the routers' (Hunyuan-A13B's fp32 `gate.wg`;
-        # Phi-MoE's router is an nn.Linear subclass): routing stays in the model's dtype, as released FP8 keeps it;
-        # and those the family's code multiplies by their weight instead of calling (`unquantized_linears`)
-        routers = {part for path in experts_modules(model) for part in router_of(model, path).modules()}
-        for name, module in model.named_modules():
-            if (type(module) is torch.nn.Linear and module is not model.get_output_embeddings()
-                    and module not in routers and name.rpartition(".")[2] not in spec.unquantized_linears):
+            for weight in weights:
+                check_mxfp4_groups(weight.shape[-1], f"{path}: ")
+        elif _gated(experts):
+            _check_fp8_stackable(path, weights[0].shape[1] // 2)
+
+
+@contextlib.contextmanager
+def _weights_in_memory(module: torch.nn.Module):
+    """The module's own weights readable: loaded from disk where accelerate's offload (`quantize_checkpoint`'s load)
+    keeps them on the meta device, as they are otherwise."""
+    if getattr(module, "_hf_hook", None) is None:
+        yield
+        return
+    from accelerate.utils import align_module_device
+
+    with align_module_device(module, "cpu"):
+        yield
+
+
+def _own_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The module's own parameters and persistent buffers (its part of the state dict)."""
+    yield from ((name, parameter.detach()) for name, parameter in module.named_parameters(recurse=False))
+    yield from ((name, buffer) for name, buffer in module.named_buffers(recurse=False)
+                if name not in module._non_persistent_buffers_set)
+
+
+def _quantized_experts(experts: torch.nn.Module, format: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """An experts module's tensors in `format`'s public layout, by their names under the module."""
+    first, gated = first_projection(experts), _gated(experts)
+    replaced = {first, "down_proj", f"{first}_bias", "down_proj_bias"}
+    yield from ((name, tensor) for name, tensor in _own_tensors(experts) if name not in replaced)
+    gate_up, down = expert_weights(experts)
+    if format == "mxfp4":
+        for name, weight in (("gate_up_proj", gate_up), ("down_proj", down)):
+            packed = PackedWeight.quantize(weight.data, "mxfp4")
+            yield from ((f"{name}_blocks", packed.data), (f"{name}_scales", packed.scales),
+                        (f"{name}_bias", weight.bias))
+        return
+    for j in range(gate_up.shape[0]):
+        rows = gate_up.data[j].chunk(2, dim=0) if gated else (gate_up.data[j],)
+        for name, weight in (*zip(_FP8_FIRST[gated], rows), ("down_proj", down.data[j])):
+            quantized, scale = quantize_fp8_block(weight, FP8_BLOCK)
+            yield from ((f"{j}.{name}.weight", quantized), (f"{j}.{name}.weight_scale_inv", scale))
+
+
+def _quantized_tensors(model: torch.nn.Module, format: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors, module by module (each module's weights in memory only while it is read, for a
+    model offloaded to disk): routed experts in `format`; with fp8_block also the plain linears but the output head
+    and the routers' (Hunyuan-A13B's fp32 `gate.wg`; Phi-MoE's router is an nn.Linear subclass): routing stays in the
+    model's dtype, as released FP8 keeps it; and those the family's code multiplies by their weight instead of
+    calling (`unquantized_linears`); everything else as it is."""
+    spec = spec_for_model(model)
+    layers = experts_modules(model)
+    routers = {part for path in layers for part in router_of(model, path).modules()}
+    tied_head = model.get_output_embeddings() if model.config.tie_word_embeddings else None
+    progress = tqdm(total=len(layers), desc="quantizing experts", unit="layer", disable=len(layers) < 8)
+    for path, module in model.named_modules(remove_duplicate=False):
+        prefix = f"{path}." if path else ""
+        with _weights_in_memory(module):
+            if path in layers:  # a full-size layer takes seconds to round on a CPU
+                tensors = _quantized_experts(module, format)
+            elif (format == "fp8_block" and type(module) is torch.nn.Linear
+                  and module is not model.get_output_embeddings() and module not in routers
+                  and path.rpartition(".")[2] not in spec.unquantized_linears):
                 quantized, scale = quantize_fp8_block(module.weight.detach(), FP8_BLOCK)
-                tensors[f"{name}.weight"], tensors[f"{name}.weight_scale_inv"] = quantized, scale
-    return tensors
+                tensors = [("weight", quantized), ("weight_scale_inv", scale),
+                           *((name, tensor) for name, tensor in _own_tensors(module) if name != "weight")]
+            else:
+                tensors = _own_tensors(module)
+            yield from ((prefix + name, tensor) for name, tensor in tensors
+                        if tensor is not None and not (module is tied_head and name == "weight"))  # stored once
+        if path in layers:
+            progress.update()
+    progress.close()
 
 
 def quantize(model: torch.nn.Module, directory: str | Path, format: str) -> Path:
     """Write `model` as a quantized checkpoint in the public layout of `format` ("mxfp4" for gpt-oss,
-    "fp8_block" for the other families) -- model.safetensors, or shards of at most MAX_SHARD_SIZE with their index
-    as transformers writes them -- with its config and generation config. Returns the directory."""
+    "fp8_block" for the other families) -- model.safetensors, or shards of at most MAX_SHARD_SIZE bytes with their
+    index as transformers writes them -- with its config and generation config. Tensors go out as each module is
+    quantized, so memory holds one shard beside the model (and, for a model offloaded to disk, one module's weights:
+    `quantize_checkpoint`). Returns the directory."""
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
     _check_causal_lm(model.config)
-    tensors = _quantized_tensors(model, format)
+    _check_quantizable(model, format)
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    if model.config.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
-    _save_shards(tensors, directory)
+    with _made_for_this(directory), _Shards(directory) as shards:
+        for name, tensor in _quantized_tensors(model, format):
+            shards.add(name, tensor)
     config = model.config.to_dict()
     config["quantization_config"] = _MXFP4_CONFIG if format == "mxfp4" else _FP8_CONFIG
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     model.generation_config.save_pretrained(directory)
     return directory
+
+
+def quantize_checkpoint(source: str | Path, directory: str | Path, format: str,
+                        dtype: torch.dtype = torch.bfloat16) -> Path:
+    """`quantize` a bf16 / fp32 checkpoint (a directory or a Hub repo id) without holding the model in memory: it
+    loads offloaded to disk (transformers' `device_map` with accelerate: its checkpoint conversions, e.g. per-expert
+    tensors stacked into `gate_up_proj`, written to a scratch folder inside `directory`, removed after), then
+    each module's weights are read, quantized and written in turn. Peak host memory: about one shard
+    (MAX_SHARD_SIZE) and one layer's experts in `dtype`; scratch disk: about the converted tensors' size."""
+    source = checkpoint_directory(source)
+    config = transformers.AutoConfig.from_pretrained(source)
+    method = (getattr(config, "quantization_config", None) or {}).get("quant_method")
+    if method:
+        raise ValueError(f"{source} is a {method} checkpoint already: quantize takes a bf16 or fp32 one")
+    _check_causal_lm(config)
+    directory = Path(directory)
+    with _made_for_this(directory), tempfile.TemporaryDirectory(dir=directory, prefix=".offload-") as scratch:
+        model = auto_model_class(config).from_pretrained(source, dtype=dtype, device_map={"": "disk"},
+                                                         offload_folder=scratch)
+        return quantize(model, directory, format)
+
+
+@contextlib.contextmanager
+def _made_for_this(directory: Path):
+    """The directory, created if missing, and removed again if it was and the work inside fails (a weight holding
+    NaN shows only as its layer is rounded): a failed quantization leaves no half-written checkpoint behind."""
+    created = not directory.exists()
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        if created:
+            shutil.rmtree(directory, ignore_errors=True)
+        raise
 
 
 def _check_causal_lm(config) -> None:
@@ -139,22 +223,59 @@ def _check_causal_lm(config) -> None:
 
 # Shards as transformers' `save_pretrained` writes them: the Hub takes files up to 50 GB (gpt-oss-120b's MXFP4
 # experts alone are 61 GB), and safetensors serialises a file's tensors in memory before writing it.
-MAX_SHARD_SIZE = "5GB"
+MAX_SHARD_SIZE = 5 * 10**9  # bytes
 _INDEX = "model.safetensors.index.json"
 
 
-def _save_shards(tensors: dict[str, torch.Tensor], directory: Path) -> None:
-    """`tensors` as model.safetensors, or as shards of at most MAX_SHARD_SIZE with their index; the weight files of
-    a checkpoint written there before are removed first, so the two never mix."""
-    for old in (*directory.glob("model*.safetensors"), directory / _INDEX):
-        old.unlink(missing_ok=True)
-    split = split_torch_state_dict_into_shards(tensors, max_shard_size=MAX_SHARD_SIZE)
-    for filename, names in split.filename_to_tensors.items():
-        save_file({name: tensors[name].contiguous() for name in names}, str(directory / filename),
-                  metadata={"format": "pt"})
-    if split.is_sharded:
-        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
-        (directory / _INDEX).write_text(json.dumps(index, indent=2))
+class _Shards:
+    """Tensors written as they come, in files of at most MAX_SHARD_SIZE bytes (a larger tensor alone in one), named
+    on a clean close as `save_pretrained` names them: model.safetensors, or model-0000i-of-0000n.safetensors with
+    their index. Only then are the weight files of a checkpoint written there before removed, so the two never mix,
+    and a failure leaves the old one as it was (its own files removed)."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = self.total_bytes = 0
+        self.files: list[list[str]] = []  # the tensor names of each written file
+
+    def __enter__(self) -> _Shards:
+        return self
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > MAX_SHARD_SIZE:
+            self._write()
+        self.pending[name] = tensor.contiguous()
+        self.pending_bytes += size
+        self.total_bytes += size
+
+    def _write(self) -> None:
+        save_file(self.pending, str(self._part(len(self.files))), metadata={"format": "pt"})
+        self.files.append(list(self.pending))
+        self.pending, self.pending_bytes = {}, 0
+
+    def _part(self, index: int) -> Path:
+        return self.directory / f"model-part-{index}.safetensors.partial"  # no weight file's name until complete
+
+    def __exit__(self, error_type, error, traceback) -> None:
+        if error_type is None:
+            if self.pending or not self.files:
+                self._write()
+            for old in (*self.directory.glob("model*.safetensors"), self.directory / _INDEX):
+                old.unlink(missing_ok=True)
+        count = len(self.files)
+        names = (["model.safetensors"] if count == 1 else
+                 [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)])
+        for index, name in enumerate(names):
+            if error_type is None:
+                self._part(index).rename(self.directory / name)
+            else:  # a failed write leaves no partial checkpoint behind
+                self._part(index).unlink(missing_ok=True)
+        if error_type is None and count > 1:
+            weight_map = {tensor: name for name, tensors in zip(names, self.files) for tensor in tensors}
+            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+            (self.directory / _INDEX).write_text(json.dumps(index, indent=2))
 
 
 # Where a multimodal checkpoint (e.g. Qwen3.5-MoE's image-text-to-text release) keeps its text decoder, which the

@@ -191,11 +191,12 @@ def train_drafter_command(args) -> int:
 
 
 def quantize_command(args) -> int:
-    from .checkpoint import expert_bytes, load_packed, quantize
-    from .pair import load_target
+    from .checkpoint import checkpoint_directory, expert_bytes, load_packed, quantize_checkpoint
+    from .pair import load_tokenizer
 
-    model, tokenizer = load_target(args.model, "cpu", DTYPES[args.dtype])
-    out = quantize(model, args.out, args.format)
+    source = checkpoint_directory(args.model)
+    tokenizer = load_tokenizer(source)  # a checkpoint without one is refused before its weights are read
+    out = quantize_checkpoint(source, args.out, args.format, DTYPES[args.dtype])
     tokenizer.save_pretrained(out)
     weight_bytes, weights = expert_bytes(load_packed(out))
     print(f"{args.format} checkpoint written to {out}: routed experts {weight_bytes / 2**20:.1f} MiB, "

@@ -50,18 +50,23 @@ def load_model(path: str | Path, device="cpu", dtype: torch.dtype = torch.float3
 def load_target(path: str | Path, device="cpu", dtype: torch.dtype = torch.float32):
     """(model, tokenizer) from a checkpoint directory or a Hub repo id, the tokenizer padding on the left as batched
     decoding needs. The tokenizer loads first: a checkpoint without one is refused before its weights are read."""
-    import transformers
-
     from .checkpoint import checkpoint_directory
 
     path = checkpoint_directory(path)
+    tokenizer = load_tokenizer(path)
+    return load_model(path, device, dtype), tokenizer
+
+
+def load_tokenizer(path: str | Path):
+    """The checkpoint directory's tokenizer, padding on the left; a clear error where it has none."""
+    import transformers
+
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(path, padding_side="left")
+        return transformers.AutoTokenizer.from_pretrained(path, padding_side="left")
     except (OSError, ValueError) as error:
         first_line = str(error).strip().splitlines()[0]
         raise ValueError(f"{path} has no tokenizer transformers can load ({first_line}); the prompts are text: save "
                          "the model's tokenizer beside its weights (tokenizer.save_pretrained)") from error
-    return load_model(path, device, dtype), tokenizer
 
 
 def acceptance_on_prompts(directory: str | Path | None, prompts: list[str], device="cpu",

@@ -46,9 +46,7 @@ def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Scale: 2^(floor(log2(amax)) - 2), the OCP choice (the group's largest magnitude lands in [4, 8), saturating to
     6). Elements: the nearest E2M1 value, ties to the even code."""
-    if x.shape[-1] % MXFP4_GROUP:
-        raise ValueError(f"MXFP4 groups of {MXFP4_GROUP} need the last dimension divisible by {MXFP4_GROUP}, got "
-                         f"{x.shape[-1]}")
+    check_mxfp4_groups(x.shape[-1])
     groups = x.contiguous().float().reshape(*x.shape[:-1], -1, MXFP4_GROUP)
     amax = groups.abs().amax(dim=-1)
     _check_finite(amax, "MXFP4")
@@ -57,6 +55,13 @@ def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scaled = groups / torch.ldexp(torch.ones_like(exponent), exponent)[..., None]
     codes = _nearest_e2m1_code(scaled)
     return codes[..., 0::2] | (codes[..., 1::2] << 4), (exponent + 127).to(torch.uint8)
+
+
+def check_mxfp4_groups(size: int, where: str = "") -> None:
+    """Refuse a last dimension MXFP4's groups of 32 do not divide (`where`: what holds it, for the message)."""
+    if size % MXFP4_GROUP:
+        raise ValueError(f"{where}MXFP4 groups of {MXFP4_GROUP} need the last dimension divisible by {MXFP4_GROUP}, "
+                         f"got {size}")
 
 
 def _check_finite(amax: torch.Tensor, format: str) -> None:

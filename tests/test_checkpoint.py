@@ -7,10 +7,11 @@ import warnings
 import pytest
 import torch
 import transformers
+from safetensors import safe_open
 
 import dflash_compile
 from dflash_compile import checkpoint
-from dflash_compile.checkpoint import FP8Linear, expert_bytes, load_packed, quantize
+from dflash_compile.checkpoint import FP8Linear, expert_bytes, load_packed, quantize, quantize_checkpoint
 from dflash_compile.families import experts_modules, first_projection, router_of, spec_for_model
 from dflash_compile.packed import packed_weights
 from dflash_compile.testing import load_tiny_model, save_tiny_model
@@ -75,7 +76,7 @@ def test_large_checkpoints_are_written_in_shards_both_loaders_read(tmp_path, mon
     with torch.no_grad():
         torch.testing.assert_close(load_packed(directory, dtype=torch.float32)(ids).logits,
                                    _transformers_dequantized_load(directory)(ids).logits, atol=1e-5, rtol=1e-5)
-    monkeypatch.setattr(checkpoint, "MAX_SHARD_SIZE", "5GB")
+    monkeypatch.setattr(checkpoint, "MAX_SHARD_SIZE", 5 * 10**9)
     quantize(model, directory, "mxfp4")
     assert [path.name for path in directory.glob("*.safetensors*")] == ["model.safetensors"]
     load_packed(directory)
@@ -251,6 +252,65 @@ def test_checkpoints_load_by_hub_repo_id(tmp_path, monkeypatch):
     assert torch.equal(by_id.generate(ids, max_new_tokens=6), by_directory.generate(ids, max_new_tokens=6))
     with pytest.raises(FileNotFoundError, match="is neither a checkpoint directory nor a Hugging Face Hub repo id"):
         checkpoint_directory(tmp_path / "nowhere")
+
+
+def _stored(directory):
+    """Every tensor of a checkpoint directory, by name, whatever its shards."""
+    tensors = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            tensors |= {name: handle.get_tensor(name) for name in handle.keys()}
+    return tensors
+
+
+@pytest.mark.parametrize("family, format", [("gpt_oss", "mxfp4"), ("qwen3_moe", "fp8_block"),
+                                            ("deepseek_v3", "fp8_block")])
+def test_a_checkpoint_quantized_from_disk_is_the_one_quantized_in_memory(family, format, tmp_path, monkeypatch):
+    """`quantize_checkpoint` loads the bf16 checkpoint offloaded to disk (transformers stacking Qwen3's and
+    DeepSeek-V3's per-expert tensors) and reads a module at a time: while one layer's experts are rounded, every
+    other layer's stay on the meta device. Its shards hold the tensors of `quantize` on the model loaded whole, bit
+    for bit, and the scratch folder is gone."""
+    source = save_tiny_model(family, tmp_path / "bf16", **SIZES[family])
+    whole = quantize(load_tiny_model(family, torch.bfloat16, directory=source), tmp_path / "whole", format)
+    models, resident = [], []
+    monkeypatch.setattr(checkpoint, "quantize", lambda model, *args: models.append(model) or quantize(model, *args))
+    quantized_experts = checkpoint._quantized_experts
+
+    def watched(experts, format):
+        resident.append([path for path, module in experts_modules(models[0]).items()
+                         if not getattr(module, first_projection(module)).is_meta])
+        yield from quantized_experts(experts, format)
+
+    monkeypatch.setattr(checkpoint, "_quantized_experts", watched)
+    monkeypatch.setattr(checkpoint, "MAX_SHARD_SIZE", 20_000)
+    streamed = quantize_checkpoint(source, tmp_path / "streamed", format)
+    layers = list(experts_modules(models[0]))
+    assert resident == [[path] for path in layers]
+    expected, written = _stored(whole), _stored(streamed)
+    assert len(list(streamed.glob("model-*.safetensors"))) > 1 and sorted(written) == sorted(expected)
+    assert all(torch.equal(written[name], expected[name]) for name in expected)
+    assert sorted(path.name for path in streamed.iterdir() if path.name.startswith(".")) == []
+    assert json.loads((streamed / "config.json").read_text()) == json.loads((whole / "config.json").read_text())
+
+
+def test_a_failed_quantization_leaves_the_directory_as_it_was(tmp_path):
+    """A NaN weight shows only as its layer is rounded, after other shards went out: the old checkpoint in the
+    directory stays whole and a new directory is removed again; an already quantized source is refused first."""
+    source = save_tiny_model("qwen3_moe", tmp_path / "bf16", **SIZES["qwen3_moe"])
+    out = quantize_checkpoint(source, tmp_path / "out", "fp8_block")
+    before = {path.name: path.read_bytes() for path in out.iterdir()}
+    broken = load_tiny_model("qwen3_moe", torch.bfloat16, directory=source)
+    with torch.no_grad():
+        broken.model.layers[-1].mlp.experts.down_proj[0, 0, 0] = torch.nan
+    broken.save_pretrained(tmp_path / "broken")
+    for directory in (out, tmp_path / "new"):
+        with pytest.raises(ValueError, match="the weight holds NaN or infinite values, which FP8 cannot represent"):
+            quantize_checkpoint(tmp_path / "broken", directory, "fp8_block")
+    assert {path.name: path.read_bytes() for path in out.iterdir()} == before
+    assert not (tmp_path / "new").exists()
+    with pytest.raises(ValueError, match=r"out is a fp8 checkpoint already: quantize takes a bf16 or fp32 one"):
+        quantize_checkpoint(out, tmp_path / "again", "fp8_block")
+    assert not (tmp_path / "again").exists()
 
 
 def test_format_errors_name_the_fix(tmp_path):
