@@ -3,9 +3,13 @@ run it under TRITON_INTERPRET=1, whose bf16 arithmetic is wrong. The ops fall ba
 `dflash_compile.expert_store` where no kernel is registered."""
 
 import contextlib
+import logging
 import os
+from pathlib import Path
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def sm_count(device: torch.device) -> int | None:
@@ -22,8 +26,13 @@ def build_extension(**options) -> tuple[object, str | None]:
 
     from torch.utils import cpp_extension
 
+    name = options["name"]
+    directory = cpp_extension._get_build_directory(name, verbose=False)
+    if not any(Path(directory).glob(f"{name}*.so")):  # a silent minute otherwise (nvcc on the CUDA row kernels)
+        log.warning("dflash-compile: compiling %s for this machine (once; the CUDA kernels take about a minute; "
+                    "`dflash-compile build-kernels` does it ahead)", name)
     try:
-        with _no_stale_build_lock(cpp_extension._get_build_directory(options["name"], verbose=False)):
+        with _no_stale_build_lock(directory):
             return cpp_extension.load(**options), None
     except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as error:
         message = str(error).strip()

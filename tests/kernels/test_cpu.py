@@ -160,15 +160,17 @@ def test_without_the_kernels_the_reference_runs(monkeypatch):
         cpu.load.cache_clear()
 
 
-def test_a_broken_compiler_falls_back_with_the_reason(monkeypatch, tmp_path):
+def test_a_broken_compiler_falls_back_with_the_reason(monkeypatch, tmp_path, caplog):
     """CXX naming a program that fails (its `--version` probe raises CalledProcessError inside torch's build): the
-    kernels are reported unavailable with the build's error, not raised out of `load()`."""
+    kernels are reported unavailable with the build's error, not raised out of `load()`; the build was announced
+    (no built module there), as a cached one is not."""
     monkeypatch.setenv("CXX", "/bin/false")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # no cached build to load instead
     cpu.load.cache_clear()
     try:
         with pytest.warns(UserWarning, match=r"C\+\+ CPU kernels unavailable \(build failed: .*/bin/false"):
             assert not cpu.load()
+        assert "compiling dflash_cpu_kernels for this machine (once" in caplog.text
     finally:
         cpu.load.cache_clear()
 
@@ -183,9 +185,10 @@ def test_a_build_lock_left_by_a_killed_build_does_not_stall_the_next_load():
     lock = Path(cpp_extension._get_build_directory("dflash_cpu_kernels", verbose=False)) / "lock"
     lock.touch()
     try:
-        subprocess.run([sys.executable, "-c", "from dflash_compile.kernels import cpu; assert cpu.load()"],
-                       check=True, timeout=300)
+        loaded = subprocess.run([sys.executable, "-c", "from dflash_compile.kernels import cpu; assert cpu.load()"],
+                                check=True, timeout=300, capture_output=True, text=True)
         assert not lock.exists()
+        assert "compiling" not in loaded.stderr  # cached: loaded without a word
     finally:
         lock.unlink(missing_ok=True)
 
