@@ -263,13 +263,13 @@ def _stored(directory):
     return tensors
 
 
-@pytest.mark.parametrize("family, format", [("gpt_oss", "mxfp4"), ("qwen3_moe", "fp8_block"),
-                                            ("deepseek_v3", "fp8_block")])
+@pytest.mark.parametrize("family, format", [("gpt_oss", "mxfp4")] + [
+    (family, "fp8_block") for family in FAMILIES if family not in ("gpt_oss", "qwen3_5_moe")])
 def test_a_checkpoint_quantized_from_disk_is_the_one_quantized_in_memory(family, format, tmp_path, monkeypatch):
-    """`quantize_checkpoint` loads the bf16 checkpoint offloaded to disk (transformers stacking Qwen3's and
-    DeepSeek-V3's per-expert tensors) and reads a module at a time: while one layer's experts are rounded, every
-    other layer's stay on the meta device. Its shards hold the tensors of `quantize` on the model loaded whole, bit
-    for bit, and the scratch folder is gone."""
+    """`quantize_checkpoint` loads the bf16 checkpoint offloaded to disk (transformers converting the families'
+    stored layouts, e.g. stacking Qwen3's per-expert tensors) and reads a module at a time: while one layer's experts
+    are rounded, every other layer's stay on the meta device. Its shards hold the tensors of `quantize` on the model
+    loaded whole, bit for bit, and the scratch folder is gone."""
     source = save_tiny_model(family, tmp_path / "bf16", **SIZES[family])
     whole = quantize(load_tiny_model(family, torch.bfloat16, directory=source), tmp_path / "whole", format)
     models, resident = [], []
