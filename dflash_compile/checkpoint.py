@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 import shutil
 import tempfile
@@ -531,6 +532,30 @@ def _load_remaining(model: torch.nn.Module, checkpoint: _Checkpoint, dtype, devi
     left = [name for name, tensor in (*model.named_parameters(), *model.named_buffers()) if tensor.is_meta]
     if left:
         raise ValueError(f"the checkpoint left {left[:5]} uninitialised ({len(left)} in all)")
+
+
+# bytes per element of the dtypes quantized checkpoints store their experts in, by safetensors' names
+_STORED_BYTES = {"U8": 1, "F8_E4M3": 1, "F16": 2, "BF16": 2, "F32": 4}
+
+
+def stored_expert_bytes(path: str | Path) -> tuple[int, int]:
+    """`expert_bytes` of a quantized checkpoint read from its tensors' headers and its config, no tensor loaded (the
+    quantize command's summary, which loading the checkpoint would cost its whole size in memory)."""
+    path = checkpoint_directory(path)
+    config = transformers.AutoConfig.from_pretrained(path)
+    del config.quantization_config
+    with torch.device("meta"):
+        model = auto_model_class(config).from_config(config)
+    layers = experts_modules(model)
+    parameters = sum(weight.data.numel() for experts in layers.values() for weight in expert_weights(experts))
+    # by the model's names (a multimodal checkpoint's stored ones too: `_Checkpoint`), each stored tensor once
+    experts = {place for key, place in _Checkpoint(path).where.items()
+               if not key.endswith(("_bias", ".bias")) and any(key.startswith(f"{name}.") for name in layers)}
+    total = 0
+    for handle, key in experts:
+        view = handle.get_slice(key)
+        total += math.prod(view.get_shape()) * _STORED_BYTES[view.get_dtype()]
+    return total, parameters
 
 
 def expert_bytes(model: torch.nn.Module) -> tuple[int, int]:

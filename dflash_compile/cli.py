@@ -191,14 +191,14 @@ def train_drafter_command(args) -> int:
 
 
 def quantize_command(args) -> int:
-    from .checkpoint import checkpoint_directory, expert_bytes, load_packed, quantize_checkpoint
+    from .checkpoint import checkpoint_directory, quantize_checkpoint, stored_expert_bytes
     from .pair import load_tokenizer
 
     source = checkpoint_directory(args.model)
     tokenizer = load_tokenizer(source)  # a checkpoint without one is refused before its weights are read
     out = quantize_checkpoint(source, args.out, args.format, DTYPES[args.dtype])
     tokenizer.save_pretrained(out)
-    weight_bytes, weights = expert_bytes(load_packed(out))
+    weight_bytes, weights = stored_expert_bytes(out)
     print(f"{args.format} checkpoint written to {out}: routed experts {weight_bytes / 2**20:.1f} MiB, "
           f"{weight_bytes * 8 / weights:.2f} bits per weight")
     return 0

@@ -11,7 +11,8 @@ from safetensors import safe_open
 
 import dflash_compile
 from dflash_compile import checkpoint
-from dflash_compile.checkpoint import FP8Linear, expert_bytes, load_packed, quantize, quantize_checkpoint
+from dflash_compile.checkpoint import (FP8Linear, expert_bytes, load_packed, quantize, quantize_checkpoint,
+                                       stored_expert_bytes)
 from dflash_compile.families import experts_modules, first_projection, router_of, spec_for_model
 from dflash_compile.packed import packed_weights
 from dflash_compile.testing import load_tiny_model, save_tiny_model
@@ -290,6 +291,7 @@ def test_a_checkpoint_quantized_from_disk_is_the_one_quantized_in_memory(family,
     assert len(list(streamed.glob("model-*.safetensors"))) > 1 and sorted(written) == sorted(expected)
     assert all(torch.equal(written[name], expected[name]) for name in expected)
     assert sorted(path.name for path in streamed.iterdir() if path.name.startswith(".")) == []
+    assert stored_expert_bytes(streamed) == expert_bytes(load_packed(streamed))  # the quantize command's summary
     assert json.loads((streamed / "config.json").read_text()) == json.loads((whole / "config.json").read_text())
 
 

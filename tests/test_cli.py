@@ -181,7 +181,8 @@ def test_quantize_writes_a_packed_checkpoint_that_generates(tmp_path, capsys):
     out = tmp_path / "fp8"
     assert main(["quantize", "--model", str(DEFAULT_PAIR / "target"), "--out", str(out), "--format", "fp8_block",
                  "--dtype", "float32"]) == 0
-    assert "fp8_block checkpoint written to" in capsys.readouterr().out
+    assert re.search(r"fp8_block checkpoint written to .*: routed experts [0-9.]+ MiB, 8.00 bits per weight",
+                     capsys.readouterr().out)
     assert main(["generate", "--model", str(out), "--drafter", str(DEFAULT_PAIR / "drafter"), "--max-new-tokens",
                  "16", "--repeats", "1", "--no-compile"]) == 0
     assert "same tokens: True" in capsys.readouterr().out
