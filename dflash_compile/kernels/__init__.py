@@ -29,8 +29,8 @@ def build_extension(**options) -> tuple[object, str | None]:
     name = options["name"]
     directory = cpp_extension._get_build_directory(name, verbose=False)
     if not any(Path(directory).glob(f"{name}*.so")):  # a silent minute otherwise (nvcc on the CUDA row kernels)
-        log.warning("dflash-compile: compiling %s for this machine (once; the CUDA kernels take about a minute; "
-                    "`dflash-compile build-kernels` does it ahead)", name)
+        log.warning("dflash-compile: compiling %s for this machine, once (a minute or two; `dflash-compile "
+                    "build-kernels` does it ahead of time)", name)
     try:
         with _no_stale_build_lock(directory):
             return cpp_extension.load(**options), None
