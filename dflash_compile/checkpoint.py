@@ -191,12 +191,21 @@ def quantize_checkpoint(source: str | Path, directory: str | Path, format: str,
     method = (getattr(config, "quantization_config", None) or {}).get("quant_method")
     if method:
         raise ValueError(f"{source} is a {method} checkpoint already: quantize takes a bf16 or fp32 one")
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
     _check_causal_lm(config)
+    _check_quantizable(_meta_model(config), format)  # before the load, which writes the scratch folder
     directory = Path(directory)
     with _made_for_this(directory), tempfile.TemporaryDirectory(dir=directory, prefix=".offload-") as scratch:
         model = auto_model_class(config).from_pretrained(source, dtype=dtype, device_map={"": "disk"},
                                                          offload_folder=scratch)
         return quantize(model, directory, format)
+
+
+def _meta_model(config, dtype: torch.dtype | None = None) -> transformers.PreTrainedModel:
+    """The config's model built on the meta device: its modules' names and shapes, no memory."""
+    with torch.device("meta"):
+        return auto_model_class(config).from_config(config, dtype=dtype)
 
 
 @contextlib.contextmanager
@@ -487,8 +496,7 @@ def load_packed(path: str | Path, dtype: torch.dtype = torch.bfloat16, device="c
     del config.quantization_config
     _check_causal_lm(config)
     checkpoint = _Checkpoint(path)
-    with torch.device("meta"):
-        model = auto_model_class(config).from_config(config, dtype=dtype)
+    model = _meta_model(config, dtype)
     for name, experts in experts_modules(model).items():
         count = experts.down_proj.shape[0]
         attach_packed(experts, *_packed_experts(checkpoint, name, format, count, _gated(experts), device))
@@ -544,8 +552,7 @@ def stored_expert_bytes(path: str | Path) -> tuple[int, int]:
     path = checkpoint_directory(path)
     config = transformers.AutoConfig.from_pretrained(path)
     del config.quantization_config
-    with torch.device("meta"):
-        model = auto_model_class(config).from_config(config)
+    model = _meta_model(config)
     layers = experts_modules(model)
     parameters = sum(weight.data.numel() for experts in layers.values() for weight in expert_weights(experts))
     # by the model's names (a multimodal checkpoint's stored ones too: `_Checkpoint`), each stored tensor once

@@ -295,9 +295,10 @@ def test_a_checkpoint_quantized_from_disk_is_the_one_quantized_in_memory(family,
     assert json.loads((streamed / "config.json").read_text()) == json.loads((whole / "config.json").read_text())
 
 
-def test_a_failed_quantization_leaves_the_directory_as_it_was(tmp_path):
+def test_a_failed_quantization_leaves_the_directory_as_it_was(tmp_path, monkeypatch):
     """A NaN weight shows only as its layer is rounded, after other shards went out: the old checkpoint in the
-    directory stays whole and a new directory is removed again; an already quantized source is refused first."""
+    directory stays whole and a new directory is removed again; an already quantized source, a format the family
+    has no layout for and an unknown one are refused before the load."""
     source = save_tiny_model("qwen3_moe", tmp_path / "bf16", **SIZES["qwen3_moe"])
     out = quantize_checkpoint(source, tmp_path / "out", "fp8_block")
     before = {path.name: path.read_bytes() for path in out.iterdir()}
@@ -312,6 +313,11 @@ def test_a_failed_quantization_leaves_the_directory_as_it_was(tmp_path):
     assert not (tmp_path / "new").exists()
     with pytest.raises(ValueError, match=r"out is a fp8 checkpoint already: quantize takes a bf16 or fp32 one"):
         quantize_checkpoint(out, tmp_path / "again", "fp8_block")
+    monkeypatch.setattr(checkpoint.tempfile, "TemporaryDirectory", None)  # the load's scratch: never reached
+    with pytest.raises(ValueError, match="qwen3_moe has no public mxfp4 checkpoint layout: use fp8_block"):
+        quantize_checkpoint(source, tmp_path / "again", "mxfp4")
+    with pytest.raises(ValueError, match=r"format must be one of \('mxfp4', 'fp8_block'\), got 'int4'"):
+        quantize_checkpoint(source, tmp_path / "again", "int4")
     assert not (tmp_path / "again").exists()
 
 
