@@ -3,7 +3,7 @@
     dflash-compile generate --prompt "def fibonacci(n):"   # the bundled tiny target + drafter pair
     dflash-compile generate --model PATH --drafter PATH --prompt "..." --stream
     dflash-compile train-drafter --target PATH --data texts.jsonl --out drafter/ [--block-size 16 --layers 2]
-    dflash-compile quantize --model PATH --out DIR --format mxfp4|fp8_block
+    dflash-compile quantize --model PATH --out DIR --format mxfp4|fp8_block   # a module at a time, from disk
     dflash-compile bench [--model PATH --drafter PATH] --out DIR   # table + acceptance / step-time plots
     dflash-compile roofline --model gpt-oss-20b --device h200 --csv out.csv
     dflash-compile calibrate --out hardware.json           # this machine's bandwidths and FLOP/s
@@ -364,7 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(run=train_drafter_command)
 
     quantize = commands.add_parser("quantize", help="write a model as an MXFP4 (gpt-oss) or FP8 block checkpoint")
-    quantize.add_argument("--model", required=True, help="checkpoint directory (bf16 / fp32)")
+    quantize.add_argument("--model", required=True,
+                          help="bf16 / fp32 checkpoint directory or Hub repo id, read a module at a time from disk")
     quantize.add_argument("--out", required=True, help="directory for the quantized checkpoint")
     quantize.add_argument("--format", required=True, choices=FORMATS)
     quantize.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="dtype to read the model in")
