@@ -71,8 +71,12 @@ class FP8Linear(torch.nn.Module):
 
 
 def _check_quantizable(model: torch.nn.Module, format: str) -> None:
-    """Refuse, before any work, a model without supported routed experts, a format its family has no public layout
-    for, and FP8 experts that `load_packed` could not read back."""
+    """Refuse, before any work, an unknown format, a model without a causal LM class, without supported routed
+    experts, a format its family has no public layout for, and experts the format cannot hold (MXFP4 groups, FP8
+    scale blocks `load_packed` could not read back). Shapes only: `model` may be on the meta device."""
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    _check_causal_lm(model.config)
     spec = spec_for_model(model)
     if spec is None:
         raise ValueError(f"{type(model).__name__} has no routed experts of a supported family to quantize")
@@ -136,7 +140,8 @@ def _quantized_tensors(model: torch.nn.Module, format: str) -> Iterator[tuple[st
     spec = spec_for_model(model)
     layers = experts_modules(model)
     routers = {part for path in layers for part in router_of(model, path).modules()}
-    tied_head = model.get_output_embeddings() if model.config.tie_word_embeddings else None
+    head = model.get_output_embeddings()
+    tied_head = head if model.config.tie_word_embeddings else None
     progress = tqdm(total=len(layers), desc="quantizing experts", unit="layer", disable=len(layers) < 8)
     for path, module in model.named_modules(remove_duplicate=False):
         prefix = f"{path}." if path else ""
@@ -144,7 +149,7 @@ def _quantized_tensors(model: torch.nn.Module, format: str) -> Iterator[tuple[st
             if path in layers:  # a full-size layer takes seconds to round on a CPU
                 tensors = _quantized_experts(module, format)
             elif (format == "fp8_block" and type(module) is torch.nn.Linear
-                  and module is not model.get_output_embeddings() and module not in routers
+                  and module is not head and module not in routers
                   and path.rpartition(".")[2] not in spec.unquantized_linears):
                 quantized, scale = quantize_fp8_block(module.weight.detach(), FP8_BLOCK)
                 tensors = [("weight", quantized), ("weight_scale_inv", scale),
@@ -164,9 +169,6 @@ def quantize(model: torch.nn.Module, directory: str | Path, format: str) -> Path
     index as transformers writes them -- with its config and generation config. Tensors go out as each module is
     quantized, so memory holds one shard beside the model (and, for a model offloaded to disk, one module's weights:
     `quantize_checkpoint`). Returns the directory."""
-    if format not in FORMATS:
-        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
-    _check_causal_lm(model.config)
     _check_quantizable(model, format)
     directory = Path(directory)
     with _made_for_this(directory), _Shards(directory) as shards:
@@ -191,9 +193,6 @@ def quantize_checkpoint(source: str | Path, directory: str | Path, format: str,
     method = (getattr(config, "quantization_config", None) or {}).get("quant_method")
     if method:
         raise ValueError(f"{source} is a {method} checkpoint already: quantize takes a bf16 or fp32 one")
-    if format not in FORMATS:
-        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
-    _check_causal_lm(config)
     _check_quantizable(_meta_model(config), format)  # before the load, which writes the scratch folder
     directory = Path(directory)
     with _made_for_this(directory), tempfile.TemporaryDirectory(dir=directory, prefix=".offload-") as scratch:
