@@ -56,15 +56,18 @@ COMPILED_CASES = [(family, torch.float32 if family in BF16_PAST_THE_BOUND else t
     (family, torch.float32) for family in ("gpt_oss", "deepseek_v3", "qwen3_5_moe")]
 # Gemma 4's forward without a cache builds its own, and transformers 5.24 copies the config there with `copy.copy`,
 # which torch 2.11's Dynamo refuses to trace in a full graph (the GPU machine, session 65; torch 2.13 traces it).
-# `optimize` and generation pass their caches and are unaffected (README).
-OWN_CACHE_UNTRACEABLE = pytest.mark.xfail(Version(torch.__version__).release < (2, 13),
-                                          raises=torch._dynamo.exc.Unsupported,
-                                          reason="torch < 2.13 cannot trace copy.copy in a full graph")
+# `optimize` and generation pass their caches and are unaffected (README). A full graph raises Unsupported there;
+# `explain`, which lets graphs break, counts the breaks (5 on the GPU machine's torch 2.11).
+
+
+def own_cache_untraceable(family, error):
+    return pytest.mark.xfail(family == "gemma4_text" and Version(torch.__version__).release < (2, 13),
+                             raises=error, reason="torch < 2.13 cannot trace copy.copy in a full graph")
 
 
 @pytest.mark.parametrize("family, dtype", [
     pytest.param(family, dtype, id=f"{family}-{str(dtype)[6:]}",
-                 marks=OWN_CACHE_UNTRACEABLE if family == "gemma4_text" else ())
+                 marks=own_cache_untraceable(family, torch._dynamo.exc.Unsupported))
     for family, dtype in COMPILED_CASES])
 def test_compiled_logits_match_eager(tiny, family, dtype, dispatch_calls):
     model = tiny(family, dtype)
@@ -168,7 +171,9 @@ def test_every_familys_experts_run_their_own_or_mixtrals_code(tiny):
     assert tiny("mixtral").config._experts_implementation == "grouped_mm"  # transformers' default
 
 
-@pytest.mark.parametrize("family, implementation", [(family, "grouped_mm") for family in FAMILY_NAMES] + [
+@pytest.mark.parametrize("family, implementation", [
+    pytest.param(family, "grouped_mm", marks=own_cache_untraceable(family, AssertionError))
+    for family in FAMILY_NAMES] + [
     (family, implementation) for family in ("mixtral", *OWN_EXPERTS_CODE)
     for implementation in ("eager", "batched_mm")])
 def test_one_dispatch_node_per_moe_layer_whatever_experts_implementation(tiny, family, implementation):
