@@ -90,7 +90,6 @@ def compile_kernel(format: str, gated: bool, tiles: dict, host_fallback: bool = 
                      NUM_STAGES=tiles["num_stages"], TMA_LOADS=tma_loads, DEPENDENT_LAUNCH=capability >= 90,
                      X_PAIRED=x_paired, PAIRED_SHIFT=paired_shift, SCAN=_scan_width(2880),  # gpt-oss's K
                      SUM_TOP_K=4 if one_token and not gated else 0,  # one token's down launch sums gpt-oss's top-4
-                     SCALE_PAIRS=format == "mxfp4",  # gpt-oss's 90 groups a row (`_scale_pairs`)
                      column_stride=1)  # the JIT makes an argument equal to 1 a constant
     if not tma_loads:
         constants["words_tma"] = None

@@ -426,13 +426,12 @@ def _e4m3_word_pairs(word: str) -> str:
             "cvt.rn.f16x2.e4m3x2 pair1, high16;\n")
 
 
-def _row_group_asm(word_pairs, words: int, pairs: int, halves_in_fp16: bool) -> str:
+def _row_group_asm(word_pairs, words: int, pairs: int) -> str:
     """PTX for one row of activations times one 32-code group of packed weights on the CUDA cores, `words` words of
     `pairs` fp16x2 pairs each (`word_pairs` decodes one): $1-$words the group's words, $(1 + words + words * i + j)
-    the activations of word j's pair i as fp16x2 (scaled by 2^shift), then the group's scale and the running sum ->
-    $0 = running sum + scale * the group's 32 products (still times the activations' and the decode's powers of two:
-    `_row_project` undoes them once, after the K loop). The products add in fp16x2; the two halves add in fp16 where
-    they cannot overflow (`halves_in_fp16`: one instruction fewer a row and group) and in fp32 otherwise."""
+    the activations of word j's pair i as fp16x2 (scaled by 2^shift), then the group's scale, 2^(code exponent -
+    shift) that undoes the activations' and the decode's powers of two, and the running sum -> $0 = running sum +
+    scale * that * the group's 32 products. The products add in fp16x2, the two halves in fp32."""
     products = []
     for j in range(words):
         products.append(word_pairs(f"${1 + j}"))
@@ -441,23 +440,22 @@ def _row_group_asm(word_pairs, words: int, pairs: int, halves_in_fp16: bool) -> 
             products.append(f"mul.rn.f16x2 sum, pair{i}, {activations};\n" if i == j == 0 else
                             f"fma.rn.f16x2 sum, pair{i}, {activations}, sum;\n")
     scale = 1 + words * (1 + pairs)
-    halves = ("add.rn.f16 lowsum, lowsum, highsum;\ncvt.f32.f16 low32, lowsum;\n" if halves_in_fp16 else
-              "cvt.f32.f16 low32, lowsum;\ncvt.f32.f16 high32, highsum;\nadd.rn.f32 low32, low32, high32;\n")
     return ("{\n.reg .b32 low, high, sign, pair0, pair1, pair2, pair3, sum;\n"
             ".reg .b16 lowsum, highsum, low16, high16;\n.reg .f32 low32, high32;\n" + "".join(products)
-            + "mov.b32 {lowsum, highsum}, sum;\n" + halves + f"fma.rn.f32 $0, low32, ${scale}, ${scale + 1};\n}}")
+            + "mov.b32 {lowsum, highsum}, sum;\ncvt.f32.f16 low32, lowsum;\ncvt.f32.f16 high32, highsum;\n"
+            + f"add.rn.f32 low32, low32, high32;\nmul.rn.f32 low32, low32, ${scale + 1};\n"
+            + f"fma.rn.f32 $0, low32, ${scale}, ${scale + 2};\n}}")
 
 
 def _row_group_constraints(words: int, pairs: int) -> str:
-    return ",".join(["=f"] + ["r"] * (words * (1 + pairs)) + ["f"] * 2)
+    return ",".join(["=f"] + ["r"] * (words * (1 + pairs)) + ["f"] * 3)
 
 
-# The row path's group PTX per format: MXFP4 words hold 8 codes (4 words, 4 pairs each, codes times 2^-14, so a
-# half's 16 products are at most 6 * 2^-14 * 2^15 = 12 each), FP8 words 4 (8 words, 2 pairs each, exact; a half's
-# 16 products up to 448 * 2^3 each, whose two halves' sum can pass fp16's 65504).
-_E2M1_ROW_ASM = tl.constexpr(_row_group_asm(_e2m1_word_pairs, 4, 4, halves_in_fp16=True))
+# The row path's group PTX per format: MXFP4 words hold 8 codes (4 words, 4 pairs each, codes times 2^-14), FP8
+# words 4 (8 words, 2 pairs each, exact).
+_E2M1_ROW_ASM = tl.constexpr(_row_group_asm(_e2m1_word_pairs, 4, 4))
 _E2M1_ROW_CONSTRAINTS = tl.constexpr(_row_group_constraints(4, 4))
-_E4M3_ROW_ASM = tl.constexpr(_row_group_asm(_e4m3_word_pairs, 8, 2, halves_in_fp16=False))
+_E4M3_ROW_ASM = tl.constexpr(_row_group_asm(_e4m3_word_pairs, 8, 2))
 _E4M3_ROW_CONSTRAINTS = tl.constexpr(_row_group_constraints(8, 2))
 
 
@@ -510,7 +508,7 @@ def _broadcast_slices(t, shape: tl.constexpr):
 
 @triton.jit
 def _row_step_loads(words, scales, x_rows, rows, row_ok, k, stop, K, word, offset, FORMAT: tl.constexpr,
-                    GROUPS: tl.constexpr, EVICTION: tl.constexpr, X_PAIRED: tl.constexpr, SCALE_PAIRS: tl.constexpr):
+                    GROUPS: tl.constexpr, EVICTION: tl.constexpr, X_PAIRED: tl.constexpr):
     """One K step of `_row_project` from column k (nothing at or past `stop`): the packed words [ROWS, GROUPS,
     words per group], each group's scale [ROWS, GROUPS] in fp32 (MXFP4: 2^(e - 127) from its E8M0 exponent e; FP8:
     its 128 x 128 block's) and the activations: [BLOCK_M, GROUPS, words, pairs, 2 halves] in fp32, or with X_PAIRED
@@ -523,15 +521,8 @@ def _row_step_loads(words, scales, x_rows, rows, row_ok, k, stop, K, word, offse
     packed = tl.load(words + rows[:, None, None] * (K // CODES) + (k // CODES + word)[None, :, :], mask=ok[:, :, None],
                      other=0, eviction_policy=EVICTION)
     if FORMAT == 1:
-        if SCALE_PAIRS:  # two groups' exponents a 2-byte load (`_scale_pairs`)
-            pair = k // 64 + tl.arange(0, GROUPS // 2)
-            both = tl.load(scales.to(tl.pointer_type(tl.int16)) + rows[:, None] * (K // 64) + pair[None, :],
-                           mask=row_ok[:, None] & (pair[None, :] < stop // 64), other=0,
+        exponent = tl.load(scales + rows[:, None] * (K // 32) + group[None, :], mask=ok, other=0,
                            eviction_policy=EVICTION).to(tl.int32)
-            exponent = tl.reshape(tl.join(both & 255, (both >> 8) & 255), (rows.shape[0], GROUPS))
-        else:
-            exponent = tl.load(scales + rows[:, None] * (K // 32) + group[None, :], mask=ok, other=0,
-                               eviction_policy=EVICTION).to(tl.int32)
         scale = (exponent << 23).to(tl.float32, bitcast=True)  # e = 0, 2^-127, becomes 0
     else:
         scale = tl.load(scales + (rows // 128)[:, None] * tl.cdiv(K, 128) + (group // 4)[None, :], mask=ok,
@@ -618,7 +609,7 @@ def _pair_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_stop, words_tma, tma_rows,
                  FORMAT: tl.constexpr, COMPUTE_FP32: tl.constexpr, FP16_OPERANDS: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, TMA_LOADS: tl.constexpr,
-                 x_shifts, X_PAIRED: tl.constexpr, SCAN: tl.constexpr, SCALE_PAIRS: tl.constexpr):
+                 x_shifts, X_PAIRED: tl.constexpr, SCAN: tl.constexpr):
     """[BLOCK_M, BLOCK_ROWS] fp32 = x[pair_rows] @ W[rows]^T over K in [k_start, k_stop) for a few rows of
     activations (BLOCK_M < 16), W MXFP4 or FP8, on the CUDA cores: no tensor-core tile padded to 16 rows, the codes
     decoded to fp16 pairs (`_e2m1_word_pairs`, `_e4m3_word_pairs`) and half an fp16x2 multiply-add per code and row
@@ -655,7 +646,7 @@ def _row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_stop, w
     # weights in flight (num_stages=1 measured fastest with them; the TMA loads, issued in the step, pipeline
     # NUM_STAGES deep: the pointer load of words they replace is dead code)
     packed, scale, xs = _row_step_loads(words, scales, x_rows, rows, row_ok, k_start, stop, K, word, offset, FORMAT,
-                                        GROUPS, EVICTION, X_PAIRED, SCALE_PAIRS)
+                                        GROUPS, EVICTION, X_PAIRED)
     if X_PAIRED:
         shift = tl.load(x_shifts + pair_rows)
     else:
@@ -670,12 +661,11 @@ def _row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_stop, w
     if FP16_OPERANDS:
         if x.dtype.element_ty == tl.float16:
             undo = 8
-    unscale = _exp2i(CODE_EXPONENT - shift + undo)[:, None]  # the asm's sums, once after the loop
+    unscale = _exp2i(CODE_EXPONENT - shift + undo)[:, None, None]
     acc = tl.zeros((BLOCK_M, BLOCK_ROWS, GROUPS), dtype=tl.float32)
     for k in tl.range(k_start, k_stop, BLOCK_K, num_stages=NUM_STAGES):
         next_packed, next_scale, next_xs = _row_step_loads(words, scales, x_rows, rows, row_ok, k + BLOCK_K, stop, K,
-                                                           word, offset, FORMAT, GROUPS, EVICTION, X_PAIRED,
-                                                           SCALE_PAIRS)
+                                                           word, offset, FORMAT, GROUPS, EVICTION, X_PAIRED)
         if TMA_LOADS:
             packed = _tma_words(words_tma, tma_rows, k, BLOCK_ROWS, BLOCK_K, CODES, TMA_LOADS)
         if COMPUTE_FP32:
@@ -699,14 +689,13 @@ def _row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_stop, w
             operands = _broadcast_slices(packed[None, :, :, :], shape)
             for i in tl.static_range(PAIRS):
                 operands = operands + _broadcast_slices(by_pair[i][:, None], shape)
-            operands = operands + (tl.broadcast_to(scale[None, :, :], acc.shape), acc)
+            operands = operands + (tl.broadcast_to(scale[None, :, :], acc.shape), tl.broadcast_to(unscale, acc.shape),
+                                   acc)
             ROW_ASM: tl.constexpr = _E2M1_ROW_ASM if FORMAT == 1 else _E4M3_ROW_ASM
             CONSTRAINTS: tl.constexpr = _E2M1_ROW_CONSTRAINTS if FORMAT == 1 else _E4M3_ROW_CONSTRAINTS
             acc = tl.inline_asm_elementwise(ROW_ASM, CONSTRAINTS, operands, dtype=tl.float32, is_pure=True, pack=1)
         packed, scale, xs = next_packed, next_scale, next_xs
-    if COMPUTE_FP32:  # its products are of the activations and weights as they are
-        return tl.sum(acc, axis=2)
-    return tl.sum(acc, axis=2) * unscale
+    return tl.sum(acc, axis=2)
 
 
 @triton.jit
@@ -800,8 +789,7 @@ def _tile_project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start,
 def _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start, k_stop, row_stride, column_stride,
              words_tma, tma_rows, FORMAT: tl.constexpr, COMPUTE_FP32: tl.constexpr, FP16_OPERANDS: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-             TMA_LOADS: tl.constexpr, x_shifts, X_PAIRED: tl.constexpr, SCAN: tl.constexpr,
-             SCALE_PAIRS: tl.constexpr):
+             TMA_LOADS: tl.constexpr, x_shifts, X_PAIRED: tl.constexpr, SCAN: tl.constexpr):
     """[BLOCK_M, BLOCK_ROWS] fp32 = x[pair_rows] @ W[rows]^T over K in [k_start, k_stop), W the expert at `data` /
     `scales` (dense weights at any row / column strides, e.g. a transposed view of [E, in, out] parameters): on the
     tensor cores, or for a few rows of activations (BLOCK_M < 16) on the CUDA cores."""
@@ -811,7 +799,7 @@ def _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start, k_st
     elif BLOCK_M < 16:
         acc = _row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_stop, words_tma, tma_rows, FORMAT,
                            COMPUTE_FP32, FP16_OPERANDS, BLOCK_M, BLOCK_ROWS, BLOCK_K, NUM_STAGES, TMA_LOADS, x_shifts,
-                           X_PAIRED, SCAN, SCALE_PAIRS)
+                           X_PAIRED, SCAN)
     else:
         acc = _tile_project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start, k_stop, row_stride,
                             column_stride, FORMAT, COMPUTE_FP32, FP16_OPERANDS, BLOCK_M, BLOCK_ROWS, BLOCK_K,
@@ -836,7 +824,7 @@ def _moe_gemm_kernel(
     HOST_FALLBACK: tl.constexpr, BLOCKING: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, TMA_LOADS: tl.constexpr,
     DEPENDENT_LAUNCH: tl.constexpr, X_PAIRED: tl.constexpr, PAIRED_SHIFT: tl.constexpr, SCAN: tl.constexpr,
-    SUM_TOP_K: tl.constexpr, SCALE_PAIRS: tl.constexpr,
+    SUM_TOP_K: tl.constexpr,
 ):
     _wait_for_previous_launch(DEPENDENT_LAUNCH)
     block = tl.program_id(0)
@@ -887,7 +875,7 @@ def _moe_gemm_kernel(
         rows = tl.where(row_ok, rows, 0)
         both = _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start, k_stop, row_stride,
                         column_stride, words_tma, tma_rows, FORMAT, COMPUTE_FP32, FP16_OPERANDS, BLOCK_M,
-                        2 * BLOCK_N, BLOCK_K, NUM_STAGES, TMA_LOADS, x_shifts, X_PAIRED, SCAN, SCALE_PAIRS)
+                        2 * BLOCK_N, BLOCK_K, NUM_STAGES, TMA_LOADS, x_shifts, X_PAIRED, SCAN)
         if HAS_BIAS:
             both += _first_split_bias(bias, rows, row_ok, split)[None, :]
         if SPLIT_K > 1:  # this split's partial sums, gate and up interleaved; `_finish_gate_up` adds and activates
@@ -900,7 +888,7 @@ def _moe_gemm_kernel(
         rows = tl.where(column_ok, columns, 0)
         result = _project(x, data, scales, rows, column_ok, pair_rows, pair_ok, K, k_start, k_stop, row_stride,
                           column_stride, words_tma, tma_rows, FORMAT, COMPUTE_FP32, FP16_OPERANDS, BLOCK_M, BLOCK_N,
-                          BLOCK_K, NUM_STAGES, TMA_LOADS, x_shifts, X_PAIRED, SCAN, SCALE_PAIRS)
+                          BLOCK_K, NUM_STAGES, TMA_LOADS, x_shifts, X_PAIRED, SCAN)
         out_width = N_OUT
         if HAS_BIAS:
             result += _first_split_bias(bias, rows, column_ok, split)[None, :]
@@ -984,23 +972,12 @@ def _launch(x, weight: PackedWeight, blocks: Blocks, pair_weights, rows_out, n_o
         FP16_OPERANDS=fp16_operands, HOST_FALLBACK=slot_of is not None, BLOCKING=blocks.blocking,
         SPLIT_K=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
         TMA_LOADS=tma_loads, X_PAIRED=x_shifts is not None, PAIRED_SHIFT=paired_shift, SCAN=_scan_width(k_split),
-        SUM_TOP_K=sum_top_k if summed is not None else 0, SCALE_PAIRS=_scale_pairs(weight, host, block_k),
-        num_warps=num_warps,
+        SUM_TOP_K=sum_top_k if summed is not None else 0, num_warps=num_warps,
         **_dependent_launch(x.device),
     )
     if sum_top_k:
         return summed if summed is not None else _sum_pairs(out.view(splits, tokens, sum_top_k, n_out), sum_dtype)
     return out if splits > 1 else out[0]
-
-
-def _scale_pairs(weight: PackedWeight, host: PackedWeight | None, block_k: int) -> bool:
-    """SCALE_PAIRS: the row path reads an MXFP4 row's E8M0 exponents two groups at a time, as 2-byte words, where
-    every expert's rows of them start at even addresses (an even number of groups a row: gpt-oss's 90, Qwen3's
-    64 and 24) and a K step has whole pairs. Triton cannot see that from the row stride, K / 32, and otherwise loads
-    each byte apart: blocks of 2 on gpt-oss-20b, 803 -> 782 loop instructions a thread (sm_90, Triton 3.6)."""
-    scales = [w.scales for w in (weight, host) if w is not None]
-    return (weight.format == "mxfp4" and weight.shape[2] // 32 % 2 == 0 and block_k >= 64
-            and all(t.data_ptr() % 2 == 0 and t.stride(0) % 2 == 0 for t in scales))
 
 
 def _scan_width(k_split: int) -> int:
