@@ -15,6 +15,8 @@ pointers, sizes divisible by 16), disassembles with the cuobjdump bundled with T
 branch as the K loop and prints its instruction count, its commonest opcodes and bytes per warp instruction, and
 the registers per thread with the CTAs per SM they allow (the one-token CUDA-core path runs at ~2.6 warps per
 scheduler with its issue slots half busy, session 16's Nsight Compute profile, so residency matters there).
+The proxy has limits: 3.8-6.3% fewer loop instructions in the blocks of 2 at gpt-oss-20b's M = 16 measured 0.96-1.01x
+on an H100 (session 66), so a shorter loop is a candidate for a GPU A/B, not a result.
 Compile with the device's Triton, not only this machine's: a change that left Triton 3.9's loop as it was added 5%
 to 3.6's and cost the H200 0.86-0.94x (session 21). `pip install --no-deps --target /tmp/t36 triton==3.6.0`, then
 `PYTHONPATH=/tmp/t36 python bench/kernel_sass.py ...`.
