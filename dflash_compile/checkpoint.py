@@ -35,6 +35,7 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
+from transformers.utils.hub import convert_file_size_to_int
 
 from .cost_model import BITS_PER_WEIGHT
 from .families import (auto_model_class, builds_causal_lm, experts_modules, first_projection, router_of,
@@ -163,15 +164,23 @@ def _quantized_tensors(model: torch.nn.Module, format: str) -> Iterator[tuple[st
     progress.close()
 
 
-def quantize(model: torch.nn.Module, directory: str | Path, format: str) -> Path:
+# The default largest shard, as transformers' `save_pretrained` wrote them before 5.0: the Hub takes files up to
+# 50 GB (gpt-oss-120b's MXFP4 experts alone are 61 GB), and safetensors serialises a file's tensors in memory
+# before writing it, so a shard is what `quantize` holds at most.
+SHARD_SIZE = "5GB"
+
+
+def quantize(model: torch.nn.Module, directory: str | Path, format: str,
+             max_shard_size: int | str = SHARD_SIZE) -> Path:
     """Write `model` as a quantized checkpoint in the public layout of `format` ("mxfp4" for gpt-oss,
-    "fp8_block" for the other families) -- model.safetensors, or shards of at most MAX_SHARD_SIZE bytes with their
-    index as transformers writes them -- with its config and generation config. Tensors go out as each module is
-    quantized, so memory holds one shard beside the model (and, for a model offloaded to disk, one module's weights:
-    `quantize_checkpoint`). Returns the directory."""
+    "fp8_block" for the other families) -- model.safetensors, or shards of at most `max_shard_size` (bytes, or
+    `save_pretrained`'s "5GB" / "500MB") with their index as transformers writes them -- with its config and
+    generation config. Tensors go out as each module is quantized, so memory holds one shard beside the model (and,
+    for a model offloaded to disk, one module's weights: `quantize_checkpoint`). Returns the directory."""
+    largest = shard_bytes(max_shard_size)
     _check_quantizable(model, format)
     directory = Path(directory)
-    with _made_for_this(directory), _Shards(directory) as shards:
+    with _made_for_this(directory), _Shards(directory, largest) as shards:
         for name, tensor in _quantized_tensors(model, format):
             shards.add(name, tensor)
     config = model.config.to_dict()
@@ -182,12 +191,14 @@ def quantize(model: torch.nn.Module, directory: str | Path, format: str) -> Path
 
 
 def quantize_checkpoint(source: str | Path, directory: str | Path, format: str,
-                        dtype: torch.dtype = torch.bfloat16) -> Path:
+                        dtype: torch.dtype = torch.bfloat16, max_shard_size: int | str = SHARD_SIZE) -> Path:
     """`quantize` a bf16 / fp32 checkpoint (a directory or a Hub repo id) without holding the model in memory: it
     loads offloaded to disk (transformers' `device_map` with accelerate: its checkpoint conversions, e.g. per-expert
     tensors stacked into `gate_up_proj`, written to a scratch folder inside `directory`, removed after), then
     each module's weights are read, quantized and written in turn. Peak host memory: about one shard
-    (MAX_SHARD_SIZE) and one layer's experts in `dtype`; scratch disk: about the converted tensors' size."""
+    (`max_shard_size`: smaller shards, less memory) and one layer's experts in `dtype`; scratch disk: about the
+    converted tensors' size."""
+    shard_bytes(max_shard_size)  # a bad size is refused before the load
     source = checkpoint_directory(source)
     config = transformers.AutoConfig.from_pretrained(source)
     method = (getattr(config, "quantization_config", None) or {}).get("quant_method")
@@ -198,7 +209,7 @@ def quantize_checkpoint(source: str | Path, directory: str | Path, format: str,
     with _made_for_this(directory), tempfile.TemporaryDirectory(dir=directory, prefix=".offload-") as scratch:
         model = auto_model_class(config).from_pretrained(source, dtype=dtype, device_map={"": "disk"},
                                                          offload_folder=scratch)
-        return quantize(model, directory, format)
+        return quantize(model, directory, format, max_shard_size)
 
 
 def _meta_model(config, dtype: torch.dtype | None = None) -> transformers.PreTrainedModel:
@@ -230,20 +241,29 @@ def _check_causal_lm(config) -> None:
                          "(offload_experts)")
 
 
-# Shards as transformers' `save_pretrained` writes them: the Hub takes files up to 50 GB (gpt-oss-120b's MXFP4
-# experts alone are 61 GB), and safetensors serialises a file's tensors in memory before writing it.
-MAX_SHARD_SIZE = 5 * 10**9  # bytes
 _INDEX = "model.safetensors.index.json"
 
 
+def shard_bytes(max_shard_size: int | str) -> int:
+    """`max_shard_size` in bytes: an int, or a size as `save_pretrained` takes it ("5GB", "500MB", "2GiB")."""
+    try:
+        size = convert_file_size_to_int(max_shard_size)
+    except ValueError:
+        size = 0
+    if not isinstance(size, int) or size <= 0:
+        raise ValueError(f"max_shard_size must be a positive number of bytes or a size such as '5GB' or '500MB', "
+                         f"got {max_shard_size!r}")
+    return size
+
+
 class _Shards:
-    """Tensors written as they come, in files of at most MAX_SHARD_SIZE bytes (a larger tensor alone in one), named
+    """Tensors written as they come, in files of at most `max_bytes` (a larger tensor alone in one), named
     on a clean close as `save_pretrained` names them: model.safetensors, or model-0000i-of-0000n.safetensors with
     their index. Only then are the weight files of a checkpoint written there before removed, so the two never mix,
     and a failure leaves the old one as it was (its own files removed)."""
 
-    def __init__(self, directory: Path):
-        self.directory = directory
+    def __init__(self, directory: Path, max_bytes: int):
+        self.directory, self.max_bytes = directory, max_bytes
         self.pending: dict[str, torch.Tensor] = {}
         self.pending_bytes = self.total_bytes = 0
         self.files: list[list[str]] = []  # the tensor names of each written file
@@ -253,7 +273,7 @@ class _Shards:
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         size = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + size > MAX_SHARD_SIZE:
+        if self.pending and self.pending_bytes + size > self.max_bytes:
             self._write()
         self.pending[name] = tensor.contiguous()
         self.pending_bytes += size

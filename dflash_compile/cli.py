@@ -3,7 +3,7 @@
     dflash-compile generate --prompt "def fibonacci(n):"   # the bundled tiny target + drafter pair
     dflash-compile generate --model PATH --drafter PATH --prompt "..." --stream
     dflash-compile train-drafter --target PATH --data texts.jsonl --out drafter/ [--block-size 16 --layers 2]
-    dflash-compile quantize --model PATH --out DIR --format mxfp4|fp8_block   # a module at a time, from disk
+    dflash-compile quantize --model PATH --out DIR --format mxfp4|fp8_block [--max-shard-size 2GB]   # from disk
     dflash-compile bench [--model PATH --drafter PATH] --out DIR   # table + acceptance / step-time plots
     dflash-compile roofline --model gpt-oss-20b --device h200 --csv out.csv
     dflash-compile calibrate --out hardware.json           # this machine's bandwidths and FLOP/s
@@ -196,10 +196,12 @@ def quantize_command(args) -> int:
 
     source = checkpoint_directory(args.model)
     tokenizer = load_tokenizer(source)  # a checkpoint without one is refused before its weights are read
-    out = quantize_checkpoint(source, args.out, args.format, DTYPES[args.dtype])
+    out = quantize_checkpoint(source, args.out, args.format, DTYPES[args.dtype], args.max_shard_size)
     tokenizer.save_pretrained(out)
     weight_bytes, weights = stored_expert_bytes(out)
-    print(f"{args.format} checkpoint written to {out}: routed experts {weight_bytes / 2**20:.1f} MiB, "
+    files = len(list(out.glob("model*.safetensors")))
+    print(f"{args.format} checkpoint written to {out} ({files} weight file{'s' * (files > 1)}): routed experts "
+          f"{weight_bytes / 2**20:.1f} MiB, "
           f"{weight_bytes * 8 / weights:.2f} bits per weight")
     return 0
 
@@ -291,8 +293,18 @@ def build_kernels_command(args) -> int:
     return 0
 
 
+def _shard_size(size: str) -> int:
+    """--max-shard-size in bytes ("2GB", "500MB" or a number of bytes), refused as the command line is read."""
+    from .checkpoint import shard_bytes
+
+    try:
+        return shard_bytes(int(size) if size.isdigit() else size)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from .checkpoint import FORMATS
+    from .checkpoint import FORMATS, SHARD_SIZE
     from .cost_model import BITS_PER_WEIGHT, HARDWARE, REFERENCE_CONFIGS
     from .testing import TINY_CONFIGS
     from .training import DrafterTraining
@@ -369,6 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.add_argument("--out", required=True, help="directory for the quantized checkpoint")
     quantize.add_argument("--format", required=True, choices=FORMATS)
     quantize.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="dtype to read the model in")
+    quantize.add_argument("--max-shard-size", default=SHARD_SIZE, type=_shard_size,
+                          help="largest weight file, e.g. 2GB or bytes (default %(default)s); memory holds about one "
+                               "while writing, so a smaller size bounds it lower")
     quantize.set_defaults(run=quantize_command)
 
     roofline = commands.add_parser("roofline", help="predicted step times and tokens/s per block size (cost model)")

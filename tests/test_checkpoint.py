@@ -40,9 +40,9 @@ SIZES = {"gpt_oss": {"intermediate_size": 64}, "deepseek_v2": {"moe_intermediate
          "qwen3_next": {"moe_intermediate_size": 128}}
 
 
-def _quantized(family, format, tmp_path):
+def _quantized(family, format, tmp_path, **options):
     model = load_tiny_model(family, directory=save_tiny_model(family, tmp_path / "bf16", **SIZES[family]))
-    return model, quantize(model, tmp_path / format, format)
+    return model, quantize(model, tmp_path / format, format, **options)
 
 
 def _transformers_dequantized_load(directory):
@@ -65,11 +65,10 @@ def test_mxfp4_gpt_oss_loads_packed_and_matches_transformers_dequantized_load(tm
         torch.testing.assert_close(packed(ids).logits, reference(ids).logits, atol=1e-5, rtol=1e-5)
 
 
-def test_large_checkpoints_are_written_in_shards_both_loaders_read(tmp_path, monkeypatch):
-    """Above MAX_SHARD_SIZE a checkpoint goes out in shards with transformers' index; writing again into the same
-    directory replaces the old weight files rather than mixing with them."""
-    monkeypatch.setattr(checkpoint, "MAX_SHARD_SIZE", 100_000)
-    model, directory = _quantized("gpt_oss", "mxfp4", tmp_path)
+def test_large_checkpoints_are_written_in_shards_both_loaders_read(tmp_path):
+    """Above `max_shard_size` a checkpoint goes out in shards with transformers' index; writing again into the same
+    directory (in one file at the default 5 GB) replaces the old weight files rather than mixing with them."""
+    model, directory = _quantized("gpt_oss", "mxfp4", tmp_path, max_shard_size="100KB")
     shards = sorted(path.name for path in directory.glob("*.safetensors"))
     index = json.loads((directory / "model.safetensors.index.json").read_text())
     assert len(shards) > 2 and sorted(set(index["weight_map"].values())) == shards
@@ -77,7 +76,6 @@ def test_large_checkpoints_are_written_in_shards_both_loaders_read(tmp_path, mon
     with torch.no_grad():
         torch.testing.assert_close(load_packed(directory, dtype=torch.float32)(ids).logits,
                                    _transformers_dequantized_load(directory)(ids).logits, atol=1e-5, rtol=1e-5)
-    monkeypatch.setattr(checkpoint, "MAX_SHARD_SIZE", 5 * 10**9)
     quantize(model, directory, "mxfp4")
     assert [path.name for path in directory.glob("*.safetensors*")] == ["model.safetensors"]
     load_packed(directory)
@@ -283,8 +281,7 @@ def test_a_checkpoint_quantized_from_disk_is_the_one_quantized_in_memory(family,
         yield from quantized_experts(experts, format)
 
     monkeypatch.setattr(checkpoint, "_quantized_experts", watched)
-    monkeypatch.setattr(checkpoint, "MAX_SHARD_SIZE", 20_000)
-    streamed = quantize_checkpoint(source, tmp_path / "streamed", format)
+    streamed = quantize_checkpoint(source, tmp_path / "streamed", format, max_shard_size=20_000)
     layers = list(experts_modules(models[0]))
     assert resident == [[path] for path in layers]
     expected, written = _stored(whole), _stored(streamed)
@@ -318,6 +315,10 @@ def test_a_failed_quantization_leaves_the_directory_as_it_was(tmp_path, monkeypa
         quantize_checkpoint(source, tmp_path / "again", "mxfp4")
     with pytest.raises(ValueError, match=r"format must be one of \('mxfp4', 'fp8_block'\), got 'int4'"):
         quantize_checkpoint(source, tmp_path / "again", "int4")
+    for size in ("5 gigabytes", "-1GB", 0):
+        with pytest.raises(ValueError, match=rf"max_shard_size must be a positive number of bytes or a size such as "
+                                             rf"'5GB' or '500MB', got {size!r}"):
+            quantize_checkpoint(source, tmp_path / "again", "fp8_block", max_shard_size=size)
     assert not (tmp_path / "again").exists()
 
 

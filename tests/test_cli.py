@@ -179,10 +179,16 @@ def test_quantize_writes_a_packed_checkpoint_that_generates(tmp_path, capsys):
     from dflash_compile.pair import DEFAULT_PAIR
 
     out = tmp_path / "fp8"
+    with pytest.raises(SystemExit):  # refused as the command line is read, before the checkpoint is
+        main(["quantize", "--model", "no-such-model", "--out", str(out), "--format", "fp8_block", "--max-shard-size",
+              "2 gigs"])
+    assert ("argument --max-shard-size: max_shard_size must be a positive number of bytes or a size such as '5GB' "
+            "or '500MB', got '2 gigs'") in capsys.readouterr().err and not out.exists()
     assert main(["quantize", "--model", str(DEFAULT_PAIR / "target"), "--out", str(out), "--format", "fp8_block",
-                 "--dtype", "float32"]) == 0
-    assert re.search(r"fp8_block checkpoint written to .*: routed experts [0-9.]+ MiB, 8.00 bits per weight",
-                     capsys.readouterr().out)
+                 "--dtype", "float32", "--max-shard-size", "2MB"]) == 0
+    files = len(list(out.glob("model-*.safetensors")))
+    assert files > 1 and re.search(rf"fp8_block checkpoint written to .* \({files} weight files\): routed experts "
+                                   r"[0-9.]+ MiB, 8.00 bits per weight", capsys.readouterr().out)
     assert main(["generate", "--model", str(out), "--drafter", str(DEFAULT_PAIR / "drafter"), "--max-new-tokens",
                  "16", "--repeats", "1", "--no-compile"]) == 0
     assert "same tokens: True" in capsys.readouterr().out
