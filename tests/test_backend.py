@@ -54,13 +54,13 @@ INDUCTOR_FORWARDS = ("mixtral", "qwen3_moe", "deepseek_v3", "deepseek_v2", "gpt_
 COMPILED_CASES = [(family, torch.float32 if family in BF16_PAST_THE_BOUND else torch.bfloat16)
                   for family in INDUCTOR_FORWARDS] + [
     (family, torch.float32) for family in ("gpt_oss", "deepseek_v3", "qwen3_5_moe")]
-# Gemma 4's forward without a cache builds its own, and transformers 5.24 copies the config there with `copy.copy`,
-# which torch 2.11's Dynamo refuses to trace in a full graph (the GPU machine, session 65; torch 2.13 traces it).
-# `optimize` and generation pass their caches and are unaffected (README). A full graph raises Unsupported there;
-# `explain`, which lets graphs break, counts the breaks (5 on the GPU machine's torch 2.11).
 
 
 def own_cache_untraceable(family, error):
+    """Gemma 4's forward without a cache builds its own, and transformers 5.24 copies the config there with
+    `copy.copy`, which torch 2.11's Dynamo refuses to trace (the GPU machine, sessions 65-66; torch 2.13 traces it):
+    a full graph raises Unsupported, `explain`, which lets graphs break, counts 5 breaks. `optimize` and generation
+    pass their caches and are unaffected (README)."""
     return pytest.mark.xfail(family == "gemma4_text" and Version(torch.__version__).release < (2, 13),
                              raises=error, reason="torch < 2.13 cannot trace copy.copy in a full graph")
 
