@@ -16,7 +16,9 @@ branch as the K loop and prints its instruction count, its commonest opcodes and
 the registers per thread with the CTAs per SM they allow (the one-token CUDA-core path runs at ~2.6 warps per
 scheduler with its issue slots half busy, session 16's Nsight Compute profile, so residency matters there).
 The proxy has limits: 3.8-6.3% fewer loop instructions in the blocks of 2 at gpt-oss-20b's M = 16 measured 0.96-1.01x
-on an H100 (session 66), so a shorter loop is a candidate for a GPU A/B, not a result.
+on an H100 (session 66), so a shorter loop is a candidate for a GPU A/B, not a result. The CTA barriers an iteration
+(BAR: Triton's layout conversions through shared memory, each a store, a barrier, loads and another barrier) are
+counted beside it: the warps of a CTA wait for each other there, which a count of instructions does not show.
 Compile with the device's Triton, not only this machine's: a change that left Triton 3.9's loop as it was added 5%
 to 3.6's and cost the H200 0.86-0.94x (session 21). `pip install --no-deps --target /tmp/t36 triton==3.6.0`, then
 `PYTHONPATH=/tmp/t36 python bench/kernel_sass.py ...`.
@@ -176,10 +178,10 @@ def main() -> None:
                         help="compile for sm_<this> instead (below 90: pointer loads, no dependent launch)")
     args = parser.parse_args()
     overrides = parse_tiles(args.tiles)
-    print("| format | projection | tiles | loop instructions / thread | weight bytes / iteration | bytes / warp "
-          "instruction | registers / thread (CTAs per SM) | commonest opcodes |"
+    print("| format | projection | tiles | loop instructions / thread | CTA barriers / iteration | weight bytes / "
+          "iteration | bytes / warp instruction | registers / thread (CTAs per SM) | commonest opcodes |"
           + (" SASS md5 |" if args.digest else ""))
-    print("|---|---|---|---|---|---|---|---|" + ("---|" if args.digest else ""))
+    print("|---|---|---|---|---|---|---|---|---|" + ("---|" if args.digest else ""))
     for format in args.format:
         tma = not args.host_fallback and args.capability >= 90
         projection_tiles = tiles_for(format, overrides, 1 if args.one_token else None,  # as `fused_moe` picks them
@@ -198,14 +200,15 @@ def main() -> None:
             registers, ctas = resident_ctas(sass, tiles["num_warps"])
             rows = tiles["block_n"] * (2 if gated else 1)
             weight_bytes = rows * tiles["block_k"] * {"dense": 2, "mxfp4": 0.5, "fp8_block": 1}[format]
-            common = ", ".join(f"{name} {count}" for name, count in
-                               collections.Counter(map(opcode, loop)).most_common(5))
+            opcodes = collections.Counter(map(opcode, loop))
+            common = ", ".join(f"{name} {count}" for name, count in opcodes.most_common(5))
             tile_text = " ".join(f"{key}={value}" for key, value in tiles.items() if key != "down_launch")
             digest = ""
             if args.digest:  # the instructions alone: cuobjdump's header names the temporary file
                 instructions = "\n".join(line for line in sass.splitlines() if "/*" in line)
                 digest = f" {hashlib.md5(instructions.encode()).hexdigest()} |"
-            print(f"| {format} | {'gate_up' if gated else 'down'} | {tile_text} | {len(loop)} | {weight_bytes:.0f} | "
+            print(f"| {format} | {'gate_up' if gated else 'down'} | {tile_text} | {len(loop)} | {opcodes['BAR']} | "
+                  f"{weight_bytes:.0f} | "
                   f"{weight_bytes / (len(loop) * tiles['num_warps']):.2f} | {registers} ({ctas}) | {common} |{digest}",
                   flush=True)
 
