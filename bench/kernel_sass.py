@@ -208,8 +208,8 @@ def main() -> None:
                 instructions = "\n".join(line for line in sass.splitlines() if "/*" in line)
                 digest = f" {hashlib.md5(instructions.encode()).hexdigest()} |"
             print(f"| {format} | {'gate_up' if gated else 'down'} | {tile_text} | {len(loop)} | {opcodes['BAR']} | "
-                  f"{weight_bytes:.0f} | "
-                  f"{weight_bytes / (len(loop) * tiles['num_warps']):.2f} | {registers} ({ctas}) | {common} |{digest}",
+                  f"{weight_bytes:.0f} | {weight_bytes / (len(loop) * tiles['num_warps']):.2f} | "
+                  f"{registers} ({ctas}) | {common} |{digest}",
                   flush=True)
 
 

@@ -40,11 +40,12 @@ WAYS = {"whole": lambda source, out, format, max_shard_size: quantize(load_model
 
 def digest(directory: Path) -> str:
     """One hash over the checkpoint's tensors (names and bytes) in name order, whatever files hold them."""
-    files = {name: path for path in directory.glob("*.safetensors") for name in safe_open(path, "pt").keys()}
+    handles = {name: handle for handle in (safe_open(path, "pt") for path in directory.glob("*.safetensors"))
+               for name in handle.keys()}  # one handle a file, its header read once
     hasher = hashlib.sha256()
-    for name in sorted(files):
+    for name in sorted(handles):
         hasher.update(name.encode())
-        hasher.update(safe_open(files[name], "pt").get_tensor(name).view(-1).view(torch.uint8).numpy().tobytes())
+        hasher.update(handles[name].get_tensor(name).view(-1).view(torch.uint8).numpy().tobytes())
     return hasher.hexdigest()[:16]
 
 

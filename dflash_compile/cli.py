@@ -201,8 +201,7 @@ def quantize_command(args) -> int:
     weight_bytes, weights = stored_expert_bytes(out)
     files = len(list(out.glob("model*.safetensors")))
     print(f"{args.format} checkpoint written to {out} ({files} weight file{'s' * (files > 1)}): routed experts "
-          f"{weight_bytes / 2**20:.1f} MiB, "
-          f"{weight_bytes * 8 / weights:.2f} bits per weight")
+          f"{weight_bytes / 2**20:.1f} MiB, {weight_bytes * 8 / weights:.2f} bits per weight")
     return 0
 
 
