@@ -97,15 +97,10 @@ def compile_kernel(format: str, gated: bool, tiles: dict, host_fallback: bool = 
                      column_stride=1)  # the JIT makes an argument equal to 1 a constant
     if not tma_loads:
         constants["words_tma"] = None
-    slot_pairs = tma_loads and x_paired and not one_token  # `_pairs_descriptor`: grouped blocks' fp16 pairs
-    if not slot_pairs:
-        constants["x_tma"] = None
     signature |= {name: "constexpr" for name in constants}
     if tma_loads:  # `_words_descriptor`'s tiles: `tma_tile`'s rows by one K step of 4-byte words
         codes_per_word = 8 if format == "mxfp4" else 4
         signature["words_tma"] = f"tensordesc<i32[{tile_rows}, {tiles['block_k'] // codes_per_word}]>"
-    if slot_pairs:  # a block's rows by one K step of fp16 pairs
-        signature["x_tma"] = f"tensordesc<i32[{tiles['block_m']}, {tiles['block_k'] // 2}]>"
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ALIGNED}
     source = ASTSource(_moe_gemm_kernel, signature, constexprs=constants, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", capability, 32),

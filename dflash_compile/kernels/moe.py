@@ -576,14 +576,10 @@ def _paired_columns(columns):
 
 
 @triton.jit
-def _pair_rows_kernel(x, out, shifts, pair_ids, P, ROW_DIV, K, BLOCK: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
+def _pair_rows_kernel(x, out, shifts, K, BLOCK: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
     _wait_for_previous_launch(DEPENDENT_LAUNCH)
-    _let_next_launch(DEPENDENT_LAUNCH)  # one program per slot: no SMs to crowd
-    slot = tl.program_id(0).to(tl.int64)
-    pair = tl.load(pair_ids + slot)
-    if pair >= P:  # a block's padding: no row (the launches do not store its results)
-        return
-    row = (pair // ROW_DIV).to(tl.int64)
+    _let_next_launch(DEPENDENT_LAUNCH)  # one program per row: no SMs to crowd
+    row = tl.program_id(0).to(tl.int64)
     largest = tl.zeros((BLOCK,), dtype=tl.float32)
     for k in range(0, K, BLOCK):
         columns = k + tl.arange(0, BLOCK)
@@ -593,21 +589,19 @@ def _pair_rows_kernel(x, out, shifts, pair_ids, P, ROW_DIV, K, BLOCK: tl.constex
     for k in range(0, K, BLOCK):
         columns = k + tl.arange(0, BLOCK)
         values = tl.load(x + row * K + columns, mask=columns < K, other=0.0).to(tl.float32) * scale
-        tl.store(out + slot * K + _paired_columns(columns), values, mask=columns < K)  # in out's fp16
-    tl.store(shifts + slot, shift)
+        tl.store(out + row * K + _paired_columns(columns), values, mask=columns < K)  # in out's fp16
+    tl.store(shifts + row, shift)
 
 
-def _pair_rows(x: torch.Tensor, pair_ids: torch.Tensor, row_div: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[M, K] activations (K a multiple of 8) -> the gate/up launch's on the row path in slot order: fp16 [slots, K],
-    slot s row pair_ids[s] // row_div of x (`align_routing`'s pair ids, so a block's rows are consecutive; a padding
-    slot, pair id M * row_div, no row) in the row path's pair order (`_paired_columns`) times 2^shift, and int32
-    [slots] shifts: the shift puts the row's largest magnitude in [2^14, 2^15), as `_row_project` scales rows
-    itself otherwise. One launch, a program per slot."""
+def _pair_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] activations (K a multiple of 8) -> (fp16 [M, K] in the row path's pair order, `_paired_columns`, each
+    row times 2^shift; int32 [M] shifts): the shift puts the row's largest magnitude in [2^14, 2^15), as
+    `_row_project` scales rows itself otherwise. One launch, a program per row."""
     rows, k = x.shape
-    out = torch.empty(pair_ids.numel(), k, dtype=torch.float16, device=x.device)
-    shifts = torch.empty(pair_ids.numel(), dtype=torch.int32, device=x.device)
-    _pair_rows_kernel[(pair_ids.numel(),)](x.contiguous(), out, shifts, pair_ids, rows * row_div, row_div, k,
-                                           BLOCK=min(1024, triton.next_power_of_2(k)), **_dependent_launch(x.device))
+    out = torch.empty(rows, k, dtype=torch.float16, device=x.device)
+    shifts = torch.empty(rows, dtype=torch.int32, device=x.device)
+    _pair_rows_kernel[(rows,)](x.contiguous(), out, shifts, k, BLOCK=min(1024, triton.next_power_of_2(k)),
+                               **_dependent_launch(x.device))
     return out, shifts
 
 
@@ -615,7 +609,7 @@ def _pair_rows(x: torch.Tensor, pair_ids: torch.Tensor, row_div: int) -> tuple[t
 def _row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_stop, words_tma, tma_rows,
                  FORMAT: tl.constexpr, COMPUTE_FP32: tl.constexpr, FP16_OPERANDS: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, TMA_LOADS: tl.constexpr,
-                 x_shifts, X_PAIRED: tl.constexpr, SCAN: tl.constexpr, x_tma):
+                 x_shifts, X_PAIRED: tl.constexpr, SCAN: tl.constexpr):
     """[BLOCK_M, BLOCK_ROWS] fp32 = x[pair_rows] @ W[rows]^T over K in [k_start, k_stop) for a few rows of
     activations (BLOCK_M < 16), W MXFP4 or FP8, on the CUDA cores: no tensor-core tile padded to 16 rows, the codes
     decoded to fp16 pairs (`_e2m1_word_pairs`, `_e4m3_word_pairs`) and half an fp16x2 multiply-add per code and row
@@ -674,8 +668,6 @@ def _row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_stop, w
                                                            word, offset, FORMAT, GROUPS, EVICTION, X_PAIRED)
         if TMA_LOADS:
             packed = _tma_words(words_tma, tma_rows, k, BLOCK_ROWS, BLOCK_K, CODES, TMA_LOADS)
-        if x_tma is not None:  # the block's rows of pairs, consecutive in slot order
-            xs = tl.reshape(x_tma.load([tma_rows[2], k // 2]), (BLOCK_M, GROUPS, 4, 4))
         if COMPUTE_FP32:
             bits = (32 // CODES) * pair  # a code's bits: its K offset in the word times its width
             codes = (packed[:, :, :, None, None] >> bits[None, None, None, :, :]) & ((1 << (32 // CODES)) - 1)
@@ -797,7 +789,7 @@ def _tile_project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start,
 def _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start, k_stop, row_stride, column_stride,
              words_tma, tma_rows, FORMAT: tl.constexpr, COMPUTE_FP32: tl.constexpr, FP16_OPERANDS: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-             TMA_LOADS: tl.constexpr, x_shifts, X_PAIRED: tl.constexpr, SCAN: tl.constexpr, x_tma):
+             TMA_LOADS: tl.constexpr, x_shifts, X_PAIRED: tl.constexpr, SCAN: tl.constexpr):
     """[BLOCK_M, BLOCK_ROWS] fp32 = x[pair_rows] @ W[rows]^T over K in [k_start, k_stop), W the expert at `data` /
     `scales` (dense weights at any row / column strides, e.g. a transposed view of [E, in, out] parameters): on the
     tensor cores, or for a few rows of activations (BLOCK_M < 16) on the CUDA cores."""
@@ -807,7 +799,7 @@ def _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start, k_st
     elif BLOCK_M < 16:
         acc = _row_project(x, pair_rows, data, scales, rows, row_ok, K, k_start, k_stop, words_tma, tma_rows, FORMAT,
                            COMPUTE_FP32, FP16_OPERANDS, BLOCK_M, BLOCK_ROWS, BLOCK_K, NUM_STAGES, TMA_LOADS, x_shifts,
-                           X_PAIRED, SCAN, x_tma)
+                           X_PAIRED, SCAN)
     else:
         acc = _tile_project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start, k_stop, row_stride,
                             column_stride, FORMAT, COMPUTE_FP32, FP16_OPERANDS, BLOCK_M, BLOCK_ROWS, BLOCK_K,
@@ -824,7 +816,7 @@ def _first_split_bias(bias, rows, ok, split):
 @triton.jit
 def _moe_gemm_kernel(
     x, data, scales, bias, out, pair_ids, block_expert, pair_weights, host_data, host_scales, host_bias, slot_of,
-    words_tma, x_tma, x_shifts, out_shifts, summed, arrivals,
+    words_tma, x_shifts, out_shifts, summed, arrivals,
     P, N, K, N_OUT, ROW_DIV, alpha, limit, data_stride, scales_stride, bias_stride, row_stride, column_stride, k_split,
     FORMAT: tl.constexpr, GATED: tl.constexpr, ACTIVATE: tl.constexpr, INTERLEAVED: tl.constexpr,
     ACTIVATION: tl.constexpr,
@@ -853,28 +845,20 @@ def _moe_gemm_kernel(
     data += row * data_stride
     scales += row * scales_stride
     bias += row * bias_stride
-    slots = block * BLOCK_M + tl.arange(0, BLOCK_M)
     if BLOCKING == 1:  # PAIR_PER_BLOCK
         pairs = tl.where(tl.arange(0, BLOCK_M) == 0, block, P)
     elif BLOCKING == 2:  # ROWS_IN_ORDER
-        pairs = slots
+        pairs = block * BLOCK_M + tl.arange(0, BLOCK_M)
     else:
-        pairs = tl.load(pair_ids + slots)
+        pairs = tl.load(pair_ids + block * BLOCK_M + tl.arange(0, BLOCK_M))
     pair_ok = pairs < P
-    # the row path's fp16 pairs between launches are in slot order where blocks are grouped (`_pair_rows`): a
-    # block's rows are consecutive there, one TMA tile (x_tma)
-    SLOT_ROWS: tl.constexpr = BLOCKING == 0  # GROUPED
-    if X_PAIRED and SLOT_ROWS:
-        pair_rows = slots
-    else:
-        pair_rows = tl.where(pair_ok, pairs // ROW_DIV, 0)
-    out_pairs = slots if PAIRED_SHIFT and SLOT_ROWS else pairs  # the output rows (slots: the down launch's pairs)
+    pair_rows = tl.where(pair_ok, pairs // ROW_DIV, 0)
     columns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     column_ok = columns < N_OUT
     # this program's weight rows in `words_tma`, which spans every expert's rows: the first of its tile, or with
-    # concatenated gate/up rows the first gate row and the first up row (`_tma_words`); then its first row in x_tma
+    # concatenated gate/up rows the first gate row and the first up row (`_tma_words`)
     first_row = (row * N + tl.program_id(1) * BLOCK_N * (2 if GATED and INTERLEAVED else 1)).to(tl.int32)
-    tma_rows = (first_row, first_row + N_OUT, block * BLOCK_M)
+    tma_rows = (first_row, first_row + N_OUT)
     split = tl.program_id(2)  # this program's share of K: [k_start, k_stop), the whole of it without splits
     k_start = split * k_split
     k_stop = tl.minimum(k_start + k_split, tl.cdiv(K, BLOCK_K) * BLOCK_K)
@@ -891,7 +875,7 @@ def _moe_gemm_kernel(
         rows = tl.where(row_ok, rows, 0)
         both = _project(x, data, scales, rows, row_ok, pair_rows, pair_ok, K, k_start, k_stop, row_stride,
                         column_stride, words_tma, tma_rows, FORMAT, COMPUTE_FP32, FP16_OPERANDS, BLOCK_M,
-                        2 * BLOCK_N, BLOCK_K, NUM_STAGES, TMA_LOADS, x_shifts, X_PAIRED, SCAN, x_tma)
+                        2 * BLOCK_N, BLOCK_K, NUM_STAGES, TMA_LOADS, x_shifts, X_PAIRED, SCAN)
         if HAS_BIAS:
             both += _first_split_bias(bias, rows, row_ok, split)[None, :]
         if SPLIT_K > 1:  # this split's partial sums, gate and up interleaved; `_finish_gate_up` adds and activates
@@ -904,7 +888,7 @@ def _moe_gemm_kernel(
         rows = tl.where(column_ok, columns, 0)
         result = _project(x, data, scales, rows, column_ok, pair_rows, pair_ok, K, k_start, k_stop, row_stride,
                           column_stride, words_tma, tma_rows, FORMAT, COMPUTE_FP32, FP16_OPERANDS, BLOCK_M, BLOCK_N,
-                          BLOCK_K, NUM_STAGES, TMA_LOADS, x_shifts, X_PAIRED, SCAN, x_tma)
+                          BLOCK_K, NUM_STAGES, TMA_LOADS, x_shifts, X_PAIRED, SCAN)
         out_width = N_OUT
         if HAS_BIAS:
             result += _first_split_bias(bias, rows, column_ok, split)[None, :]
@@ -916,12 +900,12 @@ def _moe_gemm_kernel(
         if PAIRED_SHIFT:  # as the down launch's row path reads them (X_PAIRED)
             result = result * (2.0**PAIRED_SHIFT)
             columns = _paired_columns(columns)
-            tl.store(out_shifts + out_pairs, tl.full(pairs.shape, PAIRED_SHIFT, tl.int32),
+            tl.store(out_shifts + pairs, tl.full(pairs.shape, PAIRED_SHIFT, tl.int32),
                      mask=pair_ok & (tl.program_id(1) == 0))
     _let_next_launch(DEPENDENT_LAUNCH)
     if APPLY_WEIGHT:
         result *= tl.load(pair_weights + pairs, mask=pair_ok, other=0.0).to(tl.float32)[:, None]
-    out_rows = split * P + out_pairs[:, None].to(tl.int64)  # split 0 alone without splits
+    out_rows = split * P + pairs[:, None].to(tl.int64)  # split 0 alone without splits
     tl.store(out + out_rows * out_width + columns[None, :], result, mask=pair_ok[:, None] & column_ok[None, :])
     if SUM_TOP_K:  # each token's pairs and shares added here, not by `_sum_pairs`
         _sum_when_last(out, summed, arrivals, pairs, pair_ok, columns, column_ok, P, out_width, SUM_TOP_K, SPLIT_K)
@@ -968,22 +952,18 @@ def _launch(x, weight: PackedWeight, blocks: Blocks, pair_weights, rows_out, n_o
         out_dtype = torch.float32
     elif activates:
         out_dtype = torch.float16 if paired_shift else _gate_up_dtype(x.dtype, compute_fp32, fp16_operands)
-    slot_rows = blocks.blocking == GROUPED  # the row path's fp16 pairs in and out (X_PAIRED, PAIRED_SHIFT)
-    out_rows = blocks.count * block_m if paired_shift and slot_rows else rows_out
-    out = torch.empty(splits, out_rows, 2 * n_out if gated and splits > 1 else n_out, dtype=out_dtype, device=x.device)
+    out = torch.empty(splits, rows_out, 2 * n_out if gated and splits > 1 else n_out, dtype=out_dtype, device=x.device)
     k_split = triton.cdiv(triton.cdiv(k, block_k), splits) * block_k
     grid = (blocks.count, triton.cdiv(n_out, block_n), splits)
-    words_tma, x_tma, tma_loads = None, None, 0
+    words_tma, tma_loads = None, 0
     if weight_loads == "tma":
         tma_loads, tile_rows = tma_tile(gated, interleaved, block_n)
         words_tma = _words_descriptor(weight, tile_rows, block_k)
-        if x_shifts is not None and slot_rows:
-            x_tma = _pairs_descriptor(x, block_m, block_k)
     pointer = lambda t: t if t is not None else out  # noqa: E731  (any tensor stands in for an absent pointer)
     weight_pointers = lambda w: [pointer(part) for part in (w.data, w.scales, w.bias)]  # noqa: E731
     _moe_gemm_kernel[grid](
         x, *weight_pointers(weight), out, pointer(blocks.pair_ids), pointer(blocks.block_expert),
-        pointer(pair_weights), *weight_pointers(host if host is not None else weight), pointer(slot_of), words_tma, x_tma,
+        pointer(pair_weights), *weight_pointers(host if host is not None else weight), pointer(slot_of), words_tma,
         pointer(x_shifts), pointer(out_shifts), pointer(summed), pointer(arrivals),
         rows_out, n, k, n_out, row_div, float(alpha), float(limit), *_strides(weight), k_split,
         FORMAT=FORMATS[weight.format], GATED=gated, ACTIVATE=activates, INTERLEAVED=interleaved,
@@ -1023,15 +1003,6 @@ def _words_descriptor(weight: PackedWeight, block_rows: int, block_k: int) -> Te
     words = weight.data.reshape(experts * n, -1).view(torch.int32)
     return TensorDescriptor(words, list(words.shape), [words.shape[1], 1],
                             [block_rows, block_k * words.shape[1] // k])
-
-
-def _pairs_descriptor(x: torch.Tensor, block_m: int, block_k: int) -> TensorDescriptor:
-    """A TMA descriptor over the row path's fp16 activations in slot order (`_pair_rows`, or a gate/up launch's
-    with PAIRED_SHIFT) as [slots, K / 2] 4-byte pairs, in tiles of one block's rows by one K step: loaded into
-    shared memory and from there straight into the layout the multiply-adds read, where pointer loads took two
-    layout conversions a step (two of the step's three; 5 -> 3 CTA barriers in the blocks of 2's loop)."""
-    pairs = x.view(torch.int32)
-    return TensorDescriptor(pairs, list(pairs.shape), [pairs.shape[1], 1], [block_m, block_k // 2])
 
 
 def _row_bytes(weight: PackedWeight) -> int:
@@ -1458,10 +1429,9 @@ def fused_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     paired_shift, out_shifts = 0, None
     if gate_up.format == "mxfp4" and settings["block_m"] < 16 and not compute_fp32:  # the row path on the GPU
         paired_input, paired_shift = _paired_activations(tokens, splits, activation, alpha, limit)
-        if paired_input:  # more than one token: grouped blocks, slot order
-            x, x_shifts = _pair_rows(hidden, blocks.pair_ids, top_k)
-        slots = blocks.count * settings["block_m"] if blocks.blocking == GROUPED else tokens * top_k
-        out_shifts = torch.empty(slots, dtype=torch.int32, device=x.device) if paired_shift else None
+        if paired_input:
+            x, x_shifts = _pair_rows(hidden)
+        out_shifts = torch.empty(tokens * top_k, dtype=torch.int32, device=x.device) if paired_shift else None
     intermediate = _launch(x, gate_up, blocks, None, tokens * top_k, inter, top_k,
                            gated=gated, interleaved=interleaved, activation=activation,
                            host=host[0] if host else None, x_shifts=x_shifts, paired_shift=paired_shift,

@@ -512,29 +512,22 @@ def test_paired_activations_are_the_row_paths_pairs():
 
 
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 3e5, 0.0])
-def test_pair_rows_scales_each_row_into_fp16_and_pairs_it_in_slot_order(scale):
-    """`_pair_rows`, the gate/up launch's activations on the row path: slot s holds token pair_ids[s] // top_k
-    (`align_routing`'s slots: a block's rows consecutive; padding slots left alone) times the power of two that
-    puts its largest magnitude in [2^14, 2^15) (rows of 1e-3, 1 and 3e5, past fp16's top; all zeros), in fp16, at
+def test_pair_rows_scales_each_row_into_fp16_and_pairs_it(scale):
+    """`_pair_rows`, the gate/up launch's activations on the row path: each row times the power of two that puts
+    its largest magnitude in [2^14, 2^15) (rows of 1e-3, 1 and 3e5, past fp16's top; all zeros), in fp16, at
     `_paired_columns`' positions."""
     from dflash_compile.kernels.moe import _pair_rows
 
     x = torch.randn(3, 96, generator=torch.Generator().manual_seed(2)) * torch.tensor([[scale], [1.0], [scale]])
-    top_k = 2
-    pair_ids = torch.tensor([5, 0, 6, 2, 6, 3], dtype=torch.int32)  # 6 = 3 tokens x top-2: padding
-    pairs, shifts = _pair_rows(x.bfloat16().to(DEVICE), pair_ids.to(DEVICE), top_k)
-    assert pairs.shape == (6, 96) and shifts.shape == (6,)
+    pairs, shifts = _pair_rows(x.bfloat16().to(DEVICE))
     positions = torch.empty(128, dtype=torch.int32, device=DEVICE)
     _store_paired_columns[(1,)](positions, N=128)
     unpaired = pairs.cpu()[:, positions[:96].cpu().long()].float()
     x = x.bfloat16().float()
-    for slot, pair in enumerate(pair_ids.tolist()):
-        if pair == 6:
-            continue
-        row, shift = x[pair // top_k], shifts[slot].item()
-        largest = row.abs().max()
+    for row, shift in enumerate(shifts.cpu().tolist()):
+        largest = x[row].abs().max()
         assert largest == 0 or 2**14 <= largest * 2.0**shift < 2**15
-        torch.testing.assert_close(unpaired[slot], (row * 2.0**shift).half().float(), atol=0, rtol=0)
+        torch.testing.assert_close(unpaired[row], (x[row] * 2.0**shift).half().float(), atol=0, rtol=0)
 
 
 def test_paired_shift_puts_clamped_swiglus_bound_under_fp16s_top():
