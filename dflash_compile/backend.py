@@ -89,7 +89,8 @@ def _dense_model(gm: GraphModule, ctx: PassContext) -> torch.nn.Module | None:
     if traced_unadapted(root):
         raise ValueError(f"{spec.name}'s experts are routed experts dflash-compile dispatches only after the family's "
                          "adapt (Llama 4's MoE blocks run every expert on every token as transformers builds them; "
-                         "transformers 5.24 leaves Step 3.7's experts class undecorated): call "
+                         "transformers 5.24 leaves Step 3.7's experts class undecorated; DBRX's loop over "
+                         "flattened 2-D weights): call "
                          "dflash_compile.families.adapt_model(model) before torch.compile(model, backend='dflash') "
                          "(optimize does), with the same sums")
     return root if spec is None else None

@@ -204,7 +204,11 @@ def quantize_checkpoint(source: str | Path, directory: str | Path, format: str,
     method = (getattr(config, "quantization_config", None) or {}).get("quant_method")
     if method:
         raise ValueError(f"{source} is a {method} checkpoint already: quantize takes a bf16 or fp32 one")
-    _check_quantizable(_meta_model(config), format)  # before the load, which writes the scratch folder
+    meta = _meta_model(config)
+    _check_quantizable(meta, format)  # before the load, which writes the scratch folder
+    if any(adapter.moves_weights for adapter in spec_for_model(meta).adapt):
+        raise ValueError(f"{config.model_type} experts cannot be quantized from disk: dflash-compile rearranges them "
+                         "in memory; load the model whole (from_pretrained) and call quantize(model, ...) instead")
     directory = Path(directory)
     with _made_for_this(directory), tempfile.TemporaryDirectory(dir=directory, prefix=".offload-") as scratch:
         model = auto_model_class(config).from_pretrained(source, dtype=dtype, device_map={"": "disk"},

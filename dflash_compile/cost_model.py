@@ -162,6 +162,10 @@ REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
         num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
         vocab_size=151936, max_position_embeddings=262144, rope_parameters=dict(
             rope_type="default", rope_theta=5000000.0, mrope_section=[24, 20, 20], mrope_interleaved=True))),
+    "dbrx-instruct": lambda: transformers.DbrxConfig(  # 16 experts, top-4, q/k/v clipped at 8
+        d_model=6144, n_heads=48, n_layers=40, max_seq_len=32768, vocab_size=100352,
+        attn_config=dict(kv_n_heads=8, clip_qkv=8.0, rope_theta=500000.0),
+        ffn_config=dict(ffn_hidden_size=10752, moe_num_experts=16, moe_top_k=4, moe_normalize_expert_weights=1.0)),
     "qwen2-57b-a14b": lambda: transformers.Qwen2MoeConfig(
         hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, num_experts=64,
         num_experts_per_tok=8, moe_intermediate_size=2560, shared_expert_intermediate_size=20480,

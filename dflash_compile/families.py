@@ -17,6 +17,7 @@ import torch
 import transformers
 from packaging.version import Version
 from transformers.integrations.moe import grouped_mm_experts_forward, use_experts_implementation
+from transformers.models.dbrx.modeling_dbrx import DbrxFFN
 
 GateUpLayout = Literal["concatenated", "interleaved", "ungated"]
 Activation = Literal["act_fn", "clamped_swiglu", "clamped_act_fn"]
@@ -107,7 +108,10 @@ def layer_configs(config) -> list:
 
 
 def routed_top_k(config) -> int:
-    """Experts each token is routed to: `num_experts_per_tok`, Gemma 4's `top_k_experts`, Aria's `moe_topk`."""
+    """Experts each token is routed to: `num_experts_per_tok`, Gemma 4's `top_k_experts`, Aria's `moe_topk`, DBRX's
+    `ffn_config.moe_top_k`."""
+    if hasattr(config, "ffn_config"):
+        return config.ffn_config.moe_top_k
     return getattr(config, "num_experts_per_tok", None) or getattr(config, "top_k_experts", None) or config.moe_topk
 
 
@@ -346,14 +350,62 @@ class Llama4RoutedMoe(torch.nn.Module):
         return out + routed.view(-1, self.top_k, self.hidden_dim).sum(dim=1), None  # the decoder drops the second
 
 
+@use_experts_implementation
+class DbrxRoutedExperts(torch.nn.Module):
+    """DBRX's experts (`DbrxExperts`, which loops over experts) as routed experts in transformers' layout:
+    `gate_up_proj` [E, 2I, H] (gate rows, then up) and `down_proj` [E, H, I], from its `mlp.w1` (gate), `mlp.v1`
+    (up) and `mlp.w2` (down, multiplied as h @ w2), each expert's [I, H] rows stacked into one [E * I, H] matrix.
+    Made by changing a module's class and moving its weights (`_route_dbrx_experts`)."""
+
+    has_gate, has_bias, has_post_expert_norm, is_transposed, is_concatenated = True, False, False, False, True
+    _is_expert_parallel = False
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        return grouped_mm_experts_forward(self, hidden, top_k_index, top_k_weights)
+
+
+class DbrxRoutedFfn(DbrxFFN):
+    """DBRX's MoE block calling `DbrxRoutedExperts` on its tokens as rows [T, H] (`DbrxFFN` hands the experts
+    [batch, tokens, H]), routed by DBRX's own code: softmax, top-k, weights divided by their p-norm."""
+
+    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, H] -> (the chosen experts' weights, their indices), both [T, k]: the router's choice, which
+        offload's prefetch asks for too."""
+        return self.route_tokens_to_experts(self.router(hidden))
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+        weights, index = self.route(hidden)
+        return self.experts(hidden, index, weights).view(hidden_states.shape)
+
+
+def _route_dbrx_experts(model: torch.nn.Module, block: torch.nn.Module) -> None:
+    """DBRX: a `DbrxFFN` becomes a `DbrxRoutedFfn` and its experts `DbrxRoutedExperts`, their weights moved into
+    `gate_up_proj` / `down_proj` (the same values; each matrix replaced as it is made, so memory holds one more
+    layer's experts at most) and their activation kept as `act_fn`."""
+    experts, mlp = block.experts, block.experts.mlp
+    per_expert = (experts.num_experts, experts.ffn_hidden_size, experts.hidden_size)
+    gate, up, down = (getattr(mlp, name).detach().view(per_expert) for name in ("w1", "v1", "w2"))
+    block.__class__ = DbrxRoutedFfn
+    experts.__class__ = DbrxRoutedExperts
+    experts.config = model.config.get_text_config()
+    experts.act_fn = mlp.activation_fn
+    del experts.mlp
+    experts.gate_up_proj = torch.nn.Parameter(torch.cat([gate, up], dim=1), requires_grad=False)
+    del gate, up
+    experts.down_proj = torch.nn.Parameter(down.transpose(1, 2).contiguous(), requires_grad=False)
+
+
 @dataclass(frozen=True)
 class Adapter:
     """A family's in-place rewrite of the modules transformers builds so that they call routed experts the registry
     dispatches: `rewrite(model, module)` for each module `pending` picks out (after which it picks none: adapting
-    again changes nothing)."""
+    again changes nothing). `moves_weights`: the rewrite makes new weights from the old (DBRX's), so it needs them
+    in memory, not left on disk by an offloaded load."""
 
     pending: Callable[[torch.nn.Module], bool]
     rewrite: Callable[[torch.nn.Module, torch.nn.Module], None]
+    moves_weights: bool = False
 
     def __call__(self, model: torch.nn.Module) -> None:
         for module in [module for module in model.modules() if self.pending(module)]:
@@ -410,6 +462,7 @@ def _tempered_by_one_length(module: torch.nn.Module) -> bool:
             and not module.use_rope)
 
 
+_ROUTE_DBRX_EXPERTS = Adapter(lambda module: type(module) is DbrxFFN, _route_dbrx_experts, moves_weights=True)
 _ROUTE_LLAMA4_EXPERTS = Adapter(lambda module: type(module).__name__ == "Llama4TextMoe", _route_llama4_experts)
 _TEMPER_LLAMA4_QUERIES = Adapter(_tempered_by_one_length, _temper_llama4_queries)
 _DECORATED: dict[type, type] = {}  # an undecorated experts class -> its `@use_experts_implementation` subclass
@@ -707,6 +760,13 @@ FAMILIES: dict[str, FamilySpec] = {
             ExpertLayout(gate_up="concatenated", transposed=True, bias=False, activation="act_fn"),
             RouterSpec(scoring="sigmoid", module="router", call="route"), _declared_moe_layers, _declared_layer_types,
             adapt=(_ROUTE_LLAMA4_EXPERTS, _TEMPER_LLAMA4_QUERIES),
+        ),
+        FamilySpec(  # DBRX: experts flattened into 2-D matrices in a module that loops over them, moved into
+            # transformers' layout (`DbrxRoutedExperts`); a softmax router whose top-k weights are divided by their
+            # p-norm; fused q/k/v clipped, LayerNorms
+            "dbrx", ("dbrx",), "DbrxRoutedExperts", _SWIGLU,
+            RouterSpec(scoring="softmax", module="router", call="route"),
+            _all_layers, _full_attention, adapt=(_ROUTE_DBRX_EXPERTS,),
         ),
         FamilySpec(  # Step 3.7 (step3p7; its text model step3p5): sliding and full layers of their own head counts,
             # the attention output gated per head; a sigmoid router choosing with a correction bias, renormalised;

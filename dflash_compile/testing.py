@@ -9,7 +9,7 @@ with attention sinks for gpt_oss, sliding layers with sinks and narrower values 
 before a full one for exaone_moe and laguna, a wider full layer whose keys are its values for gemma4_text, q/k/v
 biases for qwen2_moe, Granite's multipliers, shared experts where the family has them. The families added later
 (mellum, kolibri1, beam, flint, granitemoe_swa, minicpm5_moe, axk1, lara_mini, mistral4, aria, kimi_linear,
-lfm2_moe, llama4_text, granitemoehybrid, jamba) keep theirs likewise; each entry's comment says what.
+lfm2_moe, llama4_text, granitemoehybrid, jamba, dbrx) keep theirs likewise; each entry's comment says what.
 """
 
 from __future__ import annotations
@@ -200,6 +200,11 @@ TINY_CONFIGS = {
         num_shared_experts=1, initializer_range=0.1, **_ROUTED, **_COMMON,
         **{key: value for key, value in _DEEPSEEK_ROUTING.items()
            if key not in ("first_k_dense_replace", "n_routed_experts", "n_shared_experts")}),
+    "dbrx": lambda: transformers.DbrxConfig(  # experts flattened in 2-D, routing weights divided by their 1-norm,
+        # q/k/v clipped at 0.5 (most values of the random weights)
+        d_model=64, n_heads=4, n_layers=2, max_seq_len=256, vocab_size=128, tie_word_embeddings=False,
+        attn_config=dict(kv_n_heads=2, clip_qkv=0.5, rope_theta=10000.0),
+        ffn_config=dict(ffn_hidden_size=32, moe_num_experts=8, moe_top_k=2, moe_normalize_expert_weights=1.0)),
     "olmoe": lambda: transformers.OlmoeConfig(
         num_hidden_layers=2, intermediate_size=32, num_experts=8, **_ROUTED, **_COMMON),
 }

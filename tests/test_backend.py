@@ -184,7 +184,7 @@ def test_one_dispatch_node_per_moe_layer_whatever_experts_implementation(tiny, f
     with torch.no_grad():
         expected = model(ids).logits
     groups = share_storage(model)
-    assert groups > 0
+    assert (groups > 0) == (family != "dbrx")  # DBRX's q/k/v come as one `Wqkv` already
     report = dflash_compile.explain(model, ids)
     moe_layers = FAMILIES[family].moe_layers(model.config)
     assert report.graph_break_count == 0

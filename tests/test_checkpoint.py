@@ -8,12 +8,13 @@ import pytest
 import torch
 import transformers
 from safetensors import safe_open
+from transformers.models.dbrx.configuration_dbrx import DbrxFFNConfig
 
 import dflash_compile
 from dflash_compile import checkpoint
 from dflash_compile.checkpoint import (FP8Linear, expert_bytes, load_packed, quantize, quantize_checkpoint,
                                        stored_expert_bytes)
-from dflash_compile.families import experts_modules, first_projection, router_of, spec_for_model
+from dflash_compile.families import adapt_model, experts_modules, first_projection, router_of, spec_for_model
 from dflash_compile.packed import packed_weights
 from dflash_compile.testing import load_tiny_model, save_tiny_model
 from tests.conftest import FAMILIES, token_ids
@@ -37,7 +38,9 @@ SIZES = {"gpt_oss": {"intermediate_size": 64}, "deepseek_v2": {"moe_intermediate
                            "kimi_linear", "bailing_hybrid", "lfm2_moe", "nemotron_h")},
          "glm4_moe": {"moe_intermediate_size": 128}, "glm4_moe_lite": {"moe_intermediate_size": 128},
          "qwen2_moe": {"moe_intermediate_size": 128}, "qwen3_moe": {"moe_intermediate_size": 128},
-         "qwen3_next": {"moe_intermediate_size": 128}}
+         "qwen3_next": {"moe_intermediate_size": 128},
+         "dbrx": {"ffn_config": DbrxFFNConfig(hidden_size=64, ffn_hidden_size=128, moe_num_experts=8, moe_top_k=2,
+                                              moe_normalize_expert_weights=1.0)}}
 
 
 def _quantized(family, format, tmp_path, **options):
@@ -148,7 +151,7 @@ def test_optimize_names_the_packed_load_when_transformers_expanded_fp8_experts(t
 
 def _dequantized_reference(original, packed):
     """The original model with every packed tensor replaced by its reference dequantization."""
-    reference = load_tiny_model(original.config.model_type, directory=original.name_or_path)
+    reference = adapt_model(load_tiny_model(original.config.model_type, directory=original.name_or_path))  # as packed
     transposed = spec_for_model(reference).layout.transposed  # as transformers' modules, even Llama 4's, hold them
     for (name, module), (_, source) in zip(reference.named_modules(), packed.named_modules()):
         if isinstance(source, FP8Linear):
@@ -263,7 +266,7 @@ def _stored(directory):
 
 
 @pytest.mark.parametrize("family, format", [("gpt_oss", "mxfp4")] + [
-    (family, "fp8_block") for family in FAMILIES if family not in ("gpt_oss", "qwen3_5_moe")])
+    (family, "fp8_block") for family in FAMILIES if family not in ("gpt_oss", "qwen3_5_moe", "dbrx")])
 def test_a_checkpoint_quantized_from_disk_is_the_one_quantized_in_memory(family, format, tmp_path, monkeypatch):
     """`quantize_checkpoint` loads the bf16 checkpoint offloaded to disk (transformers converting the families'
     stored layouts, e.g. stacking Qwen3's per-expert tensors) and reads a module at a time: while one layer's experts
@@ -319,6 +322,10 @@ def test_a_failed_quantization_leaves_the_directory_as_it_was(tmp_path, monkeypa
         with pytest.raises(ValueError, match=rf"max_shard_size must be a positive number of bytes or a size such as "
                                              rf"'5GB' or '500MB', got {size!r}"):
             quantize_checkpoint(source, tmp_path / "again", "fp8_block", max_shard_size=size)
+    dbrx = save_tiny_model("dbrx", tmp_path / "dbrx", **SIZES["dbrx"])
+    with pytest.raises(ValueError, match=r"dbrx experts cannot be quantized from disk: dflash-compile rearranges them "
+                                         r"in memory; load the model whole \(from_pretrained\) and call quantize"):
+        quantize_checkpoint(dbrx, tmp_path / "again", "fp8_block")
     assert not (tmp_path / "again").exists()
 
 

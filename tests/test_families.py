@@ -18,7 +18,7 @@ from dflash_compile.testing import OracleDrafter, tiny_multimodal_config
 from tests.conftest import token_ids
 
 
-def test_registry_covers_the_forty_eight_families():
+def test_registry_covers_the_forty_nine_families():
     assert dflash_compile.supported_families() == sorted(
         ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe", "glm4_moe_lite",
          "deepseek_v2", "deepseek_v3", "olmoe", "ernie4_5_moe", "phimoe", "dots1", "flex_olmo", "solar_open",
@@ -26,7 +26,7 @@ def test_registry_covers_the_forty_eight_families():
          "minimax_m2", "hunyuan_v1_moe", "hy_v3", "laguna", "mimo_v2_flash", "afmoe", "gemma4_text", "mellum",
          "kolibri1", "beam", "flint", "granitemoe_swa", "minicpm5_moe", "axk1", "lara_mini", "mistral4", "aria",
          "kimi_linear", "lfm2_moe", "llama4_text", "granitemoehybrid", "ernie4_5_vl_moe", "step3p7", "bailing_hybrid",
-         "nemotron_h", "jamba"]
+         "nemotron_h", "jamba", "dbrx"]
     )
 
 
@@ -76,6 +76,7 @@ def test_registry_covers_the_forty_eight_families():
         ("lfm2_moe", [1, 2], ["conv", "conv", "full_attention"]),  # num_dense_layers=1
         ("llama4_text", [1, 3], ["chunked_attention"] * 3 + ["full_attention"]),  # interleave_moe_layer_step=2
         ("granitemoehybrid", [0, 1, 2], ["linear_attention", "linear_attention", "full_attention"]),
+        ("dbrx", [0, 1], ["full_attention"] * 2),
     ],
 )
 def test_spec_of_each_tiny_model(tiny, family, moe_layers, attention):
@@ -84,7 +85,8 @@ def test_spec_of_each_tiny_model(tiny, family, moe_layers, attention):
     assert spec is FAMILIES[family]
     assert spec.moe_layers(model.config) == moe_layers
     assert spec.attention_kinds(model.config) == attention
-    layers = list(model.model.layers)  # the decoder layer holding each experts module, found by class
+    # the decoder layer holding each experts module, found by class (DBRX's decoder names them blocks)
+    layers = list(model.transformer.blocks if family == "dbrx" else model.model.layers)
     experts = {i: type(module) for name, module in experts_modules(model).items()
                for i, layer in enumerate(layers) if module in layer.modules()}
     assert sorted(experts) == moe_layers
@@ -192,6 +194,32 @@ def test_llama4_traced_before_adapting_is_refused(tiny):
                                                     r"run every expert on every token .* call "
                                                     r"dflash_compile.families.adapt_model\(model\)"):
         torch.compile(model, backend="dflash")(token_ids())
+
+
+def test_dbrx_experts_moved_into_transformers_layout_give_its_logits(tiny, tmp_path):
+    """DBRX's experts loop over flattened 2-D weights (`mlp.w1` / `v1` / `w2`, [E * I, H]); adapted, they are
+    routed experts with `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] holding the same values (nothing of the
+    old weights left), the model's fp32 logits as transformers' own, adapting again changes nothing, and the adapted
+    model saves whole. Traced before adapting, it is refused with the fix."""
+    model = tiny("dbrx")
+    ids = token_ids()
+    mlp = model.transformer.blocks[1].ffn.experts.mlp
+    w1, v1, w2 = (weight.detach().clone().view(8, 32, 64) for weight in (mlp.w1, mlp.v1, mlp.w2))
+    with pytest.raises(BackendCompilerFailed, match=r"dbrx's experts are routed experts dflash-compile dispatches "
+                                                    r"only after the family's adapt .*DBRX's loop over flattened 2-D "
+                                                    r"weights\): call dflash_compile.families.adapt_model\(model\)"):
+        torch.compile(model, backend="dflash")(ids)
+    with torch.no_grad():
+        expected = model(ids).logits
+        assert list(experts_modules(model)) == [f"transformer.blocks.{i}.ffn.experts" for i in (0, 1)]
+        experts = model.transformer.blocks[1].ffn.experts
+        assert torch.equal(experts.gate_up_proj, torch.cat([w1, v1], dim=1))
+        assert torch.equal(experts.down_proj, w2.transpose(1, 2))
+        assert not any(name.endswith(("w1", "v1", "w2")) for name, _ in model.named_parameters())
+        torch.testing.assert_close(adapt_model(model)(ids).logits, expected, atol=1e-5, rtol=1e-5)
+        torch.save(model, tmp_path / "model.pt")
+        reloaded = torch.load(tmp_path / "model.pt", weights_only=False)
+        assert not traced_unadapted(reloaded) and torch.equal(reloaded(ids).logits, model(ids).logits)
 
 
 @pytest.mark.parametrize("compile", [False, True])

@@ -8,9 +8,9 @@ from dflash_compile.families import FAMILIES, experts_modules
 from tests.conftest import FAMILIES as FAMILY_NAMES
 
 
-def _routed(model, family):
-    layer = model.model.layers[FAMILIES[family].moe_layers(model.config)[0]]
-    return next(module for module in experts_modules(model).values() if module in layer.modules())
+def _routed(model):
+    """The first MoE layer's routed experts."""
+    return next(iter(experts_modules(model).values()))
 
 
 def _routing(experts, tokens=11, top_k=3, dtype=torch.float32, seed=0):
@@ -24,7 +24,7 @@ def _routing(experts, tokens=11, top_k=3, dtype=torch.float32, seed=0):
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_reference_equals_the_family_experts_module(tiny, family):
     """The store's math against transformers' eager experts loop (the family's own definition) in fp32."""
-    experts = _routed(tiny(family, experts_implementation="eager"), family)
+    experts = _routed(tiny(family, experts_implementation="eager"))
     store = ExpertStore()
     layer = store.add_layer(experts, FAMILIES[family], "experts")
     hidden, index, weights = _routing(experts)
@@ -41,7 +41,7 @@ def test_offloaded_dispatch_is_kept_out_of_cuda_graphs():
 
 @pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
 def test_opcheck_moe_dispatch(tiny, family):
-    experts = _routed(tiny(family), family)
+    experts = _routed(tiny(family))
     store = ExpertStore()
     layer = store.add_layer(experts, FAMILIES[family], "experts")
     for tokens in (1, 5):
@@ -60,7 +60,7 @@ def test_fake_checks_routing_shapes():
 
 def test_store_reads_live_weights_and_reports_freed_models(tiny):
     model = tiny("olmoe")
-    experts = _routed(model, "olmoe")
+    experts = _routed(model)
     store = ExpertStore()
     layer = store.add_layer(experts, FAMILIES["olmoe"], "layers.0.mlp.experts")
     assert store.add_layer(experts, FAMILIES["olmoe"], "again") == layer  # one handle per module
@@ -79,7 +79,7 @@ def test_store_reads_live_weights_and_reports_freed_models(tiny):
 
 
 def test_layout_mismatch_with_the_registry_is_reported(tiny):
-    experts = _routed(tiny("gpt_oss"), "gpt_oss")
+    experts = _routed(tiny("gpt_oss"))
     with pytest.raises(ValueError, match=r"GptOssExperts.is_concatenated is False, but the family registry's layout"):
         ExpertStore().add_layer(experts, FAMILIES["mixtral"], "experts")
 

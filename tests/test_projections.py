@@ -16,7 +16,7 @@ def storage_bytes(model) -> int:
     return sum(storages.values())
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [family for family in FAMILIES if family != "dbrx"])  # DBRX's q/k/v: one Wqkv
 def test_groups_share_one_buffer_with_the_same_values(tiny, family):
     """Laid out once, in the memory the layers held; the compiled model's one linear per group is
     tests/test_backend.py::test_one_dispatch_node_per_moe_layer_whatever_experts_implementation's."""
