@@ -386,14 +386,15 @@ def _route_dbrx_experts(model: torch.nn.Module, block: torch.nn.Module) -> None:
     experts, mlp = block.experts, block.experts.mlp
     per_expert = (experts.num_experts, experts.ffn_hidden_size, experts.hidden_size)
     gate, up, down = (getattr(mlp, name).detach().view(per_expert) for name in ("w1", "v1", "w2"))
+    trained = mlp.w1.requires_grad
     block.__class__ = DbrxRoutedFfn
     experts.__class__ = DbrxRoutedExperts
     experts.config = model.config.get_text_config()
     experts.act_fn = mlp.activation_fn
     del experts.mlp
-    experts.gate_up_proj = torch.nn.Parameter(torch.cat([gate, up], dim=1), requires_grad=False)
+    experts.gate_up_proj = torch.nn.Parameter(torch.cat([gate, up], dim=1), requires_grad=trained)
     del gate, up
-    experts.down_proj = torch.nn.Parameter(down.transpose(1, 2).contiguous(), requires_grad=False)
+    experts.down_proj = torch.nn.Parameter(down.transpose(1, 2).contiguous(), requires_grad=trained)
 
 
 @dataclass(frozen=True)
