@@ -156,9 +156,9 @@ def test_a_model_with_grad_enabled_compiles_for_inference(tiny, lowering):
 
 
 # The families whose experts' forward is their own, not a modular copy of Mixtral's: gpt-oss (interleaved, biases),
-# Beam (the same math in other words), Aria (weights stored [E, in, out]), Llama 4 (its adapted experts: grouped_mm)
-# transformers 5.25 gives Ling 3's experts Step 3.7's per-layer clamps (`_apply_gate`)
-OWN_EXPERTS_CODE = ("gpt_oss", "beam", "aria", "llama4_text", "nemotron_h") + (
+# Beam (the same math in other words), Aria (weights stored [E, in, out]), Llama 4 and DBRX (their adapted experts:
+# grouped_mm); transformers 5.25 gives Ling 3's experts Step 3.7's per-layer clamps (`_apply_gate`)
+OWN_EXPERTS_CODE = ("gpt_oss", "beam", "aria", "llama4_text", "nemotron_h", "dbrx") + (
     ("bailing_hybrid",) if Version(transformers.__version__) >= Version("5.25") else ())
 
 
