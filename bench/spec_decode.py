@@ -113,8 +113,9 @@ def first_mismatch(expected: torch.Tensor, actual: torch.Tensor) -> str:
 class UniformRouting:
     """Keeps each router's computation but replaces its choice by uniform random experts (random-weight routers
     collapse onto a few experts; real ones spread). Records distinct experts per call when asked. Each router is
-    the registry's (`router_of`): its last output is the chosen indices, replaced by random picks, or, where the
-    MoE block takes the top-k itself (Llama 4's), every expert's logits, replaced by random logits."""
+    the registry's (`router_of`): its last output (or its only one: DBRX's logits) is the chosen indices, replaced
+    by random picks, or, where the MoE block takes the top-k itself (Llama 4's, DBRX's), every expert's logits,
+    replaced by random logits."""
 
     def __init__(self, model):
         self.handles, self.distinct = [], []
@@ -123,13 +124,14 @@ class UniformRouting:
             self.handles.append(router_of(model, name).register_forward_hook(self._hook))
 
     def _hook(self, module, args, output):
-        *kept, last = output
+        *kept, last = output if isinstance(output, tuple) else (output,)
         chooses = not last.is_floating_point()  # the router's own top-k indices, or every expert's logits
         logits = torch.rand(last.shape[0], kept[0].shape[-1] if chooses else last.shape[-1], device=last.device)
         picks = logits.topk(self.top_k).indices
         if self.record:
             self.distinct.append(picks.unique().numel())
-        return (*kept, picks if chooses else logits)
+        replaced = picks if chooses else logits
+        return (*kept, replaced) if isinstance(output, tuple) else replaced
 
     def remove(self):
         for handle in self.handles:
