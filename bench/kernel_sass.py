@@ -13,8 +13,9 @@ loop instructions. So "weight bytes per warp instruction" of the loop is a proxy
 read before any GPU time is spent. Compiles with the specialisations the JIT makes on real shapes (16-byte aligned
 pointers, sizes divisible by 16), disassembles with the cuobjdump bundled with Triton, takes the longest backward
 branch as the K loop and prints its instruction count, its commonest opcodes and bytes per warp instruction, and
-the registers per thread with the CTAs per SM they allow (the one-token CUDA-core path runs at ~2.6 warps per
-scheduler with its issue slots half busy, session 16's Nsight Compute profile, so residency matters there).
+the registers per thread with the CTAs per SM they and the shared memory allow (the one-token CUDA-core path runs
+at ~2.6 warps per scheduler with its issue slots half busy, session 16's Nsight Compute profile, so residency
+matters there; blocks of 2 lost 13% with one CTA an SM less, session 67).
 The proxy has limits: 3.8-6.3% fewer loop instructions in the blocks of 2 at gpt-oss-20b's M = 16 measured 0.96-1.01x
 on an H100 (session 66), so a shorter loop is a candidate for a GPU A/B, not a result. The CTA barriers an iteration
 (BAR: Triton's layout conversions through shared memory, each a store, a barrier, loads and another barrier) are
@@ -117,12 +118,13 @@ def disassemble(cubin: bytes) -> str:
                           check=True).stdout
 
 
-def resident_ctas(sass: str, num_warps: int) -> tuple[int, int]:
-    """(registers per thread, CTAs per SM that the registers allow on sm_90: 64K registers, allocated per warp in
-    units of 256, at most 64 warps), from `disassemble`'s output."""
+def resident_ctas(sass: str, num_warps: int, shared_bytes: int) -> tuple[int, int]:
+    """(registers per thread, CTAs an SM holds on sm_90: 64K registers, allocated per warp in units of 256; at most
+    64 warps and 32 CTAs; 228 KiB of shared memory, each CTA its `shared_bytes` and 1 KiB the system keeps), the
+    registers from `disassemble`'s output. Session 67: 3 -> 2 CTAs of gpt-oss-20b's blocks of 2 cost 13%."""
     registers = int(re.search(r"REG:(\d+)", sass).group(1))
     per_warp = -(-registers * 32 // 256) * 256
-    return registers, min(65536 // (per_warp * num_warps), 64 // num_warps)
+    return registers, min(65536 // (per_warp * num_warps), 64 // num_warps, 32, 228 * 1024 // (shared_bytes + 1024))
 
 
 def k_loop(sass: str) -> list[str]:
@@ -190,14 +192,15 @@ def main() -> None:
             tiles = projection_tiles if gated else projection_tiles | projection_tiles["down_launch"]
             try:
                 with contextlib.redirect_stdout(io.StringIO()):  # a failing ptxas run prints the whole PTX
-                    sass = disassemble(compile_kernel(format, gated, tiles, args.host_fallback, args.one_token,
-                                                      not args.concatenated, args.capability).asm["cubin"])
+                    kernel = compile_kernel(format, gated, tiles, args.host_fallback, args.one_token,
+                                            not args.concatenated, args.capability)
+                    sass = disassemble(kernel.asm["cubin"])
             except Exception as failure:  # e.g. an instruction this target lacks: say which, go on
                 print(f"| {format} | {'gate_up' if gated else 'down'} | does not compile for sm_{args.capability}: "
                       f"{compile_error(failure)} |", flush=True)
                 continue
             loop = k_loop(sass)
-            registers, ctas = resident_ctas(sass, tiles["num_warps"])
+            registers, ctas = resident_ctas(sass, tiles["num_warps"], kernel.metadata.shared)
             rows = tiles["block_n"] * (2 if gated else 1)
             weight_bytes = rows * tiles["block_k"] * {"dense": 2, "mxfp4": 0.5, "fp8_block": 1}[format]
             opcodes = collections.Counter(map(opcode, loop))
