@@ -204,16 +204,43 @@ def quantize_checkpoint(source: str | Path, directory: str | Path, format: str,
     method = (getattr(config, "quantization_config", None) or {}).get("quant_method")
     if method:
         raise ValueError(f"{source} is a {method} checkpoint already: quantize takes a bf16 or fp32 one")
-    meta = _meta_model(config)
-    _check_quantizable(meta, format)  # before the load, which writes the scratch folder
-    if any(adapter.moves_weights for adapter in spec_for_model(meta).adapt):
-        raise ValueError(f"{config.model_type} experts cannot be quantized from disk: dflash-compile rearranges them "
-                         "in memory; load the model whole (from_pretrained) and call quantize(model, ...) instead")
+    _check_quantizable(_meta_model(config), format)  # before the load, which writes the scratch folder
     directory = Path(directory)
     with _made_for_this(directory), tempfile.TemporaryDirectory(dir=directory, prefix=".offload-") as scratch:
         model = auto_model_class(config).from_pretrained(source, dtype=dtype, device_map={"": "disk"},
                                                          offload_folder=scratch)
+        _adapt_offloaded(model)
         return quantize(model, directory, format, max_shard_size)
+
+
+def _adapt_offloaded(model: torch.nn.Module) -> None:
+    """The family's adapters that make new weights from the old (DBRX's experts, `Adapter.moves_weights`) run on a
+    model offloaded to disk a module at a time: the module's weights read in, rewritten, and the new ones written
+    to accelerate's offload folder and offloaded there as the rest are (meta parameters, read back by a hook on
+    their module: `_weights_in_memory`), so memory holds one module's weights at a time, as `quantize` then does."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+    from accelerate.utils import PrefixedDataset, offload_weight, set_module_tensor_to_device
+
+    for adapter in spec_for_model(model).adapt:
+        for module in [module for module in model.modules() if adapter.moves_weights and adapter.pending(module)]:
+            prefix = next(name for name, part in model.named_modules() if part is module)
+            before = {f"{prefix}.{name}" for name, _ in module.named_parameters()}
+            offloading = next(part._hf_hook for part in module.modules()
+                              if getattr(getattr(part, "_hf_hook", None), "weights_map", None) is not None)
+            loader = offloading.weights_map.dataset  # the model's offloaded weights, by full name
+            with contextlib.ExitStack() as loaded:
+                for part in module.modules():
+                    loaded.enter_context(_weights_in_memory(part))
+                adapter.rewrite(model, module)
+                made = {path: part for path, part in module.named_modules(prefix=prefix)
+                        if any(f"{path}.{name}" not in before for name, _ in part.named_parameters(recurse=False))}
+                for path, part in made.items():  # while the context holds them: leaving it may offload to meta
+                    for name, weight in list(part.named_parameters(recurse=False)):
+                        offload_weight(weight.data, f"{path}.{name}", loader.save_folder, index=loader.index)
+                        set_module_tensor_to_device(part, name, "meta")
+            for path, part in made.items():
+                add_hook_to_module(part, AlignDevicesHook(offloading.execution_device, offload=True,
+                                                          weights_map=PrefixedDataset(loader, f"{path}.")))
 
 
 def _meta_model(config, dtype: torch.dtype | None = None) -> transformers.PreTrainedModel:

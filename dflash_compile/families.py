@@ -401,8 +401,8 @@ def _route_dbrx_experts(model: torch.nn.Module, block: torch.nn.Module) -> None:
 class Adapter:
     """A family's in-place rewrite of the modules transformers builds so that they call routed experts the registry
     dispatches: `rewrite(model, module)` for each module `pending` picks out (after which it picks none: adapting
-    again changes nothing). `moves_weights`: the rewrite makes new weights from the old (DBRX's), so it needs them
-    in memory, not left on disk by an offloaded load."""
+    again changes nothing). `moves_weights`: the rewrite makes new weights from the old (DBRX's), so on a model
+    offloaded to disk it runs a module at a time with the weights read in (`checkpoint._adapt_offloaded`)."""
 
     pending: Callable[[torch.nn.Module], bool]
     rewrite: Callable[[torch.nn.Module, torch.nn.Module], None]
