@@ -194,10 +194,10 @@ def quantize_checkpoint(source: str | Path, directory: str | Path, format: str,
                         dtype: torch.dtype = torch.bfloat16, max_shard_size: int | str = SHARD_SIZE) -> Path:
     """`quantize` a bf16 / fp32 checkpoint (a directory or a Hub repo id) without holding the model in memory: it
     loads offloaded to disk (transformers' `device_map` with accelerate: its checkpoint conversions, e.g. per-expert
-    tensors stacked into `gate_up_proj`, written to a scratch folder inside `directory`, removed after), then
-    each module's weights are read, quantized and written in turn. Peak host memory: about one shard
-    (`max_shard_size`: smaller shards, less memory) and one layer's experts in `dtype`; scratch disk: about the
-    converted tensors' size."""
+    tensors stacked into `gate_up_proj`, and the family's own, DBRX's experts moved (`_adapt_offloaded`), written to
+    a scratch folder inside `directory`, removed after), then each module's weights are read, quantized and written
+    in turn. Peak host memory: about one shard (`max_shard_size`: smaller shards, less memory) and one layer's
+    experts in `dtype`; scratch disk: about the converted and moved tensors' size."""
     shard_bytes(max_shard_size)  # a bad size is refused before the load
     source = checkpoint_directory(source)
     config = transformers.AutoConfig.from_pretrained(source)
