@@ -17,7 +17,6 @@ import torch
 import transformers
 from packaging.version import Version
 from transformers.integrations.moe import grouped_mm_experts_forward, use_experts_implementation
-from transformers.models.dbrx.modeling_dbrx import DbrxFFN
 
 GateUpLayout = Literal["concatenated", "interleaved", "ungated"]
 Activation = Literal["act_fn", "clamped_swiglu", "clamped_act_fn"]
@@ -364,14 +363,20 @@ class DbrxRoutedExperts(torch.nn.Module):
         return grouped_mm_experts_forward(self, hidden, top_k_index, top_k_weights)
 
 
-class DbrxRoutedFfn(DbrxFFN):
-    """DBRX's MoE block calling `DbrxRoutedExperts` on its tokens as rows [T, H] (`DbrxFFN` hands the experts
-    [batch, tokens, H]), routed by DBRX's own code: softmax, top-k, weights divided by their p-norm."""
+class DbrxRoutedFfn(torch.nn.Module):
+    """DBRX's MoE block (`DbrxFFN`) calling `DbrxRoutedExperts` on its tokens as rows [T, H] (`DbrxFFN` hands the
+    experts [batch, tokens, H]), routed as `DbrxFFN` routes: softmax, top-k, the weights divided by their p-norm.
+    Made by changing a module's class, as Llama 4's blocks (the registry names transformers' classes, never imports
+    them)."""
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, H] -> (the chosen experts' weights, their indices), both [T, k]: the router's choice, which
         offload's prefetch asks for too."""
-        return self.route_tokens_to_experts(self.router(hidden))
+        logits = self.router(hidden)
+        weights, index = torch.topk(torch.softmax(logits, dim=1, dtype=logits.dtype), self.top_k, dim=-1)
+        if self.moe_normalize_expert_weights is not None:
+            weights = weights / torch.norm(weights, p=self.moe_normalize_expert_weights, dim=-1, keepdim=True)
+        return weights, index
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
@@ -463,7 +468,8 @@ def _tempered_by_one_length(module: torch.nn.Module) -> bool:
             and not module.use_rope)
 
 
-_ROUTE_DBRX_EXPERTS = Adapter(lambda module: type(module) is DbrxFFN, _route_dbrx_experts, moves_weights=True)
+_ROUTE_DBRX_EXPERTS = Adapter(lambda module: type(module).__name__ == "DbrxFFN", _route_dbrx_experts,
+                              moves_weights=True)
 _ROUTE_LLAMA4_EXPERTS = Adapter(lambda module: type(module).__name__ == "Llama4TextMoe", _route_llama4_experts)
 _TEMPER_LLAMA4_QUERIES = Adapter(_tempered_by_one_length, _temper_llama4_queries)
 _DECORATED: dict[type, type] = {}  # an undecorated experts class -> its `@use_experts_implementation` subclass
