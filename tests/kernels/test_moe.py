@@ -539,12 +539,14 @@ def test_paired_shift_puts_clamped_swiglus_bound_under_fp16s_top():
     assert _paired_shift("silu", 1.702, 7.0) == 0
 
 
+@pytest.mark.parametrize("block_k", [128, 256])
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("format", ["mxfp4", "fp8_block"])
-def test_blocks_of_two_rows_on_the_cuda_cores(format, precision):
+def test_blocks_of_two_rows_on_the_cuda_cores(format, precision, block_k):
     """MXFP4 or FP8 blocks of 2 rows (verify sizes with about one pair per expert) on the CUDA-core path: each
     row's activations get their own fp16 scale, so tokens of very different magnitudes (1e-3, 1, 3e5) sharing an
-    expert's block all stay within tolerance, as does the padding row of a block with one pair."""
+    expert's block all stay within tolerance, as does the padding row of a block with one pair; in one K step of
+    256 or two of 128 (the loop's next step loaded ahead)."""
     gate_up, down = _experts(format, 4, 256, 64, bias=True, seed=9)
     index = torch.tensor([[0, 1], [0, 2], [1, 3]])  # expert 0 and 1: two pairs each; 2 and 3: one (a padded block)
     weights = torch.softmax(torch.randn(3, 2, generator=torch.Generator().manual_seed(10)), dim=-1)
@@ -552,7 +554,7 @@ def test_blocks_of_two_rows_on_the_cuda_cores(format, precision):
     x = x if precision == "fp32" else x.bfloat16()
     expected = reference_moe(x.float(), index, weights, gate_up, down, True, "clamped_swiglu")
     actual = fused_moe(x.to(DEVICE), index.to(DEVICE), weights.to(DEVICE), gate_up, down, interleaved=True,
-                       activation="clamped_swiglu", block_m=2).cpu().double()
+                       activation="clamped_swiglu", block_m=2, block_k=block_k).cpu().double()
     for token in range(3):  # each token against its own magnitude
         error = (actual[token] - expected[token]).norm() / expected[token].norm()
         assert error <= (1e-4 if precision == "fp32" else 1e-2), f"token {token}: relative error {error:.2e}"
