@@ -221,9 +221,8 @@ def _adapt_offloaded(model: torch.nn.Module) -> None:
     from accelerate.hooks import AlignDevicesHook, add_hook_to_module
     from accelerate.utils import PrefixedDataset, offload_weight, set_module_tensor_to_device
 
-    for adapter in spec_for_model(model).adapt:
-        for module in [module for module in model.modules() if adapter.moves_weights and adapter.pending(module)]:
-            prefix = next(name for name, part in model.named_modules() if part is module)
+    for adapter in [adapter for adapter in spec_for_model(model).adapt if adapter.moves_weights]:
+        for prefix, module in [(name, module) for name, module in model.named_modules() if adapter.pending(module)]:
             before = {f"{prefix}.{name}" for name, _ in module.named_parameters()}
             offloading = next(part._hf_hook for part in module.modules()
                               if getattr(getattr(part, "_hf_hook", None), "weights_map", None) is not None)
