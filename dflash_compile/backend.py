@@ -86,13 +86,11 @@ def _dense_model(gm: GraphModule, ctx: PassContext) -> torch.nn.Module | None:
     if root is None or not hasattr(root, "config"):
         return None
     spec = spec_for_model(root)
-    if traced_unadapted(root):
+    reasons = traced_unadapted(root)
+    if reasons:
         raise ValueError(f"{spec.name}'s experts are routed experts dflash-compile dispatches only after the family's "
-                         "adapt (Llama 4's MoE blocks run every expert on every token as transformers builds them; "
-                         "transformers 5.24 leaves Step 3.7's experts class undecorated; DBRX's loop over "
-                         "flattened 2-D weights): call "
-                         "dflash_compile.families.adapt_model(model) before torch.compile(model, backend='dflash') "
-                         "(optimize does), with the same sums")
+                         f"adapt ({'; '.join(reasons)}): call dflash_compile.families.adapt_model(model) before "
+                         "torch.compile(model, backend='dflash') (optimize does), with the same sums")
     return root if spec is None else None
 
 

@@ -27,8 +27,8 @@ import sympy
 import torch
 import transformers
 
-from .families import (KEYED_KINDS, RING_KINDS, auto_model_class, experts_modules, head_dim, layer_configs,
-                       ring_window, routed_top_k, spec_for_model)
+from .families import (KEYED_KINDS, RING_KINDS, auto_model_class, decoder_layers_key, experts_modules, head_dim,
+                       layer_configs, ring_window, routed_top_k, spec_for_model)
 
 # Target step times measured on the H200 (docs/benchmarks.md, "Session 44"): random bf16 weights, uniform routing,
 # 512-token context, compiled step as `generate` runs it (`bench/spec_decode.py --steps-only`, 2026-12-04).
@@ -139,6 +139,9 @@ REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
     # Jamba 1.5 Mini (52B, 12B active; Jamba-v0.1's shape): 32 layers, attention at 4, 12, 20, 28 and Mamba elsewhere,
     # 16 experts of 14336 in every other layer, top-2; dflash-compile runs it on transformers 5.25 and later
     "jamba-1.5-mini": transformers.JambaConfig,
+    # LongCat-Flash-Chat (560B, 18.6-31.3B active): 28 decoder layers of two latent-attention sublayers and two MLPs of
+    # 12288, 512 experts of 2048 and 256 zero-compute ones, top-12; transformers 5.25 and later
+    "longcat-flash-chat": transformers.LongcatFlashConfig,
     # Granite 4.0-H-Small (32B, 9B active): 40 layers, attention at 5, 15, 25, 35 and Mamba2 elsewhere, 72 experts of
     # 768, top-10, a shared MLP of 8192, no rotary positions
     "granite-4.0-h-small": lambda: transformers.GraniteMoeHybridConfig(
@@ -186,7 +189,7 @@ def reference_config(name_or_path: str, layers: int | None = None):
         config = transformers.AutoConfig.from_pretrained(name_or_path)
     if layers:
         text = config.get_text_config()  # the decoder's, under an image-text-to-text config
-        text.num_hidden_layers = layers
+        setattr(text, decoder_layers_key(text), layers)
         for per_layer in ("layer_types", "mlp_layer_types"):  # attention kinds; GLM-4.7-Flash's dense / sparse MLPs
             # (a property, as Jamba's, follows the layer count by itself)
             if getattr(text, per_layer, None) and not isinstance(getattr(type(text), per_layer, None), property):

@@ -28,6 +28,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 
 from .cache import RowCache, additive_mask
 from .checkpoint import checkpoint_directory
+from .families import decoder_layers
 from .sampling import processed_probs
 
 # transformers' MuseGlimmerAssistantModel names the context projection differently from z-lab checkpoints.
@@ -126,7 +127,7 @@ def validate_pairing(config: DrafterConfig, fc_shape: tuple[int, ...], target_co
     Runs before any state is built, so a wrong pair fails with nothing changed.
     """
     target = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-    hidden, layers = target.hidden_size, target.num_hidden_layers
+    hidden, layers = target.hidden_size, decoder_layers(target)
     _check(config.hidden_size == hidden, "hidden_size", config.hidden_size, hidden,
            "Use a drafter trained for this target model.")
     count = fc_shape[1] // config.hidden_size if fc_shape[1] % config.hidden_size == 0 else None
@@ -341,7 +342,7 @@ def drafter_config(target_config, *, block_size: int, mask_token_id: int, target
         "num_attention_heads": num_attention_heads, "num_key_value_heads": num_key_value_heads,
         "head_dim": head_dim, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "vocab_size": target.vocab_size,
         "max_position_embeddings": getattr(target, "max_position_embeddings", 2048),
-        "layer_types": list(layer_types), "num_target_layers": target.num_hidden_layers, **extra,
+        "layer_types": list(layer_types), "num_target_layers": decoder_layers(target), **extra,
     }
     dflash = {"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)}
     if nested:

@@ -239,6 +239,9 @@ class FamilySpec:
     # linears the family's code multiplies by their `weight` instead of calling (Jamba's `dt_proj`): FP8
     # checkpoints keep them in the model's dtype
     unquantized_linears: tuple[str, ...] = ()
+    # the config's count of decoder layers (of hidden states a forward returns, less the embeddings' own), where
+    # `num_hidden_layers` counts something else (LongCat-Flash's: its attention sublayers, two a decoder layer)
+    decoder_layers_key: str = "num_hidden_layers"
     # the oldest transformers whose model code for the family dflash-compile reproduces (Jamba's verify blocks need
     # 5.25's cache-reading scan); an older one is refused by `spec_for_config`
     min_transformers: str | None = None
@@ -262,6 +265,10 @@ class FamilySpec:
 
 def _all_layers(config) -> list[int]:
     return list(range(config.num_hidden_layers))
+
+
+def _every_decoder_layer(config) -> list[int]:
+    return list(range(decoder_layers(config)))
 
 
 def _after_first_k_dense(config) -> list[int]:
@@ -402,15 +409,51 @@ def _route_dbrx_experts(model: torch.nn.Module, block: torch.nn.Module) -> None:
     experts.down_proj = torch.nn.Parameter(down.transpose(1, 2).contiguous(), requires_grad=trained)
 
 
+class LongcatRoutedMoe(torch.nn.Module):
+    """LongCat-Flash's MoE block (`LongcatFlashMoE`), its router picking among `num_routed_experts` experts and
+    `zero_expert_num` zero-compute ones that return their input. transformers moves each zero-compute pick to a routed
+    expert spread over all of them, at weight 0, and adds the input times those picks' weights. Here such a pick goes
+    to the token's lowest-numbered routed pick (expert 0 where it has none), at weight 0 too: no expert is read, or
+    fetched from an offload store, that the token does not need, and the sums are the same (the moved rows add
+    zeros). Made by changing a module's class."""
+
+    def _routed_and_identity(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden [T, H] -> (the routed experts' weights, their indices, both [T, k]; the zero-compute picks' summed
+        weights [T, 1])."""
+        _, weights, index = self.router(hidden)
+        zero = index >= self.num_routed_experts
+        lowest_routed = torch.where(zero, self.num_routed_experts, index).amin(dim=-1, keepdim=True)
+        moved_to = lowest_routed.masked_fill(lowest_routed == self.num_routed_experts, 0)
+        identity = weights.masked_fill(~zero, 0.0).sum(dim=-1, keepdim=True)
+        return weights.masked_fill(zero, 0.0), torch.where(zero, moved_to, index), identity
+
+    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, H] -> (the routed experts' weights, their indices), both [T, k]: what the experts are called
+        with, which offload's prefetch asks for too."""
+        return self._routed_and_identity(hidden)[:2]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+        weights, index, identity = self._routed_and_identity(hidden)
+        routed = self.experts(hidden, index, weights)
+        return (routed + (hidden * identity).to(routed.dtype)).reshape(hidden_states.shape)
+
+
+def _route_longcat_experts(model: torch.nn.Module, block: torch.nn.Module) -> None:
+    block.__class__ = LongcatRoutedMoe
+
+
 @dataclass(frozen=True)
 class Adapter:
     """A family's in-place rewrite of the modules transformers builds so that they call routed experts the registry
     dispatches: `rewrite(model, module)` for each module `pending` picks out (after which it picks none: adapting
-    again changes nothing). `moves_weights`: the rewrite makes new weights from the old (DBRX's), so on a model
-    offloaded to disk it runs a module at a time with the weights read in (`checkpoint._adapt_offloaded`)."""
+    again changes nothing). `reason`: what transformers' modules do that the rewrite changes (said when a model is
+    traced before it). `moves_weights`: the rewrite makes new weights from the old (DBRX's), so on a model offloaded
+    to disk it runs a module at a time with the weights read in (`checkpoint._adapt_offloaded`)."""
 
     pending: Callable[[torch.nn.Module], bool]
     rewrite: Callable[[torch.nn.Module, torch.nn.Module], None]
+    reason: str
     moves_weights: bool = False
 
     def __call__(self, model: torch.nn.Module) -> None:
@@ -469,9 +512,13 @@ def _tempered_by_one_length(module: torch.nn.Module) -> bool:
 
 
 _ROUTE_DBRX_EXPERTS = Adapter(lambda module: type(module).__name__ == "DbrxFFN", _route_dbrx_experts,
-                              moves_weights=True)
-_ROUTE_LLAMA4_EXPERTS = Adapter(lambda module: type(module).__name__ == "Llama4TextMoe", _route_llama4_experts)
-_TEMPER_LLAMA4_QUERIES = Adapter(_tempered_by_one_length, _temper_llama4_queries)
+                              "DBRX's experts loop over flattened 2-D weights", moves_weights=True)
+_ROUTE_LONGCAT_EXPERTS = Adapter(lambda module: type(module).__name__ == "LongcatFlashMoE", _route_longcat_experts,
+                                 "LongCat-Flash's MoE blocks send zero-compute picks to experts the token did not pick")
+_ROUTE_LLAMA4_EXPERTS = Adapter(lambda module: type(module).__name__ == "Llama4TextMoe", _route_llama4_experts,
+                                "Llama 4's MoE blocks run every expert on every token")
+_TEMPER_LLAMA4_QUERIES = Adapter(_tempered_by_one_length, _temper_llama4_queries,
+                                 "Llama 4's NoPE layers scale queries by the cache's one length")
 _DECORATED: dict[type, type] = {}  # an undecorated experts class -> its `@use_experts_implementation` subclass
 
 
@@ -514,7 +561,7 @@ def _decorate_experts(model: torch.nn.Module, experts: torch.nn.Module) -> None:
 def _undecorated(class_name: str) -> Adapter:
     """The adapter decorating each module of class `class_name` that transformers left undecorated."""
     return Adapter(lambda module: type(module).__name__ == class_name and not is_experts_module_class(type(module)),
-                   _decorate_experts)
+                   _decorate_experts, f"transformers {transformers.__version__} leaves {class_name} undecorated")
 
 
 def _nemotron_moe_layers(config) -> list[int]:
@@ -775,6 +822,16 @@ FAMILIES: dict[str, FamilySpec] = {
             RouterSpec(scoring="softmax", module="router", call="route"),
             _all_layers, _full_attention, adapt=(_ROUTE_DBRX_EXPERTS,),
         ),
+        FamilySpec(  # LongCat-Flash: decoder layers of two latent-attention sublayers (DeepSeek-V3's, LoRA-scaled) and
+            # two MLPs, the MoE block reading the first MLP's input (a shortcut); a softmax router scaled, choosing with
+            # a correction bias among routed and zero-compute experts (`LongcatRoutedMoe`); `num_hidden_layers` counts
+            # the attention sublayers (the cache's layers), `num_layers` the decoder layers
+            "longcat_flash", ("longcat_flash",), "LongcatFlashExperts", _SWIGLU,
+            RouterSpec(scoring="softmax", correction_bias="e_score_correction_bias", routed_scaling_factor=True,
+                       module="router", call="route"),
+            _every_decoder_layer, _full_attention, shared_input_linears=_MLA_SHARED_INPUTS, cached_per_token=_latent,
+            adapt=(_ROUTE_LONGCAT_EXPERTS,), decoder_layers_key="num_layers", min_transformers="5.25",
+        ),
         FamilySpec(  # Step 3.7 (step3p7; its text model step3p5): sliding and full layers of their own head counts,
             # the attention output gated per head; a sigmoid router choosing with a correction bias, renormalised;
             # SiLU experts clamped in the layers `swiglu_limits` names, a shared expert; MLPs declared. transformers
@@ -894,11 +951,12 @@ def adapt_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def traced_unadapted(model: torch.nn.Module) -> bool:
-    """Whether `model`'s family has an `adapt` that has modules left to rewrite (a graph traced from it would not
-    dispatch their experts, or would scale Llama 4's queries by one length)."""
+def traced_unadapted(model: torch.nn.Module) -> list[str]:
+    """The `reason` of each adapter of `model`'s family that has modules left to rewrite (a graph traced from it would
+    not dispatch their experts as the registry does, or would scale Llama 4's queries by one length); empty when
+    adapted."""
     spec = spec_for_model(model)
-    return spec is not None and any(adapter.needed(model) for adapter in spec.adapt)
+    return [adapter.reason for adapter in spec.adapt if adapter.needed(model)] if spec is not None else []
 
 
 def experts_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -949,6 +1007,19 @@ def spec_for_config(config) -> FamilySpec | None:
     if any((getattr(text_config, key, 0) or 0) > 0 for key in _EXPERT_COUNT_KEYS):
         raise _unsupported(f"model_type {config.model_type!r}")
     return None
+
+
+def decoder_layers_key(config) -> str:
+    """The setting of a (text) config that counts its decoder layers: its family's `decoder_layers_key`,
+    `num_hidden_layers` for every other model."""
+    spec = spec_for_config(config)
+    return spec.decoder_layers_key if spec else "num_hidden_layers"
+
+
+def decoder_layers(config) -> int:
+    """The decoder layers of a model config (of its text decoder), as its hidden states count them."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text_config, decoder_layers_key(text_config))
 
 
 def spec_for_model(model: torch.nn.Module) -> FamilySpec | None:

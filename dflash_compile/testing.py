@@ -9,7 +9,8 @@ with attention sinks for gpt_oss, sliding layers with sinks and narrower values 
 before a full one for exaone_moe and laguna, a wider full layer whose keys are its values for gemma4_text, q/k/v
 biases for qwen2_moe, Granite's multipliers, shared experts where the family has them. The families added later
 (mellum, kolibri1, beam, flint, granitemoe_swa, minicpm5_moe, axk1, lara_mini, mistral4, aria, kimi_linear,
-lfm2_moe, llama4_text, granitemoehybrid, jamba, dbrx) keep theirs likewise; each entry's comment says what.
+lfm2_moe, llama4_text, granitemoehybrid, jamba, dbrx, longcat_flash) keep theirs likewise; each entry's comment says
+what.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 import transformers
 
 from .drafter import drafter_config, save_drafter  # noqa: F401  (save_drafter: the tests' writer too)
-from .families import FAMILIES, auto_model_class
+from .families import FAMILIES, auto_model_class, decoder_layers
 
 _COMMON = dict(
     vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -205,6 +206,11 @@ TINY_CONFIGS = {
         d_model=64, n_heads=4, n_layers=2, max_seq_len=256, vocab_size=128, tie_word_embeddings=False,
         attn_config=dict(kv_n_heads=2, clip_qkv=0.5, rope_theta=10000.0),
         ffn_config=dict(ffn_hidden_size=32, moe_num_experts=8, moe_top_k=2, moe_normalize_expert_weights=1.0)),
+    "longcat_flash": lambda: transformers.LongcatFlashConfig(  # two latent-attention sublayers and two MLPs a
+        # decoder layer, routed experts picked with 4 zero-compute ones, a correction bias for the choice
+        num_layers=2, head_dim=8, ffn_hidden_size=96, expert_ffn_hidden_size=32, n_routed_experts=8,
+        zero_expert_num=4, moe_topk=3, routed_scaling_factor=2.5, initializer_range=0.1,
+        **{key: value for key, value in _MLA.items() if key != "num_hidden_layers"}),
     "olmoe": lambda: transformers.OlmoeConfig(
         num_hidden_layers=2, intermediate_size=32, num_experts=8, **_ROUTED, **_COMMON),
 }
@@ -326,7 +332,7 @@ def tiny_drafter_config(target_config, block_size: int = 4, layer_types=("full_a
                         target_layer_ids=None, nested: bool = True, **extra) -> dict:
     """A z-lab-format drafter config.json for `target_config` (DFlash keys nested in `dflash_config` or not)."""
     target = target_config.get_text_config()
-    ids = target_layer_ids if target_layer_ids is not None else [0, target.num_hidden_layers - 1]
+    ids = target_layer_ids if target_layer_ids is not None else [0, decoder_layers(target) - 1]
     extra = {"sliding_window": 8 if "sliding_attention" in layer_types else None} | extra
     return drafter_config(target_config, block_size=block_size, mask_token_id=target.vocab_size - 1,
                           target_layer_ids=ids, layer_types=layer_types, num_attention_heads=4,

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from .drafter import (
     DFlashDrafter, DrafterConfig, context_features, drafter_config, save_drafter, validate_pairing)
-from .families import head_dim
+from .families import decoder_layers, head_dim
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ def cosine_learning_rate(step: int, steps: int, peak: float, warmup: int) -> flo
 
 def _new_drafter(target, settings: DrafterTraining, mask_token_id: int) -> tuple[dict, DFlashDrafter]:
     text = target.config.get_text_config()
-    layer_ids = settings.target_layer_ids or _default_layer_ids(text.num_hidden_layers)
+    layer_ids = settings.target_layer_ids or _default_layer_ids(decoder_layers(text))
     raw = drafter_config(
         target.config, block_size=settings.block_size, mask_token_id=mask_token_id, target_layer_ids=layer_ids,
         layer_types=("full_attention",) * settings.layers, num_attention_heads=text.num_attention_heads,

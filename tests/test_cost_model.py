@@ -2,6 +2,7 @@
 
 import csv
 import json
+import re
 
 import pytest
 import sympy
@@ -114,7 +115,7 @@ def test_every_reference_shape_sizes_its_first_layers(name):
     try:
         config = reference_config(name, 4)
     except ValueError as error:
-        assert "needs a newer transformers" in str(error)
+        assert re.search(r"needs (a newer )?transformers", str(error))  # the config class, or the family's code
         pytest.skip(str(error))
     sizes = ModelSizes.of(config)
     assert sizes.experts > sizes.top_k >= 1 and sizes.expert_params > 0 and 1 <= sizes.moe_layers <= 4

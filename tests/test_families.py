@@ -14,11 +14,11 @@ from dflash_compile.expert_store import _STORES_BY_ROOT
 from dflash_compile.families import (
     FAMILIES, UnsupportedFamilyError, adapt_model, experts_modules, spec_for_config, spec_for_experts_class,
     traced_unadapted)
-from dflash_compile.testing import OracleDrafter, tiny_multimodal_config
+from dflash_compile.testing import OracleDrafter, in_installed_transformers, tiny_multimodal_config
 from tests.conftest import token_ids
 
 
-def test_registry_covers_the_forty_nine_families():
+def test_registry_covers_the_fifty_families():
     assert dflash_compile.supported_families() == sorted(
         ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe", "glm4_moe_lite",
          "deepseek_v2", "deepseek_v3", "olmoe", "ernie4_5_moe", "phimoe", "dots1", "flex_olmo", "solar_open",
@@ -26,7 +26,7 @@ def test_registry_covers_the_forty_nine_families():
          "minimax_m2", "hunyuan_v1_moe", "hy_v3", "laguna", "mimo_v2_flash", "afmoe", "gemma4_text", "mellum",
          "kolibri1", "beam", "flint", "granitemoe_swa", "minicpm5_moe", "axk1", "lara_mini", "mistral4", "aria",
          "kimi_linear", "lfm2_moe", "llama4_text", "granitemoehybrid", "ernie4_5_vl_moe", "step3p7", "bailing_hybrid",
-         "nemotron_h", "jamba", "dbrx"]
+         "nemotron_h", "jamba", "dbrx", "longcat_flash"]
     )
 
 
@@ -77,6 +77,7 @@ def test_registry_covers_the_forty_nine_families():
         ("llama4_text", [1, 3], ["chunked_attention"] * 3 + ["full_attention"]),  # interleave_moe_layer_step=2
         ("granitemoehybrid", [0, 1, 2], ["linear_attention", "linear_attention", "full_attention"]),
         ("dbrx", [0, 1], ["full_attention"] * 2),
+        ("longcat_flash", [0, 1], ["full_attention"] * 4),  # two attention sublayers a decoder layer
     ],
 )
 def test_spec_of_each_tiny_model(tiny, family, moe_layers, attention):
@@ -113,21 +114,18 @@ def test_qwen3_sparse_step_glm_declared_layers_and_mixtral_window():
     assert FAMILIES["mixtral"].attention_kinds(mixtral) == ["sliding_attention"] * 2
 
 
-def _tiny_longcat():
-    """LongCat-Flash (longcat_flash): not in the registry (each decoder layer runs two attention blocks and two MLPs
-    beside one MoE block, whose router also picks zero-compute experts: identity experts the block adds itself)."""
-    config = transformers.LongcatFlashConfig(
-        vocab_size=128, hidden_size=32, num_layers=1, num_attention_heads=2, n_routed_experts=4, zero_expert_num=2,
-        moe_topk=2, ffn_hidden_size=64, expert_ffn_hidden_size=32, kv_lora_rank=16, q_lora_rank=16,
-        qk_rope_head_dim=8, qk_nope_head_dim=8, head_dim=8, v_head_dim=16,
-    )
+def _tiny_minimax():
+    """MiniMax-Text-01 / M1 (minimax): not in the registry (its lightning attention is a linear attention of its own
+    kind, which verify blocks would roll back); its routed experts are of transformers' kind."""
+    config = transformers.MiniMaxConfig(vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                        num_key_value_heads=1, head_dim=16, intermediate_size=32, num_local_experts=4)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
 def test_unsupported_moe_family_is_a_clear_error_before_any_state():
-    model = _tiny_longcat()
+    model = _tiny_minimax()
     # Dynamo wraps whatever a backend raises in BackendCompilerFailed; ours is the inner exception.
-    message = r"model_type 'longcat_flash' is a Mixture-of-Experts model"
+    message = r"model_type 'minimax' is a Mixture-of-Experts model"
     with pytest.raises(BackendCompilerFailed, match=message) as err:
         with torch.no_grad():
             torch.compile(model, backend="dflash", options={"lowering": "eager"})(token_ids(1, 4))
@@ -151,10 +149,7 @@ def test_a_family_on_too_old_a_transformers_is_refused_before_any_state(monkeypa
 
 
 def test_unsupported_experts_class_is_recognised_without_a_config():
-    """MiniMax (MiniMax-Text-01: lightning attention, refused) keeps routed experts of transformers' kind."""
-    config = transformers.MiniMaxConfig(vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                        num_key_value_heads=1, head_dim=16, intermediate_size=32, num_local_experts=4)
-    experts = transformers.AutoModelForCausalLM.from_config(config).model.layers[0].mlp.experts
+    experts = _tiny_minimax().model.layers[0].mlp.experts
     with pytest.raises(UnsupportedFamilyError, match=r"MiniMaxExperts .* does not support yet"):
         spec_for_experts_class(type(experts))
 
@@ -191,7 +186,8 @@ def test_llama4_traced_before_adapting_is_refused(tiny):
     model = tiny("llama4_text")
     with pytest.raises(BackendCompilerFailed, match=r"llama4_text's experts are routed experts dflash-compile "
                                                     r"dispatches only after the family's adapt \(Llama 4's MoE blocks "
-                                                    r"run every expert on every token .* call "
+                                                    r"run every expert on every token; Llama 4's NoPE layers scale "
+                                                    r"queries by the cache's one length\): call "
                                                     r"dflash_compile.families.adapt_model\(model\)"):
         torch.compile(model, backend="dflash")(token_ids())
 
@@ -206,8 +202,9 @@ def test_dbrx_experts_moved_into_transformers_layout_give_its_logits(tiny, tmp_p
     mlp = model.transformer.blocks[1].ffn.experts.mlp
     w1, v1, w2 = (weight.detach().clone().view(8, 32, 64) for weight in (mlp.w1, mlp.v1, mlp.w2))
     with pytest.raises(BackendCompilerFailed, match=r"dbrx's experts are routed experts dflash-compile dispatches "
-                                                    r"only after the family's adapt .*DBRX's loop over flattened 2-D "
-                                                    r"weights\): call dflash_compile.families.adapt_model\(model\)"):
+                                                    r"only after the family's adapt \(DBRX's experts loop over "
+                                                    r"flattened 2-D weights\): call "
+                                                    r"dflash_compile.families.adapt_model\(model\)"):
         torch.compile(model, backend="dflash")(ids)
     with torch.no_grad():
         expected = model(ids).logits
@@ -220,6 +217,43 @@ def test_dbrx_experts_moved_into_transformers_layout_give_its_logits(tiny, tmp_p
         torch.save(model, tmp_path / "model.pt")
         reloaded = torch.load(tmp_path / "model.pt", weights_only=False)
         assert not traced_unadapted(reloaded) and torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
+@pytest.mark.skipif(not in_installed_transformers("longcat_flash"),
+                    reason="transformers 5.24 keeps the zero-compute experts in an undecorated experts module")
+def test_longcat_zero_compute_picks_read_no_expert_the_token_did_not_pick(tiny, tmp_path):
+    """LongCat-Flash's router picks among 8 routed experts and 4 zero-compute ones (indices 8-11) that return their
+    input. Adapted, its MoE blocks call the routed experts with each zero-compute pick moved to the token's
+    lowest-numbered routed pick at weight 0 (expert 0 where it has none), and `route` (offload's prefetch) gives what
+    the experts get: the logits stay transformers' own, bit for bit; adapting again changes nothing and the adapted
+    model saves whole. Traced before adapting, it is refused with the fix. A drafter pairs with its 2 decoder layers
+    (`num_layers`; `num_hidden_layers` counts its 4 attention sublayers)."""
+    model = tiny("longcat_flash")
+    ids, hidden = token_ids(), torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    block = model.model.layers[1].mlp
+    with pytest.raises(BackendCompilerFailed, match=r"longcat_flash's experts are routed experts dflash-compile "
+                                                    r"dispatches only after the family's adapt \(LongCat-Flash's MoE "
+                                                    r"blocks send zero-compute picks to experts the token did not "
+                                                    r"pick\): call dflash_compile.families.adapt_model\(model\)"):
+        torch.compile(model, backend="dflash")(ids)
+    with torch.no_grad():
+        expected = model(ids).logits
+        _, weights, picks = block.router(hidden)
+        zero = picks >= 8
+        assert (zero.any(1) & ~zero.all(1)).any() and zero.all(1).any()  # rows of both kinds, of zero-compute alone
+        adapt_model(model)
+        assert list(experts_modules(model)) == [f"model.layers.{i}.mlp.experts" for i in (0, 1)]
+        routed_weights, index = block.route(hidden)
+        assert torch.equal(index[~zero], picks[~zero]) and torch.equal(routed_weights[~zero], weights[~zero])
+        assert not routed_weights[zero].any()
+        lowest = [min((int(p) for p in row if p < 8), default=0) for row in picks]
+        assert all((index[row][zero[row]] == lowest[row]).all() for row in range(64))
+        assert torch.equal(adapt_model(model)(ids).logits, expected)
+        torch.save(model, tmp_path / "model.pt")
+        reloaded = torch.load(tmp_path / "model.pt", weights_only=False)
+        assert not traced_unadapted(reloaded) and torch.equal(reloaded(ids).logits, expected)
+    assert model.config.num_hidden_layers == 4 and families.decoder_layers(model.config) == 2
+    assert len(model(ids, output_hidden_states=True).hidden_states) == 2 + 1
 
 
 @pytest.mark.parametrize("compile", [False, True])
@@ -300,7 +334,7 @@ def test_experts_clamp_in_the_layers_their_config_names(tiny, family):
 
     if family == "step3p7":
         model = transformers.AutoModelForImageTextToText.from_config(tiny_multimodal_config("step3p7"))
-        assert traced_unadapted(model) == (not CLAMPS_LING_3)  # 5.24: undecorated until adapted
+        assert bool(traced_unadapted(model)) == (not CLAMPS_LING_3)  # 5.24: undecorated until adapted
     else:
         model = tiny(family)
     gates = [Gate.of(FAMILIES[family].layout, module) for module in experts_modules(model).values()]
