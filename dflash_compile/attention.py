@@ -315,13 +315,23 @@ def grouped_query_attention(module, query, key, value, attention_mask, dropout: 
     as it is. A few new tokens on CUDA (`decode_kernel_takes`: decode and verify steps) take
     `dflash::decode_attention`'s one launch. A latent-attention layer's cached latents (`_latents_as_cached`) are
     attended in the latent space where that costs less (`_absorbs`: decode and verify steps), else expanded by the
-    layer's own `expand_kv` first."""
+    layer's own `expand_kv` first. A DSA layer's `indices` (the keys its indexer picked) are folded into its mask,
+    as transformers' eager and SDPA paths fold them."""
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    indices = kwargs.pop("indices", None)
+    if indices is not None:
+        attention_mask = _picked_keys_only(attention_mask, indices, key.shape[2])
     if getattr(module, "expand_kv", None) is _latents_as_cached:
         if _absorbs(module, query, attention_mask):
             return absorbed_attention(module, query, key, value, attention_mask, scaling), None
         key, value = type(module).expand_kv(module, value, key)
     return _grouped(module, query, key, value, attention_mask, dropout, scaling, s_aux, **kwargs)
+
+
+def _picked_keys_only(mask: torch.Tensor, indices: torch.Tensor, slots: int) -> torch.Tensor:
+    """An additive mask [b, 1, t, slots] with every key not among a query's `indices` [b, t, k] masked out."""
+    unpicked = indices.new_ones((*indices.shape[:2], slots), dtype=torch.bool).scatter(-1, indices.long(), False)
+    return mask.masked_fill(unpicked[:, None], torch.finfo(mask.dtype).min)
 
 
 def _grouped(module, query, key, value, attention_mask, dropout: float, scaling: float, s_aux, **kwargs):

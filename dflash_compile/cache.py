@@ -33,7 +33,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .attention import row_starts
-from .families import RECURRENT_KINDS
+from .families import MASK_READING_KINDS, RECURRENT_KINDS
 from .sampling import SequenceBiases
 
 
@@ -57,7 +57,7 @@ class RowCache:
         self.batch, self.max_len, self.dtype = batch, max_len, dtype
         self.sizes = sizes or {}  # layer -> ring size, for layers that keep fewer than max_len slots
         self.lengths = _static(torch.zeros(batch, dtype=torch.int64, device=device))
-        self.keys: dict[int, torch.Tensor] = {}
+        self.keys: dict[int | str, torch.Tensor] = {}  # by layer; a DSA indexer's keys by name (`write_keys`)
         self.values: dict[int, torch.Tensor] = {}
 
     @property
@@ -79,6 +79,13 @@ class RowCache:
         """Write [b, heads, n, d] keys/values at each row's length + offset (not committed)."""
         lengths = self.lengths + offset if offset else self.lengths
         torch.ops.dflash.kv_write(*self.buffers(layer, key, value), key, value, lengths)
+
+    def write_keys(self, name: str, key: torch.Tensor) -> torch.Tensor:
+        """Write [b, heads, n, d] keys without values (a DSA indexer's) under `name` at each row's length; all the
+        buffer's keys returned."""
+        keys = self._buffer(self.keys, name, key)
+        torch.ops.dflash.kv_write(keys, None, key, None, self.lengths)
+        return keys
 
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[layer], self.values[layer]
@@ -225,6 +232,13 @@ class TargetCache(Cache):
         self.rows.write(layer_idx, key_states[:, :, skipped:], value_states[:, :, skipped:], offset=skipped)
         return keys, values
 
+    def update_indexer(self, indexer_keys: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """transformers' DSA indexer cache (DeepSeek-V3.2, GLM-MoE-DSA): a forward's indexer keys [b, tokens, d]
+        written at the rows' slots as the layer's keys are; every slot's returned [b, slots, d] (the first `visible`
+        in a prefill), the layer's mask saying which a query sees."""
+        keys = self.rows.write_keys(f"indexer {layer_idx}", indexer_keys[:, None])[:, 0]
+        return keys if self.visible is None else keys[:, :self.visible]
+
     # transformers' linear-attention cache interface (Qwen3.5 GatedDeltaNet)
     def get_conv_state(self, layer_idx: int, state_idx: int = 0):
         return self.conv.get(layer_idx)
@@ -309,7 +323,7 @@ class TargetCache(Cache):
         (`attention.unmasked_chunks`: the attention keeps to a window itself, and sees the keys before the chunk's own,
         every one a real earlier token: a ring's in order, `_prefill_ring`) every attention kind gets None in every
         chunk. With `pads` (the rows' left padding, on the host) such a kind gets `attention.row_starts` instead: each
-        row's first real key among the keys the layer sees."""
+        row's first real key among the keys the layer sees. A DSA layer ("indexed_attention") always gets its mask."""
         device = self.lengths.device
         first_chunk = causal_prompt and self.visible == width
         every_chunk = causal_chunks and self.visible is not None
@@ -321,7 +335,8 @@ class TargetCache(Cache):
             first_key = 0  # the slot of the first key the layer sees
             if ring_keys and self.visible is not None:  # a prefill chunk: what the ring holds of the tokens before it
                 first_key = max(self.visible - width - self.ring_size, 0)
-            if every_chunk or (first_chunk and not (window and (self.ring_size or width > window))):
+            if kind not in MASK_READING_KINDS and (
+                    every_chunk or (first_chunk and not (window and (self.ring_size or width > window)))):
                 if pads is None:
                     masks[kind] = None
                     continue

@@ -27,8 +27,8 @@ import sympy
 import torch
 import transformers
 
-from .families import (KEYED_KINDS, RING_KINDS, auto_model_class, decoder_layers_key, experts_modules, head_dim,
-                       layer_configs, ring_window, routed_top_k, spec_for_model)
+from .families import (FULL_KINDS, KEYED_KINDS, RING_KINDS, auto_model_class, decoder_layers_key, experts_modules,
+                       head_dim, layer_configs, ring_window, routed_top_k, spec_for_model)
 
 # Target step times measured on the H200 (docs/benchmarks.md, "Session 44"): random bf16 weights, uniform routing,
 # 512-token context, compiled step as `generate` runs it (`bench/spec_decode.py --steps-only`, 2026-12-04).
@@ -165,6 +165,8 @@ REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
         num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
         vocab_size=151936, max_position_embeddings=262144, rope_parameters=dict(
             rope_type="default", rope_theta=5000000.0, mrope_section=[24, 20, 20], mrope_interleaved=True))),
+    "deepseek-v3.2": transformers.DeepseekV32Config,  # DeepSeek-V3's shape (671B, 37B active), DSA: 2048 keys a query
+    "glm-5": transformers.GlmMoeDsaConfig,  # 78 layers (3 dense), MLA with DSA, 256 experts of 2048, top-8: 744B
     "dbrx-instruct": lambda: transformers.DbrxConfig(  # 16 experts, top-4, q/k/v clipped at 8
         d_model=6144, n_heads=48, n_layers=40, max_seq_len=32768, vocab_size=100352,
         attn_config=dict(kv_n_heads=8, clip_qkv=8.0, rope_theta=500000.0),
@@ -237,9 +239,9 @@ class ModelSizes:
         # query heads x head dim of each attention layer (Gemma 4's full and Step 3.7's sliding layers differ)
         widths = [layer.num_attention_heads * head_dim(text, i) for i, layer in enumerate(layer_configs(text))]
 
-        def per_layer(kind) -> int:  # K and V elements a layer of `kind` reads per context token
+        def per_layer(layer: int) -> int:  # K and V elements the layer reads per context token
             if not spec.latent_attention:
-                return spec.cached_per_token(text, kind)
+                return spec.cached_per_token(text, kinds[layer], layer)
             # every head's expanded keys and values, as transformers' latent attention reads them
             k_dim = text.qk_nope_head_dim + text.qk_rope_head_dim
             return text.num_attention_heads * (k_dim + text.v_head_dim)
@@ -250,8 +252,9 @@ class ModelSizes:
             experts=experts,
             top_k=routed_top_k(text),
             moe_layers=len(modules),
-            kv_elements_per_token=kinds.count("full_attention") * per_layer("full_attention"),
-            sliding_kv_elements_per_token=sum(per_layer(kind) for kind in kinds if kind in RING_KINDS),
+            kv_elements_per_token=sum(per_layer(layer) for layer, kind in enumerate(kinds) if kind in FULL_KINDS),
+            sliding_kv_elements_per_token=sum(per_layer(layer) for layer, kind in enumerate(kinds)
+                                              if kind in RING_KINDS),
             window=max(ring_window(text, kind) or 0 for kind in kinds),
             attention_width=sum(width for kind, width in zip(kinds, widths) if kind in KEYED_KINDS),
             layers=text.num_hidden_layers,

@@ -20,7 +20,8 @@ from transformers.integrations.moe import grouped_mm_experts_forward, use_expert
 
 GateUpLayout = Literal["concatenated", "interleaved", "ungated"]
 Activation = Literal["act_fn", "clamped_swiglu", "clamped_act_fn"]
-AttentionKind = Literal["full_attention", "sliding_attention", "chunked_attention", "linear_attention", "conv", "mlp"]
+AttentionKind = Literal["full_attention", "indexed_attention", "sliding_attention", "chunked_attention",
+                        "linear_attention", "conv", "mlp"]
 # kinds whose layers keep a conv window (and a linear-attention layer a recurrent state), not keys and values: their
 # padding masks are 2-D, their states committed by `TargetCache.commit_linear`; LFM2's short-convolution layers ("conv")
 # need no recurrent rule, a block's convolution over the kept window being exact
@@ -30,8 +31,13 @@ STATELESS_KINDS = ("mlp",)
 # kinds whose layers see at most their window's last keys (`ring_window`), which `TargetCache` keeps in a ring:
 # sliding-window layers, and Llama 4's chunked ones, whose queries see the keys of their own chunk
 RING_KINDS = ("sliding_attention", "chunked_attention")
+# kinds whose layers attend over every cached key: full attention, and DSA's ("indexed_attention": DeepSeek-V3.2's,
+# over the keys its indexer picks from all of them)
+FULL_KINDS = ("full_attention", "indexed_attention")
+# kinds whose layers read their mask themselves (a DSA indexer scores the keys under it): always given one
+MASK_READING_KINDS = ("indexed_attention",)
 # kinds whose layers attend over cached keys and values: every kind but the recurrent and the stateless ones
-KEYED_KINDS = ("full_attention", *RING_KINDS)
+KEYED_KINDS = (*FULL_KINDS, *RING_KINDS)
 
 
 @dataclass(frozen=True)
@@ -120,29 +126,28 @@ def head_dim(config, layer: int = 0) -> int:
     return getattr(layer_configs(config)[layer], "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _first_layer(config, kind: AttentionKind) -> int:
-    """A decoder layer of attention kind `kind`: the first the config declares, else (kinds not declared: one kind
-    everywhere) the first."""
-    declared = getattr(config, "layer_types", None) or []
-    return declared.index(kind) if kind in declared else 0
-
-
-def _keys_and_values(config, kind: AttentionKind) -> int:
-    """A key and a value of every key/value head of a layer of `kind` (Gemma 4's full layers: wider heads, their own
+def _keys_and_values(config, kind: AttentionKind, layer: int) -> int:
+    """A key and a value of every key/value head of the layer (Gemma 4's full layers: wider heads, their own
     key/value heads; with `attention_k_eq_v` their values are their keys, cached as both)."""
-    layer = _first_layer(config, kind)
     return 2 * layer_configs(config)[layer].num_key_value_heads * head_dim(config, layer)
 
 
-def _mimo_keys_and_values(config, kind: AttentionKind) -> int:
+def _mimo_keys_and_values(config, kind: AttentionKind, layer: int) -> int:
     """MiMo-V2-Flash: keys of `head_dim`, values of `v_head_dim`, and sliding layers twice the key/value heads."""
     heads = config.num_key_value_heads * (2 if kind == "sliding_attention" else 1)
     return heads * (head_dim(config) + config.v_head_dim)
 
 
-def _latent(config, kind: AttentionKind) -> int:
+def _latent(config, kind: AttentionKind, layer: int) -> int:
     """Multi-head latent attention: one compressed key/value latent and one shared rotary key, for every head."""
     return config.kv_lora_rank + config.qk_rope_head_dim
+
+
+def _indexed_latent(config, kind: AttentionKind, layer: int) -> int:
+    """DeepSeek sparse attention (DSA): latent attention's latent and rotary key, and the indexer's key where the
+    layer runs an indexer (GLM-MoE-DSA's "shared" layers, `indexer_types`, reuse an earlier layer's choice)."""
+    shared = getattr(config, "indexer_types", None) and config.indexer_types[layer] == "shared"
+    return _latent(config, kind, layer) + (0 if shared else config.index_head_dim)
 
 
 def _latent_expansion(config) -> int:
@@ -226,9 +231,9 @@ class FamilySpec:
     # groups of sibling linear layers that read one input, laid out in one buffer by `optimize` so that one GEMM
     # serves each group (`projections.share_storage`, pass `projection_fusion`); absent names are skipped
     shared_input_linears: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-    # (config, attention kind) -> elements a layer of that kind hands the cache per token (what `generate` budgets
-    # its cache by)
-    cached_per_token: Callable[[object, AttentionKind], int] = _keys_and_values
+    # (config, attention kind, layer) -> elements the layer hands the cache per token (what `generate` budgets its
+    # cache by)
+    cached_per_token: Callable[[object, AttentionKind, int], int] = _keys_and_values
     # rewrites, in place, of modules transformers builds otherwise: MoE blocks into blocks that call routed experts
     # (Llama 4: every expert on every token, the router's scores on the inputs; Step 3.7's experts undecorated on
     # transformers 5.24), Llama 4's NoPE query temperature per row; `adapt_model` applies each
@@ -255,12 +260,20 @@ class FamilySpec:
         """Multi-head latent attention (DeepSeek-V3, GLM-4.7-Flash): the cache holds compressed latents, which each
         forward of transformers' expands through kv_b_proj over the cache's whole capacity (`attention` attends in
         the latent space instead where that costs less)."""
-        return self.cached_per_token is _latent
+        return self.cached_per_token in (_latent, _indexed_latent)
 
     def expanded_per_slot(self, config) -> int:
         """Elements a prefill's attention layer expands each visible cache slot into (`prefill_memory`): a latent
         one's keys and values, none elsewhere."""
         return _latent_expansion(config) if self.latent_attention else 0
+
+    def indexed_per_query_slot(self, config, itemsize: int) -> int:
+        """Bytes a prefill's DSA layer holds per (query, visible slot), masked or not (`prefill_memory`): its mask and
+        the copy with the keys the indexer did not pick masked out, which keys those are (bool), the indexer's fp32
+        scores of every indexer head and their ReLU, the weighted sum and its masked copy; none elsewhere."""
+        if self.cached_per_token is not _indexed_latent:
+            return 0
+        return 2 * itemsize + 1 + (2 * config.index_n_heads + 2) * 4
 
 
 def _all_layers(config) -> list[int]:
@@ -666,6 +679,19 @@ FAMILIES: dict[str, FamilySpec] = {
         FamilySpec(
             "deepseek_v3", ("deepseek_v3",), "DeepseekV3Experts", _SWIGLU, _DEEPSEEK_ROUTER,
             _after_first_k_dense, _full_attention, shared_input_linears=_MLA_SHARED_INPUTS, cached_per_token=_latent,
+        ),
+        FamilySpec(  # DeepSeek-V3.2: DeepSeek-V3's experts and latent attention, over the keys a DSA indexer picks for
+            # each query (the `index_topk` best by its own scores of its own cached keys, under the mask); MLPs
+            # declared; the indexer's `weights_proj` casts its input to its weight's dtype (kept unquantized)
+            "deepseek_v32", ("deepseek_v32",), "DeepseekV32Experts", _SWIGLU, _DEEPSEEK_ROUTER, _declared_sparse_layers,
+            _declared_layer_types, shared_input_linears=_MLA_SHARED_INPUTS, cached_per_token=_indexed_latent,
+            unquantized_linears=("weights_proj",),
+        ),
+        FamilySpec(  # GLM-MoE-DSA (GLM-5): DeepSeek-V3.2's, its indexer's rotary keys interleaved, and layers that
+            # reuse the previous indexer's choice (`indexer_types` "shared")
+            "glm_moe_dsa", ("glm_moe_dsa",), "GlmMoeDsaExperts", _SWIGLU, _DEEPSEEK_ROUTER, _declared_sparse_layers,
+            _declared_layer_types, shared_input_linears=_MLA_SHARED_INPUTS, cached_per_token=_indexed_latent,
+            unquantized_linears=("weights_proj",),
         ),
         FamilySpec(  # DeepSeek-V2 (-Lite): DeepSeek-V3's latent attention and dense first layers, a softmax router
             "deepseek_v2", ("deepseek_v2",), "DeepseekV2Experts", _SWIGLU, _DEEPSEEK_V2_ROUTER,

@@ -63,11 +63,11 @@ def _packed_moe_fake(hidden, top_k_index, top_k_weights, format, gate_up_data, g
 
 
 @torch.library.custom_op("dflash::kv_write", mutates_args=("key_cache", "value_cache"))
-def kv_write(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def kv_write(key_cache: torch.Tensor, value_cache: torch.Tensor | None, key: torch.Tensor, value: torch.Tensor | None,
              lengths: torch.Tensor) -> None:
     """key_cache[b, :, (lengths[b] + i) % S] = key[b, :, i] and value_cache likewise, for every row b and
     i < key.shape[2] (caches [B, H, S, D]; keys and values may differ in D). On CUDA one kernel writes both
-    (`kernels.kv_cache`).
+    (`kernels.kv_cache`). Without a value cache (and value), the keys alone: a DSA indexer's.
 
     Full-attention buffers are long enough that the modulo never wraps; sliding-window rings wrap."""
     if key_cache.is_cuda:
@@ -76,18 +76,24 @@ def kv_write(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
         write_kv(key_cache, value_cache, key, value, lengths)
         return
     slots = (lengths[:, None] + torch.arange(key.shape[2], device=key.device)).remainder(key_cache.shape[2])
-    for cache, new in ((key_cache, key), (value_cache, value)):
+    for cache, new in _written(key_cache, value_cache, key, value):
         index = slots[:, None, :, None].expand(-1, new.shape[1], -1, new.shape[3])
         cache.scatter_(2, index, new.to(cache.dtype))
 
 
+def _written(key_cache, value_cache, key, value) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(cache, new) pairs `kv_write` writes: the keys, and the values where given."""
+    return [(key_cache, key)] + ([(value_cache, value)] if value_cache is not None else [])
+
+
 @kv_write.register_fake
 def _kv_write_fake(key_cache, value_cache, key, value, lengths):
-    for cache, new in ((key_cache, key), (value_cache, value)):
+    torch._check((value_cache is None) == (value is None), lambda: "a value cache and values come together")
+    for cache, new in _written(key_cache, value_cache, key, value):
         torch._check(new.shape[0] == cache.shape[0] and new.shape[1] == cache.shape[1], lambda: "batch/heads differ")
         torch._check(new.shape[3] == cache.shape[3], lambda: "head_dim differs")
-    torch._check(key.shape[2] == value.shape[2] and key_cache.shape[2] == value_cache.shape[2],
-                 lambda: "keys and values differ in tokens or slots")
+        torch._check(new.shape[2] == key.shape[2] and cache.shape[2] == key_cache.shape[2],
+                     lambda: "keys and values differ in tokens or slots")
 
 
 @torch.library.custom_op("dflash::kv_commit", mutates_args=("lengths",))

@@ -7,6 +7,7 @@ device's free memory before it allocates anything, or refuse the prompt naming w
                                      rows * chunk * stepped_rule if stepped)
                                + rows * prompt * (prompt_token + slot)               held for the whole prompt
                                + rows * chunk * prompt * mask entry                  masked chunks only
+                               + rows * chunk * prompt * indexed entry               DSA families
                                + experts' weight buffer(rows * chunk)                dequantizing path only
 
 - layer: the largest decoder layer's activations per token, as if every one of its linears' outputs (attention,
@@ -27,6 +28,8 @@ device's free memory before it allocates anything, or refuse the prompt naming w
   (`FamilySpec.expanded_per_slot`); the last chunk sees the whole prompt.
 - mask entry: a chunk that takes [rows, 1, chunk, slots] masks (a left-padded batch shorter than ROWS_WITHOUT_MASKS)
   holds them per attention kind, folded over the query groups.
+- indexed entry: a DSA layer's mask (always given), its indexer's scores of every (query, slot) per indexer head
+  and what it makes of them (`FamilySpec.indexed_per_query_slot`).
 
 Measured on the H200 (docs/benchmarks.md "Prefill memory", bench/prefill.py's peak column, which now prints this
 estimate beside it): gpt-oss-20b, 4 layers, MXFP4 experts, an 8192-token prompt in one forward 2140 MiB beyond what
@@ -84,11 +87,12 @@ class PrefillActivations:
     prompt_token: int  # bytes per prompt token held through the prefill
     slot: int  # bytes per visible slot of a latent-attention layer's expansion
     mask_entry: int  # bytes per (query, slot) of a masked chunk
+    indexed_entry: int  # bytes per (query, slot) of a DSA layer, masked or not
 
     def bytes(self, rows: int, chunk: int, prompt: int, masked: bool) -> int:
         tokens = rows * chunk
         per_token, fixed = self.experts.bytes(tokens, self.itemsize) if self.experts else (0, 0)
-        masks = tokens * prompt * self.mask_entry if masked else 0
+        masks = tokens * prompt * ((self.mask_entry if masked else 0) + self.indexed_entry)
         padded = rows * -(-chunk // RULE_CHUNK) * RULE_CHUNK
         stepped = tokens * self.stepped_rule if chunk < prompt and chunk <= RULE_CHUNK else 0  # chunks with a state
         return (tokens * (self.layer + per_token) + max(padded * self.linear_rule, stepped)
@@ -116,7 +120,8 @@ class PrefillActivations:
         features = (3 * feature_layers + 4) * config.hidden_size * itemsize if drafter else 0
         return cls(itemsize=itemsize, layer=layer, linear_rule=chunked_rule, stepped_rule=stepped_rule, experts=experts,
                    prompt_token=features, slot=spec.expanded_per_slot(config) * itemsize,
-                   mask_entry=len(kinds) * (1 + groups) * itemsize)
+                   mask_entry=len(kinds) * (1 + groups) * itemsize,
+                   indexed_entry=spec.indexed_per_query_slot(config, itemsize))
 
 
 def _linear_outputs(decoder: torch.nn.Module) -> int:

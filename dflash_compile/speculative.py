@@ -234,7 +234,7 @@ class SpeculativeDecoder:
         spec = spec_for_model(model)
         kinds = spec.attention_kinds(config)
         self.attention_kinds = kinds
-        self.cached_per_token = {kind: spec.cached_per_token(config, kind) for kind in kinds}
+        self.cached_per_token = [spec.cached_per_token(config, kind, layer) for layer, kind in enumerate(kinds)]
         self.prefill_chunk = prefill_chunk
         self.prefill_activations: PrefillActivations | None = None  # made by the first prefill planned on CUDA
         # one mask per kind of layer that attends or keeps a state (`TargetCache.masks`)
@@ -325,8 +325,8 @@ class SpeculativeDecoder:
         `new_cache`): every slot of a full-attention layer, a ring layer's ring. Linear-attention states are a
         few MiB at most and left out."""
         ring = self._ring(max_len)
-        target = sum((ring or max_len if self.windows[kind] else max_len) * self.cached_per_token[kind]
-                     for kind in self.attention_kinds if kind in KEYED_KINDS)
+        target = sum((ring or max_len if self.windows[kind] else max_len) * per_token
+                     for kind, per_token in zip(self.attention_kinds, self.cached_per_token) if kind in KEYED_KINDS)
         drafter = getattr(self.drafter, "cache_elements_per_slot", 0)  # an oracle drafter caches nothing
         elements = target + max_len * drafter
         return batch * elements * dtype.itemsize

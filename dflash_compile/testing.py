@@ -41,6 +41,7 @@ _GATED_DELTA_NET = dict(num_hidden_layers=2, moe_intermediate_size=32, shared_ex
 # DeepSeek-V3 and GLM-4.7-Flash: multi-head latent attention, as many key/value heads as heads
 _MLA = dict(num_hidden_layers=3, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
             v_head_dim=16, **{**_COMMON, "num_key_value_heads": 4})
+_DSA = dict(index_topk=6, index_n_heads=16, index_head_dim=16)
 # Kimi Linear's layers (KDA twice, then latent attention; a dense first MLP) and routing, which Ling 3 shares
 _KIMI_LINEAR_LAYERS = dict(layer_types=["linear_attention", "linear_attention", "full_attention"],
                            mlp_layer_types=["dense", "sparse", "sparse"], num_local_experts=8, bos_token_id=1,
@@ -67,6 +68,11 @@ TINY_CONFIGS = {
         num_hidden_layers=3, head_dim=16, initializer_range=0.1, **_ROUTED, **_COMMON,
         **{**_DEEPSEEK_ROUTING, "n_group": 1, "topk_group": 1}),  # router scores wider than the correction bias
     "deepseek_v3": lambda: transformers.DeepseekV3Config(**_MLA, **_DEEPSEEK_ROUTING, **_ROUTED),
+    # DeepSeek-V3.2 and GLM-MoE-DSA: each query attends over the 6 keys its layer's indexer scores best (prompts are
+    # longer), 16 indexer heads (4 would score many keys exactly 0 alike, ties the top-k may break either way)
+    "deepseek_v32": lambda: transformers.DeepseekV32Config(**_MLA, **_DSA, **_DEEPSEEK_ROUTING, **_ROUTED),
+    "glm_moe_dsa": lambda: transformers.GlmMoeDsaConfig(  # its second layer reuses the first's choice of keys
+        index_topk_pattern="FSF", initializer_range=0.1, **_MLA, **_DSA, **_DEEPSEEK_ROUTING, **_ROUTED),
     "deepseek_v2": lambda: transformers.DeepseekV2Config(  # DeepSeek-V2's group-limited softmax router
         topk_method="group_limited_greedy", **_MLA, **_DEEPSEEK_ROUTING, **_ROUTED),
     "glm4_moe_lite": lambda: transformers.Glm4MoeLiteConfig(  # GLM-4.7-Flash: one group, MLPs declared per layer

@@ -197,9 +197,11 @@ def test_one_dispatch_node_per_moe_layer_whatever_experts_implementation(tiny, f
     # Lara Mini's checkpoints store its GatedDeltaNet's input projections as one `in_proj`, which transformers loads
     # as views of one buffer: the pass fuses them too, one GEMM in its one linear-attention layer
     loaded_together = 1 if family == "lara_mini" else 0
+    # a DSA indexer's choice of keys (6 here; 2048 as released, more than the kernel takes: torch's topk then)
+    indexers = sum(type(module).__name__.endswith("Indexer") for module in model.modules())
     assert report.matches == {"expert_dispatch": len(moe_layers), "dequant_fusion": 0,
                               "projection_fusion": groups + loaded_together,
-                              "small_top_k": routers_top_k * len(moe_layers),
+                              "small_top_k": routers_top_k * len(moe_layers) + indexers,
                               "split_k_linear": 0}  # 18 rows: a prefill's linears keep torch's
     after = report.graphs[0].after
     assert "topk(" not in after  # every router's topk is dflash::top_k

@@ -89,6 +89,7 @@ def test_opcheck_kv_ops():
     new = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 6)
     lengths = torch.tensor([0, 7])
     torch.library.opcheck(torch.ops.dflash.kv_write.default, (*caches, *new, lengths))
+    torch.library.opcheck(torch.ops.dflash.kv_write.default, (caches[0], None, new[0], None, lengths))  # keys alone
     torch.library.opcheck(torch.ops.dflash.kv_commit.default, (lengths.clone(), torch.tensor([2, 0])))
 
 

@@ -9,7 +9,7 @@ from packaging.version import Version
 
 import dflash_compile
 from dflash_compile.adaptive import WidthChooser
-from dflash_compile.families import FAMILIES, KEYED_KINDS, ring_window, spec_for_model
+from dflash_compile.families import FAMILIES, KEYED_KINDS, MASK_READING_KINDS, ring_window, spec_for_model
 from dflash_compile.testing import OracleDrafter
 from tests.conftest import FAMILIES as FAMILY_NAMES
 from tests.conftest import token_ids
@@ -54,12 +54,38 @@ def _generates_with_partial_drafts(model, ids, mask, expected, compile: bool, **
 # Lara Mini Qwen3.5's linear attention beside gpt-oss's sliding layers, Ling 3 Kimi Linear's layers gated (each
 # family's compiled speculative step keeps its identity test: `test_offload_with_compiled_dflash_speculative_decoding`,
 # one unpadded row). Beam's and Mistral 4's queries scaled by position (a left-padded row's padding included) and
-# Aria's experts stored [E, in, out] stay. A batch of one row also for gpt-oss's sliding rings and sinks.
+# Aria's experts stored [E, in, out] stay. A batch of one row also for gpt-oss's sliding rings and sinks. GLM-MoE-DSA
+# repeats DeepSeek-V3.2's sparse attention (`test_dsa_layers_attend_over_the_keys_their_indexer_picks` runs both).
 COVERED_ELSEWHERE = ("qwen2_moe", "qwen3_next", "glm4_moe_lite", "deepseek_v2", "ernie4_5_moe", "phimoe", "dots1",
                      "flex_olmo", "solar_open", "granitemoe", "granitemoeshared", "cohere2_moe", "minimax_m2", "hy_v3",
                      "hunyuan_v1_moe", "laguna", "afmoe", "mellum", "kolibri1", "flint", "granitemoe_swa",
-                     "minicpm5_moe", "axk1", "lara_mini", "bailing_hybrid")
+                     "minicpm5_moe", "axk1", "lara_mini", "bailing_hybrid", "glm_moe_dsa")
 IDENTITY_CASES = [(family, 3) for family in SPECULATIVE_FAMILIES if family not in COVERED_ELSEWHERE]
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+def test_dsa_layers_attend_over_the_keys_their_indexer_picks(tiny, family):
+    """DeepSeek sparse attention: each query of a DSA layer attends over the 6 keys its indexer scores best among
+    the row's cached ones (fewer than the prompt's: the choice changes the logits). The target cache keeps each
+    indexer's keys beside the latents, written and rolled back with them (GLM-MoE-DSA's second layer reuses the
+    first's choice and keeps none), and blocks of 4 accepted in part over left-padded rows give transformers'
+    tokens."""
+    model = tiny(family)
+    ids, mask = prompts(3)
+    indexers = [module for module in model.modules() if type(module).__name__.endswith("Indexer")]
+    with torch.no_grad():
+        sparse = model(ids, attention_mask=mask).logits
+        for indexer in indexers:
+            indexer.index_topk = 64  # every key
+        assert not torch.allclose(model(ids, attention_mask=mask).logits, sparse, atol=1e-3)
+        for indexer in indexers:
+            indexer.index_topk = 6
+    expected = reference(model, ids, mask)
+    fast = _generates_with_partial_drafts(model, ids, mask, expected, compile=False)
+    cache = fast.decoder.target_cache.rows
+    layers = {"deepseek_v32": [0, 1, 2], "glm_moe_dsa": [0, 2]}[family]
+    assert sorted(name for name in cache.keys if isinstance(name, str)) == [f"indexer {i}" for i in layers]
+    assert cache.keys["indexer 0"].shape == (3, 1, cache.max_len, 16)
 
 
 @pytest.mark.parametrize("family, batch", IDENTITY_CASES + [("gpt_oss", 1)])
@@ -713,9 +739,10 @@ def test_unpadded_prompts_attend_by_sdpas_causal_flag(tiny, family, monkeypatch)
     kernels on a GPU; no [b, 1, P, P] mask); a left-padded batch keeps its explicit mask, and so do the decode
     steps. The same tokens as transformers either way (Qwen3.5's linear-attention layers too, DeepSeek-V3's
     values narrower than its queries and keys). Latent attention's masked forwards attend in the latent space,
-    without SDPA (`attention.absorbed_attention`)."""
+    without SDPA (`attention.absorbed_attention`); a DSA layer's indexer reads its mask, which it always gets."""
     model = tiny(family)
     latent = spec_for_model(model).latent_attention
+    always_masked = any(kind in MASK_READING_KINDS for kind in spec_for_model(model).attention_kinds(model.config))
     assert model.config._attn_implementation == "sdpa"
     calls = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -734,7 +761,7 @@ def test_unpadded_prompts_attend_by_sdpas_causal_flag(tiny, family, monkeypatch)
         assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=8), expected)
         prefill, steps = calls[:len(kinds)], calls[len(kinds):]
         if latent:
-            assert calls == ([] if masked_prefill else [(ids.shape[1], True, True)] * len(kinds))
+            assert calls == ([] if masked_prefill or always_masked else [(ids.shape[1], True, True)] * len(kinds))
             continue
         # a sliding layer keeps its window's mask (EXAONE-MoE's 8-token window, shorter than the prompt); Llama 4's
         # 256-token chunks hold the prompt
@@ -787,8 +814,8 @@ def test_left_padded_prompts_attend_row_by_row_without_masks(tiny, monkeypatch, 
     """A left-padded batch of at least ROWS_WITHOUT_MASKS tokens (here any) takes no mask either: each attention
     layer gets each row's first real key (`row_starts`) and attends row by row as an unpadded prompt would, in
     every chunk of gpt-oss (chunks of 4: 4 + 4 + 1 tokens, the third row's first chunk all padding), in the one
-    forward of the SDPA families (Qwen3.5's linear attention keeps its padding mask). The same tokens as
-    transformers."""
+    forward of the SDPA families (Qwen3.5's linear attention keeps its padding mask, a DSA layer the mask its indexer
+    reads). The same tokens as transformers."""
     from dflash_compile import attention, speculative
 
     monkeypatch.setattr(speculative, "ROWS_WITHOUT_MASKS", 0)
@@ -807,10 +834,12 @@ def test_left_padded_prompts_attend_row_by_row_without_masks(tiny, monkeypatch, 
     assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
     spec = spec_for_model(model)  # row by row: full attention, and a sliding layer that keeps its window itself (sinks)
     kinds = [kind for kind in spec.attention_kinds(model.config)  # Llama 4's 256-token chunks hold the prompt
-             if kind in KEYED_KINDS and (kind != "sliding_attention" or spec.attention_sinks)]
+             if kind in KEYED_KINDS and kind not in MASK_READING_KINDS
+             and (kind != "sliding_attention" or spec.attention_sinks)]
     chunks = [9] if prefill_chunk is None else [4, 4, 1]
     assert [t for t, _ in calls] == [t for t in chunks for _ in kinds]
-    assert calls[kinds.index("full_attention")][1] == [0, 2, 4]  # each row's padding
+    if "full_attention" in kinds:
+        assert calls[kinds.index("full_attention")][1] == [0, 2, 4]  # each row's padding
 
 
 def test_generations_of_other_lengths_reuse_the_compiled_step(tiny):

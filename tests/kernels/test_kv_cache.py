@@ -27,3 +27,6 @@ def test_kernel_writes_what_the_tensor_form_writes(cache_dtype):
     for actual, wanted in zip(on_device, expected):
         assert torch.equal(actual.cpu(), wanted)
     assert not torch.equal(expected[0], caches[0])  # something was written
+    keys_alone = caches[0].clone().to(DEVICE)  # a DSA indexer's keys: no value cache
+    write_kv(keys_alone, None, key.to(DEVICE), None, lengths.to(DEVICE))
+    assert torch.equal(keys_alone.cpu(), expected[0])
