@@ -153,6 +153,9 @@ TINY_CONFIGS = {
     "axk1": lambda: transformers.AXK1Config(  # DeepSeek-V3's latent attention, MLPs declared
         mlp_layer_types=["dense", "sparse", "sparse"], bos_token_id=1, eos_token_id=2, **_MLA, **_ROUTED,
         **_DECLARED_DEEPSEEK_ROUTING),
+    "axk2": lambda: transformers.AXK2Config(  # A.X K1's with DSA layers (DeepSeek-V3.2's) and a gated output
+        mlp_layer_types=["dense", "sparse", "sparse"], bos_token_id=1, eos_token_id=2, initializer_range=0.1, **_MLA,
+        **_DSA, **_ROUTED, **_DECLARED_DEEPSEEK_ROUTING),
     "lara_mini": lambda: transformers.LaraMiniConfig(  # GatedDeltaNet, sliding and full layers, a shared expert
         sliding_window=8, **{**_GATED_DELTA_NET, "num_hidden_layers": 3,
                              "layer_types": ["linear_attention", "sliding_attention", "full_attention"]},

@@ -18,7 +18,7 @@ from dflash_compile.testing import OracleDrafter, in_installed_transformers, tin
 from tests.conftest import token_ids
 
 
-def test_registry_covers_the_fifty_two_families():
+def test_registry_covers_the_fifty_three_families():
     assert dflash_compile.supported_families() == sorted(
         ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe", "glm4_moe_lite",
          "deepseek_v2", "deepseek_v3", "olmoe", "ernie4_5_moe", "phimoe", "dots1", "flex_olmo", "solar_open",
@@ -26,7 +26,8 @@ def test_registry_covers_the_fifty_two_families():
          "minimax_m2", "hunyuan_v1_moe", "hy_v3", "laguna", "mimo_v2_flash", "afmoe", "gemma4_text", "mellum",
          "kolibri1", "beam", "flint", "granitemoe_swa", "minicpm5_moe", "axk1", "lara_mini", "mistral4", "aria",
          "kimi_linear", "lfm2_moe", "llama4_text", "granitemoehybrid", "ernie4_5_vl_moe", "step3p7", "bailing_hybrid",
-         "nemotron_h", "jamba", "dbrx", "longcat_flash", "deepseek_v32", "glm_moe_dsa"]
+         "nemotron_h", "jamba", "dbrx", "longcat_flash", "deepseek_v32", "glm_moe_dsa",
+         "axk2"]
     )
 
 
@@ -80,6 +81,7 @@ def test_registry_covers_the_fifty_two_families():
         ("longcat_flash", [0, 1], ["full_attention"] * 4),  # two attention sublayers a decoder layer
         ("deepseek_v32", [1, 2], ["indexed_attention"] * 3),  # DSA; first_k_dense_replace=1
         ("glm_moe_dsa", [1, 2], ["indexed_attention"] * 3),
+        ("axk2", [1, 2], ["indexed_attention"] * 3),
     ],
 )
 def test_spec_of_each_tiny_model(tiny, family, moe_layers, attention):

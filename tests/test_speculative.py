@@ -55,15 +55,16 @@ def _generates_with_partial_drafts(model, ids, mask, expected, compile: bool, **
 # family's compiled speculative step keeps its identity test: `test_offload_with_compiled_dflash_speculative_decoding`,
 # one unpadded row). Beam's and Mistral 4's queries scaled by position (a left-padded row's padding included) and
 # Aria's experts stored [E, in, out] stay. A batch of one row also for gpt-oss's sliding rings and sinks. GLM-MoE-DSA
-# repeats DeepSeek-V3.2's sparse attention (`test_dsa_layers_attend_over_the_keys_their_indexer_picks` runs both).
+# and A.X K2 repeat DeepSeek-V3.2's sparse attention (`test_dsa_layers_attend_over_the_keys_their_indexer_picks` runs
+# all three).
 COVERED_ELSEWHERE = ("qwen2_moe", "qwen3_next", "glm4_moe_lite", "deepseek_v2", "ernie4_5_moe", "phimoe", "dots1",
                      "flex_olmo", "solar_open", "granitemoe", "granitemoeshared", "cohere2_moe", "minimax_m2", "hy_v3",
                      "hunyuan_v1_moe", "laguna", "afmoe", "mellum", "kolibri1", "flint", "granitemoe_swa",
-                     "minicpm5_moe", "axk1", "lara_mini", "bailing_hybrid", "glm_moe_dsa")
+                     "minicpm5_moe", "axk1", "lara_mini", "bailing_hybrid", "glm_moe_dsa", "axk2")
 IDENTITY_CASES = [(family, 3) for family in SPECULATIVE_FAMILIES if family not in COVERED_ELSEWHERE]
 
 
-@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa", "axk2"])
 def test_dsa_layers_attend_over_the_keys_their_indexer_picks(tiny, family):
     """DeepSeek sparse attention: each query of a DSA layer attends over the 6 keys its indexer scores best among
     the row's cached ones (fewer than the prompt's: the choice changes the logits). The target cache keeps each
@@ -83,7 +84,7 @@ def test_dsa_layers_attend_over_the_keys_their_indexer_picks(tiny, family):
     expected = reference(model, ids, mask)
     fast = _generates_with_partial_drafts(model, ids, mask, expected, compile=False)
     cache = fast.decoder.target_cache.rows
-    layers = {"deepseek_v32": [0, 1, 2], "glm_moe_dsa": [0, 2]}[family]
+    layers = [0, 2] if family == "glm_moe_dsa" else [0, 1, 2]
     assert sorted(name for name in cache.keys if isinstance(name, str)) == [f"indexer {i}" for i in layers]
     assert cache.keys["indexer 0"].shape == (3, 1, cache.max_len, 16)
 
