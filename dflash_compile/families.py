@@ -799,8 +799,8 @@ FAMILIES: dict[str, FamilySpec] = {
         ),
         FamilySpec(  # A.X K2: A.X K1's with DeepSeek-V3.2's sparse attention (a DSA indexer's keys), its attention output
             # gated from the query latent; grouped routing only where the config sets groups (not the Light release)
-            "axk2", ("axk2",), "AXK2Experts", _SWIGLU, _DEEPSEEK_ROUTER, _declared_sparse_layers, _declared_layer_types,
-            shared_input_linears=_MLA_SHARED_INPUTS, cached_per_token=_indexed_latent,
+            "axk2", ("axk2",), "AXK2Experts", _SWIGLU, _DEEPSEEK_ROUTER, _declared_sparse_layers,
+            _declared_layer_types, shared_input_linears=_MLA_SHARED_INPUTS, cached_per_token=_indexed_latent,
             unquantized_linears=("weights_proj",),
         ),
         FamilySpec(  # Lara Mini: Qwen3.5-MoE's GatedDeltaNet between sliding and full attention layers, a softmax
