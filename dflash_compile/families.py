@@ -797,8 +797,8 @@ FAMILIES: dict[str, FamilySpec] = {
             "axk1", ("axk1",), "AXK1Experts", _SWIGLU, _DEEPSEEK_ROUTER, _declared_sparse_layers, _full_attention,
             shared_input_linears=_MLA_SHARED_INPUTS, cached_per_token=_latent,
         ),
-        FamilySpec(  # A.X K2: A.X K1's with DeepSeek-V3.2's sparse attention (a DSA indexer's keys), its attention output
-            # gated from the query latent; grouped routing only where the config sets groups (not the Light release)
+        FamilySpec(  # A.X K2: A.X K1's with DeepSeek-V3.2's sparse attention (a DSA indexer's keys), its attention
+            # output gated from the query latent; grouped routing only where the config sets groups (not in Light)
             "axk2", ("axk2",), "AXK2Experts", _SWIGLU, _DEEPSEEK_ROUTER, _declared_sparse_layers,
             _declared_layer_types, shared_input_linears=_MLA_SHARED_INPUTS, cached_per_token=_indexed_latent,
             unquantized_linears=("weights_proj",),
