@@ -186,14 +186,20 @@ def test_llama4_blocks_call_routed_experts_with_transformers_sums(tiny):
         torch.testing.assert_close(adapt_model(model)(ids).logits, expected, atol=1e-5, rtol=1e-5)
 
 
+def _refused_until_adapted(model, ids, reasons: str) -> None:
+    """`torch.compile(model, backend="dflash")` before the family's adapt is refused, naming what transformers'
+    modules do (`reasons`) and the fix."""
+    family = spec_for_config(model.config).name
+    message = (f"{family}'s experts are routed experts dflash-compile dispatches only after the family's adapt "
+               f"({reasons}): call dflash_compile.families.adapt_model(model)")
+    with pytest.raises(BackendCompilerFailed, match=re.escape(message)):
+        torch.compile(model, backend="dflash")(ids)
+
+
 def test_llama4_traced_before_adapting_is_refused(tiny):
-    model = tiny("llama4_text")
-    with pytest.raises(BackendCompilerFailed, match=r"llama4_text's experts are routed experts dflash-compile "
-                                                    r"dispatches only after the family's adapt \(Llama 4's MoE blocks "
-                                                    r"run every expert on every token; Llama 4's NoPE layers scale "
-                                                    r"queries by the cache's one length\): call "
-                                                    r"dflash_compile.families.adapt_model\(model\)"):
-        torch.compile(model, backend="dflash")(token_ids())
+    _refused_until_adapted(tiny("llama4_text"), token_ids(),
+                           "Llama 4's MoE blocks run every expert on every token; Llama 4's NoPE layers scale queries "
+                           "by the cache's one length")
 
 
 def test_dbrx_experts_moved_into_transformers_layout_give_its_logits(tiny, tmp_path):
@@ -205,11 +211,7 @@ def test_dbrx_experts_moved_into_transformers_layout_give_its_logits(tiny, tmp_p
     ids = token_ids()
     mlp = model.transformer.blocks[1].ffn.experts.mlp
     w1, v1, w2 = (weight.detach().clone().view(8, 32, 64) for weight in (mlp.w1, mlp.v1, mlp.w2))
-    with pytest.raises(BackendCompilerFailed, match=r"dbrx's experts are routed experts dflash-compile dispatches "
-                                                    r"only after the family's adapt \(DBRX's experts loop over "
-                                                    r"flattened 2-D weights\): call "
-                                                    r"dflash_compile.families.adapt_model\(model\)"):
-        torch.compile(model, backend="dflash")(ids)
+    _refused_until_adapted(model, ids, "DBRX's experts loop over flattened 2-D weights")
     with torch.no_grad():
         expected = model(ids).logits
         assert list(experts_modules(model)) == [f"transformer.blocks.{i}.ffn.experts" for i in (0, 1)]
@@ -235,11 +237,8 @@ def test_longcat_zero_compute_picks_read_no_expert_the_token_did_not_pick(tiny, 
     model = tiny("longcat_flash")
     ids, hidden = token_ids(), torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
     block = model.model.layers[1].mlp
-    with pytest.raises(BackendCompilerFailed, match=r"longcat_flash's experts are routed experts dflash-compile "
-                                                    r"dispatches only after the family's adapt \(LongCat-Flash's MoE "
-                                                    r"blocks send zero-compute picks to experts the token did not "
-                                                    r"pick\): call dflash_compile.families.adapt_model\(model\)"):
-        torch.compile(model, backend="dflash")(ids)
+    _refused_until_adapted(model, ids, "LongCat-Flash's MoE blocks send zero-compute picks to experts the token did "
+                                       "not pick")
     with torch.no_grad():
         expected = model(ids).logits
         _, weights, picks = block.router(hidden)
