@@ -15,6 +15,8 @@ followed by the chunk's own keys, and the ring then keeps the chunk's last token
 
 `RowCache` is the storage (the drafter uses it directly for its context K/V); `TargetCache` plugs it into
 transformers models through their `Cache.update` interface, with masks built here and passed in as 4-D tensors.
+A DSA layer's indexer (DeepSeek-V3.2) keeps one key of its own per token (`update_indexer`): written at the same
+slots, rolled back by the same lengths.
 
 Linear-attention layers (GatedDeltaNet) keep a conv window and a recurrent state that cannot be cut back. A
 forward leaves its candidates pending; `commit_linear` then takes, per row, the conv window ending at the row's
