@@ -37,7 +37,7 @@ from dflash_compile.benchmark import timed
 from dflash_compile.cache import TargetCache
 from dflash_compile.cost_model import (BITS_PER_WEIGHT, HARDWARE, REFERENCE_CONFIGS, B, C, Hardware, ModelSizes,
                                        StepCost, reference_config)
-from dflash_compile.families import auto_model_class, experts_modules, routed_top_k, router_of
+from dflash_compile.families import auto_model_class, experts_modules, routed_top_k, router_of, zero_compute_experts
 from dflash_compile.packed import PackedWeight, attach_packed, expert_weights
 from dflash_compile.speculative import generation_context
 from dflash_compile.testing import (
@@ -115,11 +115,13 @@ class UniformRouting:
     collapse onto a few experts; real ones spread). Records distinct experts per call when asked. Each router is
     the registry's (`router_of`): its last output (or its only one: DBRX's logits) is the chosen indices, replaced
     by random picks, or, where the MoE block takes the top-k itself (Llama 4's, DBRX's), every expert's logits,
-    replaced by random logits."""
+    replaced by random logits. Picks of zero-compute experts (LongCat-Flash's, numbered after the routed ones) read
+    no expert: not counted."""
 
     def __init__(self, model):
         self.handles, self.distinct = [], []
         self.record, self.top_k = False, routed_top_k(model.config)
+        self.zero_compute = zero_compute_experts(model.config.get_text_config())
         for name in experts_modules(model):
             self.handles.append(router_of(model, name).register_forward_hook(self._hook))
 
@@ -129,7 +131,8 @@ class UniformRouting:
         logits = torch.rand(last.shape[0], kept[0].shape[-1] if chooses else last.shape[-1], device=last.device)
         picks = logits.topk(self.top_k).indices
         if self.record:
-            self.distinct.append(picks.unique().numel())
+            routed = picks[picks < logits.shape[-1] - self.zero_compute]  # zero-compute experts come last
+            self.distinct.append(routed.unique().numel())
         replaced = picks if chooses else logits
         return (*kept, replaced) if isinstance(output, tuple) else replaced
 
@@ -185,9 +188,7 @@ def step_times(model, decoder, args, bandwidth, expert_bits: float = 16.0):
         with generation_context(model):
             _, seconds = timed(lambda: decoder.verify_step(tokens, cache, active), args.repeats * 3, args.device)
         floor = floor_seconds(model, block, args.prompt, bandwidth, expert_bits)
-        sizes = ModelSizes.of(model.config)
-        experts, top_k = sizes.experts, sizes.top_k
-        expected = experts * (1 - (1 - top_k / experts) ** block)
+        expected = float(StepCost(ModelSizes.of(model.config), HARDWARE["h200"]).distinct_experts.subs(B, block))
         rows.append((block, seconds, floor, distinct, expected))
     routing.remove()
     return rows

@@ -28,7 +28,7 @@ import torch
 import transformers
 
 from .families import (FULL_KINDS, KEYED_KINDS, RING_KINDS, auto_model_class, decoder_layers_key, experts_modules,
-                       head_dim, layer_configs, ring_window, routed_top_k, spec_for_model)
+                       head_dim, layer_configs, ring_window, routed_top_k, spec_for_model, zero_compute_experts)
 
 # Target step times measured on the H200 (docs/benchmarks.md, "Session 44"): random bf16 weights, uniform routing,
 # 512-token context, compiled step as `generate` runs it (`bench/spec_decode.py --steps-only`, 2026-12-04).
@@ -208,7 +208,8 @@ class ModelSizes:
     embedding_row_params: int  # hidden size: one embedding row per token
     expert_params: int  # one routed expert
     experts: int
-    top_k: int
+    top_k: int  # picks a token's router makes, among `experts` + `zero_compute_experts`
+    zero_compute_experts: int  # experts that read no weights (LongCat-Flash's): picks of them cost nothing
     moe_layers: int
     kv_elements_per_token: int  # K and V elements cached per context token, full-attention layers
     sliding_kv_elements_per_token: int  # the same for ring layers (sliding, chunked), reading at most `window` tokens
@@ -252,6 +253,7 @@ class ModelSizes:
             expert_params=per_expert,
             experts=experts,
             top_k=routed_top_k(text),
+            zero_compute_experts=zero_compute_experts(text),
             moe_layers=len(modules),
             kv_elements_per_token=sum(per_layer(layer) for layer, kind in enumerate(kinds) if kind in FULL_KINDS),
             sliding_kv_elements_per_token=sum(per_layer(layer) for layer, kind in enumerate(kinds)
@@ -275,8 +277,10 @@ class StepCost:
 
     @property
     def distinct_experts(self) -> sympy.Expr:
+        """Routed experts a step over B tokens reads per MoE layer, each token's k picks uniform over every expert
+        (zero-compute ones too: those read nothing)."""
         e, k = self.sizes.experts, self.sizes.top_k
-        return e * (1 - (1 - sympy.Rational(k, e)) ** B)
+        return e * (1 - (1 - sympy.Rational(k, e + self.sizes.zero_compute_experts)) ** B)
 
     @property
     def expert_bytes(self) -> float:
@@ -292,7 +296,8 @@ class StepCost:
     @property
     def flops(self) -> sympy.Expr:
         s = self.sizes
-        active = s.dense_params + s.moe_layers * s.top_k * s.expert_params
+        routed_picks = sympy.Rational(s.top_k * s.experts, s.experts + s.zero_compute_experts)  # per token, expected
+        active = s.dense_params + s.moe_layers * routed_picks * s.expert_params
         return 2 * B * active + 4 * B * C * s.attention_width
 
     @property

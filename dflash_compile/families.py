@@ -244,6 +244,9 @@ class FamilySpec:
     # linears the family's code multiplies by their `weight` instead of calling (Jamba's `dt_proj`): FP8
     # checkpoints keep them in the model's dtype
     unquantized_linears: tuple[str, ...] = ()
+    # the config's count of zero-compute experts, which a router picks as it picks routed ones and which read no weights
+    # (LongCat-Flash's `zero_expert_num`: each returns its input)
+    zero_compute_experts_key: str | None = None
     # the config's count of decoder layers (of hidden states a forward returns, less the embeddings' own), where
     # `num_hidden_layers` counts something else (LongCat-Flash's: its attention sublayers, two a decoder layer)
     decoder_layers_key: str = "num_hidden_layers"
@@ -862,7 +865,8 @@ FAMILIES: dict[str, FamilySpec] = {
             RouterSpec(scoring="softmax", correction_bias="e_score_correction_bias", routed_scaling_factor=True,
                        module="router", call="route"),
             _every_decoder_layer, _full_attention, shared_input_linears=_MLA_SHARED_INPUTS, cached_per_token=_latent,
-            adapt=(_ROUTE_LONGCAT_EXPERTS,), decoder_layers_key="num_layers", min_transformers="5.25",
+            adapt=(_ROUTE_LONGCAT_EXPERTS,), zero_compute_experts_key="zero_expert_num",
+            decoder_layers_key="num_layers", min_transformers="5.25",
         ),
         FamilySpec(  # Step 3.7 (step3p7; its text model step3p5): sliding and full layers of their own head counts,
             # the attention output gated per head; a sigmoid router choosing with a correction bias, renormalised;
@@ -1046,6 +1050,14 @@ def decoder_layers_key(config) -> str:
     `num_hidden_layers` for every other model."""
     spec = spec_for_config(config)
     return spec.decoder_layers_key if spec else "num_hidden_layers"
+
+
+def zero_compute_experts(config) -> int:
+    """How many of the experts a (text) config's routers choose from compute nothing (its family's
+    `zero_compute_experts_key`; none for most)."""
+    spec = spec_for_config(config)
+    key = spec.zero_compute_experts_key if spec else None
+    return getattr(config, key) or 0 if key else 0
 
 
 def decoder_layers(config) -> int:

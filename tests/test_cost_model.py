@@ -9,8 +9,9 @@ import sympy
 
 from dflash_compile.cli import main
 from dflash_compile.cost_model import (
-    B, CSV_COLUMNS, HARDWARE, HELD_OUT_STEPS, MEASURED_STEPS, REFERENCE_CONFIGS, Hardware, ModelSizes, StepCost,
+    CSV_COLUMNS, HARDWARE, HELD_OUT_STEPS, MEASURED_STEPS, REFERENCE_CONFIGS, B, C, Hardware, ModelSizes, StepCost,
     calibrate, fit_step_overheads, reference_config)
+from dflash_compile.testing import in_installed_transformers
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +24,18 @@ def test_expected_distinct_experts(gpt_oss_20b):
     assert sympy.simplify(cost.distinct_experts.subs(B, 1)) == 4
     assert round(float(cost.distinct_experts.subs(B, 16)), 1) == 28.2  # "about 28 of 32 experts"
     assert float(cost.distinct_experts.subs(B, 10_000)) == pytest.approx(32)
+
+
+@pytest.mark.skipif(not in_installed_transformers("longcat_flash"), reason="LongCat-Flash needs transformers 5.25")
+def test_zero_compute_picks_read_no_expert():
+    """LongCat-Flash-Chat's 12 picks a token choose among 512 routed and 256 zero-compute experts: a token reads 8
+    experts on average (12 x 512 / 768), and a step over many tokens at most the 512."""
+    sizes = ModelSizes.of(reference_config("longcat-flash-chat", 1))
+    assert (sizes.experts, sizes.zero_compute_experts, sizes.top_k) == (512, 256, 12)
+    cost = StepCost(sizes, HARDWARE["h200"])
+    assert cost.distinct_experts.subs(B, 1) == 8
+    assert float(cost.distinct_experts.subs(B, 100_000)) == pytest.approx(512)
+    assert cost.flops.subs({B: 1, C: 0}) == 2 * (sizes.dense_params + 8 * sizes.expert_params)
 
 
 def test_one_gpt_oss_layer_matches_the_documented_floors(gpt_oss_20b):
