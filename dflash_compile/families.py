@@ -280,10 +280,7 @@ class FamilySpec:
 
 
 def _all_layers(config) -> list[int]:
-    return list(range(config.num_hidden_layers))
-
-
-def _every_decoder_layer(config) -> list[int]:
+    """Every decoder layer (`decoder_layers`: LongCat-Flash's `num_layers`, else `num_hidden_layers`)."""
     return list(range(decoder_layers(config)))
 
 
@@ -864,7 +861,7 @@ FAMILIES: dict[str, FamilySpec] = {
             "longcat_flash", ("longcat_flash",), "LongcatFlashExperts", _SWIGLU,
             RouterSpec(scoring="softmax", correction_bias="e_score_correction_bias", routed_scaling_factor=True,
                        module="router", call="route"),
-            _every_decoder_layer, _full_attention, shared_input_linears=_MLA_SHARED_INPUTS, cached_per_token=_latent,
+            _all_layers, _full_attention, shared_input_linears=_MLA_SHARED_INPUTS, cached_per_token=_latent,
             adapt=(_ROUTE_LONGCAT_EXPERTS,), zero_compute_experts_key="zero_expert_num",
             decoder_layers_key="num_layers", min_transformers="5.25",
         ),
