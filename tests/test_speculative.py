@@ -90,19 +90,22 @@ def test_dsa_layers_attend_over_the_keys_their_indexer_picks(tiny, family):
 
 
 @pytest.mark.parametrize("family, batch", IDENTITY_CASES + [("gpt_oss", 1)])
-def test_greedy_identity_random_and_oracle_drafter(tiny, family, batch, random_drafter):
-    """Both drafters verify 6 tokens a step: one compiled step shape for the two."""
+def test_greedy_identity_compiled_partial_drafts_and_random_drafter(tiny, family, batch, random_drafter):
+    """The compiled step with an oracle's drafts corrupted at 30% (blocks rejected whole, accepted in part and whole
+    in one run), then a random drafter's network (blocks almost all rejected) on the same step run eagerly:
+    compiling the step a second time for the second drafter would double the test's minutes, and the drafter's
+    graphs are the same for every family (test_offload.py compiles them with a random drafter for the families
+    this test leaves out)."""
     model = tiny(family)
     ids, mask = prompts(batch)
     expected = reference(model, ids, mask)
+    _generates_with_partial_drafts(model, ids, mask, expected, compile=True)
 
-    fast = dflash_compile.optimize(model, adaptive=False, drafter=random_drafter(model, block_size=6))
-    assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
-    assert fast.last_stats.tau < 1.5  # drafts almost always rejected: the all-rejected path ran
-
-    oracle = dflash_compile.optimize(model, adaptive=False, drafter=OracleDrafter(expected, mask, block_size=6))
-    assert torch.equal(oracle.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
-    assert oracle.last_stats.tau > 5  # nearly every block fully accepted: the all-accepted path ran
+    fast = dflash_compile.optimize(model, adaptive=False, drafter=random_drafter(model, block_size=6), compile=False)
+    new_tokens = NEW_TOKENS // 4  # a token a step, eagerly: a few steps show the drafter's path
+    out = fast.generate(ids, attention_mask=mask, max_new_tokens=new_tokens)
+    assert torch.equal(out, expected[:, : ids.shape[1] + new_tokens])
+    assert fast.last_stats.tau < 1.5  # drafts almost always rejected
 
 
 def test_rows_stop_at_their_own_eos(tiny, random_drafter):
