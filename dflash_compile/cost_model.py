@@ -168,6 +168,9 @@ REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
     "deepseek-v3.2": transformers.DeepseekV32Config,  # DeepSeek-V3's shape (671B, 37B active), DSA: 2048 keys a query
     "glm-5": transformers.GlmMoeDsaConfig,  # 78 layers (3 dense), MLA with DSA, 256 experts of 2048, top-8: 744B
     "a.x-k2-light": transformers.AXK2Config,  # 48 layers, MLA with DSA, 128 experts of 512, top-8, a shared expert
+    # Mistral Large 4 (image-text-to-text; the config class's defaults): 72 layers (the first dense), MLA with DSA
+    # without a query LoRA, every fourth layer without rotary positions, 128 experts of 6144, top-4, a shared expert
+    "mistral-large-4": transformers.MistralLarge4Config,
     "dbrx-instruct": lambda: transformers.DbrxConfig(  # 16 experts, top-4, q/k/v clipped at 8
         d_model=6144, n_heads=48, n_layers=40, max_seq_len=32768, vocab_size=100352,
         attn_config=dict(kv_n_heads=8, clip_qkv=8.0, rope_theta=500000.0),
@@ -193,8 +196,9 @@ def reference_config(name_or_path: str, layers: int | None = None):
     if layers:
         text = config.get_text_config()  # the decoder's, under an image-text-to-text config
         setattr(text, decoder_layers_key(text), layers)
-        for per_layer in ("layer_types", "mlp_layer_types"):  # attention kinds; GLM-4.7-Flash's dense / sparse MLPs
-            # (a property, as Jamba's, follows the layer count by itself)
+        # attention kinds; GLM-4.7-Flash's dense / sparse MLPs; DSA indexers' kinds, Mistral Large 4's rotary layers
+        # and latents' sources (a property, as Jamba's layer kinds, follows the layer count by itself)
+        for per_layer in ("layer_types", "mlp_layer_types", "indexer_types", "no_rope_layers", "kv_source_layers"):
             if getattr(text, per_layer, None) and not isinstance(getattr(type(text), per_layer, None), property):
                 setattr(text, per_layer, getattr(text, per_layer)[:layers])
     return config

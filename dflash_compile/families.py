@@ -139,15 +139,22 @@ def _mimo_keys_and_values(config, kind: AttentionKind, layer: int) -> int:
 
 
 def _latent(config, kind: AttentionKind, layer: int) -> int:
-    """Multi-head latent attention: one compressed key/value latent and one shared rotary key, for every head."""
-    return config.kv_lora_rank + config.qk_rope_head_dim
+    """Multi-head latent attention: one compressed key/value latent and one shared rotary key, for every head (none
+    in Mistral Large 4's layers without rotary positions: `no_rope_layers` is 0 there)."""
+    no_rope_layers = getattr(config, "no_rope_layers", None)
+    rotary = not no_rope_layers or no_rope_layers[layer]
+    return config.kv_lora_rank + (config.qk_rope_head_dim if rotary else 0)
 
 
 def _indexed_latent(config, kind: AttentionKind, layer: int) -> int:
-    """DeepSeek sparse attention (DSA): latent attention's latent and rotary key, and the indexer's key where the
-    layer runs an indexer (GLM-MoE-DSA's "shared" layers, `indexer_types`, reuse an earlier layer's choice)."""
+    """DeepSeek sparse attention (DSA): latent attention's latent and rotary key where the layer caches its own
+    (Mistral Large 4's layers named to an earlier source in `kv_source_layers` read that layer's), and the indexer's
+    key where the layer runs an indexer (GLM-MoE-DSA's "shared" layers, `indexer_types`, reuse an earlier layer's
+    choice)."""
+    sources = getattr(config, "kv_source_layers", None)
+    latent = _latent(config, kind, layer) if not sources or sources[layer] == layer else 0
     shared = getattr(config, "indexer_types", None) and config.indexer_types[layer] == "shared"
-    return _latent(config, kind, layer) + (0 if shared else config.index_head_dim)
+    return latent + (0 if shared else config.index_head_dim)
 
 
 def _latent_expansion(config) -> int:
@@ -691,6 +698,15 @@ FAMILIES: dict[str, FamilySpec] = {
             # reuse the previous indexer's choice (`indexer_types` "shared")
             "glm_moe_dsa", ("glm_moe_dsa",), "GlmMoeDsaExperts", _SWIGLU, _DEEPSEEK_ROUTER, _declared_sparse_layers,
             _declared_layer_types, shared_input_linears=_MLA_SHARED_INPUTS, cached_per_token=_indexed_latent,
+            unquantized_linears=("weights_proj",),
+        ),
+        FamilySpec(  # Mistral Large 4 (image-text-to-text; its text model mistral_large4_text): GLM-MoE-DSA's sparse
+            # attention without a query LoRA, queries scaled by position (Mistral 4's), layers without rotary
+            # positions (`no_rope_layers`) and layers that read an earlier layer's latents (`kv_source_layers`);
+            # Mistral 4's softmax router inside groups on fp32 logits, a shared expert; MLPs declared
+            "mistral_large4", ("mistral_large4", "mistral_large4_text"), "MistralLarge4TextExperts", _SWIGLU,
+            _DEEPSEEK_V2_ROUTER, _declared_sparse_layers, _declared_layer_types,
+            shared_input_linears=_MLA_SHARED_INPUTS, cached_per_token=_indexed_latent,
             unquantized_linears=("weights_proj",),
         ),
         FamilySpec(  # DeepSeek-V2 (-Lite): DeepSeek-V3's latent attention and dense first layers, a softmax router

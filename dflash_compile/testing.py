@@ -249,6 +249,12 @@ def _vision_tower(hidden_size: int, **settings) -> dict:
     return dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=hidden_size, **settings)
 
 
+def _pixtral_tower(hidden_size: int) -> dict:
+    """Pixtral's vision tower (Mistral Small 4's and Mistral Large 4's), one block."""
+    return dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=16,
+                image_size=64, patch_size=8)
+
+
 # Families released as image-text-to-text models (the decoder under `model.language_model`, a vision tower beside
 # it): the multimodal config class, the tiny text config, the vision tower's settings (a function of the decoder's
 # width). Qwen3-VL-MoE's text config has no causal LM class, so it is not in TINY_CONFIGS.
@@ -265,9 +271,14 @@ MULTIMODAL = {
     "gemma4": (transformers.Gemma4Config, lambda: tiny_config("gemma4_text"), lambda hidden_size: dict(
         hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
         intermediate_size=32)),
-    "mistral3": (transformers.Mistral3Config, lambda: tiny_config("mistral4"), lambda hidden_size: dict(  # Pixtral's
-        hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=16, image_size=64,
-        patch_size=8)),
+    "mistral3": (transformers.Mistral3Config, lambda: tiny_config("mistral4"), _pixtral_tower),
+    # DSA without a query LoRA: layers 1 and 3 read layers 0 and 2's latents (2 and 3 without rotary positions),
+    # layer 1 reuses layer 0's choice of keys, layer 3 picks its own over layer 2's latents
+    "mistral_large4": (transformers.MistralLarge4Config, lambda: transformers.MistralLarge4TextConfig(
+        kv_source_layers=[0, 0, 2, 2], no_rope_layers=[1, 1, 0, 0], index_topk_pattern="FSFF",
+        initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0, **_DSA, **_DEEPSEEK_ROUTING,
+        **_ROUTED, **{key: value for key, value in _MLA.items() if key != "q_lora_rank"} | {"num_hidden_layers": 4}),
+        _pixtral_tower),
     "aria": (transformers.AriaConfig, lambda: tiny_config("aria"), lambda hidden_size: dict(  # Idefics3's
         hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=64, patch_size=8)),
     "ernie4_5_vl_moe": (transformers.Ernie4_5_VLMoeConfig, lambda: transformers.Ernie4_5_VLMoeTextConfig(  # a dense

@@ -18,7 +18,7 @@ from dflash_compile.testing import OracleDrafter, in_installed_transformers, tin
 from tests.conftest import token_ids
 
 
-def test_registry_covers_the_fifty_three_families():
+def test_registry_covers_the_fifty_four_families():
     assert dflash_compile.supported_families() == sorted(
         ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe", "glm4_moe_lite",
          "deepseek_v2", "deepseek_v3", "olmoe", "ernie4_5_moe", "phimoe", "dots1", "flex_olmo", "solar_open",
@@ -26,8 +26,8 @@ def test_registry_covers_the_fifty_three_families():
          "minimax_m2", "hunyuan_v1_moe", "hy_v3", "laguna", "mimo_v2_flash", "afmoe", "gemma4_text", "mellum",
          "kolibri1", "beam", "flint", "granitemoe_swa", "minicpm5_moe", "axk1", "lara_mini", "mistral4", "aria",
          "kimi_linear", "lfm2_moe", "llama4_text", "granitemoehybrid", "ernie4_5_vl_moe", "step3p7", "bailing_hybrid",
-         "nemotron_h", "jamba", "dbrx", "longcat_flash", "deepseek_v32", "glm_moe_dsa",
-         "axk2"]
+         "nemotron_h", "jamba", "dbrx", "longcat_flash", "deepseek_v32", "glm_moe_dsa", "axk2",
+         "mistral_large4"]
     )
 
 

@@ -89,6 +89,22 @@ def test_dsa_layers_attend_over_the_keys_their_indexer_picks(tiny, family):
     assert cache.keys["indexer 0"].shape == (3, 1, cache.max_len, 16)
 
 
+def test_mistral_large4_layers_reading_earlier_latents_cache_only_their_indexer_keys(tmp_path):
+    """Mistral Large 4 (its tiny release): layers 1 and 3 read layers 0 and 2's latents (`kv_source_layers`) and
+    cache none of their own, layer 3 still caches its indexer's keys (layer 1 reuses layer 0's choice), and layer
+    2 has no rotary positions (`no_rope_layers`): its latents carry no rotary key. `_cache_bytes` counts just those
+    buffers, and blocks accepted in part over left-padded rows give transformers' tokens."""
+    model = _image_text_release("mistral_large4", tmp_path)
+    ids, mask = prompts(3)
+    expected = reference(model, ids, mask)
+    fast = _generates_with_partial_drafts(model, ids, mask, expected, compile=False)
+    cache = fast.decoder.target_cache.rows
+    assert sorted(name for name in cache.keys if isinstance(name, int)) == [0, 2]
+    assert cache.values[0].shape[-1] == 8 and cache.values[2].shape[-1] == 0  # the rotary keys
+    assert sorted(name for name in cache.keys if isinstance(name, str)) == ["indexer 0", "indexer 2", "indexer 3"]
+    assert cache.nbytes == fast.decoder._cache_bytes(*cache.shape[:3])
+
+
 @pytest.mark.parametrize("family, batch", IDENTITY_CASES + [("gpt_oss", 1)])
 def test_greedy_identity_compiled_partial_drafts_and_random_drafter(tiny, family, batch, random_drafter):
     """The compiled step with an oracle's drafts corrupted at 30% (blocks rejected whole, accepted in part and whole
@@ -325,8 +341,17 @@ LLAMA4_RELEASE = pytest.param("llama4", marks=pytest.mark.skipif(
     reason="transformers 5.24's Llama 4 release fails on text prompts in its own generate"))
 
 
+def _image_text_release(family: str, directory):
+    """`family`'s tiny image-text-to-text release, saved to `directory` and loaded back."""
+    from dflash_compile.testing import tiny_multimodal_config
+
+    torch.manual_seed(0)
+    transformers.AutoModelForImageTextToText.from_config(tiny_multimodal_config(family)).save_pretrained(directory)
+    return transformers.AutoModelForImageTextToText.from_pretrained(directory).eval()
+
+
 @pytest.mark.parametrize("family", ["qwen3_vl_moe", "glm4v_moe", "gemma4", "mistral3", "aria", "ernie4_5_vl_moe",
-                                    "step3p7", LLAMA4_RELEASE])
+                                    "step3p7", LLAMA4_RELEASE, "mistral_large4"])
 def test_an_image_text_to_text_release_generates_like_generate(tmp_path, family):
     """Qwen3-VL-MoE and GLM-4.5V, which transformers builds only as image-text-to-text models (the decoder under
     `model.language_model`, its rotary positions in three sections, a vision tower beside it), and Gemma 4 as
@@ -336,11 +361,8 @@ def test_an_image_text_to_text_release_generates_like_generate(tmp_path, family)
     `generate`'s tokens through partly accepted blocks, eager and compiled, with their experts offloaded, and loaded
     by `dflash_compile.from_pretrained`."""
     from dflash_compile.offload import offload_experts, plan_offload
-    from dflash_compile.testing import tiny_multimodal_config
 
-    torch.manual_seed(0)
-    transformers.AutoModelForImageTextToText.from_config(tiny_multimodal_config(family)).save_pretrained(tmp_path)
-    model = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path).eval()
+    model = _image_text_release(family, tmp_path)
     ids, mask = prompts(3)
     expected = reference(model, ids, mask)
     oracle = OracleDrafter(expected, mask, 4, corruption=0.3, vocab_size=128)
