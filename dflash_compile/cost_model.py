@@ -168,6 +168,9 @@ REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
     "deepseek-v3.2": transformers.DeepseekV32Config,  # DeepSeek-V3's shape (671B, 37B active), DSA: 2048 keys a query
     "glm-5": transformers.GlmMoeDsaConfig,  # 78 layers (3 dense), MLA with DSA, 256 experts of 2048, top-8: 744B
     "a.x-k2-light": transformers.AXK2Config,  # 48 layers, MLA with DSA, 128 experts of 512, top-8, a shared expert
+    # dots.llm3 (Dots 3 Note preview, its causal LM; the config class's defaults): 46 layers (the first dense), DSA
+    # layers and sliding latent-attention ones of their own widths (3 in 4), 256 experts of 1536, top-8, shared
+    "dots3-note": transformers.Dots3NoteTextConfig,
     # Mistral Large 4 (image-text-to-text; the config class's defaults): 72 layers (the first dense), MLA with DSA
     # without a query LoRA, every fourth layer without rotary positions, 128 experts of 6144, top-4, a shared expert
     "mistral-large-4": transformers.MistralLarge4Config,
@@ -248,9 +251,10 @@ class ModelSizes:
         def per_layer(layer: int) -> int:  # K and V elements the layer reads per context token
             if not spec.latent_attention:
                 return spec.cached_per_token(text, kinds[layer], layer)
-            # every head's expanded keys and values, as transformers' latent attention reads them
-            k_dim = text.qk_nope_head_dim + text.qk_rope_head_dim
-            return text.num_attention_heads * (k_dim + text.v_head_dim)
+            # every head's expanded keys and values, as transformers' latent attention reads them (dots.llm3's
+            # sliding layers have heads and widths of their own)
+            own = layer_configs(text)[layer]
+            return own.num_attention_heads * (own.qk_nope_head_dim + own.qk_rope_head_dim + own.v_head_dim)
         return cls(
             dense_params=dense + (embedding.numel() if tied else 0),
             embedding_row_params=embedding.shape[1],

@@ -140,28 +140,32 @@ def _mimo_keys_and_values(config, kind: AttentionKind, layer: int) -> int:
 
 def _latent(config, kind: AttentionKind, layer: int) -> int:
     """Multi-head latent attention: one compressed key/value latent and one shared rotary key, for every head (none
-    in Mistral Large 4's layers without rotary positions: `no_rope_layers` is 0 there)."""
+    in Mistral Large 4's layers without rotary positions: `no_rope_layers` is 0 there), of the layer's own ranks
+    (dots.llm3's sliding layers have theirs)."""
     no_rope_layers = getattr(config, "no_rope_layers", None)
     rotary = not no_rope_layers or no_rope_layers[layer]
-    return config.kv_lora_rank + (config.qk_rope_head_dim if rotary else 0)
+    own = layer_configs(config)[layer]
+    return own.kv_lora_rank + (own.qk_rope_head_dim if rotary else 0)
 
 
 def _indexed_latent(config, kind: AttentionKind, layer: int) -> int:
     """DeepSeek sparse attention (DSA): latent attention's latent and rotary key where the layer caches its own
     (Mistral Large 4's layers named to an earlier source in `kv_source_layers` read that layer's), and the indexer's
-    key where the layer runs an indexer (GLM-MoE-DSA's "shared" layers, `indexer_types`, reuse an earlier layer's
-    choice)."""
+    key where the layer runs an indexer: an "indexed_attention" layer but GLM-MoE-DSA's "shared" ones
+    (`indexer_types`), which reuse an earlier layer's choice (dots.llm3's sliding layers run none)."""
     sources = getattr(config, "kv_source_layers", None)
     latent = _latent(config, kind, layer) if not sources or sources[layer] == layer else 0
     shared = getattr(config, "indexer_types", None) and config.indexer_types[layer] == "shared"
-    return latent + (0 if shared else config.index_head_dim)
+    return latent + (config.index_head_dim if kind == "indexed_attention" and not shared else 0)
 
 
 def _latent_expansion(config) -> int:
     """Elements a latent-attention prefill holds per visible cache slot: transformers expands each latent through
-    kv_b_proj into every head's key and value parts, then concatenates the keys with their rotary part."""
-    nope, rope, v = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
-    return config.num_attention_heads * ((nope + v) + (nope + rope) + v)
+    kv_b_proj into every head's key and value parts, then concatenates the keys with their rotary part (the widest
+    layer's, where layers have their own heads and widths)."""
+    return max(view.num_attention_heads * ((view.qk_nope_head_dim + view.v_head_dim)
+                                           + (view.qk_nope_head_dim + view.qk_rope_head_dim) + view.v_head_dim)
+               for view in layer_configs(config))
 
 
 def _gated_delta_rule_elements(config) -> int:
@@ -699,6 +703,13 @@ FAMILIES: dict[str, FamilySpec] = {
             "glm_moe_dsa", ("glm_moe_dsa",), "GlmMoeDsaExperts", _SWIGLU, _DEEPSEEK_ROUTER, _declared_sparse_layers,
             _declared_layer_types, shared_input_linears=_MLA_SHARED_INPUTS, cached_per_token=_indexed_latent,
             unquantized_linears=("weights_proj",),
+        ),
+        FamilySpec(  # dots.llm3 (Dots 3 Note; its causal LM): DeepSeek-V3.2's sparse attention in "indexed_attention"
+            # layers, latent attention of its own ranks and heads over a window in "sliding_attention" ones
+            # (`per_layer_config`), the output gated per head; GLM-4.5's router, a shared expert; MLPs declared
+            "dots3_note", ("dots3_note", "dots3_note_text"), "Dots3NoteExperts", _SWIGLU, _DEEPSEEK_ROUTER,
+            _declared_sparse_layers, _declared_layer_types, shared_input_linears=_MLA_SHARED_INPUTS,
+            cached_per_token=_indexed_latent, unquantized_linears=("weights_proj",),
         ),
         FamilySpec(  # Mistral Large 4 (image-text-to-text; its text model mistral_large4_text): GLM-MoE-DSA's sparse
             # attention without a query LoRA, queries scaled by position (Mistral 4's), layers without rotary

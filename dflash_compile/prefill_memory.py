@@ -116,7 +116,7 @@ class PrefillActivations:
                      if isinstance(decoder, GradientCheckpointingLayer)), default=0)
         layer = (2 * layer + RESIDUAL_STREAM * config.hidden_size) * itemsize + 2 * routers * FP32
         kinds = set(spec.attention_kinds(config)) & set(KEYED_KINDS)
-        groups = max(config.num_attention_heads // view.num_key_value_heads for view in layer_configs(config))
+        groups = max(view.num_attention_heads // view.num_key_value_heads for view in layer_configs(config))
         features = (3 * feature_layers + 4) * config.hidden_size * itemsize if drafter else 0
         return cls(itemsize=itemsize, layer=layer, linear_rule=chunked_rule, stepped_rule=stepped_rule, experts=experts,
                    prompt_token=features, slot=spec.expanded_per_slot(config) * itemsize,

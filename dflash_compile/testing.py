@@ -9,8 +9,8 @@ with attention sinks for gpt_oss, sliding layers with sinks and narrower values 
 before a full one for exaone_moe and laguna, a wider full layer whose keys are its values for gemma4_text, q/k/v
 biases for qwen2_moe, Granite's multipliers, shared experts where the family has them. The families added later
 (mellum, kolibri1, beam, flint, granitemoe_swa, minicpm5_moe, axk1, lara_mini, mistral4, aria, kimi_linear,
-lfm2_moe, llama4_text, granitemoehybrid, jamba, dbrx, longcat_flash) keep theirs likewise; each entry's comment says
-what.
+lfm2_moe, llama4_text, granitemoehybrid, jamba, dbrx, longcat_flash, the DSA families) keep theirs likewise; each
+entry's comment says what.
 """
 
 from __future__ import annotations
@@ -71,6 +71,13 @@ TINY_CONFIGS = {
     # DeepSeek-V3.2 and GLM-MoE-DSA: each query attends over the 6 keys its layer's indexer scores best (prompts are
     # longer), 16 indexer heads (4 would score many keys exactly 0 alike, ties the top-k may break either way)
     "deepseek_v32": lambda: transformers.DeepseekV32Config(**_MLA, **_DSA, **_DEEPSEEK_ROUTING, **_ROUTED),
+    # dots.llm3: two DSA layers (the first MLP dense), then two sliding latent-attention layers of their own ranks
+    # and heads (`swa_*`: wider latents, fewer heads) over an 8-token window
+    "dots3_note": lambda: transformers.Dots3NoteTextConfig(
+        head_dim=16, shared_experts_intermediate_size=32, sliding_window=8, swa_num_attention_heads=2,
+        swa_num_key_value_heads=2, swa_q_lora_rank=32, swa_kv_lora_rank=24, swa_head_dim=16, swa_qk_nope_head_dim=8,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.1,
+        **{**_MLA, "num_hidden_layers": 4}, **_DSA, **_DEEPSEEK_ROUTING, **_ROUTED),
     "glm_moe_dsa": lambda: transformers.GlmMoeDsaConfig(  # its second layer reuses the first's choice of keys
         index_topk_pattern="FSF", initializer_range=0.1, **_MLA, **_DSA, **_DEEPSEEK_ROUTING, **_ROUTED),
     "deepseek_v2": lambda: transformers.DeepseekV2Config(  # DeepSeek-V2's group-limited softmax router

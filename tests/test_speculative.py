@@ -56,20 +56,21 @@ def _generates_with_partial_drafts(model, ids, mask, expected, compile: bool, **
 # one unpadded row). Beam's and Mistral 4's queries scaled by position (a left-padded row's padding included) and
 # Aria's experts stored [E, in, out] stay. A batch of one row also for gpt-oss's sliding rings and sinks. GLM-MoE-DSA
 # and A.X K2 repeat DeepSeek-V3.2's sparse attention (`test_dsa_layers_attend_over_the_keys_their_indexer_picks` runs
-# all three).
+# all three), LongCat-Flash DeepSeek-V3's latent attention (its zero-compute experts' adapter has its own test).
 COVERED_ELSEWHERE = ("qwen2_moe", "qwen3_next", "glm4_moe_lite", "deepseek_v2", "ernie4_5_moe", "phimoe", "dots1",
                      "flex_olmo", "solar_open", "granitemoe", "granitemoeshared", "cohere2_moe", "minimax_m2", "hy_v3",
                      "hunyuan_v1_moe", "laguna", "afmoe", "mellum", "kolibri1", "flint", "granitemoe_swa",
-                     "minicpm5_moe", "axk1", "lara_mini", "bailing_hybrid", "glm_moe_dsa", "axk2")
+                     "minicpm5_moe", "axk1", "lara_mini", "bailing_hybrid", "glm_moe_dsa", "axk2", "longcat_flash")
 IDENTITY_CASES = [(family, 3) for family in SPECULATIVE_FAMILIES if family not in COVERED_ELSEWHERE]
 
 
-@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa", "axk2"])
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa", "axk2", "dots3_note"])
 def test_dsa_layers_attend_over_the_keys_their_indexer_picks(tiny, family):
     """DeepSeek sparse attention: each query of a DSA layer attends over the 6 keys its indexer scores best among
     the row's cached ones (fewer than the prompt's: the choice changes the logits). The target cache keeps each
     indexer's keys beside the latents, written and rolled back with them (GLM-MoE-DSA's second layer reuses the
-    first's choice and keeps none), and blocks of 4 accepted in part over left-padded rows give transformers'
+    first's choice and keeps none; dots.llm3's last two, sliding, run no indexer and keep their wider latents in
+    rings of window - 1 + block slots), and blocks of 4 accepted in part over left-padded rows give transformers'
     tokens."""
     model = tiny(family)
     ids, mask = prompts(3)
@@ -84,9 +85,11 @@ def test_dsa_layers_attend_over_the_keys_their_indexer_picks(tiny, family):
     expected = reference(model, ids, mask)
     fast = _generates_with_partial_drafts(model, ids, mask, expected, compile=False)
     cache = fast.decoder.target_cache.rows
-    layers = [0, 2] if family == "glm_moe_dsa" else [0, 1, 2]
+    layers = {"glm_moe_dsa": [0, 2], "dots3_note": [0, 1]}.get(family, [0, 1, 2])
     assert sorted(name for name in cache.keys if isinstance(name, str)) == [f"indexer {i}" for i in layers]
     assert cache.keys["indexer 0"].shape == (3, 1, cache.max_len, 16)
+    if family == "dots3_note":
+        assert cache.keys[3].shape == (3, 1, 8 - 1 + 4, 24) and cache.keys[0].shape == (3, 1, cache.max_len, 16)
 
 
 def test_mistral_large4_layers_reading_earlier_latents_cache_only_their_indexer_keys(tmp_path):
