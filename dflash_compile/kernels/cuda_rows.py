@@ -8,9 +8,10 @@ Every lane of a warp reads its own 16-byte pieces of a row and decodes them in r
 once per CTA in shared memory: none of the Triton row path's per-step staging and barriers. On an H100 a
 gpt-oss-20b layer took 26.7 us against the Triton path's 31.0 (66% of the copy bandwidth), a SiLU MXFP4 one of
 Qwen3-30B-A3B's shape 14.3 against 18.3, a Qwen3-30B-A3B-FP8 one 18.4 against 20.6 (docs/benchmarks.md, session 60;
-tests/kernels/test_cuda_rows.py passes there). So they run by default on the GPUs of `FASTER_ON`, where they were
-measured faster; elsewhere (the H200, where session 58's versions of the same design ran 0.87-0.98x of Triton) only
-with DFLASH_CUDA_ROWS=1, and never with DFLASH_CUDA_ROWS=0.
+tests/kernels/test_cuda_rows.py passes there). On the H200 (session 69; session 58's versions of the same design ran
+0.87-0.98x of Triton there) 24.3 against 27.4 us, 13.2 against 17.7 and 16.1 against 17.8. So they run by default on
+the GPUs of `FASTER_ON`, where they were measured faster; elsewhere only with DFLASH_CUDA_ROWS=1, and never with
+DFLASH_CUDA_ROWS=0.
 
 Compiled once per machine and torch version on first use with `torch.utils.cpp_extension.load` (nvcc and a CUDA
 build of torch; cached in TORCH_EXTENSIONS_DIR), as the CPU kernels are (`kernels.cpu`); without them the Triton
@@ -33,7 +34,8 @@ from . import build_extension
 SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "moe_rows_cuda.cu"
 MXFP4_TOP_K, MXFP4_SILU_TOP_K, FP8_TOP_K = 4, (2, 4, 8), 8  # routed experts per token: gpt-oss; SiLU; Qwen3-FP8
 MAX_GROUPS = 128  # MXFP4: 32-code groups a row may have, up to four a lane
-FASTER_ON = ("H100",)  # GPUs (in the device name) where they beat the Triton kernels (docs/benchmarks.md, 60-64)
+# GPUs (in the device name) where they beat the Triton kernels (docs/benchmarks.md, sessions 60-64 and 69)
+FASTER_ON = ("H100", "H200")
 SETTINGS = ("0", "1", "auto")  # DFLASH_CUDA_ROWS: off, on (any Hopper GPU), on where FASTER_ON (the default)
 FP8_MAX_HIDDEN, FP8_MAX_INTER = 4096, 2048  # FP8: up to 8 and 4 16-byte chunks per lane
 _failure: str | None = None

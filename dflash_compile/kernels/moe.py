@@ -54,7 +54,8 @@ than it saved, 0.95-0.98x). 1.07-1.09x, then 1.02-1.06x, at verify sizes (sessio
 One token's layer in gpt-oss's MXFP4 layout (interleaved gate/up, clamped SwiGLU, biases, top-4), in MXFP4 with
 concatenated gate/up and SiLU (top-2, 4, 8) or in Qwen3-FP8's (top-8), experts resident, can run CUDA C++ kernels
 instead (`cuda_rows`, csrc/moe_rows_cuda.cu; 1.12-1.28x the Triton kernels for the three on an H100, session 60):
-by default on the H100, elsewhere with DFLASH_CUDA_ROWS=1 (`cuda_rows.FASTER_ON`).
+by default on the H100 and the H200 (1.10-1.34x there, session 69), elsewhere with DFLASH_CUDA_ROWS=1
+(`cuda_rows.FASTER_ON`).
 
 `FP16_OPERANDS` (FP8 weights, tile setting `operands="fp16"`): the weights go to the tensor cores as fp16 through
 the one-instruction e4m3x2 -> f16x2 conversion (bf16 takes two per value), and the activations come in as fp16

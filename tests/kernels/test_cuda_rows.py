@@ -1,5 +1,5 @@
 """The CUDA C++ row kernels of one token's MoE layer (csrc/moe_rows_cuda.cu, `kernels.cuda_rows`): on by default where
-they were measured faster (the H100), asked for or turned off by DFLASH_CUDA_ROWS; on a Hopper GPU, gpt-oss MXFP4 and
+they were measured faster (the H100 and the H200), asked for or turned off by DFLASH_CUDA_ROWS; on a Hopper GPU, gpt-oss MXFP4 and
 Qwen3 FP8 layers against the reference, under CUDA graphs, and the calls they leave to Triton."""
 
 import pytest
@@ -66,7 +66,7 @@ def test_by_default_the_row_kernels_run_on_the_gpus_they_are_faster_on(monkeypat
     assert (_loaded_with(monkeypatch, None) is not None) == faster
     if not faster:
         assert cuda_rows.status() == (f"CUDA row kernels unused: off on the {name}: measured faster than the Triton "
-                                      "kernels only on the H100 (DFLASH_CUDA_ROWS=1 turns them on)")
+                                      "kernels only on the H100, H200 (DFLASH_CUDA_ROWS=1 turns them on)")
     assert _loaded_with(monkeypatch, "1") is not None  # asked for: on any Hopper GPU
     cuda_rows.load.cache_clear()
 
