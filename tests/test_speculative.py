@@ -64,6 +64,19 @@ COVERED_ELSEWHERE = ("qwen2_moe", "qwen3_next", "glm4_moe_lite", "deepseek_v2", 
 IDENTITY_CASES = [(family, 3) for family in SPECULATIVE_FAMILIES if family not in COVERED_ELSEWHERE]
 
 
+def _assert_the_indexers_choice_matters(model, ids, mask):
+    """The DSA indexers' 6 keys a query are fewer than its visible ones: attending over every key changes the
+    logits."""
+    indexers = [module for module in model.modules() if type(module).__name__.endswith("Indexer")]
+    with torch.no_grad():
+        sparse = model(ids, attention_mask=mask).logits
+        for indexer in indexers:
+            indexer.index_topk = 64  # every key
+        assert not torch.allclose(model(ids, attention_mask=mask).logits, sparse, atol=1e-3)
+        for indexer in indexers:
+            indexer.index_topk = 6
+
+
 @pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa", "axk2", "dots3_note"])
 def test_dsa_layers_attend_over_the_keys_their_indexer_picks(tiny, family):
     """DeepSeek sparse attention: each query of a DSA layer attends over the 6 keys its indexer scores best among
@@ -74,14 +87,7 @@ def test_dsa_layers_attend_over_the_keys_their_indexer_picks(tiny, family):
     tokens."""
     model = tiny(family)
     ids, mask = prompts(3)
-    indexers = [module for module in model.modules() if type(module).__name__.endswith("Indexer")]
-    with torch.no_grad():
-        sparse = model(ids, attention_mask=mask).logits
-        for indexer in indexers:
-            indexer.index_topk = 64  # every key
-        assert not torch.allclose(model(ids, attention_mask=mask).logits, sparse, atol=1e-3)
-        for indexer in indexers:
-            indexer.index_topk = 6
+    _assert_the_indexers_choice_matters(model, ids, mask)
     expected = reference(model, ids, mask)
     fast = _generates_with_partial_drafts(model, ids, mask, expected, compile=False)
     cache = fast.decoder.target_cache.rows
@@ -96,9 +102,11 @@ def test_mistral_large4_layers_reading_earlier_latents_cache_only_their_indexer_
     """Mistral Large 4 (its tiny release): layers 1 and 3 read layers 0 and 2's latents (`kv_source_layers`) and
     cache none of their own, layer 3 still caches its indexer's keys (layer 1 reuses layer 0's choice), and layer
     2 has no rotary positions (`no_rope_layers`): its latents carry no rotary key. `_cache_bytes` counts just those
-    buffers, and blocks accepted in part over left-padded rows give transformers' tokens."""
+    buffers, and blocks accepted in part over left-padded rows give transformers' tokens, the indexers' choice
+    mattering."""
     model = _image_text_release("mistral_large4", tmp_path)
     ids, mask = prompts(3)
+    _assert_the_indexers_choice_matters(model, ids, mask)
     expected = reference(model, ids, mask)
     fast = _generates_with_partial_drafts(model, ids, mask, expected, compile=False)
     cache = fast.decoder.target_cache.rows
