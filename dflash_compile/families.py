@@ -994,12 +994,24 @@ def spec_for_experts_class(cls: type) -> FamilySpec | None:
 
 
 def _recognised_experts(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Experts modules of a registry class inside the text decoder, but a layer's image experts (ERNIE-4.5-VL's): a
+    vision tower may hold experts of the decoder's class (dots.llm3's), which generating text never runs."""
+    decoder = _text_decoder_prefix(model)
     found = {}
     for name, module in model.named_modules():
         spec = spec_for_experts_class(type(module))
-        if spec and not (spec.image_experts and name.rpartition(".")[0].endswith("." + spec.image_experts)):
+        if (spec and name.startswith(decoder)
+                and not (spec.image_experts and name.rpartition(".")[0].endswith("." + spec.image_experts))):
             found[name] = module
     return found
+
+
+def _text_decoder_prefix(model: torch.nn.Module) -> str:
+    """The qualified name of `model`'s text decoder (transformers' `get_decoder`), with its dot; "" for the whole
+    model."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else model
+    return next((name + "." for name, module in model.named_modules() if module is decoder and name), "")
 
 
 def adapt_model(model: torch.nn.Module) -> torch.nn.Module:

@@ -14,7 +14,7 @@ from dflash_compile.expert_store import _STORES_BY_ROOT
 from dflash_compile.families import (
     FAMILIES, UnsupportedFamilyError, adapt_model, experts_modules, spec_for_config, spec_for_experts_class,
     traced_unadapted)
-from dflash_compile.testing import OracleDrafter, in_installed_transformers, tiny_multimodal_config
+from dflash_compile.testing import OracleDrafter, in_installed_transformers, tiny_config, tiny_multimodal_config
 from tests.conftest import token_ids
 
 
@@ -298,6 +298,29 @@ def test_ernie_vl_image_experts_are_left_to_the_model():
     experts = [name for name, module in model.named_modules() if type(module).__name__ == "Ernie4_5_VLMoeMoeExperts"]
     assert len(experts) == 4
     assert list(experts_modules(model)) == [f"model.language_model.layers.{i}.mlp.text_moe.experts" for i in (1, 2)]
+
+
+def test_dots3_vision_experts_are_left_to_the_model(tmp_path):
+    """dots.llm3's image-audio release: its vision tower's MoE blocks hold experts of the text decoder's class; text
+    prompts never run them, so only the decoder's are routed experts to dflash-compile, and its text prompts give
+    `generate`'s tokens."""
+    from transformers.models.dots3_note import configuration_dots3_note as dots3
+
+    tower = dict(hidden_size=32, intermediate_size=32, num_attention_heads=2)
+    vision = dots3.Dots3NoteVisionConfig(num_hidden_layers=2, moe_intermediate_size=16, num_experts_per_tok=2,
+                                         pyramid_num_routed=[-1, 4], adapter_in_dim=32, adapter_out_dim=64, **tower)
+    audio = dots3.Dots3NoteAudioConfig(num_hidden_layers=1, downsample_hidden_size=16, adapter_input_size=32,
+                                       adapter_out_dim=64, **tower)
+    config = transformers.Dots3NoteConfig(text_config=tiny_config("dots3_note").to_dict(),
+                                          vision_config=vision.to_dict(), audio_config=audio.to_dict())
+    torch.manual_seed(0)
+    model = transformers.AutoModelForImageTextToText.from_config(config).eval()
+    assert "model.vision_tower.blocks.1.mlp.experts" in dict(model.named_modules())
+    assert list(experts_modules(model)) == [f"model.language_model.layers.{i}.mlp.experts" for i in (1, 2, 3)]
+    ids, mask = token_ids(), torch.ones(2, 9, dtype=torch.long)
+    expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12)
+    fast = dflash_compile.optimize(model, adaptive=False, compile=False)
+    assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=12), expected)
 
 
 CLAMPS_LING_3 = Version(transformers.__version__) >= Version("5.25")  # transformers 5.24's Ling 3 has no clamps
