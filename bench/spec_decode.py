@@ -149,13 +149,11 @@ def copy_bandwidth(device: str) -> float:
     return 2 * src.numel() / seconds
 
 
-def floor_seconds(model, tokens: int, context: int, bandwidth: float, expert_bits: float) -> float:
-    """The cost model's memory floor of a step over `tokens` tokens at `context`, at the measured bandwidth, with
-    the routed experts stored at `expert_bits` per weight."""
-    sizes = ModelSizes.of(model.config)
+def measured_cost(model, bandwidth: float, expert_bits: float) -> StepCost:
+    """The cost model of a step of `model` at the measured bandwidth, with the routed experts stored at
+    `expert_bits` per weight: its bytes over the bandwidth are the step's memory floor."""
     measured = Hardware("measured", hbm=bandwidth, pcie=55e9, flops=float("inf"), step_overhead=0.0)
-    cost = StepCost(sizes, measured, expert_bits=expert_bits)
-    return float(cost.bytes.subs({B: tokens, C: context})) / bandwidth
+    return StepCost(ModelSizes.of(model.config), measured, expert_bits=expert_bits)
 
 
 def step_inputs(model, decoder, args, block: int):
@@ -175,6 +173,7 @@ def step_inputs(model, decoder, args, block: int):
 def step_times(model, decoder, args, bandwidth, expert_bits: float = 16.0):
     """Decode and verify step times with uniform routing, as `generate` runs them, next to their memory floors."""
     routing = UniformRouting(model)
+    cost = measured_cost(model, bandwidth, expert_bits)
     rows = []
     for block in args.step_blocks:
         tokens, cache, active = step_inputs(model, decoder, args, block)
@@ -187,8 +186,8 @@ def step_times(model, decoder, args, bandwidth, expert_bits: float = 16.0):
         distinct = statistics.mean(routing.distinct) if routing.distinct else float("nan")
         with generation_context(model):
             _, seconds = timed(lambda: decoder.verify_step(tokens, cache, active), args.repeats * 3, args.device)
-        floor = floor_seconds(model, block, args.prompt, bandwidth, expert_bits)
-        expected = float(StepCost(ModelSizes.of(model.config), HARDWARE["h200"]).distinct_experts.subs(B, block))
+        floor = float(cost.bytes.subs({B: block, C: args.prompt})) / bandwidth
+        expected = float(cost.distinct_experts.subs(B, block))
         rows.append((block, seconds, floor, distinct, expected))
     routing.remove()
     return rows
