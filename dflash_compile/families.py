@@ -724,6 +724,11 @@ FAMILIES: dict[str, FamilySpec] = {
             "deepseek_v2", ("deepseek_v2",), "DeepseekV2Experts", _SWIGLU, _DEEPSEEK_V2_ROUTER,
             _after_first_k_dense, _full_attention, shared_input_linears=_MLA_SHARED_INPUTS, cached_per_token=_latent,
         ),
+        FamilySpec(  # DeepSeek-OCR 2 (image-text-to-text; its text model deepseek_ocr2_text): DeepSeek-V2's softmax
+            # router (greedy, or inside groups) and shared experts under plain multi-head attention; MLPs declared
+            "deepseek_ocr2", ("deepseek_ocr2", "deepseek_ocr2_text"), "DeepseekOcr2TextExperts", _SWIGLU,
+            _DEEPSEEK_V2_ROUTER, _declared_sparse_layers, _full_attention,
+        ),
         FamilySpec(  # GLM-4.7-Flash: DeepSeek-V3's latent attention and router, its MLPs named layer by layer
             "glm4_moe_lite", ("glm4_moe_lite",), "Glm4MoeLiteExperts", _SWIGLU, _DEEPSEEK_ROUTER,
             _declared_sparse_layers, _full_attention, shared_input_linears=_MLA_SHARED_INPUTS,

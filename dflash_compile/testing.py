@@ -262,6 +262,16 @@ def _pixtral_tower(hidden_size: int) -> dict:
                 image_size=64, patch_size=8)
 
 
+def _sam_and_encoder(hidden_size: int) -> dict:
+    """DeepSeek-OCR 2's vision model: SAM's ViT (one block, its neck down to 32 channels) and a one-layer encoder
+    over its patches and learned queries, projected into the text decoder's width by the model."""
+    return dict(sam_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=64,
+                                patch_size=16, window_size=2, global_attn_indexes=[0], output_channels=16,
+                                downsample_channels=[16, 32]),
+                encoder_config=dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                    num_key_value_heads=2))
+
+
 # Families released as image-text-to-text models (the decoder under `model.language_model`, a vision tower beside
 # it): the multimodal config class, the tiny text config, the vision tower's settings (a function of the decoder's
 # width). Qwen3-VL-MoE's text config has no causal LM class, so it is not in TINY_CONFIGS.
@@ -286,6 +296,10 @@ MULTIMODAL = {
         initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0, **_DSA, **_DEEPSEEK_ROUTING,
         **_ROUTED, **{key: value for key, value in _MLA.items() if key != "q_lora_rank"} | {"num_hidden_layers": 4}),
         _pixtral_tower),
+    # DeepSeek-OCR 2: a dense first layer, then DeepSeek-V2's router inside groups with a shared expert
+    "deepseek_ocr2": (transformers.DeepseekOcr2Config, lambda: transformers.DeepseekOcr2TextConfig(
+        num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"], topk_method="group_limited_greedy",
+        **_DECLARED_DEEPSEEK_ROUTING, **_ROUTED, **_COMMON), _sam_and_encoder),
     "aria": (transformers.AriaConfig, lambda: tiny_config("aria"), lambda hidden_size: dict(  # Idefics3's
         hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=64, patch_size=8)),
     "ernie4_5_vl_moe": (transformers.Ernie4_5_VLMoeConfig, lambda: transformers.Ernie4_5_VLMoeTextConfig(  # a dense

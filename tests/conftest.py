@@ -1,3 +1,4 @@
+import functools
 import os
 
 import pytest
@@ -26,6 +27,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
         shared = os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # the controller may have set it
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{shared}_{os.environ['PYTEST_XDIST_WORKER']}"
 
+# Inductor's CPU kernels compile without SIMD in the tests: a compile's time is mostly the C++ compiler's, and scalar
+# kernels compile in two thirds of the vectorized ones' time (five families' compiled logits with an empty Inductor
+# cache: 44-47 s against 64 s on the 2-core CI machine); the models are tiny, so their run time does not show, and the
+# library's own kernels on the CPU are csrc's and Triton's, untouched by this.
+if not torch.cuda.is_available():
+    torch._inductor.config.cpp.vec_isa_ok = False
+
 # the families the installed transformers has (MiniCPM5-MoE came in 5.25)
 FAMILIES = sorted(family for family in TINY_CONFIGS if in_installed_transformers(family))
 
@@ -50,6 +58,18 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def aot_eager_steps(monkeypatch):
+    """`optimize`'s compiled steps lowered by AOT eager instead of Inductor: Dynamo still captures each step whole and
+    the dflash passes rewrite it; Inductor's C++ compile, most of a compiled test's time with an empty compile cache,
+    is left to the tests of the families whose attention and router these share."""
+    from dflash_compile import speculative
+    from dflash_compile.backend import dflash_backend_with
+
+    monkeypatch.setattr(speculative, "dflash_backend_with",
+                        functools.partial(dflash_backend_with, lowering="aot_eager"))
 
 
 @pytest.fixture(scope="session")

@@ -293,7 +293,8 @@ def test_fused_experts_on_resident_weights_give_the_same_tokens(tiny, family, mo
     """By default the compiled step's experts run dflash's kernel on the module's own weights (gpt-oss's
     [E, in, out] read through a transposed view), with the tokens of model.generate; fused_experts=False keeps
     transformers' experts. The choice belongs to each optimize() (its compiled graphs), not to the shared model:
-    a fused decoder stays fused after another one over the same model chose otherwise."""
+    a fused decoder stays fused after another one over the same model chose otherwise. The forward's entry points and
+    fp16 experts choose alike in every layout: checked on Qwen3-MoE's only (each check compiles once more)."""
     import dflash_compile.expert_store as expert_store
 
     calls = []
@@ -307,6 +308,8 @@ def test_fused_experts_on_resident_weights_give_the_same_tokens(tiny, family, mo
     assert not calls
     assert torch.equal(fused.generate(ids, max_new_tokens=8), expected)
     assert calls
+    if family != "qwen3_moe":
+        return
     calls.clear()
     with torch.no_grad():  # the forward of either entry point follows the same choice
         assert torch.equal(torch.compile(model, backend="dflash", options={"fused_experts": False})(ids).logits,

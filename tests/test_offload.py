@@ -64,11 +64,14 @@ def test_offloaded_generation_is_token_identical(tiny, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_offload_with_compiled_dflash_speculative_decoding(tiny, family, tmp_path):
+def test_offload_with_compiled_dflash_speculative_decoding(tiny, family, tmp_path, aot_eager_steps):
     """Every family with a DFlash drafter at its full block (verify blocks fetch the union of their tokens'
-    experts, and the next layer's route-ahead) gives the resident model's greedy tokens. Compiled by Inductor where
+    experts, and the next layer's route-ahead) gives the resident model's greedy tokens. Compiled where
     test_speculative.py's padded-batch identity test does not compile the family already (IDENTITY_CASES): every
-    family's speculative steps are compiled in one of the two."""
+    family's steps are compiled in one of the two. Here they are lowered by AOT eager (`aot_eager_steps`): Dynamo
+    captures each step whole and the passes rewrite it, and Inductor compiles the attention and router each family
+    shares with one of IDENTITY_CASES (COVERED_ELSEWHERE says which) in that family's test (with an empty compile
+    cache Inductor's C++ compile doubled this test's time: 10-30 s a family against 5-15)."""
     ids = token_ids(batch=1)
     reference = tiny(family)
     expected = reference.generate(ids, max_new_tokens=12, do_sample=False)

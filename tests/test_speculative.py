@@ -53,8 +53,9 @@ def _generates_with_partial_drafts(model, ids, mask, expected, compile: bool, **
 # gpt-oss's sinks on sliding and full layers, MiniCPM5-MoE GLM-4.5's router with a gated output, A.X K1 DeepSeek-V3,
 # Lara Mini Qwen3.5's linear attention beside gpt-oss's sliding layers, Ling 3 Kimi Linear's layers gated (each
 # family's compiled speculative step keeps its identity test: `test_offload_with_compiled_dflash_speculative_decoding`,
-# one unpadded row). Beam's and Mistral 4's queries scaled by position (a left-padded row's padding included) and
-# Aria's experts stored [E, in, out] stay. A batch of one row also for gpt-oss's sliding rings and sinks. GLM-MoE-DSA
+# one unpadded row, the step captured by Dynamo and rewritten by the passes, lowered by AOT eager). Beam's and
+# Mistral 4's queries scaled by position (a left-padded row's padding included) and Aria's experts stored
+# [E, in, out] stay. A batch of one row also for gpt-oss's sliding rings and sinks. GLM-MoE-DSA
 # and A.X K2 repeat DeepSeek-V3.2's sparse attention (`test_dsa_layers_attend_over_the_keys_their_indexer_picks` runs
 # all three), LongCat-Flash DeepSeek-V3's latent attention (its zero-compute experts' adapter has its own test).
 COVERED_ELSEWHERE = ("qwen2_moe", "qwen3_next", "glm4_moe_lite", "deepseek_v2", "ernie4_5_moe", "phimoe", "dots1",
@@ -362,15 +363,17 @@ def _image_text_release(family: str, directory):
 
 
 @pytest.mark.parametrize("family", ["qwen3_vl_moe", "glm4v_moe", "gemma4", "mistral3", "aria", "ernie4_5_vl_moe",
-                                    "step3p7", LLAMA4_RELEASE, "mistral_large4"])
-def test_an_image_text_to_text_release_generates_like_generate(tmp_path, family):
+                                    "step3p7", LLAMA4_RELEASE, "mistral_large4", "deepseek_ocr2"])
+def test_an_image_text_to_text_release_generates_like_generate(tmp_path, family, aot_eager_steps):
     """Qwen3-VL-MoE and GLM-4.5V, which transformers builds only as image-text-to-text models (the decoder under
     `model.language_model`, its rotary positions in three sections, a vision tower beside it), and Gemma 4 as
     released (an image-text-to-text model whose causal LM class is that one too), Mistral Small 4 (Mistral 3's
     vision model around a Mistral 4 decoder), Aria, ERNIE-4.5-VL (text prompts call its text experts only), Step 3.7
-    (clamped experts in one layer) and Llama 4 (Scout and Maverick): text prompts keep
-    `generate`'s tokens through partly accepted blocks, eager and compiled, with their experts offloaded, and loaded
-    by `dflash_compile.from_pretrained`."""
+    (clamped experts in one layer), Llama 4 (Scout and Maverick) and DeepSeek-OCR 2 (SAM's vision model and an
+    encoder around a DeepSeek-V2 MoE decoder under plain attention): text prompts keep
+    `generate`'s tokens through partly accepted blocks, eager and compiled (lowered by AOT eager: Inductor compiles
+    each decoder's kind of attention and router in the text families' tests), with their experts offloaded, and
+    loaded by `dflash_compile.from_pretrained`."""
     from dflash_compile.offload import offload_experts, plan_offload
 
     model = _image_text_release(family, tmp_path)
