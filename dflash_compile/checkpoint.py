@@ -136,8 +136,8 @@ def _quantized_tensors(model: torch.nn.Module, format: str) -> Iterator[tuple[st
     """The checkpoint's tensors, module by module (each module's weights in memory only while it is read, for a
     model offloaded to disk): routed experts in `format`; with fp8_block also the plain linears but the output head
     and the routers' (Hunyuan-A13B's fp32 `gate.wg`; Phi-MoE's router is an nn.Linear subclass): routing stays in the
-    model's dtype, as released FP8 keeps it; and those the family's code multiplies by their weight instead of
-    calling (`unquantized_linears`); everything else as it is."""
+    model's dtype, as released FP8 keeps it; and the family's `unquantized_linears` (weights its code multiplies
+    directly, JetMoE's attention experts' router); everything else as it is."""
     spec = spec_for_model(model)
     layers = experts_modules(model)
     routers = {part for path in layers for part in router_of(model, path).modules()}

@@ -178,6 +178,8 @@ REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
         d_model=6144, n_heads=48, n_layers=40, max_seq_len=32768, vocab_size=100352,
         attn_config=dict(kv_n_heads=8, clip_qkv=8.0, rope_theta=500000.0),
         ffn_config=dict(ffn_hidden_size=10752, moe_num_experts=16, moe_top_k=4, moe_normalize_expert_weights=1.0)),
+    "jetmoe-8b": lambda: transformers.JetMoeConfig(  # 24 layers, 8 MLP and 8 attention experts of 2048 queries, top-2
+        num_hidden_layers=24, intermediate_size=5632, rms_norm_eps=1e-5),
     "qwen2-57b-a14b": lambda: transformers.Qwen2MoeConfig(
         hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, num_experts=64,
         num_experts_per_tok=8, moe_intermediate_size=2560, shared_expert_intermediate_size=20480,

@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 import transformers
 from packaging.version import Version
-from transformers.integrations.moe import grouped_mm_experts_forward, use_experts_implementation
+from transformers.integrations.moe import _grouped_linear, grouped_mm_experts_forward, use_experts_implementation
 
 GateUpLayout = Literal["concatenated", "interleaved", "ungated"]
 Activation = Literal["act_fn", "clamped_swiglu", "clamped_act_fn"]
@@ -62,7 +62,7 @@ class RouterSpec:
     correction_bias: str | None = None  # the router's attribute (path): a bias added to the scores for the choice only
     grouped_top_k: bool = False  # experts chosen inside the best `topk_group` of `n_group` groups
     routed_scaling_factor: bool = False  # weights multiplied by `config.routed_scaling_factor`
-    module: str = "gate"  # the router's attribute on the MoE block, beside the experts module
+    module: str = "gate"  # the router's attribute (path) on the MoE block, beside the experts module
     # an attribute of the MoE block that the block passes to the router's call by the same name (MiniMax-M2 keeps its
     # correction bias there, not on the router)
     block_bias: str | None = None
@@ -252,8 +252,9 @@ class FamilySpec:
     # the attribute of an MoE block (ERNIE-4.5-VL's `vision_moe`) whose experts text prompts never call: left to the
     # model's own code (images), out of `experts_modules`
     image_experts: str | None = None
-    # linears the family's code multiplies by their `weight` instead of calling (Jamba's `dt_proj`): FP8
-    # checkpoints keep them in the model's dtype
+    # linears FP8 checkpoints keep in the model's dtype (by name): those the family's code multiplies by their
+    # `weight` instead of calling (Jamba's `dt_proj`), and routers beside the MoE blocks' (JetMoE's attention
+    # experts' `router.layer`), which route in the model's dtype as the MoE blocks' do
     unquantized_linears: tuple[str, ...] = ()
     # the config's count of zero-compute experts, which a router picks as it picks routed ones and which read no weights
     # (LongCat-Flash's `zero_expert_num`: each returns its input)
@@ -380,18 +381,24 @@ class Llama4RoutedMoe(torch.nn.Module):
         return out + routed.view(-1, self.top_k, self.hidden_dim).sum(dim=1), None  # the decoder drops the second
 
 
-@use_experts_implementation
-class DbrxRoutedExperts(torch.nn.Module):
-    """DBRX's experts (`DbrxExperts`, which loops over experts) as routed experts in transformers' layout:
-    `gate_up_proj` [E, 2I, H] (gate rows, then up) and `down_proj` [E, H, I], from its `mlp.w1` (gate), `mlp.v1`
-    (up) and `mlp.w2` (down, multiplied as h @ w2), each expert's [I, H] rows stacked into one [E * I, H] matrix.
-    Made by changing a module's class and moving its weights (`_route_dbrx_experts`)."""
+class _MovedExperts(torch.nn.Module):
+    """Routed experts in transformers' layout, `gate_up_proj` [E, 2I, H] (gate rows, then up) and `down_proj`
+    [E, H, I], made from a family's own experts module by a weight-moving adapter; the attributes the decorator's
+    __init__ would set are the class's, `config` the adapter's."""
 
     has_gate, has_bias, has_post_expert_norm, is_transposed, is_concatenated = True, False, False, False, True
     _is_expert_parallel = False
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         return grouped_mm_experts_forward(self, hidden, top_k_index, top_k_weights)
+
+
+@use_experts_implementation
+class DbrxRoutedExperts(_MovedExperts):
+    """DBRX's experts (`DbrxExperts`, which loops over experts) as routed experts: `gate_up_proj` and `down_proj`
+    from its `mlp.w1` (gate), `mlp.v1` (up) and `mlp.w2` (down, multiplied as h @ w2), each expert's [I, H] rows
+    stacked into one [E * I, H] matrix. Made by changing a module's class and moving its weights
+    (`_route_dbrx_experts`)."""
 
 
 class DbrxRoutedFfn(torch.nn.Module):
@@ -431,6 +438,101 @@ def _route_dbrx_experts(model: torch.nn.Module, block: torch.nn.Module) -> None:
     experts.gate_up_proj = torch.nn.Parameter(torch.cat([gate, up], dim=1), requires_grad=trained)
     del gate, up
     experts.down_proj = torch.nn.Parameter(down.transpose(1, 2).contiguous(), requires_grad=trained)
+
+
+@use_experts_implementation
+class JetMoeRoutedExperts(_MovedExperts):
+    """JetMoE's MLP experts (two `JetMoeParallelExperts`, which split rows by a `tolist()` of their group sizes and
+    loop over experts: no graph captures them whole) as routed experts: `gate_up_proj` is its `input_linear`'s weight
+    [E, 2I, H] (the MoE block chunks its output into gate, then up), `down_proj` its `output_linear`'s. A new module
+    holding the same tensors (`_route_jetmoe_experts`)."""
+
+
+class JetMoeRoutedMoe(torch.nn.Module):
+    """JetMoE's MoE block (`JetMoeMoE`) calling `JetMoeRoutedExperts` on its tokens as rows, routed as `JetMoeMoE`
+    routes (the top-k of the router's fp32 logits, then their softmax), its output bias added after. Made by changing
+    a module's class."""
+
+    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, H] -> (the chosen experts' weights, their indices), both [T, k]: the router's choice, which
+        offload's prefetch asks for too."""
+        return _top_k_then_softmax(self.router.layer(hidden).float(), self.router.top_k, hidden.dtype)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+        weights, index = self.route(hidden)
+        return self.experts(hidden, index, weights).view(hidden_states.shape) + self.bias
+
+
+def _top_k_then_softmax(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A `JetMoeTopKGating`'s choice from its fp32 logits [T, E]: the softmax of the top-k in `dtype` (the hidden
+    states'), and their indices, both [T, k]."""
+    top, index = logits.topk(top_k, dim=1)
+    return torch.softmax(top, dim=1).to(dtype), index
+
+
+class JetMoeGroupedAttentionExperts(torch.nn.Module):
+    """JetMoE's mixture of attention heads (`JetMoeMoA`): each token's query heads come from the query projections
+    of the top-k experts its router picks, and their outputs go through those experts' output projections, weighted.
+    transformers groups the rows by a `tolist()` of the group sizes (data-dependent: no graph captures the layer
+    whole); here each projection is one grouped GEMM over the rows sorted by expert, as transformers' grouped_mm runs
+    routed experts, with the same sums. The attention experts stay the model's own weights (resident): only the MLP
+    experts are dispatched and offloaded. Made by changing a module's class."""
+
+    @property
+    def out_features(self) -> int:
+        """Elements its grouped GEMMs output per token, as a linear's (`prefill_memory`): a query row and an output
+        row of the hidden size for each of the token's k picks."""
+        return self.top_k * (self.hidden_size + self.input_size)
+
+    def _grouping(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden [T, H] -> (the router's logits; the (token, pick) rows in expert order; their weights; the
+        grouped GEMM's offsets, the rows' end for each expert)."""
+        logits = self.router.layer(hidden).float()
+        weights, index = _top_k_then_softmax(logits, self.top_k, hidden.dtype)
+        experts, rows = torch.sort(index.reshape(-1))
+        # histc, not bincount: no host sync (CUDA graphs); on CPU it counts floats only
+        counts = torch.histc(experts.float() if experts.is_cpu else experts.int(), bins=self.num_experts, min=0,
+                             max=self.num_experts - 1)
+        return logits, rows, weights.reshape(-1)[rows], torch.cumsum(counts, dim=0, dtype=torch.int32)
+
+    def map(self, layer_input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+        """layer_input [B, S, H] -> (queries [B, S, k, kv heads x head dim], the router's logits, the grouping that
+        `reduce` takes)."""
+        batch, length, width = layer_input.shape
+        hidden = layer_input.reshape(-1, width)
+        logits, rows, weights, offsets = self._grouping(hidden)
+        queries = _grouped_linear(hidden[rows // self.top_k], self.input_linear.weight, offsets)
+        unsorted = torch.empty_like(queries).index_copy_(0, rows, queries)
+        return unsorted.view(batch, length, self.top_k, -1), logits, (rows, weights, offsets)
+
+    def reduce(self, layer_input: torch.Tensor, grouping: tuple) -> torch.Tensor:
+        """layer_input [B, S, k, kv heads x head dim] (each pick's attention output) -> [B, S, H]."""
+        rows, weights, offsets = grouping
+        picks = layer_input.reshape(-1, layer_input.shape[-1])
+        out = _grouped_linear(picks[rows], self.output_linear.weight, offsets) * weights[:, None]
+        unsorted = torch.empty_like(out).index_copy_(0, rows, out)
+        summed = unsorted.view(*layer_input.shape[:2], self.top_k, -1).sum(dim=2)
+        return summed + self.bias
+
+
+def _route_jetmoe_experts(model: torch.nn.Module, block: torch.nn.Module) -> None:
+    """JetMoE: a `JetMoeMoE` becomes a `JetMoeRoutedMoe` whose new `experts` (`JetMoeRoutedExperts`) hold its
+    `input_linear` / `output_linear` weights as `gate_up_proj` / `down_proj` (the same tensors)."""
+    experts = JetMoeRoutedExperts.__new__(JetMoeRoutedExperts)
+    torch.nn.Module.__init__(experts)
+    experts.config = model.config.get_text_config()
+    experts.num_experts = block.input_linear.num_experts
+    experts.act_fn = block.activation
+    experts.gate_up_proj = block.input_linear.weight
+    experts.down_proj = block.output_linear.weight
+    del block.input_linear, block.output_linear, block.activation
+    block.experts = experts
+    block.__class__ = JetMoeRoutedMoe
+
+
+def _group_jetmoe_attention_experts(model: torch.nn.Module, moa: torch.nn.Module) -> None:
+    moa.__class__ = JetMoeGroupedAttentionExperts
 
 
 class LongcatRoutedMoe(torch.nn.Module):
@@ -537,6 +639,11 @@ def _tempered_by_one_length(module: torch.nn.Module) -> bool:
 
 _ROUTE_DBRX_EXPERTS = Adapter(lambda module: type(module).__name__ == "DbrxFFN", _route_dbrx_experts,
                               "DBRX's experts loop over flattened 2-D weights", moves_weights=True)
+_ROUTE_JETMOE_EXPERTS = Adapter(lambda module: type(module).__name__ == "JetMoeMoE", _route_jetmoe_experts,
+                                "JetMoE's experts split their rows by a host list of group sizes", moves_weights=True)
+_GROUP_JETMOE_ATTENTION_EXPERTS = Adapter(lambda module: type(module).__name__ == "JetMoeMoA",
+                                          _group_jetmoe_attention_experts,
+                                          "JetMoE's attention experts split their rows by a host list of group sizes")
 _ROUTE_LONGCAT_EXPERTS = Adapter(lambda module: type(module).__name__ == "LongcatFlashMoE", _route_longcat_experts,
                                  "LongCat-Flash's MoE blocks send zero-compute picks to experts the token did not pick")
 _ROUTE_LLAMA4_EXPERTS = Adapter(lambda module: type(module).__name__ == "Llama4TextMoe", _route_llama4_experts,
@@ -886,6 +993,14 @@ FAMILIES: dict[str, FamilySpec] = {
             RouterSpec(scoring="softmax", module="router", call="route"),
             _all_layers, _full_attention, adapt=(_ROUTE_DBRX_EXPERTS,),
         ),
+        FamilySpec(  # JetMoE: experts in a module that loops over them, held by a routed-experts module instead
+            # (`JetMoeRoutedExperts`), routed by the softmax of the top-k logits, an output bias; a mixture of
+            # attention heads (each token's query heads from its top-k attention experts) grouped likewise
+            "jetmoe", ("jetmoe",), "JetMoeRoutedExperts", _SWIGLU,
+            RouterSpec(scoring="top_k_then_softmax", module="router.layer", call="route"), _all_layers,
+            _full_attention, adapt=(_ROUTE_JETMOE_EXPERTS, _GROUP_JETMOE_ATTENTION_EXPERTS),
+            unquantized_linears=("layer",),
+        ),
         FamilySpec(  # LongCat-Flash: decoder layers of two latent-attention sublayers (DeepSeek-V3's, LoRA-scaled) and
             # two MLPs, the MoE block reading the first MLP's input (a shortcut); a softmax router scaled, choosing with
             # a correction bias among routed and zero-compute experts (`LongcatRoutedMoe`); `num_hidden_layers` counts
@@ -1052,7 +1167,7 @@ def router_of(model: torch.nn.Module, experts_name: str) -> torch.nn.Module:
     """The router module that picks the experts of the routed-experts module `experts_name` (its MoE block's
     registry-named sibling)."""
     block, router = _block_and_router(model, experts_name)
-    return getattr(block, router.module)
+    return block.get_submodule(router.module)
 
 
 def routing_of(model: torch.nn.Module, experts_name: str) -> Callable[[torch.Tensor], tuple]:
@@ -1061,7 +1176,7 @@ def routing_of(model: torch.nn.Module, experts_name: str) -> Callable[[torch.Ten
     call: moving the model to a device replaces a buffer such as MiniMax-M2's; None where the block keeps none, as
     LFM2-MoE's without `use_expert_bias` passes), the tokens as one row where it takes rows."""
     block, router = _block_and_router(model, experts_name)
-    module = getattr(block, router.call or router.module)
+    module = getattr(block, router.call) if router.call else block.get_submodule(router.module)
 
     def route(hidden: torch.Tensor) -> tuple:
         bias = {} if router.block_bias is None else {router.block_bias: getattr(block, router.block_bias, None)}

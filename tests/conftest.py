@@ -36,6 +36,10 @@ if not torch.cuda.is_available():
 
 # the families the installed transformers has (MiniCPM5-MoE came in 5.25)
 FAMILIES = sorted(family for family in TINY_CONFIGS if in_installed_transformers(family))
+# the families whose attention projections on one input are one linear already: DBRX's q/k/v (`Wqkv`), JetMoE's
+# k/v (`kv_proj`; its queries come from its attention experts), and whose experts are no MLP linears: nothing for
+# `share_storage` to group
+ONE_LINEAR_PROJECTIONS = ("dbrx", "jetmoe")
 
 
 def pytest_collection_modifyitems(items):

@@ -18,7 +18,7 @@ from dflash_compile.expert_store import ExpertStore
 from dflash_compile.families import FAMILIES, experts_modules, router_of
 from dflash_compile.projections import share_storage
 from tests.conftest import FAMILIES as FAMILY_NAMES
-from tests.conftest import token_ids
+from tests.conftest import ONE_LINEAR_PROJECTIONS, token_ids
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
@@ -155,9 +155,9 @@ def test_a_model_with_grad_enabled_compiles_for_inference(tiny, lowering):
 
 
 # The families whose experts' forward is their own, not a modular copy of Mixtral's: gpt-oss (interleaved, biases),
-# Beam (the same math in other words), Aria (weights stored [E, in, out]), Llama 4 and DBRX (their adapted experts:
-# grouped_mm); transformers 5.25 gives Ling 3's experts Step 3.7's per-layer clamps (`_apply_gate`)
-OWN_EXPERTS_CODE = ("gpt_oss", "beam", "aria", "llama4_text", "nemotron_h", "dbrx") + (
+# Beam (the same math in other words), Aria (weights stored [E, in, out]), Llama 4, DBRX and JetMoE (their adapted
+# experts: grouped_mm); transformers 5.25 gives Ling 3's experts Step 3.7's per-layer clamps (`_apply_gate`)
+OWN_EXPERTS_CODE = ("gpt_oss", "beam", "aria", "llama4_text", "nemotron_h", "dbrx", "jetmoe") + (
     ("bailing_hybrid",) if Version(transformers.__version__) >= Version("5.25") else ())
 
 
@@ -183,7 +183,7 @@ def test_one_dispatch_node_per_moe_layer_whatever_experts_implementation(tiny, f
     with torch.no_grad():
         expected = model(ids).logits
     groups = share_storage(model)
-    assert (groups > 0) == (family != "dbrx")  # DBRX's q/k/v come as one `Wqkv` already
+    assert (groups > 0) == (family not in ONE_LINEAR_PROJECTIONS)
     report = dflash_compile.explain(model, ids)
     moe_layers = FAMILIES[family].moe_layers(model.config)
     assert report.graph_break_count == 0
@@ -198,14 +198,17 @@ def test_one_dispatch_node_per_moe_layer_whatever_experts_implementation(tiny, f
     loaded_together = 1 if family == "lara_mini" else 0
     # a DSA indexer's choice of keys (6 here; 2048 as released, more than the kernel takes: torch's topk then)
     indexers = sum(type(module).__name__.endswith("Indexer") for module in model.modules())
+    # JetMoE's attention experts (their router's choice, and two grouped GEMMs: query and output projections)
+    attention_experts = sum(type(module).__name__ == "JetMoeGroupedAttentionExperts" for module in model.modules())
     assert report.matches == {"expert_dispatch": len(moe_layers), "dequant_fusion": 0,
                               "projection_fusion": groups + loaded_together,
-                              "small_top_k": routers_top_k * len(moe_layers) + indexers,
+                              "small_top_k": routers_top_k * len(moe_layers) + indexers + attention_experts,
                               "split_k_linear": 0}  # 18 rows: a prefill's linears keep torch's
     after = report.graphs[0].after
     assert "topk(" not in after  # every router's topk is dflash::top_k
     assert after.count("torch.ops.dflash.moe_dispatch.default(") == len(moe_layers)
-    assert "grouped_mm" not in after and "gate_up_proj[" not in after  # no expert math left in the graph
+    # no routed experts' math left in the graph
+    assert after.count("grouped_mm") == 2 * attention_experts and "gate_up_proj[" not in after
     with torch.no_grad():
         compiled = torch.compile(model, backend="dflash", fullgraph=True, options={"lowering": "aot_eager"})
         torch.testing.assert_close(compiled(ids).logits, expected, atol=1e-4, rtol=0)

@@ -18,7 +18,7 @@ from dflash_compile.testing import OracleDrafter, in_installed_transformers, tin
 from tests.conftest import token_ids
 
 
-def test_registry_covers_the_fifty_six_families():
+def test_registry_covers_the_fifty_seven_families():
     assert dflash_compile.supported_families() == sorted(
         ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe", "glm4_moe_lite",
          "deepseek_v2", "deepseek_v3", "olmoe", "ernie4_5_moe", "phimoe", "dots1", "flex_olmo", "solar_open",
@@ -27,7 +27,7 @@ def test_registry_covers_the_fifty_six_families():
          "kolibri1", "beam", "flint", "granitemoe_swa", "minicpm5_moe", "axk1", "lara_mini", "mistral4", "aria",
          "kimi_linear", "lfm2_moe", "llama4_text", "granitemoehybrid", "ernie4_5_vl_moe", "step3p7", "bailing_hybrid",
          "nemotron_h", "jamba", "dbrx", "longcat_flash", "deepseek_v32", "glm_moe_dsa", "axk2",
-         "mistral_large4", "dots3_note", "deepseek_ocr2"]
+         "mistral_large4", "dots3_note", "deepseek_ocr2", "jetmoe"]
     )
 
 
@@ -78,6 +78,7 @@ def test_registry_covers_the_fifty_six_families():
         ("llama4_text", [1, 3], ["chunked_attention"] * 3 + ["full_attention"]),  # interleave_moe_layer_step=2
         ("granitemoehybrid", [0, 1, 2], ["linear_attention", "linear_attention", "full_attention"]),
         ("dbrx", [0, 1], ["full_attention"] * 2),
+        ("jetmoe", [0, 1], ["full_attention"] * 2),
         ("longcat_flash", [0, 1], ["full_attention"] * 4),  # two attention sublayers a decoder layer
         ("deepseek_v32", [1, 2], ["indexed_attention"] * 3),  # DSA; first_k_dense_replace=1
         ("glm_moe_dsa", [1, 2], ["indexed_attention"] * 3),
@@ -370,3 +371,31 @@ def test_experts_clamp_in_the_layers_their_config_names(tiny, family):
     assert gates == [Gate(False, "clamped_silu" if clamped else "silu", limit=0.5 if clamped else 7.0),
                      Gate(False, "silu")]
     assert not traced_unadapted(model)
+
+
+def test_jetmoe_experts_grouped_without_host_lists_give_its_logits(tiny, tmp_path):
+    """JetMoE's MLP and attention experts split their rows by a host list of group sizes. Adapted, each MoE block
+    calls a routed-experts module holding the same two tensors (`gate_up_proj`, `down_proj`; nothing else of the old
+    modules left) and the attention experts group rows by sorting: the fp32 logits are transformers' own bit for bit,
+    random output biases included, Dynamo captures the model in one graph, adapting again changes nothing, and the
+    adapted model saves whole. Traced before adapting, it is refused with the fix."""
+    model = tiny("jetmoe")
+    ids = token_ids()
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__ in ("JetMoeMoE", "JetMoeMoA"):
+                module.bias.normal_(generator=torch.Generator().manual_seed(0))
+    block = model.model.layers[1].mlp
+    gate_up, down = block.input_linear.weight, block.output_linear.weight
+    # Dynamo breaks the graph first inside the attention's experts: the backend gets the attention layer's graph
+    _refused_until_adapted(model, ids, "JetMoE's attention experts split their rows by a host list of group sizes")
+    with torch.no_grad():
+        expected = model(ids).logits
+        assert list(experts_modules(model)) == [f"model.layers.{i}.mlp.experts" for i in (0, 1)]
+        assert block.experts.gate_up_proj is gate_up and block.experts.down_proj is down
+        assert not hasattr(block, "input_linear") and not hasattr(block, "output_linear")
+        assert torch.equal(adapt_model(model)(ids).logits, expected)
+        assert dflash_compile.explain(model, ids).graph_break_count == 0
+        torch.save(model, tmp_path / "model.pt")
+        reloaded = torch.load(tmp_path / "model.pt", weights_only=False)
+        assert not traced_unadapted(reloaded) and torch.equal(reloaded(ids).logits, expected)

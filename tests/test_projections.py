@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from dflash_compile.projections import share_storage
-from tests.conftest import FAMILIES, token_ids
+from tests.conftest import FAMILIES, ONE_LINEAR_PROJECTIONS, token_ids
 
 
 def storage_bytes(model) -> int:
@@ -16,7 +16,7 @@ def storage_bytes(model) -> int:
     return sum(storages.values())
 
 
-@pytest.mark.parametrize("family", [family for family in FAMILIES if family != "dbrx"])  # DBRX's q/k/v: one Wqkv
+@pytest.mark.parametrize("family", [family for family in FAMILIES if family not in ONE_LINEAR_PROJECTIONS])
 def test_groups_share_one_buffer_with_the_same_values(tiny, family):
     """Laid out once, in the memory the layers held; the compiled model's one linear per group is
     tests/test_backend.py::test_one_dispatch_node_per_moe_layer_whatever_experts_implementation's."""
