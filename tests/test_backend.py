@@ -174,6 +174,7 @@ def test_every_familys_experts_run_their_own_or_mixtrals_code(tiny):
     pytest.param(family, "grouped_mm", marks=own_cache_untraceable(family, AssertionError))
     for family in FAMILY_NAMES] + [
     (family, implementation) for family in ("mixtral", *OWN_EXPERTS_CODE)
+    if family != "jetmoe"  # its experts' forward is DBRX's (`families._MovedExperts`)
     for implementation in ("eager", "batched_mm")])
 def test_one_dispatch_node_per_moe_layer_whatever_experts_implementation(tiny, family, implementation):
     """One dispatch a MoE layer, and one linear a group of projections on one input (`share_storage` laid out first,
