@@ -165,6 +165,13 @@ REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
         num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
         vocab_size=151936, max_position_embeddings=262144, rope_parameters=dict(
             rope_type="default", rope_theta=5000000.0, mrope_section=[24, 20, 20], mrope_interleaved=True))),
+    # Qwen3-Omni-30B-A3B's thinker (text prompts): Qwen3-VL-MoE's decoder shape beside audio and vision towers
+    "qwen3-omni-30b-a3b": lambda: transformers.Qwen3OmniMoeThinkerConfig(text_config=dict(
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        vocab_size=152064, max_position_embeddings=65536, rope_parameters=dict(
+            rope_type="default", rope_theta=1000000.0, mrope_section=[24, 20, 20], mrope_interleaved=True)),
+        vision_start_token_id=151652),
     "deepseek-v3.2": transformers.DeepseekV32Config,  # DeepSeek-V3's shape (671B, 37B active), DSA: 2048 keys a query
     "glm-5": transformers.GlmMoeDsaConfig,  # 78 layers (3 dense), MLA with DSA, 256 experts of 2048, top-8: 744B
     "a.x-k2-light": transformers.AXK2Config,  # 48 layers, MLA with DSA, 128 experts of 512, top-8, a shared expert

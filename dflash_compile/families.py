@@ -764,6 +764,11 @@ FAMILIES: dict[str, FamilySpec] = {
             "qwen3_vl_moe", ("qwen3_vl_moe", "qwen3_vl_moe_text"), "Qwen3VLMoeTextExperts", _SWIGLU, _SOFTMAX,
             _qwen3_sparse_layers, _full_attention,
         ),
+        FamilySpec(  # Qwen3-Omni's thinker (text prompts; the released model's `thinker`, the whole model refused:
+            # `_TEXT_GENERATED_BY`): Qwen3-VL-MoE's decoder beside audio and vision towers
+            "qwen3_omni_moe", ("qwen3_omni_moe_thinker", "qwen3_omni_moe_text"), "Qwen3OmniMoeThinkerTextExperts",
+            _SWIGLU, _SOFTMAX, _qwen3_sparse_layers, _full_attention,
+        ),
         FamilySpec(  # Qwen1.5-MoE / Qwen2-MoE: Qwen3-MoE's router and sparse-layer rule, a sigmoid-gated shared expert
             "qwen2_moe", ("qwen2_moe",), "Qwen2MoeExperts", _SWIGLU, _SOFTMAX, _qwen3_sparse_layers,
             _declared_layer_types,
@@ -1185,8 +1190,19 @@ def routing_of(model: torch.nn.Module, experts_name: str) -> Callable[[torch.Ten
     return route
 
 
+# model types whose text one of their sub-models generates, `optimize` taking that one: Qwen3-Omni's thinker (its
+# talker turns the thinker's states into speech, another generation)
+_TEXT_GENERATED_BY = {"qwen3_omni_moe": "thinker"}
+
+
 def spec_for_config(config) -> FamilySpec | None:
-    """The family of a model config; None for a dense model; UnsupportedFamilyError for an unknown MoE family."""
+    """The family of a model config; None for a dense model; UnsupportedFamilyError for an unknown MoE family, or
+    for a model whose text one of its sub-models generates (`_TEXT_GENERATED_BY`)."""
+    part = _TEXT_GENERATED_BY.get(getattr(config, "model_type", None))
+    if part:
+        raise UnsupportedFamilyError(
+            f"model_type {config.model_type!r} generates text with its `{part}` and speech with its talker, which "
+            f"dflash-compile does not run: optimize the {part}, dflash_compile.optimize(model.{part}, ...), for text")
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     for cfg in (config, text_config):
         spec = _BY_MODEL_TYPE.get(getattr(cfg, "model_type", None))

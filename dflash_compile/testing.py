@@ -275,9 +275,21 @@ def _sam_and_encoder(hidden_size: int) -> dict:
                                     num_key_value_heads=2))
 
 
+def _omni_thinker(hidden_size: int) -> dict:
+    """Qwen3-Omni's thinker beside its vision tower: a one-layer audio tower projecting into the decoder's width, and
+    the token ids of its images, video and audio (its config class sets no `vision_start_token_id`, which the
+    released config does and text prompts' positions read)."""
+    return dict(audio_config=dict(num_mel_bins=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32,
+                                  d_model=32, output_dim=hidden_size, n_window=4, n_window_infer=8,
+                                  downsample_hidden_size=8),
+                vision_start_token_id=120, image_token_id=121, video_token_id=122, audio_token_id=123,
+                audio_start_token_id=124)
+
+
 # Families released as image-text-to-text models (the decoder under `model.language_model`, a vision tower beside
 # it): the multimodal config class, the tiny text config, the vision tower's settings (a function of the decoder's
-# width). Qwen3-VL-MoE's text config has no causal LM class, so it is not in TINY_CONFIGS.
+# width), and where the config has more, a function of the width giving those settings. Qwen3-VL-MoE's text config
+# has no causal LM class, so it is not in TINY_CONFIGS.
 MULTIMODAL = {
     "qwen3_5_moe": (transformers.Qwen3_5MoeConfig, lambda: tiny_config("qwen3_5_moe"), _vision_tower),
     "qwen3_vl_moe": (transformers.Qwen3VLMoeConfig, lambda: transformers.Qwen3VLMoeTextConfig(
@@ -299,6 +311,12 @@ MULTIMODAL = {
         initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0, **_DSA, **_DEEPSEEK_ROUTING,
         **_ROUTED, **{key: value for key, value in _MLA.items() if key != "q_lora_rank"} | {"num_hidden_layers": 4}),
         _pixtral_tower),
+    # Qwen3-Omni's thinker (an audio tower too): Qwen3-VL-MoE's decoder
+    "qwen3_omni_moe": (transformers.Qwen3OmniMoeThinkerConfig, lambda: transformers.Qwen3OmniMoeTextConfig(
+        num_hidden_layers=2, intermediate_size=96, moe_intermediate_size=32, num_experts=8, head_dim=16,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3], mrope_interleaved=True),
+        **_ROUTED, **_COMMON), lambda hidden_size: _vision_tower(hidden_size, deepstack_visual_indexes=[0]),
+        _omni_thinker),
     # DeepSeek-OCR 2: a dense first layer, then DeepSeek-V2's router inside groups with a shared expert
     "deepseek_ocr2": (transformers.DeepseekOcr2Config, lambda: transformers.DeepseekOcr2TextConfig(
         num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"], topk_method="group_limited_greedy",
@@ -327,12 +345,13 @@ MULTIMODAL = {
 
 def tiny_multimodal_config(family: str, **text_overrides) -> transformers.PretrainedConfig:
     """`family` as released (image-text-to-text): its tiny text config with a one-block vision tower beside it."""
-    config_class, text_config, vision_tower = MULTIMODAL[family]
+    config_class, text_config, vision_tower, *more = MULTIMODAL[family]
     text = text_config()
     for key, value in text_overrides.items():
         setattr(text, key, value)
+    settings = more[0](text.hidden_size) if more else {}
     return config_class(text_config=text.to_dict(), vision_config=vision_tower(text.hidden_size),
-                        tie_word_embeddings=False)
+                        tie_word_embeddings=False, **settings)
 
 
 def _randomize_zero_inits(model: torch.nn.Module, generator: torch.Generator) -> None:

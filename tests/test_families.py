@@ -13,12 +13,12 @@ from dflash_compile import families
 from dflash_compile.expert_store import _STORES_BY_ROOT
 from dflash_compile.families import (
     FAMILIES, UnsupportedFamilyError, adapt_model, experts_modules, spec_for_config, spec_for_experts_class,
-    traced_unadapted)
+    spec_for_model, traced_unadapted)
 from dflash_compile.testing import OracleDrafter, in_installed_transformers, tiny_config, tiny_multimodal_config
 from tests.conftest import token_ids
 
 
-def test_registry_covers_the_fifty_seven_families():
+def test_registry_covers_the_fifty_eight_families():
     assert dflash_compile.supported_families() == sorted(
         ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe", "glm4_moe_lite",
          "deepseek_v2", "deepseek_v3", "olmoe", "ernie4_5_moe", "phimoe", "dots1", "flex_olmo", "solar_open",
@@ -27,7 +27,7 @@ def test_registry_covers_the_fifty_seven_families():
          "kolibri1", "beam", "flint", "granitemoe_swa", "minicpm5_moe", "axk1", "lara_mini", "mistral4", "aria",
          "kimi_linear", "lfm2_moe", "llama4_text", "granitemoehybrid", "ernie4_5_vl_moe", "step3p7", "bailing_hybrid",
          "nemotron_h", "jamba", "dbrx", "longcat_flash", "deepseek_v32", "glm_moe_dsa", "axk2",
-         "mistral_large4", "dots3_note", "deepseek_ocr2", "jetmoe"]
+         "mistral_large4", "dots3_note", "deepseek_ocr2", "jetmoe", "qwen3_omni_moe"]
     )
 
 
@@ -399,3 +399,16 @@ def test_jetmoe_experts_grouped_without_host_lists_give_its_logits(tiny, tmp_pat
         torch.save(model, tmp_path / "model.pt")
         reloaded = torch.load(tmp_path / "model.pt", weights_only=False)
         assert not traced_unadapted(reloaded) and torch.equal(reloaded(ids).logits, expected)
+
+
+def test_qwen3_omni_is_optimized_through_its_thinker():
+    """Qwen3-Omni's whole model (its thinker, and the talker that would speak) is refused before anything changes,
+    naming the fix; its thinker is the family's (the image-text release test generates with a tiny one)."""
+    with torch.device("meta"):
+        model = transformers.Qwen3OmniMoeForConditionalGeneration(
+            transformers.Qwen3OmniMoeConfig(enable_audio_output=False))
+    message = ("model_type 'qwen3_omni_moe' generates text with its `thinker` and speech with its talker, which "
+               "dflash-compile does not run: optimize the thinker, dflash_compile.optimize(model.thinker, ...)")
+    with pytest.raises(UnsupportedFamilyError, match=re.escape(message)):
+        dflash_compile.optimize(model)
+    assert spec_for_model(model.thinker) is FAMILIES["qwen3_omni_moe"]
