@@ -11,12 +11,13 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import transformers
 from packaging.version import Version
-from transformers.integrations.moe import _grouped_linear, grouped_mm_experts_forward, use_experts_implementation
+from transformers.integrations.moe import (_can_use_grouped_mm, _grouped_linear, grouped_mm_experts_forward,
+                                           use_experts_implementation)
 
 GateUpLayout = Literal["concatenated", "interleaved", "ungated"]
 Activation = Literal["act_fn", "clamped_swiglu", "clamped_act_fn"]
@@ -471,13 +472,38 @@ def _top_k_then_softmax(logits: torch.Tensor, top_k: int, dtype: torch.dtype) ->
     return torch.softmax(top, dim=1).to(dtype), index
 
 
+class _ExpertRows(NamedTuple):
+    """A mixture of attention heads' (token, pick) rows grouped by expert."""
+
+    rows: torch.Tensor  # [T * k] the rows in expert order (row t * k + j: token t's j-th pick)
+    experts: torch.Tensor  # [T * k] the expert of each of them
+    weights: torch.Tensor  # [T * k] their routing weights
+    offsets: torch.Tensor  # [E] int32: where each expert's rows end
+
+
+def _expert_linear(inputs: torch.Tensor, weight: torch.Tensor, grouping: _ExpertRows) -> torch.Tensor:
+    """inputs [T * k, in] in expert order, each row through its expert's weight [E, out, in]: one grouped GEMM
+    (transformers' `_grouped_linear`: torch's grouped_mm, or transformers' loop over the groups where torch's takes no
+    such weights). On CUDA that loop reads the group sizes on the host, which a CUDA graph cannot capture: there,
+    every expert's product of every row instead, the row's own kept (E times the FLOPs; no sync)."""
+    if weight.is_cuda and not _can_use_grouped_mm(inputs, weight, grouping.offsets):
+        return _every_expert_linear(inputs, weight, grouping.experts)
+    return _grouped_linear(inputs, weight, grouping.offsets)
+
+
+def _every_expert_linear(inputs: torch.Tensor, weight: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """inputs [R, in] through every expert's weight [E, out, in], each row's own expert's product kept: [R, out]."""
+    every = torch.einsum("ri,eoi->reo", inputs, weight)
+    return every.gather(1, experts[:, None, None].expand(-1, 1, every.shape[-1])).squeeze(1)
+
+
 class JetMoeGroupedAttentionExperts(torch.nn.Module):
     """JetMoE's mixture of attention heads (`JetMoeMoA`): each token's query heads come from the query projections
     of the top-k experts its router picks, and their outputs go through those experts' output projections, weighted.
     transformers groups the rows by a `tolist()` of the group sizes (data-dependent: no graph captures the layer
-    whole); here each projection is one grouped GEMM over the rows sorted by expert, as transformers' grouped_mm runs
-    routed experts, with the same sums. The attention experts stay the model's own weights (resident): only the MLP
-    experts are dispatched and offloaded. Made by changing a module's class."""
+    whole); here each projection is one grouped GEMM over the rows sorted by expert (`_expert_linear`), as
+    transformers' grouped_mm runs routed experts, with the same sums. The attention experts stay the model's own
+    weights (resident): only the MLP experts are dispatched and offloaded. Made by changing a module's class."""
 
     @property
     def out_features(self) -> int:
@@ -485,33 +511,32 @@ class JetMoeGroupedAttentionExperts(torch.nn.Module):
         row of the hidden size for each of the token's k picks."""
         return self.top_k * (self.hidden_size + self.input_size)
 
-    def _grouping(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """hidden [T, H] -> (the router's logits; the (token, pick) rows in expert order; their weights; the
-        grouped GEMM's offsets, the rows' end for each expert)."""
+    def _grouping(self, hidden: torch.Tensor) -> tuple[torch.Tensor, _ExpertRows]:
+        """hidden [T, H] -> (the router's logits, its picks' rows grouped by expert)."""
         logits = self.router.layer(hidden).float()
         weights, index = _top_k_then_softmax(logits, self.top_k, hidden.dtype)
         experts, rows = torch.sort(index.reshape(-1))
         # histc, not bincount: no host sync (CUDA graphs); on CPU it counts floats only
         counts = torch.histc(experts.float() if experts.is_cpu else experts.int(), bins=self.num_experts, min=0,
                              max=self.num_experts - 1)
-        return logits, rows, weights.reshape(-1)[rows], torch.cumsum(counts, dim=0, dtype=torch.int32)
+        return logits, _ExpertRows(rows, experts, weights.reshape(-1)[rows],
+                                   torch.cumsum(counts, dim=0, dtype=torch.int32))
 
-    def map(self, layer_input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    def map(self, layer_input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, _ExpertRows]:
         """layer_input [B, S, H] -> (queries [B, S, k, kv heads x head dim], the router's logits, the grouping that
         `reduce` takes)."""
         batch, length, width = layer_input.shape
         hidden = layer_input.reshape(-1, width)
-        logits, rows, weights, offsets = self._grouping(hidden)
-        queries = _grouped_linear(hidden[rows // self.top_k], self.input_linear.weight, offsets)
-        unsorted = torch.empty_like(queries).index_copy_(0, rows, queries)
-        return unsorted.view(batch, length, self.top_k, -1), logits, (rows, weights, offsets)
+        logits, grouping = self._grouping(hidden)
+        queries = _expert_linear(hidden[grouping.rows // self.top_k], self.input_linear.weight, grouping)
+        unsorted = torch.empty_like(queries).index_copy_(0, grouping.rows, queries)
+        return unsorted.view(batch, length, self.top_k, -1), logits, grouping
 
-    def reduce(self, layer_input: torch.Tensor, grouping: tuple) -> torch.Tensor:
+    def reduce(self, layer_input: torch.Tensor, grouping: _ExpertRows) -> torch.Tensor:
         """layer_input [B, S, k, kv heads x head dim] (each pick's attention output) -> [B, S, H]."""
-        rows, weights, offsets = grouping
         picks = layer_input.reshape(-1, layer_input.shape[-1])
-        out = _grouped_linear(picks[rows], self.output_linear.weight, offsets) * weights[:, None]
-        unsorted = torch.empty_like(out).index_copy_(0, rows, out)
+        out = _expert_linear(picks[grouping.rows], self.output_linear.weight, grouping) * grouping.weights[:, None]
+        unsorted = torch.empty_like(out).index_copy_(0, grouping.rows, out)
         summed = unsorted.view(*layer_input.shape[:2], self.top_k, -1).sum(dim=2)
         return summed + self.bias
 

@@ -401,6 +401,20 @@ def test_jetmoe_experts_grouped_without_host_lists_give_its_logits(tiny, tmp_pat
         assert not traced_unadapted(reloaded) and torch.equal(reloaded(ids).logits, expected)
 
 
+def test_jetmoe_attention_experts_without_grouped_mm_give_the_grouped_products():
+    """Where torch's grouped_mm takes no such weights on CUDA (fp16, fp32), JetMoE's attention experts multiply every
+    row by every expert and keep its own (transformers' loop would read the group sizes on the host inside a CUDA
+    graph): the products of the grouped GEMM."""
+    from transformers.integrations.moe import _grouped_linear
+
+    generator = torch.Generator().manual_seed(0)
+    experts = torch.sort(torch.randint(0, 4, (12,), generator=generator)).values
+    offsets = torch.cumsum(torch.bincount(experts, minlength=4), dim=0, dtype=torch.int32)
+    inputs, weight = torch.randn(12, 16, generator=generator), torch.randn(4, 8, 16, generator=generator)
+    torch.testing.assert_close(families._every_expert_linear(inputs, weight, experts),
+                               _grouped_linear(inputs, weight, offsets), atol=1e-5, rtol=1e-5)
+
+
 def test_qwen3_omni_is_optimized_through_its_thinker():
     """Qwen3-Omni's whole model (its thinker, and the talker that would speak) is refused before anything changes,
     naming the fix; its thinker is the family's (the image-text release test generates with a tiny one)."""
