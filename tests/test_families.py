@@ -415,6 +415,16 @@ def test_jetmoe_attention_experts_without_grouped_mm_give_the_grouped_products()
                                _grouped_linear(inputs, weight, offsets), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_jetmoe_in_fp32_on_the_gpu_replays_its_steps_as_generate(tiny):
+    """fp32 JetMoE on the GPU: its attention experts' products without grouped_mm (`_every_expert_linear`) inside the
+    steps' CUDA graphs (optimize's default mode there), the tokens transformers' own."""
+    model = tiny("jetmoe").cuda()
+    ids = token_ids().cuda()
+    expected = model.generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(dflash_compile.optimize(model).generate(ids, max_new_tokens=12), expected)
+
+
 def test_qwen3_omni_is_optimized_through_its_thinker():
     """Qwen3-Omni's whole model (its thinker, and the talker that would speak) is refused before anything changes,
     naming the fix; its thinker is the family's (the image-text release test generates with a tiny one)."""
