@@ -129,6 +129,9 @@ REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
     "flint": transformers.FlintConfig,  # 49 layers (47 routed), 256 experts of 512, top-6, a shared expert
     # 28 layers (the first dense), 160 experts of 512, top-16; transformers 5.25 and later
     "minicpm5-15b-a2.5b": lambda: transformers.MiniCPM5MoeConfig(),
+    # Ergo (the config class's defaults; transformers >= 5.25): 64 layers (the first dense), 256 experts of 4096
+    # without a gate, top-8, a shared expert, hidden 8192: ~1.1T
+    "ergo": lambda: transformers.ErgoConfig(),
     "beam-1.0-501b-a23b": transformers.BeamConfig,  # 52 layers (49 routed), 256 experts of 2560, top-8
     "lara-4-mini": transformers.LaraMiniConfig,  # 34 layers (14 linear, 13 sliding), 128 experts of 512, top-4
     "mistral-small-4-119b": transformers.Mistral4Config,  # 36 layers, MLA, 128 experts of 2048, top-4, a shared expert

@@ -254,8 +254,9 @@ class FamilySpec:
     # model's own code (images), out of `experts_modules`
     image_experts: str | None = None
     # linears FP8 checkpoints keep in the model's dtype (by name): those the family's code multiplies by their
-    # `weight` instead of calling (Jamba's `dt_proj`), and routers beside the MoE blocks' (JetMoE's attention
-    # experts' `router.layer`), which route in the model's dtype as the MoE blocks' do
+    # `weight` instead of calling (Jamba's `dt_proj`) or reads the dtype of (Ergo's `o_proj`: its layers' compute
+    # dtype), and routers beside the MoE blocks' (JetMoE's attention experts' `router.layer`), which route in the
+    # model's dtype as the MoE blocks' do
     unquantized_linears: tuple[str, ...] = ()
     # the config's count of zero-compute experts, which a router picks as it picks routed ones and which read no weights
     # (LongCat-Flash's `zero_expert_num`: each returns its input)
@@ -560,6 +561,34 @@ def _group_jetmoe_attention_experts(model: torch.nn.Module, moa: torch.nn.Module
     moa.__class__ = JetMoeGroupedAttentionExperts
 
 
+class ErgoNormedMoe(torch.nn.Module):
+    """Ergo's MoE block (`ErgoMoE`) with the routes' norm (`post_expert_norm`, an RMSNorm weight [E, H] for each
+    expert) moved out of its experts module into the block: each (token, route) pair is one row through its expert
+    (transformers' `ErgoExpertProjections`, the routed experts the registry dispatches), normed by that expert's
+    weight, then weighted and summed per token, as transformers' `ErgoExperts` computes, and the normed shared expert
+    added. `ErgoExperts` derives from the projections' class, so dispatching it would drop the norm. Made by changing
+    a module's class (`_move_ergo_route_norms`)."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        _, weights, index = self.gate(hidden_states)
+        hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+        routes = index.reshape(-1, 1)
+        rows = hidden.repeat_interleave(index.shape[1], dim=0)
+        out = self.experts(rows, routes, rows.new_ones(routes.shape))
+        normed = self.post_expert_norm(out, routes.flatten().clamp_max(self.experts.num_experts - 1))
+        routed = (normed.view(*index.shape, hidden.shape[-1]) * weights.unsqueeze(-1)).sum(1).to(hidden.dtype)
+        return routed.view(hidden_states.shape) + self.shared_experts(hidden_states)
+
+
+def _move_ergo_route_norms(model: torch.nn.Module, block: torch.nn.Module) -> None:
+    """Ergo: an `ErgoMoE` becomes an `ErgoNormedMoe` holding its experts' `post_expert_norm`, and the experts module
+    becomes the class it derives from, transformers' decorated `ErgoExpertProjections` (the same weights)."""
+    block.post_expert_norm = block.experts.post_expert_norm
+    del block.experts.post_expert_norm
+    block.experts.__class__ = type(block.experts).__mro__[1]
+    block.__class__ = ErgoNormedMoe
+
+
 class LongcatRoutedMoe(torch.nn.Module):
     """LongCat-Flash's MoE block (`LongcatFlashMoE`), its router picking among `num_routed_experts` experts and
     `zero_expert_num` zero-compute ones that return their input. transformers moves each zero-compute pick to a routed
@@ -669,6 +698,9 @@ _ROUTE_JETMOE_EXPERTS = Adapter(lambda module: type(module).__name__ == "JetMoeM
 _GROUP_JETMOE_ATTENTION_EXPERTS = Adapter(lambda module: type(module).__name__ == "JetMoeMoA",
                                           _group_jetmoe_attention_experts,
                                           "JetMoE's attention experts split their rows by a host list of group sizes")
+_MOVE_ERGO_ROUTE_NORMS = Adapter(lambda module: type(module).__name__ == "ErgoMoE", _move_ergo_route_norms,
+                                 "Ergo's experts norm each route's output by its expert inside the experts module",
+                                 moves_weights=True)
 _ROUTE_LONGCAT_EXPERTS = Adapter(lambda module: type(module).__name__ == "LongcatFlashMoE", _route_longcat_experts,
                                  "LongCat-Flash's MoE blocks send zero-compute picks to experts the token did not pick")
 _ROUTE_LLAMA4_EXPERTS = Adapter(lambda module: type(module).__name__ == "Llama4TextMoe", _route_llama4_experts,
@@ -793,6 +825,16 @@ FAMILIES: dict[str, FamilySpec] = {
             # `_TEXT_GENERATED_BY`): Qwen3-VL-MoE's decoder beside audio and vision towers
             "qwen3_omni_moe", ("qwen3_omni_moe_thinker", "qwen3_omni_moe_text"), "Qwen3OmniMoeThinkerTextExperts",
             _SWIGLU, _SOFTMAX, _qwen3_sparse_layers, _full_attention,
+        ),
+        FamilySpec(  # Ergo: experts without a gate (relu(up)^2, weights [E, in, out]) whose routes are normed each by
+            # a weight of its expert's before the weighted sum, that norm the MoE block's after the family's adapt
+            # (`ErgoNormedMoe`); a sigmoid router choosing with a correction bias, renormalised and
+            # scaled, a normed shared expert; sliding and full layers, gated residuals; MLPs declared
+            "ergo", ("ergo",), "ErgoExpertProjections",
+            ExpertLayout(gate_up="ungated", transposed=True, bias=False, activation="act_fn"),
+            RouterSpec(scoring="sigmoid", correction_bias="e_score_correction_bias"), _declared_sparse_layers,
+            _declared_layer_types, adapt=(_MOVE_ERGO_ROUTE_NORMS,),
+            unquantized_linears=("o_proj",),  # its decoder layers compute in the dtype of o_proj's weight
         ),
         FamilySpec(  # Qwen1.5-MoE / Qwen2-MoE: Qwen3-MoE's router and sparse-layer rule, a sigmoid-gated shared expert
             "qwen2_moe", ("qwen2_moe",), "Qwen2MoeExperts", _SWIGLU, _SOFTMAX, _qwen3_sparse_layers,

@@ -28,7 +28,14 @@ from .packed import PACKED_IMPLEMENTATION
 def _eager_experts_forward(self, *args, **kwargs):
     if torch.compiler.is_compiling():
         return grouped_mm_experts_forward(self, *args, **kwargs)
-    return type(self).forward.__wrapped__(self, *args, **kwargs)  # the class's own (undecorated) forward
+    return _undecorated_forward(type(self))(self, *args, **kwargs)
+
+
+def _undecorated_forward(cls: type):
+    """The decorated experts class's own forward, found along `cls`'s bases: a subclass may define a forward of its
+    own that calls the decorated one (Ergo's `ErgoExperts` around `ErgoExpertProjections`)."""
+    return next(forward.__wrapped__ for forward in (vars(base).get("forward") for base in cls.__mro__)
+                if hasattr(forward, "__wrapped__"))
 
 
 def _bound_to_module(forward):

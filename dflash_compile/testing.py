@@ -9,8 +9,8 @@ with attention sinks for gpt_oss, sliding layers with sinks and narrower values 
 before a full one for exaone_moe and laguna, a wider full layer whose keys are its values for gemma4_text, q/k/v
 biases for qwen2_moe, Granite's multipliers, shared experts where the family has them. The families added later
 (mellum, kolibri1, beam, flint, granitemoe_swa, minicpm5_moe, axk1, lara_mini, mistral4, aria, kimi_linear,
-lfm2_moe, llama4_text, granitemoehybrid, jamba, dbrx, jetmoe, longcat_flash, the DSA families) keep theirs likewise;
-each entry's comment says what.
+lfm2_moe, llama4_text, granitemoehybrid, jamba, dbrx, jetmoe, ergo, longcat_flash, the DSA families) keep theirs
+likewise; each entry's comment says what.
 """
 
 from __future__ import annotations
@@ -222,6 +222,11 @@ TINY_CONFIGS = {
         d_model=64, n_heads=4, n_layers=2, max_seq_len=256, vocab_size=128, tie_word_embeddings=False,
         attn_config=dict(kv_n_heads=2, clip_qkv=0.5, rope_theta=10000.0),
         ffn_config=dict(ffn_hidden_size=32, moe_num_experts=8, moe_top_k=2, moe_normalize_expert_weights=1.0)),
+    "ergo": lambda: transformers.ErgoConfig(  # a dense first layer (relu^2); sliding, full, sliding layers; experts
+        # without a gate, their routes normed per expert; a normed shared expert
+        num_hidden_layers=3, first_dense_intermediate_size=96, moe_intermediate_size=32, shared_intermediate_size=48,
+        num_experts=8, sliding_window=8, global_attention_every_n_layers=2, rms_norm_eps=1e-6,
+        initializer_range=0.1, **_ROUTED, **_COMMON),
     "jetmoe": lambda: transformers.JetMoeConfig(  # MLP experts and attention experts (query heads) routed alike
         num_hidden_layers=2, num_key_value_heads=2, kv_channels=16, intermediate_size=32, num_local_experts=4,
         **_ROUTED, **{key: value for key, value in _COMMON.items() if "heads" not in key}),

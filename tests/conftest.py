@@ -37,9 +37,9 @@ if not torch.cuda.is_available():
 # the families the installed transformers has (MiniCPM5-MoE came in 5.25)
 FAMILIES = sorted(family for family in TINY_CONFIGS if in_installed_transformers(family))
 # the families whose attention projections on one input are one linear already: DBRX's q/k/v (`Wqkv`), JetMoE's
-# k/v (`kv_proj`; its queries come from its attention experts), and whose experts are no MLP linears: nothing for
-# `share_storage` to group
-ONE_LINEAR_PROJECTIONS = ("dbrx", "jetmoe")
+# k/v (`kv_proj`; its queries come from its attention experts), Ergo's q/k/v (`qkv_proj`), and whose MLPs have no
+# gate: nothing for `share_storage` to group
+ONE_LINEAR_PROJECTIONS = ("dbrx", "jetmoe", "ergo")
 
 
 def pytest_collection_modifyitems(items):

@@ -18,7 +18,7 @@ from dflash_compile.testing import OracleDrafter, in_installed_transformers, tin
 from tests.conftest import token_ids
 
 
-def test_registry_covers_the_fifty_eight_families():
+def test_registry_covers_the_fifty_nine_families():
     assert dflash_compile.supported_families() == sorted(
         ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe", "glm4_moe_lite",
          "deepseek_v2", "deepseek_v3", "olmoe", "ernie4_5_moe", "phimoe", "dots1", "flex_olmo", "solar_open",
@@ -27,7 +27,7 @@ def test_registry_covers_the_fifty_eight_families():
          "kolibri1", "beam", "flint", "granitemoe_swa", "minicpm5_moe", "axk1", "lara_mini", "mistral4", "aria",
          "kimi_linear", "lfm2_moe", "llama4_text", "granitemoehybrid", "ernie4_5_vl_moe", "step3p7", "bailing_hybrid",
          "nemotron_h", "jamba", "dbrx", "longcat_flash", "deepseek_v32", "glm_moe_dsa", "axk2",
-         "mistral_large4", "dots3_note", "deepseek_ocr2", "jetmoe", "qwen3_omni_moe"]
+         "mistral_large4", "dots3_note", "deepseek_ocr2", "jetmoe", "qwen3_omni_moe", "ergo"]
     )
 
 
@@ -79,6 +79,7 @@ def test_registry_covers_the_fifty_eight_families():
         ("granitemoehybrid", [0, 1, 2], ["linear_attention", "linear_attention", "full_attention"]),
         ("dbrx", [0, 1], ["full_attention"] * 2),
         ("jetmoe", [0, 1], ["full_attention"] * 2),
+        ("ergo", [1, 2], ["sliding_attention", "full_attention", "sliding_attention"]),  # a dense first layer
         ("longcat_flash", [0, 1], ["full_attention"] * 4),  # two attention sublayers a decoder layer
         ("deepseek_v32", [1, 2], ["indexed_attention"] * 3),  # DSA; first_k_dense_replace=1
         ("glm_moe_dsa", [1, 2], ["indexed_attention"] * 3),
@@ -413,6 +414,29 @@ def test_jetmoe_attention_experts_without_grouped_mm_give_the_grouped_products()
     inputs, weight = torch.randn(12, 16, generator=generator), torch.randn(4, 8, 16, generator=generator)
     torch.testing.assert_close(families._every_expert_linear(inputs, weight, experts),
                                _grouped_linear(inputs, weight, offsets), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not in_installed_transformers("ergo"), reason="transformers 5.24 has no Ergo")
+def test_ergo_route_norms_moved_into_the_block_give_its_logits(tiny, tmp_path):
+    """Ergo's experts module derives from its projections' class and norms each route by its expert after them.
+    Adapted, the MoE block holds the norm and its experts module is the projections' class (the same weights): the
+    fp32 logits are transformers' own bit for bit, adapting again changes nothing, and the adapted model saves
+    whole. Traced before adapting, it is refused with the fix."""
+    model = tiny("ergo")
+    ids = token_ids()
+    block = model.model.layers[1].mlp
+    up, down, norm = block.experts.up_proj, block.experts.down_proj, block.experts.post_expert_norm.weight
+    _refused_until_adapted(model, ids, "Ergo's experts norm each route's output by its expert inside the experts "
+                           "module")
+    with torch.no_grad():
+        expected = model(ids).logits
+        assert list(experts_modules(model)) == [f"model.layers.{i}.mlp.experts" for i in (1, 2)]
+        assert type(block.experts).__name__ == "ErgoExpertProjections" and block.post_expert_norm.weight is norm
+        assert block.experts.up_proj is up and block.experts.down_proj is down
+        assert torch.equal(adapt_model(model)(ids).logits, expected)
+        torch.save(model, tmp_path / "model.pt")
+        reloaded = torch.load(tmp_path / "model.pt", weights_only=False)
+        assert not traced_unadapted(reloaded) and torch.equal(reloaded(ids).logits, expected)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
