@@ -7,7 +7,7 @@ import torch
 
 import dflash_compile
 import dflash_compile.testing
-from dflash_compile.families import experts_modules, router_of, routing_of
+from dflash_compile.families import experts_modules, router_of, routing_of, spec_for_config
 from dflash_compile.offload import (PREFETCH_TRIAL, BlobLayout, ExpertCache, MissCosts, choose_manager,
                                     offload_experts, parse_size, plan_offload, predict_experts)
 from dflash_compile.testing import random_drafter_weights, save_drafter, tiny_drafter_config
@@ -507,10 +507,13 @@ def _resident_and_offloaded(tiny, family, speculative, tmp_path, extra_slots, **
     with a DFlash drafter at its full block (verify blocks use route-ahead). The reference is the same model offloaded
     with a slot for every expert, host-managed: only placement and eviction differ. (Against the resident model a
     tiny random model's bf16 near-ties can flip: Solar Open's resident tokens left model.generate's and the
-    offloaded ones at a one-ulp tie, session 53.)"""
-    ids = token_ids(batch=1)
-    drafter = _drafter(tiny(family).config, tmp_path) if speculative else None
-    load = lambda: tiny(family, torch.bfloat16)  # noqa: E731
+    offloaded ones at a one-ulp tie, session 53.) A DSA family's indexers pick every key here: their bf16 scores tie
+    (the ReLU's zeros) or swap by a rounding between two compiled graphs, and which of the tied keys a top-k keeps
+    is not placement's to decide (the CPU tests check the indexers' choice)."""
+    ids, config = token_ids(batch=1), tiny(family).config
+    drafter = _drafter(config, tmp_path) if speculative else None
+    every_key = {"index_topk": 64} if "indexed_attention" in spec_for_config(config).attention_kinds(config) else {}
+    load = lambda: tiny(family, torch.bfloat16, **every_key)  # noqa: E731
     plan = plan_offload(load(), "cuda")
     expected, _ = _cuda_generate(load, ids, 16, extra_slots=plan.experts_per_layer * plan.layers, drafter=drafter,
                                  adaptive=False, offload_manager="host")
