@@ -17,8 +17,17 @@ from tests.test_speculative import IDENTITY_CASES
 CPU_MANAGERS = ["host", pytest.param("device", marks=needs_interpreter)]  # "device" is CPU memory here
 
 
-def _offloaded(tiny, family, policy="lru", extra_slots=0, **options):
-    model = tiny(family)
+def _every_key(tiny, family) -> dict:
+    """Load settings letting a DSA family's indexers pick every key. Which of two keys whose scores tie (the ReLU's
+    zeros) or swap by a rounding a top-k keeps differs between a verify block and one token's step, and with the
+    threads or compiled graph: not placement's to decide (the identity tests in test_speculative.py check the
+    indexers' choice, on prompts where it matters)."""
+    config = tiny(family).config
+    return {"index_topk": 64} if "indexed_attention" in spec_for_config(config).attention_kinds(config) else {}
+
+
+def _offloaded(tiny, family, policy="lru", extra_slots=0, every_key=False, **options):
+    model = tiny(family, **(_every_key(tiny, family) if every_key else {}))
     plan = plan_offload(model)
     budget = plan.minimum_budget + extra_slots * plan.blob_bytes  # one layer of experts: every layer evicts
     return offload_experts(model, budget, device="cpu", policy=policy, **options)
@@ -66,17 +75,19 @@ def test_offloaded_generation_is_token_identical(tiny, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_offload_with_compiled_dflash_speculative_decoding(tiny, family, tmp_path, aot_eager_steps):
     """Every family with a DFlash drafter at its full block (verify blocks fetch the union of their tokens'
-    experts, and the next layer's route-ahead) gives the resident model's greedy tokens. Compiled where
+    experts, and the next layer's route-ahead) gives the resident model's greedy tokens (a DSA family's indexers
+    picking every key: `_every_key`; dots.llm3's verify blocks parted from its one-token steps at a near-tie on
+    the 16-core GPU machine's CPU under 8 workers). Compiled where
     test_speculative.py's padded-batch identity test does not compile the family already (IDENTITY_CASES): every
     family's steps are compiled in one of the two. Here they are lowered by AOT eager (`aot_eager_steps`): Dynamo
     captures each step whole and the passes rewrite it, and Inductor compiles the attention and router each family
     shares with one of IDENTITY_CASES (COVERED_ELSEWHERE says which) in that family's test (with an empty compile
     cache Inductor's C++ compile doubled this test's time: 10-30 s a family against 5-15)."""
     ids = token_ids(batch=1)
-    reference = tiny(family)
+    reference = tiny(family, **_every_key(tiny, family))
     expected = reference.generate(ids, max_new_tokens=12, do_sample=False)
     drafter = _drafter(reference.config, tmp_path)
-    model = _offloaded(tiny, family, extra_slots=2)
+    model = _offloaded(tiny, family, extra_slots=2, every_key=True)
     after = dflash_compile.explain(model, ids).graphs[0].after
     layers = len(model.dflash_offload.layers)
     assert after.count("torch.ops.dflash.moe_dispatch_offloaded.default(") == layers  # kept out of CUDA graphs
@@ -507,13 +518,10 @@ def _resident_and_offloaded(tiny, family, speculative, tmp_path, extra_slots, **
     with a DFlash drafter at its full block (verify blocks use route-ahead). The reference is the same model offloaded
     with a slot for every expert, host-managed: only placement and eviction differ. (Against the resident model a
     tiny random model's bf16 near-ties can flip: Solar Open's resident tokens left model.generate's and the
-    offloaded ones at a one-ulp tie, session 53.) A DSA family's indexers pick every key here: their bf16 scores tie
-    (the ReLU's zeros) or swap by a rounding between two compiled graphs, and which of the tied keys a top-k keeps
-    is not placement's to decide (the CPU tests check the indexers' choice)."""
-    ids, config = token_ids(batch=1), tiny(family).config
-    drafter = _drafter(config, tmp_path) if speculative else None
-    every_key = {"index_topk": 64} if "indexed_attention" in spec_for_config(config).attention_kinds(config) else {}
-    load = lambda: tiny(family, torch.bfloat16, **every_key)  # noqa: E731
+    offloaded ones at a one-ulp tie, session 53.) A DSA family's indexers pick every key (`_every_key`)."""
+    ids = token_ids(batch=1)
+    drafter = _drafter(tiny(family).config, tmp_path) if speculative else None
+    load = lambda: tiny(family, torch.bfloat16, **_every_key(tiny, family))  # noqa: E731
     plan = plan_offload(load(), "cuda")
     expected, _ = _cuda_generate(load, ids, 16, extra_slots=plan.experts_per_layer * plan.layers, drafter=drafter,
                                  adaptive=False, offload_manager="host")
