@@ -137,7 +137,7 @@ def _quantized_tensors(model: torch.nn.Module, format: str) -> Iterator[tuple[st
     model offloaded to disk): routed experts in `format`; with fp8_block also the plain linears but the output head
     and the routers' (Hunyuan-A13B's fp32 `gate.wg`; Phi-MoE's router is an nn.Linear subclass): routing stays in the
     model's dtype, as released FP8 keeps it; and the family's `unquantized_linears` (weights its code multiplies
-    directly, JetMoE's attention experts' router); everything else as it is."""
+    directly or takes its compute dtype from, routers beside the MoE blocks'); everything else as it is."""
     spec = spec_for_model(model)
     layers = experts_modules(model)
     routers = {part for path in layers for part in router_of(model, path).modules()}
