@@ -10,24 +10,24 @@ import dflash_compile.testing
 from dflash_compile.families import experts_modules, router_of, routing_of, spec_for_config
 from dflash_compile.offload import (PREFETCH_TRIAL, BlobLayout, ExpertCache, MissCosts, choose_manager,
                                     offload_experts, parse_size, plan_offload, predict_experts)
-from dflash_compile.testing import random_drafter_weights, save_drafter, tiny_drafter_config
+from dflash_compile.testing import random_drafter_weights, save_drafter, tiny_config, tiny_drafter_config
 from tests.conftest import FAMILIES, needs_interpreter, token_ids
 from tests.test_speculative import IDENTITY_CASES
 
 CPU_MANAGERS = ["host", pytest.param("device", marks=needs_interpreter)]  # "device" is CPU memory here
 
 
-def _every_key(tiny, family) -> dict:
+def _every_key(family) -> dict:
     """Load settings letting a DSA family's indexers pick every key. Which of two keys whose scores tie (the ReLU's
     zeros) or swap by a rounding a top-k keeps differs between a verify block and one token's step, and with the
     threads or compiled graph: not placement's to decide (the identity tests in test_speculative.py check the
     indexers' choice, on prompts where it matters)."""
-    config = tiny(family).config
+    config = tiny_config(family)
     return {"index_topk": 64} if "indexed_attention" in spec_for_config(config).attention_kinds(config) else {}
 
 
 def _offloaded(tiny, family, policy="lru", extra_slots=0, every_key=False, **options):
-    model = tiny(family, **(_every_key(tiny, family) if every_key else {}))
+    model = tiny(family, **(_every_key(family) if every_key else {}))
     plan = plan_offload(model)
     budget = plan.minimum_budget + extra_slots * plan.blob_bytes  # one layer of experts: every layer evicts
     return offload_experts(model, budget, device="cpu", policy=policy, **options)
@@ -84,7 +84,7 @@ def test_offload_with_compiled_dflash_speculative_decoding(tiny, family, tmp_pat
     shares with one of IDENTITY_CASES (COVERED_ELSEWHERE says which) in that family's test (with an empty compile
     cache Inductor's C++ compile doubled this test's time: 10-30 s a family against 5-15)."""
     ids = token_ids(batch=1)
-    reference = tiny(family, **_every_key(tiny, family))
+    reference = tiny(family, **_every_key(family))
     expected = reference.generate(ids, max_new_tokens=12, do_sample=False)
     drafter = _drafter(reference.config, tmp_path)
     model = _offloaded(tiny, family, extra_slots=2, every_key=True)
@@ -521,7 +521,8 @@ def _resident_and_offloaded(tiny, family, speculative, tmp_path, extra_slots, **
     offloaded ones at a one-ulp tie, session 53.) A DSA family's indexers pick every key (`_every_key`)."""
     ids = token_ids(batch=1)
     drafter = _drafter(tiny(family).config, tmp_path) if speculative else None
-    load = lambda: tiny(family, torch.bfloat16, **_every_key(tiny, family))  # noqa: E731
+    every_key = _every_key(family)
+    load = lambda: tiny(family, torch.bfloat16, **every_key)  # noqa: E731
     plan = plan_offload(load(), "cuda")
     expected, _ = _cuda_generate(load, ids, 16, extra_slots=plan.experts_per_layer * plan.layers, drafter=drafter,
                                  adaptive=False, offload_manager="host")
@@ -715,8 +716,6 @@ def test_loading_an_offloaded_checkpoint_needs_about_the_experts_host_memory(tmp
     import sys
 
     import transformers
-
-    from dflash_compile.testing import tiny_config
 
     config = tiny_config("qwen3_moe", hidden_size=512, moe_intermediate_size=1024, num_experts=32,
                          num_hidden_layers=4)
