@@ -332,9 +332,9 @@ void check_moe_inputs(Format format, c10::string_view activation, const at::Tens
                       const std::optional<at::Tensor>& gate_up_scales, const at::Tensor& down_data,
                       const std::optional<at::Tensor>& down_scales) {
   TORCH_CHECK(activation == "silu" || activation == "clamped_swiglu" || activation == "gelu_tanh" ||
-                  activation == "clamped_silu" || activation == "relu2",
+                  activation == "clamped_silu" || activation == "clamped_gate_silu" || activation == "relu2",
               "activation '", activation,
-              "' has no CPU kernel: expected silu, gelu_tanh, clamped_swiglu, clamped_silu or relu2");
+              "' has no CPU kernel: expected silu, gelu_tanh, clamped_swiglu, clamped_silu, clamped_gate_silu or relu2");
   TORCH_CHECK(hidden.dim() == 2 && top_k_index.dim() == 2 && top_k_index.sizes() == top_k_weights.sizes(),
               "hidden must be [T, H] and top_k_index / top_k_weights [T, k]");
   const int64_t experts = gate_up_data.size(0);
@@ -354,7 +354,8 @@ at::Tensor packed_moe_cpu(const at::Tensor& hidden, const at::Tensor& top_k_inde
   check_moe_inputs(format, activation, hidden, top_k_index, top_k_weights, gate_up_data, gate_up_scales, down_data,
                    down_scales);
   const bool clamped_swiglu = activation == "clamped_swiglu", gelu_tanh = activation == "gelu_tanh",
-             clamped_silu = activation == "clamped_silu", relu2 = activation == "relu2";
+             clamped_silu = activation == "clamped_silu", clamped_gate_silu = activation == "clamped_gate_silu",
+             relu2 = activation == "relu2";
   const float bound = static_cast<float>(limit);
   const int64_t tokens = hidden.size(0), hidden_size = hidden.size(1), top_k = top_k_index.size(1);
   // relu2: experts without a gate, the first projection up alone (Nemotron-H)
@@ -403,6 +404,9 @@ at::Tensor packed_moe_cpu(const at::Tensor& hidden, const at::Tensor& top_k_inde
           value = 0.5f * gate * (1.f + std::tanh(0.7978845608f * (gate + 0.044715f * gate * gate * gate))) * up;
         } else if (clamped_silu) {  // Step 3.7: SiLU(gate) <= limit, times up clamped to [-limit, limit]
           value = std::min(gate / (1.f + std::exp(-gate)), bound) * std::max(std::min(up, bound), -bound);
+        } else if (clamped_gate_silu) {  // HY V4: SiLU(gate <= limit), times up clamped to [-limit, limit]
+          gate = std::min(gate, bound);
+          value = gate / (1.f + std::exp(-gate)) * std::max(std::min(up, bound), -bound);
         } else {  // SiLU(gate) * up
           value = gate / (1.f + std::exp(-gate)) * up;
         }

@@ -279,10 +279,12 @@ def _absorbs(module, query: torch.Tensor, mask) -> bool:
             and query.shape[2] * (2 * r - nope - v) < r * (nope + v))
 
 
-def absorbed_attention(module, query, rotary_key, latent, mask, scaling: float) -> torch.Tensor:
+def absorbed_attention(module, query, rotary_key, latent, mask, scaling: float,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Latent attention over the cached latents as they are: query [b, heads, t, nope + rope], rotary key [b, 1, s,
-    rope], latent [b, 1, s, r], an additive mask [b, 1, t, s] -> [b, t, heads, v], as transformers' expanded keys and
-    values give it. A head's key is W_UK latent next to the shared rotary key, its value W_UV latent (kv_b_proj's rows
+    rope], latent [b, 1, s, r], an additive mask [b, 1, t, s], sinks [heads] or None -> [b, t, heads, v], as
+    transformers' expanded keys and values give it (with sinks, HY V4's: each head's logit joins its rows' softmax
+    and is dropped after it). A head's key is W_UK latent next to the shared rotary key, its value W_UV latent (kv_b_proj's rows
     of that head), so q . k = (q_nope W_UK) . latent + q_rot . k_rot and the weighted sum of values is W_UV (weighted
     sum of latents): the queries move into the latent space, every head's queries (folded, as `folded_attention`
     folds them) attend to the one latent, and the output moves back. Per step t x (nope + v) x r multiplies a head
@@ -295,7 +297,11 @@ def absorbed_attention(module, query, rotary_key, latent, mask, scaling: float) 
     q_latent, q_rot = _fold(q_nope @ up[:, :nope], 1), _fold(q_rot, 1)  # [b, 1, heads * t, r or rope]
     scores = (q_latent @ latent.transpose(-1, -2) + q_rot @ rotary_key.transpose(-1, -2)) * scaling
     scores = scores + _folded_mask(mask, 1, heads)
+    if sinks is not None:  # rows are head-major: head h's are h * t .. (h + 1) * t - 1
+        column = sinks.to(scores.dtype).repeat_interleave(query.shape[2]).view(1, 1, -1, 1)
+        scores = torch.cat([scores, column.expand(scores.shape[0], 1, -1, 1)], dim=-1)
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = weights if sinks is None else weights[..., :-1]
     out = _unfold_heads(weights @ latent, heads)  # [b, heads, t, r]
     return (out @ up[:, nope:].transpose(1, 2)).transpose(1, 2)  # [b, t, heads, v]
 
@@ -323,7 +329,7 @@ def grouped_query_attention(module, query, key, value, attention_mask, dropout: 
         attention_mask = _picked_keys_only(attention_mask, indices, key.shape[2])
     if getattr(module, "expand_kv", None) is _latents_as_cached:
         if _absorbs(module, query, attention_mask):
-            return absorbed_attention(module, query, key, value, attention_mask, scaling), None
+            return absorbed_attention(module, query, key, value, attention_mask, scaling, s_aux), None
         key, value = type(module).expand_kv(module, value, key)
     return _grouped(module, query, key, value, attention_mask, dropout, scaling, s_aux, **kwargs)
 

@@ -177,6 +177,10 @@ REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
         vision_start_token_id=151652),
     "deepseek-v3.2": transformers.DeepseekV32Config,  # DeepSeek-V3's shape (671B, 37B active), DSA: 2048 keys a query
     "glm-5": transformers.GlmMoeDsaConfig,  # 78 layers (3 dense), MLA with DSA, 256 experts of 2048, top-8: 744B
+    # HY V4 (the config class's defaults): 34 layers (the first dense), MLA with DSA (2048 keys a query; a layer in
+    # four runs its own indexer, the others reuse its choice), attention sinks, 4 hyper-connection streams, 256
+    # experts of 768, top-8, a shared expert
+    "hy-v4": transformers.HYV4Config,
     "a.x-k2-light": transformers.AXK2Config,  # 48 layers, MLA with DSA, 128 experts of 512, top-8, a shared expert
     # dots.llm3 (Dots 3 Note preview, its causal LM; the config class's defaults): 46 layers (the first dense), DSA
     # layers and sliding latent-attention ones of their own widths (3 in 4), 256 experts of 1536, top-8, shared

@@ -117,8 +117,13 @@ def default_layer_ids(num_target_layers: int, count: int) -> tuple[int, ...]:
 def context_features(hidden_states, layer_ids: tuple[int, ...]) -> torch.Tensor:
     """What a drafter is conditioned on: the target's hidden states after each of `layer_ids`, concatenated on the
     feature axis. `hidden_states[i + 1]` is layer i's output (transformers' output_hidden_states; the last one is
-    after the final norm), as the reference drafters were trained."""
-    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+    after the final norm), as the reference drafters were trained. A layer whose output is several residual streams
+    ([batch, tokens, streams, hidden]: HY V4's hyper-connections) gives their mean, a hidden state's scale."""
+    return torch.cat([_one_stream(hidden_states[i + 1]) for i in layer_ids], dim=-1)
+
+
+def _one_stream(hidden: torch.Tensor) -> torch.Tensor:
+    return hidden.mean(dim=2) if hidden.dim() == 4 else hidden
 
 
 def validate_pairing(config: DrafterConfig, fc_shape: tuple[int, ...], target_config) -> tuple[int, ...]:
@@ -323,7 +328,8 @@ class DFlashDrafter(nn.Module):
 
     def _logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         config = self.config
-        logits = lm_head(hidden) * config.output_multiplier
+        # in the head's dtype, as the target reads it (HY V4 keeps an fp32 lm_head in a bf16 model)
+        logits = lm_head(hidden.to(lm_head.weight.dtype)) * config.output_multiplier
         if config.final_logit_softcapping:
             cap = config.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap

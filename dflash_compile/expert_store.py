@@ -77,12 +77,13 @@ UNGATED_ACTIVATIONS = {ReLUSquaredActivation: "relu2"}
 class Gate:
     """The gated activation of a family's experts: gate/up split (interleaved or concatenated) and the activation,
     SiLU(gate) * up, GELU(gate) * up with GELU's tanh approximation (Gemma 4), gpt-oss's clamped SwiGLU with
-    `alpha` / `limit`, or Step 3.7's SiLU(gate) <= `limit` times up clamped to [-`limit`, `limit`]; or of experts
+    `alpha` / `limit`, Step 3.7's SiLU(gate) <= `limit` times up clamped to [-`limit`, `limit`], or HY V4's SiLU of the
+    gate clamped from above at `limit` times up clamped as Step 3.7's; or of experts
     without a gate, relu(up)^2 (Nemotron-H, "relu2": the projection is up alone). The fused kernels take the same
     fields."""
 
     interleaved: bool
-    activation: str  # "silu" | "gelu_tanh" | "clamped_swiglu" | "clamped_silu" | "relu2"
+    activation: str  # "silu" | "gelu_tanh" | "clamped_swiglu" | "clamped_silu" | "clamped_gate_silu" | "relu2"
     alpha: float = 1.702
     limit: float = 7.0
 
@@ -91,6 +92,8 @@ class Gate:
         interleaved = layout.gate_up == "interleaved"
         if layout.activation == "clamped_swiglu":
             return cls(interleaved, "clamped_swiglu", float(module.alpha), float(module.limit))
+        if layout.activation == "clamped_gate_silu":  # SiLU written into the module's forward: no act_fn
+            return cls(interleaved, "clamped_gate_silu", limit=float(module.swiglu_limit))
         act = module.act_fn if not isinstance(module.act_fn, torch.nn.Module) else type(module.act_fn)
         if layout.gate_up == "ungated":
             if act not in UNGATED_ACTIVATIONS:
@@ -122,6 +125,8 @@ class Gate:
             return F.gelu(gate, approximate="tanh") * up
         if self.activation == "clamped_silu":
             return F.silu(gate).clamp(max=self.limit) * up.clamp(min=-self.limit, max=self.limit)
+        if self.activation == "clamped_gate_silu":
+            return F.silu(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
         return F.silu(gate) * up
 
 

@@ -20,7 +20,7 @@ from transformers.integrations.moe import (_can_use_grouped_mm, _grouped_linear,
                                            use_experts_implementation)
 
 GateUpLayout = Literal["concatenated", "interleaved", "ungated"]
-Activation = Literal["act_fn", "clamped_swiglu", "clamped_act_fn"]
+Activation = Literal["act_fn", "clamped_swiglu", "clamped_act_fn", "clamped_gate_silu"]
 AttentionKind = Literal["full_attention", "indexed_attention", "sliding_attention", "chunked_attention",
                         "linear_attention", "conv", "mlp"]
 # kinds whose layers keep a conv window (and a linear-attention layer a recurrent state), not keys and values: their
@@ -52,7 +52,8 @@ class ExpertLayout:
     activation: Activation  # "act_fn": act(gate) * up with the module's `act_fn`;
     # "clamped_swiglu": gate <= limit, |up| <= limit, (up + 1) * gate * sigmoid(alpha * gate), from `alpha`/`limit`;
     # "clamped_act_fn": act(gate) <= limit times up clamped to [-limit, limit], the module's `limit` (None or inf:
-    # act(gate) * up; Step 3.7 and, from transformers 5.25, Ling 3 clamp a few layers)
+    # act(gate) * up; Step 3.7 and, from transformers 5.25, Ling 3 clamp a few layers);
+    # "clamped_gate_silu": SiLU(gate <= limit) times up clamped to [-limit, limit], the module's `swiglu_limit` (HY V4)
 
 
 @dataclass(frozen=True)
@@ -781,6 +782,8 @@ def _declared_moe_layers(config) -> list[int]:
 _SWIGLU = ExpertLayout(gate_up="concatenated", transposed=False, bias=False, activation="act_fn")
 # SiLU experts clamped in the layers their config's `swiglu_limits` names (Step 3.7; Ling 3 from transformers 5.25)
 _CLAMPED_SWIGLU = ExpertLayout(gate_up="concatenated", transposed=False, bias=False, activation="clamped_act_fn")
+_GATE_CLAMPED_SWIGLU = ExpertLayout(gate_up="concatenated", transposed=False, bias=False,
+                                    activation="clamped_gate_silu")
 _SOFTMAX = RouterSpec(scoring="softmax")
 _TOP_K_THEN_SOFTMAX = RouterSpec(scoring="top_k_then_softmax", module="router")  # gpt-oss, Granite-MoE
 _GATED_DELTA_NET = LinearAttentionSpec("linear_attn", "torch_chunk_gated_delta_rule",
@@ -792,6 +795,8 @@ _KIMI_DELTA_ATTENTION = LinearAttentionSpec("self_attn", "chunk_kimi_delta_atten
                                             _kimi_delta_rule_elements, _kimi_delta_state)
 # Multi-head latent attention's linears reading the same input (q_proj where there is no q_lora_rank)
 _MLA_SHARED_INPUTS = (("q_a_proj", "kv_a_proj_with_mqa"), ("q_proj", "kv_a_proj_with_mqa"), ("gate_proj", "up_proj"))
+# and where the attention's output gate reads the layer's input too (HY V4)
+_GATED_MLA_SHARED_INPUTS = (("q_a_proj", "kv_a_proj_with_mqa", "gate_proj"), ("gate_proj", "up_proj"))
 _ERNIE_ROUTER = RouterSpec(scoring="softmax", correction_bias="moe_statics.e_score_correction_bias")
 _DEEPSEEK_ROUTER = RouterSpec(scoring="sigmoid", correction_bias="e_score_correction_bias", grouped_top_k=True,
                               routed_scaling_factor=True)
@@ -888,6 +893,13 @@ FAMILIES: dict[str, FamilySpec] = {
             # (`per_layer_config`), the output gated per head; GLM-4.5's router, a shared expert; MLPs declared
             "dots3_note", ("dots3_note", "dots3_note_text"), "Dots3NoteExperts", _SWIGLU, _DEEPSEEK_ROUTER,
             _declared_sparse_layers, _declared_layer_types, shared_input_linears=_MLA_SHARED_INPUTS,
+            cached_per_token=_indexed_latent, unquantized_linears=("weights_proj",),
+        ),
+        FamilySpec(  # HY V4: GLM-MoE-DSA's sparse attention with sinks and a per-head output gate, hyper-connection
+            # streams between layers (`drafter.context_features` averages them), experts clamping the gate before
+            # SiLU; GLM-4.5's router, a shared expert; MLPs declared
+            "hy_v4", ("hy_v4",), "HYV4Experts", _GATE_CLAMPED_SWIGLU, _DEEPSEEK_ROUTER, _declared_sparse_layers,
+            _declared_layer_types, attention_sinks=True, shared_input_linears=_GATED_MLA_SHARED_INPUTS,
             cached_per_token=_indexed_latent, unquantized_linears=("weights_proj",),
         ),
         FamilySpec(  # Mistral Large 4 (image-text-to-text; its text model mistral_large4_text): GLM-MoE-DSA's sparse

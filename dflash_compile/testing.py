@@ -80,6 +80,11 @@ TINY_CONFIGS = {
         **{**_MLA, "num_hidden_layers": 4}, **_DSA, **_DEEPSEEK_ROUTING, **_ROUTED),
     "glm_moe_dsa": lambda: transformers.GlmMoeDsaConfig(  # its second layer reuses the first's choice of keys
         index_topk_pattern="FSF", initializer_range=0.1, **_MLA, **_DSA, **_DEEPSEEK_ROUTING, **_ROUTED),
+    "hy_v4": lambda: transformers.HYV4Config(
+        mlp_layer_types=["dense", "sparse", "sparse"], layer_types=["indexed_attention"] * 3,
+        indexer_types=["full", "shared", "full"], hc_mult=2, swiglu_limit=0.5, initializer_range=0.1,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        **_MLA, **_DSA, **_DECLARED_DEEPSEEK_ROUTING, **_ROUTED),
     "deepseek_v2": lambda: transformers.DeepseekV2Config(  # DeepSeek-V2's group-limited softmax router
         topk_method="group_limited_greedy", **_MLA, **_DEEPSEEK_ROUTING, **_ROUTED),
     "glm4_moe_lite": lambda: transformers.Glm4MoeLiteConfig(  # GLM-4.7-Flash: one group, MLPs declared per layer

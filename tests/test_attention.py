@@ -199,20 +199,24 @@ def latent_layer(tiny, family):
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe_lite"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe_lite", "hy_v4"])
 def test_absorbed_latent_attention_is_attention_over_the_expanded_cache(tiny, family, device):
     """The queries moved into the latent space and the output back give what transformers computes over the keys
-    and values it expands from the latents (`expand_kv` through kv_b_proj): fp32 on a CPU, bf16 on CUDA."""
+    and values it expands from the latents (`expand_kv` through kv_b_proj): fp32 on a CPU, bf16 on CUDA. HY V4's
+    layers have sinks (here of random logits)."""
     from dflash_compile.attention import absorbed_attention, folded_attention
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     layer, *inputs = latent_layer(tiny, family)
     layer = layer.to(device, dtype)
     query, rotary_key, latent, mask = (x.to(device, dtype).clamp(min=torch.finfo(dtype).min) for x in inputs)
+    sinks = None
+    if hasattr(layer, "sinks"):
+        sinks = torch.randn(layer.num_heads, generator=torch.Generator().manual_seed(1)).to(device)
     with torch.no_grad():
         key, value = layer.expand_kv(latent, rotary_key)
-        expected = folded_attention(query, key, value, mask, None, layer.scaling)
-        out = absorbed_attention(layer, query, rotary_key, latent, mask, layer.scaling)
+        expected = folded_attention(query, key, value, mask, sinks, layer.scaling)
+        out = absorbed_attention(layer, query, rotary_key, latent, mask, layer.scaling, sinks)
     assert out.shape == expected.shape == (1, 3, layer.num_heads, layer.v_head_dim) and out.dtype == dtype
     tolerance = 1e-5 if device == "cpu" else 2e-2
     torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)

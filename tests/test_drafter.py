@@ -200,3 +200,24 @@ def test_yarn_rope_and_output_options_are_applied(tiny, tmp_path):
     torch.testing.assert_close(logits, expected)
     assert logits.abs().max() <= 3.0
     assert torch.equal(drafts, expected.argmax(-1)) and q is None
+
+
+def test_hyper_connection_streams_and_an_fp32_head_reach_the_drafter(tiny, random_drafter):
+    """HY V4's decoder layers output hyper-connection streams ([batch, tokens, streams, hidden]) and its bf16 model
+    keeps an fp32 lm_head: a drafter is conditioned on each captured layer's mean stream (the last layer's is one,
+    after the model's stream head and final norm), and its hidden states go through the head in the head's dtype, so
+    speculative generation runs in bf16."""
+    from dflash_compile.drafter import context_features
+
+    model = tiny("hy_v4", torch.bfloat16)
+    hidden = model.config.hidden_size
+    ids = torch.randint(3, 127, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        states = model(ids, output_hidden_states=True).hidden_states
+    assert states[1].shape == (2, 9, model.config.hc_mult, hidden) and model.lm_head.weight.dtype == torch.float32
+    features = context_features(states, (0, 2))
+    assert states[3].shape == (2, 9, hidden)
+    assert torch.equal(features, torch.cat([states[1].mean(dim=2), states[3]], dim=-1))
+    fast = dflash_compile.optimize(model, random_drafter(model), adaptive=False, compile=False)
+    out = fast.generate(ids, max_new_tokens=6)
+    assert out.shape == (2, 15) and torch.equal(out[:, :9], ids)

@@ -252,8 +252,8 @@ def test_opcheck_fp8_block_linear():
 
 def test_each_familys_experts_activation_is_read_from_its_experts_module(tiny):
     """The experts' own `act_fn`, whatever config field built it: Gemma 4's `hidden_activation` (GELU, tanh
-    approximation), the others' `hidden_act`, Aria's SiLU whatever `hidden_act` says; an activation the kernels do not
-    have is refused with its name."""
+    approximation), the others' `hidden_act`, Aria's SiLU whatever `hidden_act` says, HY V4's SiLU of its clamped
+    gate at its `swiglu_limit` (no `act_fn`); an activation the kernels do not have is refused with its name."""
     from dflash_compile.expert_store import Gate
 
     gemma = next(iter(experts_modules(tiny("gemma4_text")).values()))
@@ -263,6 +263,8 @@ def test_each_familys_experts_activation_is_read_from_its_experts_module(tiny):
     aria = next(iter(experts_modules(tiny("aria")).values()))
     aria.config.hidden_act = "gelu_pytorch_tanh"  # its shared experts' activation, not the routed ones'
     assert Gate.of(FAMILIES["aria"].layout, aria) == Gate(False, "silu")
+    hy = next(iter(experts_modules(tiny("hy_v4")).values()))
+    assert Gate.of(FAMILIES["hy_v4"].layout, hy) == Gate(False, "clamped_gate_silu", limit=0.5)
     qwen.act_fn = torch.nn.ReLU()
     with pytest.raises(ValueError, match=r"^Qwen3MoeExperts uses the activation ReLU; dflash-compile's experts "
                                          r"support \['GELUTanh', 'SiLU', 'SiLUActivation', 'silu'\] \(and gpt-oss's "

@@ -84,12 +84,12 @@ def _assert_the_indexers_choice_matters(model, ids, mask):
             indexer.index_topk = 6
 
 
-@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa", "axk2", "dots3_note"])
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa", "axk2", "dots3_note", "hy_v4"])
 def test_dsa_layers_attend_over_the_keys_their_indexer_picks(tiny, family):
     """DeepSeek sparse attention: each query of a DSA layer attends over the 6 keys its indexer scores best among
     the row's cached ones (fewer than the prompt's: the choice changes the logits). The target cache keeps each
-    indexer's keys beside the latents, written and rolled back with them (GLM-MoE-DSA's second layer reuses the
-    first's choice and keeps none; dots.llm3's last two, sliding, run no indexer and keep their wider latents in
+    indexer's keys beside the latents, written and rolled back with them (GLM-MoE-DSA's and HY V4's second layer
+    reuses the first's choice and keeps none; dots.llm3's last two, sliding, run no indexer and keep their wider latents in
     rings of window - 1 + block slots), and blocks of 4 accepted in part over left-padded rows give transformers'
     tokens."""
     model = tiny(family)
@@ -98,7 +98,7 @@ def test_dsa_layers_attend_over_the_keys_their_indexer_picks(tiny, family):
     expected = reference(model, ids, mask)
     fast = _generates_with_partial_drafts(model, ids, mask, expected, compile=False)
     cache = fast.decoder.target_cache.rows
-    layers = {"glm_moe_dsa": [0, 2], "dots3_note": [0, 1]}.get(family, [0, 1, 2])
+    layers = {"glm_moe_dsa": [0, 2], "hy_v4": [0, 2], "dots3_note": [0, 1]}.get(family, [0, 1, 2])
     assert sorted(name for name in cache.keys if isinstance(name, str)) == [f"indexer {i}" for i in layers]
     assert cache.keys["indexer 0"].shape == (3, 1, cache.max_len, 16)
     if family == "dots3_note":

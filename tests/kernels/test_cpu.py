@@ -25,17 +25,19 @@ def _packed_moe(x, index, weights, gate_up, down, interleaved, activation):
                                        down.data, down.scales, down.bias, interleaved, activation, 1.702, 7.0)
 
 
+@pytest.mark.parametrize("activation", ["clamped_silu", "clamped_gate_silu"])
 @pytest.mark.parametrize("format", ["mxfp4", "fp8_block", "dense"])
-def test_cpu_kernel_clamps_silu_as_step_3_7(format):
-    """SiLU(gate) <= limit, times up clamped to [-limit, limit], at a limit (0.5) that clips most values here."""
+def test_cpu_kernel_clamps_silu_as_step_3_7_and_hy_v4(activation, format):
+    """Step 3.7's SiLU(gate) <= limit and HY V4's SiLU(gate <= limit), each times up clamped to [-limit, limit], at a
+    limit (0.5) that clips most values here."""
     gate_up, down = _experts(format, 3, 96, 160, False, device="cpu")
     index, weights = _routing(5, 3, 2)
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(1))
-    expected = reference_moe(x, index, weights, gate_up, down, False, "clamped_silu", limit=0.5)
+    expected = reference_moe(x, index, weights, gate_up, down, False, activation, limit=0.5)
     actual = torch.ops.dflash.packed_moe(x, index, weights, format, gate_up.data, gate_up.scales, None, down.data,
-                                         down.scales, None, False, "clamped_silu", 1.702, 0.5)
+                                         down.scales, None, False, activation, 1.702, 0.5)
     assert (actual.double() - expected).norm() / expected.norm() <= 1e-5
-    gate = Gate(False, "clamped_silu", limit=0.5)
+    gate = Gate(False, activation, limit=0.5)
     torch.testing.assert_close(reference_packed(x, index, weights, gate_up, down, gate), actual, atol=1e-5, rtol=1e-5)
 
 

@@ -31,6 +31,8 @@ def reference_moe(hidden, index, weights, gate_up: PackedWeight, down: PackedWei
                 act = torch.nn.functional.gelu(gate, approximate="tanh") * up
             elif activation == "clamped_silu":
                 act = torch.nn.functional.silu(gate).clamp(max=limit) * up.clamp(-limit, limit)
+            elif activation == "clamped_gate_silu":
+                act = torch.nn.functional.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
             else:
                 act = torch.nn.functional.silu(gate) * up
             y = act @ w2[e].double().T
@@ -105,19 +107,21 @@ def test_fused_moe_matches_the_reference(format, family, precision):
     assert error <= (1e-4 if precision == "fp32" else 1e-2), f"relative error {error:.2e}"
 
 
+@pytest.mark.parametrize("activation", ["clamped_silu", "clamped_gate_silu"])
 @pytest.mark.parametrize("format", ["mxfp4", "fp8_block", "dense"])
 @pytest.mark.parametrize("tokens", [1, 3])
-def test_clamped_silu_clips_the_gate_and_up_projections(format, tokens):
-    """Step 3.7's clamped layers: SiLU(gate) <= limit, times up clamped to [-limit, limit]; a limit of 0.5 clips most
-    values of this test's projections (one token's launches and blocks of several tokens' pairs)."""
+def test_clamped_silu_clips_the_gate_and_up_projections(activation, format, tokens):
+    """Step 3.7's clamped layers, SiLU(gate) <= limit, and HY V4's experts, SiLU(gate <= limit), each times up clamped
+    to [-limit, limit]; a limit of 0.5 clips most values of this test's projections (one token's launches and blocks
+    of several tokens' pairs)."""
     experts, hidden, inter, top_k, _, interleaved, _, bias = FAMILY_CASES["silu_concatenated"]
     gate_up, down = _experts(format, experts, hidden, inter, bias)
     index, weights = _routing(tokens, experts, top_k)
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1))
-    expected = reference_moe(x, index, weights, gate_up, down, interleaved, "clamped_silu", limit=0.5)
+    expected = reference_moe(x, index, weights, gate_up, down, interleaved, activation, limit=0.5)
     assert (expected - reference_moe(x, index, weights, gate_up, down, interleaved, "silu")).norm() > expected.norm()
     actual = fused_moe(x.to(DEVICE), index.to(DEVICE), weights.to(DEVICE), gate_up, down, interleaved=interleaved,
-                       activation="clamped_silu", limit=0.5)
+                       activation=activation, limit=0.5)
     assert (actual.cpu().double() - expected).norm() / expected.norm() <= 1e-4
 
 
