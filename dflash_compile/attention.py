@@ -284,13 +284,13 @@ def absorbed_attention(module, query, rotary_key, latent, mask, scaling: float,
     """Latent attention over the cached latents as they are: query [b, heads, t, nope + rope], rotary key [b, 1, s,
     rope], latent [b, 1, s, r], an additive mask [b, 1, t, s], sinks [heads] or None -> [b, t, heads, v], as
     transformers' expanded keys and values give it (with sinks, HY V4's: each head's logit joins its rows' softmax
-    and is dropped after it). A head's key is W_UK latent next to the shared rotary key, its value W_UV latent (kv_b_proj's rows
-    of that head), so q . k = (q_nope W_UK) . latent + q_rot . k_rot and the weighted sum of values is W_UV (weighted
-    sum of latents): the queries move into the latent space, every head's queries (folded, as `folded_attention`
-    folds them) attend to the one latent, and the output moves back. Per step t x (nope + v) x r multiplies a head
-    instead of transformers' s x r x (nope + v). In transformers' eager math (products, fp32 softmax, product): its
-    GEMMs spread the slots over the GPU's SMs, where a fused SDPA kernel would give one head's few query rows a
-    handful of programs."""
+    and is dropped after it). A head's key is W_UK latent next to the shared rotary key, its value W_UV latent
+    (kv_b_proj's rows of that head), so q . k = (q_nope W_UK) . latent + q_rot . k_rot and the weighted sum of values
+    is W_UV (weighted sum of latents): the queries move into the latent space, every head's queries (folded, as
+    `folded_attention` folds them) attend to the one latent, and the output moves back. Per step t x (nope + v) x r
+    multiplies a head instead of transformers' s x r x (nope + v). In transformers' eager math (products, fp32
+    softmax, product): its GEMMs spread the slots over the GPU's SMs, where a fused SDPA kernel would give one head's
+    few query rows a handful of programs."""
     heads, nope = query.shape[1], module.qk_nope_head_dim
     up = _dense_weight(module.kv_b_proj, query.dtype).view(heads, nope + module.v_head_dim, -1)  # [heads, nope + v, r]
     q_nope, q_rot = query.split([nope, query.shape[-1] - nope], dim=-1)

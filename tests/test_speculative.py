@@ -89,9 +89,9 @@ def test_dsa_layers_attend_over_the_keys_their_indexer_picks(tiny, family):
     """DeepSeek sparse attention: each query of a DSA layer attends over the 6 keys its indexer scores best among
     the row's cached ones (fewer than the prompt's: the choice changes the logits). The target cache keeps each
     indexer's keys beside the latents, written and rolled back with them (GLM-MoE-DSA's and HY V4's second layer
-    reuses the first's choice and keeps none; dots.llm3's last two, sliding, run no indexer and keep their wider latents in
-    rings of window - 1 + block slots), and blocks of 4 accepted in part over left-padded rows give transformers'
-    tokens."""
+    reuses the first's choice and keeps none; dots.llm3's last two, sliding, run no indexer and keep their wider
+    latents in rings of window - 1 + block slots), and blocks of 4 accepted in part over left-padded rows give
+    transformers' tokens."""
     model = tiny(family)
     ids, mask = prompts(3)
     _assert_the_indexers_choice_matters(model, ids, mask)
