@@ -180,7 +180,10 @@ REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
     # HY V4 (the config class's defaults): 34 layers (the first dense), MLA with DSA (2048 keys a query; a layer in
     # four runs its own indexer, the others reuse its choice), attention sinks, 4 hyper-connection streams, 256
     # experts of 768, top-8, a shared expert
-    "hy-v4": transformers.HYV4Config,
+    "hy-v4": transformers.HYV4Config,  # ~58B, 4.8B active
+    # Hy4, HY V4's image-text-to-text release (the config class's defaults): 78 layers, hidden 6144, 256 experts of
+    # 2048, top-8: ~769B, 48B active
+    "hy4": transformers.HYV4VLConfig,
     "a.x-k2-light": transformers.AXK2Config,  # 48 layers, MLA with DSA, 128 experts of 512, top-8, a shared expert
     # dots.llm3 (Dots 3 Note preview, its causal LM; the config class's defaults): 46 layers (the first dense), DSA
     # layers and sliding latent-attention ones of their own widths (3 in 4), 256 experts of 1536, top-8, shared

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, NamedTuple
 
 import torch
@@ -803,6 +803,14 @@ _DEEPSEEK_ROUTER = RouterSpec(scoring="sigmoid", correction_bias="e_score_correc
 # DeepSeek-V2: softmax scores, top-k over all experts ("greedy") or inside the best `topk_group` groups by their
 # largest score ("group_limited_greedy"), times `routed_scaling_factor`
 _DEEPSEEK_V2_ROUTER = RouterSpec(scoring="softmax", grouped_top_k=True, routed_scaling_factor=True)
+# HY V4: GLM-MoE-DSA's sparse attention with sinks and a per-head output gate, hyper-connection streams between layers
+# (`drafter.context_features` averages them), experts clamping the gate before SiLU; GLM-4.5's router, a shared
+# expert; MLPs declared
+_HY_V4 = FamilySpec(
+    "hy_v4", ("hy_v4",), "HYV4Experts", _GATE_CLAMPED_SWIGLU, _DEEPSEEK_ROUTER, _declared_sparse_layers,
+    _declared_layer_types, attention_sinks=True, shared_input_linears=_GATED_MLA_SHARED_INPUTS,
+    cached_per_token=_indexed_latent, unquantized_linears=("weights_proj",),
+)
 
 FAMILIES: dict[str, FamilySpec] = {
     spec.name: spec
@@ -895,13 +903,10 @@ FAMILIES: dict[str, FamilySpec] = {
             _declared_sparse_layers, _declared_layer_types, shared_input_linears=_MLA_SHARED_INPUTS,
             cached_per_token=_indexed_latent, unquantized_linears=("weights_proj",),
         ),
-        FamilySpec(  # HY V4: GLM-MoE-DSA's sparse attention with sinks and a per-head output gate, hyper-connection
-            # streams between layers (`drafter.context_features` averages them), experts clamping the gate before
-            # SiLU; GLM-4.5's router, a shared expert; MLPs declared
-            "hy_v4", ("hy_v4",), "HYV4Experts", _GATE_CLAMPED_SWIGLU, _DEEPSEEK_ROUTER, _declared_sparse_layers,
-            _declared_layer_types, attention_sinks=True, shared_input_linears=_GATED_MLA_SHARED_INPUTS,
-            cached_per_token=_indexed_latent, unquantized_linears=("weights_proj",),
-        ),
+        _HY_V4,
+        # HY V4's image-text-to-text release (Hy4; its text model hy_v4_vl_text): HY V4's decoder under rotary
+        # positions in three sections
+        replace(_HY_V4, name="hy_v4_vl", model_types=("hy_v4_vl", "hy_v4_vl_text"), experts_class="HYV4VLExperts"),
         FamilySpec(  # Mistral Large 4 (image-text-to-text; its text model mistral_large4_text): GLM-MoE-DSA's sparse
             # attention without a query LoRA, queries scaled by position (Mistral 4's), layers without rotary
             # positions (`no_rope_layers`) and layers that read an earlier layer's latents (`kv_source_layers`);

@@ -327,6 +327,13 @@ MULTIMODAL = {
         rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3], mrope_interleaved=True),
         **_ROUTED, **_COMMON), lambda hidden_size: _vision_tower(hidden_size, deepstack_visual_indexes=[0]),
         _omni_thinker),
+    # HY V4's release (Hy4): HY V4's tiny decoder under rotary positions in three sections
+    "hy_v4_vl": (transformers.HYV4VLConfig, lambda: transformers.HYV4VLTextConfig(
+        **tiny_config("hy_v4").to_dict() | dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                                      mrope_section=[2, 1, 1]))),
+        lambda hidden_size: dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 out_hidden_size=hidden_size, patch_size=8, max_image_size=64),
+        lambda hidden_size: dict(image_token_id=121, video_token_id=122)),
     # DeepSeek-OCR 2: a dense first layer, then DeepSeek-V2's router inside groups with a shared expert
     "deepseek_ocr2": (transformers.DeepseekOcr2Config, lambda: transformers.DeepseekOcr2TextConfig(
         num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"], topk_method="group_limited_greedy",
