@@ -270,6 +270,13 @@ class TargetCache(Cache):
         self.pending_recurrent[layer_idx] = state
         return state
 
+    # MiniMax's lightning attention reads and writes its state by these
+    def get_linear_cache(self, layer_idx: int):
+        return self.get_recurrent_state(layer_idx)
+
+    def set_linear_cache(self, layer_idx: int, state) -> None:
+        self.update_recurrent_state(state, layer_idx)
+
     def pending_linear(self) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
         """What the last forward left for `commit_linear`: its conv inputs and recurrent states, per layer."""
         return dict(self.pending_conv), dict(self.pending_recurrent)

@@ -89,9 +89,10 @@ class LinearAttentionSpec:
     # block it steps (a verify block, or a prefill chunk of at most STEPWISE_TOKENS after the first)
     state_elements: Callable[[object], int]
     # the rules' signature, by which `linear_attention.stepwise_linear_attention` steps a verify block: "delta"
-    # (GatedDeltaNet, KDA: query, key, value, g, beta), "mamba2" (hidden states, dt, A, B, C) or "mamba1" (Jamba's
-    # scan of the mixer, its inputs and the cache)
-    rule: Literal["delta", "mamba2", "mamba1"] = "delta"
+    # (GatedDeltaNet, KDA: query, key, value, g, beta), "mamba2" (hidden states, dt, A, B, C), "mamba1" (Jamba's
+    # scan of the mixer, its inputs and the cache) or "lightning" (MiniMax's mixer forward itself, named
+    # `Class.forward`, which reads and writes its state in the cache)
+    rule: Literal["delta", "mamba2", "mamba1", "lightning"] = "delta"
 
 
 def first_projection(experts: torch.nn.Module) -> str:
@@ -207,6 +208,23 @@ def _mamba2(mixer: str, heads: str, head_dim: str, state: str, chunk: str) -> Li
                                state_elements, rule="mamba2")
 
 
+def _lightning_head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _lightning_state(config) -> int:
+    """MiniMax's lightning attention state (keys' outer products with values, decayed): [heads, head dim, head
+    dim]."""
+    return config.num_attention_heads * _lightning_head_dim(config) ** 2
+
+
+def _lightning_elements(config) -> int:
+    """MiniMax's lightning attention over a prompt per token: its q/k/v projection, activated and masked (3 head dims
+    a head each), its block's intra-block scores and their decayed copy (`block_size` wide), the decayed queries,
+    the inter- and intra-block outputs and their sum (a head dim each)."""
+    return config.num_attention_heads * (10 * _lightning_head_dim(config) + 2 * config.block_size)
+
+
 def _mamba1_state(config) -> int:
     """Jamba's Mamba state: [intermediate size (mamba_expand x hidden size), state size]."""
     return config.mamba_expand * config.hidden_size * config.mamba_d_state
@@ -259,6 +277,9 @@ class FamilySpec:
     # dtype), and routers beside the MoE blocks' (JetMoE's attention experts' `router.layer`), which route in the
     # model's dtype as the MoE blocks' do
     unquantized_linears: tuple[str, ...] = ()
+    # whether the target's forwards tell the model `use_cache` with the target cache: MiniMax's model refuses any
+    # cache but its own (`MiniMaxCache`) when told, while its layers read and write the cache they are given either way
+    use_cache: bool = True
     # the config's count of zero-compute experts, which a router picks as it picks routed ones and which read no weights
     # (LongCat-Flash's `zero_expert_num`: each returns its input)
     zero_compute_experts_key: str | None = None
@@ -1125,6 +1146,15 @@ FAMILIES: dict[str, FamilySpec] = {
             LinearAttentionSpec("mamba", "mamba_scan_forward", "mamba_selective_state_update", _mamba1_scan_elements,
                                 _mamba1_state, rule="mamba1"),
             unquantized_linears=("dt_proj",), min_transformers="5.25",
+        ),
+        FamilySpec(  # MiniMax-Text-01 / M1: lightning (linear) attention layers between full-attention ones, Mixtral's
+            # router and experts. Verify blocks step the lightning forward a token at a time (its own decode); its
+            # model takes the target cache with `use_cache` off (it refuses any cache but its own when told)
+            "minimax", ("minimax",), "MiniMaxExperts", _SWIGLU, _SOFTMAX, _all_layers, _declared_layer_types,
+            LinearAttentionSpec("self_attn", "MiniMaxLightningAttention.forward",
+                                "MiniMaxLightningAttention.forward", _lightning_elements, _lightning_state,
+                                rule="lightning"),
+            shared_input_linears=(("q_proj", "k_proj", "v_proj"), ("qkv_proj", "output_gate")), use_cache=False,
         ),
         FamilySpec(  # Granite 4.0-H (GraniteMoeHybrid): Mamba2 layers between full-attention ones (without rotary
             # positions as released), Granite-MoE's router and multipliers, a shared MLP beside the experts everywhere

@@ -110,8 +110,51 @@ def stepwise_mamba1_scan(chunked, recurrent):
     return scan
 
 
+class _OneState:
+    """The cache one token's lightning forward sees: the state the token before it left, replaced by its own."""
+
+    def __init__(self, state: torch.Tensor):
+        self.state = state
+
+    def get_linear_cache(self, layer_idx: int) -> torch.Tensor:
+        return self.state
+
+    def set_linear_cache(self, layer_idx: int, state: torch.Tensor) -> None:
+        self.state = state
+
+
+@functools.cache
+def stepwise_lightning(chunked, recurrent):
+    """MiniMax's lightning attention forward (`chunked`), which over several tokens from a cached state runs its
+    recurrence but hands the cache the last state only, run where the cache holds a state and the block has 2 to
+    STEPWISE_TOKENS tokens by `recurrent` (the same forward: its one-token decode) a token at a time, each from the
+    state the token before left; the cache then gets the state after each token [batch, tokens, heads, head dim, head
+    dim]."""
+
+    @functools.wraps(chunked)
+    def forward(module, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
+        tokens = hidden_states.shape[1]
+        state = None if cache is None else cache.get_linear_cache(module.layer_idx)
+        if state is None or tokens == 1 or tokens > STEPWISE_TOKENS:
+            return chunked(module, hidden_states=hidden_states, position_embeddings=position_embeddings,
+                           attention_mask=attention_mask, cache=cache, **kwargs)
+        step, outputs, states = _OneState(state), [], []
+        for t in range(tokens):
+            mask = None if attention_mask is None else attention_mask[:, t:t + 1]
+            out, _ = recurrent(module, hidden_states=hidden_states[:, t:t + 1], position_embeddings=position_embeddings,
+                               attention_mask=mask, cache=step, **kwargs)
+            outputs.append(out)
+            states.append(step.state)
+        cache.set_linear_cache(module.layer_idx, torch.stack(states, dim=1))
+        return torch.cat(outputs, dim=1), None
+
+    forward.stepwise = True
+    return forward
+
+
 # a verify block's stepped rule by `LinearAttentionSpec.rule`
-STEPWISE_RULES = {"delta": stepwise_rule, "mamba2": stepwise_mamba2_rule, "mamba1": stepwise_mamba1_scan}
+STEPWISE_RULES = {"delta": stepwise_rule, "mamba2": stepwise_mamba2_rule, "mamba1": stepwise_mamba1_scan,
+                  "lightning": stepwise_lightning}
 
 
 def check_verify_block(model, block_size: int) -> None:
@@ -134,13 +177,18 @@ def stepwise_linear_attention(model):
         yield
         return
     mixers = [module for name, module in model.named_modules() if name.rsplit(".", 1)[-1] == linear.mixer]
-    namespaces = {sys.modules[type(mixer).__module__] for mixer in mixers}
-    originals = [(ns, getattr(ns, linear.chunked)) for ns in namespaces]
+    # the rules' names in the mixers' modeling module: functions, or a class's method ("Class.forward")
+    owner, _, chunked_name = linear.chunked.rpartition(".")
+    namespaces = {functools.reduce(getattr, filter(None, owner.split(".")), sys.modules[type(mixer).__module__])
+                  for mixer in mixers}
+    originals = [(ns, getattr(ns, chunked_name)) for ns in namespaces]
+    recurrent_name = linear.recurrent.rpartition(".")[2]
     try:
         for ns, chunked in originals:
             if not getattr(chunked, "stepwise", False):  # ours already inside a nested call
-                setattr(ns, linear.chunked, STEPWISE_RULES[linear.rule](chunked, getattr(ns, linear.recurrent)))
+                recurrent = chunked if recurrent_name == chunked_name else getattr(ns, recurrent_name)
+                setattr(ns, chunked_name, STEPWISE_RULES[linear.rule](chunked, recurrent))
         yield
     finally:
         for ns, chunked in originals:
-            setattr(ns, linear.chunked, chunked)
+            setattr(ns, chunked_name, chunked)

@@ -241,6 +241,7 @@ class SpeculativeDecoder:
         self.windows = {kind: ring_window(config, kind) for kind in dict.fromkeys(kinds) if kind not in STATELESS_KINDS}
         self.ring_layers = [i for i, kind in enumerate(kinds) if self.windows.get(kind)]
         self.per_kind_masks = getattr(config, "layer_types", None) is not None  # the model takes {kind: mask}
+        self.use_cache = spec.use_cache
         self.max_positions = getattr(config, "max_position_embeddings", None)
         self.verify_step = self._verify_step
         self.backend = dflash_backend_with(fused_experts=fused_experts)
@@ -302,7 +303,7 @@ class SpeculativeDecoder:
             position_ids=cache.positions(width),
             attention_mask=masks if self.per_kind_masks else next(iter(masks.values())),
             cache=cache,
-            use_cache=True,
+            use_cache=self.use_cache,
             output_hidden_states=self.hidden_states_read or False,
             logits_to_keep=logits_to_keep,
             **{SEEN_SLOTS: cache.seen_slots(width)},

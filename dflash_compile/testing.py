@@ -85,6 +85,11 @@ TINY_CONFIGS = {
         indexer_types=["full", "shared", "full"], hc_mult=2, swiglu_limit=0.5, initializer_range=0.1,
         bos_token_id=1, eos_token_id=2, pad_token_id=0,
         **_MLA, **_DSA, **_DECLARED_DEEPSEEK_ROUTING, **_ROUTED),
+    # MiniMax: a lightning-attention layer, a full-attention one, another lightning one; 8-token blocks (prompts
+    # span two)
+    "minimax": lambda: transformers.MiniMaxConfig(
+        num_hidden_layers=3, intermediate_size=48, num_local_experts=4, head_dim=16, block_size=8,
+        layer_types=["linear_attention", "full_attention", "linear_attention"], **_ROUTED, **_COMMON),
     "deepseek_v2": lambda: transformers.DeepseekV2Config(  # DeepSeek-V2's group-limited softmax router
         topk_method="group_limited_greedy", **_MLA, **_DEEPSEEK_ROUTING, **_ROUTED),
     "glm4_moe_lite": lambda: transformers.Glm4MoeLiteConfig(  # GLM-4.7-Flash: one group, MLPs declared per layer

@@ -8,8 +8,8 @@ import torch
 
 import dflash_compile
 from dflash_compile.families import RECURRENT_KINDS
-from dflash_compile.linear_attention import (STEPWISE_TOKENS, stepwise_linear_attention, stepwise_mamba1_scan,
-                                             stepwise_mamba2_rule, stepwise_rule)
+from dflash_compile.linear_attention import (STEPWISE_TOKENS, stepwise_lightning, stepwise_linear_attention,
+                                             stepwise_mamba1_scan, stepwise_mamba2_rule, stepwise_rule)
 from dflash_compile.testing import OracleDrafter, in_installed_transformers, load_tiny_model, save_tiny_model
 
 HEADS, K_DIM, V_DIM = 4, 16, 8
@@ -129,6 +129,43 @@ def test_a_jamba_block_runs_as_decode_runs_each_token(tiny, tokens):
     stepped = stepwise_mamba1_scan(chunked, recurrent)(mixer, hidden, time_step, B, C, gate, zeros)
     own = StateCache(None)
     torch.testing.assert_close(stepped, chunked(mixer, hidden, time_step, B, C, gate, own), rtol=1e-4, atol=1e-4)
+
+
+class LinearCache:
+    """The calls MiniMax's lightning attention makes on a cache: one layer's state."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def get_linear_cache(self, layer_idx):
+        return self.state
+
+    def set_linear_cache(self, layer_idx, state):
+        self.state = state
+
+
+@pytest.mark.parametrize("tokens", [5, STEPWISE_TOKENS + 3])
+def test_a_lightning_block_runs_as_decode_runs_each_token(tiny, tokens):
+    """MiniMax's lightning attention from a cached state: a verify block bit for bit its own forward on one token at
+    a time (its decode), the cache given the state after each token; a longer prompt chunk runs the forward as it is
+    (its own recurrence: the last state). Both within rounding of each other."""
+    layer = tiny("minimax").model.layers[0].self_attn
+    forward = type(layer).forward
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, tokens, layer.qkv_proj.in_features, generator=generator)
+    state = torch.randn(2, layer.num_attention_heads, layer.head_dim, layer.head_dim, generator=generator)
+    cache = LinearCache(state)
+    with torch.no_grad():
+        out, _ = stepwise_lightning(forward, forward)(layer, hidden_states=hidden, cache=cache)
+        decoded, outputs = LinearCache(state), []
+        for t in range(tokens):
+            outputs.append(forward(layer, hidden[:, t:t + 1], None, None, decoded)[0])
+            if tokens <= STEPWISE_TOKENS:
+                assert torch.equal(out[:, t:t + 1], outputs[-1]) and torch.equal(cache.state[:, t], decoded.state)
+        whole = LinearCache(state)
+        torch.testing.assert_close(forward(layer, hidden, None, None, whole)[0], torch.cat(outputs, dim=1))
+    if tokens > STEPWISE_TOKENS:
+        assert torch.equal(cache.state, whole.state)
 
 
 @pytest.mark.skipif(not in_installed_transformers("jamba"), reason="Jamba's scan takes the cache from 5.25")
