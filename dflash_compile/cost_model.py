@@ -177,16 +177,16 @@ REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
         vision_start_token_id=151652),
     "deepseek-v3.2": transformers.DeepseekV32Config,  # DeepSeek-V3's shape (671B, 37B active), DSA: 2048 keys a query
     "glm-5": transformers.GlmMoeDsaConfig,  # 78 layers (3 dense), MLA with DSA, 256 experts of 2048, top-8: 744B
-    # HY V4 (the config class's defaults): 34 layers (the first dense), MLA with DSA (2048 keys a query; a layer in
-    # four runs its own indexer, the others reuse its choice), attention sinks, 4 hyper-connection streams, 256
-    # experts of 768, top-8, a shared expert
     # MiniMax-Text-01 (MiniMax-M1 the same shape; from memory, not read from a released file): 80 layers, each
     # eighth full attention, the others lightning attention; 32 experts of 9216, top-2: ~456B
     "minimax-text-01": lambda: transformers.MiniMaxConfig(
         hidden_size=6144, intermediate_size=9216, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
         head_dim=128, num_local_experts=32, num_experts_per_tok=2, vocab_size=200064, block_size=256,
         layer_types=(["linear_attention"] * 7 + ["full_attention"]) * 10, max_position_embeddings=1048576),
-    "hy-v4": transformers.HYV4Config,  # ~58B, 4.8B active
+    # HY V4 (the config class's defaults): 34 layers (the first dense), MLA with DSA (2048 keys a query; a layer in
+    # four runs its own indexer, the others reuse its choice), attention sinks, 4 hyper-connection streams, 256
+    # experts of 768, top-8, a shared expert: ~58B, 4.8B active
+    "hy-v4": transformers.HYV4Config,
     # Hy4, HY V4's image-text-to-text release (the config class's defaults): 78 layers, hidden 6144, 256 experts of
     # 2048, top-8: ~769B, 48B active
     "hy4": transformers.HYV4VLConfig,

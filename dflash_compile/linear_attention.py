@@ -186,8 +186,7 @@ def stepwise_linear_attention(model):
     try:
         for ns, chunked in originals:
             if not getattr(chunked, "stepwise", False):  # ours already inside a nested call
-                recurrent = chunked if recurrent_name == chunked_name else getattr(ns, recurrent_name)
-                setattr(ns, chunked_name, STEPWISE_RULES[linear.rule](chunked, recurrent))
+                setattr(ns, chunked_name, STEPWISE_RULES[linear.rule](chunked, getattr(ns, recurrent_name)))
         yield
     finally:
         for ns, chunked in originals:
