@@ -190,6 +190,9 @@ REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
     # Hy4, HY V4's image-text-to-text release (the config class's defaults): 78 layers, hidden 6144, 256 experts of
     # 2048, top-8: ~769B, 48B active
     "hy4": transformers.HYV4VLConfig,
+    # Muse Spark (the config class's defaults): 62 layers, hidden 8192, 256 experts of 4096 in a 4096-wide expert
+    # space, top-8: ~818B, 44B active
+    "muse-spark": transformers.MuseSparkConfig,
     "a.x-k2-light": transformers.AXK2Config,  # 48 layers, MLA with DSA, 128 experts of 512, top-8, a shared expert
     # dots.llm3 (Dots 3 Note preview, its causal LM; the config class's defaults): 46 layers (the first dense), DSA
     # layers and sliding latent-attention ones of their own widths (3 in 4), 256 experts of 1536, top-8, shared

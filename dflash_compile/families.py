@@ -277,6 +277,10 @@ class FamilySpec:
     # dtype), and routers beside the MoE blocks' (JetMoE's attention experts' `router.layer`), which route in the
     # model's dtype as the MoE blocks' do
     unquantized_linears: tuple[str, ...] = ()
+    # whether a router reads what the experts read (offload's prefetch guesses the next MoE layer's experts by its
+    # router on this layer's experts' input): Muse Spark's experts read the block's input projected into their own
+    # width, so offloading it prefetches nothing
+    routers_read_experts_input: bool = True
     # whether the target's forwards tell the model `use_cache` with the target cache: MiniMax's model refuses any
     # cache but its own (`MiniMaxCache`) when told, while its layers read and write the cache they are given either way
     use_cache: bool = True
@@ -611,6 +615,31 @@ def _move_ergo_route_norms(model: torch.nn.Module, block: torch.nn.Module) -> No
     block.__class__ = ErgoNormedMoe
 
 
+class MuseSparkNormedMoe(torch.nn.Module):
+    """Muse Spark's MoE block (`MuseSparkMoE`) with its experts' route norm (`post_expert_norm`, one norm for every
+    expert) moved into the block: the input projected into the experts' width and normed, each (token, route) pair
+    one row through its expert, normed, then weighted and summed per token, as transformers' `MuseSparkExperts`
+    computes, and projected back. Dispatching the experts module with the norm inside would drop it (the kernels
+    weight and sum the rows). Made by changing a module's class (`_move_muse_spark_route_norm`)."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        _, weights, index = self.gate(hidden_states)
+        hidden = self.pre_expert_norm(self.pre_expert_proj(hidden_states.reshape(-1, hidden_states.shape[-1])))
+        routes = index.reshape(-1, 1)
+        rows = hidden.repeat_interleave(index.shape[1], dim=0)
+        normed = self.post_expert_norm(self.experts(rows, routes, rows.new_ones(routes.shape)))
+        routed = (normed.view(*index.shape, hidden.shape[-1]) * weights.unsqueeze(-1)).sum(1).to(hidden.dtype)
+        return self.post_expert_proj(routed).view(hidden_states.shape)
+
+
+def _move_muse_spark_route_norm(model: torch.nn.Module, block: torch.nn.Module) -> None:
+    """Muse Spark: a `MuseSparkMoE` becomes a `MuseSparkNormedMoe` holding its experts' `post_expert_norm`; the
+    experts module keeps an identity in its place (its own forward and transformers' implementations call one)."""
+    block.post_expert_norm = block.experts.post_expert_norm
+    block.experts.post_expert_norm = torch.nn.Identity()
+    block.__class__ = MuseSparkNormedMoe
+
+
 class LongcatRoutedMoe(torch.nn.Module):
     """LongCat-Flash's MoE block (`LongcatFlashMoE`), its router picking among `num_routed_experts` experts and
     `zero_expert_num` zero-compute ones that return their input. transformers moves each zero-compute pick to a routed
@@ -723,6 +752,10 @@ _GROUP_JETMOE_ATTENTION_EXPERTS = Adapter(lambda module: type(module).__name__ =
 _MOVE_ERGO_ROUTE_NORMS = Adapter(lambda module: type(module).__name__ == "ErgoMoE", _move_ergo_route_norms,
                                  "Ergo's experts norm each route's output by its expert inside the experts module",
                                  moves_weights=True)
+_MOVE_MUSE_SPARK_ROUTE_NORM = Adapter(lambda module: type(module).__name__ == "MuseSparkMoE",
+                                      _move_muse_spark_route_norm,
+                                      "Muse Spark's experts norm each route's output inside the experts module",
+                                      moves_weights=True)
 _ROUTE_LONGCAT_EXPERTS = Adapter(lambda module: type(module).__name__ == "LongcatFlashMoE", _route_longcat_experts,
                                  "LongCat-Flash's MoE blocks send zero-compute picks to experts the token did not pick")
 _ROUTE_LLAMA4_EXPERTS = Adapter(lambda module: type(module).__name__ == "Llama4TextMoe", _route_llama4_experts,
@@ -859,6 +892,16 @@ FAMILIES: dict[str, FamilySpec] = {
             # `_TEXT_GENERATED_BY`): Qwen3-VL-MoE's decoder beside audio and vision towers
             "qwen3_omni_moe", ("qwen3_omni_moe_thinker", "qwen3_omni_moe_text"), "Qwen3OmniMoeThinkerTextExperts",
             _SWIGLU, _SOFTMAX, _qwen3_sparse_layers, _full_attention,
+        ),
+        FamilySpec(  # Muse Spark (image-text-audio-to-text; its text model muse_spark_text): the MoE block projects
+            # its input into the experts' width and back, its experts norm each route's output (one norm for all,
+            # the block's after the family's adapt: `MuseSparkNormedMoe`); a sigmoid router on scaled fp32 logits,
+            # choosing with a correction bias, renormalised and scaled; sliding and full layers (some without rotary
+            # positions), q/k norms, the output gated, gated residuals; MLPs declared
+            "muse_spark", ("muse_spark", "muse_spark_text"), "MuseSparkExperts", _SWIGLU,
+            RouterSpec(scoring="sigmoid", correction_bias="e_score_correction_bias", routed_scaling_factor=True),
+            _declared_sparse_layers, _declared_layer_types, adapt=(_MOVE_MUSE_SPARK_ROUTE_NORM,),
+            routers_read_experts_input=False,
         ),
         FamilySpec(  # Ergo: experts without a gate (relu(up)^2, weights [E, in, out]) whose routes are normed each by
             # a weight of its expert's before the weighted sum, that norm the MoE block's after the family's adapt

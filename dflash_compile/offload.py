@@ -706,7 +706,8 @@ def offload_experts(model: torch.nn.Module, gpu_memory, device="cuda", policy: s
     Checked before anything moves: the budget must hold the dense weights, one MoE layer's experts and, on CUDA,
     CUDA_RUNTIME_RESERVE. (The KV cache and long prompts' activations come on top, as with accelerate's
     max_memory; `generate` checks the cache against the device's free memory and prefills in chunks that fit.)
-    `prefetch`: how many MoE layers ahead to predict and copy experts for (True: 1, False: 0).
+    `prefetch`: how many MoE layers ahead to predict and copy experts for (True: 1, False: 0; 0 for a family whose
+    routers cannot read its experts' input, `FamilySpec.routers_read_experts_input`).
     `cpu_compute`: "auto" runs a missed expert on the CPU (C++ kernels, on its host blob) when measuring says that
     beats copying it, "always" runs every miss there; outputs then differ from the resident model's by rounding.
     `manager`: "host" decides the cache from each layer's routing read on the host (exact LRU / LFU, misses
@@ -719,11 +720,12 @@ def offload_experts(model: torch.nn.Module, gpu_memory, device="cuda", policy: s
     refuse_weights_outside_the_model(model)
     device = torch.device(device)
     slots = plan_offload(model, device).slots(parse_size(gpu_memory))
-    offloaded = OffloadedExperts(device, int(slots), policy, prefetch=int(prefetch), cpu_compute=cpu_compute,
-                                 manager=manager)
-    store = ExpertStore()  # what the eager forward dispatches to; compiled graphs get their own entries
     modules = _experts_modules(model)
     spec = spec_for_experts_class(type(next(iter(modules.values()))))
+    prefetch = int(prefetch) if spec.routers_read_experts_input else 0
+    offloaded = OffloadedExperts(device, int(slots), policy, prefetch=prefetch, cpu_compute=cpu_compute,
+                                 manager=manager)
+    store = ExpertStore()  # what the eager forward dispatches to; compiled graphs get their own entries
     for name, module in tqdm(modules.items(), desc="offloading experts", unit="layer", disable=len(modules) < 8):
         layer = offloaded.add_layer(module, routing_of(model, name))
         for tensor_name in list(module._parameters) + list(module._buffers):

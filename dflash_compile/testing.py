@@ -301,6 +301,15 @@ def _omni_thinker(hidden_size: int) -> dict:
                 audio_start_token_id=124)
 
 
+def _muse_spark_towers(hidden_size: int) -> dict:
+    """Muse Spark's audio tower (one stage, projecting into the decoder's width), its vision adapter's widths and the
+    token ids of its images, video and audio."""
+    return dict(audio_config=dict(patch_sizes=(4,), hidden_sizes=(16,), depths=(1,), num_hidden_layers=1,
+                                  out_hidden_size=hidden_size),
+                out_hidden_size=hidden_size, projector_hidden_size=32, image_token_id=121, video_token_id=122,
+                audio_token_id=123)
+
+
 # Families released as image-text-to-text models (the decoder under `model.language_model`, a vision tower beside
 # it): the multimodal config class, the tiny text config, the vision tower's settings (a function of the decoder's
 # width), and where the config has more, a function of the width giving those settings. Qwen3-VL-MoE's text config
@@ -339,6 +348,15 @@ MULTIMODAL = {
         lambda hidden_size: dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                                  out_hidden_size=hidden_size, patch_size=8, max_image_size=64),
         lambda hidden_size: dict(image_token_id=121, video_token_id=122)),
+    # Muse Spark (audio and vision towers): a dense first layer, two sliding layers then a full one without rotary
+    # positions; experts of their own width
+    "muse_spark": (transformers.MuseSparkConfig, lambda: transformers.MuseSparkTextConfig(
+        num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32, moe_hidden_size=48, num_local_experts=8,
+        head_dim=16, sliding_window=8, mlp_layer_types=["dense", "sparse", "sparse"], initializer_range=0.1,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, **_ROUTED, **_COMMON),
+        lambda hidden_size: dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 patch_size=8, pos_emb_height=4, pos_emb_width=4, max_position_embeddings=16),
+        _muse_spark_towers),
     # DeepSeek-OCR 2: a dense first layer, then DeepSeek-V2's router inside groups with a shared expert
     "deepseek_ocr2": (transformers.DeepseekOcr2Config, lambda: transformers.DeepseekOcr2TextConfig(
         num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"], topk_method="group_limited_greedy",

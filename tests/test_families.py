@@ -18,7 +18,7 @@ from dflash_compile.testing import OracleDrafter, in_installed_transformers, tin
 from tests.conftest import token_ids
 
 
-def test_registry_covers_the_sixty_two_families():
+def test_registry_covers_the_sixty_three_families():
     assert dflash_compile.supported_families() == sorted(
         ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe", "glm4_moe_lite",
          "deepseek_v2", "deepseek_v3", "olmoe", "ernie4_5_moe", "phimoe", "dots1", "flex_olmo", "solar_open",
@@ -28,7 +28,7 @@ def test_registry_covers_the_sixty_two_families():
          "kimi_linear", "lfm2_moe", "llama4_text", "granitemoehybrid", "ernie4_5_vl_moe", "step3p7", "bailing_hybrid",
          "nemotron_h", "jamba", "dbrx", "longcat_flash", "deepseek_v32", "glm_moe_dsa", "axk2",
          "mistral_large4", "dots3_note", "deepseek_ocr2", "jetmoe", "qwen3_omni_moe", "ergo", "hy_v4",
-         "hy_v4_vl", "minimax"]
+         "hy_v4_vl", "minimax", "muse_spark"]
     )
 
 
@@ -441,6 +441,29 @@ def test_ergo_route_norms_moved_into_the_block_give_its_logits(tiny, tmp_path):
         torch.save(model, tmp_path / "model.pt")
         reloaded = torch.load(tmp_path / "model.pt", weights_only=False)
         assert not traced_unadapted(reloaded) and torch.equal(reloaded(ids).logits, expected)
+
+
+def test_muse_spark_route_norm_moved_into_the_block_gives_its_logits(tmp_path):
+    """Muse Spark's experts norm each route's output (one norm for every expert) before the routing weights sum
+    them. Adapted, the MoE block holds the norm and the experts module an identity in its place (the same expert
+    weights): the fp32 logits are transformers' own, adapting again changes nothing, and the adapted model saves
+    whole. Traced before adapting, it is refused with the fix."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForImageTextToText.from_config(tiny_multimodal_config("muse_spark")).eval()
+    ids = token_ids()
+    block = model.model.language_model.layers[1].mlp
+    gate_up, norm = block.experts.gate_up_proj, block.experts.post_expert_norm
+    _refused_until_adapted(model, ids, "Muse Spark's experts norm each route's output inside the experts module")
+    with torch.no_grad():
+        expected = model(ids).logits
+        assert list(experts_modules(model)) == [f"model.language_model.layers.{i}.mlp.experts" for i in (1, 2)]
+        assert type(block).__name__ == "MuseSparkNormedMoe" and block.post_expert_norm is norm
+        assert isinstance(block.experts.post_expert_norm, torch.nn.Identity) and block.experts.gate_up_proj is gate_up
+        torch.testing.assert_close(adapt_model(model)(ids).logits, expected, rtol=1e-6, atol=1e-6)
+        torch.save(model, tmp_path / "model.pt")
+        reloaded = torch.load(tmp_path / "model.pt", weights_only=False)
+        assert not traced_unadapted(reloaded)
+        torch.testing.assert_close(reloaded(ids).logits, expected, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -403,7 +403,7 @@ def _image_text_release(family: str, directory):
 
 @pytest.mark.parametrize("family", ["qwen3_vl_moe", "glm4v_moe", "gemma4", "mistral3", "aria", "ernie4_5_vl_moe",
                                     "step3p7", LLAMA4_RELEASE, "mistral_large4", "deepseek_ocr2",
-                                    "qwen3_omni_moe", "hy_v4_vl"])
+                                    "qwen3_omni_moe", "hy_v4_vl", "muse_spark"])
 def test_an_image_text_to_text_release_generates_like_generate(tmp_path, family, aot_eager_steps):
     """Qwen3-VL-MoE and GLM-4.5V, which transformers builds only as image-text-to-text models (the decoder under
     `model.language_model`, its rotary positions in three sections, a vision tower beside it), and Gemma 4 as
@@ -411,8 +411,9 @@ def test_an_image_text_to_text_release_generates_like_generate(tmp_path, family,
     vision model around a Mistral 4 decoder), Aria, ERNIE-4.5-VL (text prompts call its text experts only), Step 3.7
     (clamped experts in one layer), Llama 4 (Scout and Maverick), DeepSeek-OCR 2 (SAM's vision model and an
     encoder around a DeepSeek-V2 MoE decoder under plain attention), Qwen3-Omni's thinker (audio and vision towers
-    around Qwen3-VL-MoE's kind of decoder) and HY V4's (its decoder under rotary positions in three sections, an
-    fp32 lm_head): text prompts keep
+    around Qwen3-VL-MoE's kind of decoder), HY V4's (its decoder under rotary positions in three sections, an fp32
+    lm_head) and Muse Spark (audio and vision towers; experts norming each route, moved into the block): text
+    prompts keep
     `generate`'s tokens through partly accepted blocks, eager and compiled (lowered by AOT eager: Inductor compiles
     each decoder's kind of attention and router in the text families' tests), with their experts offloaded, and
     loaded by `dflash_compile.from_pretrained`."""
