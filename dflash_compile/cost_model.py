@@ -190,6 +190,9 @@ REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
     # Hy4, HY V4's image-text-to-text release (the config class's defaults): 78 layers, hidden 6144, 256 experts of
     # 2048, top-8: ~769B, 48B active
     "hy4": transformers.HYV4VLConfig,
+    # ZAYA1-8B (the config class's defaults; transformers >= 5.25): 40 CCA layers, 16 experts of 2048 and a skip
+    # expert, top-1
+    "zaya1-8b": lambda: transformers.ZayaConfig(),
     # Muse Spark (the config class's defaults): 62 layers, hidden 8192, 256 experts of 4096 in a 4096-wide expert
     # space, top-8: ~818B, 44B active
     "muse-spark": transformers.MuseSparkConfig,

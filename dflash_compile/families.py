@@ -72,6 +72,9 @@ class RouterSpec:
     # a method of the MoE block that `routing_of` calls instead of the router, where the router does not return the
     # choice (Llama 4's returns every expert's score; `Llama4RoutedMoe.route` chooses)
     call: str | None = None
+    # outputs the router returns after its expert indices (ZAYA1's: its state for the next layer's router), which
+    # `routing_of` leaves out
+    after_indices: int = 0
 
 
 @dataclass(frozen=True)
@@ -91,8 +94,9 @@ class LinearAttentionSpec:
     # the rules' signature, by which `linear_attention.stepwise_linear_attention` steps a verify block: "delta"
     # (GatedDeltaNet, KDA: query, key, value, g, beta), "mamba2" (hidden states, dt, A, B, C), "mamba1" (Jamba's
     # scan of the mixer, its inputs and the cache) or "lightning" (MiniMax's mixer forward itself, named
-    # `Class.forward`, which reads and writes its state in the cache)
-    rule: Literal["delta", "mamba2", "mamba1", "lightning"] = "delta"
+    # `Class.forward`, which reads and writes its state in the cache) or "delayed_value" (ZAYA1's CCA projection
+    # forward, its state the last token's delayed value projection)
+    rule: Literal["delta", "mamba2", "mamba1", "lightning", "delayed_value"] = "delta"
 
 
 def first_projection(experts: torch.nn.Module) -> str:
@@ -225,6 +229,24 @@ def _lightning_elements(config) -> int:
     return config.num_attention_heads * (10 * _lightning_head_dim(config) + 2 * config.block_size)
 
 
+def _delayed_value_state(config) -> int:
+    """ZAYA1's CCA state beside its conv window: the last token's delayed value projection (half the key/value
+    width)."""
+    return config.num_key_value_heads * config.head_dim // 2
+
+
+def _cca_elements(config) -> int:
+    """ZAYA1's CCA projection over a prompt per token: its query and key projections, their concatenation, two
+    convolutions' outputs, the residual paths (query-wide each), and the value halves."""
+    qk = (config.num_attention_heads + config.num_key_value_heads) * config.head_dim
+    return 6 * qk + 2 * config.num_key_value_heads * config.head_dim
+
+
+def _zaya_layer_kinds(config) -> list[AttentionKind]:
+    """ZAYA1: "hybrid" layers attend over every key, "hybrid_sliding" ones over a window (both CCA)."""
+    return ["sliding_attention" if kind == "hybrid_sliding" else "full_attention" for kind in config.layer_types]
+
+
 def _mamba1_state(config) -> int:
     """Jamba's Mamba state: [intermediate size (mamba_expand x hidden size), state size]."""
     return config.mamba_expand * config.hidden_size * config.mamba_d_state
@@ -281,6 +303,10 @@ class FamilySpec:
     # router on this layer's experts' input): Muse Spark's experts read the block's input projected into their own
     # width, so offloading it prefetches nothing
     routers_read_experts_input: bool = True
+    # the masks the model's forward takes by its own names, from ours by kind (ZAYA1's layer types "hybrid" and
+    # "hybrid_sliding", and "conv": the 2-D padding mask its CCA convolution reads in every attention layer); None:
+    # ours as they are
+    model_masks: dict[str, str] | None = None
     # whether the target's forwards tell the model `use_cache` with the target cache: MiniMax's model refuses any
     # cache but its own (`MiniMaxCache`) when told, while its layers read and write the cache they are given either way
     use_cache: bool = True
@@ -1199,6 +1225,19 @@ FAMILIES: dict[str, FamilySpec] = {
                                 rule="lightning"),
             shared_input_linears=(("q_proj", "k_proj", "v_proj"), ("qkv_proj", "output_gate")), use_cache=False,
         ),
+        FamilySpec(  # ZAYA1: compressed convolutional attention (CCA: queries and keys through a causal convolution
+            # whose window the cache keeps, half of each value head the previous token's, a state beside the keys
+            # and values), an MLP router carrying its state from layer to layer with a skip expert; masks by its own
+            # layer types, the convolution's padding mask among them. transformers 5.24's hands its cache the
+            # convolution's new window rather than its input (refused there)
+            "zaya", ("zaya",), "ZayaExperts", _SWIGLU, RouterSpec(scoring="softmax", tokens_in_rows=True,
+                                                                  after_indices=1),
+            _all_layers, _zaya_layer_kinds,
+            LinearAttentionSpec("qkv_proj", "ZayaCCAProjection.forward", "ZayaCCAProjection.forward", _cca_elements,
+                                _delayed_value_state, rule="delayed_value"),
+            model_masks={"full_attention": "hybrid", "sliding_attention": "hybrid_sliding", "conv": "conv"},
+            shared_input_linears=(("q_proj", "k_proj", "v_proj_current", "v_proj_delayed"),), min_transformers="5.25",
+        ),
         FamilySpec(  # Granite 4.0-H (GraniteMoeHybrid): Mamba2 layers between full-attention ones (without rotary
             # positions as released), Granite-MoE's router and multipliers, a shared MLP beside the experts everywhere
             "granitemoehybrid", ("granitemoehybrid",), "GraniteMoeHybridExperts", _SWIGLU, _TOP_K_THEN_SOFTMAX,
@@ -1342,7 +1381,8 @@ def routing_of(model: torch.nn.Module, experts_name: str) -> Callable[[torch.Ten
 
     def route(hidden: torch.Tensor) -> tuple:
         bias = {} if router.block_bias is None else {router.block_bias: getattr(block, router.block_bias, None)}
-        return module(hidden[None] if router.tokens_in_rows else hidden, **bias)
+        outputs = module(hidden[None] if router.tokens_in_rows else hidden, **bias)
+        return outputs[:len(outputs) - router.after_indices]
 
     return route
 

@@ -152,9 +152,30 @@ def stepwise_lightning(chunked, recurrent):
     return forward
 
 
+@functools.cache
+def stepwise_delayed_value(chunked, recurrent):
+    """ZAYA1's CCA projection forward (`chunked`), which hands the cache its block's last delayed value projection as
+    the state: where the cache holds a state, the cache gets each token's instead [batch, tokens, width] (the state
+    after each token: its own projection, nothing recurrent), computed again from the block's masked input. Its
+    convolution's window is the cache's conv window, committed as any."""
+
+    @functools.wraps(chunked)
+    def forward(module, hidden_states, cache, conv_mask=None):
+        stepped = cache is not None and cache.get_recurrent_state(module.layer_idx) is not None
+        out = chunked(module, hidden_states, cache, conv_mask)
+        if stepped:
+            masked = hidden_states if conv_mask is None else hidden_states * conv_mask[:, :, None].to(
+                hidden_states.dtype)
+            cache.update_recurrent_state(module.v_proj_delayed(masked), module.layer_idx)
+        return out
+
+    forward.stepwise = True
+    return forward
+
+
 # a verify block's stepped rule by `LinearAttentionSpec.rule`
 STEPWISE_RULES = {"delta": stepwise_rule, "mamba2": stepwise_mamba2_rule, "mamba1": stepwise_mamba1_scan,
-                  "lightning": stepwise_lightning}
+                  "lightning": stepwise_lightning, "delayed_value": stepwise_delayed_value}
 
 
 def check_verify_block(model, block_size: int) -> None:

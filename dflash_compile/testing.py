@@ -90,6 +90,12 @@ TINY_CONFIGS = {
     "minimax": lambda: transformers.MiniMaxConfig(
         num_hidden_layers=3, intermediate_size=48, num_local_experts=4, head_dim=16, block_size=8,
         layer_types=["linear_attention", "full_attention", "linear_attention"], **_ROUTED, **_COMMON),
+    # ZAYA1: a full CCA layer, a sliding one, another full one; 4 experts and the skip expert, top-1 (its only one);
+    # weights of std 1 (at 0.1 the residual scalings' biases, random in tiny models, decide every token alike)
+    "zaya": lambda: transformers.ZayaConfig(
+        num_hidden_layers=3, layer_types=["hybrid", "hybrid_sliding", "hybrid"], sliding_window=8, head_dim=16,
+        moe_intermediate_size=32, num_experts=4, num_experts_per_tok=1, router_hidden_size=16, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0, initializer_range=1.0, **_COMMON),
     "deepseek_v2": lambda: transformers.DeepseekV2Config(  # DeepSeek-V2's group-limited softmax router
         topk_method="group_limited_greedy", **_MLA, **_DEEPSEEK_ROUTING, **_ROUTED),
     "glm4_moe_lite": lambda: transformers.Glm4MoeLiteConfig(  # GLM-4.7-Flash: one group, MLPs declared per layer

@@ -18,7 +18,7 @@ from dflash_compile.testing import OracleDrafter, in_installed_transformers, tin
 from tests.conftest import token_ids
 
 
-def test_registry_covers_the_sixty_three_families():
+def test_registry_covers_the_sixty_four_families():
     assert dflash_compile.supported_families() == sorted(
         ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe", "glm4_moe_lite",
          "deepseek_v2", "deepseek_v3", "olmoe", "ernie4_5_moe", "phimoe", "dots1", "flex_olmo", "solar_open",
@@ -28,7 +28,7 @@ def test_registry_covers_the_sixty_three_families():
          "kimi_linear", "lfm2_moe", "llama4_text", "granitemoehybrid", "ernie4_5_vl_moe", "step3p7", "bailing_hybrid",
          "nemotron_h", "jamba", "dbrx", "longcat_flash", "deepseek_v32", "glm_moe_dsa", "axk2",
          "mistral_large4", "dots3_note", "deepseek_ocr2", "jetmoe", "qwen3_omni_moe", "ergo", "hy_v4",
-         "hy_v4_vl", "minimax", "muse_spark"]
+         "hy_v4_vl", "minimax", "muse_spark", "zaya"]
     )
 
 
@@ -81,6 +81,7 @@ def test_registry_covers_the_sixty_three_families():
         ("dbrx", [0, 1], ["full_attention"] * 2),
         ("jetmoe", [0, 1], ["full_attention"] * 2),
         ("minimax", [0, 1, 2], ["linear_attention", "full_attention", "linear_attention"]),
+        ("zaya", [0, 1, 2], ["full_attention", "sliding_attention", "full_attention"]),  # CCA layers
         ("ergo", [1, 2], ["sliding_attention", "full_attention", "sliding_attention"]),  # a dense first layer
         ("longcat_flash", [0, 1], ["full_attention"] * 4),  # two attention sublayers a decoder layer
         ("deepseek_v32", [1, 2], ["indexed_attention"] * 3),  # DSA; first_k_dense_replace=1
@@ -123,19 +124,20 @@ def test_qwen3_sparse_step_glm_declared_layers_and_mixtral_window():
     assert FAMILIES["mixtral"].attention_kinds(mixtral) == ["sliding_attention"] * 2
 
 
-def _tiny_zaya():
-    """ZAYA1 (zaya): not in the registry (its CCA attention keeps a conv window and a delayed value as states beside
-    its keys and values); its routed experts are of transformers' kind."""
-    config = transformers.ZayaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                     num_key_value_heads=1, head_dim=16, moe_intermediate_size=32, num_experts=4,
-                                     router_hidden_size=16, eos_token_id=2)
+def _tiny_deepseek_v4():
+    """DeepSeek-V4 (deepseek_v4): not in the registry (its compressed attention keeps running compressed entries and
+    buffers of window-aligned tokens in its cache); its routed experts are of transformers' kind."""
+    config = transformers.DeepseekV4Config(vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                           head_dim=16, q_lora_rank=16, moe_intermediate_size=32, n_routed_experts=4,
+                                           num_experts_per_tok=2, o_groups=1, o_lora_rank=16, index_n_heads=2,
+                                           index_head_dim=16, index_topk=4, sliding_window=8)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
 def test_unsupported_moe_family_is_a_clear_error_before_any_state():
-    model = _tiny_zaya()
+    model = _tiny_deepseek_v4()
     # Dynamo wraps whatever a backend raises in BackendCompilerFailed; ours is the inner exception.
-    message = r"model_type 'zaya' is a Mixture-of-Experts model"
+    message = r"model_type 'deepseek_v4' is a Mixture-of-Experts model"
     with pytest.raises(BackendCompilerFailed, match=message) as err:
         with torch.no_grad():
             torch.compile(model, backend="dflash", options={"lowering": "eager"})(token_ids(1, 4))
@@ -159,8 +161,8 @@ def test_a_family_on_too_old_a_transformers_is_refused_before_any_state(monkeypa
 
 
 def test_unsupported_experts_class_is_recognised_without_a_config():
-    experts = _tiny_zaya().model.layers[0].mlp.experts
-    with pytest.raises(UnsupportedFamilyError, match=r"ZayaExperts .* does not support yet"):
+    experts = _tiny_deepseek_v4().model.layers[0].mlp.experts
+    with pytest.raises(UnsupportedFamilyError, match=r"DeepseekV4Experts .* does not support yet"):
         spec_for_experts_class(type(experts))
 
 
