@@ -8,8 +8,9 @@ import torch
 
 import dflash_compile
 from dflash_compile.families import RECURRENT_KINDS
-from dflash_compile.linear_attention import (STEPWISE_TOKENS, stepwise_lightning, stepwise_linear_attention,
-                                             stepwise_mamba1_scan, stepwise_mamba2_rule, stepwise_rule)
+from dflash_compile.linear_attention import (STEPWISE_TOKENS, stepwise_delayed_value, stepwise_lightning,
+                                             stepwise_linear_attention, stepwise_mamba1_scan, stepwise_mamba2_rule,
+                                             stepwise_rule)
 from dflash_compile.testing import OracleDrafter, in_installed_transformers, load_tiny_model, save_tiny_model
 
 HEADS, K_DIM, V_DIM = 4, 16, 8
@@ -166,6 +167,42 @@ def test_a_lightning_block_runs_as_decode_runs_each_token(tiny, tokens):
         torch.testing.assert_close(forward(layer, hidden, None, None, whole)[0], torch.cat(outputs, dim=1))
     if tokens > STEPWISE_TOKENS:
         assert torch.equal(cache.state, whole.state)
+
+
+class ConvCache(StateCache):
+    """The calls ZAYA1's CCA projection makes on a cache: a conv window (the input with the window in front) and a
+    recurrent state."""
+
+    def __init__(self, window, state):
+        super().__init__(state)
+        self.window = window
+
+    def get_conv_state(self, layer_idx, state_idx=0):
+        return self.window
+
+    def update_conv_state(self, conv_input, layer_idx, conv_kernel_size=None):
+        return torch.cat([self.window, conv_input], dim=-1)
+
+
+@pytest.mark.skipif(not in_installed_transformers("zaya"), reason="ZAYA1's CCA takes the conv input from 5.25")
+def test_a_cca_block_leaves_each_tokens_delayed_value(tiny):
+    """ZAYA1's CCA projection from a cached state: the same queries, keys and values as its own forward, and the
+    cache given each token's delayed value projection (the state after each token) where the forward hands it only
+    the last token's."""
+    projection = tiny("zaya").model.layers[0].self_attn.qkv_proj
+    forward = type(projection).forward
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 5, projection.hidden_size, generator=generator)
+    window = torch.randn(2, projection.q_proj.out_features + projection.k_proj.out_features,
+                         projection.conv_kernel_size, generator=generator)
+    state = torch.randn(2, projection.v_proj_delayed.out_features, generator=generator)
+    stepped, plain = ConvCache(window, state), ConvCache(window, state)
+    with torch.no_grad():
+        outputs = stepwise_delayed_value(forward, forward)(projection, hidden, stepped)
+        for out, expected in zip(outputs, forward(projection, hidden, plain)):
+            assert torch.equal(out, expected)
+        assert torch.equal(stepped.updated, projection.v_proj_delayed(hidden))
+    assert stepped.updated.shape == (2, 5, state.shape[-1]) and torch.equal(stepped.updated[:, -1], plain.updated)
 
 
 @pytest.mark.skipif(not in_installed_transformers("jamba"), reason="Jamba's scan takes the cache from 5.25")
