@@ -93,7 +93,7 @@ class LinearAttentionSpec:
     state_elements: Callable[[object], int]
     # the rules' signature, by which `linear_attention.stepwise_linear_attention` steps a verify block: "delta"
     # (GatedDeltaNet, KDA: query, key, value, g, beta), "mamba2" (hidden states, dt, A, B, C), "mamba1" (Jamba's
-    # scan of the mixer, its inputs and the cache) or "lightning" (MiniMax's mixer forward itself, named
+    # scan of the mixer, its inputs and the cache), "lightning" (MiniMax's mixer forward itself, named
     # `Class.forward`, which reads and writes its state in the cache) or "delayed_value" (ZAYA1's CCA projection
     # forward, its state the last token's delayed value projection)
     rule: Literal["delta", "mamba2", "mamba1", "lightning", "delayed_value"] = "delta"
