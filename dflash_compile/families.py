@@ -212,21 +212,17 @@ def _mamba2(mixer: str, heads: str, head_dim: str, state: str, chunk: str) -> Li
                                state_elements, rule="mamba2")
 
 
-def _lightning_head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
 def _lightning_state(config) -> int:
     """MiniMax's lightning attention state (keys' outer products with values, decayed): [heads, head dim, head
     dim]."""
-    return config.num_attention_heads * _lightning_head_dim(config) ** 2
+    return config.num_attention_heads * head_dim(config) ** 2
 
 
 def _lightning_elements(config) -> int:
     """MiniMax's lightning attention over a prompt per token: its q/k/v projection, activated and masked (3 head dims
     a head each), its block's intra-block scores and their decayed copy (`block_size` wide), the decayed queries,
     the inter- and intra-block outputs and their sum (a head dim each)."""
-    return config.num_attention_heads * (10 * _lightning_head_dim(config) + 2 * config.block_size)
+    return config.num_attention_heads * (10 * head_dim(config) + 2 * config.block_size)
 
 
 def _delayed_value_state(config) -> int:
@@ -613,6 +609,17 @@ def _group_jetmoe_attention_experts(model: torch.nn.Module, moa: torch.nn.Module
     moa.__class__ = JetMoeGroupedAttentionExperts
 
 
+def _normed_routes(experts: torch.nn.Module, hidden: torch.Tensor, weights: torch.Tensor, index: torch.Tensor,
+                   norm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """hidden [T, H] -> [T, H] in its dtype: each (token, route) pair of `index` one row through its expert (weight 1),
+    normed by `norm(rows, their experts)`, then weighted by `weights` and summed per token, as transformers' experts
+    with a post-expert norm compute (Ergo's, Muse Spark's)."""
+    routes = index.reshape(-1, 1)
+    rows = hidden.repeat_interleave(index.shape[1], dim=0)
+    normed = norm(experts(rows, routes, rows.new_ones(routes.shape)), routes.flatten())
+    return (normed.view(*index.shape, hidden.shape[-1]) * weights.unsqueeze(-1)).sum(1).to(hidden.dtype)
+
+
 class ErgoNormedMoe(torch.nn.Module):
     """Ergo's MoE block (`ErgoMoE`) with the routes' norm (`post_expert_norm`, an RMSNorm weight [E, H] for each
     expert) moved out of its experts module into the block: each (token, route) pair is one row through its expert
@@ -623,12 +630,9 @@ class ErgoNormedMoe(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         _, weights, index = self.gate(hidden_states)
-        hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
-        routes = index.reshape(-1, 1)
-        rows = hidden.repeat_interleave(index.shape[1], dim=0)
-        out = self.experts(rows, routes, rows.new_ones(routes.shape))
-        normed = self.post_expert_norm(out, routes.flatten().clamp_max(self.experts.num_experts - 1))
-        routed = (normed.view(*index.shape, hidden.shape[-1]) * weights.unsqueeze(-1)).sum(1).to(hidden.dtype)
+        last = self.experts.num_experts - 1
+        routed = _normed_routes(self.experts, hidden_states.reshape(-1, hidden_states.shape[-1]), weights, index,
+                                lambda out, routes: self.post_expert_norm(out, routes.clamp_max(last)))
         return routed.view(hidden_states.shape) + self.shared_experts(hidden_states)
 
 
@@ -651,10 +655,7 @@ class MuseSparkNormedMoe(torch.nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         _, weights, index = self.gate(hidden_states)
         hidden = self.pre_expert_norm(self.pre_expert_proj(hidden_states.reshape(-1, hidden_states.shape[-1])))
-        routes = index.reshape(-1, 1)
-        rows = hidden.repeat_interleave(index.shape[1], dim=0)
-        normed = self.post_expert_norm(self.experts(rows, routes, rows.new_ones(routes.shape)))
-        routed = (normed.view(*index.shape, hidden.shape[-1]) * weights.unsqueeze(-1)).sum(1).to(hidden.dtype)
+        routed = _normed_routes(self.experts, hidden, weights, index, lambda out, _: self.post_expert_norm(out))
         return self.post_expert_proj(routed).view(hidden_states.shape)
 
 
