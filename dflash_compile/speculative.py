@@ -241,10 +241,10 @@ class SpeculativeDecoder:
         self.windows = {kind: ring_window(config, kind) for kind in dict.fromkeys(kinds) if kind not in STATELESS_KINDS}
         self.ring_layers = [i for i, kind in enumerate(kinds) if self.windows.get(kind)]
         self.per_kind_masks = getattr(config, "layer_types", None) is not None  # the model takes {kind: mask}
-        self.model_masks = spec.model_masks
-        if self.model_masks:  # masks the model takes beside its layers' kinds' (ZAYA1's convolution's padding mask)
-            self.windows.update({kind: None for kind in self.model_masks if kind not in self.windows
-                                 and kind in RECURRENT_KINDS})
+        self.mask_names = spec.model_masks or {}  # the model's names for our masks (`FamilySpec.model_masks`)
+        # masks the model takes beside its layers' kinds' (ZAYA1's convolution's padding mask)
+        self.windows.update({kind: None for kind in self.mask_names if kind not in self.windows
+                             and kind in RECURRENT_KINDS})
         self.use_cache = spec.use_cache
         self.max_positions = getattr(config, "max_position_embeddings", None)
         self.verify_step = self._verify_step
@@ -305,7 +305,8 @@ class SpeculativeDecoder:
         out = self.model(
             input_ids=ids,
             position_ids=cache.positions(width),
-            attention_mask=self._model_masks(masks) if self.per_kind_masks else next(iter(masks.values())),
+            attention_mask=({self.mask_names.get(kind, kind): mask for kind, mask in masks.items()}
+                            if self.per_kind_masks else next(iter(masks.values()))),
             cache=cache,
             use_cache=self.use_cache,
             output_hidden_states=self.hidden_states_read or False,
@@ -314,11 +315,6 @@ class SpeculativeDecoder:
         )
         features = context_features(out.hidden_states, self.layer_ids) if self.layer_ids else None
         return out.logits, features
-
-    def _model_masks(self, masks: dict) -> dict:
-        """Our masks by kind under the names the model's forward reads (`FamilySpec.model_masks`)."""
-        names = self.model_masks or {}
-        return {names.get(kind, kind): mask for kind, mask in masks.items()}
 
     def _ring(self, max_len: int) -> int:
         """Slots of a ring layer's ring (sliding, chunked): window - 1 + (the most tokens one step writes); 0, none,
