@@ -236,8 +236,9 @@ class DFlashDrafter(nn.Module):
         return self.config.num_hidden_layers * self.config.num_key_value_heads * self.config.head_dim * 2
 
     def add_context(self, cache: RowCache, features: torch.Tensor, counts: torch.Tensor) -> None:
-        """Append `counts[b]` new context tokens per row (their target features, left-aligned) to the cache."""
-        context = self.hidden_norm(self.fc(features))
+        """Append `counts[b]` new context tokens per row (their target features, left-aligned) to the cache. The
+        features come in the drafter's dtype: a target may keep its residual stream wider (ZAYA1's is fp32)."""
+        context = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
         positions = cache.lengths[:, None] + torch.arange(features.shape[1], device=features.device)
         cos, sin = self.rotary_emb(context, positions)
         for i, layer in enumerate(self.layers):

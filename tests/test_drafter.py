@@ -221,3 +221,16 @@ def test_hyper_connection_streams_and_an_fp32_head_reach_the_drafter(tiny, rando
     fast = dflash_compile.optimize(model, random_drafter(model), adaptive=False, compile=False)
     out = fast.generate(ids, max_new_tokens=6)
     assert out.shape == (2, 15) and torch.equal(out[:, :9], ids)
+
+
+def test_an_fp32_residual_stream_reaches_a_bf16_drafter(tiny, random_drafter):
+    """ZAYA1 keeps its residual stream in fp32 in a bf16 model (its layers' outputs are fp32): the drafter takes the
+    captured features in its own dtype."""
+    model = tiny("zaya", torch.bfloat16)
+    ids = torch.randint(3, 127, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        states = model(ids, output_hidden_states=True).hidden_states
+    assert states[1].dtype == torch.float32
+    fast = dflash_compile.optimize(model, random_drafter(model), adaptive=False, compile=False)
+    out = fast.generate(ids, max_new_tokens=6)
+    assert out.shape == (2, 15) and torch.equal(out[:, :9], ids)
