@@ -120,7 +120,7 @@ class UniformRouting:
 
     def __init__(self, model):
         self.handles, self.distinct = [], []
-        self.record, self.top_k = False, routed_top_k(model.config)
+        self.record, self.top_k = False, routed_top_k(model.config.get_text_config())
         self.zero_compute = zero_compute_experts(model.config.get_text_config())
         for name in experts_modules(model):
             self.handles.append(router_of(model, name).register_forward_hook(self._hook))
@@ -159,14 +159,14 @@ def measured_cost(model, bandwidth: float, expert_bits: float) -> StepCost:
 def step_inputs(model, decoder, args, block: int):
     """(tokens, cache, active) for repeated verify steps of `block` tokens after a prefilled prompt; nothing is
     committed (active 0), so every call does the same work."""
-    prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt), device=args.device)
+    prompt = torch.randint(0, model.config.get_text_config().vocab_size, (1, args.prompt), device=args.device)
     cache = TargetCache(1, args.prompt + 64, model.dtype, args.device)
     with torch.no_grad():
         decoder._target_forward(prompt, cache, logits_to_keep=1)
     kept = torch.full((1,), args.prompt, device=args.device)
     cache.rows.commit(kept)
     cache.commit_linear(kept, args.prompt)  # linear-attention layers then verify from a state, as in `generate`
-    tokens = torch.randint(0, model.config.vocab_size, (1, block), device=args.device)
+    tokens = torch.randint(0, model.config.get_text_config().vocab_size, (1, block), device=args.device)
     return tokens, cache, torch.zeros(1, dtype=torch.int64, device=args.device)
 
 
@@ -219,7 +219,8 @@ def profile_decode(model, args) -> None:
 def random_drafter(model, block: int, directory: str, transformers_format: bool = False) -> str:
     """A random DFlash drafter of two layers at the target's hidden size, saved in `directory`."""
     config = tiny_drafter_config(model.config, block_size=block, sliding_window=4096)
-    config.update(hidden_size=model.config.hidden_size, intermediate_size=2 * model.config.hidden_size,
+    hidden = model.config.get_text_config().hidden_size
+    config.update(hidden_size=hidden, intermediate_size=2 * hidden,
                   num_attention_heads=8, num_key_value_heads=2, head_dim=128)
     return save_drafter(directory, config, random_drafter_weights(config), transformers_format=transformers_format)
 
@@ -290,7 +291,7 @@ def main():
 
     model = build_model(args.model, args.device, args.layers)
     target = model if args.experts == "bf16" else packed_twin(model, args.experts)  # what our rows run
-    vocab = model.config.vocab_size
+    vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (1, args.prompt), device=args.device)
     print(f"# {args.model} on {args.device}, prompt {args.prompt}, {args.new} new tokens, batch 1, "
           f"{torch.__version__}, transformers {transformers.__version__}, verify step mode {args.mode}, experts "
