@@ -126,6 +126,9 @@ REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
     "laguna": transformers.LagunaConfig,  # 40 layers (the first dense), 256 experts of 512, top-8, a shared expert
     "mellum2-12b-a2.5b": transformers.MellumConfig,  # 28 layers, 64 experts of 896, top-8
     "kolibri-1": transformers.Kolibri1Config,  # 50 layers (4 in 5 sliding), 384 experts of 512, top-6, a shared expert
+    # Kolibri 1.1 (transformers >= 5.25): Kolibri 1's shape with its first 2 layers dense; 10 indexed layers, 4 of
+    # them indexers, 5 reading an earlier one's keys and values
+    "kolibri-1.1": lambda: transformers.Kolibri1_1Config(),
     "flint": transformers.FlintConfig,  # 49 layers (47 routed), 256 experts of 512, top-6, a shared expert
     # 28 layers (the first dense), 160 experts of 512, top-16; transformers 5.25 and later
     "minicpm5-15b-a2.5b": lambda: transformers.MiniCPM5MoeConfig(),

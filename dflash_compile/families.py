@@ -19,6 +19,8 @@ from packaging.version import Version
 from transformers.integrations.moe import (_can_use_grouped_mm, _grouped_linear, grouped_mm_experts_forward,
                                            use_experts_implementation)
 
+from .key_selection import captured_kolibri_indexer
+
 GateUpLayout = Literal["concatenated", "interleaved", "ungated"]
 Activation = Literal["act_fn", "clamped_swiglu", "clamped_act_fn", "clamped_gate_silu"]
 AttentionKind = Literal["full_attention", "indexed_attention", "sliding_attention", "chunked_attention",
@@ -133,9 +135,19 @@ def head_dim(config, layer: int = 0) -> int:
     return getattr(layer_configs(config)[layer], "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def _reads_anothers_cache(config, layer: int) -> bool:
+    """Whether the layer attends over an earlier layer's cached keys and values, caching none of its own (the layers
+    `kv_source_layers` names to another: Mistral Large 4's, Kolibri 1.1's)."""
+    sources = getattr(config, "kv_source_layers", None)
+    return bool(sources) and sources[layer] != layer
+
+
 def _keys_and_values(config, kind: AttentionKind, layer: int) -> int:
     """A key and a value of every key/value head of the layer (Gemma 4's full layers: wider heads, their own
-    key/value heads; with `attention_k_eq_v` their values are their keys, cached as both)."""
+    key/value heads; with `attention_k_eq_v` their values are their keys, cached as both), none where it reads
+    another layer's."""
+    if _reads_anothers_cache(config, layer):
+        return 0
     return 2 * layer_configs(config)[layer].num_key_value_heads * head_dim(config, layer)
 
 
@@ -160,8 +172,7 @@ def _indexed_latent(config, kind: AttentionKind, layer: int) -> int:
     (Mistral Large 4's layers named to an earlier source in `kv_source_layers` read that layer's), and the indexer's
     key where the layer runs an indexer: an "indexed_attention" layer but GLM-MoE-DSA's "shared" ones
     (`indexer_types`), which reuse an earlier layer's choice (dots.llm3's sliding layers run none)."""
-    sources = getattr(config, "kv_source_layers", None)
-    latent = _latent(config, kind, layer) if not sources or sources[layer] == layer else 0
+    latent = 0 if _reads_anothers_cache(config, layer) else _latent(config, kind, layer)
     shared = getattr(config, "indexer_types", None) and config.indexer_types[layer] == "shared"
     return latent + (config.index_head_dim if kind == "indexed_attention" and not shared else 0)
 
@@ -335,10 +346,15 @@ class FamilySpec:
     def indexed_per_query_slot(self, config, itemsize: int) -> int:
         """Bytes a prefill's DSA layer holds per (query, visible slot), masked or not (`prefill_memory`): its mask and
         the copy with the keys the indexer did not pick masked out, which keys those are (bool), the indexer's fp32
-        scores of every indexer head and their ReLU, the weighted sum and its masked copy; none elsewhere."""
-        if self.cached_per_token is not _indexed_latent:
-            return 0
-        return 2 * itemsize + 1 + (2 * config.index_n_heads + 2) * 4
+        scores of every indexer head and their ReLU, the weighted sum and its masked copy. Kolibri 1.1's indexed
+        layers (`key_selection`): the mask and its copy, 8 bool masks (visible, pool, sinks, local, candidates and
+        the top-k rule's), fp32 scores, a head's product and its ReLU, the masked copy, the tie ranks (int32). None
+        elsewhere."""
+        if self.cached_per_token is _indexed_latent:
+            return 2 * itemsize + 1 + (2 * config.index_n_heads + 2) * 4
+        if _CAPTURE_KOLIBRI_INDEXERS in self.adapt:
+            return 2 * itemsize + 8 + 5 * 4
+        return 0
 
 
 def _all_layers(config) -> list[int]:
@@ -356,11 +372,10 @@ def _declared_sparse_layers(config) -> list[int]:
 
 
 def _qwen3_sparse_layers(config) -> list[int]:
-    return [
-        i
-        for i in range(config.num_hidden_layers)
-        if i not in config.mlp_only_layers and config.num_experts > 0 and (i + 1) % config.decoder_sparse_step == 0
-    ]
+    """Qwen3-MoE: every `decoder_sparse_step`-th layer (Flint's and Kolibri 1.1's: every one) but `mlp_only_layers`."""
+    step = getattr(config, "decoder_sparse_step", 1)
+    return [i for i in range(config.num_hidden_layers)
+            if i not in config.mlp_only_layers and config.num_experts > 0 and (i + 1) % step == 0]
 
 
 def _after_num_dense_layers(config) -> list[int]:
@@ -789,6 +804,9 @@ _ROUTE_LLAMA4_EXPERTS = Adapter(lambda module: type(module).__name__ == "Llama4T
                                 "Llama 4's MoE blocks run every expert on every token")
 _TEMPER_LLAMA4_QUERIES = Adapter(_tempered_by_one_length, _temper_llama4_queries,
                                  "Llama 4's NoPE layers scale queries by the cache's one length")
+_CAPTURE_KOLIBRI_INDEXERS = Adapter(lambda module: type(module).__name__ == "Kolibri1_1Indexer",
+                                    captured_kolibri_indexer,
+                                    "Kolibri 1.1's indexers loop over host lists of query groups")
 _DECORATED: dict[type, type] = {}  # an undecorated experts class -> its `@use_experts_implementation` subclass
 
 
@@ -1092,6 +1110,14 @@ FAMILIES: dict[str, FamilySpec] = {
             "kolibri1", ("kolibri1",), "Kolibri1Experts", _SWIGLU,
             RouterSpec(scoring="sigmoid", correction_bias="e_score_correction_bias"), _all_layers,
             _declared_layer_types,
+        ),
+        FamilySpec(  # Kolibri 1.1: Kolibri's router, experts and sliding layers; its full layers (no rotary positions)
+            # attend to the keys an indexer picks (`key_selection`: NVFP4-rounded scores over blocks, then keys; the
+            # pick shared with later layers until the next indexer), over NVFP4-rounded keys and values, some reading
+            # an earlier layer's (`kv_source_layers`); dense `mlp_only_layers`
+            "kolibri1_1", ("kolibri1_1",), "Kolibri1_1Experts", _SWIGLU,
+            RouterSpec(scoring="sigmoid", correction_bias="e_score_correction_bias"), _qwen3_sparse_layers,
+            _declared_layer_types, adapt=(_CAPTURE_KOLIBRI_INDEXERS,), min_transformers="5.25",
         ),
         FamilySpec(  # Beam: GLM-4.5's router (its scaling applied to the block's output); the attention output gated
             # per head, full layers without rotary positions and with position-scaled queries

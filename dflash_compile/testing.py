@@ -154,6 +154,14 @@ TINY_CONFIGS = {
         num_hidden_layers=3, head_dim=16, moe_intermediate_size=32, num_experts=8, shared_expert_intermediate_size=48,
         sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"], **_ROUTED,
         **_COMMON),
+    # Kolibri 1.1: a dense first layer; sliding, indexed (its indexer picks; the last layer reads its keys, values
+    # and pool), sliding and indexed layers; 6 keys a query (topk 3, a sink, 2 local) from a pool of 2 blocks of 4
+    "kolibri1_1": lambda: transformers.Kolibri1_1Config(
+        num_hidden_layers=4, head_dim=16, moe_intermediate_size=32, num_experts=8, shared_expert_intermediate_size=48,
+        mlp_only_layers=[0], mlp_only_intermediate_size=96, sliding_window=8,
+        layer_types=["sliding_attention", "indexed_attention", "sliding_attention", "indexed_attention"],
+        index_layers=[1], kv_source_layers=[0, 1, 2, 1], index_topk=3, index_pool_size=8, index_compression=4,
+        index_num_heads=2, index_num_local_tokens=2, index_num_sink_tokens=1, **_ROUTED, **_COMMON),
     "beam": lambda: transformers.BeamConfig(  # a dense first layer; sliding layers, then a full one without rotary
         num_hidden_layers=3, head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=8, n_group=2,
         topk_group=1, sliding_window=8, mlp_layer_types=["dense", "sparse", "sparse"],

@@ -198,8 +198,10 @@ def test_one_dispatch_node_per_moe_layer_whatever_experts_implementation(tiny, f
     # Lara Mini's checkpoints store its GatedDeltaNet's input projections as one `in_proj`, which transformers loads
     # as views of one buffer: the pass fuses them too, one GEMM in its one linear-attention layer
     loaded_together = 1 if family == "lara_mini" else 0
-    # a DSA indexer's choice of keys (6 here; 2048 as released, more than the kernel takes: torch's topk then)
-    indexers = sum(type(module).__name__.endswith("Indexer") for module in model.modules())
+    # a DSA indexer's choice of keys (6 here; 2048 as released, more than the kernel takes: torch's topk then), and
+    # a Kolibri 1.1 pool-source indexer's choice of blocks before it
+    indexers = sum(type(module).__name__.endswith("Indexer") + getattr(module, "is_pool_source", False)
+                   for module in model.modules())
     # JetMoE's attention experts (their router's choice, and two grouped GEMMs: query and output projections)
     attention_experts = sum(type(module).__name__ == "JetMoeGroupedAttentionExperts" for module in model.modules())
     # 18 rows: a prefill's linears keep torch's, but ZAYA1's delayed value of a zero token before each row (2 rows)

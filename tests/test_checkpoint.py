@@ -36,9 +36,9 @@ SIZES = {"gpt_oss": {"intermediate_size": 64}, "deepseek_v2": {"moe_intermediate
          "jetmoe": {"intermediate_size": 128}, "ergo": {"moe_intermediate_size": 128},
          "minimax": {"intermediate_size": 128}, "zaya": {"moe_intermediate_size": 128},
          **{family: {"moe_intermediate_size": 128}
-            for family in ("mellum", "kolibri1", "beam", "flint", "minicpm5_moe", "axk1", "lara_mini", "mistral4",
-                           "kimi_linear", "bailing_hybrid", "lfm2_moe", "nemotron_h", "longcat_flash", "deepseek_v32",
-                           "glm_moe_dsa", "axk2", "dots3_note", "hy_v4")},
+            for family in ("mellum", "kolibri1", "kolibri1_1", "beam", "flint", "minicpm5_moe", "axk1", "lara_mini",
+                           "mistral4", "kimi_linear", "bailing_hybrid", "lfm2_moe", "nemotron_h", "longcat_flash",
+                           "deepseek_v32", "glm_moe_dsa", "axk2", "dots3_note", "hy_v4")},
          "glm4_moe": {"moe_intermediate_size": 128}, "glm4_moe_lite": {"moe_intermediate_size": 128},
          "qwen2_moe": {"moe_intermediate_size": 128}, "qwen3_moe": {"moe_intermediate_size": 128},
          "qwen3_next": {"moe_intermediate_size": 128},

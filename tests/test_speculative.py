@@ -847,9 +847,10 @@ def test_unpadded_prompts_attend_by_sdpas_causal_flag(tiny, family, monkeypatch)
             assert calls == ([] if masked_prefill or always_masked else [(ids.shape[1], True, True)] * len(kinds))
             continue
         # a sliding layer keeps its window's mask (EXAONE-MoE's 8-token window, shorter than the prompt); Llama 4's
-        # 256-token chunks hold the prompt
+        # 256-token chunks hold the prompt; Kolibri 1.1's indexed layers read theirs
         windows = [ring_window(model.config, kind) for kind in kinds]
-        causal = [not masked_prefill and not (window and window < ids.shape[1]) for window in windows]
+        causal = [not masked_prefill and not (window and window < ids.shape[1]) and kind not in MASK_READING_KINDS
+                  for kind, window in zip(kinds, windows)]
         assert prefill == [(ids.shape[1], flag, flag) for flag in causal]
         assert steps and all(not unmasked and not causal for _, unmasked, causal in steps)
     model.set_attn_implementation("eager")  # after optimize: the prefill follows, with masks for eager attention

@@ -1,0 +1,106 @@
+"""Kolibri 1.1's key selection, computed for every query at once (no host lists), so verify steps compile and replay
+from CUDA graphs.
+
+transformers' `Kolibri1_1Indexer` scores keys with no weights of its own: the ReLU of the logits of the first
+`index_num_heads` query heads against key head 0, both rounded to NVFP4, summed over those heads. A pool-source layer
+first picks a pool for each query: the `index_pool_size // index_compression` blocks of `index_compression` keys
+(counted from the query's first visible key, each block's mean key rounded to NVFP4) that score highest, the block of
+its newest keys at score 0 unless complete. Every sparse layer then keeps the `index_topk` best keys of the pool, plus
+the first `index_num_sink_tokens` and the last `index_num_local_tokens` visible keys. Queries seeing no more keys than
+the pool (or that budget) keep every visible key. Ties go to the earlier key.
+
+transformers loops over the rows of a batch and, within a row, over the distinct first visible keys of its queries
+(`.unique().tolist()`), scoring each group's keys from that first key on. Here each row's keys are scored from the
+first key any of its queries sees: the decoder's masks (causal over each row's left padding) give every query of a
+row that sees a key that same first key, so the blocks, the sinks and each query's count of keys are the ones
+transformers forms. The scores are summed over heads in transformers' order, and its own NVFP4 rounding and top-k
+rule (ties to the lowest index) decide, so the same keys are picked."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+class CapturedKolibriIndexer(torch.nn.Module):
+    """The forward of a Kolibri 1.1 indexer (a `Kolibri1_1Indexer`, whose attributes it reads) for a whole batch at
+    once. Made by `captured_kolibri_indexer` (the class mixed into the module's own, with its NVFP4 rounding)."""
+
+    quantize = None  # transformers' `nvfp4_fake_quantize`, set per modeling module (`captured_kolibri_indexer`)
+
+    @torch.no_grad()
+    def forward(self, query_states: torch.Tensor, key_states: torch.Tensor, attention_mask: torch.Tensor,
+                index_pool: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """[b, 1, q, k] mask of the keys each query attends to, and the [b, q, k] pool it picked them from (a new one
+        on a pool-source layer, else `index_pool`), as transformers' indexer returns."""
+        visible = attention_mask[:, 0] if attention_mask.dtype == torch.bool else attention_mask[:, 0] == 0
+        start, lengths = _row_starts_and_lengths(visible)
+        queries = self.quantize(query_states[:, : self.num_heads]).float()
+        keys = key_states[:, 0]
+        if self.is_pool_source:
+            index_pool = self._pool(queries, keys, visible, start, lengths)
+        return self._selected(queries, keys, visible, index_pool, start, lengths).unsqueeze(1), index_pool
+
+    def _score(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """[b, heads, q, d] queries against [b, n, d] keys: [b, q, n], summed over heads in transformers' order."""
+        scores = queries.new_zeros(queries.shape[0], queries.shape[2], keys.shape[1])
+        for head in range(queries.shape[1]):
+            scores += (queries[:, head] @ keys.transpose(1, 2)).relu()
+        return scores * self.head_weight
+
+    def _pool(self, queries, keys, visible, start, lengths) -> torch.Tensor:
+        """Each long query's candidate keys: the keys of its best-scoring blocks (counted from its row's first key)."""
+        compression, slots = self.compression, keys.shape[1]
+        blocks = -(-slots // compression)
+        document = torch.arange(blocks * compression, device=keys.device) + start[:, None]  # [b, blocks * C]
+        unseen = ~visible.any(1)  # keys no query sees count as zeros in their block's mean
+        inside = document < slots
+        index = document.clamp(max=slots - 1)
+        kept = (inside & ~unseen.gather(1, index))[..., None]
+        document_keys = torch.where(kept, keys.gather(1, index[..., None].expand(-1, -1, keys.shape[-1])), 0.0)
+        summaries = self.quantize(document_keys.float().unflatten(1, (blocks, compression)).sum(2) / compression)
+        scores = self._score(queries, summaries)
+        block = torch.arange(blocks, device=keys.device)
+        # a query's block of newest keys competes at 0 unless complete; blocks past its keys are never picked
+        scores = torch.where(block < lengths[..., None] // compression, scores, 0.0)
+        scores = scores.masked_fill(block >= (lengths[..., None] + compression - 1) // compression, float("-inf"))
+        chosen = self.top_k_mask(scores, self.pool_size // compression)
+        relative = torch.arange(slots, device=keys.device) - start[:, None, None]  # [b, 1, k]
+        picked = chosen.gather(2, (relative.clamp(min=0) // compression).expand_as(visible)) & (relative >= 0)
+        long = (lengths > self.pool_size)[..., None]
+        return torch.where(long, picked & visible, visible)
+
+    def _selected(self, queries, keys, visible, pool, start, lengths) -> torch.Tensor:
+        """Each long query's keys: its sinks, its newest local keys and the best-scoring `topk` of its pool."""
+        scores = self._score(queries, self.quantize(keys).float())
+        relative = torch.arange(keys.shape[1], device=keys.device) - start[:, None, None]  # [b, 1, k]
+        length = lengths[..., None]
+        sinks = (relative >= 0) & (relative < self.num_sink_tokens)
+        local = (relative >= length - self.num_local_tokens) & (relative < length)
+        candidates = pool & ~sinks & (relative < length - self.num_local_tokens)
+        chosen = self.top_k_mask(scores.masked_fill(~candidates, float("-inf")), self.topk)
+        long = length > self.topk + self.num_local_tokens + self.num_sink_tokens
+        return torch.where(long, (chosen | sinks | local) & visible, visible)
+
+
+def _row_starts_and_lengths(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[b, q, k] visibility -> each row's first key any query sees [b], and each query's count of keys from there
+    to its last visible one [b, q] (masked keys in between counted, so later keys keep their positions; 0 for a
+    query seeing none)."""
+    start = visible.any(1).int().argmax(-1)
+    end = visible.shape[-1] - visible.flip(-1).int().argmax(-1)
+    return start, (end - start[:, None]) * visible.any(-1)
+
+
+_CAPTURED: dict[type, type] = {}  # a transformers indexer class -> its captured subclass
+
+
+def captured_kolibri_indexer(model: torch.nn.Module, indexer: torch.nn.Module) -> None:
+    """Give `indexer` (a `Kolibri1_1Indexer`) the batched forward: its class becomes a subclass of its own (its
+    `top_k_mask` kept) with `CapturedKolibriIndexer`'s forward and its modeling module's NVFP4 rounding."""
+    own = type(indexer)
+    if own not in _CAPTURED:
+        rounding = staticmethod(sys.modules[own.__module__].nvfp4_fake_quantize)
+        _CAPTURED[own] = type(f"Captured{own.__name__}", (CapturedKolibriIndexer, own), {"quantize": rounding})
+    indexer.__class__ = _CAPTURED[own]
