@@ -34,6 +34,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .families import spec_for_model
+from .key_selection import picked_blocks_only
 
 NAME = "dflash_grouped"
 _SINK_DIMS = 8  # query/key dimensions added for the sink logit (`_sink_attention`)
@@ -322,11 +323,14 @@ def grouped_query_attention(module, query, key, value, attention_mask, dropout: 
     `dflash::decode_attention`'s one launch. A latent-attention layer's cached latents (`_latents_as_cached`) are
     attended in the latent space where that costs less (`_absorbs`: decode and verify steps), else expanded by the
     layer's own `expand_kv` first. A DSA layer's `indices` (the keys its indexer picked) are folded into its mask,
-    as transformers' eager and SDPA paths fold them."""
+    as transformers' eager and SDPA paths fold them, and so are a MiniMax-M3 sparse layer's `block_indices` (the
+    blocks of keys each head's indexer picked, `key_selection.picked_blocks_only`)."""
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    indices = kwargs.pop("indices", None)
+    indices, blocks = kwargs.pop("indices", None), kwargs.pop("block_indices", None)
     if indices is not None:
         attention_mask = _picked_keys_only(attention_mask, indices, key.shape[2])
+    if blocks is not None:
+        attention_mask = picked_blocks_only(attention_mask, blocks, module.indexer.block_size, query.shape[1])
     if getattr(module, "expand_kv", None) is _latents_as_cached:
         if _absorbs(module, query, attention_mask):
             return absorbed_attention(module, query, key, value, attention_mask, scaling, s_aux), None

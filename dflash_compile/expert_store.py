@@ -90,8 +90,9 @@ class Gate:
     @classmethod
     def of(cls, layout: ExpertLayout, module: torch.nn.Module) -> Gate:
         interleaved = layout.gate_up == "interleaved"
-        if layout.activation == "clamped_swiglu":
-            return cls(interleaved, "clamped_swiglu", float(module.alpha), float(module.limit))
+        if layout.activation == "clamped_swiglu":  # MiniMax-M3's experts name their alpha `swiglu_alpha`
+            alpha = module.alpha if hasattr(module, "alpha") else module.swiglu_alpha
+            return cls(interleaved, "clamped_swiglu", float(alpha), float(module.limit))
         if layout.activation == "clamped_gate_silu":  # SiLU written into the module's forward: no act_fn
             return cls(interleaved, "clamped_gate_silu", limit=float(module.swiglu_limit))
         act = module.act_fn if not isinstance(module.act_fn, torch.nn.Module) else type(module.act_fn)

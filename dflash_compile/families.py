@@ -19,7 +19,7 @@ from packaging.version import Version
 from transformers.integrations.moe import (_can_use_grouped_mm, _grouped_linear, grouped_mm_experts_forward,
                                            use_experts_implementation)
 
-from .key_selection import captured_kolibri_indexer
+from .key_selection import captured_kolibri_indexer, row_aligned_minimax_m3_indexer
 
 GateUpLayout = Literal["concatenated", "interleaved", "ungated"]
 Activation = Literal["act_fn", "clamped_swiglu", "clamped_act_fn", "clamped_gate_silu"]
@@ -149,6 +149,12 @@ def _keys_and_values(config, kind: AttentionKind, layer: int) -> int:
     if _reads_anothers_cache(config, layer):
         return 0
     return 2 * layer_configs(config)[layer].num_key_value_heads * head_dim(config, layer)
+
+
+def _keys_values_and_block_keys(config, kind: AttentionKind, layer: int) -> int:
+    """MiniMax-M3: keys and values, and in its sparse layers ("minimax_m3_sparse") the indexer's key."""
+    sparse = config.layer_types[layer] == "minimax_m3_sparse"
+    return _keys_and_values(config, kind, layer) + (config.index_head_dim if sparse else 0)
 
 
 def _mimo_keys_and_values(config, kind: AttentionKind, layer: int) -> int:
@@ -348,13 +354,23 @@ class FamilySpec:
         the copy with the keys the indexer did not pick masked out, which keys those are (bool), the indexer's fp32
         scores of every indexer head and their ReLU, the weighted sum and its masked copy. Kolibri 1.1's indexed
         layers (`key_selection`): the mask and its copy, 8 bool masks (visible, pool, sinks, local, candidates and
-        the top-k rule's), fp32 scores, a head's product and its ReLU, the masked copy, the tie ranks (int32). None
-        elsewhere."""
+        the top-k rule's), fp32 scores, a head's product and its ReLU, the masked copy, the tie ranks (int32).
+        MiniMax-M3's sparse layers: `_block_picks_per_query_slot`. None elsewhere."""
         if self.cached_per_token is _indexed_latent:
             return 2 * itemsize + 1 + (2 * config.index_n_heads + 2) * 4
         if _CAPTURE_KOLIBRI_INDEXERS in self.adapt:
             return 2 * itemsize + 8 + 5 * 4
+        if _ALIGN_MINIMAX_M3_BLOCKS in self.adapt:
+            return self._block_picks_per_query_slot(config, itemsize)
         return 0
+
+    @staticmethod
+    def _block_picks_per_query_slot(config, itemsize: int) -> int:
+        """MiniMax-M3's sparse layers: the mask, its per-head copy with the unpicked blocks masked, which keys
+        those are per head (bool, gathered and repeated), the indexer's fp32 scores per index head (the product,
+        the future masked, the copy padded to whole blocks)."""
+        heads = config.num_attention_heads
+        return itemsize * (1 + heads) + 2 * heads + 3 * 4 * config.index_n_heads
 
 
 def _all_layers(config) -> list[int]:
@@ -397,6 +413,11 @@ def _ernie_sparse_layers(config) -> list[int]:
 
 def _declared_layer_types(config) -> list[AttentionKind]:
     return list(config.layer_types)
+
+
+def _every_layer_indexed(config) -> list[AttentionKind]:
+    """MiniMax-M3: its model gives every layer one mask, which its sparse layers' indexers read: always given."""
+    return ["indexed_attention"] * config.num_hidden_layers
 
 
 def _full_attention(config) -> list[AttentionKind]:
@@ -804,6 +825,9 @@ _ROUTE_LLAMA4_EXPERTS = Adapter(lambda module: type(module).__name__ == "Llama4T
                                 "Llama 4's MoE blocks run every expert on every token")
 _TEMPER_LLAMA4_QUERIES = Adapter(_tempered_by_one_length, _temper_llama4_queries,
                                  "Llama 4's NoPE layers scale queries by the cache's one length")
+_ALIGN_MINIMAX_M3_BLOCKS = Adapter(lambda module: type(module).__name__ == "MiniMaxM3VLIndexer",
+                                   row_aligned_minimax_m3_indexer,
+                                   "MiniMax-M3's indexers count key blocks from slot 0, padding included")
 _CAPTURE_KOLIBRI_INDEXERS = Adapter(lambda module: type(module).__name__ == "Kolibri1_1Indexer",
                                     captured_kolibri_indexer,
                                     "Kolibri 1.1's indexers loop over host lists of query groups")
@@ -1062,6 +1086,16 @@ FAMILIES: dict[str, FamilySpec] = {
             # and attention layers declared (sliding with rotary, full without)
             "cohere2_moe", ("cohere2_moe",), "Cohere2MoeExperts", _SWIGLU, RouterSpec(scoring="top_k_then_softmax"),
             _declared_sparse_layers, _declared_layer_types,
+        ),
+        FamilySpec(  # MiniMax-M3 (image-text-to-text; its text model minimax_m3_vl_text): sigmoid scores chosen with
+            # the router's correction bias; gpt-oss's clamped SwiGLU on concatenated gate/up rows, a shared expert;
+            # MLPs declared; full and sparse layers
+            # (an indexer picks blocks of keys per key/value head, the blocks counted from each row's first key:
+            # `key_selection`), one mask for all, which the sparse layers read
+            "minimax_m3_vl", ("minimax_m3_vl", "minimax_m3_vl_text"), "MiniMaxM3VLExperts",
+            ExpertLayout(gate_up="concatenated", transposed=False, bias=False, activation="clamped_swiglu"),
+            RouterSpec(scoring="sigmoid", correction_bias="e_score_correction_bias"), _declared_sparse_layers,
+            _every_layer_indexed, cached_per_token=_keys_values_and_block_keys, adapt=(_ALIGN_MINIMAX_M3_BLOCKS,),
         ),
         FamilySpec(  # MiniMax-M2: sigmoid scores, the choice made on them plus the block's correction bias
             "minimax_m2", ("minimax_m2",), "MiniMaxM2Experts", _SWIGLU,

@@ -1,5 +1,6 @@
-"""Kolibri 1.1's key selection, computed for every query at once (no host lists), so verify steps compile and replay
-from CUDA graphs.
+"""Indexers that pick the keys each query attends to, as the decoder's cache and masks need them: Kolibri 1.1's
+computed for every query at once (no host lists), so verify steps compile and replay from CUDA graphs; MiniMax-M3's
+with its key blocks counted from each row's first real key.
 
 transformers' `Kolibri1_1Indexer` scores keys with no weights of its own: the ReLU of the logits of the first
 `index_num_heads` query heads against key head 0, both rounded to NVFP4, summed over those heads. A pool-source layer
@@ -104,3 +105,58 @@ def captured_kolibri_indexer(model: torch.nn.Module, indexer: torch.nn.Module) -
         rounding = staticmethod(sys.modules[own.__module__].nvfp4_fake_quantize)
         _CAPTURED[own] = type(f"Captured{own.__name__}", (CapturedKolibriIndexer, own), {"quantize": rounding})
     indexer.__class__ = _CAPTURED[own]
+
+
+class RowAlignedIndexKeys:
+    """What a MiniMax-M3 indexer reads through `cache.layers[layer].update_index(keys)`, over a `TargetCache`: its
+    keys [b, 1, t, d] written at the rows' slots (`TargetCache.update_indexer`), and every slot's returned shifted
+    left by the row's padding, zeros after the row's slots. transformers' indexer then counts key blocks, and the
+    keys' positions, from each row's first real key, as for the row alone (it anchors them to slot 0, so a
+    left-padded row's blocks would straddle its padding): the block indices it returns count from there too, and
+    `picked_blocks_only` lays them back onto the slots."""
+
+    def __init__(self, cache, layer: int):
+        self.cache, self.layer = cache, layer
+        self.layers = {layer: self}
+
+    def update_index(self, keys: torch.Tensor) -> torch.Tensor:
+        cached = self.cache.update_indexer(keys[:, 0], self.layer)  # [b, slots, d]
+        slots = cached.shape[1]
+        source = torch.arange(slots, device=cached.device) + self.cache.pad[:, None]  # [b, slots]
+        shifted = cached.gather(1, source.clamp(max=slots - 1)[..., None].expand_as(cached))
+        return torch.where((source < slots)[..., None], shifted, 0.0)[:, None]
+
+
+class RowAlignedMiniMaxM3Indexer(torch.nn.Module):
+    """A MiniMax-M3 indexer (`MiniMaxM3VLIndexer`, whose forward runs) reading its keys row-aligned
+    (`RowAlignedIndexKeys`) from a `TargetCache`; from any other cache, as transformers runs it."""
+
+    def forward(self, hidden_states, position_embeddings, cache, position_ids):
+        if hasattr(cache, "pad"):  # a TargetCache (the rows' left padding); transformers' caches have none
+            cache = RowAlignedIndexKeys(cache, self.layer_idx)
+        return super().forward(hidden_states, position_embeddings, cache, position_ids)
+
+
+def row_aligned_minimax_m3_indexer(model: torch.nn.Module, indexer: torch.nn.Module) -> None:
+    """Give `indexer` (a `MiniMaxM3VLIndexer`) row-aligned keys: its class becomes a subclass of its own with
+    `RowAlignedMiniMaxM3Indexer`'s forward in front."""
+    own = type(indexer)
+    if own not in _CAPTURED:
+        _CAPTURED[own] = type(f"RowAligned{own.__name__}", (RowAlignedMiniMaxM3Indexer, own), {})
+    indexer.__class__ = _CAPTURED[own]
+
+
+def picked_blocks_only(mask: torch.Tensor, blocks: torch.Tensor, block_size: int, heads: int) -> torch.Tensor:
+    """An additive mask [b, 1, t, s] -> [b, heads, t, s] with every key outside the blocks a query's head picked
+    masked out: `blocks` [b, index heads, t, k] (-1: none) count blocks of `block_size` keys from each row's first
+    visible key (`RowAlignedIndexKeys`); each index head's pick serves its group of `heads // index heads` query
+    heads, as transformers' `build_block_mask` expands it (there from slot 0)."""
+    batch, index_heads, queries, slots = *blocks.shape[:3], mask.shape[-1]
+    start, _ = _row_starts_and_lengths(mask[:, 0] == 0)
+    count = -(-slots // block_size)
+    picked = blocks.new_zeros((batch, index_heads, queries, count + 1), dtype=torch.bool)
+    picked.scatter_(-1, blocks.masked_fill(blocks < 0, count), True)
+    relative = torch.arange(slots, device=mask.device) - start[:, None]  # [b, s]
+    block = (relative.clamp(min=0) // block_size)[:, None, None].expand(-1, index_heads, queries, -1)
+    kept = picked.gather(-1, block) & (relative >= 0)[:, None, None]
+    return mask.masked_fill(~kept.repeat_interleave(heads // index_heads, dim=1), torch.finfo(mask.dtype).min)

@@ -96,6 +96,14 @@ TINY_CONFIGS = {
         num_hidden_layers=3, layer_types=["hybrid", "hybrid_sliding", "hybrid"], sliding_window=8, head_dim=16,
         moe_intermediate_size=32, num_experts=4, num_experts_per_tok=1, router_hidden_size=16, bos_token_id=1,
         eos_token_id=2, pad_token_id=0, initializer_range=1.0, **_COMMON),
+    # MiniMax-M3 (its text model): a dense full-attention layer, then two sparse layers whose indexer picks 2 blocks
+    # of 4 keys a query, the query's own block among them; experts with gpt-oss's clamped SwiGLU, not interleaved
+    "minimax_m3_vl": lambda: transformers.MiniMaxM3VLTextConfig(
+        num_hidden_layers=3, head_dim=16, rotary_dim=8, intermediate_size=32, num_local_experts=8,
+        dense_intermediate_size=96, shared_intermediate_size=48, mlp_layer_types=["dense", "sparse", "sparse"],
+        layer_types=["full_attention", "minimax_m3_sparse", "minimax_m3_sparse"], index_n_heads=2,
+        index_head_dim=16, index_block_size=4, index_topk_blocks=2, index_local_blocks=1, swiglu_limit=0.5,
+        initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0, **_ROUTED, **_COMMON),
     "deepseek_v2": lambda: transformers.DeepseekV2Config(  # DeepSeek-V2's group-limited softmax router
         topk_method="group_limited_greedy", **_MLA, **_DEEPSEEK_ROUTING, **_ROUTED),
     "glm4_moe_lite": lambda: transformers.Glm4MoeLiteConfig(  # GLM-4.7-Flash: one group, MLPs declared per layer
@@ -362,6 +370,12 @@ MULTIMODAL = {
         lambda hidden_size: dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                                  out_hidden_size=hidden_size, patch_size=8, max_image_size=64),
         lambda hidden_size: dict(image_token_id=121, video_token_id=122)),
+    # MiniMax-M3's release: its tiny decoder beside a one-block vision tower
+    "minimax_m3_vl": (transformers.MiniMaxM3VLConfig, lambda: tiny_config("minimax_m3_vl"),
+                      lambda hidden_size: dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                               num_attention_heads=2, image_size=56, patch_size=14),
+                      lambda hidden_size: dict(image_token_index=121, video_token_index=122,
+                                               projector_hidden_size=hidden_size)),
     # Muse Spark (audio and vision towers): a dense first layer, two sliding layers then a full one without rotary
     # positions; experts of their own width
     "muse_spark": (transformers.MuseSparkConfig, lambda: transformers.MuseSparkTextConfig(

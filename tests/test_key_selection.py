@@ -1,5 +1,5 @@
-"""Kolibri 1.1's key selection for a whole batch at once (`key_selection.CapturedKolibriIndexer`): the keys
-transformers' indexer picks, query group by query group."""
+"""Indexers' picks of keys (`key_selection`): Kolibri 1.1's for a whole batch at once, the keys transformers' indexer
+picks query group by query group; MiniMax-M3's blocks counted from each row's first key."""
 
 import copy
 
@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import dflash_compile
-from dflash_compile.key_selection import captured_kolibri_indexer
+from dflash_compile.key_selection import captured_kolibri_indexer, picked_blocks_only
 from dflash_compile.testing import in_installed_transformers
 
-pytestmark = pytest.mark.skipif(not in_installed_transformers("kolibri1_1"), reason="Kolibri 1.1: transformers 5.25")
+kolibri = pytest.mark.skipif(not in_installed_transformers("kolibri1_1"), reason="Kolibri 1.1: transformers 5.25")
 
 
 def causal_over_padding(pads: torch.Tensor, first_query: torch.Tensor, queries: int, slots: int) -> torch.Tensor:
@@ -22,6 +22,7 @@ def causal_over_padding(pads: torch.Tensor, first_query: torch.Tensor, queries: 
     return torch.where(visible, 0.0, torch.finfo(torch.float32).min)[:, None]
 
 
+@kolibri
 @pytest.mark.parametrize("queries", [1, 5, 12])
 def test_a_batch_picks_the_keys_transformers_picks_group_by_group(tiny, queries):
     """Rows of different padding and lengths, some queries seeing no more keys than the budget, some fewer than the
@@ -47,6 +48,7 @@ def test_a_batch_picks_the_keys_transformers_picks_group_by_group(tiny, queries)
         indexer.is_pool_source = captured.is_pool_source = True
 
 
+@kolibri
 def test_a_query_seeing_no_key_keeps_none(tiny):
     """A prompt's padding positions see no key: they select none, as in transformers, beside real queries."""
     indexer = tiny("kolibri1_1").model.layers[1].self_attn.indexer
@@ -61,6 +63,7 @@ def test_a_query_seeing_no_key_keeps_none(tiny):
     assert torch.equal(selected, expected) and torch.equal(pool, expected_pool)
 
 
+@kolibri
 def test_kolibri_layers_reading_another_layers_keys_cache_none(tiny):
     """The layers `kv_source_layers` points elsewhere cache no keys or values of their own: the cache's bytes, known
     before it is made, count none for them."""
@@ -68,3 +71,22 @@ def test_kolibri_layers_reading_another_layers_keys_cache_none(tiny):
     fast = dflash_compile.optimize(model, adaptive=False, compile=False)
     per_token = fast.decoder.cached_per_token
     assert per_token[3] == 0 and per_token[1] == per_token[0] > 0
+
+
+def test_minimax_m3_picked_blocks_count_from_each_rows_first_key(tiny):
+    """A MiniMax-M3 sparse layer's picked blocks laid onto the slots (`picked_blocks_only`): transformers' own block
+    mask for a row without padding; for a row padded by p slots, the same mask p slots to the right (blocks counted
+    from its first key, padding masked), as the row gets alone."""
+    model = tiny("minimax_m3_vl")
+    indexer = model.model.layers[1].self_attn.indexer
+    heads = model.config.num_attention_heads
+    generator = torch.Generator().manual_seed(0)
+    blocks = torch.randint(-1, 5, (1, indexer.num_heads, 6, 2), generator=generator)
+    alone = causal_over_padding(torch.tensor([0]), torch.tensor([14]), 6, 20)
+    expected = indexer.build_block_mask(blocks, alone, 20, torch.float32, "cpu", torch.arange(14, 20)[None])
+    torch.testing.assert_close(picked_blocks_only(alone, blocks, indexer.block_size, heads), expected)
+    assert (expected != 0).sum() > (alone != 0).sum() * heads  # the picks drop keys the mask shows
+    padded = causal_over_padding(torch.tensor([3]), torch.tensor([17]), 6, 23)
+    shifted = picked_blocks_only(padded, blocks, indexer.block_size, heads)
+    torch.testing.assert_close(shifted[..., 3:], expected)
+    assert (shifted[..., :3] != 0).all()

@@ -31,7 +31,7 @@ def prompts(batch: int, seed: int = 3):
 # layer's (0), so its full-attention layers' decode masks cover one key and leave the padding's keys visible. Its
 # padded rows' reference is each row generated alone, unpadded, as a correct decode gives them
 # (`test_minimax_left_padded_rows_decode_as_each_row_alone` keeps watch on transformers' bug).
-PADDED_DECODE_WRONG = ("minimax",)
+PADDED_DECODE_WRONG = ("minimax", "minimax_m3_vl")
 
 
 def reference(model, ids, mask, new_tokens=NEW_TOKENS, **kwargs):
@@ -123,11 +123,14 @@ def test_dsa_layers_attend_over_the_keys_their_indexer_picks(tiny, family):
         assert cache.keys[3].shape == (3, 1, 8 - 1 + 4, 24) and cache.keys[0].shape == (3, 1, cache.max_len, 16)
 
 
-def test_minimax_left_padded_rows_decode_as_each_row_alone(tiny):
-    """transformers' MiniMax decodes a left-padded batch wrong (PADDED_DECODE_WRONG): a padded row's tokens are not
-    the ones that row gets alone. Optimized, each row gets its own (the target cache knows each layer's length and
-    masks each row's padding), drafts accepted in part or not."""
-    model = tiny("minimax")
+@pytest.mark.parametrize("family", PADDED_DECODE_WRONG)
+def test_left_padded_rows_decode_as_each_row_alone(tiny, family):
+    """transformers' MiniMax and MiniMax-M3 decode a left-padded batch wrong (PADDED_DECODE_WRONG): a padded row's
+    tokens are not the ones that row gets alone (MiniMax: its cache length is a lightning layer's, 0, so the decode
+    mask keeps the padding visible; MiniMax-M3: its indexer counts key blocks from slot 0, padding included).
+    Optimized, each row gets its own (the target cache knows each layer's length and masks each row's padding; the
+    indexer's blocks count from the row's first key), drafts accepted in part or not."""
+    model = tiny(family)
     ids, mask = prompts(3)
     expected = reference(model, ids, mask)
     with torch.no_grad():
@@ -403,7 +406,7 @@ def _image_text_release(family: str, directory):
 
 @pytest.mark.parametrize("family", ["qwen3_vl_moe", "glm4v_moe", "gemma4", "mistral3", "aria", "ernie4_5_vl_moe",
                                     "step3p7", LLAMA4_RELEASE, "mistral_large4", "deepseek_ocr2",
-                                    "qwen3_omni_moe", "hy_v4_vl", "muse_spark"])
+                                    "qwen3_omni_moe", "hy_v4_vl", "muse_spark", "minimax_m3_vl"])
 def test_an_image_text_to_text_release_generates_like_generate(tmp_path, family, aot_eager_steps):
     """Qwen3-VL-MoE and GLM-4.5V, which transformers builds only as image-text-to-text models (the decoder under
     `model.language_model`, its rotary positions in three sections, a vision tower beside it), and Gemma 4 as
@@ -412,8 +415,9 @@ def test_an_image_text_to_text_release_generates_like_generate(tmp_path, family,
     (clamped experts in one layer), Llama 4 (Scout and Maverick), DeepSeek-OCR 2 (SAM's vision model and an
     encoder around a DeepSeek-V2 MoE decoder under plain attention), Qwen3-Omni's thinker (audio and vision towers
     around Qwen3-VL-MoE's kind of decoder), HY V4's (its decoder under rotary positions in three sections, an fp32
-    lm_head) and Muse Spark (audio and vision towers; experts norming each route, moved into the block): text
-    prompts keep
+    lm_head), Muse Spark (audio and vision towers; experts norming each route, moved into the block) and
+    MiniMax-M3 (its sparse layers' blocks counted from each row's first key, the rows as each alone): text prompts
+    keep
     `generate`'s tokens through partly accepted blocks, eager and compiled (lowered by AOT eager: Inductor compiles
     each decoder's kind of attention and router in the text families' tests), with their experts offloaded, and
     loaded by `dflash_compile.from_pretrained`."""
