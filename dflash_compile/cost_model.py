@@ -274,13 +274,19 @@ class ModelSizes:
             raise ValueError(f"{config.model_type} with {text.num_hidden_layers} layers has no "
                              "routed experts in them (dense first layers): take more layers")
         expert_ids = {id(p) for m in modules for p in m.parameters()}
+        # weights of routed attention experts (JetMoE's): read per expert picked, as the MLP experts' are
+        path = spec.routed_attention_experts
+        attention_experts = [p for name, module in model.named_modules() if path and name.endswith(path)
+                             for p in module.parameters() if p.dim() == 3]
+        expert_ids |= {id(p) for p in attention_experts}
         embedding = model.get_input_embeddings().weight
         tied = model.get_output_embeddings().weight is embedding
         # the decoder's and the output head's weights (not an image-text-to-text model's vision tower)
         stepped = {id(p): p for p in (*model.get_decoder().parameters(), *model.get_output_embeddings().parameters())}
         dense = sum(p.numel() for key, p in stepped.items() if key not in expert_ids and p is not embedding)
         experts = modules[0].down_proj.shape[0]
-        per_expert = sum(p.numel() for p in modules[0].parameters()) // experts
+        per_expert = (sum(p.numel() for p in modules[0].parameters())
+                      + sum(p.numel() for p in attention_experts) // len(modules)) // experts
         kinds = spec.attention_kinds(text)
         # query heads x head dim of each attention layer (Gemma 4's full and Step 3.7's sliding layers differ)
         widths = [layer.num_attention_heads * head_dim(text, i) for i, layer in enumerate(layer_configs(text))]

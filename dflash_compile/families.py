@@ -304,6 +304,9 @@ class FamilySpec:
     # (Llama 4: every expert on every token, the router's scores on the inputs; Step 3.7's experts undecorated on
     # transformers 5.24), Llama 4's NoPE query temperature per row; `adapt_model` applies each
     adapt: tuple[Adapter, ...] = ()
+    # the decoder layers' module (path) of experts of attention heads routed as its MLP experts are (the same number,
+    # top-k and layers: JetMoE's `self_attention.experts`): the cost model reads their 3-D weights per expert picked
+    routed_attention_experts: str | None = None
     # the attribute of an MoE block (ERNIE-4.5-VL's `vision_moe`) whose experts text prompts never call: left to the
     # model's own code (images), out of `experts_modules`
     image_experts: str | None = None
@@ -1239,7 +1242,7 @@ FAMILIES: dict[str, FamilySpec] = {
             "jetmoe", ("jetmoe",), "JetMoeRoutedExperts", _SWIGLU,
             RouterSpec(scoring="top_k_then_softmax", module="router.layer", call="route"), _all_layers,
             _full_attention, adapt=(_ROUTE_JETMOE_EXPERTS, _GROUP_JETMOE_ATTENTION_EXPERTS),
-            unquantized_linears=("layer",),
+            unquantized_linears=("layer",), routed_attention_experts="self_attention.experts",
         ),
         FamilySpec(  # LongCat-Flash: decoder layers of two latent-attention sublayers (DeepSeek-V3's, LoRA-scaled) and
             # two MLPs, the MoE block reading the first MLP's input (a shortcut); a softmax router scaled, choosing with

@@ -143,3 +143,24 @@ def test_attention_width_sums_each_layers_own_heads():
     from dflash_compile.testing import tiny_multimodal_config
 
     assert ModelSizes.of(tiny_multimodal_config("step3p7")).attention_width == 128
+
+
+def test_routed_attention_experts_are_read_per_expert_picked():
+    """JetMoE's attention experts (a query and an output projection each, its top-k picked per token) are read as
+    its MLP experts are, per expert picked: counted with them, not with the weights every step reads."""
+    import torch
+    import transformers
+
+    from dflash_compile.testing import tiny_config
+
+    config = tiny_config("jetmoe")
+    with torch.device("meta"):
+        layer = transformers.AutoModelForCausalLM.from_config(config).model.layers[0]
+    mlp, attention = layer.mlp, layer.self_attention.experts
+    expert = sum(linear.weight[0].numel() for linear in (mlp.input_linear, mlp.output_linear,
+                                                          attention.input_linear, attention.output_linear))
+    sizes = ModelSizes.of(config)
+    assert sizes.expert_params == expert and sizes.experts == config.num_local_experts
+    per_step = sizes.dense_params + sizes.expert_params * sizes.experts * sizes.moe_layers
+    total = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+    assert per_step + config.vocab_size * config.hidden_size == total  # every weight counted once (embeddings apart)
