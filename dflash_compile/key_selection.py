@@ -54,21 +54,15 @@ class CapturedKolibriIndexer(torch.nn.Module):
         """Each long query's candidate keys: the keys of its best-scoring blocks (counted from its row's first key)."""
         compression, slots = self.compression, keys.shape[1]
         blocks = -(-slots // compression)
-        document = torch.arange(blocks * compression, device=keys.device) + start[:, None]  # [b, blocks * C]
         unseen = ~visible.any(1)  # keys no query sees count as zeros in their block's mean
-        inside = document < slots
-        index = document.clamp(max=slots - 1)
-        kept = (inside & ~unseen.gather(1, index))[..., None]
-        document_keys = torch.where(kept, keys.gather(1, index[..., None].expand(-1, -1, keys.shape[-1])), 0.0)
+        document_keys = _shifted_left(keys.masked_fill(unseen[..., None], 0.0), start, blocks * compression)
         summaries = self.quantize(document_keys.float().unflatten(1, (blocks, compression)).sum(2) / compression)
         scores = self._score(queries, summaries)
         block = torch.arange(blocks, device=keys.device)
         # a query's block of newest keys competes at 0 unless complete; blocks past its keys are never picked
         scores = torch.where(block < lengths[..., None] // compression, scores, 0.0)
         scores = scores.masked_fill(block >= (lengths[..., None] + compression - 1) // compression, float("-inf"))
-        chosen = self.top_k_mask(scores, self.pool_size // compression)
-        relative = torch.arange(slots, device=keys.device) - start[:, None, None]  # [b, 1, k]
-        picked = chosen.gather(2, (relative.clamp(min=0) // compression).expand_as(visible)) & (relative >= 0)
+        picked = _blocks_onto_slots(self.top_k_mask(scores, self.pool_size // compression), start, compression, slots)
         long = (lengths > self.pool_size)[..., None]
         return torch.where(long, picked & visible, visible)
 
@@ -83,6 +77,22 @@ class CapturedKolibriIndexer(torch.nn.Module):
         chosen = self.top_k_mask(scores.masked_fill(~candidates, float("-inf")), self.topk)
         long = length > self.topk + self.num_local_tokens + self.num_sink_tokens
         return torch.where(long, (chosen | sinks | local) & visible, visible)
+
+
+def _shifted_left(rows: torch.Tensor, start: torch.Tensor, length: int) -> torch.Tensor:
+    """[b, n, d] -> [b, length, d]: row b's entries from `start[b]` on, zeros after its last."""
+    source = torch.arange(length, device=rows.device) + start[:, None]
+    shifted = rows.gather(1, source.clamp(max=rows.shape[1] - 1)[..., None].expand(-1, -1, rows.shape[-1]))
+    return torch.where((source < rows.shape[1])[..., None], shifted, 0.0)
+
+
+def _blocks_onto_slots(chosen: torch.Tensor, start: torch.Tensor, block_size: int, slots: int) -> torch.Tensor:
+    """[b, ..., blocks] bool choices of blocks of `block_size` keys counted from row b's slot `start[b]` -> [b, ...,
+    slots]: each slot its block's choice, none before the row's start."""
+    relative = torch.arange(slots, device=chosen.device) - start[:, None]  # [b, slots]
+    shape = (relative.shape[0],) + (1,) * (chosen.dim() - 2) + (slots,)
+    block = (relative.clamp(min=0) // block_size).view(shape).expand(*chosen.shape[:-1], slots)
+    return chosen.gather(-1, block) & (relative >= 0).view(shape)
 
 
 def _row_starts_and_lengths(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,10 +131,7 @@ class RowAlignedIndexKeys:
 
     def update_index(self, keys: torch.Tensor) -> torch.Tensor:
         cached = self.cache.update_indexer(keys[:, 0], self.layer)  # [b, slots, d]
-        slots = cached.shape[1]
-        source = torch.arange(slots, device=cached.device) + self.cache.pad[:, None]  # [b, slots]
-        shifted = cached.gather(1, source.clamp(max=slots - 1)[..., None].expand_as(cached))
-        return torch.where((source < slots)[..., None], shifted, 0.0)[:, None]
+        return _shifted_left(cached, self.cache.pad, cached.shape[1])[:, None]
 
 
 class RowAlignedMiniMaxM3Indexer(torch.nn.Module):
@@ -151,12 +158,10 @@ def picked_blocks_only(mask: torch.Tensor, blocks: torch.Tensor, block_size: int
     masked out: `blocks` [b, index heads, t, k] (-1: none) count blocks of `block_size` keys from each row's first
     visible key (`RowAlignedIndexKeys`); each index head's pick serves its group of `heads // index heads` query
     heads, as transformers' `build_block_mask` expands it (there from slot 0)."""
-    batch, index_heads, queries, slots = *blocks.shape[:3], mask.shape[-1]
+    slots, index_heads = mask.shape[-1], blocks.shape[1]
     start, _ = _row_starts_and_lengths(mask[:, 0] == 0)
     count = -(-slots // block_size)
-    picked = blocks.new_zeros((batch, index_heads, queries, count + 1), dtype=torch.bool)
-    picked.scatter_(-1, blocks.masked_fill(blocks < 0, count), True)
-    relative = torch.arange(slots, device=mask.device) - start[:, None]  # [b, s]
-    block = (relative.clamp(min=0) // block_size)[:, None, None].expand(-1, index_heads, queries, -1)
-    kept = picked.gather(-1, block) & (relative >= 0)[:, None, None]
+    picked = blocks.new_zeros((*blocks.shape[:3], count + 1), dtype=torch.bool)
+    picked.scatter_(-1, blocks.masked_fill(blocks < 0, count), True)  # none: the column past the last block
+    kept = _blocks_onto_slots(picked, start, block_size, slots)
     return mask.masked_fill(~kept.repeat_interleave(heads // index_heads, dim=1), torch.finfo(mask.dtype).min)
