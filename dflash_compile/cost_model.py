@@ -180,11 +180,11 @@ REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
         vision_start_token_id=151652),
     "deepseek-v3.2": transformers.DeepseekV32Config,  # DeepSeek-V3's shape (671B, 37B active), DSA: 2048 keys a query
     "glm-5": transformers.GlmMoeDsaConfig,  # 78 layers (3 dense), MLA with DSA, 256 experts of 2048, top-8: 744B
-    # MiniMax-Text-01 (MiniMax-M1 the same shape; from memory, not read from a released file): 80 layers, each
-    # eighth full attention, the others lightning attention; 32 experts of 9216, top-2: ~456B
     # MiniMax-M3's text model (the config class's defaults): 60 layers, 128 experts of 3072, top-4, a shared expert,
     # hidden 6144 (~435B); its sparse layers come from a checkpoint's `sparse_attention_config`, full ones here
     "minimax-m3": lambda: transformers.MiniMaxM3VLTextConfig(),
+    # MiniMax-Text-01 (MiniMax-M1 the same shape; from memory, not read from a released file): 80 layers, each
+    # eighth full attention, the others lightning attention; 32 experts of 9216, top-2: ~456B
     "minimax-text-01": lambda: transformers.MiniMaxConfig(
         hidden_size=6144, intermediate_size=9216, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
         head_dim=128, num_local_experts=32, num_experts_per_tok=2, vocab_size=200064, block_size=256,

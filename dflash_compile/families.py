@@ -1091,10 +1091,9 @@ FAMILIES: dict[str, FamilySpec] = {
             _declared_sparse_layers, _declared_layer_types,
         ),
         FamilySpec(  # MiniMax-M3 (image-text-to-text; its text model minimax_m3_vl_text): sigmoid scores chosen with
-            # the router's correction bias; gpt-oss's clamped SwiGLU on concatenated gate/up rows, a shared expert;
-            # MLPs declared; full and sparse layers
-            # (an indexer picks blocks of keys per key/value head, the blocks counted from each row's first key:
-            # `key_selection`), one mask for all, which the sparse layers read
+            # the router's correction bias, renormalised; gpt-oss's clamped SwiGLU on concatenated gate/up rows, a
+            # shared expert; MLPs declared; full and sparse layers (an indexer picks blocks of keys per key/value
+            # head, counted from each row's first key: `key_selection`) under one mask, which the sparse ones read
             "minimax_m3_vl", ("minimax_m3_vl", "minimax_m3_vl_text"), "MiniMaxM3VLExperts",
             ExpertLayout(gate_up="concatenated", transposed=False, bias=False, activation="clamped_swiglu"),
             RouterSpec(scoring="sigmoid", correction_bias="e_score_correction_bias"), _declared_sparse_layers,
