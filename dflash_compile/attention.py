@@ -367,6 +367,8 @@ AttentionInterface.register(NAME, grouped_query_attention)
 def _replaces(model, implementation: str | None) -> bool:
     """Whether `grouped_query_attention` reproduces the model's attention implementation."""
     spec = spec_for_model(model)
+    if spec is not None and spec.position_bias:  # a bias by position it does not add (transformers' SDPA adds it)
+        return False
     return implementation == "sdpa" or (implementation == "eager" and spec is not None and spec.attention_sinks)
 
 

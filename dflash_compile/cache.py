@@ -116,12 +116,13 @@ class TargetCache(Cache):
         self.ring_size = ring_size
         self.rows = RowCache(batch, max_len, dtype, device, {layer: ring_size for layer in ring_layers})
         self.pad = _static(torch.zeros(batch, dtype=torch.int64, device=device))
-        self.conv: dict[int, torch.Tensor] = {}  # committed linear-attention state, per layer
+        # committed linear-attention states: conv windows per (layer, state index: Inkling's layers keep four)
+        self.conv: dict[tuple[int, int], torch.Tensor] = {}
         self.recurrent: dict[int, torch.Tensor] = {}
-        self.pending_conv: dict[int, torch.Tensor] = {}  # what the last forward would leave
+        self.pending_conv: dict[tuple[int, int], torch.Tensor] = {}  # what the last forward would leave
         self.pending_recurrent: dict[int, torch.Tensor] = {}
-        self.conv_width: dict[int, int] = {}
-        self.spare: dict[tuple[str, int], torch.Tensor] = {}  # a previous generation's states, reused by `reset`
+        self.conv_width: dict[tuple[int, int], int] = {}
+        self.spare: dict[tuple, torch.Tensor] = {}  # a previous generation's states, reused by `reset`
         # Set during the prefill (eager; the host knows that no row has more slots filled): a forward attends over
         # the first `visible` slots of each full-length buffer, as transformers' own cache grows, and over a ring
         # followed by its own keys (`_prefill_ring`). None (the compiled steps, whose shapes must not follow the
@@ -183,13 +184,13 @@ class TargetCache(Cache):
         the lengths are dead already; linear-attention states are set aside, zeroed and reused at the next commit."""
         self.rows.lengths.zero_()
         self.pad.copy_(pad)
-        self.spare.update({("conv", layer): state for layer, state in self.conv.items()})
+        self.spare.update({("conv", key): state for key, state in self.conv.items()})
         self.spare.update({("recurrent", layer): state for layer, state in self.recurrent.items()})
         self.conv, self.recurrent, self.pending_conv, self.pending_recurrent = {}, {}, {}, {}
 
-    def _zero_state(self, kind: str, layer: int, like: torch.Tensor, shape) -> torch.Tensor:
+    def _zero_state(self, kind: str, key, like: torch.Tensor, shape) -> torch.Tensor:
         """A zeroed static state buffer: the previous generation's when it has the shape, else a new one."""
-        spare = self.spare.pop((kind, layer), None)
+        spare = self.spare.pop((kind, key), None)
         if spare is not None and spare.shape == shape and spare.dtype == like.dtype:
             return spare.zero_()
         return _static(like.new_zeros(shape))
@@ -243,7 +244,7 @@ class TargetCache(Cache):
 
     # transformers' linear-attention cache interface (Qwen3.5 GatedDeltaNet)
     def get_conv_state(self, layer_idx: int, state_idx: int = 0):
-        return self.conv.get(layer_idx)
+        return self.conv.get((layer_idx, state_idx))
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
         return self.recurrent.get(layer_idx)
@@ -254,16 +255,18 @@ class TargetCache(Cache):
     def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
         """transformers >= 5.25 counts a one-token in-place conv update here; `lengths` count tokens already."""
 
-    def update_conv_state(self, conv_input, layer_idx: int, conv_kernel_size: int | None = None, **kwargs):
+    def update_conv_state(self, conv_input, layer_idx: int, conv_kernel_size: int | None = None,
+                          state_idx: int = 0, **kwargs):
         """The conv input with the committed window in front; kept pending until `commit_linear`."""
-        old = self.conv.get(layer_idx)
+        key = (layer_idx, state_idx)
+        old = self.conv.get(key)
         if old is None:  # prefill: left-pad to the kernel width
             width = conv_kernel_size or conv_input.shape[-1]
-            self.conv_width[layer_idx] = width
+            self.conv_width[key] = width
             full = torch.nn.functional.pad(conv_input, (max(width - conv_input.shape[-1], 0), 0))
         else:
             full = torch.cat([old, conv_input], dim=-1)
-        self.pending_conv[layer_idx] = full
+        self.pending_conv[key] = full
         return full
 
     def update_recurrent_state(self, state, layer_idx: int, **kwargs):
@@ -277,8 +280,9 @@ class TargetCache(Cache):
     def set_linear_cache(self, layer_idx: int, state) -> None:
         self.update_recurrent_state(state, layer_idx)
 
-    def pending_linear(self) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
-        """What the last forward left for `commit_linear`: its conv inputs and recurrent states, per layer."""
+    def pending_linear(self) -> tuple[dict[tuple[int, int], torch.Tensor], dict[int, torch.Tensor]]:
+        """What the last forward left for `commit_linear`: its conv inputs per (layer, state index) and recurrent
+        states per layer."""
         return dict(self.pending_conv), dict(self.pending_recurrent)
 
     def commit_linear(self, kept: torch.Tensor, width: int, pending: tuple[dict, dict] | None = None) -> None:
@@ -287,11 +291,11 @@ class TargetCache(Cache):
         pending state (a prompt's, or one token's) is the state after all `width` tokens, kept whole or not at all.
         `pending`: that forward's `pending_linear()` as a compiled step returned it (default: what is pending)."""
         pending_conv, pending_recurrent = pending if pending is not None else self.pending_linear()
-        for layer, full in pending_conv.items():
-            if layer not in self.conv:
-                self.conv[layer] = self._zero_state("conv", layer, full, (*full.shape[:2], self.conv_width[layer]))
+        for key, full in pending_conv.items():
+            if key not in self.conv:
+                self.conv[key] = self._zero_state("conv", key, full, (*full.shape[:2], self.conv_width[key]))
             end = full.shape[-1] - width + kept
-            torch.ops.dflash.conv_window_commit(self.conv[layer], full, end)
+            torch.ops.dflash.conv_window_commit(self.conv[key], full, end)
         for layer, state in pending_recurrent.items():
             if layer in self.recurrent and state.dim() > self.recurrent[layer].dim():  # [b, width, *the state's]
                 state = state[torch.arange(len(kept), device=kept.device), (kept - 1).clamp(min=0)]
@@ -321,6 +325,25 @@ class TargetCache(Cache):
         prefill, whose forwards see `visible` slots already."""
         return self.lengths.max() + width if self.visible is None else None
 
+    def query_and_key_slots(self, width: int, ring: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slots of the next `width` tokens [b, width, 1], and those of the keys a layer's forward over them
+        attends over [b or 1, width or 1, keys]: every slot of a full layer's buffer (the first `visible` in a
+        prefill); a ring layer's ring, its slot j holding the newest token slot = j (mod ring) up to each query, or in
+        a prefill chunk the ring's tokens in order, then the chunk's own (`_prefill_ring`)."""
+        device = self.lengths.device
+        query = (self.lengths[:, None] + torch.arange(width, device=device))[:, :, None]
+        if ring and self.visible is None:
+            ring_slots = torch.arange(self.ring_size, device=device)[None, None, :]
+            return query, query - (query - ring_slots).remainder(self.ring_size)
+        if ring:
+            return query, torch.arange(self._first_ring_key(width), self.visible, device=device)[None, None, :]
+        return query, torch.arange(self.visible or self.rows.max_len, device=device)[None, None, :]
+
+    def _first_ring_key(self, width: int) -> int:
+        """The slot of the first key a ring layer's prefill chunk of `width` tokens sees: what the ring holds of the
+        tokens before the chunk."""
+        return max(self.visible - width - self.ring_size, 0)
+
     def masks(self, width: int, windows: dict[str, int | None], causal_prompt: bool = False,
               causal_chunks: bool = False, pads: list[int] | None = None) -> dict[str, torch.Tensor | None]:
         """Masks for the next `width` tokens, one per attention kind: additive [b, 1, width, slots], causal over the
@@ -333,17 +356,14 @@ class TargetCache(Cache):
         every one a real earlier token: a ring's in order, `_prefill_ring`) every attention kind gets None in every
         chunk. With `pads` (the rows' left padding, on the host) such a kind gets `attention.row_starts` instead: each
         row's first real key among the keys the layer sees. A DSA layer ("indexed_attention") always gets its mask."""
-        device = self.lengths.device
         first_chunk = causal_prompt and self.visible == width
         every_chunk = causal_chunks and self.visible is not None
-        query = (self.lengths[:, None] + torch.arange(width, device=device))[:, :, None]  # slots of the new tokens
         pad = self.pad[:, None, None]
         masks = {}
         for kind, window in windows.items():
-            ring_keys = window and self.ring_size  # the keys a sliding layer sees come from its ring
-            first_key = 0  # the slot of the first key the layer sees
-            if ring_keys and self.visible is not None:  # a prefill chunk: what the ring holds of the tokens before it
-                first_key = max(self.visible - width - self.ring_size, 0)
+            ring_keys = bool(window and self.ring_size)  # the keys a sliding layer sees come from its ring
+            query, key = self.query_and_key_slots(width, ring_keys)
+            first_key = self._first_ring_key(width) if ring_keys and self.visible is not None else 0
             if kind not in MASK_READING_KINDS and (
                     every_chunk or (first_chunk and not (window and (self.ring_size or width > window)))):
                 if pads is None:
@@ -355,13 +375,6 @@ class TargetCache(Cache):
             if kind in RECURRENT_KINDS:
                 masks[kind] = query[:, :, 0] >= self.pad[:, None]
                 continue
-            if ring_keys and self.visible is None:
-                ring = torch.arange(self.ring_size, device=device)[None, None, :]
-                key = query - (query - ring).remainder(self.ring_size)  # slot j: the newest token slot = j (mod ring)
-            elif ring_keys:  # a prefill chunk: the ring's tokens in order, then the chunk's own (`_prefill_ring`)
-                key = torch.arange(first_key, self.visible, device=device)[None, None, :]
-            else:
-                key = torch.arange(self.visible or self.rows.max_len, device=device)[None, None, :]
             ok = (key <= query) & (key >= pad)
             if kind == "chunked_attention" and window:  # its own chunk of the row's tokens, as transformers' masks
                 ok &= (query - pad) // window == (key - pad) // window

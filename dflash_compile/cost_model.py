@@ -180,6 +180,9 @@ REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
         vision_start_token_id=151652),
     "deepseek-v3.2": transformers.DeepseekV32Config,  # DeepSeek-V3's shape (671B, 37B active), DSA: 2048 keys a query
     "glm-5": transformers.GlmMoeDsaConfig,  # 78 layers (3 dense), MLA with DSA, 256 experts of 2048, top-8: 744B
+    # Inkling's text model (the config class's defaults): 66 layers (5 in 6 sliding), 256 experts of 3072, top-6, 2
+    # shared experts, hidden 6144 (~0.96T)
+    "inkling": lambda: transformers.InklingTextConfig(),
     # MiniMax-M3's text model (the config class's defaults): 60 layers, 128 experts of 3072, top-4, a shared expert,
     # hidden 6144 (~435B); its sparse layers come from a checkpoint's `sparse_attention_config`, full ones here
     "minimax-m3": lambda: transformers.MiniMaxM3VLTextConfig(),

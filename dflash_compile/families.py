@@ -20,6 +20,7 @@ from transformers.integrations.moe import (_can_use_grouped_mm, _grouped_linear,
                                            use_experts_implementation)
 
 from .key_selection import captured_kolibri_indexer, row_aligned_minimax_m3_indexer
+from .row_positions import row_positioned_inkling_attention
 
 GateUpLayout = Literal["concatenated", "interleaved", "ungated"]
 Activation = Literal["act_fn", "clamped_swiglu", "clamped_act_fn", "clamped_gate_silu"]
@@ -157,6 +158,13 @@ def _keys_values_and_block_keys(config, kind: AttentionKind, layer: int) -> int:
     return _keys_and_values(config, kind, layer) + (config.index_head_dim if sparse else 0)
 
 
+def _inkling_keys_and_values(config, kind: AttentionKind, layer: int) -> int:
+    """Inkling: keys and values of its full layers' heads, or of its sliding layers' own (`swa_*`)."""
+    if kind == "sliding_attention":
+        return 2 * config.swa_num_key_value_heads * config.swa_head_dim
+    return 2 * config.num_key_value_heads * config.head_dim
+
+
 def _mimo_keys_and_values(config, kind: AttentionKind, layer: int) -> int:
     """MiMo-V2-Flash: keys of `head_dim`, values of `v_head_dim`, and sliding layers twice the key/value heads."""
     heads = config.num_key_value_heads * (2 if kind == "sliding_attention" else 1)
@@ -255,8 +263,9 @@ def _cca_elements(config) -> int:
     return 6 * qk + 2 * config.num_key_value_heads * config.head_dim
 
 
-def _zaya_layer_kinds(config) -> list[AttentionKind]:
-    """ZAYA1: "hybrid" layers attend over every key, "hybrid_sliding" ones over a window (both CCA)."""
+def _hybrid_layer_kinds(config) -> list[AttentionKind]:
+    """ZAYA1 and Inkling: "hybrid" layers attend over every key, "hybrid_sliding" ones over a window (with their
+    convolutions: ZAYA1's CCA, Inkling's short convolutions)."""
     return ["sliding_attention" if kind == "hybrid_sliding" else "full_attention" for kind in config.layer_types]
 
 
@@ -307,6 +316,9 @@ class FamilySpec:
     # the decoder layers' module (path) of experts of attention heads routed as its MLP experts are (the same number,
     # top-k and layers: JetMoE's `self_attention.experts`): the cost model reads their 3-D weights per expert picked
     routed_attention_experts: str | None = None
+    # whether its attention adds a learned bias by position (Inkling's relative logits, `position_bias`), which
+    # transformers' SDPA folds into the mask and the decoder's grouped attention does not: that one is left out
+    position_bias: bool = False
     # the attribute of an MoE block (ERNIE-4.5-VL's `vision_moe`) whose experts text prompts never call: left to the
     # model's own code (images), out of `experts_modules`
     image_experts: str | None = None
@@ -358,14 +370,24 @@ class FamilySpec:
         scores of every indexer head and their ReLU, the weighted sum and its masked copy. Kolibri 1.1's indexed
         layers (`key_selection`): the mask and its copy, 8 bool masks (visible, pool, sinks, local, candidates and
         the top-k rule's), fp32 scores, a head's product and its ReLU, the masked copy, the tie ranks (int32).
-        MiniMax-M3's sparse layers: `_block_picks_per_query_slot`. None elsewhere."""
+        MiniMax-M3's sparse layers: `_block_picks_per_query_slot`; Inkling's: `_position_bias_per_query_slot`. None
+        elsewhere."""
         if self.cached_per_token is _indexed_latent:
             return 2 * itemsize + 1 + (2 * config.index_n_heads + 2) * 4
         if _CAPTURE_KOLIBRI_INDEXERS in self.adapt:
             return 2 * itemsize + 8 + 5 * 4
         if _ALIGN_MINIMAX_M3_BLOCKS in self.adapt:
             return self._block_picks_per_query_slot(config, itemsize)
+        if self.position_bias:
+            return self._position_bias_per_query_slot(config, itemsize)
         return 0
+
+    @staticmethod
+    def _position_bias_per_query_slot(config, itemsize: int) -> int:
+        """Inkling's layers (`row_positions`): the distances and their clamped copy (int64), where they fall outside
+        (bool), and per head the profiles gathered, masked, log-scaled in fp32 and back, and added to the mask."""
+        heads = max(config.num_attention_heads, config.swa_num_attention_heads)
+        return 2 * 8 + 1 + heads * (4 * itemsize + 4)
 
     @staticmethod
     def _block_picks_per_query_slot(config, itemsize: int) -> int:
@@ -831,6 +853,9 @@ _TEMPER_LLAMA4_QUERIES = Adapter(_tempered_by_one_length, _temper_llama4_queries
 _ALIGN_MINIMAX_M3_BLOCKS = Adapter(lambda module: type(module).__name__ == "MiniMaxM3VLIndexer",
                                    row_aligned_minimax_m3_indexer,
                                    "MiniMax-M3's indexers count key blocks from slot 0, padding included")
+_POSITION_INKLING_ATTENTION = Adapter(lambda module: type(module).__name__ == "InklingAttention",
+                                      row_positioned_inkling_attention,
+                                      "Inkling's attention reads positions from the cache's one length")
 _CAPTURE_KOLIBRI_INDEXERS = Adapter(lambda module: type(module).__name__ == "Kolibri1_1Indexer",
                                     captured_kolibri_indexer,
                                     "Kolibri 1.1's indexers loop over host lists of query groups")
@@ -1295,11 +1320,21 @@ FAMILIES: dict[str, FamilySpec] = {
             # convolution's new window rather than its input (refused there)
             "zaya", ("zaya",), "ZayaExperts", _SWIGLU, RouterSpec(scoring="softmax", tokens_in_rows=True,
                                                                   after_indices=1),
-            _all_layers, _zaya_layer_kinds,
+            _all_layers, _hybrid_layer_kinds,
             LinearAttentionSpec("qkv_proj", "ZayaCCAProjection.forward", "ZayaCCAProjection.forward", _cca_elements,
                                 _delayed_value_state, rule="delayed_value"),
             model_masks={"full_attention": "hybrid", "sliding_attention": "hybrid_sliding", "conv": "conv"},
             shared_input_linears=(("q_proj", "k_proj", "v_proj_current", "v_proj_delayed"),), min_transformers="5.25",
+        ),
+        FamilySpec(  # Inkling (its text model; image and audio towers beside it): a sigmoid router over the routed and
+            # shared experts, choosing among the routed ones with its correction bias, the shared ones weighted by it
+            # (returned after the indices); short convolutions on keys, values and both sublayers' outputs (four
+            # conv windows a layer); relative logits by query-to-key distance and, in full layers, log-scaled
+            # queries: positions per row (`row_positions`); sliding layers of their own heads
+            "inkling", ("inkling_text",), "InklingExperts", _SWIGLU,
+            RouterSpec(scoring="sigmoid", correction_bias="e_score_correction_bias", after_indices=1),
+            _declared_sparse_layers, _hybrid_layer_kinds, model_masks={"conv": "linear_attention"},
+            cached_per_token=_inkling_keys_and_values, adapt=(_POSITION_INKLING_ATTENTION,), position_bias=True,
         ),
         FamilySpec(  # Granite 4.0-H (GraniteMoeHybrid): Mamba2 layers between full-attention ones (without rotary
             # positions as released), Granite-MoE's router and multipliers, a shared MLP beside the experts everywhere

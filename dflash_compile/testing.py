@@ -104,6 +104,15 @@ TINY_CONFIGS = {
         layer_types=["full_attention", "minimax_m3_sparse", "minimax_m3_sparse"], index_n_heads=2,
         index_head_dim=16, index_block_size=4, index_topk_blocks=2, index_local_blocks=1, swiglu_limit=0.5,
         initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0, **_ROUTED, **_COMMON),
+    # Inkling: two sliding layers (heads of their own, an 8-token window), then a full one; relative logits over 16
+    # distances, log-scaled queries past position 4; a dense first layer, then 8 routed experts and a shared one
+    "inkling": lambda: transformers.InklingTextConfig(
+        num_hidden_layers=3, layer_types=["hybrid_sliding", "hybrid_sliding", "hybrid"], head_dim=16,
+        mlp_layer_types=["dense", "sparse", "sparse"], swa_num_attention_heads=2, swa_num_key_value_heads=1,
+        swa_head_dim=16, sliding_window_size=8, d_rel=4, rel_extent=16, log_scaling_n_floor=2, log_scaling_alpha=1.0,
+        intermediate_size=96,
+        moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, conv_kernel_size=4, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0, initializer_range=0.1, **_ROUTED, **_COMMON),
     "deepseek_v2": lambda: transformers.DeepseekV2Config(  # DeepSeek-V2's group-limited softmax router
         topk_method="group_limited_greedy", **_MLA, **_DEEPSEEK_ROUTING, **_ROUTED),
     "glm4_moe_lite": lambda: transformers.Glm4MoeLiteConfig(  # GLM-4.7-Flash: one group, MLPs declared per layer

@@ -854,6 +854,7 @@ def test_unpadded_prompts_attend_by_sdpas_causal_flag(tiny, family, monkeypatch)
         # 256-token chunks hold the prompt; Kolibri 1.1's indexed layers read theirs
         windows = [ring_window(model.config, kind) for kind in kinds]
         causal = [not masked_prefill and not (window and window < ids.shape[1]) and kind not in MASK_READING_KINDS
+                  and not spec_for_model(model).position_bias  # Inkling's: transformers' SDPA, masks explicit
                   for kind, window in zip(kinds, windows)]
         assert prefill == [(ids.shape[1], flag, flag) for flag in causal]
         assert steps and all(not unmasked and not causal for _, unmasked, causal in steps)
@@ -923,7 +924,8 @@ def test_left_padded_prompts_attend_row_by_row_without_masks(tiny, monkeypatch, 
     spec = spec_for_model(model)  # row by row: full attention, and a sliding layer that keeps its window itself (sinks)
     kinds = [kind for kind in spec.attention_kinds(model.config)  # Llama 4's 256-token chunks hold the prompt
              if kind in KEYED_KINDS and kind not in MASK_READING_KINDS
-             and (kind != "sliding_attention" or spec.attention_sinks)]
+             and (kind != "sliding_attention" or spec.attention_sinks)
+             and not spec.position_bias]  # Inkling's attention stays transformers' SDPA, its masks explicit
     chunks = [9] if prefill_chunk is None else [4, 4, 1]
     assert [t for t, _ in calls] == [t for t in chunks for _ in kinds]
     if "full_attention" in kinds:
@@ -983,7 +985,7 @@ def test_a_second_generation_reuses_the_cache_buffers(tiny, family):
                 assert torch.equal(keys[row, :, :length], new.rows.keys[layer][row, :, :length])
     for layer in cache.recurrent:
         assert torch.equal(cache.recurrent[layer], new.recurrent[layer])
-        assert torch.equal(cache.conv[layer], new.conv[layer])
+        assert torch.equal(cache.conv[layer, 0], new.conv[layer, 0])
 
 
 class ScriptedWidths(WidthChooser):
@@ -1074,3 +1076,22 @@ def test_a_first_decode_step_under_cuda_graphs_makes_its_buffers_outside_the_gra
     for _ in range(2):
         assert torch.equal(fast.generate(ids, max_new_tokens=NEW_TOKENS), expected)
     assert arrivals._COUNTS[ids.device].count_nonzero() == 0
+
+
+def test_inkling_positions_are_each_rows_own(tiny):
+    """Inkling's relative logits and log-scaled queries read positions: transformers takes them from its cache's one
+    length, so a left-padded row's log scaling counts its padding (its logits differ from the row alone's). The
+    decoder's layers read each row's own (`row_positions`): a padded row's logits are the row's alone."""
+    model = tiny("inkling")
+    decoder = dflash_compile.optimize(model, adaptive=False, compile=False).decoder
+    ids = torch.randint(3, 127, (2, 30), generator=torch.Generator().manual_seed(3))
+    ids[1, :6] = 0
+    mask = (torch.arange(30) >= torch.tensor([[0], [6]])).long()
+    with torch.no_grad():
+        alone = model(ids[1:, 6:]).logits[0]
+        assert not torch.allclose(model(ids, attention_mask=mask).logits[1, 6:], alone, atol=1e-3)
+        cache = decoder._new_cache(2, 40, model.dtype, ids.device)
+        cache.reset(torch.tensor([0, 6]))
+        cache.visible = 30
+        logits, _ = decoder._target_forward(ids, cache)
+    torch.testing.assert_close(logits[1, 6:], alone, atol=1e-5, rtol=1e-5)

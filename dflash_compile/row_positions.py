@@ -1,0 +1,71 @@
+"""Attention layers that read token positions themselves, given each row's own from the target cache.
+
+transformers' Inkling attention biases its logits by the distance from query to key (`InklingRelativeLogits`: each
+query mixes a bank of bias-vs-distance profiles) and scales its full layers' queries and biases by the log of the
+query's position. It takes both from the cache's one length (`get_query_offset`, `get_mask_sizes`): every row at the
+same slots, keys in order from slot 0. The target cache keeps rows of their own lengths, left padding in front, and
+a sliding layer's keys in a ring. Here the distances are slot differences of each query and each key the layer
+attends over (`TargetCache.query_and_key_slots`: a ring slot's newest token up to the query), and the log scaling
+reads each row's own positions (padding not counted, as the row alone)."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+
+class RowPositionedInklingAttention(torch.nn.Module):
+    """An Inkling attention layer (`InklingAttention`, whose modules and forward it uses) that reads positions per row
+    from a `TargetCache`; with any other cache, transformers' forward as it is."""
+
+    eager_attention = None  # its modeling module's `eager_attention_forward` (`row_positioned_inkling_attention`)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, conv_mask=None, cache=None,
+                **kwargs):
+        if not hasattr(cache, "pad"):  # transformers' caches have no rows of their own
+            return super().forward(hidden_states, attention_mask, conv_mask, cache, **kwargs)
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        query = self.q_norm(self.q_proj(hidden_states).view(shape)).transpose(1, 2)
+        key = self.k_norm(self.k_sconv(self.k_proj(hidden_states), cache=cache, conv_mask=conv_mask).view(shape))
+        value = self.v_sconv(self.v_proj(hidden_states), cache=cache, conv_mask=conv_mask).view(shape)
+        key, value = cache.update(key.transpose(1, 2), value.transpose(1, 2), self.layer_idx)
+        query_slots, key_slots = cache.query_and_key_slots(hidden_states.shape[1], self.layer_idx in cache.rows.sizes)
+        mixes = self.r_proj(hidden_states).view(*hidden_states.shape[:-1], self.num_heads, -1)
+        bias = self._position_bias(mixes, query_slots - key_slots)
+        if not self.is_sliding and self.config.log_scaling_n_floor is not None:
+            tau = self._log_scaling(cache.positions(hidden_states.shape[1]))
+            query, bias = (query.float() * tau).to(query.dtype), (bias.float() * tau).to(bias.dtype)
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self.eager_attention)
+        out, weights = attend(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling,
+                              sliding_window=self.sliding_window, position_bias=bias, **kwargs)
+        return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), weights
+
+    def _position_bias(self, relative_states: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:
+        """[b, q, heads, d_rel] mixing weights, [b, q, keys] query-to-key distances -> [b, heads, q, keys]: each
+        head's profile at each distance, zero outside [0, extent) (`InklingRelativeLogits`' bias, per row)."""
+        profiles = (relative_states @ self.rel_logits_proj.proj).transpose(1, 2)  # [b, heads, q, extent]
+        extent = self.rel_logits_proj.rel_extent
+        index = distance.clamp(0, extent - 1)[:, None].expand(*profiles.shape[:3], -1)
+        outside = ((distance < 0) | (distance >= extent))[:, None]
+        return profiles.gather(-1, index).masked_fill(outside, 0.0)
+
+    def _log_scaling(self, positions: torch.Tensor) -> torch.Tensor:
+        """[b, q] positions -> [b, 1, q, 1]: 1 + alpha log(max((position + 1) / floor, 1)), in fp32."""
+        scaled = ((positions + 1).float() / self.config.log_scaling_n_floor).clamp(min=1.0)
+        return (1.0 + self.config.log_scaling_alpha * torch.log(scaled))[:, None, :, None]
+
+
+_POSITIONED: dict[type, type] = {}  # a transformers attention class -> its row-positioned subclass
+
+
+def row_positioned_inkling_attention(model: torch.nn.Module, attention: torch.nn.Module) -> None:
+    """Give `attention` (an `InklingAttention`) positions per row: its class becomes a subclass of its own with
+    `RowPositionedInklingAttention`'s forward in front."""
+    own = type(attention)
+    if own not in _POSITIONED:
+        eager = staticmethod(sys.modules[own.__module__].eager_attention_forward)
+        _POSITIONED[own] = type(f"RowPositioned{own.__name__}", (RowPositionedInklingAttention, own),
+                                {"eager_attention": eager})
+    attention.__class__ = _POSITIONED[own]
