@@ -1331,7 +1331,7 @@ FAMILIES: dict[str, FamilySpec] = {
             # (returned after the indices); short convolutions on keys, values and both sublayers' outputs (four
             # conv windows a layer); relative logits by query-to-key distance and, in full layers, log-scaled
             # queries: positions per row (`row_positions`); sliding layers of their own heads
-            "inkling", ("inkling_text",), "InklingExperts", _SWIGLU,
+            "inkling", ("inkling_text", "inkling_mm_model"), "InklingExperts", _SWIGLU,
             RouterSpec(scoring="sigmoid", correction_bias="e_score_correction_bias", after_indices=1),
             _declared_sparse_layers, _hybrid_layer_kinds, model_masks={"conv": "linear_attention"},
             cached_per_token=_inkling_keys_and_values, adapt=(_POSITION_INKLING_ATTENTION,), position_bias=True,

@@ -379,6 +379,14 @@ MULTIMODAL = {
         lambda hidden_size: dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                                  out_hidden_size=hidden_size, patch_size=8, max_image_size=64),
         lambda hidden_size: dict(image_token_id=121, video_token_id=122)),
+    # Inkling's release: its tiny decoder beside a one-block vision tower and a mel-token audio embedding
+    "inkling": (transformers.InklingConfig, lambda: tiny_config("inkling"),
+                lambda hidden_size: dict(text_hidden_size=hidden_size, patch_size=4, hidden_size=32,
+                                         num_hidden_layers=4, num_attention_heads=2),  # a layer a scale: no scipy
+                lambda hidden_size: dict(audio_config=dict(text_hidden_size=hidden_size, n_mel_bins=8,
+                                                           mel_vocab_size=16),
+                                         image_token_id=121, audio_token_id=122, image_bos_token_id=123,
+                                         audio_bos_token_id=124)),
     # MiniMax-M3's release: its tiny decoder beside a one-block vision tower
     "minimax_m3_vl": (transformers.MiniMaxM3VLConfig, lambda: tiny_config("minimax_m3_vl"),
                       lambda hidden_size: dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1,

@@ -27,18 +27,21 @@ def prompts(batch: int, seed: int = 3):
     return ids * mask, mask
 
 
-# transformers' MiniMax decodes a left-padded batch wrong: its cache's length is its first layer's, a lightning
-# layer's (0), so its full-attention layers' decode masks cover one key and leave the padding's keys visible. Its
-# padded rows' reference is each row generated alone, unpadded, as a correct decode gives them
-# (`test_minimax_left_padded_rows_decode_as_each_row_alone` keeps watch on transformers' bug).
-PADDED_DECODE_WRONG = ("minimax", "minimax_m3_vl")
+# transformers decodes a left-padded batch of these wrong: MiniMax's cache length is its first layer's, a lightning
+# layer's (0), so its full-attention layers' decode masks cover one key and leave the padding's keys visible;
+# MiniMax-M3's indexer counts key blocks from slot 0, padding included; Inkling's log scaling counts a row's padding
+# in its positions. Their padded rows' reference is each row generated alone, unpadded, as a correct decode gives
+# them (`test_left_padded_rows_decode_as_each_row_alone` and `test_inkling_positions_are_each_rows_own` keep watch).
+PADDED_DECODE_WRONG = ("minimax", "minimax_m3_vl", "inkling")
 
 
 def reference(model, ids, mask, new_tokens=NEW_TOKENS, **kwargs):
-    """`model.generate`'s greedy tokens, or for a family in PADDED_DECODE_WRONG each row's alone."""
+    """`model.generate`'s greedy tokens, or for a family in PADDED_DECODE_WRONG each row's alone (a row done at its
+    EOS padded after it, as a batch pads it)."""
     if getattr(spec_for_model(model), "name", None) in PADDED_DECODE_WRONG and not mask.all():
-        return torch.cat([_generated_alone(model, row, real.bool(), new_tokens, **kwargs)
-                          for row, real in zip(ids, mask)])
+        rows = [_generated_alone(model, row, real.bool(), new_tokens, **kwargs) for row, real in zip(ids, mask)]
+        width, pad = max(row.shape[1] for row in rows), model.generation_config.pad_token_id
+        return torch.cat([torch.nn.functional.pad(row, (0, width - row.shape[1]), value=pad) for row in rows])
     with torch.no_grad():
         return model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens, **kwargs)
 
@@ -123,7 +126,7 @@ def test_dsa_layers_attend_over_the_keys_their_indexer_picks(tiny, family):
         assert cache.keys[3].shape == (3, 1, 8 - 1 + 4, 24) and cache.keys[0].shape == (3, 1, cache.max_len, 16)
 
 
-@pytest.mark.parametrize("family", PADDED_DECODE_WRONG)
+@pytest.mark.parametrize("family", ["minimax", "minimax_m3_vl"])  # Inkling's: its logits (its tokens here agree)
 def test_left_padded_rows_decode_as_each_row_alone(tiny, family):
     """transformers' MiniMax and MiniMax-M3 decode a left-padded batch wrong (PADDED_DECODE_WRONG): a padded row's
     tokens are not the ones that row gets alone (MiniMax: its cache length is a lightning layer's, 0, so the decode
@@ -406,7 +409,7 @@ def _image_text_release(family: str, directory):
 
 @pytest.mark.parametrize("family", ["qwen3_vl_moe", "glm4v_moe", "gemma4", "mistral3", "aria", "ernie4_5_vl_moe",
                                     "step3p7", LLAMA4_RELEASE, "mistral_large4", "deepseek_ocr2",
-                                    "qwen3_omni_moe", "hy_v4_vl", "muse_spark", "minimax_m3_vl"])
+                                    "qwen3_omni_moe", "hy_v4_vl", "muse_spark", "minimax_m3_vl", "inkling"])
 def test_an_image_text_to_text_release_generates_like_generate(tmp_path, family, aot_eager_steps):
     """Qwen3-VL-MoE and GLM-4.5V, which transformers builds only as image-text-to-text models (the decoder under
     `model.language_model`, its rotary positions in three sections, a vision tower beside it), and Gemma 4 as
@@ -416,8 +419,8 @@ def test_an_image_text_to_text_release_generates_like_generate(tmp_path, family,
     encoder around a DeepSeek-V2 MoE decoder under plain attention), Qwen3-Omni's thinker (audio and vision towers
     around Qwen3-VL-MoE's kind of decoder), HY V4's (its decoder under rotary positions in three sections, an fp32
     lm_head), Muse Spark (audio and vision towers; experts norming each route, moved into the block) and
-    MiniMax-M3 (its sparse layers' blocks counted from each row's first key, the rows as each alone): text prompts
-    keep
+    MiniMax-M3 (its sparse layers' blocks counted from each row's first key, the rows as each alone) and Inkling
+    (image and audio towers; positions per row): text prompts keep
     `generate`'s tokens through partly accepted blocks, eager and compiled (lowered by AOT eager: Inductor compiles
     each decoder's kind of attention and router in the text families' tests), with their experts offloaded, and
     loaded by `dflash_compile.from_pretrained`."""
