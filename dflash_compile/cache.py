@@ -35,7 +35,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .attention import row_starts
-from .families import MASK_READING_KINDS, RECURRENT_KINDS
+from .families import MASK_READING_KINDS, RECURRENT_KINDS, REFERENCE_KINDS, RING_KINDS
 from .sampling import SequenceBiases
 
 
@@ -116,6 +116,9 @@ class TargetCache(Cache):
         self.ring_size = ring_size
         self.rows = RowCache(batch, max_len, dtype, device, {layer: ring_size for layer in ring_layers})
         self.pad = _static(torch.zeros(batch, dtype=torch.int64, device=device))
+        # the slot after the prompt's last (every row's: prompts are left-padded to one width); a reference sliding
+        # layer sees every key before it (`masks`)
+        self.prompt_end = _static(torch.full((1,), max_len, dtype=torch.int64, device=device))
         # committed linear-attention states: conv windows per (layer, state index: Inkling's layers keep four)
         self.conv: dict[tuple[int, int], torch.Tensor] = {}
         self.recurrent: dict[int, torch.Tensor] = {}
@@ -178,12 +181,14 @@ class TargetCache(Cache):
         """Which tokens each row has held (`sampling.seen_tokens`; the last column counts nothing)."""
         return self._kept("tokens_seen", (self.rows.batch, vocabulary + 1), torch.bool)
 
-    def reset(self, pad: torch.Tensor) -> None:
+    def reset(self, pad: torch.Tensor, prompt: int | None = None) -> None:
         """Ready for a new generation on the same buffers (a compiled step captured in CUDA graphs then replays on
-        them instead of being recorded again): nothing committed, `pad` the rows' left padding. Keys and values past
-        the lengths are dead already; linear-attention states are set aside, zeroed and reused at the next commit."""
+        them instead of being recorded again): nothing committed, `pad` the rows' left padding, `prompt` the prompt's
+        width (None: every slot counts as the prompt's). Keys and values past the lengths are dead already;
+        linear-attention states are set aside, zeroed and reused at the next commit."""
         self.rows.lengths.zero_()
         self.pad.copy_(pad)
+        self.prompt_end.fill_(self.rows.max_len if prompt is None else prompt)
         self.spare.update({("conv", key): state for key, state in self.conv.items()})
         self.spare.update({("recurrent", layer): state for layer, state in self.recurrent.items()})
         self.conv, self.recurrent, self.pending_conv, self.pending_recurrent = {}, {}, {}, {}
@@ -361,7 +366,9 @@ class TargetCache(Cache):
         pad = self.pad[:, None, None]
         masks = {}
         for kind, window in windows.items():
-            ring_keys = bool(window and self.ring_size)  # the keys a sliding layer sees come from its ring
+            ring_keys = bool(window and self.ring_size) and kind in RING_KINDS  # a sliding layer's keys: its ring
+            if kind in REFERENCE_KINDS and self.visible is not None:  # a prefill: prompt keys, every one seen
+                window = None
             query, key = self.query_and_key_slots(width, ring_keys)
             first_key = self._first_ring_key(width) if ring_keys and self.visible is not None else 0
             if kind not in MASK_READING_KINDS and (
@@ -378,6 +385,8 @@ class TargetCache(Cache):
             ok = (key <= query) & (key >= pad)
             if kind == "chunked_attention" and window:  # its own chunk of the row's tokens, as transformers' masks
                 ok &= (query - pad) // window == (key - pad) // window
+            elif window and kind in REFERENCE_KINDS:  # the window past the prompt
+                ok &= (query - key < window) | (key < self.prompt_end)
             elif window:
                 ok &= query - key < window
             masks[kind] = additive_mask(ok, self.rows.dtype)

@@ -180,6 +180,9 @@ REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
         vision_start_token_id=151652),
     "deepseek-v3.2": transformers.DeepseekV32Config,  # DeepSeek-V3's shape (671B, 37B active), DSA: 2048 keys a query
     "glm-5": transformers.GlmMoeDsaConfig,  # 78 layers (3 dense), MLA with DSA, 256 experts of 2048, top-8: 744B
+    # Unlimited OCR (the config class's defaults): 12 layers (the first dense), 64 experts of 896, top-6, 2 shared,
+    # hidden 1280, a 128-token window past the prompt (~3B)
+    "unlimited-ocr": lambda: transformers.UnlimitedOcrConfig(),
     # Inkling's text model (the config class's defaults): 66 layers (5 in 6 sliding), 256 experts of 3072, top-6, 2
     # shared experts, hidden 6144 (~0.96T)
     "inkling": lambda: transformers.InklingTextConfig(),

@@ -24,8 +24,8 @@ from .row_positions import row_positioned_inkling_attention
 
 GateUpLayout = Literal["concatenated", "interleaved", "ungated"]
 Activation = Literal["act_fn", "clamped_swiglu", "clamped_act_fn", "clamped_gate_silu"]
-AttentionKind = Literal["full_attention", "indexed_attention", "sliding_attention", "chunked_attention",
-                        "linear_attention", "conv", "mlp"]
+AttentionKind = Literal["full_attention", "indexed_attention", "reference_sliding_attention", "sliding_attention",
+                        "chunked_attention", "linear_attention", "conv", "mlp"]
 # kinds whose layers keep a conv window (and a linear-attention layer a recurrent state), not keys and values: their
 # padding masks are 2-D, their states committed by `TargetCache.commit_linear`; LFM2's short-convolution layers ("conv")
 # need no recurrent rule, a block's convolution over the kept window being exact
@@ -35,9 +35,13 @@ STATELESS_KINDS = ("mlp",)
 # kinds whose layers see at most their window's last keys (`ring_window`), which `TargetCache` keeps in a ring:
 # sliding-window layers, and Llama 4's chunked ones, whose queries see the keys of their own chunk
 RING_KINDS = ("sliding_attention", "chunked_attention")
-# kinds whose layers attend over every cached key: full attention, and DSA's ("indexed_attention": DeepSeek-V3.2's,
-# over the keys its indexer picks from all of them)
-FULL_KINDS = ("full_attention", "indexed_attention")
+# kinds whose layers attend over every cached key: full attention, DSA's ("indexed_attention": DeepSeek-V3.2's,
+# over the keys its indexer picks from all of them), and reference sliding attention (every prompt key, a window of
+# the tokens generated after them: `REFERENCE_KINDS`)
+FULL_KINDS = ("full_attention", "indexed_attention", "reference_sliding_attention")
+# kinds whose layers see every key of the prompt and a window (`ring_window`) of the generated ones (Unlimited OCR's):
+# their keys kept whole, the window masked past the prompt (`TargetCache.masks`)
+REFERENCE_KINDS = ("reference_sliding_attention",)
 # kinds whose layers read their mask themselves (a DSA indexer scores the keys under it): always given one
 MASK_READING_KINDS = ("indexed_attention",)
 # kinds whose layers attend over cached keys and values: every kind but the recurrent and the stateless ones
@@ -110,8 +114,10 @@ def first_projection(experts: torch.nn.Module) -> str:
 
 def ring_window(config, kind: AttentionKind) -> int | None:
     """How many of the latest keys a layer of `kind` sees at most: a sliding layer's window, a chunked layer's
-    chunk (`attention_chunk_size`); None for every other kind, or where the config sets none."""
-    setting = {"sliding_attention": "sliding_window", "chunked_attention": "attention_chunk_size"}.get(kind)
+    chunk (`attention_chunk_size`), a reference sliding layer's window past the prompt; None for every other kind,
+    or where the config sets none."""
+    setting = {"sliding_attention": "sliding_window", "chunked_attention": "attention_chunk_size",
+               "reference_sliding_attention": "sliding_window"}.get(kind)
     return getattr(config, setting, None) if setting else None
 
 
@@ -1085,6 +1091,11 @@ FAMILIES: dict[str, FamilySpec] = {
             # router (greedy, or inside groups) and shared experts under plain multi-head attention; MLPs declared
             "deepseek_ocr2", ("deepseek_ocr2", "deepseek_ocr2_text"), "DeepseekOcr2TextExperts", _SWIGLU,
             _DEEPSEEK_V2_ROUTER, _declared_sparse_layers, _full_attention,
+        ),
+        FamilySpec(  # Unlimited OCR (image-text-to-text; its text model unlimited_ocr_text): DeepSeek-OCR 2's decoder
+            # with reference sliding attention (every prompt key, a window of the generated tokens); MLPs declared
+            "unlimited_ocr", ("unlimited_ocr", "unlimited_ocr_text"), "UnlimitedOcrTextExperts", _SWIGLU,
+            _DEEPSEEK_V2_ROUTER, _declared_sparse_layers, _declared_layer_types,
         ),
         FamilySpec(  # GLM-4.7-Flash: DeepSeek-V3's latent attention and router, its MLPs named layer by layer
             "glm4_moe_lite", ("glm4_moe_lite",), "Glm4MoeLiteExperts", _SWIGLU, _DEEPSEEK_ROUTER,

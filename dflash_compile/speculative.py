@@ -26,7 +26,7 @@ from .attention import SEEN_SLOTS, grouped_attention, unmasked_chunks, unmasked_
 from .backend import dflash_backend_with
 from .cache import RowCache, TargetCache
 from .drafter import DFlashDrafter, context_features
-from .families import KEYED_KINDS, RECURRENT_KINDS, STATELESS_KINDS, ring_window, spec_for_model
+from .families import KEYED_KINDS, RECURRENT_KINDS, RING_KINDS, STATELESS_KINDS, ring_window, spec_for_model
 from .linear_attention import stepwise_linear_attention
 from .prefill_memory import PrefillActivations
 from .sampling import (DECAY, FORCE, HOLD, LengthProcessors, Sampler, SequenceBiases, begin_suppressed,
@@ -239,7 +239,7 @@ class SpeculativeDecoder:
         self.prefill_activations: PrefillActivations | None = None  # made by the first prefill planned on CUDA
         # one mask per kind of layer that attends or keeps a state (`TargetCache.masks`)
         self.windows = {kind: ring_window(config, kind) for kind in dict.fromkeys(kinds) if kind not in STATELESS_KINDS}
-        self.ring_layers = [i for i, kind in enumerate(kinds) if self.windows.get(kind)]
+        self.ring_layers = [i for i, kind in enumerate(kinds) if kind in RING_KINDS and self.windows.get(kind)]
         self.per_kind_masks = getattr(config, "layer_types", None) is not None  # the model takes {kind: mask}
         self.mask_names = spec.model_masks or {}  # the model's names for our masks (`FamilySpec.model_masks`)
         # masks the model takes beside its layers' kinds' (ZAYA1's convolution's padding mask)
@@ -319,7 +319,8 @@ class SpeculativeDecoder:
     def _ring(self, max_len: int) -> int:
         """Slots of a ring layer's ring (sliding, chunked): window - 1 + (the most tokens one step writes); 0, none,
         when that is no shorter than the whole sequence (it would save nothing)."""
-        ring = max(window or 0 for window in self.windows.values()) - 1 + self.block_size if self.ring_layers else 0
+        windows = [window or 0 for kind, window in self.windows.items() if kind in RING_KINDS]
+        ring = max(windows) - 1 + self.block_size if self.ring_layers else 0
         return ring if 0 < ring < max_len else 0
 
     def _new_cache(self, batch: int, max_len: int, dtype, device) -> TargetCache:
@@ -331,7 +332,7 @@ class SpeculativeDecoder:
         `new_cache`): every slot of a full-attention layer, a ring layer's ring. Linear-attention states are a
         few MiB at most and left out."""
         ring = self._ring(max_len)
-        target = sum((ring or max_len if self.windows[kind] else max_len) * per_token
+        target = sum((ring or max_len if kind in RING_KINDS and self.windows[kind] else max_len) * per_token
                      for kind, per_token in zip(self.attention_kinds, self.cached_per_token) if kind in KEYED_KINDS)
         drafter = getattr(self.drafter, "cache_elements_per_slot", 0)  # an oracle drafter caches nothing
         elements = target + max_len * drafter
@@ -390,7 +391,7 @@ class SpeculativeDecoder:
                 f"free beside the caches: shorten the prompt or run fewer rows at once{self._smaller_budget()}")
         return chunk
 
-    def _cache(self, batch: int, max_len: int, dtype, device, pad: torch.Tensor) -> TargetCache:
+    def _cache(self, batch: int, max_len: int, dtype, device, pad: torch.Tensor, prompt: int) -> TargetCache:
         """The generation's target cache: the previous generation's, reset in place, when its shape is the same
         (its buffers keep their addresses, so CUDA graphs of the step replay rather than record again); else a
         new one, which the decoder then keeps until a generation needs another shape."""
@@ -398,7 +399,7 @@ class SpeculativeDecoder:
         if cache is None or cache.shape != (batch, max_len, dtype, device):
             cache = self.target_cache = self._new_cache(batch, max_len, dtype, device)
             self._clear_graphs(self.verify_step)  # their graphs write the old cache's buffers
-        cache.reset(pad)
+        cache.reset(pad, prompt)
         return cache
 
     def _drafter_cache(self, batch: int, max_len: int, dtype, device) -> RowCache:
@@ -657,7 +658,7 @@ class SpeculativeDecoder:
         if streamer is not None:
             streamer.put(input_ids.cpu())
         start = time.perf_counter()
-        cache = self._cache(batch, max_len, dtype, device, pad)
+        cache = self._cache(batch, max_len, dtype, device, pad, prompt)
         logits, features = self._prefill(input_ids, cache, padded=bool(pad.any()), chunk=chunk)
         if self.repetition_penalty:
             seen_tokens(input_ids, pad, logits.shape[-1], cache.seen_buffer(logits.shape[-1]))

@@ -406,6 +406,13 @@ MULTIMODAL = {
     "deepseek_ocr2": (transformers.DeepseekOcr2Config, lambda: transformers.DeepseekOcr2TextConfig(
         num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"], topk_method="group_limited_greedy",
         **_DECLARED_DEEPSEEK_ROUTING, **_ROUTED, **_COMMON), _sam_and_encoder),
+    # Unlimited OCR: DeepSeek-OCR 2's kind of decoder whose layers see the prompt whole and the last 4 generated tokens
+    "unlimited_ocr": (transformers.UnlimitedOcrConfig, lambda: transformers.UnlimitedOcrTextConfig(
+        num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"], topk_method="group_limited_greedy",
+        sliding_window=4, bos_token_id=1, eos_token_id=2, pad_token_id=0, **_DECLARED_DEEPSEEK_ROUTING, **_ROUTED,
+        **_COMMON), lambda hidden_size: _sam_and_encoder(hidden_size) | dict(encoder_config=dict(
+            hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+            patch_size=16)), lambda hidden_size: dict(image_token_id=121)),
     "aria": (transformers.AriaConfig, lambda: tiny_config("aria"), lambda hidden_size: dict(  # Idefics3's
         hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=64, patch_size=8)),
     "ernie4_5_vl_moe": (transformers.Ernie4_5_VLMoeConfig, lambda: transformers.Ernie4_5_VLMoeTextConfig(  # a dense

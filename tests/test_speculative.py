@@ -30,9 +30,11 @@ def prompts(batch: int, seed: int = 3):
 # transformers decodes a left-padded batch of these wrong: MiniMax's cache length is its first layer's, a lightning
 # layer's (0), so its full-attention layers' decode masks cover one key and leave the padding's keys visible;
 # MiniMax-M3's indexer counts key blocks from slot 0, padding included; Inkling's log scaling counts a row's padding
-# in its positions. Their padded rows' reference is each row generated alone, unpadded, as a correct decode gives
-# them (`test_left_padded_rows_decode_as_each_row_alone` and `test_inkling_positions_are_each_rows_own` keep watch).
-PADDED_DECODE_WRONG = ("minimax", "minimax_m3_vl", "inkling")
+# in its positions; Unlimited OCR's padded rows part from their tokens alone once the generated tokens pass its
+# window (its cache evicts them). Their padded rows' reference is each row generated alone, unpadded, as a correct
+# decode gives them (`test_left_padded_rows_decode_as_each_row_alone`, `test_inkling_positions_are_each_rows_own` and
+# the release test's `test_unlimited_ocr_left_padded_rows_decode_as_each_row_alone` keep watch).
+PADDED_DECODE_WRONG = ("minimax", "minimax_m3_vl", "inkling", "unlimited_ocr")
 
 
 def reference(model, ids, mask, new_tokens=NEW_TOKENS, **kwargs):
@@ -409,7 +411,8 @@ def _image_text_release(family: str, directory):
 
 @pytest.mark.parametrize("family", ["qwen3_vl_moe", "glm4v_moe", "gemma4", "mistral3", "aria", "ernie4_5_vl_moe",
                                     "step3p7", LLAMA4_RELEASE, "mistral_large4", "deepseek_ocr2",
-                                    "qwen3_omni_moe", "hy_v4_vl", "muse_spark", "minimax_m3_vl", "inkling"])
+                                    "qwen3_omni_moe", "hy_v4_vl", "muse_spark", "minimax_m3_vl", "inkling",
+                                    "unlimited_ocr"])
 def test_an_image_text_to_text_release_generates_like_generate(tmp_path, family, aot_eager_steps):
     """Qwen3-VL-MoE and GLM-4.5V, which transformers builds only as image-text-to-text models (the decoder under
     `model.language_model`, its rotary positions in three sections, a vision tower beside it), and Gemma 4 as
@@ -419,8 +422,9 @@ def test_an_image_text_to_text_release_generates_like_generate(tmp_path, family,
     encoder around a DeepSeek-V2 MoE decoder under plain attention), Qwen3-Omni's thinker (audio and vision towers
     around Qwen3-VL-MoE's kind of decoder), HY V4's (its decoder under rotary positions in three sections, an fp32
     lm_head), Muse Spark (audio and vision towers; experts norming each route, moved into the block) and
-    MiniMax-M3 (its sparse layers' blocks counted from each row's first key, the rows as each alone) and Inkling
-    (image and audio towers; positions per row): text prompts keep
+    MiniMax-M3 (its sparse layers' blocks counted from each row's first key, the rows as each alone), Inkling
+    (image and audio towers; positions per row) and Unlimited OCR (DeepSeek-OCR 2's kind of model whose layers see
+    the prompt whole and a window of the generated tokens): text prompts keep
     `generate`'s tokens through partly accepted blocks, eager and compiled (lowered by AOT eager: Inductor compiles
     each decoder's kind of attention and router in the text families' tests), with their experts offloaded, and
     loaded by `dflash_compile.from_pretrained`."""
@@ -438,6 +442,20 @@ def test_an_image_text_to_text_release_generates_like_generate(tmp_path, family,
     assert torch.equal(reference(offloaded, ids, mask), expected) and offloaded.dflash_offload.stats.misses > 8
     loaded = dflash_compile.from_pretrained(tmp_path, dtype=torch.float32, device="cpu", compile=False)
     assert torch.equal(loaded.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
+
+
+def test_unlimited_ocr_left_padded_rows_decode_as_each_row_alone(tmp_path):
+    """Unlimited OCR's layers see every prompt key and the last `sliding_window` generated ones: a padded batch
+    through transformers parts from each row alone once the generated tokens pass the window (PADDED_DECODE_WRONG);
+    optimized, each row gets its own, the window masked past the prompt (`TargetCache.prompt_end`)."""
+    model = _image_text_release("unlimited_ocr", tmp_path)
+    ids, mask = prompts(3)
+    expected = reference(model, ids, mask)
+    with torch.no_grad():
+        padded = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW_TOKENS)
+    assert not torch.equal(padded, expected)  # once transformers decodes it right, drop PADDED_DECODE_WRONG
+    fast = dflash_compile.optimize(model, adaptive=False, compile=False)
+    assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
 
 
 @pytest.mark.parametrize("family, compile", [("gpt_oss", True), ("qwen3_moe", False)])
