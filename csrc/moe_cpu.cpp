@@ -332,9 +332,11 @@ void check_moe_inputs(Format format, c10::string_view activation, const at::Tens
                       const std::optional<at::Tensor>& gate_up_scales, const at::Tensor& down_data,
                       const std::optional<at::Tensor>& down_scales) {
   TORCH_CHECK(activation == "silu" || activation == "clamped_swiglu" || activation == "gelu_tanh" ||
-                  activation == "clamped_silu" || activation == "clamped_gate_silu" || activation == "relu2",
+                  activation == "clamped_silu" || activation == "clamped_gate_silu" || activation == "relu2" ||
+                  activation == "softcapped_swiglu",
               "activation '", activation,
-              "' has no CPU kernel: expected silu, gelu_tanh, clamped_swiglu, clamped_silu, clamped_gate_silu or relu2");
+              "' has no CPU kernel: expected silu, gelu_tanh, clamped_swiglu, clamped_silu, clamped_gate_silu, relu2 or ",
+              "softcapped_swiglu");
   TORCH_CHECK(hidden.dim() == 2 && top_k_index.dim() == 2 && top_k_index.sizes() == top_k_weights.sizes(),
               "hidden must be [T, H] and top_k_index / top_k_weights [T, k]");
   const int64_t experts = gate_up_data.size(0);
@@ -355,7 +357,7 @@ at::Tensor packed_moe_cpu(const at::Tensor& hidden, const at::Tensor& top_k_inde
                    down_scales);
   const bool clamped_swiglu = activation == "clamped_swiglu", gelu_tanh = activation == "gelu_tanh",
              clamped_silu = activation == "clamped_silu", clamped_gate_silu = activation == "clamped_gate_silu",
-             relu2 = activation == "relu2";
+             relu2 = activation == "relu2", softcapped_swiglu = activation == "softcapped_swiglu";
   const float bound = static_cast<float>(limit);
   const int64_t tokens = hidden.size(0), hidden_size = hidden.size(1), top_k = top_k_index.size(1);
   // relu2: experts without a gate, the first projection up alone (Nemotron-H)
@@ -407,6 +409,9 @@ at::Tensor packed_moe_cpu(const at::Tensor& hidden, const at::Tensor& top_k_inde
         } else if (clamped_gate_silu) {  // HY V4: SiLU(gate <= limit), times up clamped to [-limit, limit]
           gate = std::min(gate, bound);
           value = gate / (1.f + std::exp(-gate)) * std::max(std::min(up, bound), -bound);
+        } else if (softcapped_swiglu) {  // Inkling 2: softcap(gate, alpha) sigmoid(gate) softcap(up, limit)
+          const float gate_cap = static_cast<float>(alpha);
+          value = std::tanh(gate / gate_cap) * gate_cap / (1.f + std::exp(-gate)) * std::tanh(up / bound) * bound;
         } else {  // SiLU(gate) * up
           value = gate / (1.f + std::exp(-gate)) * up;
         }

@@ -183,6 +183,8 @@ REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
     # Unlimited OCR (the config class's defaults): 12 layers (the first dense), 64 experts of 896, top-6, 2 shared,
     # hidden 1280, a 128-token window past the prompt (~3B)
     "unlimited-ocr": lambda: transformers.UnlimitedOcrConfig(),
+    # Inkling 2's text model (the config class's defaults): 48 layers, 384 experts of 2304, top-8, hidden 4608 (~0.6T)
+    "inkling2": lambda: transformers.Inkling2TextConfig(),
     # Inkling's text model (the config class's defaults): 66 layers (5 in 6 sliding), 256 experts of 3072, top-6, 2
     # shared experts, hidden 6144 (~0.96T)
     "inkling": lambda: transformers.InklingTextConfig(),

@@ -78,12 +78,14 @@ class Gate:
     """The gated activation of a family's experts: gate/up split (interleaved or concatenated) and the activation,
     SiLU(gate) * up, GELU(gate) * up with GELU's tanh approximation (Gemma 4), gpt-oss's clamped SwiGLU with
     `alpha` / `limit`, Step 3.7's SiLU(gate) <= `limit` times up clamped to [-`limit`, `limit`], or HY V4's SiLU of the
-    gate clamped from above at `limit` times up clamped as Step 3.7's; or of experts
+    gate clamped from above at `limit` times up clamped as Step 3.7's, or Inkling 2's softcap(gate, `alpha`) times
+    sigmoid(gate) times softcap(up, `limit`) (softcap(x, c) = tanh(x / c) c); or of experts
     without a gate, relu(up)^2 (Nemotron-H, "relu2": the projection is up alone). The fused kernels take the same
     fields."""
 
     interleaved: bool
-    activation: str  # "silu" | "gelu_tanh" | "clamped_swiglu" | "clamped_silu" | "clamped_gate_silu" | "relu2"
+    activation: str  # "silu" | "gelu_tanh" | "clamped_swiglu" | "clamped_silu" | "clamped_gate_silu" | "relu2" |
+    # "softcapped_swiglu"
     alpha: float = 1.702
     limit: float = 7.0
 
@@ -95,6 +97,9 @@ class Gate:
             return cls(interleaved, "clamped_swiglu", float(alpha), float(module.limit))
         if layout.activation == "clamped_gate_silu":  # SiLU written into the module's forward: no act_fn
             return cls(interleaved, "clamped_gate_silu", limit=float(module.swiglu_limit))
+        if layout.activation == "softcapped_swiglu":  # Inkling 2's: the gate's softcap in `alpha`, up's in `limit`
+            return cls(interleaved, "softcapped_swiglu", float(module.act_fn.gate_softcap.softcap),
+                       float(module.act_fn.up_softcap.softcap))
         act = module.act_fn if not isinstance(module.act_fn, torch.nn.Module) else type(module.act_fn)
         if layout.gate_up == "ungated":
             if act not in UNGATED_ACTIVATIONS:
@@ -128,7 +133,14 @@ class Gate:
             return F.silu(gate).clamp(max=self.limit) * up.clamp(min=-self.limit, max=self.limit)
         if self.activation == "clamped_gate_silu":
             return F.silu(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
+        if self.activation == "softcapped_swiglu":
+            return _softcap(gate, self.alpha) * torch.sigmoid(gate) * _softcap(up, self.limit)
         return F.silu(gate) * up
+
+
+def _softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """tanh(x / cap) * cap: x bounded smoothly to (-cap, cap)."""
+    return torch.tanh(x / cap) * cap
 
 
 FUSED_DTYPES = (torch.bfloat16, torch.float32)  # what the fused kernels compute in (fp16 would round to bf16)

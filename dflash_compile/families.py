@@ -20,10 +20,10 @@ from transformers.integrations.moe import (_can_use_grouped_mm, _grouped_linear,
                                            use_experts_implementation)
 
 from .key_selection import captured_kolibri_indexer, row_aligned_minimax_m3_indexer
-from .row_positions import row_positioned_inkling_attention
+from .row_positions import distances_per_row, row_positioned_inkling_attention, row_relative_distances
 
 GateUpLayout = Literal["concatenated", "interleaved", "ungated"]
-Activation = Literal["act_fn", "clamped_swiglu", "clamped_act_fn", "clamped_gate_silu"]
+Activation = Literal["act_fn", "clamped_swiglu", "clamped_act_fn", "clamped_gate_silu", "softcapped_swiglu"]
 AttentionKind = Literal["full_attention", "indexed_attention", "reference_sliding_attention", "sliding_attention",
                         "chunked_attention", "linear_attention", "conv", "mlp"]
 # kinds whose layers keep a conv window (and a linear-attention layer a recurrent state), not keys and values: their
@@ -60,7 +60,8 @@ class ExpertLayout:
     # "clamped_swiglu": gate <= limit, |up| <= limit, (up + 1) * gate * sigmoid(alpha * gate), from `alpha`/`limit`;
     # "clamped_act_fn": act(gate) <= limit times up clamped to [-limit, limit], the module's `limit` (None or inf:
     # act(gate) * up; Step 3.7 and, from transformers 5.25, Ling 3 clamp a few layers);
-    # "clamped_gate_silu": SiLU(gate <= limit) times up clamped to [-limit, limit], the module's `swiglu_limit` (HY V4)
+    # "clamped_gate_silu": SiLU(gate <= limit) times up clamped to [-limit, limit], the module's `swiglu_limit` (HY V4);
+    # "softcapped_swiglu": softcap(gate) sigmoid(gate) softcap(up), its act_fn's two softcaps (Inkling 2)
 
 
 @dataclass(frozen=True)
@@ -862,6 +863,9 @@ _ALIGN_MINIMAX_M3_BLOCKS = Adapter(lambda module: type(module).__name__ == "Mini
 _POSITION_INKLING_ATTENTION = Adapter(lambda module: type(module).__name__ == "InklingAttention",
                                       row_positioned_inkling_attention,
                                       "Inkling's attention reads positions from the cache's one length")
+_ROW_INKLING2_DISTANCES = Adapter(lambda module: type(module).__name__ == "Inkling2TextModel"
+                                  and not distances_per_row(module), row_relative_distances,
+                                  "Inkling 2's model reads its layers' distances from the cache's one length")
 _CAPTURE_KOLIBRI_INDEXERS = Adapter(lambda module: type(module).__name__ == "Kolibri1_1Indexer",
                                     captured_kolibri_indexer,
                                     "Kolibri 1.1's indexers loop over host lists of query groups")
@@ -1346,6 +1350,16 @@ FAMILIES: dict[str, FamilySpec] = {
             RouterSpec(scoring="sigmoid", correction_bias="e_score_correction_bias", after_indices=1),
             _declared_sparse_layers, _hybrid_layer_kinds, model_masks={"conv": "linear_attention"},
             cached_per_token=_inkling_keys_and_values, adapt=(_POSITION_INKLING_ATTENTION,), position_bias=True,
+        ),
+        FamilySpec(  # Inkling 2 (its text model; a vision tower beside it): Kolibri's kind of router, scaled; experts
+            # with softcapped SwiGLU; Inkling's relative logits (distances per row: `row_positions`), log-scaled
+            # queries in full layers (by the rows' own positions), convolutions (dynamic ones on full layers' keys and
+            # values), attention sinks per token; block attention residuals across layers (within a forward)
+            "inkling2", ("inkling2_text", "inkling2"), "Inkling2Experts",
+            ExpertLayout(gate_up="concatenated", transposed=False, bias=False, activation="softcapped_swiglu"),
+            RouterSpec(scoring="sigmoid", correction_bias="e_score_correction_bias"), _all_layers,
+            _hybrid_layer_kinds, model_masks={"conv": "linear_attention"}, cached_per_token=_inkling_keys_and_values,
+            adapt=(_ROW_INKLING2_DISTANCES,), position_bias=True, attention_sinks=True,
         ),
         FamilySpec(  # Granite 4.0-H (GraniteMoeHybrid): Mamba2 layers between full-attention ones (without rotary
             # positions as released), Granite-MoE's router and multipliers, a shared MLP beside the experts everywhere

@@ -69,3 +69,26 @@ def row_positioned_inkling_attention(model: torch.nn.Module, attention: torch.nn
         _POSITIONED[own] = type(f"RowPositioned{own.__name__}", (RowPositionedInklingAttention, own),
                                 {"eager_attention": eager})
     attention.__class__ = _POSITIONED[own]
+
+
+def row_relative_distances(model: torch.nn.Module, text_model: torch.nn.Module) -> None:
+    """Inkling 2's model computes its layers' query-to-key distances once a forward (`get_relative_distance`, from
+    the cache's one length: [q, k]): its modeling module's function then gives them per row from a `TargetCache`
+    ([b, 1, q, k], as `RowPositionedInklingAttention` computes them; its layers' bias broadcasts over rows), and
+    transformers' own from any other cache."""
+    modeling = sys.modules[type(text_model).__module__]
+    original = modeling.get_relative_distance
+
+    def relative_distance(inputs_embeds: torch.Tensor, cache, is_sliding: bool) -> torch.Tensor:
+        if not hasattr(cache, "pad"):  # transformers' caches: rows at one length
+            return original(inputs_embeds, cache, is_sliding)
+        query, key = cache.query_and_key_slots(inputs_embeds.shape[1], is_sliding and bool(cache.ring_size))
+        return (query - key)[:, None]
+
+    relative_distance.per_row = True
+    modeling.get_relative_distance = relative_distance
+
+
+def distances_per_row(text_model: torch.nn.Module) -> bool:
+    """Whether `row_relative_distances` gave this model's modeling module its per-row distances."""
+    return getattr(sys.modules[type(text_model).__module__].get_relative_distance, "per_row", False)

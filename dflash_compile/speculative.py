@@ -391,10 +391,12 @@ class SpeculativeDecoder:
                 f"free beside the caches: shorten the prompt or run fewer rows at once{self._smaller_budget()}")
         return chunk
 
-    def _cache(self, batch: int, max_len: int, dtype, device, pad: torch.Tensor, prompt: int) -> TargetCache:
+    def _cache(self, batch: int, max_len: int, dtype, device, pad: torch.Tensor,
+               prompt: int | None = None) -> TargetCache:
         """The generation's target cache: the previous generation's, reset in place, when its shape is the same
         (its buffers keep their addresses, so CUDA graphs of the step replay rather than record again); else a
-        new one, which the decoder then keeps until a generation needs another shape."""
+        new one, which the decoder then keeps until a generation needs another shape. `prompt`: the prompt's width
+        (`TargetCache.reset`)."""
         cache = self.target_cache
         if cache is None or cache.shape != (batch, max_len, dtype, device):
             cache = self.target_cache = self._new_cache(batch, max_len, dtype, device)

@@ -113,6 +113,14 @@ TINY_CONFIGS = {
         intermediate_size=96,
         moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, conv_kernel_size=4, bos_token_id=1,
         eos_token_id=2, pad_token_id=0, initializer_range=0.1, **_ROUTED, **_COMMON),
+    # Inkling 2: Inkling's tiny shape, every layer routed; a residual block every 2 layers, softcaps that bound
+    "inkling2": lambda: transformers.Inkling2TextConfig(
+        num_hidden_layers=3, layer_types=["hybrid_sliding", "hybrid_sliding", "hybrid"], head_dim=16,
+        swa_num_attention_heads=2, swa_num_key_value_heads=1, swa_head_dim=16, sliding_window_size=8, d_rel=4,
+        rel_extent=16, log_scaling_n_floor=2, log_scaling_alpha=1.0, moe_intermediate_size=32, n_routed_experts=8,
+        conv_kernel_size=4, n_layers_per_attn_res_block=2, mlp_gate_softcap=1.0, mlp_up_softcap=1.0,
+        final_logit_softcapping=30.0, unpadded_vocab_size=128, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        initializer_range=0.1, **_ROUTED, **_COMMON),
     "deepseek_v2": lambda: transformers.DeepseekV2Config(  # DeepSeek-V2's group-limited softmax router
         topk_method="group_limited_greedy", **_MLA, **_DEEPSEEK_ROUTING, **_ROUTED),
     "glm4_moe_lite": lambda: transformers.Glm4MoeLiteConfig(  # GLM-4.7-Flash: one group, MLPs declared per layer
@@ -387,6 +395,11 @@ MULTIMODAL = {
                                                            mel_vocab_size=16),
                                          image_token_id=121, audio_token_id=122, image_bos_token_id=123,
                                          audio_bos_token_id=124)),
+    # Inkling 2's release: its tiny decoder beside a one-block vision tower
+    "inkling2": (transformers.Inkling2Config, lambda: tiny_config("inkling2"),
+                 lambda hidden_size: dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=4,
+                                          text_hidden_size=hidden_size, projection_hidden_dim=32, posemb_grid_size=4),
+                 lambda hidden_size: dict(image_token_id=121)),
     # MiniMax-M3's release: its tiny decoder beside a one-block vision tower
     "minimax_m3_vl": (transformers.MiniMaxM3VLConfig, lambda: tiny_config("minimax_m3_vl"),
                       lambda hidden_size: dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1,

@@ -38,8 +38,9 @@ if not torch.cuda.is_available():
 FAMILIES = sorted(family for family in TINY_CONFIGS if in_installed_transformers(family))
 # the families whose attention projections on one input are one linear already: DBRX's q/k/v (`Wqkv`), JetMoE's
 # k/v (`kv_proj`; its queries come from its attention experts), Ergo's q/k/v (`qkv_proj`), and whose MLPs have no
-# gate: nothing for `share_storage` to group
-ONE_LINEAR_PROJECTIONS = ("dbrx", "jetmoe", "ergo")
+# gate: nothing for `share_storage` to group; Inkling 2's projections are modules of their own (norms, clips and
+# convolutions around each linear), its MLPs all routed
+ONE_LINEAR_PROJECTIONS = ("dbrx", "jetmoe", "ergo", "inkling2")
 
 
 def pytest_collection_modifyitems(items):

@@ -36,6 +36,7 @@ SIZES = {"gpt_oss": {"intermediate_size": 64}, "deepseek_v2": {"moe_intermediate
          "jetmoe": {"intermediate_size": 128}, "ergo": {"moe_intermediate_size": 128},
          "minimax": {"intermediate_size": 128}, "zaya": {"moe_intermediate_size": 128},
          "minimax_m3_vl": {"intermediate_size": 128}, "inkling": {"moe_intermediate_size": 128},
+         "inkling2": {"moe_intermediate_size": 128},
          **{family: {"moe_intermediate_size": 128}
             for family in ("mellum", "kolibri1", "kolibri1_1", "beam", "flint", "minicpm5_moe", "axk1", "lara_mini",
                            "mistral4", "kimi_linear", "bailing_hybrid", "lfm2_moe", "nemotron_h", "longcat_flash",

@@ -18,7 +18,7 @@ from dflash_compile.testing import OracleDrafter, in_installed_transformers, tin
 from tests.conftest import token_ids
 
 
-def test_registry_covers_the_sixty_eight_families():
+def test_registry_covers_the_sixty_nine_families():
     assert dflash_compile.supported_families() == sorted(
         ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe", "glm4_moe_lite",
          "deepseek_v2", "deepseek_v3", "olmoe", "ernie4_5_moe", "phimoe", "dots1", "flex_olmo", "solar_open",
@@ -29,7 +29,7 @@ def test_registry_covers_the_sixty_eight_families():
          "nemotron_h", "jamba", "dbrx", "longcat_flash", "deepseek_v32", "glm_moe_dsa", "axk2",
          "mistral_large4", "dots3_note", "deepseek_ocr2", "jetmoe", "qwen3_omni_moe", "ergo", "hy_v4",
          "hy_v4_vl", "minimax", "muse_spark", "zaya", "kolibri1_1", "minimax_m3_vl", "inkling",
-         "unlimited_ocr"]
+         "unlimited_ocr", "inkling2"]
     )
 
 
@@ -86,6 +86,7 @@ def test_registry_covers_the_sixty_eight_families():
         ("minimax_m3_vl", [1, 2], ["indexed_attention"] * 3),  # one mask for all layers, read by the sparse ones
         ("zaya", [0, 1, 2], ["full_attention", "sliding_attention", "full_attention"]),  # CCA layers
         ("inkling", [1, 2], ["sliding_attention", "sliding_attention", "full_attention"]),  # mlp_layer_types
+        ("inkling2", [0, 1, 2], ["sliding_attention", "sliding_attention", "full_attention"]),
         ("ergo", [1, 2], ["sliding_attention", "full_attention", "sliding_attention"]),  # a dense first layer
         ("longcat_flash", [0, 1], ["full_attention"] * 4),  # two attention sublayers a decoder layer
         ("deepseek_v32", [1, 2], ["indexed_attention"] * 3),  # DSA; first_k_dense_replace=1

@@ -412,7 +412,7 @@ def _image_text_release(family: str, directory):
 @pytest.mark.parametrize("family", ["qwen3_vl_moe", "glm4v_moe", "gemma4", "mistral3", "aria", "ernie4_5_vl_moe",
                                     "step3p7", LLAMA4_RELEASE, "mistral_large4", "deepseek_ocr2",
                                     "qwen3_omni_moe", "hy_v4_vl", "muse_spark", "minimax_m3_vl", "inkling",
-                                    "unlimited_ocr"])
+                                    "unlimited_ocr", "inkling2"])
 def test_an_image_text_to_text_release_generates_like_generate(tmp_path, family, aot_eager_steps):
     """Qwen3-VL-MoE and GLM-4.5V, which transformers builds only as image-text-to-text models (the decoder under
     `model.language_model`, its rotary positions in three sections, a vision tower beside it), and Gemma 4 as
@@ -423,8 +423,8 @@ def test_an_image_text_to_text_release_generates_like_generate(tmp_path, family,
     around Qwen3-VL-MoE's kind of decoder), HY V4's (its decoder under rotary positions in three sections, an fp32
     lm_head), Muse Spark (audio and vision towers; experts norming each route, moved into the block) and
     MiniMax-M3 (its sparse layers' blocks counted from each row's first key, the rows as each alone), Inkling
-    (image and audio towers; positions per row) and Unlimited OCR (DeepSeek-OCR 2's kind of model whose layers see
-    the prompt whole and a window of the generated tokens): text prompts keep
+    (image and audio towers; positions per row), Unlimited OCR (DeepSeek-OCR 2's kind of model whose layers see
+    the prompt whole and a window of the generated tokens) and Inkling 2 (distances per row): text prompts keep
     `generate`'s tokens through partly accepted blocks, eager and compiled (lowered by AOT eager: Inductor compiles
     each decoder's kind of attention and router in the text families' tests), with their experts offloaded, and
     loaded by `dflash_compile.from_pretrained`."""

@@ -84,7 +84,8 @@ from .arrivals import arrival_counts
 
 FORMATS = {"dense": 0, "mxfp4": 1, "fp8_block": 2}
 FP16_PRESCALE = tl.constexpr(2.0**-8)  # activations times this are fp16 operands (see FP16_OPERANDS)
-ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1, "gelu_tanh": 2, "clamped_silu": 3, "relu2": 4, "clamped_gate_silu": 5}
+ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1, "gelu_tanh": 2, "clamped_silu": 3, "relu2": 4, "clamped_gate_silu": 5,
+               "softcapped_swiglu": 6}
 UNGATED_ACTIVATIONS = ("relu2",)  # of experts without a gate: their first projection is up alone
 
 
@@ -270,6 +271,9 @@ def _activate(gate, up, ACTIVATION: tl.constexpr, alpha, limit):
     elif ACTIVATION == 5:  # HY V4: SiLU(gate <= limit), times up clamped to [-limit, limit]
         gate = tl.minimum(gate, limit)
         result = gate * tl.sigmoid(gate) * tl.minimum(tl.maximum(up, -limit), limit)
+    elif ACTIVATION == 6:  # Inkling 2: softcap(gate, alpha) sigmoid(gate) softcap(up, limit); tanh(z) = 2 sig(2z) - 1
+        capped_gate = alpha * (2.0 * tl.sigmoid(2.0 * gate / alpha) - 1.0)
+        result = capped_gate * tl.sigmoid(gate) * limit * (2.0 * tl.sigmoid(2.0 * up / limit) - 1.0)
     elif ACTIVATION == 4:  # Nemotron-H, experts without a gate: relu(up)^2, up passed as both
         result = tl.maximum(up, 0.0) * tl.maximum(up, 0.0)
     else:  # SiLU(gate) * up

@@ -25,11 +25,12 @@ def _packed_moe(x, index, weights, gate_up, down, interleaved, activation):
                                        down.data, down.scales, down.bias, interleaved, activation, 1.702, 7.0)
 
 
-@pytest.mark.parametrize("activation", ["clamped_silu", "clamped_gate_silu"])
+@pytest.mark.parametrize("activation", ["clamped_silu", "clamped_gate_silu", "softcapped_swiglu"])
 @pytest.mark.parametrize("format", ["mxfp4", "fp8_block", "dense"])
 def test_cpu_kernel_clamps_silu_as_step_3_7_and_hy_v4(activation, format):
-    """Step 3.7's SiLU(gate) <= limit and HY V4's SiLU(gate <= limit), each times up clamped to [-limit, limit], at a
-    limit (0.5) that clips most values here."""
+    """Step 3.7's SiLU(gate) <= limit and HY V4's SiLU(gate <= limit), each times up clamped to [-limit, limit], and
+    Inkling 2's softcapped SwiGLU (up's softcap the limit, the gate's 1.702), at a limit (0.5) that clips most values
+    here."""
     gate_up, down = _experts(format, 3, 96, 160, False, device="cpu")
     index, weights = _routing(5, 3, 2)
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(1))

@@ -33,6 +33,8 @@ def reference_moe(hidden, index, weights, gate_up: PackedWeight, down: PackedWei
                 act = torch.nn.functional.silu(gate).clamp(max=limit) * up.clamp(-limit, limit)
             elif activation == "clamped_gate_silu":
                 act = torch.nn.functional.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+            elif activation == "softcapped_swiglu":  # alpha: the gate's softcap, limit: up's
+                act = torch.tanh(gate / alpha) * alpha * torch.sigmoid(gate) * torch.tanh(up / limit) * limit
             else:
                 act = torch.nn.functional.silu(gate) * up
             y = act @ w2[e].double().T
@@ -107,13 +109,13 @@ def test_fused_moe_matches_the_reference(format, family, precision):
     assert error <= (1e-4 if precision == "fp32" else 1e-2), f"relative error {error:.2e}"
 
 
-@pytest.mark.parametrize("activation", ["clamped_silu", "clamped_gate_silu"])
+@pytest.mark.parametrize("activation", ["clamped_silu", "clamped_gate_silu", "softcapped_swiglu"])
 @pytest.mark.parametrize("format", ["mxfp4", "fp8_block", "dense"])
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_clamped_silu_clips_the_gate_and_up_projections(activation, format, tokens):
     """Step 3.7's clamped layers, SiLU(gate) <= limit, and HY V4's experts, SiLU(gate <= limit), each times up clamped
-    to [-limit, limit]; a limit of 0.5 clips most values of this test's projections (one token's launches and blocks
-    of several tokens' pairs)."""
+    to [-limit, limit], and Inkling 2's softcapped SwiGLU (up's softcap the limit, the gate's 1.702); a limit of 0.5
+    clips most values of this test's projections (one token's launches and blocks of several tokens' pairs)."""
     experts, hidden, inter, top_k, _, interleaved, _, bias = FAMILY_CASES["silu_concatenated"]
     gate_up, down = _experts(format, experts, hidden, inter, bias)
     index, weights = _routing(tokens, experts, top_k)
