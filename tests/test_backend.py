@@ -157,10 +157,11 @@ def test_a_model_with_grad_enabled_compiles_for_inference(tiny, lowering):
 # The families whose experts' forward is their own, not a modular copy of Mixtral's: gpt-oss (interleaved, biases),
 # Beam (the same math in other words), Aria (weights stored [E, in, out]), Llama 4, DBRX and JetMoE (their adapted
 # experts: grouped_mm), HY V4 (its gate clamped before SiLU, `_apply_gate`), MiniMax-M3 (gpt-oss's clamped SwiGLU on
-# concatenated rows, `_apply_gate`); transformers 5.25 gives Ling 3's experts Step 3.7's per-layer clamps
-# (`_apply_gate`), and has Ergo (experts without a gate, [E, in, out], a loop of their own)
+# concatenated rows, `_apply_gate`), Inkling 2 (softcapped SwiGLU, `_apply_gate`, sums in fp32); transformers 5.25
+# gives Ling 3's experts Step 3.7's per-layer clamps (`_apply_gate`), and has Ergo (experts without a gate,
+# [E, in, out], a loop of their own)
 OWN_EXPERTS_CODE = ("gpt_oss", "beam", "aria", "llama4_text", "nemotron_h", "dbrx", "jetmoe", "hy_v4",
-                    "minimax_m3_vl") + (
+                    "minimax_m3_vl", "inkling2") + (
     ("bailing_hybrid", "ergo") if Version(transformers.__version__) >= Version("5.25") else ())
 
 
