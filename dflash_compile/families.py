@@ -21,6 +21,7 @@ from transformers.integrations.moe import (_can_use_grouped_mm, _grouped_linear,
 
 from .key_selection import captured_kolibri_indexer, row_aligned_minimax_m3_indexer
 from .row_positions import distances_per_row, row_positioned_inkling_attention, row_relative_distances
+from .subclassing import subclass_once
 
 GateUpLayout = Literal["concatenated", "interleaved", "ungated"]
 Activation = Literal["act_fn", "clamped_swiglu", "clamped_act_fn", "clamped_gate_silu", "softcapped_swiglu"]
@@ -869,28 +870,13 @@ _ROW_INKLING2_DISTANCES = Adapter(lambda module: type(module).__name__ == "Inkli
 _CAPTURE_KOLIBRI_INDEXERS = Adapter(lambda module: type(module).__name__ == "Kolibri1_1Indexer",
                                     captured_kolibri_indexer,
                                     "Kolibri 1.1's indexers loop over host lists of query groups")
-_DECORATED: dict[type, type] = {}  # an undecorated experts class -> its `@use_experts_implementation` subclass
-
-
 def _decorated(cls: type) -> type:
-    """`cls`'s `@use_experts_implementation` subclass, made once. It has no importable name (pickle would look up
-    `cls` itself under that name), so its modules pickle (torch.save of the model) as a call to `_rebuild_decorated`."""
-    if cls not in _DECORATED:
-        subclass = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__reduce_ex__": _reduce_decorated,
-                                               "_undecorated": cls})
-        _DECORATED[cls] = use_experts_implementation(subclass)
-    return _DECORATED[cls]
+    """`cls`'s `@use_experts_implementation` subclass (`subclass_once`: made once, its modules pickle)."""
+    return subclass_once(_decorate, cls)
 
 
-def _reduce_decorated(module: torch.nn.Module, protocol: int):
-    return _rebuild_decorated, (type(module)._undecorated, module.__getstate__())
-
-
-def _rebuild_decorated(cls: type, state: dict) -> torch.nn.Module:
-    """An unpickled decorated experts module: `cls`'s decorated subclass (made again in a new process) with `state`."""
-    module = torch.nn.Module.__new__(_decorated(cls))
-    module.__setstate__(state)
-    return module
+def _decorate(cls: type) -> type:
+    return use_experts_implementation(type(cls.__name__, (cls,), {"__module__": cls.__module__}))
 
 
 def _decorate_experts(model: torch.nn.Module, experts: torch.nn.Module) -> None:

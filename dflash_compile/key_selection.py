@@ -23,6 +23,8 @@ import sys
 
 import torch
 
+from .subclassing import subclass_once
+
 
 class CapturedKolibriIndexer(torch.nn.Module):
     """The forward of a Kolibri 1.1 indexer (a `Kolibri1_1Indexer`, whose attributes it reads) for a whole batch at
@@ -104,17 +106,15 @@ def _row_starts_and_lengths(visible: torch.Tensor) -> tuple[torch.Tensor, torch.
     return start, (end - start[:, None]) * visible.any(-1)
 
 
-_CAPTURED: dict[type, type] = {}  # a transformers indexer class -> its captured subclass
-
-
 def captured_kolibri_indexer(model: torch.nn.Module, indexer: torch.nn.Module) -> None:
     """Give `indexer` (a `Kolibri1_1Indexer`) the batched forward: its class becomes a subclass of its own (its
     `top_k_mask` kept) with `CapturedKolibriIndexer`'s forward and its modeling module's NVFP4 rounding."""
-    own = type(indexer)
-    if own not in _CAPTURED:
-        rounding = staticmethod(sys.modules[own.__module__].nvfp4_fake_quantize)
-        _CAPTURED[own] = type(f"Captured{own.__name__}", (CapturedKolibriIndexer, own), {"quantize": rounding})
-    indexer.__class__ = _CAPTURED[own]
+    indexer.__class__ = subclass_once(_captured, type(indexer))
+
+
+def _captured(own: type) -> type:
+    rounding = staticmethod(sys.modules[own.__module__].nvfp4_fake_quantize)
+    return type(f"Captured{own.__name__}", (CapturedKolibriIndexer, own), {"quantize": rounding})
 
 
 class RowAlignedIndexKeys:
@@ -147,10 +147,11 @@ class RowAlignedMiniMaxM3Indexer(torch.nn.Module):
 def row_aligned_minimax_m3_indexer(model: torch.nn.Module, indexer: torch.nn.Module) -> None:
     """Give `indexer` (a `MiniMaxM3VLIndexer`) row-aligned keys: its class becomes a subclass of its own with
     `RowAlignedMiniMaxM3Indexer`'s forward in front."""
-    own = type(indexer)
-    if own not in _CAPTURED:
-        _CAPTURED[own] = type(f"RowAligned{own.__name__}", (RowAlignedMiniMaxM3Indexer, own), {})
-    indexer.__class__ = _CAPTURED[own]
+    indexer.__class__ = subclass_once(_row_aligned, type(indexer))
+
+
+def _row_aligned(own: type) -> type:
+    return type(f"RowAligned{own.__name__}", (RowAlignedMiniMaxM3Indexer, own), {})
 
 
 def picked_blocks_only(mask: torch.Tensor, blocks: torch.Tensor, block_size: int, heads: int) -> torch.Tensor:

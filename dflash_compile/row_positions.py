@@ -15,6 +15,8 @@ import sys
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .subclassing import subclass_once
+
 
 class RowPositionedInklingAttention(torch.nn.Module):
     """An Inkling attention layer (`InklingAttention`, whose modules and forward it uses) that reads positions per row
@@ -57,18 +59,15 @@ class RowPositionedInklingAttention(torch.nn.Module):
         return (1.0 + self.config.log_scaling_alpha * torch.log(scaled))[:, None, :, None]
 
 
-_POSITIONED: dict[type, type] = {}  # a transformers attention class -> its row-positioned subclass
-
-
 def row_positioned_inkling_attention(model: torch.nn.Module, attention: torch.nn.Module) -> None:
     """Give `attention` (an `InklingAttention`) positions per row: its class becomes a subclass of its own with
     `RowPositionedInklingAttention`'s forward in front."""
-    own = type(attention)
-    if own not in _POSITIONED:
-        eager = staticmethod(sys.modules[own.__module__].eager_attention_forward)
-        _POSITIONED[own] = type(f"RowPositioned{own.__name__}", (RowPositionedInklingAttention, own),
-                                {"eager_attention": eager})
-    attention.__class__ = _POSITIONED[own]
+    attention.__class__ = subclass_once(_row_positioned, type(attention))
+
+
+def _row_positioned(own: type) -> type:
+    eager = staticmethod(sys.modules[own.__module__].eager_attention_forward)
+    return type(f"RowPositioned{own.__name__}", (RowPositionedInklingAttention, own), {"eager_attention": eager})
 
 
 def row_relative_distances(model: torch.nn.Module, text_model: torch.nn.Module) -> None:

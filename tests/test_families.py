@@ -366,6 +366,22 @@ def test_an_adapted_step3p7_model_pickles(tmp_path):
                           check=True).stdout.strip() == "Step3p7ForConditionalGeneration"
 
 
+@pytest.mark.parametrize("family, swapped", [("kolibri1_1", "Kolibri1_1Indexer"),
+                                             ("minimax_m3_vl", "MiniMaxM3VLIndexer"), ("inkling", "InklingAttention")])
+def test_modules_an_adapter_subclassed_at_run_time_pickle(tiny, family, swapped):
+    """Kolibri 1.1's and MiniMax-M3's indexers and Inkling's attention layers get subclasses made at run time
+    (`subclassing.subclass_once`): the adapted model still pickles, its modules of those classes again, with the same
+    logits."""
+    model = adapt_model(tiny(family))
+    ids = token_ids(batch=1)
+    clone = pickle.loads(pickle.dumps(model))
+    classes = {type(module) for module in clone.modules() if swapped in type(module).__name__}
+    assert classes == {type(module) for module in model.modules() if swapped in type(module).__name__}
+    assert all(cls.__name__ != swapped for cls in classes)  # the run-time subclasses, not transformers' own
+    with torch.no_grad():
+        assert torch.equal(clone(ids).logits, model(ids).logits)
+
+
 @pytest.mark.parametrize("family", ["step3p7", "bailing_hybrid"])
 def test_experts_clamp_in_the_layers_their_config_names(tiny, family):
     """Step 3.7's experts (and from transformers 5.25 Ling 3's) clamp SiLU(gate) and up at `swiglu_limits[layer]`
