@@ -327,6 +327,10 @@ class FamilySpec:
     # whether its attention adds a learned bias by position (Inkling's relative logits, `position_bias`), which
     # transformers' SDPA folds into the mask and the decoder's grouped attention does not: that one is left out
     position_bias: bool = False
+    # (config, itemsize) -> bytes a prefill's layer holds per (query, visible slot) beyond its mask where its attention
+    # picks keys or biases them (`prefill_memory`: Kolibri 1.1's, MiniMax-M3's, Inkling's); DSA's follow from
+    # `cached_per_token`
+    query_slot_bytes: Callable[[object, int], int] | None = None
     # the attribute of an MoE block (ERNIE-4.5-VL's `vision_moe`) whose experts text prompts never call: left to the
     # model's own code (images), out of `experts_modules`
     image_experts: str | None = None
@@ -375,35 +379,34 @@ class FamilySpec:
     def indexed_per_query_slot(self, config, itemsize: int) -> int:
         """Bytes a prefill's DSA layer holds per (query, visible slot), masked or not (`prefill_memory`): its mask and
         the copy with the keys the indexer did not pick masked out, which keys those are (bool), the indexer's fp32
-        scores of every indexer head and their ReLU, the weighted sum and its masked copy. Kolibri 1.1's indexed
-        layers (`key_selection`): the mask and its copy, 8 bool masks (visible, pool, sinks, local, candidates and
-        the top-k rule's), fp32 scores, a head's product and its ReLU, the masked copy, the tie ranks (int32).
-        MiniMax-M3's sparse layers: `_block_picks_per_query_slot`; Inkling's: `_position_bias_per_query_slot`. None
-        elsewhere."""
+        scores of every indexer head and their ReLU, the weighted sum and its masked copy; elsewhere the family's
+        `query_slot_bytes` (none without)."""
         if self.cached_per_token is _indexed_latent:
             return 2 * itemsize + 1 + (2 * config.index_n_heads + 2) * 4
-        if _CAPTURE_KOLIBRI_INDEXERS in self.adapt:
-            return 2 * itemsize + 8 + 5 * 4
-        if _ALIGN_MINIMAX_M3_BLOCKS in self.adapt:
-            return self._block_picks_per_query_slot(config, itemsize)
-        if self.position_bias:
-            return self._position_bias_per_query_slot(config, itemsize)
-        return 0
+        return self.query_slot_bytes(config, itemsize) if self.query_slot_bytes else 0
 
-    @staticmethod
-    def _position_bias_per_query_slot(config, itemsize: int) -> int:
-        """Inkling's layers (`row_positions`): the distances and their clamped copy (int64), where they fall outside
-        (bool), and per head the profiles gathered, masked, log-scaled in fp32 and back, and added to the mask."""
-        heads = max(config.num_attention_heads, config.swa_num_attention_heads)
-        return 2 * 8 + 1 + heads * (4 * itemsize + 4)
 
-    @staticmethod
-    def _block_picks_per_query_slot(config, itemsize: int) -> int:
-        """MiniMax-M3's sparse layers: the mask, its per-head copy with the unpicked blocks masked, which keys
-        those are per head (bool, gathered and repeated), the indexer's fp32 scores per index head (the product,
-        the future masked, the copy padded to whole blocks)."""
-        heads = config.num_attention_heads
-        return itemsize * (1 + heads) + 2 * heads + 3 * 4 * config.index_n_heads
+def _kolibri_selection_bytes(config, itemsize: int) -> int:
+    """Kolibri 1.1's indexed layers (`key_selection`), per (query, slot): the mask and its copy, 8 bool masks
+    (visible, pool, sinks, local, candidates and the top-k rule's), fp32 scores, a head's product and its ReLU, the
+    masked copy, the tie ranks (int32)."""
+    return 2 * itemsize + 8 + 5 * 4
+
+
+def _block_picks_bytes(config, itemsize: int) -> int:
+    """MiniMax-M3's sparse layers, per (query, slot): the mask, its per-head copy with the unpicked blocks masked,
+    which keys those are per head (bool, gathered and repeated), the indexer's fp32 scores per index head (the
+    product, the future masked, the copy padded to whole blocks)."""
+    heads = config.num_attention_heads
+    return itemsize * (1 + heads) + 2 * heads + 3 * 4 * config.index_n_heads
+
+
+def _position_bias_bytes(config, itemsize: int) -> int:
+    """Inkling's and Inkling 2's layers (`row_positions`), per (query, slot): the distances and their clamped copy
+    (int64), where they fall outside (bool), and per head the profiles gathered, masked, log-scaled in fp32 and
+    back, and added to the mask."""
+    heads = max(config.num_attention_heads, config.swa_num_attention_heads)
+    return 2 * 8 + 1 + heads * (4 * itemsize + 4)
 
 
 def _all_layers(config) -> list[int]:
@@ -1124,6 +1127,7 @@ FAMILIES: dict[str, FamilySpec] = {
             ExpertLayout(gate_up="concatenated", transposed=False, bias=False, activation="clamped_swiglu"),
             RouterSpec(scoring="sigmoid", correction_bias="e_score_correction_bias"), _declared_sparse_layers,
             _every_layer_indexed, cached_per_token=_keys_values_and_block_keys, adapt=(_ALIGN_MINIMAX_M3_BLOCKS,),
+            query_slot_bytes=_block_picks_bytes,
         ),
         FamilySpec(  # MiniMax-M2: sigmoid scores, the choice made on them plus the block's correction bias
             "minimax_m2", ("minimax_m2",), "MiniMaxM2Experts", _SWIGLU,
@@ -1179,7 +1183,8 @@ FAMILIES: dict[str, FamilySpec] = {
             # an earlier layer's (`kv_source_layers`); dense `mlp_only_layers`
             "kolibri1_1", ("kolibri1_1",), "Kolibri1_1Experts", _SWIGLU,
             RouterSpec(scoring="sigmoid", correction_bias="e_score_correction_bias"), _qwen3_sparse_layers,
-            _declared_layer_types, adapt=(_CAPTURE_KOLIBRI_INDEXERS,), min_transformers="5.25",
+            _declared_layer_types, adapt=(_CAPTURE_KOLIBRI_INDEXERS,), query_slot_bytes=_kolibri_selection_bytes,
+            min_transformers="5.25",
         ),
         FamilySpec(  # Beam: GLM-4.5's router (its scaling applied to the block's output); the attention output gated
             # per head, full layers without rotary positions and with position-scaled queries
@@ -1336,6 +1341,7 @@ FAMILIES: dict[str, FamilySpec] = {
             RouterSpec(scoring="sigmoid", correction_bias="e_score_correction_bias", after_indices=1),
             _declared_sparse_layers, _hybrid_layer_kinds, model_masks={"conv": "linear_attention"},
             cached_per_token=_inkling_keys_and_values, adapt=(_POSITION_INKLING_ATTENTION,), position_bias=True,
+            query_slot_bytes=_position_bias_bytes,
         ),
         FamilySpec(  # Inkling 2 (its text model; a vision tower beside it): Kolibri's kind of router, scaled; experts
             # with softcapped SwiGLU; Inkling's relative logits (distances per row: `row_positions`), log-scaled
@@ -1346,6 +1352,7 @@ FAMILIES: dict[str, FamilySpec] = {
             RouterSpec(scoring="sigmoid", correction_bias="e_score_correction_bias"), _all_layers,
             _hybrid_layer_kinds, model_masks={"conv": "linear_attention"}, cached_per_token=_inkling_keys_and_values,
             adapt=(_ROW_INKLING2_DISTANCES,), position_bias=True, attention_sinks=True,
+            query_slot_bytes=_position_bias_bytes,
         ),
         FamilySpec(  # Granite 4.0-H (GraniteMoeHybrid): Mamba2 layers between full-attention ones (without rotary
             # positions as released), Granite-MoE's router and multipliers, a shared MLP beside the experts everywhere
