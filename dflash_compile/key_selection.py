@@ -101,9 +101,14 @@ def _row_starts_and_lengths(visible: torch.Tensor) -> tuple[torch.Tensor, torch.
     """[b, q, k] visibility -> each row's first key any query sees [b], and each query's count of keys from there
     to its last visible one [b, q] (masked keys in between counted, so later keys keep their positions; 0 for a
     query seeing none)."""
-    start = visible.any(1).int().argmax(-1)
+    start = _row_starts(visible)
     end = visible.shape[-1] - visible.flip(-1).int().argmax(-1)
     return start, (end - start[:, None]) * visible.any(-1)
+
+
+def _row_starts(visible: torch.Tensor) -> torch.Tensor:
+    """[b, q, k] visibility -> each row's first key any query sees [b]."""
+    return visible.any(1).int().argmax(-1)
 
 
 def captured_kolibri_indexer(model: torch.nn.Module, indexer: torch.nn.Module) -> None:
@@ -160,7 +165,7 @@ def picked_blocks_only(mask: torch.Tensor, blocks: torch.Tensor, block_size: int
     visible key (`RowAlignedIndexKeys`); each index head's pick serves its group of `heads // index heads` query
     heads, as transformers' `build_block_mask` expands it (there from slot 0)."""
     slots, index_heads = mask.shape[-1], blocks.shape[1]
-    start, _ = _row_starts_and_lengths(mask[:, 0] == 0)
+    start = _row_starts(mask[:, 0] == 0)
     count = -(-slots // block_size)
     picked = blocks.new_zeros((*blocks.shape[:3], count + 1), dtype=torch.bool)
     picked.scatter_(-1, blocks.masked_fill(blocks < 0, count), True)  # none: the column past the last block
