@@ -41,7 +41,7 @@ from dflash_compile.families import auto_model_class, experts_modules, routed_to
 from dflash_compile.packed import PackedWeight, attach_packed, expert_weights
 from dflash_compile.speculative import generation_context
 from dflash_compile.testing import (
-    OracleDrafter, load_tiny_model, random_drafter_weights, save_drafter, tiny_drafter_config)
+    OracleDrafter, load_tiny_model, random_drafter_weights, randomize_token_routes, save_drafter, tiny_drafter_config)
 
 def build_model(name: str, device: str, layers: int | None = None) -> transformers.PreTrainedModel:
     """A tiny test model, or a reference shape with random bf16 weights (its first `layers` layers when given)."""
@@ -59,6 +59,7 @@ def build_model(name: str, device: str, layers: int | None = None) -> transforme
         for tensor in model.parameters():
             if not tensor.any():
                 tensor.normal_(0, 0.02)
+        randomize_token_routes(model)  # DeepSeek-V4's first layers' experts by token id: all expert 0 as initialised
         make_confident(model)
     return model.eval()
 

@@ -125,6 +125,8 @@ class TargetCache(Cache):
         self.pending_conv: dict[tuple[int, int], torch.Tensor] = {}  # what the last forward would leave
         self.pending_recurrent: dict[int, torch.Tensor] = {}
         self.conv_width: dict[tuple[int, int], int] = {}
+        # DeepSeek-V4's compressed entries by name (`compressed_attention`): [b, max_len // rate + 1, d] each
+        self.compressed: dict[str, torch.Tensor] = {}
         self.spare: dict[tuple, torch.Tensor] = {}  # a previous generation's states, reused by `reset`
         # Set during the prefill (eager; the host knows that no row has more slots filled): a forward attends over
         # the first `visible` slots of each full-length buffer, as transformers' own cache grows, and over a ring
@@ -211,8 +213,9 @@ class TargetCache(Cache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the buffers made so far: keys and values, linear-attention states (spares included)."""
-        states = (*self.conv.values(), *self.recurrent.values(), *self.spare.values())
+        """Bytes of the buffers made so far: keys and values, linear-attention states (spares included), compressed
+        entries."""
+        states = (*self.conv.values(), *self.recurrent.values(), *self.spare.values(), *self.compressed.values())
         return self.rows.nbytes + sum(t.nbytes for t in states)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -239,6 +242,34 @@ class TargetCache(Cache):
         skipped = max(tokens - ring, 0)
         self.rows.write(layer_idx, key_states[:, :, skipped:], value_states[:, :, skipped:], offset=skipped)
         return keys, values
+
+    def update_beside(self, name: str, layer: int, key_states, value_states, ring: bool = True):
+        """`update` for tensors a layer keeps per token beside its keys and values, under `name` (DeepSeek-V4's
+        compressors' projections): in the layer's ring where it has one and `ring` allows (its keys' window holds
+        what the tensors' readers need), else at every slot."""
+        if ring and layer in self.rows.sizes:
+            self.rows.sizes[name] = self.rows.sizes[layer]
+        return self.update(key_states, value_states, name)
+
+    def held_slots(self, slots: torch.Tensor, name: str, width: int) -> torch.Tensor:
+        """Where the tensors `update` returned for `name` in a forward over `width` tokens hold the tokens of
+        `slots`: a ring's slot modulo its size, or in a prefill chunk after the ring's older tokens in order
+        (`_prefill_ring`); the slot itself in a buffer of every slot."""
+        ring = self.rows.sizes.get(name)
+        if not ring:
+            return slots
+        if self.visible is None:
+            return slots.remainder(ring)
+        start = self.visible - width
+        return slots - (start - min(start, ring))
+
+    def compressed_entries(self, name: str, rate: int, like: torch.Tensor) -> torch.Tensor:
+        """The buffer of `name`'s compressed entries, one per `rate` slots, and a spare last row (where windows not
+        closed are written): [b, max_len // rate + 1, d], made on first use like `like` [..., d]."""
+        if name not in self.compressed:
+            shape = (self.rows.batch, self.rows.max_len // rate + 1, like.shape[-1])
+            self.compressed[name] = _static(like.new_zeros(shape))
+        return self.compressed[name]
 
     def update_indexer(self, indexer_keys: torch.Tensor, layer_idx: int) -> torch.Tensor:
         """transformers' DSA indexer cache (DeepSeek-V3.2, GLM-MoE-DSA): a forward's indexer keys [b, tokens, d]
@@ -327,8 +358,9 @@ class TargetCache(Cache):
         """A compiled step's bound on the slots its `width` new tokens see, for `dflash::decode_attention` to read no
         further: every row's keys lie before its length plus the new tokens (a ring's too, until it wraps; past
         that the kernel reads the whole ring). On the device, so one step graph serves every length. None in the
-        prefill, whose forwards see `visible` slots already."""
-        return self.lengths.max() + width if self.visible is None else None
+        prefill, whose forwards see `visible` slots already, or where the layers append compressed entries to the
+        keys (DeepSeek-V4's: past the slots)."""
+        return self.lengths.max() + width if self.visible is None and not self.compressed else None
 
     def query_and_key_slots(self, width: int, ring: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The slots of the next `width` tokens [b, width, 1], and those of the keys a layer's forward over them

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -191,6 +192,9 @@ REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
     # MiniMax-M3's text model (the config class's defaults): 60 layers, 128 experts of 3072, top-4, a shared expert,
     # hidden 6144 (~435B); its sparse layers come from a checkpoint's `sparse_attention_config`, full ones here
     "minimax-m3": lambda: transformers.MiniMaxM3VLTextConfig(),
+    # DeepSeek-V4-Flash (the config class's defaults): 43 layers (2 HCA, then CSA and HCA in turn, all with a 128-token
+    # window), 256 experts of 2048, top-6, a shared expert, the first 3 routed by token id, hidden 4096 (~284B)
+    "deepseek-v4-flash": lambda: transformers.DeepseekV4Config(),
     # MiniMax-Text-01 (MiniMax-M1 the same shape; from memory, not read from a released file): 80 layers, each
     # eighth full attention, the others lightning attention; 32 experts of 9216, top-2: ~456B
     "minimax-text-01": lambda: transformers.MiniMaxConfig(
@@ -314,7 +318,10 @@ class ModelSizes:
             top_k=routed_top_k(text),
             zero_compute_experts=zero_compute_experts(text),
             moe_layers=len(modules),
-            kv_elements_per_token=sum(per_layer(layer) for layer, kind in enumerate(kinds) if kind in FULL_KINDS),
+            # with compressed entries (DeepSeek-V4's), which every step reads whole as full layers' keys
+            kv_elements_per_token=sum(per_layer(layer) for layer, kind in enumerate(kinds) if kind in FULL_KINDS)
+            + math.ceil(sum(width / rate for layer in range(len(kinds))
+                            for rate, width in spec.compressed_entries(text, layer))),
             sliding_kv_elements_per_token=sum(per_layer(layer) for layer, kind in enumerate(kinds)
                                               if kind in RING_KINDS),
             window=max(ring_window(text, kind) or 0 for kind in kinds),

@@ -95,8 +95,9 @@ class Gate:
         if layout.activation == "clamped_swiglu":  # MiniMax-M3's experts name their alpha `swiglu_alpha`
             alpha = module.alpha if hasattr(module, "alpha") else module.swiglu_alpha
             return cls(interleaved, "clamped_swiglu", float(alpha), float(module.limit))
-        if layout.activation == "clamped_gate_silu":  # SiLU written into the module's forward: no act_fn
-            return cls(interleaved, "clamped_gate_silu", limit=float(module.swiglu_limit))
+        if layout.activation == "clamped_gate_silu":  # HY V4's `swiglu_limit`, DeepSeek-V4's `limit`
+            limit = module.swiglu_limit if hasattr(module, "swiglu_limit") else module.limit
+            return cls(interleaved, "clamped_gate_silu", limit=float(limit))
         if layout.activation == "softcapped_swiglu":  # Inkling 2's: the gate's softcap in `alpha`, up's in `limit`
             return cls(interleaved, "softcapped_swiglu", float(module.act_fn.gate_softcap.softcap),
                        float(module.act_fn.up_softcap.softcap))

@@ -8,6 +8,7 @@ expert, DeepSeek-V3 keeps its first layers dense). Routed-expert modules are rec
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -19,6 +20,7 @@ from packaging.version import Version
 from transformers.integrations.moe import (_can_use_grouped_mm, _grouped_linear, grouped_mm_experts_forward,
                                            use_experts_implementation)
 
+from .compressed_attention import row_compressor
 from .key_selection import captured_kolibri_indexer, row_aligned_minimax_m3_indexer
 from .row_positions import distances_per_row, row_positioned_inkling_attention, row_relative_distances
 from .subclassing import subclass_once
@@ -26,7 +28,7 @@ from .subclassing import subclass_once
 GateUpLayout = Literal["concatenated", "interleaved", "ungated"]
 Activation = Literal["act_fn", "clamped_swiglu", "clamped_act_fn", "clamped_gate_silu", "softcapped_swiglu"]
 AttentionKind = Literal["full_attention", "indexed_attention", "reference_sliding_attention", "sliding_attention",
-                        "chunked_attention", "linear_attention", "conv", "mlp"]
+                        "compressed_attention", "chunked_attention", "linear_attention", "conv", "mlp"]
 # kinds whose layers keep a conv window (and a linear-attention layer a recurrent state), not keys and values: their
 # padding masks are 2-D, their states committed by `TargetCache.commit_linear`; LFM2's short-convolution layers ("conv")
 # need no recurrent rule, a block's convolution over the kept window being exact
@@ -34,8 +36,9 @@ RECURRENT_KINDS = ("linear_attention", "conv")
 # kinds of layers that neither attend nor keep a state: Nemotron-H's MLP and MoE layers, a mixer of their own
 STATELESS_KINDS = ("mlp",)
 # kinds whose layers see at most their window's last keys (`ring_window`), which `TargetCache` keeps in a ring:
-# sliding-window layers, and Llama 4's chunked ones, whose queries see the keys of their own chunk
-RING_KINDS = ("sliding_attention", "chunked_attention")
+# sliding-window layers (DeepSeek-V4's "compressed_attention" ones with compressed entries of earlier windows beside,
+# `compressed_attention`), and Llama 4's chunked ones, whose queries see the keys of their own chunk
+RING_KINDS = ("sliding_attention", "compressed_attention", "chunked_attention")
 # kinds whose layers attend over every cached key: full attention, DSA's ("indexed_attention": DeepSeek-V3.2's,
 # over the keys its indexer picks from all of them), and reference sliding attention (every prompt key, a window of
 # the tokens generated after them: `REFERENCE_KINDS`)
@@ -43,8 +46,9 @@ FULL_KINDS = ("full_attention", "indexed_attention", "reference_sliding_attentio
 # kinds whose layers see every key of the prompt and a window (`ring_window`) of the generated ones (Unlimited OCR's):
 # their keys kept whole, the window masked past the prompt (`TargetCache.masks`)
 REFERENCE_KINDS = ("reference_sliding_attention",)
-# kinds whose layers read their mask themselves (a DSA indexer scores the keys under it): always given one
-MASK_READING_KINDS = ("indexed_attention",)
+# kinds whose layers read their mask themselves (a DSA indexer scores the keys under it; DeepSeek-V4's layers append
+# their entries' visibility to it): always given one
+MASK_READING_KINDS = ("indexed_attention", "compressed_attention")
 # kinds whose layers attend over cached keys and values: every kind but the recurrent and the stateless ones
 KEYED_KINDS = (*FULL_KINDS, *RING_KINDS)
 
@@ -61,7 +65,8 @@ class ExpertLayout:
     # "clamped_swiglu": gate <= limit, |up| <= limit, (up + 1) * gate * sigmoid(alpha * gate), from `alpha`/`limit`;
     # "clamped_act_fn": act(gate) <= limit times up clamped to [-limit, limit], the module's `limit` (None or inf:
     # act(gate) * up; Step 3.7 and, from transformers 5.25, Ling 3 clamp a few layers);
-    # "clamped_gate_silu": SiLU(gate <= limit) times up clamped to [-limit, limit], the module's `swiglu_limit` (HY V4);
+    # "clamped_gate_silu": SiLU(gate <= limit) times up clamped to [-limit, limit], the module's `swiglu_limit` (HY V4;
+    # DeepSeek-V4's `limit`);
     # "softcapped_swiglu": softcap(gate) sigmoid(gate) softcap(up), its act_fn's two softcaps (Inkling 2)
 
 
@@ -69,7 +74,7 @@ class ExpertLayout:
 class RouterSpec:
     """What the router computes before the experts see `top_k_index` / `top_k_weights`."""
 
-    scoring: Literal["softmax", "sigmoid", "top_k_then_softmax"]
+    scoring: Literal["softmax", "sigmoid", "top_k_then_softmax", "sqrtsoftplus"]
     correction_bias: str | None = None  # the router's attribute (path): a bias added to the scores for the choice only
     grouped_top_k: bool = False  # experts chosen inside the best `topk_group` of `n_group` groups
     routed_scaling_factor: bool = False  # weights multiplied by `config.routed_scaling_factor`
@@ -119,7 +124,7 @@ def ring_window(config, kind: AttentionKind) -> int | None:
     chunk (`attention_chunk_size`), a reference sliding layer's window past the prompt; None for every other kind,
     or where the config sets none."""
     setting = {"sliding_attention": "sliding_window", "chunked_attention": "attention_chunk_size",
-               "reference_sliding_attention": "sliding_window"}.get(kind)
+               "reference_sliding_attention": "sliding_window", "compressed_attention": "sliding_window"}.get(kind)
     return getattr(config, setting, None) if setting else None
 
 
@@ -158,6 +163,25 @@ def _keys_and_values(config, kind: AttentionKind, layer: int) -> int:
     if _reads_anothers_cache(config, layer):
         return 0
     return 2 * layer_configs(config)[layer].num_key_value_heads * head_dim(config, layer)
+
+
+def _compressor_projections(config, kind: AttentionKind, layer: int) -> int:
+    """DeepSeek-V4: its one key/value head cached as key and value, and the projections its compressor caches per
+    token in the same ring (`compressed_attention`): an HCA's `kv_proj` and `gate_proj` (head_dim each), a CSA's
+    (twice that) and its indexer's (twice `index_head_dim`)."""
+    compressor = {"heavily_compressed_attention": 2 * config.head_dim,
+                  "compressed_sparse_attention": 4 * (config.head_dim + config.index_head_dim)}
+    return _keys_and_values(config, kind, layer) + compressor.get(config.layer_types[layer], 0)
+
+
+def _compressed_entries(config, layer: int) -> list[tuple[int, int]]:
+    """DeepSeek-V4: the (rate, width) of each buffer of compressed entries a layer keeps, one entry of `width` per
+    `rate` tokens: an HCA's (head_dim), a CSA's and its indexer's (`index_head_dim`)."""
+    layer_type = config.layer_types[layer]
+    rate = config.compress_rates.get(layer_type)
+    widths = {"heavily_compressed_attention": [config.head_dim],
+              "compressed_sparse_attention": [config.head_dim, config.index_head_dim]}.get(layer_type, [])
+    return [(rate, width) for width in widths]
 
 
 def _keys_values_and_block_keys(config, kind: AttentionKind, layer: int) -> int:
@@ -317,6 +341,9 @@ class FamilySpec:
     # (config, attention kind, layer) -> elements the layer hands the cache per token (what `generate` budgets its
     # cache by)
     cached_per_token: Callable[[object, AttentionKind, int], int] = _keys_and_values
+    # (config, layer) -> the (rate, width) of each buffer of compressed entries a layer keeps beside its cache, one
+    # entry of `width` elements per `rate` slots of every slot, not a ring's: DeepSeek-V4's (`compressed_attention`)
+    compressed_entries: Callable[[object, int], list[tuple[int, int]]] = lambda config, layer: []
     # rewrites, in place, of modules transformers builds otherwise: MoE blocks into blocks that call routed experts
     # (Llama 4: every expert on every token, the router's scores on the inputs; Step 3.7's experts undecorated on
     # transformers 5.24), Llama 4's NoPE query temperature per row; `adapt_model` applies each
@@ -401,6 +428,15 @@ def _block_picks_bytes(config, itemsize: int) -> int:
     return itemsize * (1 + heads) + 2 * heads + 3 * 4 * config.index_n_heads
 
 
+def _compressed_entries_bytes(config, itemsize: int) -> int:
+    """DeepSeek-V4's layers (`compressed_attention`), per (query, slot): per compressed entry (one per `rate` slots, the
+    CSA's rate the smaller) a CSA indexer's fp32 scores per index head (the product, its ReLU, scaled, weighted),
+    their sum and masked copy, which entries the query sees (bool), and the entries' bias, its copy in the layer's
+    mask and that mask folded over the heads (one key/value head)."""
+    per_entry = 4 * 4 * config.index_n_heads + 2 * 4 + 1 + (3 + config.num_attention_heads) * itemsize
+    return -(-per_entry // min(config.compress_rates.values()))
+
+
 def _position_bias_bytes(config, itemsize: int) -> int:
     """Inkling's and Inkling 2's layers (`row_positions`), per (query, slot): the distances and their clamped copy
     (int64), where they fall outside (bool), and per head the profiles gathered, masked, log-scaled in fp32 and
@@ -454,6 +490,12 @@ def _declared_layer_types(config) -> list[AttentionKind]:
 def _every_layer_indexed(config) -> list[AttentionKind]:
     """MiniMax-M3: its model gives every layer one mask, which its sparse layers' indexers read: always given."""
     return ["indexed_attention"] * config.num_hidden_layers
+
+
+def _compressed_everywhere(config) -> list[AttentionKind]:
+    """DeepSeek-V4: its model gives every layer one sliding-window mask, to which its compressed layers append their
+    entries' visibility: always given (`compressed_attention`)."""
+    return ["compressed_attention"] * config.num_hidden_layers
 
 
 def _full_attention(config) -> list[AttentionKind]:
@@ -873,6 +915,12 @@ _ROW_INKLING2_DISTANCES = Adapter(lambda module: type(module).__name__ == "Inkli
 _CAPTURE_KOLIBRI_INDEXERS = Adapter(lambda module: type(module).__name__ == "Kolibri1_1Indexer",
                                     captured_kolibri_indexer,
                                     "Kolibri 1.1's indexers loop over host lists of query groups")
+_ROW_DEEPSEEK_V4_COMPRESSORS = Adapter(
+    lambda module: type(module).__name__ in ("DeepseekV4HCACompressor", "DeepseekV4CSACompressor",
+                                             "DeepseekV4Indexer"), row_compressor,
+    "DeepSeek-V4's compressors keep one running state for the batch, counted from slot 0 and not taken back")
+
+
 def _decorated(cls: type) -> type:
     """`cls`'s `@use_experts_implementation` subclass (`subclass_once`: made once, its modules pickle)."""
     return subclass_once(_decorate, cls)
@@ -1027,8 +1075,8 @@ FAMILIES: dict[str, FamilySpec] = {
             _declared_layer_types,  # alternating 128-token "sliding_attention" and "full_attention", with sinks
             attention_sinks=True,
         ),
-        FamilySpec(
-            "glm4_moe", ("glm4_moe",), "Glm4MoeExperts", _SWIGLU, _DEEPSEEK_ROUTER,
+        FamilySpec(  # GLM-4.5; Sarvam-30B and Param-2 are released on its model classes (configs of their own)
+            "glm4_moe", ("glm4_moe", "sarvam_moe", "param2moe"), "Glm4MoeExperts", _SWIGLU, _DEEPSEEK_ROUTER,
             _after_first_k_dense, _full_attention,
         ),
         FamilySpec(  # GLM-4.5V / GLM-4.6V's text decoder (image-text-to-text models): GLM-4.5's MoE layers
@@ -1039,8 +1087,8 @@ FAMILIES: dict[str, FamilySpec] = {
             "dots1", ("dots1",), "Dots1Experts", _SWIGLU, _DEEPSEEK_ROUTER, _after_first_k_dense,
             _declared_layer_types,
         ),
-        FamilySpec(
-            "deepseek_v3", ("deepseek_v3",), "DeepseekV3Experts", _SWIGLU, _DEEPSEEK_ROUTER,
+        FamilySpec(  # DeepSeek-V3 (Kimi K2.5: a vision tower beside its decoder); Sarvam-105B on its model classes
+            "deepseek_v3", ("deepseek_v3", "sarvam_mla", "kimi_k25"), "DeepseekV3Experts", _SWIGLU, _DEEPSEEK_ROUTER,
             _after_first_k_dense, _full_attention, shared_input_linears=_MLA_SHARED_INPUTS, cached_per_token=_latent,
         ),
         FamilySpec(  # DeepSeek-V3.2: DeepSeek-V3's experts and latent attention, over the keys a DSA indexer picks for
@@ -1354,6 +1402,16 @@ FAMILIES: dict[str, FamilySpec] = {
             adapt=(_ROW_INKLING2_DISTANCES,), position_bias=True, attention_sinks=True,
             query_slot_bytes=_position_bias_bytes,
         ),
+        FamilySpec(  # DeepSeek-V4: sliding-window attention (one key/value head, its keys its values, sinks) plus
+            # compressed entries of earlier windows (HCA: all; CSA: those a lightning indexer picks), per row over our
+            # cache (`compressed_attention`); hyper-connection streams; sqrt-softplus scores with a correction bias,
+            # the first layers routed by token id (`tid2eid`); experts with the gate clamped before SiLU, a shared one
+            "deepseek_v4", ("deepseek_v4",), "DeepseekV4Experts", _GATE_CLAMPED_SWIGLU,
+            RouterSpec(scoring="sqrtsoftplus", correction_bias="e_score_correction_bias", routed_scaling_factor=True),
+            _all_layers, _compressed_everywhere, attention_sinks=True, cached_per_token=_compressor_projections,
+            compressed_entries=_compressed_entries, adapt=(_ROW_DEEPSEEK_V4_COMPRESSORS,),
+            query_slot_bytes=_compressed_entries_bytes,
+        ),
         FamilySpec(  # Granite 4.0-H (GraniteMoeHybrid): Mamba2 layers between full-attention ones (without rotary
             # positions as released), Granite-MoE's router and multipliers, a shared MLP beside the experts everywhere
             "granitemoehybrid", ("granitemoehybrid",), "GraniteMoeHybridExperts", _SWIGLU, _TOP_K_THEN_SOFTMAX,
@@ -1487,13 +1545,16 @@ def router_of(model: torch.nn.Module, experts_name: str) -> torch.nn.Module:
     return block.get_submodule(router.module)
 
 
-def routing_of(model: torch.nn.Module, experts_name: str) -> Callable[[torch.Tensor], tuple]:
+def routing_of(model: torch.nn.Module, experts_name: str) -> Callable[[torch.Tensor], tuple] | None:
     """hidden [T, H] -> the router's outputs (expert indices last), as the MoE block of the routed-experts module
     `experts_name` calls its router: with the block's `RouterSpec.block_bias` where the family has one (read at each
     call: moving the model to a device replaces a buffer such as MiniMax-M2's; None where the block keeps none, as
-    LFM2-MoE's without `use_expert_bias` passes), the tokens as one row where it takes rows."""
+    LFM2-MoE's without `use_expert_bias` passes), the tokens as one row where it takes rows. None for a router that
+    routes by token ids (DeepSeek-V4's hash routers: hidden states alone do not say)."""
     block, router = _block_and_router(model, experts_name)
     module = getattr(block, router.call) if router.call else block.get_submodule(router.module)
+    if "input_ids" in inspect.signature(getattr(module, "forward", module)).parameters:  # a module, or a method
+        return None
 
     def route(hidden: torch.Tensor) -> tuple:
         bias = {} if router.block_bias is None else {router.block_bias: getattr(block, router.block_bias, None)}

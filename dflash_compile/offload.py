@@ -459,9 +459,11 @@ class OffloadedExperts:
             table[expert] = slot
         return self._copy(layer, copies, table)
 
-    def _ahead(self, layer: int) -> range:
-        """The MoE layers whose experts `layer`'s call predicts: the next `prefetch` ones."""
-        return range(layer + 1, min(layer + 1 + self.prefetch, len(self.layers)))
+    def _ahead(self, layer: int) -> list[int]:
+        """The MoE layers whose experts `layer`'s call predicts: of the next `prefetch` ones, those whose router reads
+        hidden states (DeepSeek-V4's first layers route by token id: `routing_of` gives them none)."""
+        following = range(layer + 1, min(layer + 1 + self.prefetch, len(self.layers)))
+        return [ahead for ahead in following if self.layers[ahead].router is not None]
 
     def _judge_prefetch(self) -> None:
         """After each PREFETCH_TRIAL prefetched experts: if fewer than PREFETCH_MIN_PRECISION of them were used, the

@@ -235,6 +235,8 @@ class SpeculativeDecoder:
         kinds = spec.attention_kinds(config)
         self.attention_kinds = kinds
         self.cached_per_token = [spec.cached_per_token(config, kind, layer) for layer, kind in enumerate(kinds)]
+        self.compressed_entries = [entries for layer in range(len(kinds))
+                                   for entries in spec.compressed_entries(config, layer)]  # (rate, width) each
         self.prefill_chunk = prefill_chunk
         self.prefill_activations: PrefillActivations | None = None  # made by the first prefill planned on CUDA
         # one mask per kind of layer that attends or keeps a state (`TargetCache.masks`)
@@ -329,11 +331,12 @@ class SpeculativeDecoder:
 
     def _cache_bytes(self, batch: int, max_len: int, dtype: torch.dtype) -> int:
         """Device bytes of the keys and values of new target and drafter caches (`_new_cache`, the drafter's
-        `new_cache`): every slot of a full-attention layer, a ring layer's ring. Linear-attention states are a
-        few MiB at most and left out."""
+        `new_cache`): every slot of a full-attention layer, a ring layer's ring, compressed entries for every slot.
+        Linear-attention states are a few MiB at most and left out."""
         ring = self._ring(max_len)
         target = sum((ring or max_len if kind in RING_KINDS and self.windows[kind] else max_len) * per_token
                      for kind, per_token in zip(self.attention_kinds, self.cached_per_token) if kind in KEYED_KINDS)
+        target += sum((max_len // rate + 1) * width for rate, width in self.compressed_entries)  # a spare row each
         drafter = getattr(self.drafter, "cache_elements_per_slot", 0)  # an oracle drafter caches nothing
         elements = target + max_len * drafter
         return batch * elements * dtype.itemsize

@@ -80,6 +80,18 @@ TINY_CONFIGS = {
         **{**_MLA, "num_hidden_layers": 4}, **_DSA, **_DEEPSEEK_ROUTING, **_ROUTED),
     "glm_moe_dsa": lambda: transformers.GlmMoeDsaConfig(  # its second layer reuses the first's choice of keys
         index_topk_pattern="FSF", initializer_range=0.1, **_MLA, **_DSA, **_DEEPSEEK_ROUTING, **_ROUTED),
+    # DeepSeek-V4: an HCA layer (entries of 4 tokens), a CSA one (of 2, 2 picked a query), a sliding one, a CSA one,
+    # all in a 6-token window; the first routed by token id; hyper-connection streams. 16 index heads: an entry's
+    # score ties another's (at 0) only where every head's ReLU is 0, and top-k would break such ties by shape
+    "deepseek_v4": lambda: transformers.DeepseekV4Config(
+        num_hidden_layers=4, hidden_size=64, num_attention_heads=4, head_dim=32, q_lora_rank=32,
+        partial_rotary_factor=0.25, o_groups=2, o_lora_rank=16, sliding_window=6, moe_intermediate_size=32,
+        n_routed_experts=8, num_experts_per_tok=2, layer_types=["heavily_compressed_attention",
+        "compressed_sparse_attention", "sliding_attention", "compressed_sparse_attention"],
+        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+        mlp_layer_types=["hash_moe", "moe", "moe", "moe"], index_n_heads=16, index_head_dim=16, index_topk=2,
+        hc_mult=2, hc_sinkhorn_iters=3, swiglu_limit=0.5, vocab_size=128, max_position_embeddings=256,
+        initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0),
     "hy_v4": lambda: transformers.HYV4Config(
         mlp_layer_types=["dense", "sparse", "sparse"], layer_types=["indexed_attention"] * 3,
         indexer_types=["full", "shared", "full"], hc_mult=2, swiglu_limit=0.5, initializer_range=0.1,
@@ -426,6 +438,12 @@ MULTIMODAL = {
         **_COMMON), lambda hidden_size: _sam_and_encoder(hidden_size) | dict(encoder_config=dict(
             hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=32,
             patch_size=16)), lambda hidden_size: dict(image_token_id=121)),
+    # Kimi K2.5: DeepSeek-V3's tiny decoder beside a one-block vision tower
+    "kimi_k25": (transformers.Kimi_K25Config, lambda: tiny_config("deepseek_v3"),
+                 lambda hidden_size: dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                          num_attention_heads=2, patch_size=8, pos_emb_height=4, pos_emb_width=4),
+                 lambda hidden_size: dict(image_token_id=121, video_token_id=122, vision_start_token_id=123,
+                                          vision_end_token_id=124, projection_hidden_size=32)),
     "aria": (transformers.AriaConfig, lambda: tiny_config("aria"), lambda hidden_size: dict(  # Idefics3's
         hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=64, patch_size=8)),
     "ernie4_5_vl_moe": (transformers.Ernie4_5_VLMoeConfig, lambda: transformers.Ernie4_5_VLMoeTextConfig(  # a dense
@@ -460,11 +478,23 @@ def tiny_multimodal_config(family: str, **text_overrides) -> transformers.Pretra
 
 
 def _randomize_zero_inits(model: torch.nn.Module, generator: torch.Generator) -> None:
-    """transformers initialises biases, sinks and router corrections to zero; random ones exercise more math."""
+    """transformers initialises biases, sinks and router corrections to zero; random ones exercise more math. Its
+    token-to-experts tables too (`randomize_token_routes`)."""
     with torch.no_grad():
         for tensor in (*model.parameters(), *model.buffers()):
             if tensor.is_floating_point() and tensor.numel() and not tensor.any():
                 tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.1)
+    randomize_token_routes(model, generator)
+
+
+def randomize_token_routes(model: torch.nn.Module, generator: torch.Generator | None = None) -> None:
+    """DeepSeek-V4's hash routers' token-to-experts tables (`tid2eid`), all expert 0 as transformers initialises them:
+    distinct random experts for each token, as a checkpoint's."""
+    for module in model.modules():
+        if hasattr(module, "tid2eid"):
+            tokens, top_k = module.tid2eid.shape
+            scores = torch.rand(tokens, module.num_experts, generator=generator, device=module.tid2eid.device)
+            module.tid2eid.copy_(scores.argsort(-1)[:, :top_k])
 
 
 def save_tiny_model(family: str, directory: str | Path, seed: int = 0, **overrides) -> Path:

@@ -161,7 +161,7 @@ def test_a_model_with_grad_enabled_compiles_for_inference(tiny, lowering):
 # gives Ling 3's experts Step 3.7's per-layer clamps (`_apply_gate`), and has Ergo (experts without a gate,
 # [E, in, out], a loop of their own)
 OWN_EXPERTS_CODE = ("gpt_oss", "beam", "aria", "llama4_text", "nemotron_h", "dbrx", "jetmoe", "hy_v4",
-                    "minimax_m3_vl", "inkling2") + (
+                    "minimax_m3_vl", "inkling2", "deepseek_v4") + (
     ("bailing_hybrid", "ergo") if Version(transformers.__version__) >= Version("5.25") else ())
 
 
@@ -209,9 +209,12 @@ def test_one_dispatch_node_per_moe_layer_whatever_experts_implementation(tiny, f
     attention_experts = sum(type(module).__name__ == "JetMoeGroupedAttentionExperts" for module in model.modules())
     # 18 rows: a prefill's linears keep torch's, but ZAYA1's delayed value of a zero token before each row (2 rows)
     zero_tokens = sum(type(module).__name__ == "ZayaCCAProjection" for module in model.modules())
+    # DeepSeek-V4's first routers look their experts up by token id (no topk)
+    by_token_id = sum(type(module).__name__ == "DeepseekV4HashRouter" for module in model.modules())
     assert report.matches == {"expert_dispatch": len(moe_layers), "dequant_fusion": 0,
                               "projection_fusion": groups + loaded_together,
-                              "small_top_k": routers_top_k * len(moe_layers) + indexers + attention_experts,
+                              "small_top_k": routers_top_k * (len(moe_layers) - by_token_id) + indexers
+                              + attention_experts,
                               "split_k_linear": zero_tokens}
     after = report.graphs[0].after
     assert "topk(" not in after  # every router's topk is dflash::top_k

@@ -40,7 +40,7 @@ SIZES = {"gpt_oss": {"intermediate_size": 64}, "deepseek_v2": {"moe_intermediate
          **{family: {"moe_intermediate_size": 128}
             for family in ("mellum", "kolibri1", "kolibri1_1", "beam", "flint", "minicpm5_moe", "axk1", "lara_mini",
                            "mistral4", "kimi_linear", "bailing_hybrid", "lfm2_moe", "nemotron_h", "longcat_flash",
-                           "deepseek_v32", "glm_moe_dsa", "axk2", "dots3_note", "hy_v4")},
+                           "deepseek_v32", "glm_moe_dsa", "axk2", "dots3_note", "hy_v4", "deepseek_v4")},
          "glm4_moe": {"moe_intermediate_size": 128}, "glm4_moe_lite": {"moe_intermediate_size": 128},
          "qwen2_moe": {"moe_intermediate_size": 128}, "qwen3_moe": {"moe_intermediate_size": 128},
          "qwen3_next": {"moe_intermediate_size": 128},

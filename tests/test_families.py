@@ -18,7 +18,7 @@ from dflash_compile.testing import OracleDrafter, in_installed_transformers, tin
 from tests.conftest import token_ids
 
 
-def test_registry_covers_the_sixty_nine_families():
+def test_registry_covers_the_seventy_families():
     assert dflash_compile.supported_families() == sorted(
         ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe", "glm4_moe_lite",
          "deepseek_v2", "deepseek_v3", "olmoe", "ernie4_5_moe", "phimoe", "dots1", "flex_olmo", "solar_open",
@@ -29,7 +29,7 @@ def test_registry_covers_the_sixty_nine_families():
          "nemotron_h", "jamba", "dbrx", "longcat_flash", "deepseek_v32", "glm_moe_dsa", "axk2",
          "mistral_large4", "dots3_note", "deepseek_ocr2", "jetmoe", "qwen3_omni_moe", "ergo", "hy_v4",
          "hy_v4_vl", "minimax", "muse_spark", "zaya", "kolibri1_1", "minimax_m3_vl", "inkling",
-         "unlimited_ocr", "inkling2"]
+         "unlimited_ocr", "inkling2", "deepseek_v4"]
     )
 
 
@@ -129,20 +129,24 @@ def test_qwen3_sparse_step_glm_declared_layers_and_mixtral_window():
     assert FAMILIES["mixtral"].attention_kinds(mixtral) == ["sliding_attention"] * 2
 
 
-def _tiny_deepseek_v4():
-    """DeepSeek-V4 (deepseek_v4): not in the registry (its compressed attention keeps running compressed entries and
-    buffers of window-aligned tokens in its cache); its routed experts are of transformers' kind."""
-    config = transformers.DeepseekV4Config(vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                           head_dim=16, q_lora_rank=16, moe_intermediate_size=32, n_routed_experts=4,
-                                           num_experts_per_tok=2, o_groups=1, o_lora_rank=16, index_n_heads=2,
-                                           index_head_dim=16, index_topk=4, sliding_window=8)
+def _tiny_qwen4_exp():
+    """Qwen4-Exp (qwen4_exp_text): not in the registry (its layers read per-layer embeddings of the n-grams of earlier
+    token ids); its routed experts are of transformers' kind."""
+    config = transformers.Qwen4ExpTextConfig(
+        vocab_size=128, hidden_size=32, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2, indexer_budget=8,
+        indexer_compress_ratio=4, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16,
+        ngram_vocab_size_base=256, split_ngram_parts=4, hc_lowrank=8, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
 def test_unsupported_moe_family_is_a_clear_error_before_any_state():
-    model = _tiny_deepseek_v4()
+    model = _tiny_qwen4_exp()
     # Dynamo wraps whatever a backend raises in BackendCompilerFailed; ours is the inner exception.
-    message = r"model_type 'deepseek_v4' is a Mixture-of-Experts model"
+    message = (r"Qwen4ExpTextExperts \(from transformers.models.qwen4_exp.modeling_qwen4_exp\) is a Mixture-of-Experts "
+               "model")
     with pytest.raises(BackendCompilerFailed, match=message) as err:
         with torch.no_grad():
             torch.compile(model, backend="dflash", options={"lowering": "eager"})(token_ids(1, 4))
@@ -166,8 +170,8 @@ def test_a_family_on_too_old_a_transformers_is_refused_before_any_state(monkeypa
 
 
 def test_unsupported_experts_class_is_recognised_without_a_config():
-    experts = _tiny_deepseek_v4().model.layers[0].mlp.experts
-    with pytest.raises(UnsupportedFamilyError, match=r"DeepseekV4Experts .* does not support yet"):
+    experts = _tiny_qwen4_exp().model.layers[0].mlp.experts
+    with pytest.raises(UnsupportedFamilyError, match=r"Qwen4ExpTextExperts .* does not support yet"):
         spec_for_experts_class(type(experts))
 
 

@@ -10,7 +10,7 @@ from packaging.version import Version
 import dflash_compile
 from dflash_compile.adaptive import WidthChooser
 from dflash_compile.families import FAMILIES, KEYED_KINDS, MASK_READING_KINDS, ring_window, spec_for_model
-from dflash_compile.testing import OracleDrafter
+from dflash_compile.testing import OracleDrafter, tiny_config
 from tests.conftest import FAMILIES as FAMILY_NAMES
 from tests.conftest import token_ids
 
@@ -31,10 +31,11 @@ def prompts(batch: int, seed: int = 3):
 # layer's (0), so its full-attention layers' decode masks cover one key and leave the padding's keys visible;
 # MiniMax-M3's indexer counts key blocks from slot 0, padding included; Inkling's log scaling counts a row's padding
 # in its positions; Unlimited OCR's padded rows part from their tokens alone once the generated tokens pass its
-# window (its cache evicts them). Their padded rows' reference is each row generated alone, unpadded, as a correct
+# window (its cache evicts them); DeepSeek-V4's compressors count their windows from slot 0, padding included. Their
+# padded rows' reference is each row generated alone, unpadded, as a correct
 # decode gives them (`test_left_padded_rows_decode_as_each_row_alone`, `test_inkling_positions_are_each_rows_own` and
 # the release test's `test_unlimited_ocr_left_padded_rows_decode_as_each_row_alone` keep watch).
-PADDED_DECODE_WRONG = ("minimax", "minimax_m3_vl", "inkling", "unlimited_ocr")
+PADDED_DECODE_WRONG = ("minimax", "minimax_m3_vl", "inkling", "unlimited_ocr", "deepseek_v4")
 
 
 def reference(model, ids, mask, new_tokens=NEW_TOKENS, **kwargs):
@@ -128,13 +129,15 @@ def test_dsa_layers_attend_over_the_keys_their_indexer_picks(tiny, family):
         assert cache.keys[3].shape == (3, 1, 8 - 1 + 4, 24) and cache.keys[0].shape == (3, 1, cache.max_len, 16)
 
 
-@pytest.mark.parametrize("family", ["minimax", "minimax_m3_vl"])  # Inkling's: its logits (its tokens here agree)
+@pytest.mark.parametrize("family", ["minimax", "minimax_m3_vl", "deepseek_v4"])  # Inkling's: its logits (its
+# tokens here agree)
 def test_left_padded_rows_decode_as_each_row_alone(tiny, family):
-    """transformers' MiniMax and MiniMax-M3 decode a left-padded batch wrong (PADDED_DECODE_WRONG): a padded row's
-    tokens are not the ones that row gets alone (MiniMax: its cache length is a lightning layer's, 0, so the decode
-    mask keeps the padding visible; MiniMax-M3: its indexer counts key blocks from slot 0, padding included).
-    Optimized, each row gets its own (the target cache knows each layer's length and masks each row's padding; the
-    indexer's blocks count from the row's first key), drafts accepted in part or not."""
+    """transformers' MiniMax, MiniMax-M3 and DeepSeek-V4 decode a left-padded batch wrong (PADDED_DECODE_WRONG): a
+    padded row's tokens are not the ones that row gets alone (MiniMax: its cache length is a lightning layer's, 0, so
+    the decode mask keeps the padding visible; MiniMax-M3: its indexer counts key blocks from slot 0, padding
+    included; DeepSeek-V4: its compressors' windows too). Optimized, each row gets its own (the target cache knows
+    each layer's length and masks each row's padding; the indexer's blocks and the compressors' windows count from
+    the row's first key), drafts accepted in part or not."""
     model = tiny(family)
     ids, mask = prompts(3)
     expected = reference(model, ids, mask)
@@ -329,13 +332,15 @@ def test_prompts_on_another_device_than_the_model_are_refused(tiny):
 @pytest.mark.parametrize("family", SPECULATIVE_FAMILIES)
 def test_the_caches_bytes_are_known_before_they_are_made(tiny, random_drafter, family):
     """`_cache_bytes` (what `generate` checks against the free memory) is what a generation's caches then hold:
-    gpt-oss's sliding rings, Qwen3.5's layers without a key/value cache, DeepSeek-V3's latents, the drafter's."""
+    gpt-oss's sliding rings, Qwen3.5's layers without a key/value cache, DeepSeek-V3's latents, DeepSeek-V4's
+    compressed entries, the drafter's."""
     model = tiny(family)
     ids, mask = prompts(2)
     fast = dflash_compile.optimize(model, random_drafter(model, block_size=4), adaptive=False, compile=False)
     fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
     target, drafter = fast.decoder.target_cache, fast.decoder.drafter_cache
-    assert target.rows.nbytes + drafter.nbytes == fast.decoder._cache_bytes(*target.rows.shape[:3])
+    entries = sum(buffer.nbytes for buffer in target.compressed.values())
+    assert target.rows.nbytes + entries + drafter.nbytes == fast.decoder._cache_bytes(*target.rows.shape[:3])
 
 
 @pytest.mark.parametrize("field, value", [("num_beams", 2), ("penalty_alpha", 0.6), ("num_return_sequences", 2)])
@@ -409,10 +414,33 @@ def _image_text_release(family: str, directory):
     return transformers.AutoModelForImageTextToText.from_pretrained(directory).eval()
 
 
+@pytest.mark.parametrize("config_class, family", [("SarvamMoEConfig", "glm4_moe"), ("Param2MoeConfig", "glm4_moe"),
+                                                  ("SarvamMLAConfig", "deepseek_v3")])
+def test_a_release_on_another_familys_model_classes_generates_like_generate(tmp_path, config_class, family):
+    """Sarvam-30B and Param-2 (configs of their own, `model_type` "sarvam_moe" and "param2moe", on GLM-4.5's model
+    classes) and Sarvam-105B ("sarvam_mla", on DeepSeek-V3's): the registry knows them by model type, and text
+    prompts keep `generate`'s tokens through partly accepted blocks."""
+    if not hasattr(transformers, config_class):
+        pytest.skip(f"transformers {transformers.__version__} has no {config_class}")
+    settings = {key: value for key, value in tiny_config(family).to_dict().items()
+                if key not in ("model_type", "transformers_version", "architectures")}
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**settings)).save_pretrained(
+        tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert spec_for_model(model) is FAMILIES[family]
+    ids, mask = prompts(3)
+    expected = reference(model, ids, mask)
+    fast = dflash_compile.optimize(model, OracleDrafter(expected, mask, 4, corruption=0.3, vocab_size=128),
+                                   adaptive=False, compile=False)
+    assert torch.equal(fast.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
+    assert 1.5 < fast.last_stats.tau < 4
+
+
 @pytest.mark.parametrize("family", ["qwen3_vl_moe", "glm4v_moe", "gemma4", "mistral3", "aria", "ernie4_5_vl_moe",
                                     "step3p7", LLAMA4_RELEASE, "mistral_large4", "deepseek_ocr2",
                                     "qwen3_omni_moe", "hy_v4_vl", "muse_spark", "minimax_m3_vl", "inkling",
-                                    "unlimited_ocr", "inkling2"])
+                                    "unlimited_ocr", "inkling2", "kimi_k25"])
 def test_an_image_text_to_text_release_generates_like_generate(tmp_path, family, aot_eager_steps):
     """Qwen3-VL-MoE and GLM-4.5V, which transformers builds only as image-text-to-text models (the decoder under
     `model.language_model`, its rotary positions in three sections, a vision tower beside it), and Gemma 4 as
@@ -424,7 +452,8 @@ def test_an_image_text_to_text_release_generates_like_generate(tmp_path, family,
     lm_head), Muse Spark (audio and vision towers; experts norming each route, moved into the block) and
     MiniMax-M3 (its sparse layers' blocks counted from each row's first key, the rows as each alone), Inkling
     (image and audio towers; positions per row), Unlimited OCR (DeepSeek-OCR 2's kind of model whose layers see
-    the prompt whole and a window of the generated tokens) and Inkling 2 (distances per row): text prompts keep
+    the prompt whole and a window of the generated tokens), Inkling 2 (distances per row) and Kimi K2.5 (a vision
+    tower beside DeepSeek-V3's decoder): text prompts keep
     `generate`'s tokens through partly accepted blocks, eager and compiled (lowered by AOT eager: Inductor compiles
     each decoder's kind of attention and router in the text families' tests), with their experts offloaded, and
     loaded by `dflash_compile.from_pretrained`."""
