@@ -151,7 +151,7 @@ def _quantized_tensors(model: torch.nn.Module, format: str) -> Iterator[tuple[st
                 tensors = _quantized_experts(module, format)
             elif (format == "fp8_block" and type(module) is torch.nn.Linear
                   and module is not head and module not in routers
-                  and path.rpartition(".")[2] not in spec.unquantized_linears):
+                  and not path.endswith(spec.unquantized_linears)):
                 quantized, scale = quantize_fp8_block(module.weight.detach(), FP8_BLOCK)
                 tensors = [("weight", quantized), ("weight_scale_inv", scale),
                            *((name, tensor) for name, tensor in _own_tensors(module) if name != "weight")]

@@ -298,7 +298,26 @@ def _cca_elements(config) -> int:
 def _hybrid_layer_kinds(config) -> list[AttentionKind]:
     """ZAYA1 and Inkling: "hybrid" layers attend over every key, "hybrid_sliding" ones over a window (with their
     convolutions: ZAYA1's CCA, Inkling's short convolutions)."""
-    return ["sliding_attention" if kind == "hybrid_sliding" else "full_attention" for kind in config.layer_types]
+    return _hybrid_kinds(config.layer_types)
+
+
+def _hybrid_kinds(layer_types: list[str]) -> list[AttentionKind]:
+    return ["sliding_attention" if kind == "hybrid_sliding" else "full_attention" for kind in layer_types]
+
+
+def _looped_hybrid_layer_kinds(config) -> list[AttentionKind]:
+    """Inkling 2 with looped layers, by cache index: its layers', then the looped layers' again for each pass after
+    the first (transformers' caches for those passes come after the model's layers, in that order)."""
+    looped = config.layer_types[config.loop_layer_index_start:config.loop_layer_index_end]
+    return _hybrid_kinds(list(config.layer_types) + looped * (config.loop_num_passes - 1))
+
+
+def _looped_states(config) -> int:
+    """Looped Inkling 2, per token: its block states (one hidden vector a block of `n_layers_per_attn_res_block` layers
+    visited) held thrice (before the loop, the last pass's, this pass's), their stacked fp32 copy and its norm in the
+    message attention, and a looped layer's 4 messages and their gates' fp32 inputs (2 each)."""
+    blocks = -(-config.total_num_hidden_layers // config.n_layers_per_attn_res_block) + 1
+    return 5 * blocks + 4 * 3
 
 
 def _mamba1_state(config) -> int:
@@ -361,10 +380,10 @@ class FamilySpec:
     # the attribute of an MoE block (ERNIE-4.5-VL's `vision_moe`) whose experts text prompts never call: left to the
     # model's own code (images), out of `experts_modules`
     image_experts: str | None = None
-    # linears FP8 checkpoints keep in the model's dtype (by name): those the family's code multiplies by their
-    # `weight` instead of calling (Jamba's `dt_proj`) or reads the dtype of (Ergo's `o_proj`: its layers' compute
-    # dtype), and routers beside the MoE blocks' (JetMoE's attention experts' `router.layer`), which route in the
-    # model's dtype as the MoE blocks' do
+    # linears FP8 checkpoints keep in the model's dtype (by how their path ends): those the family's code multiplies by
+    # their `weight` instead of calling (Jamba's `dt_proj`) or reads the dtype of (Ergo's `o_proj`: its layers' compute
+    # dtype; looped Inkling 2's message gates' `message_gate.down_proj`), and routers beside the MoE blocks' (JetMoE's
+    # attention experts' `router.layer`), which route in the model's dtype as the MoE blocks' do
     unquantized_linears: tuple[str, ...] = ()
     # whether a router reads what the experts read (offload's prefetch guesses the next MoE layer's experts by its
     # router on this layer's experts' input): Muse Spark's experts read the block's input projected into their own
@@ -377,6 +396,9 @@ class FamilySpec:
     # whether the target's forwards tell the model `use_cache` with the target cache: MiniMax's model refuses any
     # cache but its own (`MiniMaxCache`) when told, while its layers read and write the cache they are given either way
     use_cache: bool = True
+    # (config) -> hidden-wide fp32 vectors a prefill's forward holds per token beyond its layers' own (`prefill_memory`):
+    # looped Inkling 2's block states across its passes and the messages between them
+    held_per_token: Callable[[object], int] | None = None
     # the config's count of zero-compute experts, which a router picks as it picks routed ones and which read no weights
     # (LongCat-Flash's `zero_expert_num`: each returns its input)
     zero_compute_experts_key: str | None = None
@@ -909,7 +931,8 @@ _ALIGN_MINIMAX_M3_BLOCKS = Adapter(lambda module: type(module).__name__ == "Mini
 _POSITION_INKLING_ATTENTION = Adapter(lambda module: type(module).__name__ == "InklingAttention",
                                       row_positioned_inkling_attention,
                                       "Inkling's attention reads positions from the cache's one length")
-_ROW_INKLING2_DISTANCES = Adapter(lambda module: type(module).__name__ == "Inkling2TextModel"
+_ROW_INKLING2_DISTANCES = Adapter(lambda module: type(module).__name__ in ("Inkling2TextModel",
+                                                                          "Inkling2LoopTextModel")
                                   and not distances_per_row(module), row_relative_distances,
                                   "Inkling 2's model reads its layers' distances from the cache's one length")
 _CAPTURE_KOLIBRI_INDEXERS = Adapter(lambda module: type(module).__name__ == "Kolibri1_1Indexer",
@@ -1004,6 +1027,18 @@ _DEEPSEEK_V2_ROUTER = RouterSpec(scoring="softmax", grouped_top_k=True, routed_s
 # HY V4: GLM-MoE-DSA's sparse attention with sinks and a per-head output gate, hyper-connection streams between layers
 # (`drafter.context_features` averages them), experts clamping the gate before SiLU; GLM-4.5's router, a shared
 # expert; MLPs declared
+# Inkling 2 (its text model; a vision tower beside it): Kolibri's kind of router, scaled; experts with softcapped
+# SwiGLU; Inkling's relative logits (distances per row: `row_positions`), log-scaled queries in full layers (by the
+# rows' own positions), convolutions (dynamic ones on full layers' keys and values), attention sinks per token; block
+# attention residuals across layers (within a forward)
+_INKLING2 = FamilySpec(
+    "inkling2", ("inkling2_text", "inkling2"), "Inkling2Experts",
+    ExpertLayout(gate_up="concatenated", transposed=False, bias=False, activation="softcapped_swiglu"),
+    RouterSpec(scoring="sigmoid", correction_bias="e_score_correction_bias"), _all_layers, _hybrid_layer_kinds,
+    model_masks={"conv": "linear_attention"}, cached_per_token=_inkling_keys_and_values,
+    adapt=(_ROW_INKLING2_DISTANCES,), position_bias=True, attention_sinks=True, query_slot_bytes=_position_bias_bytes,
+)
+
 _HY_V4 = FamilySpec(
     "hy_v4", ("hy_v4",), "HYV4Experts", _GATE_CLAMPED_SWIGLU, _DEEPSEEK_ROUTER, _declared_sparse_layers,
     _declared_layer_types, attention_sinks=True, shared_input_linears=_GATED_MLA_SHARED_INPUTS,
@@ -1391,17 +1426,14 @@ FAMILIES: dict[str, FamilySpec] = {
             cached_per_token=_inkling_keys_and_values, adapt=(_POSITION_INKLING_ATTENTION,), position_bias=True,
             query_slot_bytes=_position_bias_bytes,
         ),
-        FamilySpec(  # Inkling 2 (its text model; a vision tower beside it): Kolibri's kind of router, scaled; experts
-            # with softcapped SwiGLU; Inkling's relative logits (distances per row: `row_positions`), log-scaled
-            # queries in full layers (by the rows' own positions), convolutions (dynamic ones on full layers' keys and
-            # values), attention sinks per token; block attention residuals across layers (within a forward)
-            "inkling2", ("inkling2_text", "inkling2"), "Inkling2Experts",
-            ExpertLayout(gate_up="concatenated", transposed=False, bias=False, activation="softcapped_swiglu"),
-            RouterSpec(scoring="sigmoid", correction_bias="e_score_correction_bias"), _all_layers,
-            _hybrid_layer_kinds, model_masks={"conv": "linear_attention"}, cached_per_token=_inkling_keys_and_values,
-            adapt=(_ROW_INKLING2_DISTANCES,), position_bias=True, attention_sinks=True,
-            query_slot_bytes=_position_bias_bytes,
-        ),
+        _INKLING2,
+        # Inkling 2 with looped layers: its layers from `loop_layer_index_start` to `loop_layer_index_end` run
+        # `loop_num_passes` times a forward, each pass after the first with caches of its own after the model's
+        # layers (`_looped_hybrid_layer_kinds`); layers visited, MoE calls and hidden states count every pass
+        replace(_INKLING2, name="inkling2_loop", model_types=("inkling2_loop_text", "inkling2_loop"),
+                experts_class="Inkling2LoopExperts", attention_kinds=_looped_hybrid_layer_kinds,
+                decoder_layers_key="total_num_hidden_layers", unquantized_linears=("message_gate.down_proj",),
+                held_per_token=_looped_states),
         FamilySpec(  # DeepSeek-V4: sliding-window attention (one key/value head, its keys its values, sinks) plus
             # compressed entries of earlier windows (HCA: all; CSA: those a lightning indexer picks), per row over our
             # cache (`compressed_attention`); hyper-connection streams; sqrt-softplus scores with a correction bias,

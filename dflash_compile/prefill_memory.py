@@ -11,7 +11,8 @@ device's free memory before it allocates anything, or refuse the prompt naming w
                                + experts' weight buffer(rows * chunk)                dequantizing path only
 
 - layer: the largest decoder layer's activations per token, as if every one of its linears' outputs (attention,
-  routers, shared experts, dense MLPs) were held at once, with the residual stream and the routers' fp32 scores.
+  routers, shared experts, dense MLPs) were held at once, with the residual stream and the routers' fp32 scores, and
+  what the forward holds across layers (`FamilySpec.held_per_token`: looped Inkling 2's block states and messages).
 - linear_rule: a linear-attention layer's chunked rule per token (`LinearAttentionSpec.chunked_elements_per_token`),
   over the chunk padded to the rule's 64-token chunks (Kimi Linear's decay masks make that count); or, for chunks of
   at most 64 tokens after the first, which `linear_attention` steps token by token, stepped_rule: the state kept
@@ -114,7 +115,9 @@ class PrefillActivations:
         routers = experts.experts if experts else 0  # a router's scores per token, one per expert
         layer = max((_linear_outputs(decoder) for decoder in model.modules()
                      if isinstance(decoder, GradientCheckpointingLayer)), default=0)
-        layer = (2 * layer + RESIDUAL_STREAM * config.hidden_size) * itemsize + 2 * routers * FP32
+        held = spec.held_per_token(config) if spec.held_per_token else 0  # looped Inkling 2's states across passes
+        layer = (2 * layer + RESIDUAL_STREAM * config.hidden_size) * itemsize + (2 * routers + held * config.hidden_size
+                                                                                 ) * FP32
         kinds = set(spec.attention_kinds(config)) & set(KEYED_KINDS)
         groups = max(view.num_attention_heads // view.num_key_value_heads for view in layer_configs(config))
         features = (3 * feature_layers + 4) * config.hidden_size * itemsize if drafter else 0

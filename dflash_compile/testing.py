@@ -133,6 +133,10 @@ TINY_CONFIGS = {
         conv_kernel_size=4, n_layers_per_attn_res_block=2, mlp_gate_softcap=1.0, mlp_up_softcap=1.0,
         final_logit_softcapping=30.0, unpadded_vocab_size=128, bos_token_id=1, eos_token_id=2, pad_token_id=0,
         initializer_range=0.1, **_ROUTED, **_COMMON),
+    # Inkling 2 with looped layers: its tiny config's layers plus a sliding one, the last two looped twice
+    "inkling2_loop": lambda: transformers.Inkling2LoopTextConfig(**settings_of("inkling2") | dict(
+        num_hidden_layers=4, layer_types=["hybrid_sliding", "hybrid_sliding", "hybrid", "hybrid_sliding"],
+        loop_layer_index_start=2, loop_layer_index_end=4, loop_num_passes=2, loop_gate_rank=8)),
     "deepseek_v2": lambda: transformers.DeepseekV2Config(  # DeepSeek-V2's group-limited softmax router
         topk_method="group_limited_greedy", **_MLA, **_DEEPSEEK_ROUTING, **_ROUTED),
     "glm4_moe_lite": lambda: transformers.Glm4MoeLiteConfig(  # GLM-4.7-Flash: one group, MLPs declared per layer
@@ -308,6 +312,12 @@ def in_installed_transformers(family: str) -> bool:
     return spec.installed() and all(model_type in transformers.CONFIG_MAPPING for model_type in spec.model_types)
 
 
+def settings_of(family: str) -> dict:
+    """`family`'s tiny config as settings for another config class (a release on its kind of model)."""
+    return {key: value for key, value in tiny_config(family).to_dict().items()
+            if key not in ("model_type", "transformers_version", "architectures")}
+
+
 def tiny_config(family: str, **overrides) -> transformers.PretrainedConfig:
     if family not in TINY_CONFIGS:
         raise ValueError(f"no tiny config for {family!r}; choose one of {sorted(TINY_CONFIGS)}")
@@ -407,11 +417,13 @@ MULTIMODAL = {
                                                            mel_vocab_size=16),
                                          image_token_id=121, audio_token_id=122, image_bos_token_id=123,
                                          audio_bos_token_id=124)),
-    # Inkling 2's release: its tiny decoder beside a one-block vision tower
-    "inkling2": (transformers.Inkling2Config, lambda: tiny_config("inkling2"),
-                 lambda hidden_size: dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=4,
-                                          text_hidden_size=hidden_size, projection_hidden_dim=32, posemb_grid_size=4),
-                 lambda hidden_size: dict(image_token_id=121)),
+    # Inkling 2's release, and its looped kind's: the tiny decoder beside a one-block vision tower
+    **{family: (config_class, lambda family=family: tiny_config(family),
+                lambda hidden_size: dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=4,
+                                         text_hidden_size=hidden_size, projection_hidden_dim=32, posemb_grid_size=4),
+                lambda hidden_size: dict(image_token_id=121))
+       for family, config_class in (("inkling2", transformers.Inkling2Config),
+                                    ("inkling2_loop", transformers.Inkling2LoopConfig))},
     # MiniMax-M3's release: its tiny decoder beside a one-block vision tower
     "minimax_m3_vl": (transformers.MiniMaxM3VLConfig, lambda: tiny_config("minimax_m3_vl"),
                       lambda hidden_size: dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1,

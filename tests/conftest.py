@@ -40,7 +40,14 @@ FAMILIES = sorted(family for family in TINY_CONFIGS if in_installed_transformers
 # k/v (`kv_proj`; its queries come from its attention experts), Ergo's q/k/v (`qkv_proj`), and whose MLPs have no
 # gate: nothing for `share_storage` to group; Inkling 2's projections are modules of their own (norms, clips and
 # convolutions around each linear), its MLPs all routed
-ONE_LINEAR_PROJECTIONS = ("dbrx", "jetmoe", "ergo", "inkling2")
+ONE_LINEAR_PROJECTIONS = ("dbrx", "jetmoe", "ergo", "inkling2", "inkling2_loop")
+
+
+def traceable_forward(family: str) -> dict:
+    """Keyword arguments of a plain forward that Dynamo traces whole: looped Inkling 2's forward copies transformers'
+    cache layers for its later passes (copy.deepcopy, a graph break) unless it gets no cache; the decoder's cache is
+    never copied."""
+    return {"use_cache": False} if family == "inkling2_loop" else {}
 
 
 def pytest_collection_modifyitems(items):

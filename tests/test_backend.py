@@ -18,7 +18,7 @@ from dflash_compile.expert_store import ExpertStore
 from dflash_compile.families import FAMILIES, experts_modules, router_of
 from dflash_compile.projections import share_storage
 from tests.conftest import FAMILIES as FAMILY_NAMES
-from tests.conftest import ONE_LINEAR_PROJECTIONS, token_ids
+from tests.conftest import ONE_LINEAR_PROJECTIONS, token_ids, traceable_forward
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
@@ -161,7 +161,7 @@ def test_a_model_with_grad_enabled_compiles_for_inference(tiny, lowering):
 # gives Ling 3's experts Step 3.7's per-layer clamps (`_apply_gate`), and has Ergo (experts without a gate,
 # [E, in, out], a loop of their own)
 OWN_EXPERTS_CODE = ("gpt_oss", "beam", "aria", "llama4_text", "nemotron_h", "dbrx", "jetmoe", "hy_v4",
-                    "minimax_m3_vl", "inkling2", "deepseek_v4") + (
+                    "minimax_m3_vl", "inkling2", "inkling2_loop", "deepseek_v4") + (
     ("bailing_hybrid", "ergo") if Version(transformers.__version__) >= Version("5.25") else ())
 
 
@@ -189,7 +189,7 @@ def test_one_dispatch_node_per_moe_layer_whatever_experts_implementation(tiny, f
         expected = model(ids).logits
     groups = share_storage(model)
     assert (groups > 0) == (family not in ONE_LINEAR_PROJECTIONS)
-    report = dflash_compile.explain(model, ids)
+    report = dflash_compile.explain(model, ids, **traceable_forward(family))
     moe_layers = FAMILIES[family].moe_layers(model.config)
     assert report.graph_break_count == 0
     assert len(report.graphs) == 1
@@ -223,7 +223,7 @@ def test_one_dispatch_node_per_moe_layer_whatever_experts_implementation(tiny, f
     assert after.count("grouped_mm") == 2 * attention_experts and "gate_up_proj[" not in after
     with torch.no_grad():
         compiled = torch.compile(model, backend="dflash", fullgraph=True, options={"lowering": "aot_eager"})
-        torch.testing.assert_close(compiled(ids).logits, expected, atol=1e-4, rtol=0)
+        torch.testing.assert_close(compiled(ids, **traceable_forward(family)).logits, expected, atol=1e-4, rtol=0)
 
 
 def test_shared_experts_and_dense_layers_stay(tiny):

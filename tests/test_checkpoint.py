@@ -36,7 +36,7 @@ SIZES = {"gpt_oss": {"intermediate_size": 64}, "deepseek_v2": {"moe_intermediate
          "jetmoe": {"intermediate_size": 128}, "ergo": {"moe_intermediate_size": 128},
          "minimax": {"intermediate_size": 128}, "zaya": {"moe_intermediate_size": 128},
          "minimax_m3_vl": {"intermediate_size": 128}, "inkling": {"moe_intermediate_size": 128},
-         "inkling2": {"moe_intermediate_size": 128},
+         "inkling2": {"moe_intermediate_size": 128}, "inkling2_loop": {"moe_intermediate_size": 128},
          **{family: {"moe_intermediate_size": 128}
             for family in ("mellum", "kolibri1", "kolibri1_1", "beam", "flint", "minicpm5_moe", "axk1", "lara_mini",
                            "mistral4", "kimi_linear", "bailing_hybrid", "lfm2_moe", "nemotron_h", "longcat_flash",
@@ -181,10 +181,10 @@ def test_fp8_block_checkpoint_loads_packed_and_matches_the_dequantized_model(fam
     assert any(isinstance(m, FP8Linear) for m in packed.modules())
     routers = {part for path in experts_modules(packed) for part in router_of(packed, path).modules()}
     # every plain linear is FP8 but lm_head, the routers' (Hunyuan-A13B's fp32 gate.wg; Phi-MoE's router) and those
-    # the family's code multiplies by their weight (Jamba's dt_proj)
+    # the family's code multiplies by their weight (Jamba's dt_proj) or reads the dtype of
     unquantized = spec_for_model(packed).unquantized_linears
     assert not any(type(m) is torch.nn.Linear and m is not packed.lm_head and m not in routers
-                   and name.rpartition(".")[2] not in unquantized for name, m in packed.named_modules())
+                   and not name.endswith(unquantized) for name, m in packed.named_modules())
     assert not any(isinstance(m, FP8Linear) for m in routers)
     reference = _dequantized_reference(original, packed)
     ids = token_ids()

@@ -51,15 +51,17 @@ class ExpertRegion:
 
 
 def find_expert_regions(graph: torch.fx.Graph) -> list[ExpertRegion]:
-    """Routed-expert regions in graph order, keyed by the outermost experts module on each node's stack."""
+    """Routed-expert regions in graph order, keyed by the call of the outermost experts module on each node's stack:
+    a module called more than once a forward (Inkling 2's looped layers) makes a region per call (Dynamo's stack
+    keys its later calls `@1`, `@2`, ...)."""
     regions: dict[str, ExpertRegion] = {}
     for node in graph.nodes:
         if node.op != "call_function" and node.op != "call_method":
             continue  # placeholders carry a module stack too, but stay: the caller still passes them
-        for path, module_class in (node.meta.get("nn_module_stack") or {}).values():
+        for call, (path, module_class) in (node.meta.get("nn_module_stack") or {}).items():
             spec = spec_for_experts_class(module_class)
             if spec is not None:
-                regions.setdefault(path, ExpertRegion(path, spec)).nodes.append(node)
+                regions.setdefault(call, ExpertRegion(path, spec)).nodes.append(node)
                 break
     return list(regions.values())
 
