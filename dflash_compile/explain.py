@@ -18,6 +18,7 @@ class ExplainReport:
     graph_break_count: int = 0
     break_reasons: list[str] = field(default_factory=list)
     expert_placement: str = ""
+    outputs: object = None  # what the compiled run returned (the rewritten graphs run eagerly)
 
     @property
     def matches(self) -> dict[str, int]:
@@ -65,7 +66,7 @@ def expert_placement(model: torch.nn.Module) -> str:
 
 def explain(model: torch.nn.Module, *example_inputs, options: dict | None = None, **example_kwargs) -> ExplainReport:
     """Compile `model` with the dflash passes (lowered eagerly, no Inductor), run it once on the example inputs and
-    report pass match counts, graph breaks and each graph before and after the passes."""
+    report pass match counts, graph breaks, each graph before and after the passes, and what the run returned."""
     if isinstance(model, torch.nn.Module):
         adapt_model(model)
     report = ExplainReport()
@@ -73,7 +74,7 @@ def explain(model: torch.nn.Module, *example_inputs, options: dict | None = None
     backend = functools.partial(compile_graph, options=options, on_graph=report.graphs.append)
     breaks_before = dict(counters["graph_break"])
     with torch.no_grad():
-        torch.compile(model, backend=backend, dynamic=False)(*example_inputs, **example_kwargs)
+        report.outputs = torch.compile(model, backend=backend, dynamic=False)(*example_inputs, **example_kwargs)
     report.expert_placement = expert_placement(model)
     for reason, count in counters["graph_break"].items():
         new = count - breaks_before.get(reason, 0)

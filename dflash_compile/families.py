@@ -396,8 +396,8 @@ class FamilySpec:
     # whether the target's forwards tell the model `use_cache` with the target cache: MiniMax's model refuses any
     # cache but its own (`MiniMaxCache`) when told, while its layers read and write the cache they are given either way
     use_cache: bool = True
-    # (config) -> hidden-wide fp32 vectors a prefill's forward holds per token beyond its layers' own (`prefill_memory`):
-    # looped Inkling 2's block states across its passes and the messages between them
+    # (config) -> hidden-wide fp32 vectors a prefill's forward holds per token beyond its layers' own
+    # (`prefill_memory`): looped Inkling 2's block states across its passes and the messages between them
     held_per_token: Callable[[object], int] | None = None
     # the config's count of zero-compute experts, which a router picks as it picks routed ones and which read no weights
     # (LongCat-Flash's `zero_expert_num`: each returns its input)

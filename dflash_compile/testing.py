@@ -417,13 +417,12 @@ MULTIMODAL = {
                                                            mel_vocab_size=16),
                                          image_token_id=121, audio_token_id=122, image_bos_token_id=123,
                                          audio_bos_token_id=124)),
-    # Inkling 2's release, and its looped kind's: the tiny decoder beside a one-block vision tower
-    **{family: (config_class, lambda family=family: tiny_config(family),
-                lambda hidden_size: dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=4,
-                                         text_hidden_size=hidden_size, projection_hidden_dim=32, posemb_grid_size=4),
-                lambda hidden_size: dict(image_token_id=121))
-       for family, config_class in (("inkling2", transformers.Inkling2Config),
-                                    ("inkling2_loop", transformers.Inkling2LoopConfig))},
+    # Inkling 2's release: its tiny decoder beside a one-block vision tower (its looped kind's release wraps its
+    # decoder alike)
+    "inkling2": (transformers.Inkling2Config, lambda: tiny_config("inkling2"),
+                 lambda hidden_size: dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=4,
+                                          text_hidden_size=hidden_size, projection_hidden_dim=32, posemb_grid_size=4),
+                 lambda hidden_size: dict(image_token_id=121)),
     # MiniMax-M3's release: its tiny decoder beside a one-block vision tower
     "minimax_m3_vl": (transformers.MiniMaxM3VLConfig, lambda: tiny_config("minimax_m3_vl"),
                       lambda hidden_size: dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1,

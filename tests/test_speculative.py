@@ -90,9 +90,10 @@ IDENTITY_CASES = [(family, 3) for family in SPECULATIVE_FAMILIES if family not i
 # Of those, the steps Inductor lowers where another family here has their kind of attention lowered by it already
 # (Qwen3-MoE's full attention for Aria, DBRX, Mixtral, OLMoE and GLM-4.5, gpt-oss's sliding layers for EXAONE-MoE and
 # MiMo-V2-Flash, Mistral 4's position-scaled queries for Beam, dots.llm3's DSA for DeepSeek-V3.2, Granite 4.0-H's
-# Mamba2 for Nemotron-H) are lowered by AOT eager: Dynamo still captures them whole and the passes rewrite them.
+# Mamba2 for Nemotron-H, Inkling 2's layers for its looped kind) are lowered by AOT eager: Dynamo still captures them
+# whole and the passes rewrite them.
 LOWERED_ELSEWHERE = ("aria", "dbrx", "mixtral", "olmoe", "glm4_moe", "exaone_moe", "mimo_v2_flash", "beam",
-                     "deepseek_v32", "nemotron_h")
+                     "deepseek_v32", "nemotron_h", "inkling2_loop")
 
 
 def _assert_the_indexers_choice_matters(model, ids, mask):
@@ -438,7 +439,7 @@ def test_a_release_on_another_familys_model_classes_generates_like_generate(tmp_
 @pytest.mark.parametrize("family", ["qwen3_vl_moe", "glm4v_moe", "gemma4", "mistral3", "aria", "ernie4_5_vl_moe",
                                     "step3p7", LLAMA4_RELEASE, "mistral_large4", "deepseek_ocr2",
                                     "qwen3_omni_moe", "hy_v4_vl", "muse_spark", "minimax_m3_vl", "inkling",
-                                    "unlimited_ocr", "inkling2", "kimi_k25", "inkling2_loop"])
+                                    "unlimited_ocr", "inkling2", "kimi_k25"])
 def test_an_image_text_to_text_release_generates_like_generate(tmp_path, family, aot_eager_steps):
     """Qwen3-VL-MoE and GLM-4.5V, which transformers builds only as image-text-to-text models (the decoder under
     `model.language_model`, its rotary positions in three sections, a vision tower beside it), and Gemma 4 as
@@ -450,8 +451,8 @@ def test_an_image_text_to_text_release_generates_like_generate(tmp_path, family,
     lm_head), Muse Spark (audio and vision towers; experts norming each route, moved into the block) and
     MiniMax-M3 (its sparse layers' blocks counted from each row's first key, the rows as each alone), Inkling
     (image and audio towers; positions per row), Unlimited OCR (DeepSeek-OCR 2's kind of model whose layers see
-    the prompt whole and a window of the generated tokens), Inkling 2 (distances per row) and its looped kind, and
-    Kimi K2.5 (a vision tower beside DeepSeek-V3's decoder): text prompts keep
+    the prompt whole and a window of the generated tokens), Inkling 2 (distances per row) and Kimi K2.5 (a vision
+    tower beside DeepSeek-V3's decoder): text prompts keep
     `generate`'s tokens through partly accepted blocks, eager and compiled (lowered by AOT eager: Inductor compiles
     each decoder's kind of attention and router in the text families' tests), with their experts offloaded, and
     loaded by `dflash_compile.from_pretrained`."""
