@@ -18,6 +18,12 @@ transformers models through their `Cache.update` interface, with masks built her
 A DSA layer's indexer (DeepSeek-V3.2) keeps one key of its own per token (`update_indexer`): written at the same
 slots, rolled back by the same lengths.
 
+DeepSeek-V4's compressors keep their projections per token beside a layer's keys (`update_beside`: in its ring) and
+their compressed entries in buffers of their own, one entry per window of `rate` tokens of a row
+(`compressed_entries`), each written by the token closing its window; a query sees the entries of the windows closed
+at or before it, so an entry a rolled-back token wrote is unseen until a kept token writes it again
+(`compressed_attention`): no commit either.
+
 Linear-attention layers (GatedDeltaNet) keep a conv window and a recurrent state that cannot be cut back. A
 forward leaves its candidates pending; `commit_linear` then takes, per row, the conv window ending at the row's
 last kept token (`dflash::conv_window_commit`) and the recurrent state after that token (`dflash::state_select`):
