@@ -165,15 +165,6 @@ def _keys_and_values(config, kind: AttentionKind, layer: int) -> int:
     return 2 * layer_configs(config)[layer].num_key_value_heads * head_dim(config, layer)
 
 
-def _compressor_projections(config, kind: AttentionKind, layer: int) -> int:
-    """DeepSeek-V4: its one key/value head cached as key and value, and the projections its compressor caches per
-    token in the same ring (`compressed_attention`): an HCA's `kv_proj` and `gate_proj` (head_dim each), a CSA's
-    (twice that) and its indexer's (twice `index_head_dim`)."""
-    compressor = {"heavily_compressed_attention": 2 * config.head_dim,
-                  "compressed_sparse_attention": 4 * (config.head_dim + config.index_head_dim)}
-    return _keys_and_values(config, kind, layer) + compressor.get(config.layer_types[layer], 0)
-
-
 def _compressed_entries(config, layer: int) -> list[tuple[int, int]]:
     """DeepSeek-V4: the (rate, width) of each buffer of compressed entries a layer keeps, one entry of `width` per
     `rate` tokens: an HCA's (head_dim), a CSA's and its indexer's (`index_head_dim`)."""
@@ -182,6 +173,15 @@ def _compressed_entries(config, layer: int) -> list[tuple[int, int]]:
     widths = {"heavily_compressed_attention": [config.head_dim],
               "compressed_sparse_attention": [config.head_dim, config.index_head_dim]}.get(layer_type, [])
     return [(rate, width) for width in widths]
+
+
+def _compressor_projections(config, kind: AttentionKind, layer: int) -> int:
+    """DeepSeek-V4: its one key/value head cached as key and value, and the projections its compressors cache per
+    token in the same ring (`compressed_attention`): a `kv_proj` and a `gate_proj` per buffer of entries, each of the
+    entries' width, twice that in a CSA layer (its windows also read the previous window's halves)."""
+    overlap = 2 if config.layer_types[layer] == "compressed_sparse_attention" else 1
+    projections = sum(2 * overlap * width for _, width in _compressed_entries(config, layer))
+    return _keys_and_values(config, kind, layer) + projections
 
 
 def _keys_values_and_block_keys(config, kind: AttentionKind, layer: int) -> int:

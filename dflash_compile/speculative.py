@@ -138,6 +138,7 @@ def _length_penalty(setting) -> tuple[int, float] | None:
 
 
 STEP_GRAPHS = 64  # compiled verify steps kept per decoder code object before Dynamo falls back to eager
+DRAFTER_BACKEND = "inductor"  # the drafter's calls: Inductor alone (no experts to rewrite)
 SMALLEST_CACHE = 16
 # Tokens per masked prefill forward of a model with sliding-window layers (a left-padded batch shorter than
 # ROWS_WITHOUT_MASKS; others, and prompts that go unmasked, take the prompt in one unless `prefill_chunk` is given): a
@@ -259,9 +260,9 @@ class SpeculativeDecoder:
             self.verify_step = self._compiled(self._verify_step, self.backend, "default" if graphed else self.mode)
             if graphed:  # CUDA graphs of our own: no guards or input checks on each step's host path
                 self.verify_step = StepGraphs(self.verify_step, self._step_state)
-            if self.draft_logits is not None:  # Inductor alone (no experts to rewrite)
-                self.draft_logits = self._compiled(drafter.draft_logits, "inductor", "default")
-                self.context_step = self._compiled(drafter.add_context, "inductor", "default")
+            if self.draft_logits is not None:
+                self.draft_logits = self._compiled(drafter.draft_logits, DRAFTER_BACKEND, "default")
+                self.context_step = self._compiled(drafter.add_context, DRAFTER_BACKEND, "default")
                 if graphed:  # the drafter reads nothing but its arguments, its weights and its training flag
                     self.draft_logits = StepGraphs(self.draft_logits, lambda: drafter.training)
                     self.context_step = StepGraphs(self.context_step, lambda: drafter.training)

@@ -74,14 +74,16 @@ def _fresh_dynamo():
 
 @pytest.fixture
 def aot_eager_steps(monkeypatch):
-    """`optimize`'s compiled steps lowered by AOT eager instead of Inductor: Dynamo still captures each step whole and
-    the dflash passes rewrite it; Inductor's C++ compile, most of a compiled test's time with an empty compile cache,
-    is left to the tests of the families whose attention and router these share."""
+    """`optimize`'s compiled steps and drafter calls lowered by AOT eager instead of Inductor: Dynamo still captures
+    each whole and the dflash passes rewrite the steps; Inductor's C++ compile, most of a compiled test's time with an
+    empty compile cache, is left to the tests of the families whose attention and router these share (the drafter's:
+    test_pair.py's, the same graphs for every family)."""
     from dflash_compile import speculative
     from dflash_compile.backend import dflash_backend_with
 
     monkeypatch.setattr(speculative, "dflash_backend_with",
                         functools.partial(dflash_backend_with, lowering="aot_eager"))
+    monkeypatch.setattr(speculative, "DRAFTER_BACKEND", "aot_eager")
 
 
 @pytest.fixture(scope="session")

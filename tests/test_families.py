@@ -155,6 +155,19 @@ def test_unsupported_moe_family_is_a_clear_error_before_any_state():
     assert model not in _STORES_BY_ROOT  # nothing registered before the error
 
 
+def test_doges_single_neuron_experts_are_refused_by_name():
+    """Doge's CDMoE (experts one neuron each, a router mixing the batch's tokens: docs/supported_models.md says why
+    it is not supported) has no `experts` module: its config's expert count names it a Mixture-of-Experts family."""
+    config = transformers.DogeConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_experts=16,
+                                     num_experts_per_tok=4, is_moe=True)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(UnsupportedFamilyError, match=r"^model_type 'doge' is a Mixture-of-Experts model that "
+                                                     r"dflash-compile does not support yet"):
+        dflash_compile.optimize(model)
+    assert model not in _STORES_BY_ROOT
+
+
 def test_a_family_on_too_old_a_transformers_is_refused_before_any_state(monkeypatch):
     """Jamba's verify blocks need transformers 5.25's scan, which reads the cached state (5.24's ignores it):
     `optimize` on 5.24 names the version and the fix before it changes the model."""
