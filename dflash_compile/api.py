@@ -9,7 +9,7 @@ import torch
 from .adaptive import WidthChooser
 from .checkpoint import pack_experts_expanded_at_load, refuse_hub_kernel_experts, refuse_weights_outside_the_model
 from .drafter import load_drafter
-from .families import adapt_model, spec_for_model, supported_families
+from .families import adapt_model, spec_for_model, supported_families, text_causal_lm
 from .linear_attention import check_verify_block
 from .offload import offload_experts
 from .projections import share_storage
@@ -84,6 +84,8 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
     `small_top_k`), and so does each bf16 linear of a decode or verify step with more inputs than outputs
     (routers, o_proj: pass `split_k_linear`). On CUDA each attention layer of a bf16 / fp16 decode or verify step is one
     launch too (`dflash::decode_attention`, split over the cache's slots).
+    A release wrapping a whole causal LM beside its towers (Nemotron-H Omni's `language_model`) is optimized as that
+    causal LM (`.model`): text prompts, the wrapper's tokens.
     Llama 4's MoE blocks, which transformers runs over every expert, are changed in place to call the chosen experts
     only, with the same sums (`families.adapt_model`; the model's own forward and `generate` then run them too).
     A model that transformers loaded from an MXFP4 checkpoint by expanding its experts gets them packed again
@@ -94,6 +96,7 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
     to bf16); False keeps transformers' grouped_mm (CUDA) or the reference loop.
     On the H200 the fused kernel is 1.04-2.3x faster per MoE layer and gpt-oss-20b steps 8-12% faster
     (docs/benchmarks.md); outputs differ from grouped_mm's by bf16 rounding."""
+    model = text_causal_lm(model)  # Nemotron-H Omni's text prompts run its `language_model` alone
     if spec_for_model(model) is None:
         raise ValueError(
             f"{type(model).__name__} is not a Mixture-of-Experts model of a supported family "

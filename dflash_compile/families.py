@@ -1599,6 +1599,16 @@ def routing_of(model: torch.nn.Module, experts_name: str) -> Callable[[torch.Ten
 # model types whose text one of their sub-models generates, `optimize` taking that one: Qwen3-Omni's thinker (its
 # talker turns the thinker's states into speech, another generation)
 _TEXT_GENERATED_BY = {"qwen3_omni_moe": "thinker"}
+# releases that wrap a whole causal LM (its decoder and head) beside their towers and run text prompts through it
+# alone: Nemotron-H Omni's `language_model` (Nemotron-H) beside its vision and audio towers
+_CAUSAL_LM_INSIDE = {"nemotron_h_omni": "language_model"}
+
+
+def text_causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """The causal LM that generates `model`'s text: a wrapper's (`_CAUSAL_LM_INSIDE`), whose text prompts give the
+    wrapper's tokens, else `model` itself."""
+    part = _CAUSAL_LM_INSIDE.get(getattr(getattr(model, "config", None), "model_type", None))
+    return model.get_submodule(part) if part else model
 
 
 def spec_for_config(config) -> FamilySpec | None:

@@ -455,6 +455,12 @@ MULTIMODAL = {
                                           num_attention_heads=2, patch_size=8, pos_emb_height=4, pos_emb_width=4),
                  lambda hidden_size: dict(image_token_id=121, video_token_id=122, vision_start_token_id=123,
                                           vision_end_token_id=124, projection_hidden_size=32)),
+    # Nemotron-H Omni: a whole Nemotron-H causal LM (`language_model`) beside a one-block RADIO vision tower (no audio)
+    "nemotron_h_omni": (transformers.NemotronH_Omni_Reasoning_V3_Config, lambda: tiny_config("nemotron_h"),
+                        lambda hidden_size: dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                 patch_size=8, image_size=32, max_img_size=64,
+                                                 video_temporal_patch_size=2),
+                        lambda hidden_size: dict(vision_hidden_size=32, projector_hidden_size=32, image_token_id=121)),
     "aria": (transformers.AriaConfig, lambda: tiny_config("aria"), lambda hidden_size: dict(  # Idefics3's
         hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=64, patch_size=8)),
     "ernie4_5_vl_moe": (transformers.Ernie4_5_VLMoeConfig, lambda: transformers.Ernie4_5_VLMoeTextConfig(  # a dense
