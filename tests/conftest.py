@@ -77,13 +77,19 @@ def aot_eager_steps(monkeypatch):
     """`optimize`'s compiled steps and drafter calls lowered by AOT eager instead of Inductor: Dynamo still captures
     each whole and the dflash passes rewrite the steps; Inductor's C++ compile, most of a compiled test's time with an
     empty compile cache, is left to the tests of the families whose attention and router these share (the drafter's:
-    test_pair.py's, the same graphs for every family)."""
+    test_pair.py's, the same graphs for every family). Returns the list the steps' graph reports go to (`explain`'s
+    kind: matches, graph before and after the passes)."""
     from dflash_compile import speculative
-    from dflash_compile.backend import dflash_backend_with
+    from dflash_compile.backend import compile_graph
 
-    monkeypatch.setattr(speculative, "dflash_backend_with",
-                        functools.partial(dflash_backend_with, lowering="aot_eager"))
+    reports = []
+
+    def backend_with(**options):
+        return functools.partial(compile_graph, options=options | {"lowering": "aot_eager"}, on_graph=reports.append)
+
+    monkeypatch.setattr(speculative, "dflash_backend_with", backend_with)
     monkeypatch.setattr(speculative, "DRAFTER_BACKEND", "aot_eager")
+    return reports
 
 
 @pytest.fixture(scope="session")
