@@ -72,23 +72,29 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.fixture
-def aot_eager_steps(monkeypatch):
-    """`optimize`'s compiled steps and drafter calls lowered by AOT eager instead of Inductor: Dynamo still captures
-    each whole and the dflash passes rewrite the steps; Inductor's C++ compile, most of a compiled test's time with an
-    empty compile cache, is left to the tests of the families whose attention and router these share (the drafter's:
-    test_pair.py's, the same graphs for every family). Returns the list the steps' graph reports go to (`explain`'s
-    kind: matches, graph before and after the passes)."""
+@pytest.fixture(autouse=True)
+def compiled_steps(request, monkeypatch):
+    """On a CPU `optimize`'s compiled steps and drafter calls are lowered by AOT eager, not Inductor, unless the test
+    is marked `inductor`: Dynamo still captures each whole and the dflash passes rewrite the steps, and Inductor's C++
+    compile, most of a compiled test's time with an empty compile cache, is left to the marked tests, which lower
+    each family's kind of attention and router (test_speculative.py's identity test) and the drafter (test_pair.py),
+    and to the forwards test_backend.py compiles. On a GPU every test lowers by Inductor (its Triton code is the
+    product). Returns the list each compiled step's graph report goes to (`explain`'s kind: matches, the graph
+    before and after the passes)."""
     from dflash_compile import speculative
     from dflash_compile.backend import compile_graph
 
     reports = []
+    inductor = torch.cuda.is_available() or request.node.get_closest_marker("inductor")
+    lowering = {} if inductor else {"lowering": "aot_eager"}
 
+    @functools.cache  # one backend per set of options, as `dflash_backend_with`: Dynamo shares graphs between them
     def backend_with(**options):
-        return functools.partial(compile_graph, options=options | {"lowering": "aot_eager"}, on_graph=reports.append)
+        return functools.partial(compile_graph, options=options | lowering, on_graph=reports.append)
 
     monkeypatch.setattr(speculative, "dflash_backend_with", backend_with)
-    monkeypatch.setattr(speculative, "DRAFTER_BACKEND", "aot_eager")
+    if not inductor:
+        monkeypatch.setattr(speculative, "DRAFTER_BACKEND", "aot_eager")
     return reports
 
 

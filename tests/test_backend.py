@@ -305,14 +305,14 @@ def test_backend_registered_by_import_when_the_package_is_not_installed(tiny_dir
 
 
 @pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
-def test_fused_experts_on_resident_weights_give_the_same_tokens(tiny, family, monkeypatch, aot_eager_steps):
+def test_fused_experts_on_resident_weights_give_the_same_tokens(tiny, family, monkeypatch):
     """By default the compiled step's experts run dflash's kernel on the module's own weights (gpt-oss's
     [E, in, out] read through a transposed view), with the tokens of model.generate; fused_experts=False keeps
     transformers' experts. The choice belongs to each optimize() (its compiled graphs), not to the shared model:
     a fused decoder stays fused after another one over the same model chose otherwise. The forward's entry points and
     fp16 experts choose alike in every layout: checked on Qwen3-MoE's only (each check compiles once more). The
-    choice is made when the passes rewrite the graph: lowered by AOT eager (Inductor lowers fused steps in every
-    identity test)."""
+    choice is made when the passes rewrite the graph: lowered by AOT eager on a CPU (`compiled_steps`; Inductor
+    lowers fused steps in every identity test)."""
     import dflash_compile.expert_store as expert_store
 
     calls = []
@@ -341,11 +341,12 @@ def test_fused_experts_on_resident_weights_give_the_same_tokens(tiny, family, mo
     assert not calls
 
 
-def test_models_of_one_class_compile_to_their_own_experts(tiny, tmp_path, aot_eager_steps):
+def test_models_of_one_class_compile_to_their_own_experts(tiny, tmp_path):
     """expert_dispatch binds a graph to its model's experts, so Dynamo must not hand that graph to another model
     of the same class (it did: the second model ran the first one's experts). Both entry points, for transformers'
     default grouped_mm experts and the eager ones. Dynamo's guards decide which graph a model gets: the graphs are
-    lowered by AOT eager (Inductor compiles Qwen3-MoE's forward and steps in the tests above)."""
+    lowered by AOT eager (on a CPU: `compiled_steps`; Inductor compiles Qwen3-MoE's forward and steps in the tests
+    above)."""
     from dflash_compile.testing import load_tiny_model, save_tiny_model
 
     ids = token_ids()

@@ -76,13 +76,13 @@ def test_offloaded_generation_is_token_identical(tiny, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_offload_with_compiled_dflash_speculative_decoding(tiny, family, tmp_path, aot_eager_steps):
+def test_offload_with_compiled_dflash_speculative_decoding(tiny, family, tmp_path, compiled_steps):
     """Every family with a DFlash drafter at its full block (verify blocks fetch the union of their tokens'
     experts, and the next layer's route-ahead) gives the resident model's greedy tokens (a DSA family's indexers
     picking every key: `_every_key`; dots.llm3's verify blocks parted from its one-token steps at a near-tie on
     the 16-core GPU machine's CPU under 8 workers). Compiled where test_speculative.py's padded-batch identity test
     does not compile the family already (IDENTITY_CASES), eager where it does: every family's steps are compiled in
-    one of the two. Here they are lowered by AOT eager (`aot_eager_steps`): Dynamo captures each step whole and the
+    one of the two. On a CPU they are lowered by AOT eager (`compiled_steps`): Dynamo captures each step whole and the
     passes rewrite it, every MoE call into the offloaded dispatch (kept out of CUDA graphs; the pass picks it for
     any family's offloaded experts, test_backend.py counts each family's dispatches), and Inductor compiles the
     attention and router each family shares with one of IDENTITY_CASES (COVERED_ELSEWHERE says which) in that
@@ -98,9 +98,9 @@ def test_offload_with_compiled_dflash_speculative_decoding(tiny, family, tmp_pat
     assert model.dflash_offload.stats.misses > 0  # experts were copied in (the tiny routers of some families use
     # too few experts to evict)
     calls = len(spec_for_config(model.config).moe_layers(model.config))  # looped Inkling 2's: a call per pass
-    dispatches = {report.after.count("torch.ops.dflash.moe_dispatch_offloaded.default(") for report in aot_eager_steps}
+    dispatches = {report.after.count("torch.ops.dflash.moe_dispatch_offloaded.default(") for report in compiled_steps}
     assert dispatches == (set() if compiled_elsewhere else {calls})
-    assert not any("torch.ops.dflash.moe_dispatch.default(" in report.after for report in aot_eager_steps)
+    assert not any("torch.ops.dflash.moe_dispatch.default(" in report.after for report in compiled_steps)
 
 
 def test_packed_experts_offload_in_their_format(tmp_path):

@@ -40,6 +40,7 @@ def test_prompt_past_the_targets_context_is_refused():
         fast.generate(torch.zeros(1, 200, dtype=torch.long), max_new_tokens=100)
 
 
+@pytest.mark.inductor
 def test_the_compiled_drafter_drafts_what_the_eager_one_does():
     """With compile=True the drafter's forward is compiled too (Inductor, no CUDA graphs): the same acceptance step
     by step as the eager drafter (acceptance depends on every draft), and the target's tokens."""

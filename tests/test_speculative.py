@@ -166,15 +166,15 @@ def test_mistral_large4_layers_reading_earlier_latents_cache_only_their_indexer_
     assert cache.nbytes == fast.decoder._cache_bytes(*cache.shape[:3])
 
 
-@pytest.mark.parametrize("family, batch", IDENTITY_CASES + [("gpt_oss", 1)])
-def test_greedy_identity_compiled_partial_drafts_and_random_drafter(tiny, family, batch, random_drafter, request):
+@pytest.mark.parametrize("family, batch", [
+    pytest.param(family, batch, marks=() if family in LOWERED_ELSEWHERE else pytest.mark.inductor)
+    for family, batch in IDENTITY_CASES + [("gpt_oss", 1)]])
+def test_greedy_identity_compiled_partial_drafts_and_random_drafter(tiny, family, batch, random_drafter):
     """The compiled step with an oracle's drafts corrupted at 30% (blocks rejected whole, accepted in part and whole
     in one run), then a random drafter's network (blocks almost all rejected) on the same step run eagerly:
     compiling the step a second time for the second drafter would double the test's minutes, and the drafter's
     graphs are the same for every family (test_offload.py compiles them with a random drafter for the families
-    this test leaves out). LOWERED_ELSEWHERE's steps are lowered by AOT eager."""
-    if family in LOWERED_ELSEWHERE:
-        request.getfixturevalue("aot_eager_steps")
+    this test leaves out). Lowered by Inductor (marked `inductor`), but LOWERED_ELSEWHERE's steps by AOT eager."""
     model = tiny(family)
     ids, mask = prompts(batch)
     expected = reference(model, ids, mask)
@@ -440,7 +440,7 @@ def test_a_release_on_another_familys_model_classes_generates_like_generate(tmp_
                                     "step3p7", LLAMA4_RELEASE, "mistral_large4", "deepseek_ocr2",
                                     "qwen3_omni_moe", "hy_v4_vl", "muse_spark", "minimax_m3_vl", "inkling",
                                     "unlimited_ocr", "inkling2", "kimi_k25", "nemotron_h_omni"])
-def test_an_image_text_to_text_release_generates_like_generate(tmp_path, family, aot_eager_steps):
+def test_an_image_text_to_text_release_generates_like_generate(tmp_path, family):
     """Qwen3-VL-MoE and GLM-4.5V, which transformers builds only as image-text-to-text models (the decoder under
     `model.language_model`, its rotary positions in three sections, a vision tower beside it), and Gemma 4 as
     released (an image-text-to-text model whose causal LM class is that one too), Mistral Small 4 (Mistral 3's
@@ -454,8 +454,8 @@ def test_an_image_text_to_text_release_generates_like_generate(tmp_path, family,
     the prompt whole and a window of the generated tokens), Inkling 2 (distances per row), Kimi K2.5 (a vision
     tower beside DeepSeek-V3's decoder) and Nemotron-H Omni (a whole Nemotron-H causal LM beside its towers,
     `optimize` taking that one): text prompts keep
-    `generate`'s tokens through partly accepted blocks, eager and compiled (lowered by AOT eager: Inductor compiles
-    each decoder's kind of attention and router in the text families' tests), with their experts offloaded, and
+    `generate`'s tokens through partly accepted blocks, eager and compiled (on a CPU lowered by AOT eager: Inductor
+    compiles each decoder's kind of attention and router in the text families' tests), with their experts offloaded, and
     loaded by `dflash_compile.from_pretrained`."""
     from dflash_compile.offload import offload_experts, plan_offload
 
