@@ -1377,8 +1377,9 @@ FAMILIES: dict[str, FamilySpec] = {
             _declared_layer_types, adapt=(_undecorated("Step3p7Experts"),),
         ),
         FamilySpec(  # Nemotron-H (Nemotron 3): layers of one mixer each, Mamba2, attention (no rotary), or MoE
-            # blocks of experts without a gate (relu(up)^2) beside a shared MLP, DeepSeek-V3's router
-            "nemotron_h", ("nemotron_h",), "NemotronHExperts",
+            # blocks of experts without a gate (relu(up)^2) beside a shared MLP, DeepSeek-V3's router; Nemotron 3
+            # Nano Omni wraps its causal LM (`_CAUSAL_LM_INSIDE`)
+            "nemotron_h", ("nemotron_h", "nemotron_h_omni"), "NemotronHExperts",
             ExpertLayout(gate_up="ungated", transposed=False, bias=False, activation="act_fn"), _DEEPSEEK_ROUTER,
             _nemotron_moe_layers, _nemotron_layer_kinds,
             _mamba2("mixer", "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "chunk_size"),
