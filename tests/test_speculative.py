@@ -89,12 +89,13 @@ COVERED_ELSEWHERE = ("qwen2_moe", "qwen3_next", "glm4_moe_lite", "deepseek_v2", 
 IDENTITY_CASES = [(family, 3) for family in SPECULATIVE_FAMILIES if family not in COVERED_ELSEWHERE]
 # Of those, the steps Inductor lowers where another family here has their kind of attention lowered by it already
 # (Qwen3-MoE's full attention for Aria, DBRX, Mixtral, OLMoE and GLM-4.5, gpt-oss's sliding layers for EXAONE-MoE and
-# MiMo-V2-Flash, Mistral 4's position-scaled queries for Beam, dots.llm3's DSA for DeepSeek-V3.2, and with gpt-oss's
-# sinks and DeepSeek-V4's hyper-connections for HY V4, Granite 4.0-H's Mamba2 for Nemotron-H, Inkling 2's layers for
-# its looped kind) are lowered by AOT eager: Dynamo still captures them whole and the passes rewrite them. So is
-# gpt-oss's one-row batch (its three rows' steps are Inductor's).
+# MiMo-V2-Flash, Mistral 4's latent attention with position-scaled queries for Beam and DeepSeek-V3 (whose grouped
+# router Inductor compiles in test_backend.py's forwards), dots.llm3's DSA for DeepSeek-V3.2, and with gpt-oss's sinks
+# and DeepSeek-V4's hyper-connections for HY V4, Granite 4.0-H's Mamba2 for Nemotron-H, Inkling 2's layers for its
+# looped kind) are lowered by AOT eager: Dynamo still captures them whole and the passes rewrite them. So is gpt-oss's
+# one-row batch (its three rows' steps are Inductor's).
 LOWERED_ELSEWHERE = ("aria", "dbrx", "mixtral", "olmoe", "glm4_moe", "exaone_moe", "mimo_v2_flash", "beam",
-                     "deepseek_v32", "hy_v4", "nemotron_h", "inkling2_loop")
+                     "deepseek_v3", "deepseek_v32", "hy_v4", "nemotron_h", "inkling2_loop")
 
 
 def _assert_the_indexers_choice_matters(model, ids, mask):
