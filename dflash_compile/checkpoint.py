@@ -113,8 +113,10 @@ def _own_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
                 if name not in module._non_persistent_buffers_set)
 
 
-def _quantized_experts(experts: torch.nn.Module, format: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """An experts module's tensors in `format`'s public layout, by their names under the module."""
+def _quantized_experts(experts: torch.nn.Module, format: str,
+                       names: tuple[str, str, str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """An experts module's tensors in `format`'s public layout, by their names under the module (`names`: the
+    family's per-expert projections, gate, up and down)."""
     first, gated = first_projection(experts), _gated(experts)
     replaced = {first, "down_proj", f"{first}_bias", "down_proj_bias"}
     yield from ((name, tensor) for name, tensor in _own_tensors(experts) if name not in replaced)
@@ -127,7 +129,7 @@ def _quantized_experts(experts: torch.nn.Module, format: str) -> Iterator[tuple[
         return
     for j in range(gate_up.shape[0]):
         rows = gate_up.data[j].chunk(2, dim=0) if gated else (gate_up.data[j],)
-        for name, weight in (*zip(_FP8_FIRST[gated], rows), ("down_proj", down.data[j])):
+        for name, weight in (*zip(_first_projections(names, gated), rows), (names[2], down.data[j])):
             quantized, scale = quantize_fp8_block(weight, FP8_BLOCK)
             yield from ((f"{j}.{name}.weight", quantized), (f"{j}.{name}.weight_scale_inv", scale))
 
@@ -148,7 +150,7 @@ def _quantized_tensors(model: torch.nn.Module, format: str) -> Iterator[tuple[st
         prefix = f"{path}." if path else ""
         with _weights_in_memory(module):
             if path in layers:  # a full-size layer takes seconds to round on a CPU
-                tensors = _quantized_experts(module, format)
+                tensors = _quantized_experts(module, format, spec.checkpoint_expert_projections)
             elif (format == "fp8_block" and type(module) is torch.nn.Linear
                   and module is not head and module not in routers
                   and not path.endswith(spec.unquantized_linears)):
@@ -344,10 +346,11 @@ MULTIMODAL_TEXT_PREFIX = ("model.language_model.", "model.")
 
 
 class _Checkpoint:
-    """Every tensor of a checkpoint directory, read lazily by the name the model gives it: as stored, or for a
-    multimodal checkpoint's text decoder also by the causal LM's name (MULTIMODAL_TEXT_PREFIX)."""
+    """Every tensor of a checkpoint directory, read lazily by the name the model gives it: as stored, for a
+    multimodal checkpoint's text decoder also by the causal LM's name (MULTIMODAL_TEXT_PREFIX), and with `model`
+    also by the names transformers' loading gives it (`_model_names`: DeepSeek-V4's release names)."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, model: torch.nn.Module | None = None):
         files = sorted(directory.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"{directory} has no *.safetensors weights")
@@ -356,6 +359,10 @@ class _Checkpoint:
         self.where = {key: (handle, key) for handle in self.handles for key in handle.keys()}
         self.where |= {loaded + key.removeprefix(stored): place for key, place in self.where.items()
                        if key.startswith(stored)}
+        if model is not None:  # the names as stored come first, where a renaming would reach one of them
+            names_of = _model_names(model)
+            self.where = {name: place for key, place in self.where.items() for name in names_of(key)}
+            self.where |= {key: (handle, key) for handle in self.handles for key in handle.keys()}
         self.used: set[str] = set()  # stored names
 
     def __contains__(self, key: str) -> bool:
@@ -383,21 +390,57 @@ class _Checkpoint:
                        if stored not in self.used and not any(p.search(stored) for p in patterns)})
 
 
-def _checkpoint_format(quantization) -> str:
-    """The packed format a checkpoint's `quantization_config` names (a dict, transformers' object, or None)."""
-    quantization = quantization or {}
+def _model_names(model: torch.nn.Module):
+    """stored key -> the model's names for it, as transformers' loading renames it: the family's renamings
+    (`conversion_mapping`: DeepSeek-V4's release says `layers.3.attn.wq_a.weight` for
+    `model.layers.3.self_attn.q_a_proj.weight`) with the base model's prefix where the key lacks it; a stored
+    `.scale` also as an FP8 block scale, `.weight_scale_inv` (transformers' FP8 quantizer's renaming, before the
+    family's). The merges of per-expert tensors are left out: the experts are read per expert (`_packed_experts`)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, apply_renamings
+
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    children = dict(model.named_children())
+
+    def model_name(key: str) -> str:
+        key = apply_renamings(key, renamings)
+        if key.split(".")[0] not in children and model.base_model_prefix in children:
+            key = f"{model.base_model_prefix}.{key}"
+        return key
+
+    def model_names(key: str) -> list[str]:
+        scale = [model_name(key.removesuffix(".scale") + ".weight_scale_inv")] if key.endswith(".scale") else []
+        return [model_name(key), *scale]
+
+    return model_names
+
+
+def _checkpoint_format(config: dict) -> tuple[str, bool]:
+    """(the packed format of a checkpoint's routed experts, whether its linear layers are FP8) from its config (a
+    config.json's dict): gpt-oss MXFP4; FP8 blocks (DeepSeek-V3 style), or with `expert_dtype` "fp4" (in the
+    quantization config or beside it: DeepSeek-V4's release) MXFP4 experts beside the FP8 linears."""
+    quantization = config.get("quantization_config") or {}
     if not isinstance(quantization, dict):
         quantization = quantization.to_dict()
     method = quantization.get("quant_method")
     if method == "mxfp4":
-        return "mxfp4"
+        return "mxfp4", False
     if method == "fp8":
         if list(quantization.get("weight_block_size") or []) != list(FP8_BLOCK):
             raise ValueError(f"FP8 checkpoint with weight_block_size {quantization.get('weight_block_size')}: "
                              f"only {list(FP8_BLOCK)} blocks are supported")
-        return "fp8_block"
+        experts = quantization.get("expert_dtype", config.get("expert_dtype")) or "fp8"
+        if experts not in _FP8_CHECKPOINT_EXPERTS:
+            raise ValueError(f"FP8 checkpoint with expert_dtype {experts!r}: dflash-compile loads "
+                             f"{sorted(_FP8_CHECKPOINT_EXPERTS)} experts")
+        return _FP8_CHECKPOINT_EXPERTS[experts], True
     raise ValueError(f"quantization_config quant_method {method!r} is not a packed format dflash-compile loads "
                      f"({FORMATS}); load the model with transformers instead")
+
+
+# An FP8 checkpoint's `expert_dtype` -> the experts' packed format (FP4: e2m1 pairs per byte, an E8M0 scale per 32
+# along K: MXFP4's values)
+_FP8_CHECKPOINT_EXPERTS = {"fp8": "fp8_block", "fp4": "mxfp4"}
 
 
 def refuse_hub_kernel_experts(model: torch.nn.Module) -> None:
@@ -444,7 +487,7 @@ def pack_experts_expanded_at_load(model: torch.nn.Module) -> None:
     if not config_file.is_file() or any(hasattr(m, "packed_format") for m in modules.values()):
         return
     try:
-        format = _checkpoint_format(json.loads(config_file.read_text()).get("quantization_config"))
+        format, _ = _checkpoint_format(json.loads(config_file.read_text()))
     except ValueError:  # not quantized, or in a format dflash-compile does not pack
         return
     packed = {name: _lossless_mxfp4(m) for name, m in modules.items()} if format == "mxfp4" else {}
@@ -483,8 +526,10 @@ def _check_fp8_stackable(path: str, intermediate: int) -> None:
                          "cannot be kept packed in fp8_block; keep them in bf16")
 
 
-# An FP8 checkpoint's per-expert first projections, by whether the experts are gated (Nemotron-H's: up alone)
-_FP8_FIRST = {True: ("gate_proj", "up_proj"), False: ("up_proj",)}
+def _first_projections(names: tuple[str, str, str], gated: bool) -> tuple[str, ...]:
+    """The checkpoint's per-expert projections the experts' first weight stacks, of the family's (gate, up, down)
+    `names`: gate and up, or up alone for experts without a gate (Nemotron-H)."""
+    return names[:2] if gated else names[1:2]
 
 
 def _gated(experts: torch.nn.Module) -> bool:
@@ -493,25 +538,47 @@ def _gated(experts: torch.nn.Module) -> bool:
 
 
 def _packed_experts(checkpoint: _Checkpoint, path: str, format: str, experts: int, gated: bool,
-                    device) -> tuple[PackedWeight, ...]:
-    """An experts module's (gate_up, down) from the checkpoint; `gated` False: up alone first (Nemotron-H)."""
-    if format == "mxfp4":
+                    names: tuple[str, str, str], device) -> tuple[PackedWeight, ...]:
+    """An experts module's (gate_up, down) from the checkpoint: gpt-oss's stacked MXFP4 blocks, or each expert's
+    projections (`names`: gate, up, down; `gated` False: up alone first, Nemotron-H) as FP8 blocks or as FP4 rows
+    (two e2m1 codes a byte, low nibble first, an E8M0 scale per 32: MXFP4's bytes, regrouped)."""
+    if f"{path}.gate_up_proj_blocks" in checkpoint:
         return tuple(PackedWeight("mxfp4", checkpoint.get(f"{path}.{name}_blocks").to(device),
                                   checkpoint.get(f"{path}.{name}_scales").to(device),
                                   checkpoint.get(f"{path}.{name}_bias").to(device) if f"{path}.{name}_bias"
                                   in checkpoint else None) for name in ("gate_up_proj", "down_proj"))
-    first = _FP8_FIRST[gated]
+    first, down = _first_projections(names, gated), names[2]
     parts = {name: [(checkpoint.get(f"{path}.{j}.{name}.weight"), checkpoint.get(f"{path}.{j}.{name}.weight_scale_inv"))
-                    for j in range(experts)] for name in (*first, "down_proj")}
-    if gated:
-        _check_fp8_stackable(path, parts["gate_proj"][0][0].shape[0])
+                    for j in range(experts)] for name in (*first, down)}
+    if gated and format == "fp8_block":
+        _check_fp8_stackable(path, parts[first[0]][0][0].shape[0])
 
     def stack(names):
-        data = torch.stack([torch.cat([parts[n][j][0].view(torch.uint8) for n in names]) for j in range(experts)])
-        scales = torch.stack([torch.cat([parts[n][j][1].float() for n in names]) for j in range(experts)])
-        return PackedWeight("fp8_block", data.to(device), scales.to(device))
+        data = torch.stack([torch.cat([_packed_rows(parts[n][j][0], format) for n in names]) for j in range(experts)])
+        scales = torch.stack([torch.cat([_scales(parts[n][j][1], format) for n in names]) for j in range(experts)])
+        return PackedWeight(format, data.to(device), scales.to(device))
 
-    return stack(first), stack(("down_proj",))
+    return stack(first), stack((down,))
+
+
+def _packed_rows(weight: torch.Tensor, format: str) -> torch.Tensor:
+    """One expert's stored projection as PackedWeight data: FP8 bytes [N, K], or FP4 pairs [N, K/2] grouped by 32
+    codes, [N, K/32, 16]."""
+    data = weight.view(torch.uint8)
+    if format == "mxfp4":
+        check_mxfp4_groups(2 * data.shape[-1])
+        return data.reshape(data.shape[0], -1, 16)
+    return data
+
+
+def _scales(scales: torch.Tensor, format: str) -> torch.Tensor:
+    """Stored scales as PackedWeight scales: MXFP4's E8M0 bytes; FP8's fp32 factors, from fp32 or from E8M0
+    (`scale_fmt` "ue8m0": float8_e8m0fnu, or raw bytes, each 2^(byte - 127))."""
+    if format == "mxfp4":
+        return scales.view(torch.uint8)
+    if scales.dtype == torch.uint8:
+        return torch.exp2(scales.float() - 127)
+    return scales.float()
 
 
 def _set(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
@@ -541,21 +608,20 @@ def load_packed(path: str | Path, dtype: torch.dtype = torch.bfloat16, device="c
     rest is loaded in `dtype`."""
     path = checkpoint_directory(path)
     config = transformers.AutoConfig.from_pretrained(path)
-    format = _checkpoint_format(getattr(config, "quantization_config", None))
+    format, fp8_linears = _checkpoint_format(config.to_dict())
     del config.quantization_config
     _check_causal_lm(config)
-    checkpoint = _Checkpoint(path)
     model = _meta_model(config, dtype)
+    checkpoint = _Checkpoint(path, model)
+    names = spec_for_model(model).checkpoint_expert_projections
     for name, experts in experts_modules(model).items():
         count = experts.down_proj.shape[0]
-        attach_packed(experts, *_packed_experts(checkpoint, name, format, count, _gated(experts), device))
-    if format == "fp8_block":
+        attach_packed(experts, *_packed_experts(checkpoint, name, format, count, _gated(experts), names, device))
+    if fp8_linears:
         for name, module in list(model.named_modules()):
             if isinstance(module, torch.nn.Linear) and f"{name}.weight_scale_inv" in checkpoint:
-                bias = checkpoint.get(f"{name}.bias").to(device, dtype) if module.bias is not None else None
-                _set(model, name, FP8Linear(checkpoint.get(f"{name}.weight").view(torch.uint8).to(device),
-                                            checkpoint.get(f"{name}.weight_scale_inv").float().to(device), bias))
-    _load_remaining(model, checkpoint, dtype, device)
+                _load_fp8_linear(model, name, module, checkpoint, device)
+    _load_remaining(model, checkpoint, device)
     unused = checkpoint.unused(model, config)
     if unused:
         raise ValueError(f"{path} has tensors the model does not use: {unused[:5]} ({len(unused)} in all); is it a "
@@ -566,7 +632,23 @@ def load_packed(path: str | Path, dtype: torch.dtype = torch.bfloat16, device="c
     return model.eval()
 
 
-def _load_remaining(model: torch.nn.Module, checkpoint: _Checkpoint, dtype, device) -> None:
+def _load_fp8_linear(model: torch.nn.Module, name: str, module: torch.nn.Linear, checkpoint: _Checkpoint,
+                     device) -> None:
+    """The FP8 layer `name` kept FP8 (`FP8Linear`), or, where the layer's own forward reads its `weight` (DeepSeek-V4's
+    grouped output projection), its weight dequantized into it in the model's dtype."""
+    dtype = module.weight.dtype
+    bias = checkpoint.get(f"{name}.bias").to(device, dtype) if module.bias is not None else None
+    fp8 = FP8Linear(checkpoint.get(f"{name}.weight").view(torch.uint8).to(device),
+                    _scales(checkpoint.get(f"{name}.weight_scale_inv"), "fp8_block").to(device), bias)
+    if type(module).forward is torch.nn.Linear.forward:
+        _set(model, name, fp8)
+        return
+    module.weight = torch.nn.Parameter(fp8.dense_weight(dtype), requires_grad=False)
+    if bias is not None:
+        module.bias = torch.nn.Parameter(bias, requires_grad=False)
+
+
+def _load_remaining(model: torch.nn.Module, checkpoint: _Checkpoint, device) -> None:
     """Every parameter and buffer still on the meta device from the checkpoint, except buffers the checkpoint does
     not hold (rotary tables), which the model's own initialisation computes; tied weights tied again."""
     output = model.get_output_embeddings()
@@ -581,8 +663,8 @@ def _load_remaining(model: torch.nn.Module, checkpoint: _Checkpoint, dtype, devi
                 key = prefix + name
                 if tensor is None or key not in checkpoint or checkpoint.taken(key) or (tied and module is output):
                     continue  # absent, or already taken (packed experts, FP8 layers)
-                value = checkpoint.get(key)
-                value = value.to(device, dtype if value.is_floating_point() else value.dtype)
+                value = checkpoint.get(key)  # in the dtype the model gave it (transformers' fp32-kept modules)
+                value = value.to(device, tensor.dtype if value.is_floating_point() else value.dtype)
                 table[name] = torch.nn.Parameter(value, requires_grad=False) if table is module._parameters else value
     if tied:
         model.tie_weights()
@@ -592,7 +674,7 @@ def _load_remaining(model: torch.nn.Module, checkpoint: _Checkpoint, dtype, devi
 
 
 # bytes per element of the dtypes quantized checkpoints store their experts in, by safetensors' names
-_STORED_BYTES = {"U8": 1, "F8_E4M3": 1, "F16": 2, "BF16": 2, "F32": 4}
+_STORED_BYTES = {"U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E8M0": 1, "F16": 2, "BF16": 2, "F32": 4}
 
 
 def stored_expert_bytes(path: str | Path) -> tuple[int, int]:
@@ -605,7 +687,7 @@ def stored_expert_bytes(path: str | Path) -> tuple[int, int]:
     layers = experts_modules(model)
     parameters = sum(weight.data.numel() for experts in layers.values() for weight in expert_weights(experts))
     # by the model's names (a multimodal checkpoint's stored ones too: `_Checkpoint`), each stored tensor once
-    experts = {place for key, place in _Checkpoint(path).where.items()
+    experts = {place for key, place in _Checkpoint(path, model).where.items()
                if not key.endswith(("_bias", ".bias")) and any(key.startswith(f"{name}.") for name in layers)}
     total = 0
     for handle, key in experts:

@@ -127,11 +127,16 @@ def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: t
     return _unpadded(blocks, weight.shape, dtype)
 
 
-def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] -> (float8_e4m3fn [N, K], fp32 scale_inv grid): scale = block amax / 448, values saturate."""
+def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = (128, 128),
+                       power_of_two: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (float8_e4m3fn [N, K], fp32 scale_inv grid): scale = block amax / 448, values saturate. With
+    `power_of_two` the scale is rounded up to a power of two (`scale_fmt` "ue8m0": DeepSeek-V4's release keeps it as
+    a float8_e8m0fnu byte)."""
     blocks = _padded_blocks(weight, block)
     amax = torch.maximum(blocks.amax(dim=(1, 3)), blocks.amin(dim=(1, 3)).neg())  # no |weight| copy
     _check_finite(amax, "FP8")
     scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    if power_of_two:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
     blocks.div_(scale[:, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX)
     return _unpadded(blocks, weight.shape, torch.float8_e4m3fn), scale

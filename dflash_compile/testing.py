@@ -22,7 +22,7 @@ import torch
 import transformers
 
 from .drafter import drafter_config, save_drafter  # noqa: F401  (save_drafter: the tests' writer too)
-from .families import FAMILIES, auto_model_class, decoder_layers
+from .families import FAMILIES, auto_model_class, decoder_layers, experts_modules
 
 _COMMON = dict(
     vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -522,6 +522,48 @@ def save_tiny_model(family: str, directory: str | Path, seed: int = 0, **overrid
     _randomize_zero_inits(model, torch.Generator().manual_seed(seed))
     model.save_pretrained(directory)
     return Path(directory)
+
+
+def save_fp4_release(family: str, directory: str | Path, seed: int = 0, **overrides) -> Path:
+    """A random tiny `family` model written as DeepSeek-V4's release is (`save_tiny_model`, then requantized): each
+    routed expert's projections FP4 (int8 pairs of e2m1 codes, low nibble first, a float8_e8m0fnu scale per 32 as
+    `.scale`), the linear layers transformers' FP8 quantizer converts (nn.Linear but the output head and the model's
+    `_keep_in_fp32_modules`) float8_e4m3fn with power-of-two scales per 128 x 128 block (`.scale`, e8m0), the rest
+    as saved, by the stored names; config `expert_dtype` "fp4" and FP8's quantization config with `scale_fmt`
+    "ue8m0"."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from .checkpoint import _meta_model, _model_names
+    from .quant import quantize_fp8_block, quantize_mxfp4
+
+    directory = save_tiny_model(family, directory, seed, **overrides)
+    model = _meta_model(transformers.AutoConfig.from_pretrained(directory))
+    model_name, modules, experts = _model_names(model), dict(model.named_modules()), experts_modules(model)
+    fp32_kept = tuple(model._keep_in_fp32_modules or ())
+    (file,) = directory.glob("*.safetensors")
+    tensors = {}
+    for key, tensor in load_file(str(file)).items():
+        path = model_name(key)[0].removesuffix(".weight")
+        module, scale_key = modules.get(path), key.removesuffix(".weight") + ".scale"
+        if key.endswith(".weight") and path.rsplit(".", 2)[0] in experts:
+            codes, scales = quantize_mxfp4(tensor)
+            tensors |= {key: codes.reshape(tensor.shape[0], -1).view(torch.int8),
+                        scale_key: scales.view(torch.float8_e8m0fnu)}
+        elif (key.endswith(".weight") and isinstance(module, torch.nn.Linear)
+              and module is not model.get_output_embeddings() and not any(part in path for part in fp32_kept)):
+            values, scales = quantize_fp8_block(tensor, power_of_two=True)
+            tensors |= {key: values, scale_key: scales.to(torch.float8_e8m0fnu)}
+        else:
+            tensors[key] = tensor
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config |= {"expert_dtype": "fp4", "quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128]}}
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    return directory
 
 
 def load_tiny_model(

@@ -16,7 +16,7 @@ from dflash_compile.checkpoint import (FP8Linear, expert_bytes, load_packed, qua
                                        stored_expert_bytes)
 from dflash_compile.families import adapt_model, experts_modules, first_projection, router_of, spec_for_model
 from dflash_compile.packed import packed_weights
-from dflash_compile.testing import load_tiny_model, save_tiny_model
+from dflash_compile.testing import load_tiny_model, save_fp4_release, save_tiny_model
 from tests.conftest import FAMILIES, token_ids
 
 # Expert sizes the formats can hold: MXFP4 groups of 32, FP8 gate/up stacked in whole 128-row blocks.
@@ -172,6 +172,36 @@ def _dequantized_reference(original, packed):
 
 
 # gpt-oss's checkpoints are MXFP4 (tests above); Qwen3.5-MoE's FP8 one is tested as released (image-text, below)
+def test_deepseek_v4s_fp4_release_loads_packed_and_matches_transformers_load(tmp_path):
+    """DeepSeek-V4's release layout (`save_fp4_release`: its stored names, FP4 experts, FP8 linears with E8M0
+    scales): experts kept at 4.25 bits, FP8 linears kept FP8 but the grouped output projection (its forward reads
+    its weight: dequantized at load), and logits as transformers' own load of the checkpoint (which dequantizes it
+    all on a CPU), and `from_pretrained`'s generation is that model's. That load's experts are FP4 values: `optimize`
+    packs them again, losslessly. An expert dtype the release layout has no reading for is refused by name."""
+    directory = save_fp4_release("deepseek_v4", tmp_path / "release", **SIZES["deepseek_v4"])
+    packed = load_packed(directory, dtype=torch.float32)
+    weight_bytes, weights = expert_bytes(packed)
+    assert weight_bytes * 8 / weights == 4.25 and stored_expert_bytes(directory) == (weight_bytes, weights)
+    attention = packed.model.layers[1].self_attn
+    assert isinstance(attention.q_a_proj, FP8Linear) and isinstance(attention.o_b_proj, FP8Linear)
+    assert type(attention.o_a_proj).__name__ == "DeepseekV4GroupedLinear"
+    assert attention.o_a_proj.weight.dtype == torch.float32
+    reference = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    ids = token_ids()
+    with torch.no_grad():
+        torch.testing.assert_close(packed(ids).logits, reference(ids).logits, atol=1e-5, rtol=1e-5)
+    expected = reference.generate(ids, max_new_tokens=8, do_sample=False)
+    fast = dflash_compile.from_pretrained(directory, dtype=torch.float32, device="cpu")
+    assert torch.equal(fast.generate(ids, max_new_tokens=8), expected)
+    repacked = dflash_compile.optimize(reference)
+    assert all(hasattr(m, "packed_format") for m in experts_modules(repacked.model).values())
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(config | {"expert_dtype": "nvfp4"}))
+    with pytest.raises(ValueError, match=r"FP8 checkpoint with expert_dtype 'nvfp4': dflash-compile loads "
+                                         r"\['fp4', 'fp8'\] experts"):
+        load_packed(directory)
+
+
 @pytest.mark.parametrize("family", [family for family in FAMILIES if family not in ("gpt_oss", "qwen3_5_moe")])
 def test_fp8_block_checkpoint_loads_packed_and_matches_the_dequantized_model(family, tmp_path):
     original, directory = _quantized(family, "fp8_block", tmp_path)
@@ -283,10 +313,10 @@ def test_a_checkpoint_quantized_from_disk_is_the_one_quantized_in_memory(family,
     monkeypatch.setattr(checkpoint, "quantize", lambda model, *args: models.append(model) or quantize(model, *args))
     quantized_experts = checkpoint._quantized_experts
 
-    def watched(experts, format):
+    def watched(experts, *args):
         resident.append([path for path, module in experts_modules(models[0]).items()
                          if not getattr(module, first_projection(module)).is_meta])
-        yield from quantized_experts(experts, format)
+        yield from quantized_experts(experts, *args)
 
     monkeypatch.setattr(checkpoint, "_quantized_experts", watched)
     streamed = quantize_checkpoint(source, tmp_path / "streamed", format, max_shard_size=20_000)

@@ -90,6 +90,19 @@ def test_fp8_block_round_trip_saturates_and_bounds_error():
             quantize_fp8_block(w.index_put((torch.tensor([299]), torch.tensor([259])), torch.tensor(bad)))
 
 
+def test_fp8_block_power_of_two_scales_are_e8m0_and_bound_the_error_as_exact_ones_do():
+    """`scale_fmt` "ue8m0" (DeepSeek-V4's release): each block's scale the power of two at or above amax / 448, so it
+    is one float8_e8m0fnu byte, and no value saturates (the block's amax lands at or below 448)."""
+    w = torch.randn(300, 260, generator=torch.Generator().manual_seed(3)) * 7
+    q, scale_inv = quantize_fp8_block(w, power_of_two=True)
+    assert torch.equal(scale_inv.to(torch.float8_e8m0fnu).float(), scale_inv)
+    exact = quantize_fp8_block(w)[1]
+    assert (scale_inv >= exact).all() and (scale_inv < 2 * exact).all()
+    y = dequantize_fp8_block(q, scale_inv)
+    relative = (w - y).abs() / (scale_inv.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :260] * 448)
+    assert relative.max() <= 2 ** -4
+
+
 def test_dequantize_ops_match_the_reference_and_pass_opcheck():
     blocks, scales = random_mxfp4((4, 3))
     out = torch.ops.dflash.mxfp4_dequantize(blocks, scales, torch.bfloat16)
