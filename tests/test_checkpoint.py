@@ -12,6 +12,7 @@ from transformers.models.dbrx.configuration_dbrx import DbrxFFNConfig
 
 import dflash_compile
 from dflash_compile import checkpoint
+from dflash_compile.offload import plan_offload
 from dflash_compile.checkpoint import (FP8Linear, expert_bytes, load_packed, quantize, quantize_checkpoint,
                                        stored_expert_bytes)
 from dflash_compile.families import adapt_model, experts_modules, first_projection, router_of, spec_for_model
@@ -176,8 +177,9 @@ def test_deepseek_v4s_fp4_release_loads_packed_and_matches_transformers_load(tmp
     """DeepSeek-V4's release layout (`save_fp4_release`: its stored names, FP4 experts, FP8 linears with E8M0
     scales): experts kept at 4.25 bits, FP8 linears kept FP8 but the grouped output projection (its forward reads
     its weight: dequantized at load), and logits as transformers' own load of the checkpoint (which dequantizes it
-    all on a CPU), and `from_pretrained`'s generation is that model's. That load's experts are FP4 values: `optimize`
-    packs them again, losslessly. An expert dtype the release layout has no reading for is refused by name."""
+    all on a CPU); `from_pretrained`'s tokens are that model's, resident and offloaded (MXFP4 blobs: the release's
+    284B parameters need it). That load's experts are FP4 values: `optimize` packs them again, losslessly. An expert
+    dtype the release layout has no reading for is refused by name."""
     directory = save_fp4_release("deepseek_v4", tmp_path / "release", **SIZES["deepseek_v4"])
     packed = load_packed(directory, dtype=torch.float32)
     weight_bytes, weights = expert_bytes(packed)
@@ -193,6 +195,11 @@ def test_deepseek_v4s_fp4_release_loads_packed_and_matches_transformers_load(tmp
     expected = reference.generate(ids, max_new_tokens=8, do_sample=False)
     fast = dflash_compile.from_pretrained(directory, dtype=torch.float32, device="cpu")
     assert torch.equal(fast.generate(ids, max_new_tokens=8), expected)
+    plan = plan_offload(packed, "cpu")  # MXFP4 blobs, three slots beyond one layer's experts
+    offloaded = dflash_compile.from_pretrained(directory, dtype=torch.float32, device="cpu",
+                                               gpu_memory=plan.minimum_budget + 3 * plan.blob_bytes)
+    assert torch.equal(offloaded.generate(ids, max_new_tokens=8), expected)
+    assert offloaded.model.dflash_offload.stats.misses > 0
     repacked = dflash_compile.optimize(reference)
     assert all(hasattr(m, "packed_format") for m in experts_modules(repacked.model).values())
     config = json.loads((directory / "config.json").read_text())
