@@ -415,7 +415,7 @@ def _model_names(model: torch.nn.Module):
     return model_names
 
 
-def _checkpoint_format(config: dict) -> tuple[str, bool]:
+def checkpoint_format(config: dict) -> tuple[str, bool]:
     """(the packed format of a checkpoint's routed experts, whether its linear layers are FP8) from its config (a
     config.json's dict): gpt-oss MXFP4; FP8 blocks (DeepSeek-V3 style), or with `expert_dtype` "fp4" (in the
     quantization config or beside it: DeepSeek-V4's release) MXFP4 experts beside the FP8 linears."""
@@ -487,7 +487,7 @@ def pack_experts_expanded_at_load(model: torch.nn.Module) -> None:
     if not config_file.is_file() or any(hasattr(m, "packed_format") for m in modules.values()):
         return
     try:
-        format, _ = _checkpoint_format(json.loads(config_file.read_text()))
+        format, _ = checkpoint_format(json.loads(config_file.read_text()))
     except ValueError:  # not quantized, or in a format dflash-compile does not pack
         return
     packed = {name: _lossless_mxfp4(m) for name, m in modules.items()} if format == "mxfp4" else {}
@@ -608,7 +608,7 @@ def load_packed(path: str | Path, dtype: torch.dtype = torch.bfloat16, device="c
     rest is loaded in `dtype`."""
     path = checkpoint_directory(path)
     config = transformers.AutoConfig.from_pretrained(path)
-    format, fp8_linears = _checkpoint_format(config.to_dict())
+    format, fp8_linears = checkpoint_format(config.to_dict())
     del config.quantization_config
     _check_causal_lm(config)
     model = _meta_model(config, dtype)

@@ -206,16 +206,19 @@ def quantize_command(args) -> int:
 
 
 def roofline_command(args) -> int:
+    from .checkpoint import checkpoint_format
     from .cost_model import BITS_PER_WEIGHT, HARDWARE, Hardware, ModelSizes, StepCost, reference_config, write_csv
     from .pair import DEFAULT_PAIR
 
     hardware = Hardware.load(args.hardware) if args.hardware else HARDWARE[args.device]
     model = args.model or str(DEFAULT_PAIR / "target")
     config = reference_config(model)
-    quantization = getattr(config, "quantization_config", None) or {}
-    expert_format = args.expert_format or {"mxfp4": "mxfp4", "fp8": "fp8_block"}.get(
-        quantization.get("quant_method") if isinstance(quantization, dict) else None, "bf16")
-    weight_format = "fp8_block" if expert_format == "fp8_block" else "bf16"
+    try:  # as `load_packed` keeps them (DeepSeek-V4's release: MXFP4 experts beside FP8 linears)
+        stored, fp8_linears = checkpoint_format(config.to_dict())
+    except ValueError:  # not quantized, or in a format dflash-compile does not pack: bf16
+        stored, fp8_linears = "bf16", False
+    expert_format = args.expert_format or stored
+    weight_format = "fp8_block" if fp8_linears or expert_format == "fp8_block" else "bf16"
     cost = StepCost(ModelSizes.of(config), hardware, weight_bits=BITS_PER_WEIGHT[weight_format],
                     expert_bits=BITS_PER_WEIGHT[expert_format])
     rows = []
