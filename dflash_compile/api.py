@@ -7,7 +7,8 @@ import inspect
 import torch
 
 from .adaptive import WidthChooser
-from .checkpoint import pack_experts_expanded_at_load, refuse_hub_kernel_experts, refuse_weights_outside_the_model
+from .checkpoint import (adopt_transformers_fp8, pack_experts_expanded_at_load, refuse_hub_kernel_experts,
+                         refuse_weights_outside_the_model)
 from .drafter import load_drafter
 from .families import adapt_model, spec_for_model, supported_families, text_causal_lm
 from .linear_attention import check_verify_block
@@ -90,7 +91,8 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
     only, with the same sums (`families.adapt_model`; the model's own forward and `generate` then run them too).
     A model that transformers loaded from an MXFP4 checkpoint by expanding its experts gets them packed again
     (losslessly; `pack_experts_expanded_at_load`); one whose experts transformers' MXFP4 hub kernels hold is refused
-    with the loads that work (`refuse_hub_kernel_experts`).
+    with the loads that work (`refuse_hub_kernel_experts`); transformers' own FP8 modules of an FP8 checkpoint
+    loaded on a GPU are taken over with their bytes (`adopt_transformers_fp8`).
     `fused_experts` (default): resident bf16 / fp32 experts run dflash's fused kernels on their own weights in the
     compiled steps (Triton on CUDA, C++ on a CPU; fp16 experts keep transformers' path, the kernels would round them
     to bf16); False keeps transformers' grouped_mm (CUDA) or the reference loop.
@@ -114,6 +116,7 @@ def optimize(model: torch.nn.Module, drafter=None, *, compile: bool = True, mode
                                                  offload_cpu_compute=offload_cpu_compute,
                                                  offload_manager=offload_manager)
     refuse_hub_kernel_experts(model)
+    adopt_transformers_fp8(model)  # before anything looks for the family's experts modules
     pack_experts_expanded_at_load(model)
     layer_ids: tuple[int, ...] = ()
     if drafter is not None:

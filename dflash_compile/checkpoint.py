@@ -24,6 +24,7 @@ import json
 import math
 import re
 import shutil
+import sys
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -41,7 +42,7 @@ from .cost_model import BITS_PER_WEIGHT
 from .families import (auto_model_class, builds_causal_lm, experts_modules, first_projection, router_of,
                        spec_for_model)
 from .packed import FP8_BLOCK, PackedWeight, attach_packed, expert_weights, packed_weights
-from .quant import check_mxfp4_groups, quantize_fp8_block
+from .quant import check_mxfp4_groups, dequantize_fp8_block, quantize_fp8_block
 
 FORMATS = ("mxfp4", "fp8_block")
 _FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
@@ -136,10 +137,11 @@ def _quantized_experts(experts: torch.nn.Module, format: str,
 
 def _quantized_tensors(model: torch.nn.Module, format: str) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors, module by module (each module's weights in memory only while it is read, for a
-    model offloaded to disk): routed experts in `format`; with fp8_block also the plain linears but the output head
-    and the routers' (Hunyuan-A13B's fp32 `gate.wg`; Phi-MoE's router is an nn.Linear subclass): routing stays in the
-    model's dtype, as released FP8 keeps it; and the family's `unquantized_linears` (weights its code multiplies
-    directly or takes its compute dtype from, routers beside the MoE blocks'); everything else as it is."""
+    model offloaded to disk): routed experts in `format`; with fp8_block also the linears transformers' FP8 loading
+    converts (`_fp8_in_transformers`) but the output head and the routers' (Hunyuan-A13B's fp32 `gate.wg`; Phi-MoE's
+    router is an nn.Linear subclass): routing stays in the model's dtype, as released FP8 keeps it; and the family's
+    `unquantized_linears` (weights its code multiplies directly or takes its compute dtype from, routers beside the
+    MoE blocks'); everything else as it is."""
     spec = spec_for_model(model)
     layers = experts_modules(model)
     routers = {part for path in layers for part in router_of(model, path).modules()}
@@ -151,7 +153,7 @@ def _quantized_tensors(model: torch.nn.Module, format: str) -> Iterator[tuple[st
         with _weights_in_memory(module):
             if path in layers:  # a full-size layer takes seconds to round on a CPU
                 tensors = _quantized_experts(module, format, spec.checkpoint_expert_projections)
-            elif (format == "fp8_block" and type(module) is torch.nn.Linear
+            elif (format == "fp8_block" and _fp8_in_transformers(model, path, module)
                   and module is not head and module not in routers
                   and not path.endswith(spec.unquantized_linears)):
                 quantized, scale = quantize_fp8_block(module.weight.detach(), FP8_BLOCK)
@@ -164,6 +166,18 @@ def _quantized_tensors(model: torch.nn.Module, format: str) -> Iterator[tuple[st
         if path in layers:
             progress.update()
     progress.close()
+
+
+def _fp8_in_transformers(model: torch.nn.Module, path: str, module: torch.nn.Module) -> bool:
+    """Whether transformers' FP8 loading makes `module` an FP8 layer (`replace_with_fp8_linear`): a plain nn.Linear or
+    a grouped one (DeepSeek-V4's `o_a_proj`), outside the modules the model class keeps in fp32 (DeepSeek-V4's
+    compressor and indexer projections, which its release ships in bf16). A checkpoint that quantizes other layers,
+    or leaves these, is one transformers reads wrongly (a weight's scale unexpected, or missing)."""
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    linear = type(module) is torch.nn.Linear or (isinstance(module, torch.nn.Linear)
+                                                 and "GroupedLinear" in type(module).__name__)
+    return linear and should_convert_module(path, model._keep_in_fp32_modules)
 
 
 # The default largest shard, as transformers' `save_pretrained` wrote them before 5.0: the Hub takes files up to
@@ -477,6 +491,55 @@ def refuse_weights_outside_the_model(model: torch.nn.Module) -> None:
             "gpu_memory='20GiB'), or optimize(model, gpu_memory='20GiB') on a model loaded to the CPU")
 
 
+def adopt_transformers_fp8(model: torch.nn.Module) -> None:
+    """Take over the modules transformers' FP8 loading builds on a GPU (`integrations.finegrained_fp8`), keeping their
+    bytes: each `FP8Experts` becomes the family's own experts module with its weights attached packed (FP8 blocks, or
+    DeepSeek-V4's FP4 rows as MXFP4), each `FP8Linear` of 128 x 128 blocks dflash's (`FP8Linear`: the `dequant_fusion`
+    pass's pattern), and a grouped one (DeepSeek-V4's `o_a_proj`) has its weight dequantized in place, which its
+    forward then multiplies as the bf16 layer does. Without this the family's experts are not found (transformers'
+    class stands in their place) and the model is refused as an unsupported family. Every new module is built
+    before any is put in: a refusal leaves the model as it was."""
+    from transformers.integrations import finegrained_fp8 as hf
+
+    modules = list(model.named_modules())
+    replaced = {name: _family_experts(model, name, module) for name, module in modules
+                if isinstance(module, hf.FP8Experts)}
+    replaced |= {name: FP8Linear(module.weight.view(torch.uint8), _scales(module.weight_scale_inv, "fp8_block"),
+                                 module.bias) for name, module in modules
+                 if type(module) is hf.FP8Linear and tuple(module.block_size) == FP8_BLOCK}
+    for name, module in replaced.items():
+        _set(model, name, module)
+    for module in (module for _, module in modules if isinstance(module, hf.FP8GroupedLinear)):
+        scales = _scales(module.weight_scale_inv, "fp8_block")
+        module.weight = torch.nn.Parameter(dequantize_fp8_block(module.weight, scales, tuple(module.block_size),
+                                                                model.dtype), requires_grad=False)
+
+
+def _family_experts(model: torch.nn.Module, name: str, fp8: torch.nn.Module) -> torch.nn.Module:
+    """The family's experts module (its class from the MoE block's modeling module, built from the FP8 module's config)
+    holding `fp8`'s weights packed, on their device."""
+    block = model.get_submodule(name.rpartition(".")[0])
+    class_name = spec_for_model(model).experts_class
+    experts_class = getattr(sys.modules[type(block).__module__], class_name, None)
+    try:
+        with torch.device("meta"):
+            experts = experts_class(fp8.config)
+    except TypeError:  # absent (Llama 4's are dflash's own), or built from more than the config (Ling's layer index)
+        raise ValueError(f"{name}: transformers' FP8Experts stands where {class_name} belongs, which dflash cannot "
+                         "build again from the config; load the checkpoint with dflash_compile.from_pretrained(path), "
+                         "which keeps its experts packed") from None
+    first = "gate_up_proj" if fp8.has_gate else "up_proj"
+    format = "mxfp4" if getattr(fp8, first).dtype == torch.int8 else "fp8_block"
+    attach_packed(experts, *(PackedWeight(format, _packed_rows(getattr(fp8, part), format),
+                                          _scales(getattr(fp8, f"{part}_scale_inv"), format))
+                             for part in (first, "down_proj")))
+    left = [part for part, tensor in (*experts.named_parameters(), *experts.named_buffers()) if tensor.is_meta]
+    if left:
+        raise ValueError(f"{name}: the family's experts module has {left} beside the weights transformers' FP8Experts "
+                         "holds; load the checkpoint with dflash_compile.from_pretrained(path) instead")
+    return experts
+
+
 def pack_experts_expanded_at_load(model: torch.nn.Module) -> None:
     """Undo transformers' expansion of an MXFP4 / FP8 checkpoint's routed experts: without its own kernels it loads
     them in the model dtype and drops `quantization_config` (the checkpoint's config.json still names the format).
@@ -562,12 +625,12 @@ def _packed_experts(checkpoint: _Checkpoint, path: str, format: str, experts: in
 
 
 def _packed_rows(weight: torch.Tensor, format: str) -> torch.Tensor:
-    """One expert's stored projection as PackedWeight data: FP8 bytes [N, K], or FP4 pairs [N, K/2] grouped by 32
-    codes, [N, K/32, 16]."""
+    """Stored projection rows as PackedWeight data: FP8 bytes [..., N, K], or FP4 pairs [..., N, K/2] grouped by 32
+    codes, [..., N, K/32, 16]."""
     data = weight.view(torch.uint8)
     if format == "mxfp4":
         check_mxfp4_groups(2 * data.shape[-1])
-        return data.reshape(data.shape[0], -1, 16)
+        return data.reshape(*data.shape[:-1], -1, 16)
     return data
 
 

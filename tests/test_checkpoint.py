@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 from safetensors import safe_open
+from transformers.quantizers.quantizers_utils import should_convert_module
 from transformers.models.dbrx.configuration_dbrx import DbrxFFNConfig
 
 import dflash_compile
@@ -156,7 +157,8 @@ def test_optimize_names_the_packed_load_when_transformers_expanded_fp8_experts(t
 
 
 def _dequantized_reference(original, packed):
-    """The original model with every packed tensor replaced by its reference dequantization."""
+    """The original model with every packed tensor replaced by its reference dequantization (the packed model's own
+    weight where it was dequantized at load)."""
     reference = adapt_model(load_tiny_model(original.config.model_type, directory=original.name_or_path))  # as packed
     transposed = spec_for_model(reference).layout.transposed  # as transformers' modules, even Llama 4's, hold them
     for (name, module), (_, source) in zip(reference.named_modules(), packed.named_modules()):
@@ -169,6 +171,8 @@ def _dequantized_reference(original, packed):
             gate_up, down = packed_weights(source)
             getattr(module, first_projection(module)).data.copy_(stored(gate_up.dequantize()))
             module.down_proj.data.copy_(stored(down.dequantize()))
+        elif isinstance(source, torch.nn.Linear):  # DeepSeek-V4's grouped FP8 projection is dequantized at load
+            module.weight.data.copy_(source.weight)
     return reference
 
 
@@ -209,6 +213,49 @@ def test_deepseek_v4s_fp4_release_loads_packed_and_matches_transformers_load(tmp
         load_packed(directory)
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v4"])
+def test_optimize_takes_over_what_transformers_fp8_load_on_a_gpu_builds(family, tmp_path, monkeypatch):
+    """transformers' FP8 loading on a GPU (here on the CPU, its environment check skipped) puts its own FP8Experts
+    and FP8Linear in the family's places; `optimize` refused such a model as an unsupported family. It takes them
+    over with their bytes (`adopt_transformers_fp8`): logits as `load_packed`'s model of the same checkpoint, and the
+    same tokens; DeepSeek-V4's FP4 experts become MXFP4, its grouped FP8 output projection is dequantized in place."""
+    from transformers.integrations import finegrained_fp8
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+    directory = (save_fp4_release(family, tmp_path / "release", **SIZES[family]) if family == "deepseek_v4"
+                 else _quantized(family, "fp8_block", tmp_path)[1])
+    monkeypatch.setattr(FineGrainedFP8HfQuantizer, "validate_environment", lambda *args, **kwargs: None)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    assert any(isinstance(m, finegrained_fp8.FP8Experts) for m in model.modules())
+    fast = dflash_compile.optimize(model)
+    hf_modules = (finegrained_fp8.FP8Experts, finegrained_fp8.FP8Linear)
+    assert not any(type(m) in hf_modules for m in model.modules())
+    assert {m.packed_format for m in experts_modules(model).values()} == {
+        "mxfp4" if family == "deepseek_v4" else "fp8_block"}
+    reference, ids = load_packed(directory, dtype=torch.float32), token_ids(batch=1)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, atol=0, rtol=0)
+    expected = reference.generate(ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(fast.generate(ids, max_new_tokens=8), expected)
+
+
+def test_transformers_fp8_experts_dflash_cannot_rebuild_are_refused_naming_the_packed_load(tmp_path, monkeypatch):
+    """Llama 4's experts module is dflash's own (`adapt_model` makes it), not a class of transformers' to rebuild
+    from the config: the takeover names the load that works instead, and leaves the model as transformers built
+    it."""
+    from transformers.integrations import finegrained_fp8
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+    _, directory = _quantized("llama4_text", "fp8_block", tmp_path)
+    monkeypatch.setattr(FineGrainedFP8HfQuantizer, "validate_environment", lambda *args, **kwargs: None)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"model.layers.1.feed_forward.experts: transformers' FP8Experts stands "
+                                         r"where Llama4RoutedExperts belongs, which dflash cannot build again from the "
+                                         r"config; load the checkpoint with dflash_compile.from_pretrained\(path\)"):
+        dflash_compile.optimize(model)
+    assert type(model.model.layers[0].self_attn.q_proj) is finegrained_fp8.FP8Linear
+
+
 @pytest.mark.parametrize("family", [family for family in FAMILIES if family not in ("gpt_oss", "qwen3_5_moe")])
 def test_fp8_block_checkpoint_loads_packed_and_matches_the_dequantized_model(family, tmp_path):
     original, directory = _quantized(family, "fp8_block", tmp_path)
@@ -217,11 +264,13 @@ def test_fp8_block_checkpoint_loads_packed_and_matches_the_dequantized_model(fam
     assert 8.0 <= weight_bytes * 8 / weights <= 8.01  # one fp32 scale per 128 x 128 block
     assert any(isinstance(m, FP8Linear) for m in packed.modules())
     routers = {part for path in experts_modules(packed) for part in router_of(packed, path).modules()}
-    # every plain linear is FP8 but lm_head, the routers' (Hunyuan-A13B's fp32 gate.wg; Phi-MoE's router) and those
-    # the family's code multiplies by their weight (Jamba's dt_proj) or reads the dtype of
+    # every plain linear is FP8 but lm_head, the routers' (Hunyuan-A13B's fp32 gate.wg; Phi-MoE's router), those
+    # the family's code multiplies by their weight (Jamba's dt_proj) or reads the dtype of, and those the model class
+    # keeps in fp32, as transformers' FP8 loading does (DeepSeek-V4's compressor projections)
     unquantized = spec_for_model(packed).unquantized_linears
     assert not any(type(m) is torch.nn.Linear and m is not packed.lm_head and m not in routers
-                   and not name.endswith(unquantized) for name, m in packed.named_modules())
+                   and not name.endswith(unquantized) and should_convert_module(name, packed._keep_in_fp32_modules)
+                   for name, m in packed.named_modules())
     assert not any(isinstance(m, FP8Linear) for m in routers)
     reference = _dequantized_reference(original, packed)
     ids = token_ids()
