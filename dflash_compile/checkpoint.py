@@ -142,7 +142,7 @@ def _quantized_tensors(model: torch.nn.Module, format: str) -> Iterator[tuple[st
     router is an nn.Linear subclass): routing stays in the model's dtype, as released FP8 keeps it; and the family's
     `unquantized_linears` (weights its code multiplies directly or takes its compute dtype from, routers beside the
     MoE blocks'); everything else as it is."""
-    spec = spec_for_model(model)
+    spec, names = spec_for_model(model), _expert_projection_names(model)
     layers = experts_modules(model)
     routers = {part for path in layers for part in router_of(model, path).modules()}
     head = model.get_output_embeddings()
@@ -152,7 +152,7 @@ def _quantized_tensors(model: torch.nn.Module, format: str) -> Iterator[tuple[st
         prefix = f"{path}." if path else ""
         with _weights_in_memory(module):
             if path in layers:  # a full-size layer takes seconds to round on a CPU
-                tensors = _quantized_experts(module, format, spec.checkpoint_expert_projections)
+                tensors = _quantized_experts(module, format, names)
             elif (format == "fp8_block" and _fp8_in_transformers(model, path, module)
                   and module is not head and module not in routers
                   and not path.endswith(spec.unquantized_linears)):
@@ -589,6 +589,29 @@ def _check_fp8_stackable(path: str, intermediate: int) -> None:
                          "cannot be kept packed in fp8_block; keep them in bf16")
 
 
+# A per-expert projection's name in the patterns of transformers' converters that stack experts
+# (`.experts.*.w1.weight`, `mlp.experts.*.gate_proj.weight`, DeepSeek-V4's `\.experts.*.w1.weight`)
+_PER_EXPERT_PATTERN = re.compile(r"experts\\?\.\*\\?\.(\w+)\\?\.weight$")
+
+
+def _expert_projection_names(model: torch.nn.Module) -> tuple[str, str, str]:
+    """The names a checkpoint gives each routed expert's (gate, up, down) projections, `{experts}.{j}.{name}.weight`:
+    those transformers' conversion mapping stacks into the experts' `gate_up_proj` (or `up_proj`) and `down_proj`
+    (Mixtral's, MiniMax's, Phi-MoE's, Kimi Linear's, LFM2-MoE's and DeepSeek-V4's w1, w3 and w2), else gate_proj,
+    up_proj and down_proj."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    found = {}
+    for converter in get_model_conversion_mapping(model):
+        target = converter.target_patterns[-1] if isinstance(converter, WeightConverter) else ""
+        names = [match[1] for source in converter.source_patterns if (match := _PER_EXPERT_PATTERN.search(source))]
+        if names and target.endswith(("gate_up_proj", "down_proj")):
+            found[target.endswith("down_proj")] = names
+    gate_up, down = found.get(False, ["gate_proj", "up_proj"]), found.get(True, ["down_proj"])
+    return (*gate_up, *down) if len(gate_up) == 2 and len(down) == 1 else ("gate_proj", "up_proj", "down_proj")
+
+
 def _first_projections(names: tuple[str, str, str], gated: bool) -> tuple[str, ...]:
     """The checkpoint's per-expert projections the experts' first weight stacks, of the family's (gate, up, down)
     `names`: gate and up, or up alone for experts without a gate (Nemotron-H)."""
@@ -676,7 +699,7 @@ def load_packed(path: str | Path, dtype: torch.dtype = torch.bfloat16, device="c
     _check_causal_lm(config)
     model = _meta_model(config, dtype)
     checkpoint = _Checkpoint(path, model)
-    names = spec_for_model(model).checkpoint_expert_projections
+    names = _expert_projection_names(model)
     for name, experts in experts_modules(model).items():
         count = experts.down_proj.shape[0]
         attach_packed(experts, *_packed_experts(checkpoint, name, format, count, _gated(experts), names, device))

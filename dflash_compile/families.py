@@ -405,9 +405,6 @@ class FamilySpec:
     # the config's count of decoder layers (of hidden states a forward returns, less the embeddings' own), where
     # `num_hidden_layers` counts something else (LongCat-Flash's: its attention sublayers, two a decoder layer)
     decoder_layers_key: str = "num_hidden_layers"
-    # the names an FP8 / FP4 checkpoint gives each routed expert's (gate, up, down) projections
-    # (`{experts}.{j}.{name}.weight`; experts without a gate: up and down only): DeepSeek-V4's release says w1, w3, w2
-    checkpoint_expert_projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     # the oldest transformers whose model code for the family dflash-compile reproduces (Jamba's verify blocks need
     # 5.25's cache-reading scan); an older one is refused by `spec_for_config`
     min_transformers: str | None = None
@@ -1446,7 +1443,7 @@ FAMILIES: dict[str, FamilySpec] = {
             RouterSpec(scoring="sqrtsoftplus", correction_bias="e_score_correction_bias", routed_scaling_factor=True),
             _all_layers, _compressed_everywhere, attention_sinks=True, cached_per_token=_compressor_projections,
             compressed_entries=_compressed_entries, adapt=(_ROW_DEEPSEEK_V4_COMPRESSORS,),
-            query_slot_bytes=_compressed_entries_bytes, checkpoint_expert_projections=("w1", "w3", "w2"),
+            query_slot_bytes=_compressed_entries_bytes,
         ),
         FamilySpec(  # Granite 4.0-H (GraniteMoeHybrid): Mamba2 layers between full-attention ones (without rotary
             # positions as released), Granite-MoE's router and multipliers, a shared MLP beside the experts everywhere

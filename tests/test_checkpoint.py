@@ -239,6 +239,19 @@ def test_optimize_takes_over_what_transformers_fp8_load_on_a_gpu_builds(family, 
     assert torch.equal(fast.generate(ids, max_new_tokens=8), expected)
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v4"])
+def test_transformers_reads_our_fp8_block_checkpoints_as_load_packed_does(family, tmp_path):
+    """Our fp8_block files in the names transformers' loading stacks experts from (Qwen3's gate_proj / up_proj /
+    down_proj, Mixtral's and DeepSeek-V4's w1 / w3 / w2; `_expert_projection_names`) and with its FP8 layers
+    (`_fp8_in_transformers`): transformers' own load (dequantizing on a CPU) gives `load_packed`'s logits."""
+    _, directory = _quantized(family, "fp8_block", tmp_path)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    ids = token_ids()
+    with torch.no_grad():
+        torch.testing.assert_close(load_packed(directory, dtype=torch.float32)(ids).logits, reference(ids).logits,
+                                   atol=1e-5, rtol=1e-5)
+
+
 def test_transformers_fp8_experts_dflash_cannot_rebuild_are_refused_naming_the_packed_load(tmp_path, monkeypatch):
     """Llama 4's experts module is dflash's own (`adapt_model` makes it), not a class of transformers' to rebuild
     from the config: the takeover names the load that works instead, and leaves the model as transformers built
