@@ -529,14 +529,15 @@ def _family_experts(model: torch.nn.Module, name: str, fp8: torch.nn.Module) -> 
                          "build again from the config; load the checkpoint with dflash_compile.from_pretrained(path), "
                          "which keeps its experts packed") from None
     first = "gate_up_proj" if fp8.has_gate else "up_proj"
+    left = [part for part, tensor in (*experts.named_parameters(), *experts.named_buffers())
+            if tensor.is_meta and part not in (first, "down_proj")]
+    if left:
+        raise ValueError(f"{name}: the family's experts module has {left} beside the weights transformers' FP8Experts "
+                         "holds; load the checkpoint with dflash_compile.from_pretrained(path) instead")
     format = "mxfp4" if getattr(fp8, first).dtype == torch.int8 else "fp8_block"
     attach_packed(experts, *(PackedWeight(format, _packed_rows(getattr(fp8, part), format),
                                           _scales(getattr(fp8, f"{part}_scale_inv"), format))
                              for part in (first, "down_proj")))
-    left = [part for part, tensor in (*experts.named_parameters(), *experts.named_buffers()) if tensor.is_meta]
-    if left:
-        raise ValueError(f"{name}: the family's experts module has {left} beside the weights transformers' FP8Experts "
-                         "holds; load the checkpoint with dflash_compile.from_pretrained(path) instead")
     return experts
 
 
