@@ -138,13 +138,10 @@ def _quantized_experts(experts: torch.nn.Module, format: str,
 def _quantized_tensors(model: torch.nn.Module, format: str) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors, module by module (each module's weights in memory only while it is read, for a
     model offloaded to disk): routed experts in `format`; with fp8_block also the linears transformers' FP8 loading
-    converts (`_fp8_in_transformers`) but the output head and the routers' (Hunyuan-A13B's fp32 `gate.wg`; Phi-MoE's
-    router is an nn.Linear subclass): routing stays in the model's dtype, as released FP8 keeps it; and the family's
-    `unquantized_linears` (weights its code multiplies directly or takes its compute dtype from, routers beside the
-    MoE blocks'); everything else as it is."""
-    spec, names = spec_for_model(model), _expert_projection_names(model)
-    layers = experts_modules(model)
-    routers = {part for path in layers for part in router_of(model, path).modules()}
+    converts (`_fp8_in_transformers`) but those kept in the model's dtype (`_unquantized_fp8_linears`); everything
+    else as it is."""
+    names, layers = _expert_projection_names(model), experts_modules(model)
+    kept = set(_unquantized_fp8_linears(model)) if format == "fp8_block" else set()
     head = model.get_output_embeddings()
     tied_head = head if model.config.tie_word_embeddings else None
     progress = tqdm(total=len(layers), desc="quantizing experts", unit="layer", disable=len(layers) < 8)
@@ -153,9 +150,7 @@ def _quantized_tensors(model: torch.nn.Module, format: str) -> Iterator[tuple[st
         with _weights_in_memory(module):
             if path in layers:  # a full-size layer takes seconds to round on a CPU
                 tensors = _quantized_experts(module, format, names)
-            elif (format == "fp8_block" and _fp8_in_transformers(model, path, module)
-                  and module is not head and module not in routers
-                  and not path.endswith(spec.unquantized_linears)):
+            elif format == "fp8_block" and _fp8_in_transformers(model, path, module) and path not in kept:
                 quantized, scale = quantize_fp8_block(module.weight.detach(), FP8_BLOCK)
                 tensors = [("weight", quantized), ("weight_scale_inv", scale),
                            *((name, tensor) for name, tensor in _own_tensors(module) if name != "weight")]
@@ -180,6 +175,19 @@ def _fp8_in_transformers(model: torch.nn.Module, path: str, module: torch.nn.Mod
     return linear and should_convert_module(path, model._keep_in_fp32_modules)
 
 
+def _unquantized_fp8_linears(model: torch.nn.Module) -> list[str]:
+    """The linears transformers' FP8 loading converts that an fp8_block checkpoint keeps in the model's dtype: the
+    output head, the routers' (Hunyuan-A13B's fp32 `gate.wg`; Phi-MoE's router is an nn.Linear subclass; routing stays
+    in the model's dtype, as released FP8 keeps it) and the family's `unquantized_linears` (weights its code multiplies
+    directly or takes its compute dtype from, routers beside the MoE blocks'). `quantize` names them in the config's
+    `modules_to_not_convert`, as FP8 releases do, so transformers' FP8 loading leaves them unquantized too."""
+    unquantized = spec_for_model(model).unquantized_linears
+    routers = {part for path in experts_modules(model) for part in router_of(model, path).modules()}
+    head = model.get_output_embeddings()
+    return [path for path, module in model.named_modules() if _fp8_in_transformers(model, path, module)
+            and (module is head or module in routers or path.endswith(unquantized))]
+
+
 # The default largest shard, as transformers' `save_pretrained` wrote them before 5.0: the Hub takes files up to
 # 50 GB (gpt-oss-120b's MXFP4 experts alone are 61 GB), and safetensors serialises a file's tensors in memory
 # before writing it, so a shard is what `quantize` holds at most.
@@ -200,7 +208,8 @@ def quantize(model: torch.nn.Module, directory: str | Path, format: str,
         for name, tensor in _quantized_tensors(model, format):
             shards.add(name, tensor)
     config = model.config.to_dict()
-    config["quantization_config"] = _MXFP4_CONFIG if format == "mxfp4" else _FP8_CONFIG
+    config["quantization_config"] = _MXFP4_CONFIG if format == "mxfp4" else (
+        _FP8_CONFIG | {"modules_to_not_convert": _unquantized_fp8_linears(model)})
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     model.generation_config.save_pretrained(directory)
     return directory
