@@ -4,10 +4,13 @@
     mxfp4      gpt-oss: `{experts}.gate_up_proj_blocks` uint8 [E, 2I, H/32, 16], `..._scales` uint8 [E, 2I, H/32],
                `down_proj_blocks` / `down_proj_scales` [E, H, I/32, ...], biases bf16; everything else unquantized;
                config `quantization_config = {"quant_method": "mxfp4", ...}`
-    fp8_block  DeepSeek-V3 / GLM-4.x-FP8 / Qwen3-FP8: every plain nn.Linear but lm_head (routers stay) as float8_e4m3fn
-               `weight` plus fp32 `weight_scale_inv` per 128 x 128 block; routed experts per expert in 2-D
-               (`{experts}.{j}.gate_proj.weight`, `up_proj`, `down_proj`); config `quantization_config =
-               {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}`
+    fp8_block  DeepSeek-V3 / GLM-4.x-FP8 / Qwen3-FP8: the linears transformers' FP8 loading converts but lm_head and
+               the routers as float8_e4m3fn `weight` plus fp32 `weight_scale_inv` per 128 x 128 block; routed experts
+               per expert in 2-D (`{experts}.{j}.gate_proj.weight`, `up_proj`, `down_proj`, or the family's names:
+               Mixtral's w1 / w3 / w2), or stacked in 3-D (`{experts}.gate_up_proj`, `gate_up_proj_scale_inv`) where
+               the family's checkpoints stack them; config `quantization_config = {"quant_method": "fp8", "fmt":
+               "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128], "modules_to_not_convert":
+               [...]}`; DeepSeek-V4's release (read, not written): FP4 experts (`expert_dtype` "fp4") and E8M0 scales
 
 transformers dequantizes such checkpoints at load on a CPU; `load_packed` instead builds the model on the meta
 device, attaches the routed experts as packed buffers (`packed.attach_packed`), keeps FP8 linear layers as
@@ -115,9 +118,10 @@ def _own_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _quantized_experts(experts: torch.nn.Module, format: str,
-                       names: tuple[str, str, str]) -> Iterator[tuple[str, torch.Tensor]]:
+                       names: tuple[str, str, str] | None) -> Iterator[tuple[str, torch.Tensor]]:
     """An experts module's tensors in `format`'s public layout, by their names under the module (`names`: the
-    family's per-expert projections, gate, up and down)."""
+    family's per-expert projections, gate, up and down; None: FP8 stacked as the module holds them, with
+    `_scale_inv` grids, as transformers' FP8Experts reads them)."""
     first, gated = first_projection(experts), _gated(experts)
     replaced = {first, "down_proj", f"{first}_bias", "down_proj_bias"}
     yield from ((name, tensor) for name, tensor in _own_tensors(experts) if name not in replaced)
@@ -127,6 +131,11 @@ def _quantized_experts(experts: torch.nn.Module, format: str,
             packed = PackedWeight.quantize(weight.data, "mxfp4")
             yield from ((f"{name}_blocks", packed.data), (f"{name}_scales", packed.scales),
                         (f"{name}_bias", weight.bias))
+        return
+    if names is None:
+        for name, weight in ((first, gate_up), ("down_proj", down)):
+            packed = PackedWeight.quantize(weight.data, "fp8_block")
+            yield from ((name, packed.data.view(torch.float8_e4m3fn)), (f"{name}_scale_inv", packed.scales))
         return
     for j in range(gate_up.shape[0]):
         rows = gate_up.data[j].chunk(2, dim=0) if gated else (gate_up.data[j],)
@@ -543,9 +552,7 @@ def _family_experts(model: torch.nn.Module, name: str, fp8: torch.nn.Module) -> 
     if left:
         raise ValueError(f"{name}: the family's experts module has {left} beside the weights transformers' FP8Experts "
                          "holds; load the checkpoint with dflash_compile.from_pretrained(path) instead")
-    format = "mxfp4" if getattr(fp8, first).dtype == torch.int8 else "fp8_block"
-    attach_packed(experts, *(PackedWeight(format, _packed_rows(getattr(fp8, part), format),
-                                          _scales(getattr(fp8, f"{part}_scale_inv"), format))
+    attach_packed(experts, *(_packed_stack(getattr(fp8, part), getattr(fp8, f"{part}_scale_inv"))
                              for part in (first, "down_proj")))
     return experts
 
@@ -604,11 +611,13 @@ def _check_fp8_stackable(path: str, intermediate: int) -> None:
 _PER_EXPERT_PATTERN = re.compile(r"experts\\?\.\*\\?\.(\w+)\\?\.weight$")
 
 
-def _expert_projection_names(model: torch.nn.Module) -> tuple[str, str, str]:
+def _expert_projection_names(model: torch.nn.Module) -> tuple[str, str, str] | None:
     """The names a checkpoint gives each routed expert's (gate, up, down) projections, `{experts}.{j}.{name}.weight`:
     those transformers' conversion mapping stacks into the experts' `gate_up_proj` (or `up_proj`) and `down_proj`
-    (Mixtral's, MiniMax's, Phi-MoE's, Kimi Linear's, LFM2-MoE's and DeepSeek-V4's w1, w3 and w2), else gate_proj,
-    up_proj and down_proj."""
+    (Mixtral's, MiniMax's, Phi-MoE's, Kimi Linear's, LFM2-MoE's and DeepSeek-V4's w1, w3 and w2). None where it
+    stacks none: the family's checkpoints hold its experts stacked (Gemma 4, the Granite MoEs, Inkling, ZAYA1), and so
+    do FP8 ones, as its FP8Experts reads them; per-expert gate_proj, up_proj, down_proj for families whose experts are
+    stored [E, in, out] (Aria, Llama 4: FP8Experts holds [E, out, in])."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter
 
@@ -618,6 +627,8 @@ def _expert_projection_names(model: torch.nn.Module) -> tuple[str, str, str]:
         names = [match[1] for source in converter.source_patterns if (match := _PER_EXPERT_PATTERN.search(source))]
         if names and target.endswith(("gate_up_proj", "down_proj")):
             found[target.endswith("down_proj")] = names
+    if not found and not spec_for_model(model).layout.transposed:
+        return None
     gate_up, down = found.get(False, ["gate_proj", "up_proj"]), found.get(True, ["down_proj"])
     return (*gate_up, *down) if len(gate_up) == 2 and len(down) == 1 else ("gate_proj", "up_proj", "down_proj")
 
@@ -634,15 +645,21 @@ def _gated(experts: torch.nn.Module) -> bool:
 
 
 def _packed_experts(checkpoint: _Checkpoint, path: str, format: str, experts: int, gated: bool,
-                    names: tuple[str, str, str], device) -> tuple[PackedWeight, ...]:
-    """An experts module's (gate_up, down) from the checkpoint: gpt-oss's stacked MXFP4 blocks, or each expert's
-    projections (`names`: gate, up, down; `gated` False: up alone first, Nemotron-H) as FP8 blocks or as FP4 rows
-    (two e2m1 codes a byte, low nibble first, an E8M0 scale per 32: MXFP4's bytes, regrouped)."""
+                    names: tuple[str, str, str] | None, device) -> tuple[PackedWeight, ...]:
+    """An experts module's (gate_up, down) from the checkpoint: gpt-oss's stacked MXFP4 blocks, stacked FP8 (or FP4)
+    weights with their `_scale_inv` grids, or each expert's projections (`names`: gate, up, down; `gated` False: up
+    alone first, Nemotron-H) as FP8 blocks or as FP4 rows (two e2m1 codes a byte, low nibble first, an E8M0 scale per
+    32: MXFP4's bytes, regrouped)."""
+    stacked = ("gate_up_proj" if gated else "up_proj", "down_proj")
+    if f"{path}.{stacked[0]}_scale_inv" in checkpoint:
+        return tuple(_packed_stack(checkpoint.get(f"{path}.{name}").to(device),
+                                   checkpoint.get(f"{path}.{name}_scale_inv").to(device)) for name in stacked)
     if f"{path}.gate_up_proj_blocks" in checkpoint:
         return tuple(PackedWeight("mxfp4", checkpoint.get(f"{path}.{name}_blocks").to(device),
                                   checkpoint.get(f"{path}.{name}_scales").to(device),
                                   checkpoint.get(f"{path}.{name}_bias").to(device) if f"{path}.{name}_bias"
                                   in checkpoint else None) for name in ("gate_up_proj", "down_proj"))
+    names = names or ("gate_proj", "up_proj", "down_proj")
     first, down = _first_projections(names, gated), names[2]
     parts = {name: [(checkpoint.get(f"{path}.{j}.{name}.weight"), checkpoint.get(f"{path}.{j}.{name}.weight_scale_inv"))
                     for j in range(experts)] for name in (*first, down)}
@@ -655,6 +672,13 @@ def _packed_experts(checkpoint: _Checkpoint, path: str, format: str, experts: in
         return PackedWeight(format, data.to(device), scales.to(device))
 
     return stack(first), stack((down,))
+
+
+def _packed_stack(weight: torch.Tensor, scales: torch.Tensor) -> PackedWeight:
+    """Experts stacked [E, N, K] as transformers' FP8Experts holds them: FP8 bytes with their block scales, or int8
+    FP4 pairs with E8M0 scales per 32 as MXFP4."""
+    format = "mxfp4" if weight.dtype == torch.int8 else "fp8_block"
+    return PackedWeight(format, _packed_rows(weight, format), _scales(scales, format))
 
 
 def _packed_rows(weight: torch.Tensor, format: str) -> torch.Tensor:

@@ -213,14 +213,16 @@ def test_deepseek_v4s_fp4_release_loads_packed_and_matches_transformers_load(tmp
         load_packed(directory)
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v4", "hunyuan_v1_moe", "jamba"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v4", "hunyuan_v1_moe", "jamba", "granitemoe"])
 def test_optimize_takes_over_what_transformers_fp8_load_on_a_gpu_builds(family, tmp_path, monkeypatch):
     """transformers' FP8 loading on a GPU (here on the CPU, its environment check skipped) puts its own FP8Experts
     and FP8Linear in the family's places; `optimize` refused such a model as an unsupported family. It takes them
     over with their bytes (`adopt_transformers_fp8`): logits as `load_packed`'s model of the same checkpoint, and the
     same tokens; DeepSeek-V4's FP4 experts become MXFP4, its grouped FP8 output projection is dequantized in place.
     Our files name the linears they keep unquantized in `modules_to_not_convert` (Hunyuan-A13B's router `gate.wg`,
-    Jamba's `dt_proj`), which transformers' load otherwise made FP8 layers with scales missing."""
+    Jamba's `dt_proj`), which transformers' load otherwise made FP8 layers with scales missing, and hold the experts
+    of a family whose checkpoints stack them stacked (the Granite MoEs; transformers' CPU load, which dequantizes
+    only the per-expert tensors its converters stack, reads these scales as unexpected)."""
     from transformers.integrations import finegrained_fp8
     from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
 
