@@ -527,21 +527,20 @@ def save_tiny_model(family: str, directory: str | Path, seed: int = 0, **overrid
 def save_fp4_release(family: str, directory: str | Path, seed: int = 0, **overrides) -> Path:
     """A random tiny `family` model written as DeepSeek-V4's release is (`save_tiny_model`, then requantized): each
     routed expert's projections FP4 (int8 pairs of e2m1 codes, low nibble first, a float8_e8m0fnu scale per 32 as
-    `.scale`), the linear layers transformers' FP8 quantizer converts (nn.Linear but the output head and the model's
-    `_keep_in_fp32_modules`) float8_e4m3fn with power-of-two scales per 128 x 128 block (`.scale`, e8m0), the rest
-    as saved, by the stored names; config `expert_dtype` "fp4" and FP8's quantization config with `scale_fmt`
+    `.scale`), the linear layers transformers' FP8 loading converts (`checkpoint._fp8_in_transformers`) but the
+    output head float8_e4m3fn with power-of-two scales per 128 x 128 block (`.scale`, e8m0), the rest as saved, by
+    the stored names; config `expert_dtype` "fp4" and FP8's quantization config with `scale_fmt`
     "ue8m0"."""
     import json
 
     from safetensors.torch import load_file, save_file
 
-    from .checkpoint import _meta_model, _model_names
+    from .checkpoint import _fp8_in_transformers, _meta_model, _model_names
     from .quant import quantize_fp8_block, quantize_mxfp4
 
     directory = save_tiny_model(family, directory, seed, **overrides)
     model = _meta_model(transformers.AutoConfig.from_pretrained(directory))
     model_name, modules, experts = _model_names(model), dict(model.named_modules()), experts_modules(model)
-    fp32_kept = tuple(model._keep_in_fp32_modules or ())
     (file,) = directory.glob("*.safetensors")
     tensors = {}
     for key, tensor in load_file(str(file)).items():
@@ -551,8 +550,8 @@ def save_fp4_release(family: str, directory: str | Path, seed: int = 0, **overri
             codes, scales = quantize_mxfp4(tensor)
             tensors |= {key: codes.reshape(tensor.shape[0], -1).view(torch.int8),
                         scale_key: scales.view(torch.float8_e8m0fnu)}
-        elif (key.endswith(".weight") and isinstance(module, torch.nn.Linear)
-              and module is not model.get_output_embeddings() and not any(part in path for part in fp32_kept)):
+        elif (key.endswith(".weight") and module is not None and _fp8_in_transformers(model, path, module)
+              and module is not model.get_output_embeddings()):
             values, scales = quantize_fp8_block(tensor, power_of_two=True)
             tensors |= {key: values, scale_key: scales.to(torch.float8_e8m0fnu)}
         else:
