@@ -524,43 +524,57 @@ def save_tiny_model(family: str, directory: str | Path, seed: int = 0, **overrid
     return Path(directory)
 
 
-def save_fp4_release(family: str, directory: str | Path, seed: int = 0, **overrides) -> Path:
-    """A random tiny `family` model written as DeepSeek-V4's release is (`save_tiny_model`, then requantized): each
-    routed expert's projections FP4 (int8 pairs of e2m1 codes, low nibble first, a float8_e8m0fnu scale per 32 as
-    `.scale`), the linear layers transformers' FP8 loading converts (`checkpoint._fp8_in_transformers`) but the
-    output head float8_e4m3fn with power-of-two scales per 128 x 128 block (`.scale`, e8m0), the rest as saved, by
-    the stored names; config `expert_dtype` "fp4" and FP8's quantization config with `scale_fmt`
-    "ue8m0"."""
+def save_release(family: str, directory: str | Path, expert_dtype: str = "fp4", seed: int = 0, **overrides) -> Path:
+    """A random tiny `family` model written as an FP8 release is, by the names `save_pretrained` stores
+    (`save_tiny_model`, then requantized): the linear layers transformers' FP8 loading converts
+    (`checkpoint._fp8_in_transformers`) float8_e4m3fn per 128 x 128 block, but the output head and the routers,
+    listed in `modules_to_not_convert`; each routed expert's projections FP8 likewise (`expert_dtype` "fp8": fp32
+    `weight_scale_inv`, DeepSeek-V3's and Mixtral FP8's style) or, as DeepSeek-V4's release, FP4 (`expert_dtype`
+    "fp4": int8 pairs of e2m1 codes, low nibble first, a float8_e8m0fnu scale per 32 as `.scale`; the FP8 layers'
+    scales powers of two, E8M0 bytes as `.scale`; config `expert_dtype` and `scale_fmt` "ue8m0")."""
     import json
 
     from safetensors.torch import load_file, save_file
 
-    from .checkpoint import _fp8_in_transformers, _meta_model, _model_names
+    from .checkpoint import _fp8_in_transformers, _meta_model, _model_names, _unquantized_fp8_linears
     from .quant import quantize_fp8_block, quantize_mxfp4
 
+    fp4 = {"fp4": True, "fp8": False}[expert_dtype]
     directory = save_tiny_model(family, directory, seed, **overrides)
     model = _meta_model(transformers.AutoConfig.from_pretrained(directory))
     model_name, modules, experts = _model_names(model), dict(model.named_modules()), experts_modules(model)
+    kept = _unquantized_fp8_linears(model)
+
+    def fp8(key, tensor):
+        values, scales = quantize_fp8_block(tensor, power_of_two=fp4)
+        stem = key.removesuffix(".weight")
+        return {key: values, **({f"{stem}.scale": scales.to(torch.float8_e8m0fnu)} if fp4
+                                else {f"{stem}.weight_scale_inv": scales})}
+
     (file,) = directory.glob("*.safetensors")
     tensors = {}
     for key, tensor in load_file(str(file)).items():
         path = model_name(key)[0].removesuffix(".weight")
-        module, scale_key = modules.get(path), key.removesuffix(".weight") + ".scale"
+        module = modules.get(path)
         if key.endswith(".weight") and path.rsplit(".", 2)[0] in experts:
-            codes, scales = quantize_mxfp4(tensor)
-            tensors |= {key: codes.reshape(tensor.shape[0], -1).view(torch.int8),
-                        scale_key: scales.view(torch.float8_e8m0fnu)}
+            if fp4:
+                codes, scales = quantize_mxfp4(tensor)
+                tensors |= {key: codes.reshape(tensor.shape[0], -1).view(torch.int8),
+                            key.removesuffix(".weight") + ".scale": scales.view(torch.float8_e8m0fnu)}
+            else:
+                tensors |= fp8(key, tensor)
         elif (key.endswith(".weight") and module is not None and _fp8_in_transformers(model, path, module)
-              and module is not model.get_output_embeddings()):
-            values, scales = quantize_fp8_block(tensor, power_of_two=True)
-            tensors |= {key: values, scale_key: scales.to(torch.float8_e8m0fnu)}
+              and path not in kept):
+            tensors |= fp8(key, tensor)
         else:
             tensors[key] = tensor
     save_file(tensors, str(file), metadata={"format": "pt"})
     config = json.loads((directory / "config.json").read_text())
-    config |= {"expert_dtype": "fp4", "quantization_config": {
-        "quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "activation_scheme": "dynamic",
-        "weight_block_size": [128, 128]}}
+    quantization = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                    "weight_block_size": [128, 128], "modules_to_not_convert": kept}
+    config["quantization_config"] = quantization | ({"scale_fmt": "ue8m0"} if fp4 else {})
+    if fp4:
+        config["expert_dtype"] = "fp4"
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     return directory
 

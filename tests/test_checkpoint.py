@@ -18,7 +18,7 @@ from dflash_compile.checkpoint import (FP8Linear, expert_bytes, load_packed, qua
                                        stored_expert_bytes)
 from dflash_compile.families import adapt_model, experts_modules, first_projection, router_of, spec_for_model
 from dflash_compile.packed import packed_weights
-from dflash_compile.testing import load_tiny_model, save_fp4_release, save_tiny_model
+from dflash_compile.testing import load_tiny_model, save_release, save_tiny_model
 from tests.conftest import FAMILIES, token_ids
 
 # Expert sizes the formats can hold: MXFP4 groups of 32, FP8 gate/up stacked in whole 128-row blocks.
@@ -178,13 +178,13 @@ def _dequantized_reference(original, packed):
 
 # gpt-oss's checkpoints are MXFP4 (tests above); Qwen3.5-MoE's FP8 one is tested as released (image-text, below)
 def test_deepseek_v4s_fp4_release_loads_packed_and_matches_transformers_load(tmp_path):
-    """DeepSeek-V4's release layout (`save_fp4_release`: its stored names, FP4 experts, FP8 linears with E8M0
+    """DeepSeek-V4's release layout (`save_release`: its stored names, FP4 experts, FP8 linears with E8M0
     scales): experts kept at 4.25 bits, FP8 linears kept FP8 but the grouped output projection (its forward reads
     its weight: dequantized at load), and logits as transformers' own load of the checkpoint (which dequantizes it
     all on a CPU); `from_pretrained`'s tokens are that model's, resident and offloaded (MXFP4 blobs: the release's
     284B parameters need it). That load's experts are FP4 values: `optimize` packs them again, losslessly. An expert
     dtype the release layout has no reading for is refused by name."""
-    directory = save_fp4_release("deepseek_v4", tmp_path / "release", **SIZES["deepseek_v4"])
+    directory = save_release("deepseek_v4", tmp_path / "release", **SIZES["deepseek_v4"])
     packed = load_packed(directory, dtype=torch.float32)
     weight_bytes, weights = expert_bytes(packed)
     assert weight_bytes * 8 / weights == 4.25 and stored_expert_bytes(directory) == (weight_bytes, weights)
@@ -213,6 +213,23 @@ def test_deepseek_v4s_fp4_release_loads_packed_and_matches_transformers_load(tmp
         load_packed(directory)
 
 
+def test_a_mixtral_fp8_release_by_its_stored_names_loads_packed_and_matches_transformers_load(tmp_path):
+    """Mixtral's FP8 releases keep its original names (`block_sparse_moe.experts.{j}.w1.weight` with
+    `weight_scale_inv`; `save_release`), which the loader reads as transformers renames them: experts at 8 bits,
+    attention FP8, logits as transformers' own load of the checkpoint."""
+    directory = save_release("mixtral", tmp_path / "release", expert_dtype="fp8", **SIZES["mixtral"])
+    with safe_open(str(directory / "model.safetensors"), framework="pt") as stored:
+        assert "model.layers.0.block_sparse_moe.experts.0.w1.weight_scale_inv" in stored.keys()
+    packed = load_packed(directory, dtype=torch.float32)
+    weight_bytes, weights = expert_bytes(packed)
+    assert 8.0 <= weight_bytes * 8 / weights <= 8.01
+    assert isinstance(packed.model.layers[0].self_attn.q_proj, FP8Linear)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    ids = token_ids()
+    with torch.no_grad():
+        torch.testing.assert_close(packed(ids).logits, reference(ids).logits, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v4", "hunyuan_v1_moe", "jamba", "granitemoe"])
 def test_optimize_takes_over_what_transformers_fp8_load_on_a_gpu_builds(family, tmp_path, monkeypatch):
     """transformers' FP8 loading on a GPU (here on the CPU, its environment check skipped) puts its own FP8Experts
@@ -226,7 +243,7 @@ def test_optimize_takes_over_what_transformers_fp8_load_on_a_gpu_builds(family, 
     from transformers.integrations import finegrained_fp8
     from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
 
-    directory = (save_fp4_release(family, tmp_path / "release", **SIZES[family]) if family == "deepseek_v4"
+    directory = (save_release(family, tmp_path / "release", **SIZES[family]) if family == "deepseek_v4"
                  else _quantized(family, "fp8_block", tmp_path)[1])
     monkeypatch.setattr(FineGrainedFP8HfQuantizer, "validate_environment", lambda *args, **kwargs: None)
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)

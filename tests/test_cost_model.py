@@ -11,7 +11,7 @@ from dflash_compile.cli import main
 from dflash_compile.cost_model import (
     CSV_COLUMNS, HARDWARE, HELD_OUT_STEPS, MEASURED_STEPS, REFERENCE_CONFIGS, B, C, Hardware, ModelSizes, StepCost,
     calibrate, fit_step_overheads, reference_config)
-from dflash_compile.testing import in_installed_transformers, save_fp4_release
+from dflash_compile.testing import in_installed_transformers, save_release
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,7 @@ def test_roofline_on_the_built_in_default_and_a_calibrated_profile(tmp_path, cap
 
 
 def test_roofline_reads_a_deepseek_v4_releases_mxfp4_experts_beside_fp8_linears(tmp_path, capsys):
-    directory = save_fp4_release("deepseek_v4", tmp_path / "release", moe_intermediate_size=128)
+    directory = save_release("deepseek_v4", tmp_path / "release", moe_intermediate_size=128)
     assert main(["roofline", "--model", str(directory), "--device", "h200", "--blocks", "1"]) == 0
     assert "on h200 (mxfp4 experts)" in capsys.readouterr().out
 
