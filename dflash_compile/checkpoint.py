@@ -391,10 +391,9 @@ class _Checkpoint:
         self.where = {key: (handle, key) for handle in self.handles for key in handle.keys()}
         self.where |= {loaded + key.removeprefix(stored): place for key, place in self.where.items()
                        if key.startswith(stored)}
-        if model is not None:  # the names as stored come first, where a renaming would reach one of them
+        if model is not None:  # the names above come first, where a renaming would reach one of them
             names_of = _model_names(model)
-            self.where = {name: place for key, place in self.where.items() for name in names_of(key)}
-            self.where |= {key: (handle, key) for handle in self.handles for key in handle.keys()}
+            self.where = {name: place for key, place in self.where.items() for name in names_of(key)} | self.where
         self.used: set[str] = set()  # stored names
 
     def __contains__(self, key: str) -> bool:
