@@ -168,6 +168,13 @@ __device__ __forceinline__ int paired_column(int c) {  // the library's _paired_
   return c - r + (r & 1) * 4 + (r >> 2) * 2 + ((r >> 1) & 1);
 }
 
+// gpt-oss' activation: (clamp(up) + 1) * gate' * sigmoid(alpha gate'), gate' = min(gate, limit)
+__device__ __forceinline__ float clamped_swiglu(float gate, float up, float alpha, float limit) {
+  gate = fminf(gate, limit);
+  up = fminf(fmaxf(up, -limit), limit);
+  return (up + 1.f) * __fdividef(gate, 1.f + __expf(-gate * alpha));  // no slow-path call
+}
+
 template <int ROWS, int GPL>  // GPL: groups a lane owns, lane + 32 i for i < GPL
 struct Loads {
   uint4 w[ROWS][GPL];
@@ -230,6 +237,45 @@ __device__ __forceinline__ float row_dot(const Loads<ROWS, GPL>& l, int j, const
   });
 }
 
+// The CTA's staging of one token's activations x [K] bf16 as fp16 times 2^shift (the largest magnitude in
+// [2^14, 2^15)) into padded quads, pairs in the decode's order, by all `warps` warps (`warp_max` one float a warp);
+// returns shift. The caller syncs the CTA before reading xs.
+__device__ __forceinline__ int stage_activations(const __nv_bfloat16* __restrict__ x, int K, uint4* xs,
+                                                 float* warp_max, int warps) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const uint4* x8 = reinterpret_cast<const uint4*>(x);
+  float m = 0.f;
+  for (int wd = threadIdx.x; wd < K / 8; wd += warps * 32) {
+    uint4 raw = x8[wd];
+    const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float2 f = __bfloat1622float2(v[j]);
+      m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
+    }
+  }
+  for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (lane == 0) warp_max[warp] = m;
+  __syncthreads();
+  m = 0.f;
+  for (int i = 0; i < warps; ++i) m = fmaxf(m, warp_max[i]);
+  const int shift = min(14 - (((__float_as_int(m) >> 23) & 255) - 127), 100);
+  const float scale = exp2i(shift);
+  for (int wd = threadIdx.x; wd < K / 8; wd += warps * 32) {
+    uint4 raw = x8[wd];
+    const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw);
+    float f[8];
+    for (int j = 0; j < 8; ++j) f[j] = __bfloat162float(v[j]) * scale;
+    __half2 a = __floats2half2_rn(f[0], f[2]), b = __floats2half2_rn(f[4], f[6]);
+    __half2 c = __floats2half2_rn(f[1], f[3]), d = __floats2half2_rn(f[5], f[7]);
+    uint4 q;
+    q.x = *reinterpret_cast<uint32_t*>(&a); q.y = *reinterpret_cast<uint32_t*>(&b);
+    q.z = *reinterpret_cast<uint32_t*>(&c); q.w = *reinterpret_cast<uint32_t*>(&d);
+    xs[quad(wd / 4, wd % 4)] = q;
+  }
+  return shift;
+}
+
 // Persistent warps: warp w of the grid takes units w, w + W, w + 2W, ... (W the grid's warps), DEPTH units' loads in
 // flight (a ring of registers indexed at compile time: the unit loop is unrolled DEPTH times, with no break, so the
 // shuffles stay convergent; units past the end load the last one again and store nothing).
@@ -249,7 +295,7 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) gate_up_kernel(
   __shared__ float warp_max[WARPS];
   __shared__ int expert_rows[8];
   const PersistentWarp me(WARPS, units);
-  const int lane = me.lane, warp = me.warp, stride = me.stride, first = me.first, iters = me.iters;
+  const int lane = me.lane, stride = me.stride, first = me.first, iters = me.iters;
   wait_previous();
   constexpr int ROWS = 2 * COLS;
   const int per_slot = I / COLS, slots = units / per_slot;
@@ -271,38 +317,7 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) gate_up_kernel(
     issue(ring[d], next);
     next.advance(stride, per_slot);
   }
-  // activations: fp16 times 2^shift (largest magnitude in [2^14, 2^15)), pairs in the decode's order
-  const int K = G * 32;
-  const uint4* x8 = reinterpret_cast<const uint4*>(x);
-  float m = 0.f;
-  for (int wd = threadIdx.x; wd < K / 8; wd += WARPS * 32) {
-    uint4 raw = x8[wd];
-    const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      float2 f = __bfloat1622float2(v[j]);
-      m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
-    }
-  }
-  for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  if (lane == 0) warp_max[warp] = m;
-  __syncthreads();
-  m = 0.f;
-  for (int i = 0; i < WARPS; ++i) m = fmaxf(m, warp_max[i]);
-  const int shift = min(14 - (((__float_as_int(m) >> 23) & 255) - 127), 100);
-  const float scale = exp2i(shift);
-  for (int wd = threadIdx.x; wd < K / 8; wd += WARPS * 32) {
-    uint4 raw = x8[wd];
-    const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw);
-    float f[8];
-    for (int j = 0; j < 8; ++j) f[j] = __bfloat162float(v[j]) * scale;
-    __half2 a = __floats2half2_rn(f[0], f[2]), b = __floats2half2_rn(f[4], f[6]);
-    __half2 c = __floats2half2_rn(f[1], f[3]), d = __floats2half2_rn(f[5], f[7]);
-    uint4 q;
-    q.x = *reinterpret_cast<uint32_t*>(&a); q.y = *reinterpret_cast<uint32_t*>(&b);
-    q.z = *reinterpret_cast<uint32_t*>(&c); q.w = *reinterpret_cast<uint32_t*>(&d);
-    xs[quad(wd / 4, wd % 4)] = q;
-  }
+  const int shift = stage_activations(x, G * 32, xs, warp_max, WARPS);
   __syncthreads();
   let_next();
   const float unscale = exp2i(14 - shift), bias_scale = exp2i(shift - 14);
@@ -320,12 +335,9 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) gate_up_kernel(
       issue(ring[d], next);
       next.advance(stride, per_slot);
       if (lane % (32 / COLS) == 0 && it + d < iters) {
-        float gate = sum * unscale, up = up_sum * unscale;  // biases included
+        const float gate = sum * unscale, up = up_sum * unscale;  // biases included
         if constexpr (GPT_OSS) {
-          gate = fminf(gate, limit);
-          up = fminf(fmaxf(up, -limit), limit);
-          const float act = (up + 1.f) * __fdividef(gate, 1.f + __expf(-gate * alpha));  // no slow-path call
-          h[slot * I + paired_column(c)] = __float2half_rn(act * out_scale);
+          h[slot * I + paired_column(c)] = __float2half_rn(clamped_swiglu(gate, up, alpha, limit) * out_scale);
         } else {
           h[slot * I + paired_column(c)] = __fdividef(gate, 1.f + __expf(-gate)) * up;
         }
