@@ -307,25 +307,21 @@ def main() -> None:
                         flat_index, flat_weights, h, out, ALPHA, LIMIT, PAIRED_SHIFT, *config, parts, pdl)
         return out
 
+    def report(label, run):
+        """One line: `run(gate_up, down, parts=, pdl=)`'s layer time over the rotated layers, without PDL, each
+        launch alone, and its error."""
+        def time(**options):
+            return graph_time_us([lambda g=g, d=d: run(g, d, **options) for g, d in layers])
+        both = time()
+        print(f"{label}: {both:6.1f} us ({moved / both / 1e3 / copy:.0%} of copy, {library_us / both:.2f}x library), "
+              f"no PDL {time(pdl=False):6.1f}, gate/up alone {time(parts=1):6.1f}, down alone {time(parts=2):6.1f}; "
+              f"err {error(run(*layers[0])):.1e}", flush=True)
+
     for config in (tuple(map(int, text.split(","))) for text in args.bulk):
-        err = error(bulk(*layers[0], config))
-        both = graph_time_us([lambda g=g, d=d: bulk(g, d, config) for g, d in layers])
-        no_pdl = graph_time_us([lambda g=g, d=d: bulk(g, d, config, pdl=False) for g, d in layers])
-        first = graph_time_us([lambda g=g, d=d: bulk(g, d, config, parts=1) for g, d in layers])
-        second = graph_time_us([lambda g=g, d=d: bulk(g, d, config, parts=2) for g, d in layers])
-        print(f"bulk {config}: {both:6.1f} us ({moved / both / 1e3 / copy:.0%} of copy, {library_us / both:.2f}x "
-              f"library), no PDL {no_pdl:6.1f}, gate/up alone {first:6.1f}, down alone {second:6.1f}; err {err:.1e}",
-              flush=True)
+        report(f"bulk {config}", lambda g, d, config=config, **options: bulk(g, d, config, **options))
     for config in args.configs:
         config = parse_config(config)
-        err = error(probe(*layers[0], config))
-        both = graph_time_us([lambda g=g, d=d: probe(g, d, config) for g, d in layers])
-        no_pdl = graph_time_us([lambda g=g, d=d: probe(g, d, config, pdl=False) for g, d in layers])
-        first = graph_time_us([lambda g=g, d=d: probe(g, d, config, parts=1) for g, d in layers])
-        second = graph_time_us([lambda g=g, d=d: probe(g, d, config, parts=2) for g, d in layers])
-        print(f"depths, CTAs per SM {config}: {both:6.1f} us ({moved / both / 1e3 / copy:.0%} of copy, "
-              f"{library_us / both:.2f}x library), no PDL {no_pdl:6.1f}, gate/up alone {first:6.1f}, "
-              f"down alone {second:6.1f}; err {err:.1e}", flush=True)
+        report(f"depths, CTAs per SM {config}", lambda g, d, config=config, **options: probe(g, d, config, **options))
         if gpt_oss:
             loads = graph_time_us([lambda g=g, d=d: probe(g, d, config, parts=1, mode=1) for g, d in layers])
             decode = graph_time_us([lambda g=g, d=d: probe(g, d, config, parts=1, mode=2) for g, d in layers])
