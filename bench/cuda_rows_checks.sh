@@ -9,6 +9,7 @@
 #     bash bench/cuda_rows_checks.sh fp8 silu library
 #     bash bench/cuda_rows_checks.sh steps              # a decode step with and without them (gpt-oss-20b, 4 layers)
 #     bash bench/cuda_rows_checks.sh verify             # the issue's M = 1 and 16 table (MXFP4 and FP8 shapes)
+#     bash bench/cuda_rows_checks.sh bulk tests         # the bulk kernels' configs against the row kernels (~6 min)
 set -u
 quiet() { grep -v "^ptxas\|^    [0-9]* bytes\|^\[\|Compiling\|registers\|^SKIPPED\|^PASSED"; }
 nvidia-smi --query-gpu=name --format=csv,noheader
@@ -28,6 +29,12 @@ for part in "${parts[@]}"; do
       echo "## probe, qwen3-30b-a3b-fp8"
       DFLASH_CUDA_ROWS=0 timeout 200 python3 bench/probe_cuda_rows.py --shape qwen3-30b-a3b-fp8 \
           --configs 1,2,2,2,2 1,2,2,1,2 1,2,2,3,2 1,1,2,1,4 2>&1 | quiet | tail -12 ;;
+    bulk)
+      echo "## probe: the bulk kernels (CONSUMERS1,STAGES1,CONSUMERS2,STAGES2,CTAS1,CTAS2) against the row kernels"
+      DFLASH_CUDA_ROWS=1 timeout 270 python3 bench/probe_cuda_rows.py --layers 4 --configs 1,1,2,3,4 \
+          --bulk 8,8,8,8,1,1 8,4,8,3,1,1 16,8,8,8,1,1 8,3,4,3,2,2 4,4,4,4,3,1 16,8,4,8,1,1 2>&1 | quiet | tail -12
+      DFLASH_CUDA_ROWS=1 timeout 100 python3 bench/probe_cuda_rows.py --shape qwen3-30b-a3b-fp8 --configs 1,2,2,2,2 \
+          --bulk 8,8,4,8,1,1 8,4,8,3,1,1 4,4,4,4,2,2 16,8,8,8,1,1 8,8,4,8,1,2 2>&1 | quiet | tail -8 ;;
     silu)
       echo "## probe, qwen3-30b-a3b-mxfp4 (SiLU MXFP4; DEPTH1 is 1)"
       DFLASH_CUDA_ROWS=0 timeout 200 python3 bench/probe_cuda_rows.py --shape qwen3-30b-a3b-mxfp4 \
@@ -46,6 +53,6 @@ for part in "${parts[@]}"; do
       echo "## verify-block sizes (M = 16) next to one token: the issue's table"
       timeout 200 python3 bench/moe_kernels.py --no-tune --tokens 1 16 --shapes gpt-oss-20b gpt-oss-120b \
           qwen3-30b-a3b-fp8 2>&1 | quiet | tail -10 ;;
-    *) echo "unknown part $part (tests, probe, fp8, silu, library, steps, verify)"; exit 2 ;;
+    *) echo "unknown part $part (tests, probe, fp8, silu, library, steps, verify, bulk)"; exit 2 ;;
   esac
 done

@@ -948,8 +948,9 @@ void with_groups_per_lane(int groups, F f) {
 }
 
 // ---- the bulk kernels' launches ----
-// The library's consumer warps a CTA for them (docs/benchmarks.md, session 77), one CTA an SM, as many stages as fit
-constexpr int BULK_MXFP4_GATE_UP = 8, BULK_MXFP4_DOWN = 8, BULK_FP8_GATE_UP = 8, BULK_FP8_DOWN = 8;
+// The library's consumer warps a CTA for them, one CTA an SM, as many stages as fit (not yet measured: session 77
+// wrote them without a GPU; FP8's down at 4 so that I = 2048's tiles fit twice)
+constexpr int BULK_MXFP4_GATE_UP = 8, BULK_MXFP4_DOWN = 8, BULK_FP8_GATE_UP = 8, BULK_FP8_DOWN = 4;
 
 // Whether the bulk kernels may read a packed tensor: 16-byte aligned, and its last 16-byte piece inside its storage
 // (copy_unaligned copies from and to 16-byte boundaries)
@@ -1052,12 +1053,13 @@ bool fp8_bulk_layer(const torch::Tensor& x, const torch::Tensor& w1, const torch
 // [E, H, G', 16] / [E, H, G']; experts [TOPK] int64, weights [TOPK] fp32 or bf16 -> out [1, H] bf16. GPT_OSS: gate
 // and up rows interleaved, biases [E, 2I] / [E, H] bf16, clamped SwiGLU; otherwise gate rows then up rows, no
 // biases, SiLU. Gate/up then down (by expert, rows summed in slot order), the down launch programmatically dependent.
-// The shapes were checked by dflash_compile/kernels/cuda_rows.py.
+// The shapes were checked by dflash_compile/kernels/cuda_rows.py. `bulk`: gpt-oss' layout by the bulk kernels where
+// they take it.
 template <int TOPK, bool GPT_OSS>
 torch::Tensor mxfp4_layer(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& s1,
                           const __nv_bfloat16* b1, const torch::Tensor& w2, const torch::Tensor& s2,
                           const __nv_bfloat16* b2, const torch::Tensor& experts, const torch::Tensor& weights,
-                          double alpha, double limit, int64_t paired_shift) {
+                          double alpha, double limit, int64_t paired_shift, bool bulk) {
   using Activations = std::conditional_t<GPT_OSS, __half, float>;
   // the H100's best of the probe's configs (docs/benchmarks.md, session 60): gate/up 2 CTAs per SM, one unit in
   // flight; down for gpt-oss 3 CTAs per SM, batches of 4 rows, one in flight (26.5 us for gpt-oss-20b; 2 rows, 2 in
@@ -1070,9 +1072,9 @@ torch::Tensor mxfp4_layer(const torch::Tensor& x, const torch::Tensor& w1, const
   auto h = torch::empty({TOPK, I}, x.options().dtype(GPT_OSS ? torch::kHalf : torch::kFloat));
   auto out = torch::empty({1, H}, x.options());
   if constexpr (GPT_OSS)
-    if (mxfp4_bulk_layer<BULK_MXFP4_GATE_UP, BULK_MXFP4_DOWN>(x, w1, s1, b1, w2, s2, b2, experts, weights, h, out,
-                                                              alpha, limit, paired_shift, MAX_STAGES, MAX_STAGES, 1,
-                                                              1, true))
+    if (bulk && mxfp4_bulk_layer<BULK_MXFP4_GATE_UP, BULK_MXFP4_DOWN>(x, w1, s1, b1, w2, s2, b2, experts, weights, h,
+                                                                      out, alpha, limit, paired_shift, MAX_STAGES,
+                                                                      MAX_STAGES, 1, 1, true))
       return out;
   const int sms = multiprocessors();
   with_groups_per_lane(G, [&](auto gpl) {
@@ -1097,9 +1099,10 @@ inline torch::Tensor mxfp4_one_token(const torch::Tensor& x, const torch::Tensor
                                      const torch::Tensor& b1, const torch::Tensor& w2, const torch::Tensor& s2,
                                      const torch::Tensor& b2, const torch::Tensor& experts,
                                      const torch::Tensor& weights, double alpha, double limit,
-                                     int64_t paired_shift) {
+                                     int64_t paired_shift, bool bulk) {
   return mxfp4_layer<4, true>(x, w1, s1, (const __nv_bfloat16*)b1.data_ptr(), w2, s2,
-                              (const __nv_bfloat16*)b2.data_ptr(), experts, weights, alpha, limit, paired_shift);
+                              (const __nv_bfloat16*)b2.data_ptr(), experts, weights, alpha, limit, paired_shift,
+                              bulk);
 }
 
 // concatenated gate/up, SiLU, no biases (`dflash_compile.quantize`'s MXFP4 of Qwen3-MoE, OLMoE, ...), top-2, 4 or 8
@@ -1109,7 +1112,7 @@ inline torch::Tensor mxfp4_silu_one_token(const torch::Tensor& x, const torch::T
   const int64_t top_k = experts.numel();
   auto layer = top_k == 8 ? mxfp4_layer<8, false> : top_k == 4 ? mxfp4_layer<4, false> : mxfp4_layer<2, false>;
   TORCH_CHECK(top_k == 2 || top_k == 4 || top_k == 8, "the SiLU row kernels take top-2, 4 or 8");
-  return layer(x, w1, s1, nullptr, w2, s2, nullptr, experts, weights, 1.0, 0.0, 0);
+  return layer(x, w1, s1, nullptr, w2, s2, nullptr, experts, weights, 1.0, 0.0, 0, false);
 }
 
 // One token's FP8 layer (float8_e4m3fn, 128 x 128 block scales), Qwen3-FP8's layout: x [1, H] bf16; gate_up
@@ -1117,17 +1120,18 @@ inline torch::Tensor mxfp4_silu_one_token(const torch::Tensor& x, const torch::T
 // [E, H, I] / [E, ceil(H / 128), ceil(I / 128)]; SiLU, no biases; experts [8] int64, weights [8] fp32 -> out [1, H]
 // bf16. Gate/up (fp32 activations out) then down by expert, programmatically dependent; a lane owns up to CPL1 / CPL2
 // 16-byte chunks of a row (H <= 4096, I <= 2048). The shapes were checked by dflash_compile/kernels/cuda_rows.py.
+// `bulk`: by the bulk kernels where they take it.
 template <int CPL1, int CPL2>
 torch::Tensor fp8_one_token_cpl(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& s1,
                                 const torch::Tensor& w2, const torch::Tensor& s2, const torch::Tensor& experts,
-                                const torch::Tensor& weights) {
+                                const torch::Tensor& weights, bool bulk) {
   // the H100's best of the probe's configs (docs/benchmarks.md, session 59): down depth 2, 2 + 2 CTAs per SM
   constexpr int WARPS = 8, TOPK = 8, DOWN_ROWS = 2, GATE_UP_CTAS = 2, DOWN_CTAS = 2;
   const int I = w1.size(1) / 2, C1 = w1.size(2) / 16, H = w2.size(1), C2 = w2.size(2) / 16;
   auto h = torch::empty({TOPK, I}, x.options().dtype(torch::kFloat));
   auto out = torch::empty({1, H}, x.options());
-  if (fp8_bulk_layer<BULK_FP8_GATE_UP, BULK_FP8_DOWN>(x, w1, s1, w2, s2, experts, weights, h, out, MAX_STAGES,
-                                                      MAX_STAGES, 1, 1, true))
+  if (bulk && fp8_bulk_layer<BULK_FP8_GATE_UP, BULK_FP8_DOWN>(x, w1, s1, w2, s2, experts, weights, h, out,
+                                                              MAX_STAGES, MAX_STAGES, 1, 1, true))
     return out;
   const int sms = multiprocessors();
   launch(fp8_gate_up_kernel<WARPS, 1, CPL1>, dim3(std::min(sms * GATE_UP_CTAS, (TOPK * I + WARPS - 1) / WARPS)),
@@ -1142,10 +1146,9 @@ torch::Tensor fp8_one_token_cpl(const torch::Tensor& x, const torch::Tensor& w1,
 
 inline torch::Tensor fp8_one_token(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& s1,
                                    const torch::Tensor& w2, const torch::Tensor& s2, const torch::Tensor& experts,
-                                   const torch::Tensor& weights) {
+                                   const torch::Tensor& weights, bool bulk) {
   const bool wide = w1.size(2) > 16 * 32 * 4, long_down = w2.size(2) > 16 * 32 * 2;  // H > 2048, I > 1024
-  if (wide) return long_down ? fp8_one_token_cpl<8, 4>(x, w1, s1, w2, s2, experts, weights)
-                             : fp8_one_token_cpl<8, 2>(x, w1, s1, w2, s2, experts, weights);
-  return long_down ? fp8_one_token_cpl<4, 4>(x, w1, s1, w2, s2, experts, weights)
-                   : fp8_one_token_cpl<4, 2>(x, w1, s1, w2, s2, experts, weights);
+  auto layer = wide ? (long_down ? fp8_one_token_cpl<8, 4> : fp8_one_token_cpl<8, 2>)
+                    : (long_down ? fp8_one_token_cpl<4, 4> : fp8_one_token_cpl<4, 2>);
+  return layer(x, w1, s1, w2, s2, experts, weights, bulk);
 }
