@@ -949,8 +949,9 @@ void with_groups_per_lane(int groups, F f) {
 
 // ---- the bulk kernels' launches ----
 // The library's consumer warps a CTA for them, one CTA an SM, as many stages as fit (not yet measured: session 77
-// wrote them without a GPU; FP8's down at 4 so that I = 2048's tiles fit twice)
-constexpr int BULK_MXFP4_GATE_UP = 8, BULK_MXFP4_DOWN = 8, BULK_FP8_GATE_UP = 8, BULK_FP8_DOWN = 4;
+// wrote them without a GPU). MXFP4's gate/up at 16: its decode alone took 12.4 us at 16 warps an SM on the H100
+// (session 58), so fewer warps would leave it issue-bound; FP8's down at 4 so that I = 2048's tiles fit twice.
+constexpr int BULK_MXFP4_GATE_UP = 16, BULK_MXFP4_DOWN = 8, BULK_FP8_GATE_UP = 8, BULK_FP8_DOWN = 4;
 
 // Whether the bulk kernels may read a packed tensor: 16-byte aligned, and its last 16-byte piece inside its storage
 // (copy_unaligned copies from and to 16-byte boundaries)
