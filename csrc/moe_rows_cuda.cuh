@@ -590,10 +590,6 @@ __device__ __forceinline__ uint32_t shared_address(const void* p) { return uint3
 __device__ __forceinline__ void barrier_init(uint64_t* bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(bar)), "r"(count) : "memory");
 }
-__device__ __forceinline__ void barrier_expect(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(bar)), "r"(bytes)
-               : "memory");
-}
 __device__ __forceinline__ void barrier_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(shared_address(bar)) : "memory");
 }
@@ -601,26 +597,28 @@ __device__ __forceinline__ void barrier_wait(uint64_t* bar, uint32_t parity) {
   asm volatile("{\n.reg .pred done;\nwaiting:\nmbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
                "@!done bra waiting;\n}" ::"r"(shared_address(bar)), "r"(parity) : "memory");
 }
+// a bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) that `bar`'s phase then waits for: its
+// transaction count raised first, so the copy's completion can never find it below zero
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(shared_address(bar)), "r"(bytes)
+               : "memory");
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                ::"r"(shared_address(dst)), "l"(src), "r"(bytes), "r"(shared_address(bar)) : "memory");
 }
 
 // bytes [first, first + n) of `src` (no 16-byte multiples: a row of 90 scales, of 6 fp32 block scales) copied from
-// the 16-byte boundary below into `dst`, which holds `capacity(n)`; they start `first & 15` bytes in. Returns the
-// bytes copied.
+// the 16-byte boundary below into `dst`, which holds `capacity(n)`; they start `first & 15` bytes in
 __host__ __device__ constexpr int capacity(int n) { return (n + 45) & ~15; }
-__device__ __forceinline__ uint32_t copy_unaligned(uint8_t* dst, const uint8_t* src, int64_t first, int n,
-                                                   uint64_t* bar) {
+__device__ __forceinline__ void copy_unaligned(uint8_t* dst, const uint8_t* src, int64_t first, int n,
+                                               uint64_t* bar) {
   const int64_t start = first & ~int64_t(15), end = (first + n + 15) & ~int64_t(15);
   bulk_load(dst, src + start, uint32_t(end - start), bar);
-  return uint32_t(end - start);
 }
 
 // The ring of a CTA of CONSUMERS consumer warps and a producer warp after them, `stages` (<= MAX_STAGES) tiles
-// deep. `fill(i, stage, bar)` issues tile i's copies into stage i % stages and returns their bytes; the producer
-// primes the first tiles (`prime`, before the CTA stages its activations) and refills each stage once its consumers
-// release it (`refill`).
+// deep. `fill(i, stage, bar)` issues tile i's copies into stage i % stages (each counted on `bar` by bulk_load), then
+// the producer arrives; it primes the first tiles (`prime`, before the CTA stages its activations) and refills each
+// stage once its consumers release it (`refill`).
 constexpr int MAX_STAGES = 8;
 template <int CONSUMERS>
 struct BulkRing {
@@ -632,7 +630,8 @@ struct BulkRing {
   template <typename Fill>
   __device__ void issue(int i, int stages, Fill fill) {
     const int s = i % stages;
-    barrier_expect(&full[s], fill(i, s, &full[s]));
+    fill(i, s, &full[s]);
+    barrier_arrive(&full[s]);
   }
   template <typename Fill>
   __device__ void prime(int iters, int stages, Fill fill) {
@@ -658,13 +657,25 @@ __device__ __forceinline__ int ring_iters(int tiles) {
   return int(blockIdx.x) < tiles ? (tiles - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
 }
 
+// The end of a bulk down tile's output row: the TOPK slots' dots summed over the warp, times their slots' scales
+// (routing weight and unscaling), added in slot order and stored by lane 0 at `out`
+template <int TOPK>
+__device__ __forceinline__ void store_slot_sum(float (&dots)[TOPK], const float* slot_scale, int lane,
+                                               __nv_bfloat16* out) {
+  const float sum = lane_sums<TOPK>(dots, lane);  // lane 32 k / TOPK: slot k's
+  float total = 0.f;
+#pragma unroll
+  for (int k = 0; k < TOPK; ++k) total += slot_scale[k] * __shfl_sync(0xffffffffu, sum, k * (32 / TOPK));
+  if (lane == 0) *out = __float2bfloat16_rn(total);
+}
+
 // ---- MXFP4 (gpt-oss' layout). A part: `rows` rows of G groups, their codes then their scales ----
 __host__ __device__ constexpr int part_bytes(int rows, int G) { return rows * G * 16 + capacity(rows * G); }
 
-__device__ __forceinline__ uint32_t copy_part(uint8_t* part, const uint8_t* blocks, const uint8_t* scales,
-                                              int64_t row, int rows, int G, uint64_t* bar) {
+__device__ __forceinline__ void copy_part(uint8_t* part, const uint8_t* blocks, const uint8_t* scales, int64_t row,
+                                          int rows, int G, uint64_t* bar) {
   bulk_load(part, blocks + row * G * 16, rows * G * 16, bar);
-  return rows * G * 16 + copy_unaligned(part + rows * G * 16, scales, row * G, rows * G, bar);
+  copy_unaligned(part + rows * G * 16, scales, row * G, rows * G, bar);
 }
 
 // row j's dot from a part staged from row `row`, the bias in lane j's share
@@ -701,7 +712,7 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * 32, 1) gate_up_bulk_kernel(
   auto tile = [&](int i) { return int(blockIdx.x + i * gridDim.x); };
   auto tile_row = [&](int i) { return expert_rows[tile(i) / per_slot] + (tile(i) % per_slot) * ROWS; };
   auto fill = [&](int i, int stage, uint64_t* bar) {
-    return copy_part(smem + stage * stage_bytes, blocks, scales, tile_row(i), ROWS, G, bar);
+    copy_part(smem + stage * stage_bytes, blocks, scales, tile_row(i), ROWS, G, bar);
   };
   ring.prime(iters, stages, fill);
   const int shift = stage_activations(x, G * 32, xs, warp_max, CONSUMERS + 1);
@@ -742,12 +753,10 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * 32, 1) down_bulk_kernel(
   __syncthreads();
   auto first_row = [&](int i) { return int(blockIdx.x + i * gridDim.x) * CONSUMERS; };
   auto fill = [&](int i, int stage, uint64_t* bar) {
-    uint32_t bytes = 0;
 #pragma unroll
     for (int k = 0; k < TOPK; ++k)
-      bytes += copy_part(smem + stage * stage_bytes + k * part, blocks, scales, experts[k] * H + first_row(i),
-                         CONSUMERS, G, bar);
-    return bytes;
+      copy_part(smem + stage * stage_bytes + k * part, blocks, scales, experts[k] * H + first_row(i), CONSUMERS, G,
+                bar);
   };
   ring.prime(iters, stages, fill);  // the routing is the previous launch's input: already there
   wait_previous();  // gate/up's activations
@@ -775,11 +784,7 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * 32, 1) down_bulk_kernel(
       dots[k] = staged_row_dot<GPL>(smem + i % stages * stage_bytes + k * part, expert_row[k] + first_row(i),
                                     CONSUMERS, warp, xs + k * G * QUADS, lane, G, lane == k ? b : 0.f);
     ring.release(i, stages, lane);
-    const float sum = lane_sums<TOPK>(dots, lane);  // lane 32 k / TOPK: slot k's
-    float total = 0.f;
-#pragma unroll
-    for (int k = 0; k < TOPK; ++k) total += slot_scale[k] * __shfl_sync(0xffffffffu, sum, k * (32 / TOPK));
-    if (lane == 0) out[n] = __float2bfloat16_rn(total);
+    store_slot_sum<TOPK>(dots, slot_scale, lane, out + n);
   }
 }
 
@@ -787,12 +792,12 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * 32, 1) down_bulk_kernel(
 // inside one 128-row block, their codes then that block's row of fp32 scales ----
 __host__ __device__ constexpr int part_bytes8(int rows, int C) { return rows * C * 16 + capacity((C + 7) / 8 * 4); }
 
-__device__ __forceinline__ uint32_t copy_part8(uint8_t* part, const uint8_t* blocks, const float* scales,
-                                               int64_t row, int rows, int C, int64_t scale_row, uint64_t* bar) {
+__device__ __forceinline__ void copy_part8(uint8_t* part, const uint8_t* blocks, const float* scales, int64_t row,
+                                           int rows, int C, int64_t scale_row, uint64_t* bar) {
   bulk_load(part, blocks + row * C * 16, rows * C * 16, bar);
   const int columns = (C + 7) / 8;
-  return rows * C * 16 + copy_unaligned(part + rows * C * 16, reinterpret_cast<const uint8_t*>(scales),
-                                        scale_row * columns * 4, columns * 4, bar);
+  copy_unaligned(part + rows * C * 16, reinterpret_cast<const uint8_t*>(scales), scale_row * columns * 4,
+                 columns * 4, bar);
 }
 
 template <int CPL>
@@ -830,8 +835,8 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * 32, 1) fp8_gate_up_bulk_kern
   };
   auto fill = [&](int i, int stage, uint64_t* bar) {
     uint8_t* gates = smem + stage * 2 * part;
-    return copy_part8(gates, blocks, scales, gate_row(i), CONSUMERS, C, scale_row(i, 0), bar) +
-           copy_part8(gates + part, blocks, scales, gate_row(i) + I, CONSUMERS, C, scale_row(i, 1), bar);
+    copy_part8(gates, blocks, scales, gate_row(i), CONSUMERS, C, scale_row(i, 0), bar);
+    copy_part8(gates + part, blocks, scales, gate_row(i) + I, CONSUMERS, C, scale_row(i, 1), bar);
   };
   ring.prime(iters, stages, fill);
   const float unscale = stage8(x, C * 16, xs, threadIdx.x, (CONSUMERS + 1) * 32, warp_max, false);
@@ -868,12 +873,10 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * 32, 1) fp8_down_bulk_kernel(
   __syncthreads();
   auto first_row = [&](int i) { return int(blockIdx.x + i * gridDim.x) * CONSUMERS; };
   auto fill = [&](int i, int stage, uint64_t* bar) {
-    uint32_t bytes = 0;
 #pragma unroll
     for (int k = 0; k < TOPK; ++k)
-      bytes += copy_part8(smem + stage * stage_bytes + k * part, blocks, scales, experts[k] * H + first_row(i),
-                          CONSUMERS, C, experts[k] * scale_rows + first_row(i) / 128, bar);
-    return bytes;
+      copy_part8(smem + stage * stage_bytes + k * part, blocks, scales, experts[k] * H + first_row(i), CONSUMERS, C,
+                 experts[k] * scale_rows + first_row(i) / 128, bar);
   };
   ring.prime(iters, stages, fill);
   wait_previous();  // gate/up's activations
@@ -893,11 +896,7 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * 32, 1) fp8_down_bulk_kernel(
                                      experts[k] * scale_rows + first_row(i) / 128, CONSUMERS, warp, xs + k * C * 2,
                                      lane, C);
     ring.release(i, stages, lane);
-    const float sum = lane_sums<TOPK>(dots, lane);  // lane 32 k / TOPK: slot k's
-    float total = 0.f;
-#pragma unroll
-    for (int k = 0; k < TOPK; ++k) total += slot_scale[k] * __shfl_sync(0xffffffffu, sum, k * (32 / TOPK));
-    if (lane == 0) out[first_row(i) + warp] = __float2bfloat16_rn(total);
+    store_slot_sum<TOPK>(dots, slot_scale, lane, out + first_row(i) + warp);
   }
 }
 
