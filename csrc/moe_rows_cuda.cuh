@@ -952,12 +952,16 @@ void with_groups_per_lane(int groups, F f) {
 // (session 58), so fewer warps would leave it issue-bound; FP8's down at 4 so that I = 2048's tiles fit twice.
 constexpr int BULK_MXFP4_GATE_UP = 16, BULK_MXFP4_DOWN = 8, BULK_FP8_GATE_UP = 8, BULK_FP8_DOWN = 4;
 
-// Whether the bulk kernels may read a packed tensor: 16-byte aligned, and its last 16-byte piece inside its storage
-// (copy_unaligned copies from and to 16-byte boundaries)
-inline bool bulk_readable(const torch::Tensor& t) {
-  const int64_t end = t.storage_offset() * t.element_size() + t.nbytes();
-  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 &&
-         ((end + 15) & ~int64_t(15)) <= int64_t(t.storage().nbytes());
+// Whether the bulk kernels may read these packed tensors: 16-byte aligned, and each one's last 16-byte piece inside
+// its storage (copy_unaligned copies from and to 16-byte boundaries)
+template <typename... Tensors>
+bool bulk_readable(const Tensors&... tensors) {
+  auto readable = [](const torch::Tensor& t) {
+    const int64_t end = t.storage_offset() * t.element_size() + t.nbytes();
+    return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 &&
+           ((end + 15) & ~int64_t(15)) <= int64_t(t.storage().nbytes());
+  };
+  return (readable(tensors) && ...);
 }
 
 // The stages of a bulk launch: as many tiles of `stage_bytes` as fit beside `fixed` bytes (the activations) in a
@@ -996,7 +1000,7 @@ bool mxfp4_bulk_layer(const torch::Tensor& x, const torch::Tensor& w1, const tor
   stages1 = stages_that_fit(part_bytes(2 * C1, G), smem1, ctas1, stages1);
   stages2 = stages_that_fit(TOPK * part_bytes(C2, G2), smem2, ctas2, stages2);
   if (experts.numel() != TOPK || I % C1 || H % C2 || stages1 < 2 || stages2 < 2 ||
-      !(bulk_readable(w1) && bulk_readable(s1) && bulk_readable(w2) && bulk_readable(s2)))
+      !bulk_readable(w1, s1, w2, s2))
     return false;
   const int sms = multiprocessors();
   if (parts & 1)
@@ -1029,7 +1033,7 @@ bool fp8_bulk_layer(const torch::Tensor& x, const torch::Tensor& w1, const torch
   stages1 = stages_that_fit(2 * part_bytes8(C1, C), smem1, ctas1, stages1);
   stages2 = stages_that_fit(TOPK * part_bytes8(C2, C2s), smem2, ctas2, stages2);
   if (experts.numel() != TOPK || I % C1 || H % C2 || stages1 < 2 || stages2 < 2 ||
-      !(bulk_readable(w1) && bulk_readable(s1) && bulk_readable(w2) && bulk_readable(s2)))
+      !bulk_readable(w1, s1, w2, s2))
     return false;
   const int sms = multiprocessors();
   if (parts & 1)
