@@ -309,10 +309,14 @@ def main() -> None:
 
     def report(label, run):
         """One line: `run(gate_up, down, parts=, pdl=)`'s layer time over the rotated layers, without PDL, each
-        launch alone, and its error."""
+        launch alone, and its error; or why it could not run (the other configs still do)."""
         def time(**options):
             return graph_time_us([lambda g=g, d=d: run(g, d, **options) for g, d in layers])
-        both = time()
+        try:
+            both = time()
+        except RuntimeError as failure:
+            print(f"{label}: failed: {str(failure).splitlines()[0]}", flush=True)
+            return
         print(f"{label}: {both:6.1f} us ({moved / both / 1e3 / copy:.0%} of copy, {library_us / both:.2f}x library), "
               f"no PDL {time(pdl=False):6.1f}, gate/up alone {time(parts=1):6.1f}, down alone {time(parts=2):6.1f}; "
               f"err {error(run(*layers[0])):.1e}", flush=True)
