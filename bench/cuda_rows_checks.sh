@@ -9,7 +9,7 @@
 #     bash bench/cuda_rows_checks.sh fp8 silu library
 #     bash bench/cuda_rows_checks.sh steps              # a decode step with and without them (gpt-oss-20b, 4 layers)
 #     bash bench/cuda_rows_checks.sh verify             # the issue's M = 1 and 16 table (MXFP4 and FP8 shapes)
-#     bash bench/cuda_rows_checks.sh bulk tests         # the bulk kernels' configs against the row kernels (~6 min)
+#     bash bench/cuda_rows_checks.sh tests bulk         # the tests (both designs) first, then the bulk kernels' configs
 set -u
 quiet() { grep -v "^ptxas\|^    [0-9]* bytes\|^\[\|Compiling\|registers\|^SKIPPED\|^PASSED"; }
 nvidia-smi --query-gpu=name --format=csv,noheader
@@ -19,8 +19,8 @@ for part in "${parts[@]}"; do
   case $part in
     tests)
       echo "## GPU tests (the row kernels; sampling's CUDA compile)"
-      DFLASH_CUDA_ROWS=1 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_cuda_rows.py \
-          tests/test_sampling.py -k "cuda or rows or ordered" 2>&1 | quiet | tail -25 ;;
+      DFLASH_CUDA_ROWS=1 timeout 240 python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=100 \
+          tests/kernels/test_cuda_rows.py tests/test_sampling.py -k "cuda or rows or ordered" 2>&1 | quiet | tail -25 ;;
     probe)
       echo "## probe, gpt-oss-20b (DEPTH1,DEPTH2,CTAS1,CTAS2,ROWS,COLS)"
       DFLASH_CUDA_ROWS=0 timeout 240 python3 bench/probe_cuda_rows.py --layers 4 \
