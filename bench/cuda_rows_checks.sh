@@ -30,11 +30,14 @@ for part in "${parts[@]}"; do
       DFLASH_CUDA_ROWS=0 timeout 200 python3 bench/probe_cuda_rows.py --shape qwen3-30b-a3b-fp8 \
           --configs 1,2,2,2,2 1,2,2,1,2 1,2,2,3,2 1,1,2,1,4 2>&1 | quiet | tail -12 ;;
     bulk)
+      # the last configs of each shape leave room for a down CTA beside gate/up's (~105 + ~100 KB of shared memory),
+      # so that down's programmatically dependent launch can fill its ring while gate/up runs
       echo "## probe: the bulk kernels (CONSUMERS1,STAGES1,CONSUMERS2,STAGES2,CTAS1,CTAS2) against the row kernels"
       DFLASH_CUDA_ROWS=1 timeout 270 python3 bench/probe_cuda_rows.py --layers 4 --configs 1,1,2,3,4 \
-          --bulk 8,8,8,8,1,1 8,4,8,3,1,1 16,8,8,8,1,1 8,3,4,3,2,2 4,4,4,4,3,1 16,8,4,8,1,1 2>&1 | quiet | tail -12
+          --bulk 8,8,8,8,1,1 8,4,8,3,1,1 16,8,8,8,1,1 8,3,4,3,2,2 4,4,4,4,3,1 16,8,4,8,1,1 8,4,4,3,1,1 16,2,4,3,1,1 \
+          2>&1 | quiet | tail -14
       DFLASH_CUDA_ROWS=1 timeout 100 python3 bench/probe_cuda_rows.py --shape qwen3-30b-a3b-fp8 --configs 1,2,2,2,2 \
-          --bulk 8,8,4,8,1,1 8,4,8,3,1,1 4,4,4,4,2,2 16,8,8,8,1,1 8,8,4,8,1,2 2>&1 | quiet | tail -8 ;;
+          --bulk 8,8,4,8,1,1 8,4,8,3,1,1 4,4,4,4,2,2 16,8,8,8,1,1 8,8,4,8,1,2 8,3,4,3,1,1 2>&1 | quiet | tail -9 ;;
     silu)
       echo "## probe, qwen3-30b-a3b-mxfp4 (SiLU MXFP4; DEPTH1 is 1)"
       DFLASH_CUDA_ROWS=0 timeout 200 python3 bench/probe_cuda_rows.py --shape qwen3-30b-a3b-mxfp4 \
