@@ -242,7 +242,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", choices=PROBED, default="gpt-oss-20b")
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--ncu", action="store_true", help="a few plain calls of the first config, for a profiler")
+    parser.add_argument("--ncu", action="store_true",
+                        help="a few plain calls of the first config (the first --bulk one if given), for a profiler")
     parser.add_argument("--configs", nargs="+", default=["1,1,2,3,4", "1,2,2,3,2"],
                         help="DEPTH1,DEPTH2,CTAS1,CTAS2[,ROWS[,COLS]]: units in flight per warp and CTAs per SM "
                              "(gate/up, down), the down kernel's rows per batch (2 or 4; default 2), gate/up's "
@@ -284,11 +285,21 @@ def main() -> None:
         gate = dict(alpha=ALPHA, limit=LIMIT) if gpt_oss else {}
         return fused_moe(x, index, weights, gate_up, down, interleaved=gpt_oss, activation=activation, **gate)
 
-    if args.ncu:
+    def bulk(gate_up, down, config, parts=3, pdl=True):
+        biases = (none if weight.bias is None else weight.bias for weight in (gate_up, down))
+        module.moe_bulk(x, gate_up.data, gate_up.scales, next(biases), down.data, down.scales, next(biases),
+                        flat_index, flat_weights, h, out, ALPHA, LIMIT, PAIRED_SHIFT, *config, parts, pdl)
+        return out
+
+    bulk_configs = [tuple(map(int, text.split(","))) for text in args.bulk]
+    if args.ncu:  # the first bulk config if any, else the first register config (whole, loads only, decode only)
         config = parse_config(args.configs[0])
-        for mode in (0, 1, 2) if gpt_oss else (0,):
+        for mode in (0, 1, 2) if gpt_oss and not bulk_configs else (0,):
             for g, d in layers:
-                probe(g, d, config, parts=3 if mode == 0 else 1, mode=mode)
+                if bulk_configs:
+                    bulk(g, d, bulk_configs[0])
+                else:
+                    probe(g, d, config, parts=3 if mode == 0 else 1, mode=mode)
         torch.cuda.synchronize()
         return
     expected = reference(x, index, weights, *layers[0], gpt_oss, activation)
@@ -301,12 +312,6 @@ def main() -> None:
           f"call; one read {read_us:.1f} us ({moved / read_us / 1e3 / copy:.0%})", flush=True)
     print(f"library fused_moe {library_us:.1f} us ({moved / library_us / 1e3 / copy:.0%} of copy), "
           f"err {error(library(*layers[0])):.1e}", flush=True)
-    def bulk(gate_up, down, config, parts=3, pdl=True):
-        biases = (none if weight.bias is None else weight.bias for weight in (gate_up, down))
-        module.moe_bulk(x, gate_up.data, gate_up.scales, next(biases), down.data, down.scales, next(biases),
-                        flat_index, flat_weights, h, out, ALPHA, LIMIT, PAIRED_SHIFT, *config, parts, pdl)
-        return out
-
     def report(label, run):
         """One line: `run(gate_up, down, parts=, pdl=)`'s layer time over the rotated layers, without PDL, each
         launch alone, and its error; or why it could not run (the other configs still do)."""
@@ -321,7 +326,7 @@ def main() -> None:
               f"no PDL {time(pdl=False):6.1f}, gate/up alone {time(parts=1):6.1f}, down alone {time(parts=2):6.1f}; "
               f"err {error(run(*layers[0])):.1e}", flush=True)
 
-    for config in (tuple(map(int, text.split(","))) for text in args.bulk):
+    for config in bulk_configs:
         report(f"bulk {config}", lambda g, d, config=config, **options: bulk(g, d, config, **options))
     for config in args.configs:
         config = parse_config(config)
