@@ -9,7 +9,6 @@
 #     bash bench/cuda_rows_checks.sh fp8 silu library
 #     bash bench/cuda_rows_checks.sh steps              # a decode step with and without them (gpt-oss-20b, 4 layers)
 #     bash bench/cuda_rows_checks.sh verify             # the issue's M = 1 and 16 table (MXFP4 and FP8 shapes)
-#     bash bench/cuda_rows_checks.sh tests bulk         # the tests (both designs) first, then the bulk kernels' configs
 set -u
 quiet() { grep -v "^ptxas\|^    [0-9]* bytes\|^\[\|Compiling\|registers\|^SKIPPED\|^PASSED"; }
 nvidia-smi --query-gpu=name --format=csv,noheader
@@ -19,8 +18,8 @@ for part in "${parts[@]}"; do
   case $part in
     tests)
       echo "## GPU tests (the row kernels; sampling's CUDA compile)"
-      DFLASH_CUDA_ROWS=1 timeout 240 python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=100 \
-          tests/kernels/test_cuda_rows.py tests/test_sampling.py -k "cuda or rows or ordered" 2>&1 | quiet | tail -25 ;;
+      DFLASH_CUDA_ROWS=1 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_cuda_rows.py \
+          tests/test_sampling.py -k "cuda or rows or ordered" 2>&1 | quiet | tail -25 ;;
     probe)
       echo "## probe, gpt-oss-20b (DEPTH1,DEPTH2,CTAS1,CTAS2,ROWS,COLS)"
       DFLASH_CUDA_ROWS=0 timeout 240 python3 bench/probe_cuda_rows.py --layers 4 \
@@ -29,15 +28,6 @@ for part in "${parts[@]}"; do
       echo "## probe, qwen3-30b-a3b-fp8"
       DFLASH_CUDA_ROWS=0 timeout 200 python3 bench/probe_cuda_rows.py --shape qwen3-30b-a3b-fp8 \
           --configs 1,2,2,2,2 1,2,2,1,2 1,2,2,3,2 1,1,2,1,4 2>&1 | quiet | tail -12 ;;
-    bulk)
-      # the last configs of each shape leave room for a down CTA beside gate/up's (~105 + ~100 KB of shared memory),
-      # so that down's programmatically dependent launch can fill its ring while gate/up runs
-      echo "## probe: the bulk kernels (CONSUMERS1,STAGES1,CONSUMERS2,STAGES2,CTAS1,CTAS2) against the row kernels"
-      DFLASH_CUDA_ROWS=1 timeout 270 python3 bench/probe_cuda_rows.py --layers 4 --configs 1,1,2,3,4 \
-          --bulk 8,8,8,8,1,1 8,4,8,3,1,1 16,8,8,8,1,1 8,3,4,3,2,2 4,4,4,4,3,1 16,8,4,8,1,1 8,4,4,3,1,1 16,2,4,3,1,1 \
-          2>&1 | quiet | tail -14
-      DFLASH_CUDA_ROWS=1 timeout 100 python3 bench/probe_cuda_rows.py --shape qwen3-30b-a3b-fp8 --configs 1,2,2,2,2 \
-          --bulk 8,8,4,8,1,1 8,4,8,3,1,1 4,4,4,4,2,2 16,8,8,8,1,1 8,8,4,8,1,2 8,3,4,3,1,1 2>&1 | quiet | tail -9 ;;
     silu)
       echo "## probe, qwen3-30b-a3b-mxfp4 (SiLU MXFP4; DEPTH1 is 1)"
       DFLASH_CUDA_ROWS=0 timeout 200 python3 bench/probe_cuda_rows.py --shape qwen3-30b-a3b-mxfp4 \
@@ -56,6 +46,6 @@ for part in "${parts[@]}"; do
       echo "## verify-block sizes (M = 16) next to one token: the issue's table"
       timeout 200 python3 bench/moe_kernels.py --no-tune --tokens 1 16 --shapes gpt-oss-20b gpt-oss-120b \
           qwen3-30b-a3b-fp8 2>&1 | quiet | tail -10 ;;
-    *) echo "unknown part $part (tests, probe, fp8, silu, library, steps, verify, bulk)"; exit 2 ;;
+    *) echo "unknown part $part (tests, probe, fp8, silu, library, steps, verify)"; exit 2 ;;
   esac
 done

@@ -22,12 +22,6 @@ per SM) and keep DEPTH units' loads in flight.
 - SiLU MXFP4 (`--shape qwen3-30b-a3b-mxfp4`, `moe_silu`): the library's `mxfp4_layer<8, false>` launches (gate
   rows then up rows, no biases, fp32 activations; 2 groups a lane in gate/up, 1 in down) with the config's
   DEPTH2, CTAS1, CTAS2 and ROWS (DEPTH1 is 1).
-- bulk copies (`--bulk`, gpt-oss' layout or FP8's, `moe_bulk`): the same arithmetic, but each CTA's weights
-  come through a shared-memory ring of STAGES tiles that one producer thread fills by `cp.async.bulk` (an mbarrier
-  a stage for "landed" and one for "read"), so the bytes in flight an SM no longer hang on the warps' registers
-  (the row kernels' Nsight profile: latency-bound, global-load waits the largest stall). gate/up: a tile is
-  CONSUMERS columns of one slot, a consumer warp a column; down: a tile is CONSUMERS output rows of every slot's
-  expert, a consumer warp an output row over the slots, added in slot order in the warp.
 - `--configs` DEPTH1,DEPTH2,CTAS1,CTAS2[,ROWS[,COLS]] (gate/up, down; ROWS 2 or 4, default 2; COLS 1 or 2, default
   1; gate/up's registers capped for CTAS1 CTAs per SM, up to 3); each also timed with gate/up's
   loads alone (no decode) and its decode alone (words made up, no loads). `--ncu`: a few plain calls for a
@@ -115,34 +109,6 @@ void moe(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor b1, 
   TORCH_CHECK(false, "no such config");
 }
 
-// the bulk kernels (the library's mxfp4_bulk_layer / fp8_bulk_layer, MXFP4 gpt-oss or FP8 Qwen3 by the weights'
-// dimensions) with consumer warps C1 / C2 a CTA, up to `stages` tiles in flight, `ctas` CTAs an SM
-template <int C1, int C2>
-void moe_bulk_config(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor b1, torch::Tensor w2,
-                     torch::Tensor s2, torch::Tensor b2, torch::Tensor experts, torch::Tensor weights, torch::Tensor h,
-                     torch::Tensor out, double alpha, double limit, int64_t paired_shift, int stages1, int stages2,
-                     int ctas1, int ctas2, int parts, bool pdl) {
-  const bool ran = w1.dim() == 3
-      ? fp8_bulk_layer<C1, C2>(x, w1, s1, w2, s2, experts, weights, h, out, stages1, stages2, ctas1, ctas2, pdl, parts)
-      : mxfp4_bulk_layer<C1, C2>(x, w1, s1, (const __nv_bfloat16*)b1.data_ptr(), w2, s2,
-                                 (const __nv_bfloat16*)b2.data_ptr(), experts, weights, h, out, alpha, limit,
-                                 paired_shift, stages1, stages2, ctas1, ctas2, pdl, parts);
-  TORCH_CHECK(ran, "the bulk kernels do not take this config (tiles, alignment or shared memory)");
-}
-
-void moe_bulk(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor b1, torch::Tensor w2,
-              torch::Tensor s2, torch::Tensor b2, torch::Tensor experts, torch::Tensor weights, torch::Tensor h,
-              torch::Tensor out, double alpha, double limit, int64_t paired_shift, int64_t consumers1,
-              int64_t stages1, int64_t consumers2, int64_t stages2, int64_t ctas1, int64_t ctas2, int64_t parts,
-              bool pdl) {
-#define BULK(A, B) \
-  if (consumers1 == A && consumers2 == B) \
-    return moe_bulk_config<A, B>(x, w1, s1, b1, w2, s2, b2, experts, weights, h, out, alpha, limit, paired_shift, \
-                                 stages1, stages2, ctas1, ctas2, parts, pdl);
-  BULK(8, 8) BULK(8, 4) BULK(16, 8) BULK(4, 4) BULK(16, 4)
-  TORCH_CHECK(false, "no such bulk config (consumers1, consumers2)");
-}
-
 // one token's SiLU MXFP4 layer, Qwen3-30B-A3B's shape (K 2048: 2 groups a lane; I 768: 1), as the library's
 // mxfp4_layer<8, false> launches it but for the depths, CTAs per SM and down rows
 template <int DEPTH2, int ROWS>
@@ -221,11 +187,7 @@ CPP = ("void moe(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Ten
        "int64_t depth2, int64_t ctas1, int64_t ctas2, int64_t rows, int64_t parts, bool pdl);\n"
        "void moe_silu(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor w2, torch::Tensor s2, "
        "torch::Tensor experts, torch::Tensor weights, torch::Tensor h, torch::Tensor out, int64_t depth2, "
-       "int64_t ctas1, int64_t ctas2, int64_t rows, int64_t parts, bool pdl);\n"
-       "void moe_bulk(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor b1, torch::Tensor w2, "
-       "torch::Tensor s2, torch::Tensor b2, torch::Tensor experts, torch::Tensor weights, torch::Tensor h, "
-       "torch::Tensor out, double alpha, double limit, int64_t paired_shift, int64_t consumers1, int64_t stages1, "
-       "int64_t consumers2, int64_t stages2, int64_t ctas1, int64_t ctas2, int64_t parts, bool pdl);")
+       "int64_t ctas1, int64_t ctas2, int64_t rows, int64_t parts, bool pdl);")
 
 ALPHA, LIMIT, PAIRED_SHIFT = 1.702, 7.0, 9  # gpt-oss' clamped SwiGLU; its outputs times 2^9 stay in fp16
 PROBED = ("gpt-oss-20b", "qwen3-30b-a3b-fp8", "qwen3-30b-a3b-mxfp4")
@@ -242,18 +204,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", choices=PROBED, default="gpt-oss-20b")
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--ncu", action="store_true",
-                        help="a few plain calls of the first config (the first --bulk one if given), for a profiler")
+    parser.add_argument("--ncu", action="store_true", help="a few plain calls of the first config, for a profiler")
     parser.add_argument("--configs", nargs="+", default=["1,1,2,3,4", "1,2,2,3,2"],
                         help="DEPTH1,DEPTH2,CTAS1,CTAS2[,ROWS[,COLS]]: units in flight per warp and CTAs per SM "
                              "(gate/up, down), the down kernel's rows per batch (2 or 4; default 2), gate/up's "
                              "columns per unit (1 or 2; default 1)")
-    parser.add_argument("--bulk", nargs="*", default=[],
-                        help="gpt-oss or FP8: the bulk-copy variant's CONSUMERS1,STAGES1,CONSUMERS2,STAGES2,CTAS1,"
-                             "CTAS2 (consumer warps a CTA and tiles in flight, gate/up then down; CTAs per SM)")
     args = parser.parse_args()
-    module = load_inline("probe_cuda_rows", CPP, cuda_sources=CUDA,
-                         functions=["moe", "moe_fp8", "moe_silu", "moe_bulk"],
+    module = load_inline("probe_cuda_rows", CPP, cuda_sources=CUDA, functions=["moe", "moe_fp8", "moe_silu"],
                          extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-lineinfo", "-Xptxas=-v"],
                          verbose=True)  # ptxas' registers and spills
     experts, top_k, hidden, inter, format, gpt_oss = SHAPES[args.shape]
@@ -267,7 +224,6 @@ def main() -> None:
     h = torch.empty(top_k, inter, device="cuda", dtype=torch.float16 if gpt_oss else torch.float32)
     out = torch.empty(1, hidden, device="cuda", dtype=torch.bfloat16)
     flat_index, flat_weights = index.reshape(-1).contiguous(), weights.reshape(-1).contiguous()
-    none = torch.empty(0, device="cuda", dtype=torch.bfloat16)  # no biases (FP8)
 
     def probe(gate_up, down, config, parts=3, pdl=True, mode=0):
         if gpt_oss:
@@ -285,21 +241,11 @@ def main() -> None:
         gate = dict(alpha=ALPHA, limit=LIMIT) if gpt_oss else {}
         return fused_moe(x, index, weights, gate_up, down, interleaved=gpt_oss, activation=activation, **gate)
 
-    def bulk(gate_up, down, config, parts=3, pdl=True):
-        biases = (none if weight.bias is None else weight.bias for weight in (gate_up, down))
-        module.moe_bulk(x, gate_up.data, gate_up.scales, next(biases), down.data, down.scales, next(biases),
-                        flat_index, flat_weights, h, out, ALPHA, LIMIT, PAIRED_SHIFT, *config, parts, pdl)
-        return out
-
-    bulk_configs = [tuple(map(int, text.split(","))) for text in args.bulk]
-    if args.ncu:  # the first bulk config if any, else the first register config (whole, loads only, decode only)
+    if args.ncu:
         config = parse_config(args.configs[0])
-        for mode in (0, 1, 2) if gpt_oss and not bulk_configs else (0,):
+        for mode in (0, 1, 2) if gpt_oss else (0,):
             for g, d in layers:
-                if bulk_configs:
-                    bulk(g, d, bulk_configs[0])
-                else:
-                    probe(g, d, config, parts=3 if mode == 0 else 1, mode=mode)
+                probe(g, d, config, parts=3 if mode == 0 else 1, mode=mode)
         torch.cuda.synchronize()
         return
     expected = reference(x, index, weights, *layers[0], gpt_oss, activation)
@@ -312,25 +258,16 @@ def main() -> None:
           f"call; one read {read_us:.1f} us ({moved / read_us / 1e3 / copy:.0%})", flush=True)
     print(f"library fused_moe {library_us:.1f} us ({moved / library_us / 1e3 / copy:.0%} of copy), "
           f"err {error(library(*layers[0])):.1e}", flush=True)
-    def report(label, run):
-        """One line: `run(gate_up, down, parts=, pdl=)`'s layer time over the rotated layers, without PDL, each
-        launch alone, and its error; or why it could not run (the other configs still do)."""
-        def time(**options):
-            return graph_time_us([lambda g=g, d=d: run(g, d, **options) for g, d in layers])
-        try:
-            both = time()
-        except RuntimeError as failure:
-            print(f"{label}: failed: {str(failure).splitlines()[0]}", flush=True)
-            return
-        print(f"{label}: {both:6.1f} us ({moved / both / 1e3 / copy:.0%} of copy, {library_us / both:.2f}x library), "
-              f"no PDL {time(pdl=False):6.1f}, gate/up alone {time(parts=1):6.1f}, down alone {time(parts=2):6.1f}; "
-              f"err {error(run(*layers[0])):.1e}", flush=True)
-
-    for config in bulk_configs:
-        report(f"bulk {config}", lambda g, d, config=config, **options: bulk(g, d, config, **options))
     for config in args.configs:
         config = parse_config(config)
-        report(f"depths, CTAs per SM {config}", lambda g, d, config=config, **options: probe(g, d, config, **options))
+        err = error(probe(*layers[0], config))
+        both = graph_time_us([lambda g=g, d=d: probe(g, d, config) for g, d in layers])
+        no_pdl = graph_time_us([lambda g=g, d=d: probe(g, d, config, pdl=False) for g, d in layers])
+        first = graph_time_us([lambda g=g, d=d: probe(g, d, config, parts=1) for g, d in layers])
+        second = graph_time_us([lambda g=g, d=d: probe(g, d, config, parts=2) for g, d in layers])
+        print(f"depths, CTAs per SM {config}: {both:6.1f} us ({moved / both / 1e3 / copy:.0%} of copy, "
+              f"{library_us / both:.2f}x library), no PDL {no_pdl:6.1f}, gate/up alone {first:6.1f}, "
+              f"down alone {second:6.1f}; err {err:.1e}", flush=True)
         if gpt_oss:
             loads = graph_time_us([lambda g=g, d=d: probe(g, d, config, parts=1, mode=1) for g, d in layers])
             decode = graph_time_us([lambda g=g, d=d: probe(g, d, config, parts=1, mode=2) for g, d in layers])

@@ -168,13 +168,6 @@ __device__ __forceinline__ int paired_column(int c) {  // the library's _paired_
   return c - r + (r & 1) * 4 + (r >> 2) * 2 + ((r >> 1) & 1);
 }
 
-// gpt-oss' activation: (clamp(up) + 1) * gate' * sigmoid(alpha gate'), gate' = min(gate, limit)
-__device__ __forceinline__ float clamped_swiglu(float gate, float up, float alpha, float limit) {
-  gate = fminf(gate, limit);
-  up = fminf(fmaxf(up, -limit), limit);
-  return (up + 1.f) * __fdividef(gate, 1.f + __expf(-gate * alpha));  // no slow-path call
-}
-
 template <int ROWS, int GPL>  // GPL: groups a lane owns, lane + 32 i for i < GPL
 struct Loads {
   uint4 w[ROWS][GPL];
@@ -237,45 +230,6 @@ __device__ __forceinline__ float row_dot(const Loads<ROWS, GPL>& l, int j, const
   });
 }
 
-// The CTA's staging of one token's activations x [K] bf16 as fp16 times 2^shift (the largest magnitude in
-// [2^14, 2^15)) into padded quads, pairs in the decode's order, by all `warps` warps (`warp_max` one float a warp);
-// returns shift. The caller syncs the CTA before reading xs.
-__device__ __forceinline__ int stage_activations(const __nv_bfloat16* __restrict__ x, int K, uint4* xs,
-                                                 float* warp_max, int warps) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const uint4* x8 = reinterpret_cast<const uint4*>(x);
-  float m = 0.f;
-  for (int wd = threadIdx.x; wd < K / 8; wd += warps * 32) {
-    uint4 raw = x8[wd];
-    const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      float2 f = __bfloat1622float2(v[j]);
-      m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
-    }
-  }
-  for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  if (lane == 0) warp_max[warp] = m;
-  __syncthreads();
-  m = 0.f;
-  for (int i = 0; i < warps; ++i) m = fmaxf(m, warp_max[i]);
-  const int shift = min(14 - (((__float_as_int(m) >> 23) & 255) - 127), 100);
-  const float scale = exp2i(shift);
-  for (int wd = threadIdx.x; wd < K / 8; wd += warps * 32) {
-    uint4 raw = x8[wd];
-    const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw);
-    float f[8];
-    for (int j = 0; j < 8; ++j) f[j] = __bfloat162float(v[j]) * scale;
-    __half2 a = __floats2half2_rn(f[0], f[2]), b = __floats2half2_rn(f[4], f[6]);
-    __half2 c = __floats2half2_rn(f[1], f[3]), d = __floats2half2_rn(f[5], f[7]);
-    uint4 q;
-    q.x = *reinterpret_cast<uint32_t*>(&a); q.y = *reinterpret_cast<uint32_t*>(&b);
-    q.z = *reinterpret_cast<uint32_t*>(&c); q.w = *reinterpret_cast<uint32_t*>(&d);
-    xs[quad(wd / 4, wd % 4)] = q;
-  }
-  return shift;
-}
-
 // Persistent warps: warp w of the grid takes units w, w + W, w + 2W, ... (W the grid's warps), DEPTH units' loads in
 // flight (a ring of registers indexed at compile time: the unit loop is unrolled DEPTH times, with no break, so the
 // shuffles stay convergent; units past the end load the last one again and store nothing).
@@ -295,7 +249,7 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) gate_up_kernel(
   __shared__ float warp_max[WARPS];
   __shared__ int expert_rows[8];
   const PersistentWarp me(WARPS, units);
-  const int lane = me.lane, stride = me.stride, first = me.first, iters = me.iters;
+  const int lane = me.lane, warp = me.warp, stride = me.stride, first = me.first, iters = me.iters;
   wait_previous();
   constexpr int ROWS = 2 * COLS;
   const int per_slot = I / COLS, slots = units / per_slot;
@@ -317,7 +271,38 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) gate_up_kernel(
     issue(ring[d], next);
     next.advance(stride, per_slot);
   }
-  const int shift = stage_activations(x, G * 32, xs, warp_max, WARPS);
+  // activations: fp16 times 2^shift (largest magnitude in [2^14, 2^15)), pairs in the decode's order
+  const int K = G * 32;
+  const uint4* x8 = reinterpret_cast<const uint4*>(x);
+  float m = 0.f;
+  for (int wd = threadIdx.x; wd < K / 8; wd += WARPS * 32) {
+    uint4 raw = x8[wd];
+    const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float2 f = __bfloat1622float2(v[j]);
+      m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
+    }
+  }
+  for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (lane == 0) warp_max[warp] = m;
+  __syncthreads();
+  m = 0.f;
+  for (int i = 0; i < WARPS; ++i) m = fmaxf(m, warp_max[i]);
+  const int shift = min(14 - (((__float_as_int(m) >> 23) & 255) - 127), 100);
+  const float scale = exp2i(shift);
+  for (int wd = threadIdx.x; wd < K / 8; wd += WARPS * 32) {
+    uint4 raw = x8[wd];
+    const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw);
+    float f[8];
+    for (int j = 0; j < 8; ++j) f[j] = __bfloat162float(v[j]) * scale;
+    __half2 a = __floats2half2_rn(f[0], f[2]), b = __floats2half2_rn(f[4], f[6]);
+    __half2 c = __floats2half2_rn(f[1], f[3]), d = __floats2half2_rn(f[5], f[7]);
+    uint4 q;
+    q.x = *reinterpret_cast<uint32_t*>(&a); q.y = *reinterpret_cast<uint32_t*>(&b);
+    q.z = *reinterpret_cast<uint32_t*>(&c); q.w = *reinterpret_cast<uint32_t*>(&d);
+    xs[quad(wd / 4, wd % 4)] = q;
+  }
   __syncthreads();
   let_next();
   const float unscale = exp2i(14 - shift), bias_scale = exp2i(shift - 14);
@@ -335,9 +320,12 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) gate_up_kernel(
       issue(ring[d], next);
       next.advance(stride, per_slot);
       if (lane % (32 / COLS) == 0 && it + d < iters) {
-        const float gate = sum * unscale, up = up_sum * unscale;  // biases included
+        float gate = sum * unscale, up = up_sum * unscale;  // biases included
         if constexpr (GPT_OSS) {
-          h[slot * I + paired_column(c)] = __float2half_rn(clamped_swiglu(gate, up, alpha, limit) * out_scale);
+          gate = fminf(gate, limit);
+          up = fminf(fmaxf(up, -limit), limit);
+          const float act = (up + 1.f) * __fdividef(gate, 1.f + __expf(-gate * alpha));  // no slow-path call
+          h[slot * I + paired_column(c)] = __float2half_rn(act * out_scale);
         } else {
           h[slot * I + paired_column(c)] = __fdividef(gate, 1.f + __expf(-gate)) * up;
         }
@@ -581,325 +569,6 @@ __global__ void __launch_bounds__(TOPK * 32) fp8_down_kernel(
       weights[k] * unscale, partial, iters, k, lane, H, out);
 }
 
-// ---- the bulk-copy variant: weights staged into a shared-memory ring by cp.async.bulk ----
-// One producer thread a CTA copies each tile (contiguous rows of an expert, and their scales) by bulk copies,
-// `stages` tiles in flight, an mbarrier a stage completing when its bytes land (`full`) and one when the consumer
-// warps are done with it (`empty`); the consumer warps read their rows' words from shared memory, not registers, so
-// the bytes in flight an SM are `stages` tiles whatever the warps' registers.
-__device__ __forceinline__ uint32_t shared_address(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void barrier_init(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void barrier_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(shared_address(bar)) : "memory");
-}
-__device__ __forceinline__ void barrier_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile("{\n.reg .pred done;\nwaiting:\nmbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-               "@!done bra waiting;\n}" ::"r"(shared_address(bar)), "r"(parity) : "memory");
-}
-// a bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) that `bar`'s phase then waits for: its
-// transaction count raised first, so the copy's completion can never find it below zero
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(shared_address(bar)), "r"(bytes)
-               : "memory");
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(shared_address(dst)), "l"(src), "r"(bytes), "r"(shared_address(bar)) : "memory");
-}
-
-// bytes [first, first + n) of `src` (no 16-byte multiples: a row of 90 scales, of 6 fp32 block scales) copied from
-// the 16-byte boundary below into `dst`, which holds `capacity(n)`; they start `first & 15` bytes in
-__host__ __device__ constexpr int capacity(int n) { return (n + 45) & ~15; }
-__device__ __forceinline__ void copy_unaligned(uint8_t* dst, const uint8_t* src, int64_t first, int n,
-                                               uint64_t* bar) {
-  const int64_t start = first & ~int64_t(15), end = (first + n + 15) & ~int64_t(15);
-  bulk_load(dst, src + start, uint32_t(end - start), bar);
-}
-
-// The ring of a CTA of CONSUMERS consumer warps and a producer warp after them, `stages` (<= MAX_STAGES) tiles
-// deep. `fill(i, stage, bar)` issues tile i's copies into stage i % stages (each counted on `bar` by bulk_load), then
-// the producer arrives; it primes the first tiles (`prime`, before the CTA stages its activations) and refills each
-// stage once its consumers release it (`refill`).
-constexpr int MAX_STAGES = 8;
-template <int CONSUMERS>
-struct BulkRing {
-  uint64_t full[MAX_STAGES], empty[MAX_STAGES];
-  __device__ void init(int stages) {  // thread 0, then a CTA barrier
-    for (int s = 0; s < stages; ++s) barrier_init(&full[s], 1), barrier_init(&empty[s], CONSUMERS);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  template <typename Fill>
-  __device__ void issue(int i, int stages, Fill fill) {
-    const int s = i % stages;
-    fill(i, s, &full[s]);
-    barrier_arrive(&full[s]);
-  }
-  template <typename Fill>
-  __device__ void prime(int iters, int stages, Fill fill) {
-    if (threadIdx.x == CONSUMERS * 32)
-      for (int i = 0; i < min(stages, iters); ++i) issue(i, stages, fill);
-  }
-  template <typename Fill>
-  __device__ void refill(int iters, int stages, Fill fill) {
-    if (threadIdx.x == CONSUMERS * 32)
-      for (int i = stages; i < iters; ++i) {
-        barrier_wait(&empty[i % stages], (i / stages - 1) & 1);
-        issue(i, stages, fill);
-      }
-  }
-  __device__ void acquire(int i, int stages) { barrier_wait(&full[i % stages], (i / stages) & 1); }
-  __device__ void release(int i, int stages, int lane) {
-    __syncwarp();
-    if (lane == 0) barrier_arrive(&empty[i % stages]);
-  }
-};
-
-__device__ __forceinline__ int ring_iters(int tiles) {
-  return int(blockIdx.x) < tiles ? (tiles - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
-}
-
-// The end of a bulk down tile's output row: the TOPK slots' dots summed over the warp, times their slots' scales
-// (routing weight and unscaling), added in slot order and stored by lane 0 at `out`
-template <int TOPK>
-__device__ __forceinline__ void store_slot_sum(float (&dots)[TOPK], const float* slot_scale, int lane,
-                                               __nv_bfloat16* out) {
-  const float sum = lane_sums<TOPK>(dots, lane);  // lane 32 k / TOPK: slot k's
-  float total = 0.f;
-#pragma unroll
-  for (int k = 0; k < TOPK; ++k) total += slot_scale[k] * __shfl_sync(0xffffffffu, sum, k * (32 / TOPK));
-  if (lane == 0) *out = __float2bfloat16_rn(total);
-}
-
-// ---- MXFP4 (gpt-oss' layout). A part: `rows` rows of G groups, their codes then their scales ----
-__host__ __device__ constexpr int part_bytes(int rows, int G) { return rows * G * 16 + capacity(rows * G); }
-
-__device__ __forceinline__ void copy_part(uint8_t* part, const uint8_t* blocks, const uint8_t* scales, int64_t row,
-                                          int rows, int G, uint64_t* bar) {
-  bulk_load(part, blocks + row * G * 16, rows * G * 16, bar);
-  copy_unaligned(part + rows * G * 16, scales, row * G, rows * G, bar);
-}
-
-// row j's dot from a part staged from row `row`, the bias in lane j's share
-template <int GPL>
-__device__ __forceinline__ float staged_row_dot(const uint8_t* part, int64_t row, int rows, int j, const uint4* xs,
-                                                int lane, int G, float bias) {
-  const uint4* w = reinterpret_cast<const uint4*>(part) + j * G;
-  const uint8_t* e = part + rows * G * 16 + ((row * G) & 15) + j * G;
-  return bias + lane_dot<GPL>([&](int i) {
-    const int g = lane + 32 * i, in_row = min(g, G - 1);
-    return group_dot(w[in_row], xs, in_row, g < G ? e[in_row] : uint8_t(0));
-  });
-}
-
-// gate/up: a tile is CONSUMERS columns of one slot (their 2 CONSUMERS interleaved gate and up rows), consumer warp w
-// column w; clamped SwiGLU, fp16 out times 2^paired_shift in pair order (as gate_up_kernel)
-template <int CONSUMERS, int GPL>
-__global__ void __launch_bounds__((CONSUMERS + 1) * 32, 1) gate_up_bulk_kernel(
-    const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ blocks, const uint8_t* __restrict__ scales,
-    const __nv_bfloat16* __restrict__ bias, const int64_t* __restrict__ experts, __half* __restrict__ h, int I,
-    int G, int slots, float alpha, float limit, int paired_shift, int stages) {
-  constexpr int ROWS = 2 * CONSUMERS;
-  extern __shared__ __align__(128) uint8_t smem[];
-  __shared__ BulkRing<CONSUMERS> ring;
-  __shared__ float warp_max[CONSUMERS + 1];
-  __shared__ int expert_rows[8];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, stage_bytes = part_bytes(ROWS, G);
-  uint4* xs = reinterpret_cast<uint4*>(smem + stages * stage_bytes);
-  const int per_slot = 2 * I / ROWS, iters = ring_iters(slots * per_slot);
-  if (threadIdx.x == 0) ring.init(stages);
-  wait_previous();
-  if (threadIdx.x < slots) expert_rows[threadIdx.x] = int(experts[threadIdx.x]) * 2 * I;
-  __syncthreads();
-  auto tile = [&](int i) { return int(blockIdx.x + i * gridDim.x); };
-  auto tile_row = [&](int i) { return expert_rows[tile(i) / per_slot] + (tile(i) % per_slot) * ROWS; };
-  auto fill = [&](int i, int stage, uint64_t* bar) {
-    copy_part(smem + stage * stage_bytes, blocks, scales, tile_row(i), ROWS, G, bar);
-  };
-  ring.prime(iters, stages, fill);
-  const int shift = stage_activations(x, G * 32, xs, warp_max, CONSUMERS + 1);
-  __syncthreads();
-  let_next();
-  if (warp == CONSUMERS) return ring.refill(iters, stages, fill);
-  const float unscale = exp2i(14 - shift), bias_scale = exp2i(shift - 14), out_scale = exp2i(paired_shift);
-  for (int i = 0; i < iters; ++i) {
-    const int row = tile_row(i);
-    const float b = lane < 2 ? __bfloat162float(bias[row + 2 * warp + lane]) * bias_scale : 0.f;
-    ring.acquire(i, stages);
-    float dots[2];
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-      dots[j] = staged_row_dot<GPL>(smem + i % stages * stage_bytes, row, ROWS, 2 * warp + j, xs, lane, G,
-                                    lane == j ? b : 0.f);
-    ring.release(i, stages, lane);
-    const float sum = lane_sums<2>(dots, lane), up_sum = __shfl_down_sync(0xffffffffu, sum, 16);
-    if (lane == 0)
-      h[tile(i) / per_slot * I + paired_column(tile(i) % per_slot * CONSUMERS + warp)] =
-          __float2half_rn(clamped_swiglu(sum * unscale, up_sum * unscale, alpha, limit) * out_scale);
-  }
-}
-
-// down: a tile is CONSUMERS output rows, every slot's expert's CONSUMERS rows there (TOPK parts), consumer warp w
-// output row w over the TOPK slots, weighted and added in slot order in the warp
-template <int CONSUMERS, int TOPK, int GPL>
-__global__ void __launch_bounds__((CONSUMERS + 1) * 32, 1) down_bulk_kernel(
-    const __half* __restrict__ h, const uint8_t* __restrict__ blocks, const uint8_t* __restrict__ scales,
-    const __nv_bfloat16* __restrict__ bias, const int64_t* __restrict__ experts, RoutingWeights weights,
-    __nv_bfloat16* __restrict__ out, int H, int G, int paired_shift, int stages) {
-  extern __shared__ __align__(128) uint8_t smem[];
-  __shared__ BulkRing<CONSUMERS> ring;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, part = part_bytes(CONSUMERS, G);
-  const int stage_bytes = TOPK * part, iters = ring_iters(H / CONSUMERS);
-  uint4* xs = reinterpret_cast<uint4*>(smem + stages * stage_bytes);  // TOPK x G padded quads
-  if (threadIdx.x == 0) ring.init(stages);
-  __syncthreads();
-  auto first_row = [&](int i) { return int(blockIdx.x + i * gridDim.x) * CONSUMERS; };
-  auto fill = [&](int i, int stage, uint64_t* bar) {
-#pragma unroll
-    for (int k = 0; k < TOPK; ++k)
-      copy_part(smem + stage * stage_bytes + k * part, blocks, scales, experts[k] * H + first_row(i), CONSUMERS, G,
-                bar);
-  };
-  ring.prime(iters, stages, fill);  // the routing is the previous launch's input: already there
-  wait_previous();  // gate/up's activations
-  const uint4* hq = reinterpret_cast<const uint4*>(h);
-  for (int q = threadIdx.x; q < TOPK * G * 4; q += (CONSUMERS + 1) * 32)
-    xs[q / (G * 4) * G * QUADS + quad(q % (G * 4) / 4, q % 4)] = hq[q];
-  __syncthreads();
-  let_next();
-  if (warp == CONSUMERS) return ring.refill(iters, stages, fill);
-  const float bias_scale = exp2i(paired_shift - 14);
-  float slot_scale[TOPK];
-  int64_t expert_row[TOPK];
-#pragma unroll
-  for (int k = 0; k < TOPK; ++k) slot_scale[k] = weights[k] * exp2i(14 - paired_shift), expert_row[k] = experts[k] * H;
-  for (int i = 0; i < iters; ++i) {
-    const int n = first_row(i) + warp;
-    float b = 0.f;
-#pragma unroll
-    for (int k = 0; k < TOPK; ++k)
-      if (lane == k && bias) b = __bfloat162float(bias[expert_row[k] + n]) * bias_scale;
-    ring.acquire(i, stages);
-    float dots[TOPK];
-#pragma unroll
-    for (int k = 0; k < TOPK; ++k)
-      dots[k] = staged_row_dot<GPL>(smem + i % stages * stage_bytes + k * part, expert_row[k] + first_row(i),
-                                    CONSUMERS, warp, xs + k * G * QUADS, lane, G, lane == k ? b : 0.f);
-    ring.release(i, stages, lane);
-    store_slot_sum<TOPK>(dots, slot_scale, lane, out + n);
-  }
-}
-
-// ---- FP8 (Qwen3-FP8's layout: gate rows then up rows, 128 x 128 block scales). A part: `rows` rows of C chunks
-// inside one 128-row block, their codes then that block's row of fp32 scales ----
-__host__ __device__ constexpr int part_bytes8(int rows, int C) { return rows * C * 16 + capacity((C + 7) / 8 * 4); }
-
-__device__ __forceinline__ void copy_part8(uint8_t* part, const uint8_t* blocks, const float* scales, int64_t row,
-                                           int rows, int C, int64_t scale_row, uint64_t* bar) {
-  bulk_load(part, blocks + row * C * 16, rows * C * 16, bar);
-  const int columns = (C + 7) / 8;
-  copy_unaligned(part + rows * C * 16, reinterpret_cast<const uint8_t*>(scales), scale_row * columns * 4,
-                 columns * 4, bar);
-}
-
-template <int CPL>
-__device__ __forceinline__ float staged_row_dot8(const uint8_t* part, int64_t scale_row, int rows, int j,
-                                                 const uint4* xs, int lane, int C) {
-  const uint4* w = reinterpret_cast<const uint4*>(part) + j * C;
-  const float* s = reinterpret_cast<const float*>(part + rows * C * 16 + ((scale_row * ((C + 7) / 8) * 4) & 15));
-  return lane_dot<CPL>([&](int i) {
-    const int c = lane + 32 * i, cc = min(c, C - 1);
-    return chunk_dot8(w[cc], xs[quad8(cc, 0)], xs[quad8(cc, 1)]) * (c < C ? s[cc / 8] : 0.f);
-  });
-}
-
-// gate/up: a tile is CONSUMERS columns of one slot (CONSUMERS divides 128 and I): a part of their gate rows, one of
-// their up rows; consumer warp w column w; SiLU(gate) * up, fp32 out
-template <int CONSUMERS, int CPL>
-__global__ void __launch_bounds__((CONSUMERS + 1) * 32, 1) fp8_gate_up_bulk_kernel(
-    const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ blocks, const float* __restrict__ scales,
-    const int64_t* __restrict__ experts, float* __restrict__ h, int I, int C, int slots, int stages) {
-  extern __shared__ __align__(128) uint8_t smem[];
-  __shared__ BulkRing<CONSUMERS> ring;
-  __shared__ float warp_max[CONSUMERS + 1];
-  __shared__ int64_t experts_of[16];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, part = part_bytes8(CONSUMERS, C);
-  const int per_slot = I / CONSUMERS, iters = ring_iters(slots * per_slot), scale_rows = (2 * I + 127) / 128;
-  uint4* xs = reinterpret_cast<uint4*>(smem + stages * 2 * part);
-  if (threadIdx.x == 0) ring.init(stages);
-  wait_previous();
-  if (threadIdx.x < slots) experts_of[threadIdx.x] = experts[threadIdx.x];
-  __syncthreads();
-  auto tile = [&](int i) { return int(blockIdx.x + i * gridDim.x); };
-  auto gate_row = [&](int i) { return experts_of[tile(i) / per_slot] * 2 * I + tile(i) % per_slot * CONSUMERS; };
-  auto scale_row = [&](int i, int half) {
-    return experts_of[tile(i) / per_slot] * scale_rows + (half * I + tile(i) % per_slot * CONSUMERS) / 128;
-  };
-  auto fill = [&](int i, int stage, uint64_t* bar) {
-    uint8_t* gates = smem + stage * 2 * part;
-    copy_part8(gates, blocks, scales, gate_row(i), CONSUMERS, C, scale_row(i, 0), bar);
-    copy_part8(gates + part, blocks, scales, gate_row(i) + I, CONSUMERS, C, scale_row(i, 1), bar);
-  };
-  ring.prime(iters, stages, fill);
-  const float unscale = stage8(x, C * 16, xs, threadIdx.x, (CONSUMERS + 1) * 32, warp_max, false);
-  __syncthreads();
-  let_next();
-  if (warp == CONSUMERS) return ring.refill(iters, stages, fill);
-  for (int i = 0; i < iters; ++i) {
-    ring.acquire(i, stages);
-    const uint8_t* gates = smem + i % stages * 2 * part;  // then the up rows' part
-    float dots[2] = {staged_row_dot8<CPL>(gates, scale_row(i, 0), CONSUMERS, warp, xs, lane, C),
-                     staged_row_dot8<CPL>(gates + part, scale_row(i, 1), CONSUMERS, warp, xs, lane, C)};
-    ring.release(i, stages, lane);
-    const float sum = lane_sums<2>(dots, lane), up_sum = __shfl_down_sync(0xffffffffu, sum, 16);
-    const float gate = sum * unscale, up = up_sum * unscale;
-    if (lane == 0) h[tile(i) / per_slot * I + tile(i) % per_slot * CONSUMERS + warp] =
-        __fdividef(gate, 1.f + __expf(-gate)) * up;
-  }
-}
-
-// down: a tile is CONSUMERS output rows (CONSUMERS divides 128 and H), every slot's expert's rows there; consumer
-// warp w output row w over the TOPK slots (fp32 activations, each slot's staged to fp16 by its own largest)
-template <int CONSUMERS, int TOPK, int CPL>
-__global__ void __launch_bounds__((CONSUMERS + 1) * 32, 1) fp8_down_bulk_kernel(
-    const float* __restrict__ h, const uint8_t* __restrict__ blocks, const float* __restrict__ scales,
-    const int64_t* __restrict__ experts, RoutingWeights weights, __nv_bfloat16* __restrict__ out, int H, int C,
-    int stages) {
-  extern __shared__ __align__(128) uint8_t smem[];
-  __shared__ BulkRing<CONSUMERS> ring;
-  __shared__ float slot_scale[TOPK];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, part = part_bytes8(CONSUMERS, C);
-  const int stage_bytes = TOPK * part, iters = ring_iters(H / CONSUMERS), scale_rows = (H + 127) / 128;
-  uint4* xs = reinterpret_cast<uint4*>(smem + stages * stage_bytes);  // TOPK x C x 2 quads
-  if (threadIdx.x == 0) ring.init(stages);
-  __syncthreads();
-  auto first_row = [&](int i) { return int(blockIdx.x + i * gridDim.x) * CONSUMERS; };
-  auto fill = [&](int i, int stage, uint64_t* bar) {
-#pragma unroll
-    for (int k = 0; k < TOPK; ++k)
-      copy_part8(smem + stage * stage_bytes + k * part, blocks, scales, experts[k] * H + first_row(i), CONSUMERS, C,
-                 experts[k] * scale_rows + first_row(i) / 128, bar);
-  };
-  ring.prime(iters, stages, fill);
-  wait_previous();  // gate/up's activations
-  for (int k = warp; k < TOPK; k += CONSUMERS + 1) {
-    const float unscale = stage8(h + int64_t(k) * C * 16, C * 16, xs + k * C * 2, lane, 32, nullptr, true);
-    if (lane == 0) slot_scale[k] = weights[k] * unscale;
-  }
-  __syncthreads();
-  let_next();
-  if (warp == CONSUMERS) return ring.refill(iters, stages, fill);
-  for (int i = 0; i < iters; ++i) {
-    ring.acquire(i, stages);
-    float dots[TOPK];
-#pragma unroll
-    for (int k = 0; k < TOPK; ++k)
-      dots[k] = staged_row_dot8<CPL>(smem + i % stages * stage_bytes + k * part,
-                                     experts[k] * scale_rows + first_row(i) / 128, CONSUMERS, warp, xs + k * C * 2,
-                                     lane, C);
-    ring.release(i, stages, lane);
-    store_slot_sum<TOPK>(dots, slot_scale, lane, out + first_row(i) + warp);
-  }
-}
-
 inline int multiprocessors() {
   int device, count;
   cudaGetDevice(&device);
@@ -946,124 +615,16 @@ void with_groups_per_lane(int groups, F f) {
   f(std::integral_constant<int, 4>{});
 }
 
-// ---- the bulk kernels' launches ----
-// The library's consumer warps a CTA for them, one CTA an SM, as many stages as fit (not yet measured: session 77
-// wrote them without a GPU). MXFP4's gate/up at 16: its decode alone took 12.4 us at 16 warps an SM on the H100
-// (session 58), so fewer warps would leave it issue-bound; FP8's down at 4 so that I = 2048's tiles fit twice.
-constexpr int BULK_MXFP4_GATE_UP = 16, BULK_MXFP4_DOWN = 8, BULK_FP8_GATE_UP = 8, BULK_FP8_DOWN = 4;
-
-// Whether the bulk kernels may read these packed tensors: 16-byte aligned, and each one's last 16-byte piece inside
-// its storage (copy_unaligned copies from and to 16-byte boundaries)
-template <typename... Tensors>
-bool bulk_readable(const Tensors&... tensors) {
-  auto readable = [](const torch::Tensor& t) {
-    const int64_t end = t.storage_offset() * t.element_size() + t.nbytes();
-    return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 &&
-           ((end + 15) & ~int64_t(15)) <= int64_t(t.storage().nbytes());
-  };
-  return (readable(tensors) && ...);
-}
-
-// The stages of a bulk launch: as many tiles of `stage_bytes` as fit beside `fixed` bytes (the activations) in a
-// CTA's shared memory (`ctas` CTAs an SM: their share), at most `most`; 0 where fewer than 2 fit
-inline int stages_that_fit(int stage_bytes, int fixed, int ctas, int most) {
-  int device, per_block, per_sm;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
-  const int budget = std::min(per_block, per_sm / ctas - 1024) - 512;  // 1 KB reserved a CTA; the static arrays
-  const int stages = std::min(most, std::min(MAX_STAGES, (budget - fixed) / stage_bytes));
-  return stages >= 2 ? stages : 0;
-}
-
-// `f(std::integral_constant<int, CPL>)` for the 16-byte chunks a lane owns of an FP8 row of `chunks` (<= 256)
-template <typename F>
-void with_chunks_per_lane(int chunks, F f) {
-  TORCH_CHECK(chunks <= 256, "the FP8 row kernels take rows of at most 4096 bytes");
-  if (chunks <= 64) return f(std::integral_constant<int, 2>{});
-  if (chunks <= 128) return f(std::integral_constant<int, 4>{});
-  f(std::integral_constant<int, 8>{});
-}
-
-// gpt-oss' layer (top-4) by the bulk kernels, C1 / C2 consumer warps, `stages` deep, `ctas` CTAs an SM each; `parts`
-// 1: gate/up only, 2: down only, 3: both. Returns false, launching nothing, where they cannot run (tiles not dividing
-// the rows, unaligned tensors, too little shared memory).
-template <int C1, int C2>
-bool mxfp4_bulk_layer(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& s1,
-                      const __nv_bfloat16* b1, const torch::Tensor& w2, const torch::Tensor& s2,
-                      const __nv_bfloat16* b2, const torch::Tensor& experts, const torch::Tensor& weights,
-                      const torch::Tensor& h, const torch::Tensor& out, double alpha, double limit,
-                      int64_t paired_shift, int stages1, int stages2, int ctas1, int ctas2, bool pdl, int parts = 3) {
-  constexpr int TOPK = 4;
-  const int I = w1.size(1) / 2, G = w1.size(2), H = w2.size(1), G2 = w2.size(2);
-  const int smem1 = activation_bytes(G), smem2 = TOPK * activation_bytes(G2);
-  stages1 = stages_that_fit(part_bytes(2 * C1, G), smem1, ctas1, stages1);
-  stages2 = stages_that_fit(TOPK * part_bytes(C2, G2), smem2, ctas2, stages2);
-  if (experts.numel() != TOPK || I % C1 || H % C2 || stages1 < 2 || stages2 < 2 ||
-      !bulk_readable(w1, s1, w2, s2))
-    return false;
-  const int sms = multiprocessors();
-  if (parts & 1)
-    with_groups_per_lane(G, [&](auto gpl) {
-      launch(gate_up_bulk_kernel<C1, decltype(gpl)::value>, dim3(std::min(sms * ctas1, TOPK * I / C1)),
-             dim3((C1 + 1) * 32), stages1 * part_bytes(2 * C1, G) + smem1, pdl, (const __nv_bfloat16*)x.data_ptr(),
-             (const uint8_t*)w1.data_ptr(), (const uint8_t*)s1.data_ptr(), b1, (const int64_t*)experts.data_ptr(),
-             (__half*)h.data_ptr(), I, G, TOPK, float(alpha), float(limit), int(paired_shift), stages1);
-    });
-  if (parts & 2)
-    with_groups_per_lane(G2, [&](auto gpl) {
-      launch(down_bulk_kernel<C2, TOPK, decltype(gpl)::value>, dim3(std::min(sms * ctas2, H / C2)),
-             dim3((C2 + 1) * 32), stages2 * TOPK * part_bytes(C2, G2) + smem2, pdl, (const __half*)h.data_ptr(),
-             (const uint8_t*)w2.data_ptr(), (const uint8_t*)s2.data_ptr(), b2, (const int64_t*)experts.data_ptr(),
-             routing_weights(weights), (__nv_bfloat16*)out.data_ptr(), H, G2, int(paired_shift), stages2);
-    });
-  return true;
-}
-
-// Qwen3-FP8's layer (top-8) by the bulk kernels, as mxfp4_bulk_layer; the tiles inside the 128-row scale blocks
-template <int C1, int C2>
-bool fp8_bulk_layer(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& s1, const torch::Tensor& w2,
-                    const torch::Tensor& s2, const torch::Tensor& experts, const torch::Tensor& weights,
-                    const torch::Tensor& h, const torch::Tensor& out, int stages1, int stages2, int ctas1, int ctas2,
-                    bool pdl, int parts = 3) {
-  constexpr int TOPK = 8;
-  static_assert(128 % C1 == 0 && 128 % C2 == 0, "an FP8 tile stays inside a 128-row block of scales");
-  const int I = w1.size(1) / 2, C = w1.size(2) / 16, H = w2.size(1), C2s = w2.size(2) / 16;
-  const int smem1 = C * 2 * 16, smem2 = TOPK * C2s * 2 * 16;
-  stages1 = stages_that_fit(2 * part_bytes8(C1, C), smem1, ctas1, stages1);
-  stages2 = stages_that_fit(TOPK * part_bytes8(C2, C2s), smem2, ctas2, stages2);
-  if (experts.numel() != TOPK || I % C1 || H % C2 || stages1 < 2 || stages2 < 2 ||
-      !bulk_readable(w1, s1, w2, s2))
-    return false;
-  const int sms = multiprocessors();
-  if (parts & 1)
-    with_chunks_per_lane(C, [&](auto cpl) {
-      launch(fp8_gate_up_bulk_kernel<C1, decltype(cpl)::value>, dim3(std::min(sms * ctas1, TOPK * I / C1)),
-             dim3((C1 + 1) * 32), stages1 * 2 * part_bytes8(C1, C) + smem1, pdl, (const __nv_bfloat16*)x.data_ptr(),
-             (const uint8_t*)w1.data_ptr(), (const float*)s1.data_ptr(), (const int64_t*)experts.data_ptr(),
-             (float*)h.data_ptr(), I, C, TOPK, stages1);
-    });
-  if (parts & 2)
-    with_chunks_per_lane(C2s, [&](auto cpl) {
-      launch(fp8_down_bulk_kernel<C2, TOPK, decltype(cpl)::value>, dim3(std::min(sms * ctas2, H / C2)),
-             dim3((C2 + 1) * 32), stages2 * TOPK * part_bytes8(C2, C2s) + smem2, pdl, (const float*)h.data_ptr(),
-             (const uint8_t*)w2.data_ptr(), (const float*)s2.data_ptr(), (const int64_t*)experts.data_ptr(),
-             routing_weights(weights), (__nv_bfloat16*)out.data_ptr(), H, C2s, stages2);
-    });
-  return true;
-}
-
 // One token's MXFP4 MoE layer: x [1, H] bf16; gate_up blocks [E, 2I, G, 16] / scales [E, 2I, G] uint8; down
 // [E, H, G', 16] / [E, H, G']; experts [TOPK] int64, weights [TOPK] fp32 or bf16 -> out [1, H] bf16. GPT_OSS: gate
 // and up rows interleaved, biases [E, 2I] / [E, H] bf16, clamped SwiGLU; otherwise gate rows then up rows, no
 // biases, SiLU. Gate/up then down (by expert, rows summed in slot order), the down launch programmatically dependent.
-// The shapes were checked by dflash_compile/kernels/cuda_rows.py. `bulk`: gpt-oss' layout by the bulk kernels where
-// they take it.
+// The shapes were checked by dflash_compile/kernels/cuda_rows.py.
 template <int TOPK, bool GPT_OSS>
 torch::Tensor mxfp4_layer(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& s1,
                           const __nv_bfloat16* b1, const torch::Tensor& w2, const torch::Tensor& s2,
                           const __nv_bfloat16* b2, const torch::Tensor& experts, const torch::Tensor& weights,
-                          double alpha, double limit, int64_t paired_shift, bool bulk) {
+                          double alpha, double limit, int64_t paired_shift) {
   using Activations = std::conditional_t<GPT_OSS, __half, float>;
   // the H100's best of the probe's configs (docs/benchmarks.md, session 60): gate/up 2 CTAs per SM, one unit in
   // flight; down for gpt-oss 3 CTAs per SM, batches of 4 rows, one in flight (26.5 us for gpt-oss-20b; 2 rows, 2 in
@@ -1075,11 +636,6 @@ torch::Tensor mxfp4_layer(const torch::Tensor& x, const torch::Tensor& w1, const
   TORCH_CHECK(w1.numel() / 16 < INT32_MAX && w2.numel() / 16 < INT32_MAX, "the kernels index groups in 32 bits");
   auto h = torch::empty({TOPK, I}, x.options().dtype(GPT_OSS ? torch::kHalf : torch::kFloat));
   auto out = torch::empty({1, H}, x.options());
-  if constexpr (GPT_OSS)
-    if (bulk && mxfp4_bulk_layer<BULK_MXFP4_GATE_UP, BULK_MXFP4_DOWN>(x, w1, s1, b1, w2, s2, b2, experts, weights, h,
-                                                                      out, alpha, limit, paired_shift, MAX_STAGES,
-                                                                      MAX_STAGES, 1, 1, true))
-      return out;
   const int sms = multiprocessors();
   with_groups_per_lane(G, [&](auto gpl) {
     launch(gate_up_kernel<WARPS, 1, 0, 1, 1, GPT_OSS, decltype(gpl)::value>,
@@ -1103,10 +659,9 @@ inline torch::Tensor mxfp4_one_token(const torch::Tensor& x, const torch::Tensor
                                      const torch::Tensor& b1, const torch::Tensor& w2, const torch::Tensor& s2,
                                      const torch::Tensor& b2, const torch::Tensor& experts,
                                      const torch::Tensor& weights, double alpha, double limit,
-                                     int64_t paired_shift, bool bulk) {
+                                     int64_t paired_shift) {
   return mxfp4_layer<4, true>(x, w1, s1, (const __nv_bfloat16*)b1.data_ptr(), w2, s2,
-                              (const __nv_bfloat16*)b2.data_ptr(), experts, weights, alpha, limit, paired_shift,
-                              bulk);
+                              (const __nv_bfloat16*)b2.data_ptr(), experts, weights, alpha, limit, paired_shift);
 }
 
 // concatenated gate/up, SiLU, no biases (`dflash_compile.quantize`'s MXFP4 of Qwen3-MoE, OLMoE, ...), top-2, 4 or 8
@@ -1116,7 +671,7 @@ inline torch::Tensor mxfp4_silu_one_token(const torch::Tensor& x, const torch::T
   const int64_t top_k = experts.numel();
   auto layer = top_k == 8 ? mxfp4_layer<8, false> : top_k == 4 ? mxfp4_layer<4, false> : mxfp4_layer<2, false>;
   TORCH_CHECK(top_k == 2 || top_k == 4 || top_k == 8, "the SiLU row kernels take top-2, 4 or 8");
-  return layer(x, w1, s1, nullptr, w2, s2, nullptr, experts, weights, 1.0, 0.0, 0, false);
+  return layer(x, w1, s1, nullptr, w2, s2, nullptr, experts, weights, 1.0, 0.0, 0);
 }
 
 // One token's FP8 layer (float8_e4m3fn, 128 x 128 block scales), Qwen3-FP8's layout: x [1, H] bf16; gate_up
@@ -1124,19 +679,15 @@ inline torch::Tensor mxfp4_silu_one_token(const torch::Tensor& x, const torch::T
 // [E, H, I] / [E, ceil(H / 128), ceil(I / 128)]; SiLU, no biases; experts [8] int64, weights [8] fp32 -> out [1, H]
 // bf16. Gate/up (fp32 activations out) then down by expert, programmatically dependent; a lane owns up to CPL1 / CPL2
 // 16-byte chunks of a row (H <= 4096, I <= 2048). The shapes were checked by dflash_compile/kernels/cuda_rows.py.
-// `bulk`: by the bulk kernels where they take it.
 template <int CPL1, int CPL2>
 torch::Tensor fp8_one_token_cpl(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& s1,
                                 const torch::Tensor& w2, const torch::Tensor& s2, const torch::Tensor& experts,
-                                const torch::Tensor& weights, bool bulk) {
+                                const torch::Tensor& weights) {
   // the H100's best of the probe's configs (docs/benchmarks.md, session 59): down depth 2, 2 + 2 CTAs per SM
   constexpr int WARPS = 8, TOPK = 8, DOWN_ROWS = 2, GATE_UP_CTAS = 2, DOWN_CTAS = 2;
   const int I = w1.size(1) / 2, C1 = w1.size(2) / 16, H = w2.size(1), C2 = w2.size(2) / 16;
   auto h = torch::empty({TOPK, I}, x.options().dtype(torch::kFloat));
   auto out = torch::empty({1, H}, x.options());
-  if (bulk && fp8_bulk_layer<BULK_FP8_GATE_UP, BULK_FP8_DOWN>(x, w1, s1, w2, s2, experts, weights, h, out,
-                                                              MAX_STAGES, MAX_STAGES, 1, 1, true))
-    return out;
   const int sms = multiprocessors();
   launch(fp8_gate_up_kernel<WARPS, 1, CPL1>, dim3(std::min(sms * GATE_UP_CTAS, (TOPK * I + WARPS - 1) / WARPS)),
          dim3(WARPS * 32), C1 * 2 * 16, true, (const __nv_bfloat16*)x.data_ptr(), (const uint4*)w1.data_ptr(),
@@ -1150,9 +701,10 @@ torch::Tensor fp8_one_token_cpl(const torch::Tensor& x, const torch::Tensor& w1,
 
 inline torch::Tensor fp8_one_token(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& s1,
                                    const torch::Tensor& w2, const torch::Tensor& s2, const torch::Tensor& experts,
-                                   const torch::Tensor& weights, bool bulk) {
+                                   const torch::Tensor& weights) {
   const bool wide = w1.size(2) > 16 * 32 * 4, long_down = w2.size(2) > 16 * 32 * 2;  // H > 2048, I > 1024
-  auto layer = wide ? (long_down ? fp8_one_token_cpl<8, 4> : fp8_one_token_cpl<8, 2>)
-                    : (long_down ? fp8_one_token_cpl<4, 4> : fp8_one_token_cpl<4, 2>);
-  return layer(x, w1, s1, w2, s2, experts, weights, bulk);
+  if (wide) return long_down ? fp8_one_token_cpl<8, 4>(x, w1, s1, w2, s2, experts, weights)
+                             : fp8_one_token_cpl<8, 2>(x, w1, s1, w2, s2, experts, weights);
+  return long_down ? fp8_one_token_cpl<4, 4>(x, w1, s1, w2, s2, experts, weights)
+                   : fp8_one_token_cpl<4, 2>(x, w1, s1, w2, s2, experts, weights);
 }

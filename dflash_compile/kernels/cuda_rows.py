@@ -13,12 +13,6 @@ tests/kernels/test_cuda_rows.py passes there). On the H200 (session 69; session 
 the GPUs of `FASTER_ON`, where they were measured faster; elsewhere only with DFLASH_CUDA_ROWS=1, and never with
 DFLASH_CUDA_ROWS=0.
 
-A second design of the same layers, the bulk kernels (gpt-oss's MXFP4 and Qwen3-FP8): each CTA's weights reach
-shared memory through a ring of tiles that one thread fills by `cp.async.bulk`, so the bytes in flight no longer
-hang on the warps' registers (the row kernels' profile: latency-bound on the loads). They run only on the GPUs of
-`BULK_FASTER_ON`, none until measured there (session 77 wrote them while no GPU was lent; bench/probe_cuda_rows.py
-`--bulk` times them against the row kernels).
-
 Compiled once per machine and torch version on first use with `torch.utils.cpp_extension.load` (nvcc and a CUDA
 build of torch; cached in TORCH_EXTENSIONS_DIR), as the CPU kernels are (`kernels.cpu`); without them the Triton
 kernels run, and `status()` says why.
@@ -44,7 +38,6 @@ MAX_GROUPS = 128  # MXFP4: 32-code groups a row may have, up to four a lane
 FASTER_ON = ("H100", "H200")
 SETTINGS = ("0", "1", "auto")  # DFLASH_CUDA_ROWS: off, on (any Hopper GPU), on where FASTER_ON (the default)
 FP8_MAX_HIDDEN, FP8_MAX_INTER = 4096, 2048  # FP8: up to 8 and 4 16-byte chunks per lane
-BULK_FASTER_ON: tuple[str, ...] = ()  # GPUs (in the device name) where the bulk kernels beat the row kernels
 _failure: str | None = None
 
 
@@ -80,13 +73,6 @@ def load():
         warnings.warn(f"dflash CUDA row kernels unavailable ({_failure}); one-token layers run the Triton kernels",
                       stacklevel=2)
     return module
-
-
-@functools.cache
-def bulk() -> bool:
-    """Whether one-token layers of gpt-oss's MXFP4 and Qwen3-FP8 layouts take the bulk kernels on this GPU."""
-    name = torch.cuda.get_device_name()
-    return any(faster in name for faster in BULK_FASTER_ON)
 
 
 def status() -> str:
@@ -145,8 +131,8 @@ def one_token_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
     if weights.dtype not in (torch.float32, torch.bfloat16):
         weights = weights.float()
     if gate_up.format == "fp8_block":
-        return load().fp8_one_token(x, gate_up.data, gate_up.scales, down.data, down.scales, index, weights, bulk())
+        return load().fp8_one_token(x, gate_up.data, gate_up.scales, down.data, down.scales, index, weights)
     if not interleaved:
         return load().mxfp4_silu_one_token(x, gate_up.data, gate_up.scales, down.data, down.scales, index, weights)
     return load().mxfp4_one_token(x, gate_up.data, gate_up.scales, gate_up.bias, down.data, down.scales, down.bias,
-                                  index, weights, float(alpha), float(limit), int(paired_shift), bulk())
+                                  index, weights, float(alpha), float(limit), int(paired_shift))

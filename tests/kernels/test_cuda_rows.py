@@ -19,19 +19,14 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9,
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="the row kernels run on compute capability 9.0")
 
 
-@pytest.fixture(params=["row kernels", "bulk kernels"])
-def rows_on(monkeypatch, request):
-    """DFLASH_CUDA_ROWS=1 for the test, the loader asked again before and after; once with the row kernels, once
-    with the bulk kernels for the layouts they take (gpt-oss's MXFP4, Qwen3-FP8; every GPU named in
-    `BULK_FASTER_ON`)."""
+@pytest.fixture
+def rows_on(monkeypatch):
+    """DFLASH_CUDA_ROWS=1 for the test, the loader asked again before and after."""
     monkeypatch.setenv("DFLASH_CUDA_ROWS", "1")
-    monkeypatch.setattr(cuda_rows, "BULK_FASTER_ON", ("",) if request.param == "bulk kernels" else ())
     cuda_rows.load.cache_clear()
-    cuda_rows.bulk.cache_clear()
     yield
     monkeypatch.delenv("DFLASH_CUDA_ROWS")
     cuda_rows.load.cache_clear()
-    cuda_rows.bulk.cache_clear()
 
 
 def _gpt_oss_layer(hidden, inter, experts=8, seed=0):
