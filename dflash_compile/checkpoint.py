@@ -144,13 +144,12 @@ def _quantized_experts(experts: torch.nn.Module, format: str,
             yield from ((f"{j}.{name}.weight", quantized), (f"{j}.{name}.weight_scale_inv", scale))
 
 
-def _quantized_tensors(model: torch.nn.Module, format: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _quantized_tensors(model: torch.nn.Module, format: str, kept: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors, module by module (each module's weights in memory only while it is read, for a
     model offloaded to disk): routed experts in `format`; with fp8_block also the linears transformers' FP8 loading
-    converts (`_fp8_in_transformers`) but those kept in the model's dtype (`_unquantized_fp8_linears`); everything
+    converts (`_fp8_in_transformers`) but those `kept` in the model's dtype (`_unquantized_fp8_linears`); everything
     else as it is."""
     names, layers = _expert_projection_names(model), experts_modules(model)
-    kept = set(_unquantized_fp8_linears(model)) if format == "fp8_block" else set()
     head = model.get_output_embeddings()
     tied_head = head if model.config.tie_word_embeddings else None
     progress = tqdm(total=len(layers), desc="quantizing experts", unit="layer", disable=len(layers) < 8)
@@ -213,12 +212,13 @@ def quantize(model: torch.nn.Module, directory: str | Path, format: str,
     largest = shard_bytes(max_shard_size)
     _check_quantizable(model, format)
     directory = Path(directory)
+    kept = _unquantized_fp8_linears(model) if format == "fp8_block" else []
     with _made_for_this(directory), _Shards(directory, largest) as shards:
-        for name, tensor in _quantized_tensors(model, format):
+        for name, tensor in _quantized_tensors(model, format, set(kept)):
             shards.add(name, tensor)
     config = model.config.to_dict()
     config["quantization_config"] = _MXFP4_CONFIG if format == "mxfp4" else (
-        _FP8_CONFIG | {"modules_to_not_convert": _unquantized_fp8_linears(model)})
+        _FP8_CONFIG | {"modules_to_not_convert": kept})
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     model.generation_config.save_pretrained(directory)
     return directory

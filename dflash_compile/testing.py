@@ -539,7 +539,9 @@ def save_release(family: str, directory: str | Path, expert_dtype: str = "fp4", 
     from .checkpoint import _fp8_in_transformers, _meta_model, _model_names, _unquantized_fp8_linears
     from .quant import quantize_fp8_block, quantize_mxfp4
 
-    fp4 = {"fp4": True, "fp8": False}[expert_dtype]
+    if expert_dtype not in ("fp4", "fp8"):
+        raise ValueError(f"expert_dtype={expert_dtype!r}: a release's experts are 'fp4' (DeepSeek-V4's) or 'fp8'")
+    fp4 = expert_dtype == "fp4"
     directory = save_tiny_model(family, directory, seed, **overrides)
     model = _meta_model(transformers.AutoConfig.from_pretrained(directory))
     model_name, modules, experts = _model_names(model), dict(model.named_modules()), experts_modules(model)
