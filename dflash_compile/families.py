@@ -21,7 +21,7 @@ from transformers.integrations.moe import (_can_use_grouped_mm, _grouped_linear,
                                            use_experts_implementation)
 
 from .compressed_attention import row_compressor
-from .key_selection import captured_kolibri_indexer, row_aligned_minimax_m3_indexer
+from .key_selection import captured_kolibri_indexer, row_aligned_minimax_m3_indexer, row_pooled_glm5_next_indexer
 from .row_positions import distances_per_row, row_positioned_inkling_attention, row_relative_distances
 from .subclassing import subclass_once
 
@@ -220,7 +220,9 @@ def _indexed_latent(config, kind: AttentionKind, layer: int) -> int:
     (`indexer_types`), which reuse an earlier layer's choice (dots.llm3's sliding layers run none)."""
     latent = 0 if _reads_anothers_cache(config, layer) else _latent(config, kind, layer)
     shared = getattr(config, "indexer_types", None) and config.indexer_types[layer] == "shared"
-    return latent + (config.index_head_dim if kind == "indexed_attention" and not shared else 0)
+    # GLM-5-Next's indexer caches its pool gate's score per token beside its key
+    indexer = config.index_head_dim * (2 if getattr(config, "index_kpool", None) else 1)
+    return latent + (indexer if kind == "indexed_attention" and not shared else 0)
 
 
 def _latent_expansion(config) -> int:
@@ -938,6 +940,10 @@ _ROW_INKLING2_DISTANCES = Adapter(lambda module: type(module).__name__ in ("Inkl
 _CAPTURE_KOLIBRI_INDEXERS = Adapter(lambda module: type(module).__name__ == "Kolibri1_1Indexer",
                                     captured_kolibri_indexer,
                                     "Kolibri 1.1's indexers loop over host lists of query groups")
+_POOL_GLM5_NEXT_INDEXERS = Adapter(lambda module: type(module).__name__ == "Glm5NextTextIndexer",
+                                   row_pooled_glm5_next_indexer,
+                                   "GLM-5-Next's indexers read the cache's one length and keep only the pools some row "
+                                   "completes (a shape that follows the data)")
 _ROW_DEEPSEEK_V4_COMPRESSORS = Adapter(
     lambda module: type(module).__name__ in ("DeepseekV4HCACompressor", "DeepseekV4CSACompressor",
                                              "DeepseekV4Indexer"), row_compressor,
@@ -1138,6 +1144,15 @@ FAMILIES: dict[str, FamilySpec] = {
             "glm_moe_dsa", ("glm_moe_dsa",), "GlmMoeDsaExperts", _SWIGLU, _DEEPSEEK_ROUTER, _declared_sparse_layers,
             _declared_layer_types, shared_input_linears=_MLA_SHARED_INPUTS, cached_per_token=_indexed_latent,
             unquantized_linears=("weights_proj",),
+        ),
+        FamilySpec(  # GLM-5-Next (its image-text model's decoder): Kimi Linear's KDA layers between latent-attention
+            # DSA layers without rotary positions, whose indexers pick pools of keys (`key_selection`; "shared"
+            # layers reuse the previous layer's pick), hyper-connection streams, experts clamping gate and up before
+            # SiLU, GLM-4.5's router and shared experts; MLPs declared
+            "glm5_next", ("glm5_next", "glm5_next_text"), "Glm5NextTextExperts", _GATE_CLAMPED_SWIGLU,
+            _DEEPSEEK_ROUTER, _declared_sparse_layers, _declared_layer_types, _KIMI_DELTA_ATTENTION,
+            shared_input_linears=_MLA_SHARED_INPUTS, cached_per_token=_indexed_latent,
+            unquantized_linears=("weights_proj",), adapt=(_POOL_GLM5_NEXT_INDEXERS,),
         ),
         FamilySpec(  # dots.llm3 (Dots 3 Note; its causal LM): DeepSeek-V3.2's sparse attention in "indexed_attention"
             # layers, latent attention of its own ranks and heads over a window in "sliding_attention" ones

@@ -1,6 +1,7 @@
 """Indexers that pick the keys each query attends to, as the decoder's cache and masks need them: Kolibri 1.1's
 computed for every query at once (no host lists), so verify steps compile and replay from CUDA graphs; MiniMax-M3's
-with its key blocks counted from each row's first real key.
+with its key blocks counted from each row's first real key; GLM-5-Next's pools of keys formed per row, over every
+slot (`RowPooledGlm5NextIndexer`).
 
 transformers' `Kolibri1_1Indexer` scores keys with no weights of its own: the ReLU of the logits of the first
 `index_num_heads` query heads against key head 0, both rounded to NVFP4, summed over those heads. A pool-source layer
@@ -22,6 +23,7 @@ from __future__ import annotations
 import sys
 
 import torch
+import torch.nn.functional as F
 
 from .subclassing import subclass_once
 
@@ -171,3 +173,77 @@ def picked_blocks_only(mask: torch.Tensor, blocks: torch.Tensor, block_size: int
     picked.scatter_(-1, blocks.masked_fill(blocks < 0, count), True)  # none: the column past the last block
     kept = _blocks_onto_slots(picked, start, block_size, slots)
     return mask.masked_fill(~kept.repeat_interleave(heads // index_heads, dim=1), torch.finfo(mask.dtype).min)
+
+
+class RowPooledGlm5NextIndexer(torch.nn.Module):
+    """A GLM-5-Next indexer (`Glm5NextTextIndexer`, whose attributes and `append_visible_tail` it uses) over a
+    `TargetCache`; over any other cache, as transformers runs it.
+
+    transformers' indexer caches per token its key, its pool gate's score and a validity flag (the token's padding
+    mask), forms pools of `index_kpool` consecutive keys from each row's first valid key (each pool's key the
+    softmax-weighted sum of its keys by their gates), and lets a query pick the best `index_topk // index_kpool` of
+    the complete pools whose last key it sees (causal by slots counted from the cache's one length), plus the tail
+    of its newest keys not yet pooled. It drops the pools no row completes (a shape that follows the data) and reads
+    the one length. Here the layer's own mask says what each query sees (each row's padding, length and block), the
+    pools start at the first key any query of the row sees, and every pool of the buffer is scored, those a query may
+    not pick masked out: the same pools, keys and picks (a pool past every row's keys is never picked; with more
+    pools than transformers keeps, the number picked grows only where every pickable pool is picked anyway)."""
+
+    @torch.no_grad()
+    def forward(self, hidden_states: torch.Tensor, q_resid: torch.Tensor, attention_mask: torch.Tensor,
+                cache) -> torch.Tensor:
+        """The [b, t, width] int32 slots each query attends to (-1: none), as transformers' indexer returns them."""
+        if not hasattr(cache, "pad"):  # transformers' own caches (their 2-D mask)
+            return super().forward(hidden_states, q_resid, attention_mask, cache)
+        visible = attention_mask[:, 0] == 0  # [b, t, slots], from the additive mask `TargetCache.masks` gives
+        batch, tokens = hidden_states.shape[:2]
+        queries = self.wq_b(q_resid).view(batch, tokens, -1, self.head_dim)
+        keys = self.k_norm(self.wk(hidden_states))
+        gates = F.linear(hidden_states, self.index_kpool_compress_gate)
+        keys, gates = cache.update_indexer(torch.cat([keys, gates], dim=-1), self.layer_idx).split(self.head_dim, -1)
+        pool_keys, pool_slots = self._pools(keys, gates, _row_starts(visible))
+        scores = (queries.float() @ pool_keys.transpose(-1, -2).float().unsqueeze(1) * self.softmax_scale).relu()
+        weights = self.weights_proj(hidden_states.to(self.weights_proj.weight.dtype)).float() * self.n_heads ** -0.5
+        index_scores = (weights.unsqueeze(-2) @ scores).squeeze(-2)  # [b, t, pools]
+        return self._picked_slots(index_scores, pool_slots, visible).to(torch.int32)
+
+    def _pools(self, keys: torch.Tensor, gates: torch.Tensor, start: torch.Tensor):
+        """Every pool of `index_kpool` slots from each row's `start` [b]: its key [b, pools, d] (the softmax of its
+        keys' gates plus `index_kpool_compress_ape` over the slots inside the buffer) and its slots [b, pools,
+        kpool]."""
+        slots, size = keys.shape[1], self.index_kpool
+        pool_slots = start[:, None] + torch.arange(-(-slots // size) * size, device=keys.device)
+        pool_slots = pool_slots.view(keys.shape[0], -1, size)
+        inside, held = pool_slots < slots, pool_slots.clamp(max=slots - 1)
+        rows = torch.arange(keys.shape[0], device=keys.device)[:, None, None]
+        logits = gates[rows, held].float() + self.index_kpool_compress_ape.float()
+        weights = torch.nan_to_num(logits.masked_fill(~inside[..., None], float("-inf")).softmax(dim=2))
+        return (weights.to(keys.dtype) * keys[rows, held]).sum(dim=2), pool_slots
+
+    def _picked_slots(self, index_scores: torch.Tensor, pool_slots: torch.Tensor, visible: torch.Tensor):
+        """The slots of each query's best pools (among those whose last slot it sees), then of its tail, -1 padded to
+        transformers' width; none for a query that sees nothing (padding)."""
+        slots = visible.shape[-1]
+        last = pool_slots[..., -1]  # [b, pools]
+        pickable = visible.gather(-1, last.clamp(max=slots - 1)[:, None].expand(-1, visible.shape[1], -1))
+        pickable &= (last < slots)[:, None]
+        index_scores = index_scores.masked_fill(~pickable, torch.finfo(index_scores.dtype).min)
+        best = index_scores.topk(min(self.index_topk // self.index_kpool, index_scores.shape[-1]), dim=-1).indices
+        rows = torch.arange(pool_slots.shape[0], device=pool_slots.device)[:, None, None]
+        picked = pool_slots[rows, best].masked_fill(~pickable.gather(-1, best)[..., None], -1).flatten(-2)
+        width = self.index_topk
+        if self.index_kpool_always_select_tail:
+            picked = self.append_visible_tail(picked, visible, visible.any(1))
+            width += self.index_kpool - 1
+        picked = F.pad(picked, (0, width - picked.shape[-1]), value=-1)
+        return picked.masked_fill(~visible.any(-1, keepdim=True), -1)
+
+
+def row_pooled_glm5_next_indexer(model: torch.nn.Module, indexer: torch.nn.Module) -> None:
+    """Give `indexer` (a `Glm5NextTextIndexer`) `RowPooledGlm5NextIndexer`'s forward: its class becomes a subclass of
+    its own with that forward in front."""
+    indexer.__class__ = subclass_once(_row_pooled, type(indexer))
+
+
+def _row_pooled(own: type) -> type:
+    return type(f"RowPooled{own.__name__}", (RowPooledGlm5NextIndexer, own), {})

@@ -449,6 +449,17 @@ MULTIMODAL = {
         **_COMMON), lambda hidden_size: _sam_and_encoder(hidden_size) | dict(encoder_config=dict(
             hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=32,
             patch_size=16)), lambda hidden_size: dict(image_token_id=121)),
+    # GLM-5-Next: a KDA layer, two DSA layers without rotary positions (the second reusing the first's pick), another
+    # KDA layer; each indexer picks 2 pools of 4 keys a query and the tail of its newest keys not yet pooled; 4
+    # hyper-connection streams; experts and MLPs clamped at 0.5; a dense first MLP
+    "glm5_next": (transformers.Glm5NextConfig, lambda: transformers.Glm5NextTextConfig(
+        layer_types=["linear_attention", "full_attention", "full_attention", "linear_attention"],
+        indexer_types=["full", "full", "shared", "full"], mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        index_kpool=4, linear_head_dim=16, linear_num_heads=4, hc_mult=4, hc_sinkhorn_iters=3,
+        swiglu_limit=0.5, initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        **{**_MLA, "num_hidden_layers": 4, "qk_rope_head_dim": 0, "qk_nope_head_dim": 16}, **{**_DSA, "index_topk": 8},
+        **_DECLARED_DEEPSEEK_ROUTING, **_ROUTED),
+        lambda hidden_size: _vision_tower(hidden_size, projection_intermediate_size=32)),
     # Kimi K2.5: DeepSeek-V3's tiny decoder beside a one-block vision tower
     "kimi_k25": (transformers.Kimi_K25Config, lambda: tiny_config("deepseek_v3"),
                  lambda hidden_size: dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1,

@@ -18,7 +18,7 @@ from dflash_compile.testing import OracleDrafter, in_installed_transformers, tin
 from tests.conftest import token_ids
 
 
-def test_registry_covers_the_seventy_one_families():
+def test_registry_covers_the_seventy_two_families():
     assert dflash_compile.supported_families() == sorted(
         ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe", "glm4_moe_lite",
          "deepseek_v2", "deepseek_v3", "olmoe", "ernie4_5_moe", "phimoe", "dots1", "flex_olmo", "solar_open",
@@ -29,7 +29,7 @@ def test_registry_covers_the_seventy_one_families():
          "nemotron_h", "jamba", "dbrx", "longcat_flash", "deepseek_v32", "glm_moe_dsa", "axk2",
          "mistral_large4", "dots3_note", "deepseek_ocr2", "jetmoe", "qwen3_omni_moe", "ergo", "hy_v4",
          "hy_v4_vl", "minimax", "muse_spark", "zaya", "kolibri1_1", "minimax_m3_vl", "inkling",
-         "unlimited_ocr", "inkling2", "deepseek_v4", "inkling2_loop"]
+         "unlimited_ocr", "inkling2", "deepseek_v4", "inkling2_loop", "glm5_next"]
     )
 
 

@@ -1,5 +1,6 @@
 """Indexers' picks of keys (`key_selection`): Kolibri 1.1's for a whole batch at once, the keys transformers' indexer
-picks query group by query group; MiniMax-M3's blocks counted from each row's first key."""
+picks query group by query group; MiniMax-M3's blocks counted from each row's first key; GLM-5-Next's pools formed
+per row over the target cache."""
 
 import copy
 
@@ -7,8 +8,9 @@ import pytest
 import torch
 
 import dflash_compile
-from dflash_compile.key_selection import captured_kolibri_indexer, picked_blocks_only
-from dflash_compile.testing import in_installed_transformers
+from dflash_compile.cache import TargetCache
+from dflash_compile.key_selection import captured_kolibri_indexer, picked_blocks_only, row_pooled_glm5_next_indexer
+from dflash_compile.testing import in_installed_transformers, tiny_multimodal_config
 
 kolibri = pytest.mark.skipif(not in_installed_transformers("kolibri1_1"), reason="Kolibri 1.1: transformers 5.25")
 
@@ -90,3 +92,49 @@ def test_minimax_m3_picked_blocks_count_from_each_rows_first_key(tiny):
     shifted = picked_blocks_only(padded, blocks, indexer.block_size, heads)
     torch.testing.assert_close(shifted[..., 3:], expected)
     assert (shifted[..., :3] != 0).all()
+
+
+def _picked_sets(picked: torch.Tensor, first: int = 0) -> list[set[int]]:
+    """[t, width] slots per query (-1: none) -> each query's set of slots, counted from slot `first`."""
+    return [{slot - first for slot in row.tolist() if slot >= 0} for row in picked]
+
+
+@pytest.mark.skipif(not in_installed_transformers("glm5_next"), reason="transformers lacks GLM-5-Next")
+def test_glm5_next_pools_pick_each_rows_keys_as_transformers_picks_the_row_alone():
+    """A left-padded batch over a `TargetCache`, as a prefill (over the prompt's slots: the last pool ends past them)
+    and then a verify block on the cached keys (dead slots past the rows' keys): each query attends over the slots
+    transformers' indexer picks for its row alone (its pools counted from the row's first key, the tail of its newest
+    keys), shifted by the row's padding; fewer keys than it sees once it sees more than its budget."""
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextIndexer
+
+    config = tiny_multimodal_config("glm5_next").text_config
+    generator = torch.Generator().manual_seed(0)
+    indexer = Glm5NextTextIndexer(config, layer_idx=1).eval()
+    for parameter in indexer.parameters():
+        parameter.data = torch.randn(parameter.shape, generator=generator) * 0.5
+    pooled = copy.deepcopy(indexer)
+    row_pooled_glm5_next_indexer(None, pooled)
+    pads, length, block = torch.tensor([0, 3, 6]), 30, 5
+    hidden = torch.randn(3, length, config.hidden_size, generator=generator)
+    q_resid = torch.randn(3, length, config.q_lora_rank, generator=generator)
+    for row, pad in enumerate(pads.tolist()):  # each row's real tokens at its end, padding before (zeros)
+        hidden[row, :pad], q_resid[row, :pad] = 0, 0
+    cache = TargetCache(3, length + 7, torch.float32, "cpu")
+    cache.reset(pads)
+    prompt = length - block
+    cache.visible = prompt
+    prefill_mask = causal_over_padding(pads, torch.zeros(3, dtype=torch.long), prompt, prompt)
+    first = pooled(hidden[:, :prompt], q_resid[:, :prompt], prefill_mask, cache)
+    cache.visible = None
+    cache.rows.commit(torch.full((3,), prompt))
+    verified = pooled(hidden[:, prompt:], q_resid[:, prompt:],
+                      causal_over_padding(pads, torch.full((3,), prompt), block, length + 7), cache)
+    picked = torch.cat([first, verified], dim=1)
+    dropped = 0
+    for row, pad in enumerate(pads.tolist()):
+        alone = indexer(hidden[row:row + 1, pad:], q_resid[row:row + 1, pad:],
+                        torch.ones(1, length - pad, dtype=torch.bool), None)[0]
+        assert _picked_sets(picked[row, pad:], pad) == _picked_sets(alone)
+        assert (picked[row, :pad] == -1).all()
+        dropped += sum(len(keys) < query + 1 for query, keys in enumerate(_picked_sets(alone)))
+    assert dropped > 20
