@@ -214,6 +214,10 @@ REFERENCE_CONFIGS = {  # real model shapes by name (weights are never needed)
     # Muse Spark (the config class's defaults): 62 layers, hidden 8192, 256 experts of 4096 in a 4096-wide expert
     # space, top-8: ~818B, 44B active
     "muse-spark": transformers.MuseSparkConfig,
+    # GLM-5-Next (image-text-to-text; the config class's defaults): 45 layers (the first 3 dense), KDA in three of
+    # four, the fourth latent attention without rotary positions over the pools of 16 keys its indexer picks (2048
+    # keys a query), 4 hyper-connection streams, 288 experts of 2048, top-8, a shared expert
+    "glm-5-next": transformers.Glm5NextConfig,
     "a.x-k2-light": transformers.AXK2Config,  # 48 layers, MLA with DSA, 128 experts of 512, top-8, a shared expert
     # dots.llm3 (Dots 3 Note preview, its causal LM; the config class's defaults): 46 layers (the first dense), DSA
     # layers and sliding latent-attention ones of their own widths (3 in 4), 256 experts of 1536, top-8, shared
