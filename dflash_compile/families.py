@@ -431,9 +431,13 @@ class FamilySpec:
         """Bytes a prefill's DSA layer holds per (query, visible slot), masked or not (`prefill_memory`): its mask and
         the copy with the keys the indexer did not pick masked out, which keys those are (bool), the indexer's fp32
         scores of every indexer head and their ReLU, the weighted sum and its masked copy; elsewhere the family's
-        `query_slot_bytes` (none without)."""
+        `query_slot_bytes` (none without). GLM-5-Next's indexer scores pools of `index_kpool` slots (those fp32
+        scores, and which pools a query may pick, per pool), then counts its picks per slot (int32) and makes its mask
+        from them (bool, then additive)."""
         if self.cached_per_token is _indexed_latent:
-            return 2 * itemsize + 1 + (2 * config.index_n_heads + 2) * 4
+            scores = (2 * config.index_n_heads + 2) * 4
+            pool = getattr(config, "index_kpool", None)
+            return 3 * itemsize + 6 + -(-(scores + 1) // pool) if pool else 2 * itemsize + 1 + scores
         return self.query_slot_bytes(config, itemsize) if self.query_slot_bytes else 0
 
 
