@@ -6,11 +6,11 @@ Before (a gpt-oss attention block after `optimize` laid q/k/v out in one buffer,
     %k = torch._C._nn.linear(%hidden, %self_attn.k_proj.weight, %self_attn.k_proj.bias)
     %v = torch._C._nn.linear(%hidden, %self_attn.v_proj.weight, %self_attn.v_proj.bias)
 
-After (one GEMM over the buffer, a view of the parameters' storage held by the graph module; its output split):
+After (one GEMM over the buffer, the first parameter viewed over all their rows; its output split):
 
-    %fused_weight_0 = get_attr[fused_weight_0]
-    %fused_bias_0 = get_attr[fused_bias_0]
-    %linear = torch._C._nn.linear(%hidden, %fused_weight_0, %fused_bias_0)
+    %as_strided = torch.as_strided(%self_attn.q_proj.weight, [Nq + Nk + Nv, H], [H, 1], 0)
+    %as_strided_1 = torch.as_strided(%self_attn.q_proj.bias, [Nq + Nk + Nv], [1], 0)
+    %linear = torch._C._nn.linear(%hidden, %as_strided, %as_strided_1)
     %split = torch.functional.split(%linear, [Nq, Nk, Nv], dim=-1)
     %q = operator.getitem(%split, 0) ...
 
@@ -25,7 +25,6 @@ import operator
 from collections import defaultdict
 
 import torch
-from torch._dynamo.source import AttrSource
 from torch.fx import GraphModule, Node
 
 from ..projections import rows_adjacent
@@ -67,28 +66,28 @@ def _runs(linears: dict[Node, Parts], values: dict[Node, object]) -> list[list[N
     return [run for run in runs if len(run) > 1]
 
 
-def _buffer(gm: GraphModule, name: str, parts: list[Node], values: dict[Node, object]) -> Node:
-    """A graph-module attribute viewing the parts' storage as their concatenation, and its get_attr node. In a
-    Dynamo graph AOTAutograd lifts each attribute by its source, as Dynamo registers its own: here one under the
-    first part's (guards are never made from it: the attribute is no graph input)."""
+def _buffer(graph: torch.fx.Graph, parts: list[Node], values: dict[Node, object]) -> Node:
+    """A view of the parts' storage as their concatenation: the first part's placeholder viewed over all their rows.
+    A view of the call's own parameter, not a tensor taken now: Dynamo may run one graph of a module's frame (a graph
+    break inside a model) for every module of its class, each with its own parameters (laid out alike by
+    `share_storage`)."""
     first = values[parts[0]]
     shape = (sum(values[part].shape[0] for part in parts), *first.shape[1:])
-    gm.register_buffer(name, first.detach().as_strided(shape, first.stride(), first.storage_offset()))
-    sources = getattr(gm, "_param_name_to_source", None)
-    if sources is not None:
-        sources[name] = AttrSource(parts[0]._dynamo_source, name)
-    return gm.graph.get_attr(name)
+    view = graph.call_function(torch.as_strided, (parts[0], shape, first.stride(), first.storage_offset()))
+    example = parts[0].meta.get("example_value")
+    if example is not None:
+        view.meta["example_value"] = torch.as_strided(example, shape, first.stride(), first.storage_offset())
+    return view
 
 
-def _fuse(gm: GraphModule, run: list[Node], linears: dict[Node, Parts], values: dict[Node, object],
-          first: Node, index: int) -> None:
+def _fuse(graph: torch.fx.Graph, run: list[Node], linears: dict[Node, Parts], values: dict[Node, object],
+          first: Node) -> None:
     """Replace the run's linears (in storage order; `first` the earliest in the graph) by one linear and a split."""
-    graph = gm.graph
     x, _, bias = linears[first]
     weights = [linears[node][1] for node in run]
     with graph.inserting_before(first):
-        weight = _buffer(gm, f"fused_weight_{index}", weights, values)
-        bias = _buffer(gm, f"fused_bias_{index}", [linears[node][2] for node in run], values) if bias else None
+        weight = _buffer(graph, weights, values)
+        bias = _buffer(graph, [linears[node][2] for node in run], values) if bias else None
         fused = graph.call_function(torch._C._nn.linear, (x, weight, bias))
         split = graph.call_function(torch.split, (fused, [values[w].shape[0] for w in weights]), {"dim": -1})
         examples = [node.meta.get("example_value") for node in run]  # Dynamo's fake tensors
@@ -113,6 +112,6 @@ def projection_fusion(gm: GraphModule, ctx: PassContext) -> int:
         if parts is not None and isinstance(values[parts[1]], torch.Tensor):
             by_input[parts[0]][node] = parts
     runs = [(run, linears) for linears in by_input.values() if len(linears) > 1 for run in _runs(linears, values)]
-    for index, (run, linears) in enumerate(runs):
-        _fuse(gm, run, linears, values, min(run, key=order.__getitem__), index)
+    for run, linears in runs:
+        _fuse(gm.graph, run, linears, values, min(run, key=order.__getitem__))
     return len(runs)

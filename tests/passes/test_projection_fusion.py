@@ -21,6 +21,14 @@ class Projections(torch.nn.Module):
         return self.o_proj(self.q_proj(x)), self.k_proj(x) * self.v_proj(x)
 
 
+class BrokenProjections(Projections):
+    """Projections whose forward breaks Dynamo's graph: each instance's call runs the graphs of one frame."""
+
+    def forward(self, x):
+        torch._dynamo.graph_break()
+        return super().forward(x)
+
+
 class TestProjectionFusionGolden(TestCase):
     def test_q_k_v_in_one_buffer(self):
         layer, x = Projections().eval(), torch.randn(3, 16)
@@ -38,9 +46,9 @@ class TestProjectionFusionGolden(TestCase):
 %k_proj.bias: f32[8] = input
 %v_proj.weight: f32[8, 16] = input
 %v_proj.bias: f32[8] = input
-%fused_weight_0 = self.fused_weight_0
-%fused_bias_0 = self.fused_bias_0
-%linear_4: f32[3, 48] = torch._C._nn.linear(%arg.x, %fused_weight_0, %fused_bias_0)
+%as_strided: f32[48, 16] = torch.as_strided(%q_proj.weight, (48, 16), (16, 1), 0)
+%as_strided_1: f32[48] = torch.as_strided(%q_proj.bias, (48,), (1,), 0)
+%linear_4: f32[3, 48] = torch._C._nn.linear(%arg.x, %as_strided, %as_strided_1)
 %split = torch.functional.split(%linear_4, [32, 8, 8], dim=-1)
 %getitem: f32[3, 32] = operator.getitem(%split, 0)
 %getitem_1: f32[3, 8] = operator.getitem(%split, 1)
@@ -58,7 +66,7 @@ return (%linear_1, %mul)
         self.assertEqual(report.matches["projection_fusion"], 0)
         after = report.graphs[0].after  # one call per projection (k, v and o_proj, of K > N, as split_k_linear)
         self.assertEqual(after.count("torch._C._nn.linear(") + after.count("dflash.split_k_linear.default("), 4)
-        self.assertNotIn("fused_weight", after)
+        self.assertNotIn("as_strided", after)
 
     def test_only_plain_linears_with_biases_on_all_or_none_are_laid_out(self):
         layer = Projections()
@@ -66,3 +74,20 @@ return (%linear_1, %mul)
         self.assertFalse(lay_out_together([layer.q_proj, layer.k_proj, layer.v_proj]))  # bias on some only
         self.assertTrue(lay_out_together([layer.q_proj, layer.v_proj]))
         self.assertFalse(lay_out_together([layer.q_proj, layer.v_proj]))  # already one buffer
+
+    def test_a_frame_graph_run_for_several_modules_reads_each_ones_parameters(self):
+        """A graph break inside a module's forward makes Dynamo compile its frame once and run that graph for every
+        module of the class, each call with its own parameters: the fused linear reads the calling module's (a
+        buffer taken at compile time gave every layer the first one's)."""
+        layers = torch.nn.Sequential(BrokenProjections(), BrokenProjections()).eval()
+        with torch.no_grad():
+            layers[1].q_proj.weight.mul_(2.0)
+        for layer in layers:
+            assert lay_out_together([layer.q_proj, layer.k_proj, layer.v_proj])
+        x = torch.randn(3, 16)
+        with torch.no_grad():
+            expected = [layer(x) for layer in layers]
+            compiled = [torch.compile(layer, backend="dflash")(x) for layer in layers]
+        for actual, reference in zip(compiled, expected):
+            for a, r in zip(actual, reference):
+                torch.testing.assert_close(a, r, rtol=1e-6, atol=1e-6)
