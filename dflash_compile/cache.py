@@ -335,7 +335,7 @@ class TargetCache(Cache):
         pending_conv, pending_recurrent = pending if pending is not None else self.pending_linear()
         for key, full in pending_conv.items():
             if key not in self.conv:
-                self.conv[key] = self._zero_state("conv", key, full, (*full.shape[:2], self.conv_width[key]))
+                self.conv[key] = self._zero_state("conv", key, full, (*full.shape[:-1], self.conv_width[key]))
             end = full.shape[-1] - width + kept
             torch.ops.dflash.conv_window_commit(self.conv[key], full, end)
         for layer, state in pending_recurrent.items():

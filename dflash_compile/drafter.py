@@ -114,16 +114,18 @@ def default_layer_ids(num_target_layers: int, count: int) -> tuple[int, ...]:
     return tuple(round(1 + i * (num_target_layers - 4) / max(count - 1, 1)) for i in range(count))
 
 
-def context_features(hidden_states, layer_ids: tuple[int, ...]) -> torch.Tensor:
+def context_features(hidden_states, layer_ids: tuple[int, ...], hidden_size: int) -> torch.Tensor:
     """What a drafter is conditioned on: the target's hidden states after each of `layer_ids`, concatenated on the
     feature axis. `hidden_states[i + 1]` is layer i's output (transformers' output_hidden_states; the last one is
     after the final norm), as the reference drafters were trained. A layer whose output is several residual streams
-    ([batch, tokens, streams, hidden]: HY V4's hyper-connections) gives their mean, a hidden state's scale."""
-    return torch.cat([_one_stream(hidden_states[i + 1]) for i in layer_ids], dim=-1)
+    ([batch, tokens, streams, hidden]: HY V4's hyper-connections; [batch, tokens, streams x hidden]: Qwen4-Exp's)
+    gives their mean, a hidden state's scale."""
+    return torch.cat([_one_stream(hidden_states[i + 1], hidden_size) for i in layer_ids], dim=-1)
 
 
-def _one_stream(hidden: torch.Tensor) -> torch.Tensor:
-    return hidden.mean(dim=2) if hidden.dim() == 4 else hidden
+def _one_stream(hidden: torch.Tensor, hidden_size: int) -> torch.Tensor:
+    streams = hidden if hidden.dim() == 4 else hidden.unflatten(-1, (-1, hidden_size))
+    return streams.mean(dim=2)
 
 
 def validate_pairing(config: DrafterConfig, fc_shape: tuple[int, ...], target_config) -> tuple[int, ...]:

@@ -21,7 +21,8 @@ from transformers.integrations.moe import (_can_use_grouped_mm, _grouped_linear,
                                            use_experts_implementation)
 
 from .compressed_attention import row_compressor
-from .key_selection import captured_kolibri_indexer, row_aligned_minimax_m3_indexer, row_pooled_glm5_next_indexer
+from .key_selection import (batched_qwen4_exp_indexer, captured_kolibri_indexer, keeps_no_position_history,
+                            no_position_history, row_aligned_minimax_m3_indexer, row_pooled_glm5_next_indexer)
 from .row_positions import distances_per_row, row_positioned_inkling_attention, row_relative_distances
 from .subclassing import subclass_once
 
@@ -188,6 +189,12 @@ def _keys_values_and_block_keys(config, kind: AttentionKind, layer: int) -> int:
     """MiniMax-M3: keys and values, and in its sparse layers ("minimax_m3_sparse") the indexer's key."""
     sparse = config.layer_types[layer] == "minimax_m3_sparse"
     return _keys_and_values(config, kind, layer) + (config.index_head_dim if sparse else 0)
+
+
+def _keys_values_and_indexer_key(config, kind: AttentionKind, layer: int) -> int:
+    """Qwen4-Exp: keys and values, and in its indexed layers the indexer's keys (`indexer_kv_heads`)."""
+    indexed = config.indexer_kv_heads * config.indexer_head_dim if kind == "indexed_attention" else 0
+    return _keys_and_values(config, kind, layer) + indexed
 
 
 def _inkling_keys_and_values(config, kind: AttentionKind, layer: int) -> int:
@@ -454,6 +461,15 @@ def _block_picks_bytes(config, itemsize: int) -> int:
     product, the future masked, the copy padded to whole blocks)."""
     heads = config.num_attention_heads
     return itemsize * (1 + heads) + 2 * heads + 3 * 4 * config.index_n_heads
+
+
+def _scored_blocks_bytes(config, itemsize: int) -> int:
+    """Qwen4-Exp's indexed layers (`key_selection.BatchedQwen4ExpIndexer`), per (query, slot): the mask and its copy
+    with the unpicked keys masked, which keys the query sees, its tail, its picked blocks laid onto the slots and
+    their union (bool); per block of `indexer_compress_ratio` slots, each index head's fp32 score and its ReLU, their
+    sum and its masked copy, which blocks the query may pick and picked (bool)."""
+    per_block = 2 * 4 * config.indexer_n_heads + 2 * 4 + 2
+    return 2 * itemsize + 4 + -(-per_block // config.indexer_compress_ratio)
 
 
 def _compressed_entries_bytes(config, itemsize: int) -> int:
@@ -948,6 +964,12 @@ _POOL_GLM5_NEXT_INDEXERS = Adapter(lambda module: type(module).__name__ == "Glm5
                                    row_pooled_glm5_next_indexer,
                                    "GLM-5-Next's indexers read the cache's one length and keep only the pools some row "
                                    "completes (a shape that follows the data)")
+_BATCH_QWEN4_EXP_INDEXERS = Adapter(lambda module: type(module).__name__ == "Qwen4ExpTextQSAIndexer"
+                                    and "block_rotary" not in vars(module), batched_qwen4_exp_indexer,
+                                    "Qwen4-Exp's indexers loop over rows and queries by host lists of visible keys")
+_NO_QWEN4_EXP_POSITION_HISTORY = Adapter(lambda module: type(module).__name__ == "Qwen4ExpTextModel"
+                                         and not keeps_no_position_history(module), no_position_history,
+                                         "Qwen4-Exp's model keeps the positions of every cached token in the cache")
 _ROW_DEEPSEEK_V4_COMPRESSORS = Adapter(
     lambda module: type(module).__name__ in ("DeepseekV4HCACompressor", "DeepseekV4CSACompressor",
                                              "DeepseekV4Indexer"), row_compressor,
@@ -1072,6 +1094,14 @@ FAMILIES: dict[str, FamilySpec] = {
             _all_layers,
             _declared_layer_types,  # GatedDeltaNet "linear_attention" layers between "full_attention" ones
             _GATED_DELTA_NET,
+        ),
+        FamilySpec(  # Qwen4-Exp: Qwen3.5's GatedDeltaNet layers, router and gated shared expert; "indexed_attention"
+            # layers whose QSA indexer picks blocks of keys (`key_selection`), n-gram embeddings of earlier token ids
+            # and a dilated convolution beside its linear-attention layers (their states as conv windows: the last
+            # ids, the convolution's input), hyper-connection streams flattened into one vector a token
+            "qwen4_exp", ("qwen4_exp", "qwen4_exp_text"), "Qwen4ExpTextExperts", _SWIGLU, _SOFTMAX, _all_layers,
+            _declared_layer_types, _GATED_DELTA_NET, cached_per_token=_keys_values_and_indexer_key,
+            query_slot_bytes=_scored_blocks_bytes, adapt=(_BATCH_QWEN4_EXP_INDEXERS, _NO_QWEN4_EXP_POSITION_HISTORY),
         ),
         FamilySpec(  # Qwen3-VL-MoE's text decoder (image-text-to-text models): Qwen3-MoE's router and sparse-layer rule
             "qwen3_vl_moe", ("qwen3_vl_moe", "qwen3_vl_moe_text"), "Qwen3VLMoeTextExperts", _SWIGLU, _SOFTMAX,

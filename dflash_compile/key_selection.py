@@ -1,7 +1,7 @@
 """Indexers that pick the keys each query attends to, as the decoder's cache and masks need them: Kolibri 1.1's
 computed for every query at once (no host lists), so verify steps compile and replay from CUDA graphs; MiniMax-M3's
 with its key blocks counted from each row's first real key; GLM-5-Next's pools of keys formed per row, over every
-slot (`RowPooledGlm5NextIndexer`).
+slot (`RowPooledGlm5NextIndexer`), and Qwen4-Exp's blocks likewise for every query at once (`BatchedQwen4ExpIndexer`).
 
 transformers' `Kolibri1_1Indexer` scores keys with no weights of its own: the ReLU of the logits of the first
 `index_num_heads` query heads against key head 0, both rounded to NVFP4, summed over those heads. A pool-source layer
@@ -20,6 +20,7 @@ rule (ties to the lowest index) decide, so the same keys are picked."""
 
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
@@ -247,3 +248,105 @@ def row_pooled_glm5_next_indexer(model: torch.nn.Module, indexer: torch.nn.Modul
 
 def _row_pooled(own: type) -> type:
     return type(f"RowPooled{own.__name__}", (RowPooledGlm5NextIndexer, own), {})
+
+
+class BatchedQwen4ExpIndexer(torch.nn.Module):
+    """A Qwen4-Exp QSA indexer (`Qwen4ExpTextQSAIndexer`, whose attributes it uses) for every query at once over a
+    `TargetCache`; over any other cache, as transformers runs it.
+
+    transformers' indexer loops over rows and queries (`nonzero` of each query's mask): a query's visible keys, in
+    blocks of `compress_ratio` from its first, each complete block's key the mean of its keys, k-normed and rotated to
+    the block's first position; it attends over the `indexer_budget / compress_ratio` blocks whose keys score best
+    (ReLU of each index head's product, summed over heads) and its visible keys after the complete blocks (the tail).
+    Here every query of a row shares the row's first visible key (the decoder's masks: causal over each row's left
+    padding), so the blocks are the row's, scored once for all its queries, and a query picks among those complete
+    for it: the same keys. A block's first position is its row position (`block_rotary`: the model's rotary
+    embedding, handed over by `batched_qwen4_exp_indexer`)."""
+
+    rotate = None  # transformers' `apply_rotary_pos_emb`, set per modeling module (`batched_qwen4_exp_indexer`)
+
+    @torch.no_grad()
+    def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask: torch.Tensor, cache,
+                **kwargs) -> torch.Tensor:
+        """[b, 1, t, slots] bool: the keys each query attends to, as transformers' indexer returns them (`kwargs`:
+        transformers' own, which 5.25 passes it)."""
+        if not hasattr(cache, "pad"):
+            return super().forward(hidden_states, position_embeddings, attention_mask, cache, **kwargs)
+        batch, tokens = hidden_states.shape[:2]
+        queries, keys = self.index_qk_proj(hidden_states).split(
+            [self.index_n_heads * self.index_head_dim, self.index_kv_heads * self.index_head_dim], dim=-1)
+        cos, sin = (x[:, -tokens:] for x in position_embeddings)
+        queries = self.rotate(self.q_layernorm(queries.view(batch, tokens, -1, self.index_head_dim)), cos=cos, sin=sin,
+                              unsqueeze_dim=2)
+        keys = cache.update_indexer(keys.view(batch, tokens, self.index_head_dim), self.layer_idx)
+        visible = attention_mask[:, 0] if attention_mask.dtype == torch.bool else attention_mask[:, 0] == 0
+        start, seen = _row_starts(visible), visible.sum(-1)  # [b], [b, t]
+        block_keys = self._block_keys(keys, start)  # [b, blocks, d]
+        scores = (queries.float() @ block_keys.float().transpose(-1, -2).unsqueeze(1)).relu()  # [b, t, heads, blocks]
+        scores = scores.sum(dim=2) / math.sqrt(self.index_head_dim)
+        complete = seen // self.compress_ratio  # [b, t]: the blocks complete for each query
+        blocks = torch.arange(block_keys.shape[1], device=keys.device)
+        pickable = blocks < complete[..., None]
+        best = scores.masked_fill(~pickable, float("-inf")).topk(min(self.block_topk, blocks.numel()), dim=-1).indices
+        chosen = torch.zeros_like(pickable).scatter(-1, best, True) & pickable
+        relative = torch.arange(visible.shape[-1], device=keys.device) - start[:, None, None]  # [b, 1, slots]
+        tail = relative >= (complete * self.compress_ratio)[..., None]
+        return ((_blocks_onto_slots(chosen, start, self.compress_ratio, visible.shape[-1]) | tail) & visible)[:, None]
+
+    def _block_keys(self, keys: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """Every block of `compress_ratio` slots from each row's `start` [b]: the mean of its keys, k-normed, rotated
+        to its first row position [b, blocks, d] (blocks past the buffer's end never complete: any key)."""
+        ratio = self.compress_ratio
+        blocks = -(-keys.shape[1] // ratio)
+        slots = (start[:, None] + torch.arange(blocks * ratio, device=keys.device)).clamp(max=keys.shape[1] - 1)
+        grouped = keys.gather(1, slots[..., None].expand(-1, -1, keys.shape[-1])).view(keys.shape[0], blocks, ratio, -1)
+        pooled = self.k_layernorm(grouped.float().mean(dim=2).to(keys.dtype))
+        positions = (torch.arange(blocks, device=keys.device) * ratio).expand(3, keys.shape[0], -1)
+        cos, sin = self.block_rotary(pooled, positions)
+        return self.rotate(pooled.unsqueeze(1), cos=cos, sin=sin).squeeze(1)
+
+
+def batched_qwen4_exp_indexer(model: torch.nn.Module, indexer: torch.nn.Module) -> None:
+    """Give `indexer` (a `Qwen4ExpTextQSAIndexer`) `BatchedQwen4ExpIndexer`'s forward, and the model's rotary embedding
+    for its blocks (kept out of the module tree: the model holds it)."""
+    indexer.__class__ = subclass_once(_batched, type(indexer))
+    rotary = next(module for module in model.modules() if type(module).__name__ == "Qwen4ExpTextRotaryEmbedding")
+    indexer.__dict__["block_rotary"] = rotary
+
+
+def _batched(own: type) -> type:
+    rotate = staticmethod(sys.modules[own.__module__].apply_rotary_pos_emb)
+    return type(f"Batched{own.__name__}", (BatchedQwen4ExpIndexer, own), {"rotate": rotate})
+
+
+class _NoPositionHistory:
+    """A cache layer's `indexer_position_ids` that keeps nothing: Qwen4-Exp's model appends each forward's positions
+    to the first indexed layer's history, for transformers' indexers to rotate blocks by; `BatchedQwen4ExpIndexer`
+    rotates them by their row positions and needs none, and without the history the rotary embeddings the model hands
+    its layers are the forward's own tokens' (what its attention takes them as)."""
+
+    @property
+    def indexer_position_ids(self) -> None:
+        return None
+
+    @indexer_position_ids.setter
+    def indexer_position_ids(self, positions: torch.Tensor) -> None:
+        pass
+
+
+def _without_position_history(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """The forward pre-hook of a Qwen4-Exp text model: a `TargetCache` gets layers that keep no position history."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if hasattr(cache, "pad") and not cache.layers:
+        cache.layers = [_NoPositionHistory()] * len(model.config.layer_types)
+
+
+def keeps_no_position_history(text_model: torch.nn.Module) -> bool:
+    """Whether `no_position_history` hooked `text_model` already."""
+    return _without_position_history in text_model._forward_pre_hooks.values()
+
+
+def no_position_history(model: torch.nn.Module, text_model: torch.nn.Module) -> None:
+    """Hook `text_model` (a `Qwen4ExpTextModel`) so that a `TargetCache` keeps no position history
+    (`_NoPositionHistory`)."""
+    text_model.register_forward_pre_hook(_without_position_history, with_kwargs=True)

@@ -214,18 +214,20 @@ def _greedy_accept_fake(block, logits):
 
 @torch.library.custom_op("dflash::conv_window_commit", mutates_args=("state",))
 def conv_window_commit(state: torch.Tensor, full: torch.Tensor, end: torch.Tensor) -> None:
-    """Linear-attention conv state after each row's kept tokens: state[b] = full[b, :, end[b] - K : end[b]].
+    """Linear-attention conv state after each row's kept tokens: state[b] = full[b, ..., end[b] - K : end[b]].
 
-    `full` is the conv input the forward saw (the old K-column state, then the new tokens); `end[b]` is K plus the
-    row's kept tokens, so a row that keeps nothing gets its old state back."""
+    `full` is the conv input the forward saw (the old K-column state, then the new tokens; [b, channels, K + n], or
+    [b, K + n] for a state of token ids: Qwen4-Exp's n-gram context); `end[b]` is K plus the row's kept tokens, so a
+    row that keeps nothing gets its old state back."""
     width = state.shape[-1]
-    index = end[:, None] - width + torch.arange(width, device=end.device)
-    state.copy_(full.gather(2, index[:, None, :].expand(-1, full.shape[1], -1)))
+    index = end[:, None] - width + torch.arange(width, device=end.device)  # [b, K]
+    index = index.view(index.shape[0], *([1] * (full.dim() - 2)), width).expand(*full.shape[:-1], width)
+    state.copy_(full.gather(-1, index))
 
 
 @conv_window_commit.register_fake
 def _conv_window_commit_fake(state, full, end):
-    torch._check(full.shape[:2] == state.shape[:2], lambda: "conv state and conv input differ in batch/channels")
+    torch._check(full.shape[:-1] == state.shape[:-1], lambda: "conv state and conv input differ in batch/channels")
 
 
 @torch.library.custom_op("dflash::state_select", mutates_args=("state",))

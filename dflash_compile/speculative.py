@@ -232,6 +232,7 @@ class SpeculativeDecoder:
             offloaded = hasattr(model, "dflash_offload")
             self.chooser = WidthChooser(self.block_size, timing="mean" if offloaded else "median")
         config = model.config.get_text_config()
+        self.hidden_size = config.hidden_size  # a residual stream's width (`context_features`)
         spec = spec_for_model(model)
         kinds = spec.attention_kinds(config)
         self.attention_kinds = kinds
@@ -316,7 +317,7 @@ class SpeculativeDecoder:
             logits_to_keep=logits_to_keep,
             **{SEEN_SLOTS: cache.seen_slots(width)},
         )
-        features = context_features(out.hidden_states, self.layer_ids) if self.layer_ids else None
+        features = context_features(out.hidden_states, self.layer_ids, self.hidden_size) if self.layer_ids else None
         return out.logits, features
 
     def _ring(self, max_len: int) -> int:

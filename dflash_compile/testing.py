@@ -460,6 +460,15 @@ MULTIMODAL = {
         **{**_MLA, "num_hidden_layers": 4, "qk_rope_head_dim": 0, "qk_nope_head_dim": 16}, **{**_DSA, "index_topk": 8},
         **_DECLARED_DEEPSEEK_ROUTING, **_ROUTED),
         lambda hidden_size: _vision_tower(hidden_size, projection_intermediate_size=32)),
+    "qwen4_exp": (transformers.Qwen4ExpConfig, lambda: transformers.Qwen4ExpTextConfig(
+        num_hidden_layers=3, layer_types=["linear_attention", "indexed_attention", "linear_attention"],
+        head_dim=16, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=8,
+        indexer_budget=8, indexer_compress_ratio=4, indexer_n_heads=16, indexer_kv_heads=1, indexer_head_dim=16,
+        ngram_vocab_size_base=256, split_ngram_parts=4, hc_lowrank=8, ple_layer_ids=[1, 3], ple_embed_dim=32,
+        heads_per_ngram=2, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.1,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3], mrope_interleaved=True),
+        **_ROUTED, **_COMMON), lambda hidden_size: _vision_tower(hidden_size)),
     # Kimi K2.5: DeepSeek-V3's tiny decoder beside a one-block vision tower
     "kimi_k25": (transformers.Kimi_K25Config, lambda: tiny_config("deepseek_v3"),
                  lambda hidden_size: dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1,

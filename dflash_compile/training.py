@@ -97,7 +97,7 @@ def _features(target, tokens: torch.Tensor, layer_ids: tuple[int, ...]) -> torch
     """The target's hidden states at the drafter's layers, concatenated: what inference feeds the drafter."""
     with torch.no_grad():
         hidden = target(input_ids=tokens, output_hidden_states=True, use_cache=False).hidden_states
-    return context_features(hidden, layer_ids)
+    return context_features(hidden, layer_ids, target.config.get_text_config().hidden_size)
 
 
 def block_loss(logits: torch.Tensor, labels: torch.Tensor, gamma: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -215,7 +215,7 @@ def test_hyper_connection_streams_and_an_fp32_head_reach_the_drafter(tiny, rando
     with torch.no_grad():
         states = model(ids, output_hidden_states=True).hidden_states
     assert states[1].shape == (2, 9, model.config.hc_mult, hidden) and model.lm_head.weight.dtype == torch.float32
-    features = context_features(states, (0, 2))
+    features = context_features(states, (0, 2), hidden)
     assert states[3].shape == (2, 9, hidden)
     assert torch.equal(features, torch.cat([states[1].mean(dim=2), states[3]], dim=-1))
     fast = dflash_compile.optimize(model, random_drafter(model), adaptive=False, compile=False)

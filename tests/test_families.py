@@ -18,7 +18,7 @@ from dflash_compile.testing import OracleDrafter, in_installed_transformers, tin
 from tests.conftest import token_ids
 
 
-def test_registry_covers_the_seventy_two_families():
+def test_registry_covers_the_seventy_three_families():
     assert dflash_compile.supported_families() == sorted(
         ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "glm4_moe", "glm4_moe_lite",
          "deepseek_v2", "deepseek_v3", "olmoe", "ernie4_5_moe", "phimoe", "dots1", "flex_olmo", "solar_open",
@@ -29,7 +29,7 @@ def test_registry_covers_the_seventy_two_families():
          "nemotron_h", "jamba", "dbrx", "longcat_flash", "deepseek_v32", "glm_moe_dsa", "axk2",
          "mistral_large4", "dots3_note", "deepseek_ocr2", "jetmoe", "qwen3_omni_moe", "ergo", "hy_v4",
          "hy_v4_vl", "minimax", "muse_spark", "zaya", "kolibri1_1", "minimax_m3_vl", "inkling",
-         "unlimited_ocr", "inkling2", "deepseek_v4", "inkling2_loop", "glm5_next"]
+         "unlimited_ocr", "inkling2", "deepseek_v4", "inkling2_loop", "glm5_next", "qwen4_exp"]
     )
 
 
@@ -129,24 +129,21 @@ def test_qwen3_sparse_step_glm_declared_layers_and_mixtral_window():
     assert FAMILIES["mixtral"].attention_kinds(mixtral) == ["sliding_attention"] * 2
 
 
-def _tiny_qwen4_exp():
-    """Qwen4-Exp (qwen4_exp_text): not in the registry (its layers read per-layer embeddings of the n-grams of earlier
-    token ids); its routed experts are of transformers' kind."""
-    config = transformers.Qwen4ExpTextConfig(
-        vocab_size=128, hidden_size=32, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, moe_intermediate_size=32,
-        shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2, indexer_budget=8,
-        indexer_compress_ratio=4, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16,
-        ngram_vocab_size_base=256, split_ngram_parts=4, hc_lowrank=8, linear_key_head_dim=16,
-        linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2)
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
+def _tiny_privacy_filter():
+    """OpenAI's privacy filter (openai_privacy_filter): a token classifier, not causal generation, so not in the
+    registry; its routed experts are of transformers' kind."""
+    config = transformers.OpenAIPrivacyFilterConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+        pad_token_id=0, eos_token_id=2)
+    return transformers.AutoModelForTokenClassification.from_config(config).eval()
 
 
 def test_unsupported_moe_family_is_a_clear_error_before_any_state():
-    model = _tiny_qwen4_exp()
+    model = _tiny_privacy_filter()
     # Dynamo wraps whatever a backend raises in BackendCompilerFailed; ours is the inner exception.
-    message = (r"Qwen4ExpTextExperts \(from transformers.models.qwen4_exp.modeling_qwen4_exp\) is a Mixture-of-Experts "
-               "model")
+    message = ("model_type 'openai_privacy_filter' is a Mixture-of-Experts model that dflash-compile does not "
+               "support yet")
     with pytest.raises(BackendCompilerFailed, match=message) as err:
         with torch.no_grad():
             torch.compile(model, backend="dflash", options={"lowering": "eager"})(token_ids(1, 4))
@@ -183,8 +180,8 @@ def test_a_family_on_too_old_a_transformers_is_refused_before_any_state(monkeypa
 
 
 def test_unsupported_experts_class_is_recognised_without_a_config():
-    experts = _tiny_qwen4_exp().model.layers[0].mlp.experts
-    with pytest.raises(UnsupportedFamilyError, match=r"Qwen4ExpTextExperts .* does not support yet"):
+    experts = _tiny_privacy_filter().model.layers[0].mlp.experts
+    with pytest.raises(UnsupportedFamilyError, match=r"OpenAIPrivacyFilterExperts .* does not support yet"):
         spec_for_experts_class(type(experts))
 
 

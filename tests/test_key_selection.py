@@ -1,6 +1,6 @@
 """Indexers' picks of keys (`key_selection`): Kolibri 1.1's for a whole batch at once, the keys transformers' indexer
 picks query group by query group; MiniMax-M3's blocks counted from each row's first key; GLM-5-Next's pools formed
-per row over the target cache."""
+per row over the target cache; Qwen4-Exp's blocks for every query at once."""
 
 import copy
 
@@ -9,7 +9,8 @@ import torch
 
 import dflash_compile
 from dflash_compile.cache import TargetCache
-from dflash_compile.key_selection import captured_kolibri_indexer, picked_blocks_only, row_pooled_glm5_next_indexer
+from dflash_compile.key_selection import (batched_qwen4_exp_indexer, captured_kolibri_indexer, picked_blocks_only,
+                                          row_pooled_glm5_next_indexer)
 from dflash_compile.testing import in_installed_transformers, tiny_multimodal_config
 
 kolibri = pytest.mark.skipif(not in_installed_transformers("kolibri1_1"), reason="Kolibri 1.1: transformers 5.25")
@@ -137,4 +138,50 @@ def test_glm5_next_pools_pick_each_rows_keys_as_transformers_picks_the_row_alone
         assert _picked_sets(picked[row, pad:], pad) == _picked_sets(alone)
         assert (picked[row, :pad] == -1).all()
         dropped += sum(len(keys) < query + 1 for query, keys in enumerate(_picked_sets(alone)))
+    assert dropped > 20
+
+
+@pytest.mark.skipif(not in_installed_transformers("qwen4_exp"), reason="transformers lacks Qwen4-Exp")
+def test_qwen4_exp_blocks_pick_each_rows_keys_as_transformers_picks_the_row_alone():
+    """A left-padded batch over a `TargetCache` (a prefill, then a verify block on the cached keys, dead slots past
+    them), each row's queries at their row positions: each query attends over the keys transformers' indexer picks
+    for its row alone (blocks from the row's first key, rotated to their first positions, and the tail), shifted by
+    the row's padding; fewer keys than it sees once it sees more than its budget."""
+    from transformers.models.qwen4_exp import modeling_qwen4_exp as modeling
+
+    config = tiny_multimodal_config("qwen4_exp").text_config
+    generator = torch.Generator().manual_seed(0)
+    indexer = modeling.Qwen4ExpTextQSAIndexer(config, layer_idx=1).eval()
+    for parameter in indexer.parameters():
+        parameter.data = torch.randn(parameter.shape, generator=generator) * 0.5
+    rotary = modeling.Qwen4ExpTextRotaryEmbedding(config)
+    holder = torch.nn.ModuleDict({"rotary": rotary, "indexer": copy.deepcopy(indexer)})
+    batched_qwen4_exp_indexer(holder, holder["indexer"])
+    pads, length, block = torch.tensor([0, 3, 6]), 30, 5
+    hidden = torch.randn(3, length, config.hidden_size, generator=generator)
+    positions = (torch.arange(length) - pads[:, None]).clamp(min=0)
+    cache = TargetCache(3, length + 7, torch.float32, "cpu")
+    cache.reset(pads)
+    prompt = length - block
+
+    def batched(tokens: slice, mask: torch.Tensor) -> torch.Tensor:
+        embeddings = rotary(hidden, positions[None, :, tokens].expand(3, -1, -1))
+        return holder["indexer"](hidden[:, tokens], embeddings, mask, cache)[:, 0]
+
+    cache.visible = prompt
+    first = batched(slice(0, prompt), causal_over_padding(pads, torch.zeros(3, dtype=torch.long), prompt, prompt))
+    cache.visible = None
+    cache.rows.commit(torch.full((3,), prompt))
+    verified = batched(slice(prompt, length), causal_over_padding(pads, torch.full((3,), prompt), block, length + 7))
+    dropped = 0
+    for row, pad in enumerate(pads.tolist()):
+        alone = length - pad
+        embeddings = rotary(hidden, torch.arange(alone).expand(3, 1, -1))
+        causal = torch.ones(alone, alone, dtype=torch.bool).tril()[None, None]
+        expected = indexer(hidden[row:row + 1, pad:], embeddings, causal, None)[0, 0]
+        prefilled = torch.nn.functional.pad(first[row, pad:, pad:], (0, block))  # the prompt's slots, then the block's
+        picked = torch.cat([prefilled, verified[row, :, pad:length]])
+        assert torch.equal(picked, expected)
+        assert not first[row, :pad].any() and not verified[row, :, length:].any()
+        dropped += int((expected.sum(-1) < torch.arange(1, alone + 1)).sum())
     assert dropped > 20

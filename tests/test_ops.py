@@ -206,6 +206,10 @@ def test_linear_state_commit_ops():
     torch.library.opcheck(torch.ops.dflash.conv_window_commit.default, (state.clone(), full, torch.tensor([7, 4])))
     torch.ops.dflash.conv_window_commit(state, full, torch.tensor([7, 4]))  # row 0 keeps 3 tokens, row 1 none
     assert torch.equal(state[0], full[0, :, 3:7]) and torch.equal(state[1], full[1, :, 0:4])
+    ids, history = torch.zeros(2, 2, dtype=torch.long), torch.arange(2 * 5).view(2, 5)  # a state of token ids
+    torch.library.opcheck(torch.ops.dflash.conv_window_commit.default, (ids.clone(), history, torch.tensor([5, 2])))
+    torch.ops.dflash.conv_window_commit(ids, history, torch.tensor([5, 2]))
+    assert ids.tolist() == [[3, 4], [5, 6]]
     recurrent, candidate = torch.zeros(2, 2, 2), torch.ones(2, 2, 2)
     torch.library.opcheck(torch.ops.dflash.state_select.default, (recurrent.clone(), candidate, torch.tensor([1, 0])))
     torch.ops.dflash.state_select(recurrent, candidate, torch.tensor([True, False]))

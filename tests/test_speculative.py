@@ -442,7 +442,8 @@ def test_a_release_on_another_familys_model_classes_generates_like_generate(tmp_
 @pytest.mark.parametrize("family", ["qwen3_vl_moe", "glm4v_moe", "gemma4", "mistral3", "aria", "ernie4_5_vl_moe",
                                     "step3p7", LLAMA4_RELEASE, "mistral_large4", "deepseek_ocr2",
                                     "qwen3_omni_moe", "hy_v4_vl", "muse_spark", "minimax_m3_vl", "inkling",
-                                    "unlimited_ocr", "inkling2", "kimi_k25", "nemotron_h_omni", "glm5_next"])
+                                    "unlimited_ocr", "inkling2", "kimi_k25", "nemotron_h_omni", "glm5_next",
+                                    "qwen4_exp"])
 def test_an_image_text_to_text_release_generates_like_generate(tmp_path, family):
     """Qwen3-VL-MoE and GLM-4.5V, which transformers builds only as image-text-to-text models (the decoder under
     `model.language_model`, its rotary positions in three sections, a vision tower beside it), and Gemma 4 as
@@ -456,8 +457,9 @@ def test_an_image_text_to_text_release_generates_like_generate(tmp_path, family)
     (image and audio towers; positions per row), Unlimited OCR (DeepSeek-OCR 2's kind of model whose layers see
     the prompt whole and a window of the generated tokens), Inkling 2 (distances per row), Kimi K2.5 (a vision
     tower beside DeepSeek-V3's decoder), Nemotron-H Omni (a whole Nemotron-H causal LM beside its towers,
-    `optimize` taking that one) and GLM-5-Next (KDA and DSA layers whose indexers pick pools of keys per row,
-    hyper-connections): text prompts keep
+    `optimize` taking that one), GLM-5-Next (KDA and DSA layers whose indexers pick pools of keys per row,
+    hyper-connections) and Qwen4-Exp (n-gram embeddings of earlier ids as conv windows, its indexer's blocks batched,
+    flattened hyper-connection streams): text prompts keep
     `generate`'s tokens through partly accepted blocks, eager and compiled (on a CPU lowered by AOT eager: Inductor
     compiles each decoder's kind of attention and router in the text families' tests), with their experts offloaded, and
     loaded by `dflash_compile.from_pretrained`."""
