@@ -543,6 +543,26 @@ def test_gemma4_as_released_loads_its_fp8_checkpoint_by_the_stored_names(tmp_pat
         torch.testing.assert_close(packed(ids).logits, reference(ids).logits, atol=1e-4, rtol=1e-4)
 
 
+def test_qwen4_exp_causal_lm_loads_its_fp8_checkpoint_packed(tmp_path):
+    """Qwen4-Exp's causal LM (its release's decoder; whole 128-wide FP8 blocks) quantized to FP8 loads packed at 8 bits
+    an expert weight, its logits those of the model with every packed tensor dequantized (its n-gram embeddings,
+    hyper-connections and indexers kept as they are)."""
+    from dflash_compile.testing import tiny_multimodal_config
+
+    torch.manual_seed(0)
+    config = tiny_multimodal_config("qwen4_exp", hidden_size=128, moe_intermediate_size=128,
+                                    shared_expert_intermediate_size=128, ple_embed_dim=128).text_config
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "bf16")
+    original = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32).eval()
+    packed = load_packed(quantize(original, tmp_path / "fp8", "fp8_block"), dtype=torch.float32)
+    weight_bytes, weights = expert_bytes(packed)
+    assert 8.0 <= weight_bytes * 8 / weights <= 8.01
+    reference = _dequantized_reference(original, packed)
+    ids = token_ids()
+    with torch.no_grad():
+        torch.testing.assert_close(packed(ids).logits, reference(ids).logits, atol=1e-4, rtol=1e-4)
+
+
 def test_a_model_type_without_a_causal_lm_is_refused_before_anything_is_written(tmp_path):
     """Quantized checkpoints load as transformers' causal LM of their config; Qwen3-VL-MoE has none (an
     image-text-to-text model only), so quantize refuses it before writing, and load_packed a checkpoint of it."""
