@@ -36,9 +36,10 @@ def _kv_write_kernel(key_cache, value_cache, key, value, lengths, heads, S, DK, 
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor | None, key: torch.Tensor, value: torch.Tensor | None,
              lengths: torch.Tensor) -> None:
     """key_cache[b, :, (lengths[b] + i) % S] = key[b, :, i], value_cache likewise where given, for i < key.shape[2]
-    (caches [B, H, S, D], any strides; cast to the caches' dtype)."""
+    (caches [B, H, S, D], any strides; cast to the caches' dtype). Values of no width (GLM-5-Next's rotary keys,
+    which its latent attention caches as values, have none) write nothing."""
     batch, heads, tokens, _ = key.shape
-    has_value = value_cache is not None
+    has_value = value_cache is not None and value.shape[3] > 0
     value_cache, value = (value_cache, value) if has_value else (key_cache, key)  # unread pointers
     _kv_write_kernel[(batch * heads, tokens)](
         key_cache, value_cache, key, value, lengths, heads, key_cache.shape[2], key.shape[3], value.shape[3],

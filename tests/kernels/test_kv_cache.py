@@ -30,3 +30,13 @@ def test_kernel_writes_what_the_tensor_form_writes(cache_dtype):
     keys_alone = caches[0].clone().to(DEVICE)  # a DSA indexer's keys: no value cache
     write_kv(keys_alone, None, key.to(DEVICE), None, lengths.to(DEVICE))
     assert torch.equal(keys_alone.cpu(), expected[0])
+
+
+def test_values_of_no_width_write_only_the_keys():
+    """GLM-5-Next's latent attention caches its rotary keys, of no width without rotary positions, as values: the
+    kernel writes the keys and nothing else (an empty block would not compile)."""
+    generator = torch.Generator().manual_seed(0)
+    key_cache, value_cache = torch.zeros(2, 1, 8, 16, device=DEVICE), torch.zeros(2, 1, 8, 0, device=DEVICE)
+    key = torch.randn(2, 1, 3, 16, generator=generator).to(DEVICE)
+    write_kv(key_cache, value_cache, key, torch.zeros(2, 1, 3, 0, device=DEVICE), torch.tensor([0, 4], device=DEVICE))
+    assert torch.equal(key_cache[0, :, :3], key[0]) and torch.equal(key_cache[1, :, 4:7], key[1])
