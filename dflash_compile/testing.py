@@ -307,9 +307,10 @@ TINY_CONFIGS = {
 
 def in_installed_transformers(family: str) -> bool:
     """Whether the installed transformers has the family's model (MiniCPM5-MoE came in 5.25; 5.24 is supported) in
-    a version dflash-compile supports (Jamba's from 5.25)."""
+    a version dflash-compile supports (Jamba's from 5.25). Its own model type decides, not the releases on its classes
+    the registry also names (Param-2's `param2moe`, on GLM-4.5's, came in 5.25)."""
     spec = FAMILIES[family]
-    return spec.installed() and all(model_type in transformers.CONFIG_MAPPING for model_type in spec.model_types)
+    return spec.installed() and spec.model_types[0] in transformers.CONFIG_MAPPING
 
 
 def settings_of(family: str) -> dict:
