@@ -124,6 +124,8 @@ def context_features(hidden_states, layer_ids: tuple[int, ...], hidden_size: int
 
 
 def _one_stream(hidden: torch.Tensor, hidden_size: int) -> torch.Tensor:
+    if hidden.dim() == 3 and hidden.shape[-1] == hidden_size:  # one stream
+        return hidden
     streams = hidden if hidden.dim() == 4 else hidden.unflatten(-1, (-1, hidden_size))
     return streams.mean(dim=2)
 

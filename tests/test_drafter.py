@@ -202,6 +202,16 @@ def test_yarn_rope_and_output_options_are_applied(tiny, tmp_path):
     assert torch.equal(drafts, expected.argmax(-1)) and q is None
 
 
+def test_flattened_hyper_connection_streams_reach_the_drafter_as_their_mean():
+    """Qwen4-Exp's decoder layers output their streams as one vector a token ([batch, tokens, streams x hidden]): a
+    drafter is conditioned on their mean, as on HY V4's [batch, tokens, streams, hidden]; one stream as it is."""
+    from dflash_compile.drafter import context_features
+
+    streams, last = torch.randn(2, 5, 4, 8), torch.randn(2, 5, 8)
+    features = context_features((None, streams.flatten(-2), last), (0, 1), hidden_size=8)
+    assert torch.equal(features, torch.cat([streams.mean(dim=2), last], dim=-1))
+
+
 def test_hyper_connection_streams_and_an_fp32_head_reach_the_drafter(tiny, random_drafter):
     """HY V4's decoder layers output hyper-connection streams ([batch, tokens, streams, hidden]) and its bf16 model
     keeps an fp32 lm_head: a drafter is conditioned on each captured layer's mean stream (the last layer's is one,
