@@ -533,14 +533,20 @@ def test_gemma4_as_released_loads_its_fp8_checkpoint_by_the_stored_names(tmp_pat
     config = tiny_multimodal_config("gemma4", moe_intermediate_size=128)
     transformers.AutoModelForImageTextToText.from_config(config).save_pretrained(tmp_path / "bf16")
     original = load_tiny_model("gemma4", directory=tmp_path / "bf16")
-    packed = load_packed(quantize(original, tmp_path / "fp8", "fp8_block"), dtype=torch.float32)
-    assert type(packed) is transformers.Gemma4ForConditionalGeneration
+    assert type(_fp8_packed_as_dequantized(original, tmp_path / "fp8")) is transformers.Gemma4ForConditionalGeneration
+
+
+def _fp8_packed_as_dequantized(original, directory):
+    """`original` quantized to FP8 in `directory` and loaded packed, checked to hold 8 bits an expert weight and to
+    give the logits of the model with every packed tensor dequantized."""
+    packed = load_packed(quantize(original, directory, "fp8_block"), dtype=torch.float32)
     weight_bytes, weights = expert_bytes(packed)
     assert 8.0 <= weight_bytes * 8 / weights <= 8.01
     reference = _dequantized_reference(original, packed)
     ids = token_ids()
     with torch.no_grad():
         torch.testing.assert_close(packed(ids).logits, reference(ids).logits, atol=1e-4, rtol=1e-4)
+    return packed
 
 
 def test_qwen4_exp_causal_lm_loads_its_fp8_checkpoint_packed(tmp_path):
@@ -554,13 +560,7 @@ def test_qwen4_exp_causal_lm_loads_its_fp8_checkpoint_packed(tmp_path):
                                     shared_expert_intermediate_size=128, ple_embed_dim=128).text_config
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "bf16")
     original = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32).eval()
-    packed = load_packed(quantize(original, tmp_path / "fp8", "fp8_block"), dtype=torch.float32)
-    weight_bytes, weights = expert_bytes(packed)
-    assert 8.0 <= weight_bytes * 8 / weights <= 8.01
-    reference = _dequantized_reference(original, packed)
-    ids = token_ids()
-    with torch.no_grad():
-        torch.testing.assert_close(packed(ids).logits, reference(ids).logits, atol=1e-4, rtol=1e-4)
+    assert type(_fp8_packed_as_dequantized(original, tmp_path / "fp8")) is transformers.Qwen4ExpForCausalLM
 
 
 def test_a_model_type_without_a_causal_lm_is_refused_before_anything_is_written(tmp_path):
