@@ -964,8 +964,8 @@ _POOL_GLM5_NEXT_INDEXERS = Adapter(lambda module: type(module).__name__ == "Glm5
                                    row_pooled_glm5_next_indexer,
                                    "GLM-5-Next's indexers read the cache's one length and keep only the pools some row "
                                    "completes (a shape that follows the data)")
-_BATCH_QWEN4_EXP_INDEXERS = Adapter(lambda module: type(module).__name__ == "Qwen4ExpTextQSAIndexer"
-                                    and "block_rotary" not in vars(module), batched_qwen4_exp_indexer,
+_BATCH_QWEN4_EXP_INDEXERS = Adapter(lambda module: type(module).__name__ == "Qwen4ExpTextQSAIndexer",
+                                    batched_qwen4_exp_indexer,
                                     "Qwen4-Exp's indexers loop over rows and queries by host lists of visible keys")
 _NO_QWEN4_EXP_POSITION_HISTORY = Adapter(lambda module: type(module).__name__ == "Qwen4ExpTextModel"
                                          and not keeps_no_position_history(module), no_position_history,

@@ -40,7 +40,7 @@ class CapturedKolibriIndexer(torch.nn.Module):
                 index_pool: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """[b, 1, q, k] mask of the keys each query attends to, and the [b, q, k] pool it picked them from (a new one
         on a pool-source layer, else `index_pool`), as transformers' indexer returns."""
-        visible = attention_mask[:, 0] if attention_mask.dtype == torch.bool else attention_mask[:, 0] == 0
+        visible = _visible(attention_mask)
         start, lengths = _row_starts_and_lengths(visible)
         queries = self.quantize(query_states[:, : self.num_heads]).float()
         keys = key_states[:, 0]
@@ -98,6 +98,11 @@ def _blocks_onto_slots(chosen: torch.Tensor, start: torch.Tensor, block_size: in
     shape = (relative.shape[0],) + (1,) * (chosen.dim() - 2) + (slots,)
     block = (relative.clamp(min=0) // block_size).view(shape).expand(*chosen.shape[:-1], slots)
     return chosen.gather(-1, block) & (relative >= 0).view(shape)
+
+
+def _visible(mask: torch.Tensor) -> torch.Tensor:
+    """A layer's [b, 1, q, k] mask (bool, or additive: 0 where seen) -> [b, q, k]: which keys each query sees."""
+    return mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0
 
 
 def _row_starts_and_lengths(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,7 +201,7 @@ class RowPooledGlm5NextIndexer(torch.nn.Module):
         """The [b, t, width] int32 slots each query attends to (-1: none), as transformers' indexer returns them."""
         if not hasattr(cache, "pad"):  # transformers' own caches (their 2-D mask)
             return super().forward(hidden_states, q_resid, attention_mask, cache)
-        visible = attention_mask[:, 0] == 0  # [b, t, slots], from the additive mask `TargetCache.masks` gives
+        visible = _visible(attention_mask)
         batch, tokens = hidden_states.shape[:2]
         queries = self.wq_b(q_resid).view(batch, tokens, -1, self.head_dim)
         keys = self.k_norm(self.wk(hidden_states))
@@ -279,7 +284,7 @@ class BatchedQwen4ExpIndexer(torch.nn.Module):
         queries = self.rotate(self.q_layernorm(queries.view(batch, tokens, -1, self.index_head_dim)), cos=cos, sin=sin,
                               unsqueeze_dim=2)
         keys = cache.update_indexer(keys.view(batch, tokens, self.index_head_dim), self.layer_idx)
-        visible = attention_mask[:, 0] if attention_mask.dtype == torch.bool else attention_mask[:, 0] == 0
+        visible = _visible(attention_mask)
         start, seen = _row_starts(visible), visible.sum(-1)  # [b], [b, t]
         block_keys = self._block_keys(keys, start)  # [b, blocks, d]
         scores = (queries.float() @ block_keys.float().transpose(-1, -2).unsqueeze(1)).relu()  # [b, t, heads, blocks]

@@ -461,6 +461,9 @@ MULTIMODAL = {
         **{**_MLA, "num_hidden_layers": 4, "qk_rope_head_dim": 0, "qk_nope_head_dim": 16}, **{**_DSA, "index_topk": 8},
         **_DECLARED_DEEPSEEK_ROUTING, **_ROUTED),
         lambda hidden_size: _vision_tower(hidden_size, projection_intermediate_size=32)),
+    # Qwen4-Exp: GatedDeltaNet layers with n-gram embeddings and a dilated convolution beside them, an indexed layer
+    # between them whose indexer picks 2 blocks of 4 keys a query and the tail (16 index heads: 2 tie at 0 too often),
+    # 4 hyper-connection streams flattened into one vector a token; rotary positions in three sections
     "qwen4_exp": (transformers.Qwen4ExpConfig, lambda: transformers.Qwen4ExpTextConfig(
         num_hidden_layers=3, layer_types=["linear_attention", "indexed_attention", "linear_attention"],
         head_dim=16, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=8,
