@@ -66,7 +66,7 @@ def _runs(linears: dict[Node, Parts], values: dict[Node, object]) -> list[list[N
     return [run for run in runs if len(run) > 1]
 
 
-def _buffer(graph: torch.fx.Graph, parts: list[Node], values: dict[Node, object]) -> Node:
+def _rows_view(graph: torch.fx.Graph, parts: list[Node], values: dict[Node, object]) -> Node:
     """A view of the parts' storage as their concatenation: the first part's placeholder viewed over all their rows.
     A view of the call's own parameter, not a tensor taken now: Dynamo may run one graph of a module's frame (a graph
     break inside a model) for every module of its class, each with its own parameters (laid out alike by
@@ -86,8 +86,8 @@ def _fuse(graph: torch.fx.Graph, run: list[Node], linears: dict[Node, Parts], va
     x, _, bias = linears[first]
     weights = [linears[node][1] for node in run]
     with graph.inserting_before(first):
-        weight = _buffer(graph, weights, values)
-        bias = _buffer(graph, [linears[node][2] for node in run], values) if bias else None
+        weight = _rows_view(graph, weights, values)
+        bias = _rows_view(graph, [linears[node][2] for node in run], values) if bias else None
         fused = graph.call_function(torch._C._nn.linear, (x, weight, bias))
         split = graph.call_function(torch.split, (fused, [values[w].shape[0] for w in weights]), {"dim": -1})
         examples = [node.meta.get("example_value") for node in run]  # Dynamo's fake tensors
