@@ -9,6 +9,7 @@
 #     bash bench/cuda_rows_checks.sh fp8 silu library
 #     bash bench/cuda_rows_checks.sh steps              # a decode step with and without them (gpt-oss-20b, 4 layers)
 #     bash bench/cuda_rows_checks.sh verify             # the M = 1 and 16 table (MXFP4 and FP8 shapes)
+#     bash bench/cuda_rows_checks.sh staged             # gpt-oss-20b's weights through shared-memory rings (cp.async)
 set -u
 quiet() { grep -v "^ptxas\|^    [0-9]* bytes\|^\[\|Compiling\|registers\|^SKIPPED\|^PASSED"; }
 nvidia-smi --query-gpu=name --format=csv,noheader
@@ -32,6 +33,11 @@ for part in "${parts[@]}"; do
       echo "## probe, qwen3-30b-a3b-mxfp4 (SiLU MXFP4; DEPTH1 is 1)"
       DFLASH_CUDA_ROWS=0 timeout 200 python3 bench/probe_cuda_rows.py --shape qwen3-30b-a3b-mxfp4 \
           --configs 1,1,2,3,4 1,1,2,1,4 1,2,2,1,2 1,1,3,2,4 1,1,2,2,4 2>&1 | quiet | tail -12 ;;
+    staged)
+      echo "## probe, gpt-oss-20b: the register rings against shared-memory rings (STAGES1 gate/up, STAGES2 down)"
+      DFLASH_CUDA_ROWS=0 timeout 400 python3 bench/probe_cuda_rows.py --layers 4 \
+          --configs 1,1,2,3,4 1,1,2,3,4,1,2 1,1,2,3,4,1,3 1,1,2,3,4,1,4 1,1,3,3,4,1,2 1,1,2,3,2,1,3,3 \
+          1,1,2,2,4,1,3,2 1,1,2,3,2,1,0,3 2>&1 | quiet | tail -18 ;;
     library)
       echo "## library, one token: CUDA row kernels (fused) vs Triton (baseline)"
       DFLASH_CUDA_ROWS=1 timeout 300 python3 bench/moe_kernels.py --no-tune --tokens 1 --against-triton \
@@ -46,6 +52,6 @@ for part in "${parts[@]}"; do
       echo "## verify-block sizes (M = 16) next to one token: the issue's table"
       timeout 200 python3 bench/moe_kernels.py --no-tune --tokens 1 16 --shapes gpt-oss-20b gpt-oss-120b \
           qwen3-30b-a3b-fp8 2>&1 | quiet | tail -10 ;;
-    *) echo "unknown part $part (tests, probe, fp8, silu, library, steps, verify)"; exit 2 ;;
+    *) echo "unknown part $part (tests, probe, fp8, silu, library, steps, verify, staged)"; exit 2 ;;
   esac
 done

@@ -22,10 +22,15 @@ per SM) and keep DEPTH units' loads in flight.
 - SiLU MXFP4 (`--shape qwen3-30b-a3b-mxfp4`, `moe_silu`): the library's `mxfp4_layer<8, false>` launches (gate
   rows then up rows, no biases, fp32 activations; 2 groups a lane in gate/up, 1 in down) with the config's
   DEPTH2, CTAS1, CTAS2 and ROWS (DEPTH1 is 1).
-- `--configs` DEPTH1,DEPTH2,CTAS1,CTAS2[,ROWS[,COLS]] (gate/up, down; ROWS 2 or 4, default 2; COLS 1 or 2, default
-  1; gate/up's registers capped for CTAS1 CTAs per SM, up to 3); each also timed with gate/up's
-  loads alone (no decode) and its decode alone (words made up, no loads). `--ncu`: a few plain calls for a
-  profiler.
+- weights through shared memory (a config's STAGES1 for gate/up, 2-4, STAGES2 for down, 2-3): each thread copies
+  its own words of a unit's rows into its own slots of a STAGES-deep ring by cp.async and reads back only those (no
+  barrier), so STAGES - 1 units stay in flight while a warp decodes one, where the register ring (DEPTH 1) has none
+  in flight while it decodes.
+- `--configs` DEPTH1,DEPTH2,CTAS1,CTAS2[,ROWS[,COLS[,STAGES1[,STAGES2]]]] (gate/up, down; ROWS 2 or 4, default 2;
+  COLS 1 or 2, default 1; STAGES 0 or as above, default 0; gate/up's registers capped for CTAS1 CTAs per SM, up to
+  3); each also
+  timed with gate/up's loads alone (no decode) and its decode alone (words made up, no loads). `--ncu`: a few plain
+  calls for a profiler.
 
 Built with torch's load_inline (needs nvcc; sm_90a). Session 58 (docs/benchmarks.md): 1.24x the library on the H100
 (69% of copy) with `--configs 1,2,2,3,2`; session 60 on the H100: 66% with `1,1,2,3,4` (the library's since).
@@ -55,6 +60,217 @@ HEADER = Path(__file__).resolve().parents[1] / "csrc" / "moe_rows_cuda.cuh"  # t
 CUDA = HEADER.read_text().replace("#pragma once\n", "") + r"""
 constexpr int WARPS = 8;
 
+// ---- gate/up with its weights in flight through shared memory (cp.async), not registers (config's STAGES > 0) ----
+// Each lane copies its own 16-byte words of a unit's two rows into its own slots of a STAGES-deep ring (cp.async.cg,
+// evict-first) and reads back only those, so no barrier or mbarrier orders them: STAGES - 1 units stay in flight
+// while the warp decodes one, at no register cost (the register ring holds none while it decodes). Units past the
+// warp's last are not loaded. gpt-oss's layout (interleaved rows, biases, clamped SwiGLU, fp16 out), COLS 1.
+__device__ __forceinline__ void copy_async16(uint4* to, const uint4* from, uint64_t policy) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(to));
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(address), "l"(from), "l"(policy)
+               : "memory");
+}
+__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int PENDING>
+__device__ __forceinline__ void wait_copies() { asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory"); }
+
+template <int ROWS, int GPL>
+struct RowMeta {  // what a unit's loads leave in registers: its groups' exponents, lane j's row-j bias
+  uint8_t e[ROWS][GPL];
+  float bias;
+};
+
+// bytes of a kernel's shared memory: `activations` bytes, then a ring of `stages` x `words` 16-byte words a thread
+inline int ring_bytes(int activations, int stages, int words, int threads) {
+  return activations + stages * words * threads * 16;
+}
+
+// Rows first, first + 1, ... (clamped to last) of the [rows, G] views of blocks and scales into this thread's slots
+// of `stage` (a ring of THREADS-wide words after the activations) and `m`; one commit group
+template <int ROWS, int GPL, int THREADS>
+__device__ __forceinline__ void copy_rows(uint4* stage, RowMeta<ROWS, GPL>& m, const uint4* blocks,
+                                          const uint8_t* scales, const __nv_bfloat16* bias, int first, int last,
+                                          int lane, int G, uint64_t policy) {
+  m.bias = bias && lane < ROWS ? __bfloat162float(bias[min(first + lane, last)]) : 0.f;
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+    for (int i = 0; i < GPL; ++i) {
+      const int g = lane + 32 * i, word = min(first + r, last) * G + g;
+      if (g < G) copy_async16(stage + (r * GPL + i) * THREADS + threadIdx.x, blocks + word, policy);
+      m.e[r][i] = g < G ? __ldcs(scales + word) : uint8_t(0);
+    }
+}
+
+// this thread's part of row j's dot from its words of `stage` (as row_dot, the bias on lane j)
+template <int MODE, int ROWS, int GPL, int THREADS>
+__device__ __forceinline__ float staged_row_dot(const uint4* stage, const RowMeta<ROWS, GPL>& m, int j,
+                                                const uint4* xs, int lane, int G, float bias_scale) {
+  return (lane == j ? m.bias * bias_scale : 0.f) + lane_dot<GPL>([&](int i) {
+    const uint4 w = stage[(j * GPL + i) * THREADS + threadIdx.x];
+    if (MODE == 1) return __int_as_float((w.x ^ w.y ^ w.z ^ w.w) & 0x3FFFFF) + float(m.e[j][i]);
+    return group_dot(w, xs, min(lane + 32 * i, G - 1), m.e[j][i]);
+  });
+}
+
+__device__ __forceinline__ uint64_t evict_first() {
+  uint64_t policy;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
+template <int STAGES, int MIN_CTAS, int MODE, int GPL = 3>
+__global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) gate_up_async_kernel(
+    const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ blocks, const uint8_t* __restrict__ scales,
+    const __nv_bfloat16* __restrict__ bias, const int64_t* __restrict__ experts, __half* __restrict__ h, int I, int G,
+    int units, float alpha, float limit, int paired_shift) {
+  constexpr int ROWS = 2, WORDS = ROWS * GPL, THREADS = WARPS * 32;
+  extern __shared__ uint4 xs[];  // the activations' quads, then the ring [STAGES][WORDS][THREADS]
+  uint4* ring = xs + G * QUADS;
+  __shared__ float warp_max[WARPS];
+  __shared__ int expert_rows[8];
+  const PersistentWarp me(WARPS, units);
+  const int lane = me.lane, warp = me.warp, stride = me.stride, first = me.first, iters = me.iters;
+  wait_previous();
+  const int slots = units / I;
+  if (threadIdx.x < slots) expert_rows[threadIdx.x] = int(experts[threadIdx.x]) * 2 * I;
+  __syncthreads();
+  const uint64_t policy = evict_first();
+  RowMeta<ROWS, GPL> meta[STAGES];
+  Unit in_ring[STAGES], next{first / I, first % I};
+  int issued = 0;
+  auto issue = [&](RowMeta<ROWS, GPL>& m, Unit& unit, int stage) {
+    unit = next;
+    const int row = expert_rows[min(next.slot, slots - 1)] + 2 * next.column;
+    if (issued < iters)  // warp-uniform
+      copy_rows<ROWS, GPL, THREADS>(ring + stage * WORDS * THREADS, m, blocks, scales, bias, row, row + 1, lane, G,
+                                    policy);
+    commit_copies();
+    ++issued;
+    next.advance(stride, I);
+  };
+#pragma unroll
+  for (int d = 0; d < STAGES - 1; ++d) issue(meta[d], in_ring[d], d);
+  // activations: fp16 times 2^shift, pairs in the decode's order (as gate_up_kernel)
+  const int K = G * 32;
+  const uint4* x8 = reinterpret_cast<const uint4*>(x);
+  float m = 0.f;
+  for (int wd = threadIdx.x; wd < K / 8; wd += THREADS) {
+    uint4 raw = x8[wd];
+    const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float2 f = __bfloat1622float2(v[j]);
+      m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
+    }
+  }
+  for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (lane == 0) warp_max[warp] = m;
+  __syncthreads();
+  m = 0.f;
+  for (int i = 0; i < WARPS; ++i) m = fmaxf(m, warp_max[i]);
+  const int shift = min(14 - (((__float_as_int(m) >> 23) & 255) - 127), 100);
+  const float scale = exp2i(shift);
+  for (int wd = threadIdx.x; wd < K / 8; wd += THREADS) {
+    uint4 raw = x8[wd];
+    const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw);
+    float f[8];
+    for (int j = 0; j < 8; ++j) f[j] = __bfloat162float(v[j]) * scale;
+    __half2 a = __floats2half2_rn(f[0], f[2]), b = __floats2half2_rn(f[4], f[6]);
+    __half2 c = __floats2half2_rn(f[1], f[3]), d = __floats2half2_rn(f[5], f[7]);
+    uint4 q;
+    q.x = *reinterpret_cast<uint32_t*>(&a); q.y = *reinterpret_cast<uint32_t*>(&b);
+    q.z = *reinterpret_cast<uint32_t*>(&c); q.w = *reinterpret_cast<uint32_t*>(&d);
+    xs[quad(wd / 4, wd % 4)] = q;
+  }
+  __syncthreads();
+  let_next();
+  const float unscale = exp2i(14 - shift), bias_scale = exp2i(shift - 14), out_scale = exp2i(paired_shift);
+  for (int it = 0; it < iters; it += STAGES) {
+#pragma unroll
+    for (int d = 0; d < STAGES; ++d) {
+      constexpr int AHEAD = STAGES - 1;
+      const int fill = (d + AHEAD) % STAGES;
+      issue(meta[fill], in_ring[fill], fill);
+      if (it + d >= iters) break;  // warp-uniform
+      wait_copies<AHEAD>();
+      float dots[ROWS];
+#pragma unroll
+      for (int j = 0; j < ROWS; ++j)
+        dots[j] = staged_row_dot<MODE, ROWS, GPL, THREADS>(ring + d * WORDS * THREADS, meta[d], j, xs, lane, G,
+                                                           bias_scale);
+      const float sum = lane_sums<ROWS>(dots, lane), up_sum = __shfl_down_sync(0xffffffffu, sum, 16);
+      if (lane == 0) {
+        const float gate = fminf(sum * unscale, limit), up = fminf(fmaxf(up_sum * unscale, -limit), limit);
+        const float act = (up + 1.f) * __fdividef(gate, 1.f + __expf(-gate * alpha));
+        h[in_ring[d].slot * I + paired_column(in_ring[d].column)] = __float2half_rn(act * out_scale);
+      }
+    }
+  }
+}
+
+// down by expert (as down_by_expert_kernel: a warp per routed expert, ROWS output rows a batch, slots summed in
+// order) with its weights through a per-thread shared-memory ring of STAGES batches; its first STAGES - 1 batches
+// are copied before it waits for gate/up
+template <int STAGES, int ROWS, int TOPK = 4, int GPL = 3>
+__global__ void __launch_bounds__(TOPK * 32) down_async_kernel(
+    const __half* __restrict__ h, const uint4* __restrict__ blocks, const uint8_t* __restrict__ scales,
+    const __nv_bfloat16* __restrict__ bias, const int64_t* __restrict__ experts, RoutingWeights weights,
+    __nv_bfloat16* __restrict__ out, int H, int G, int paired_shift) {
+  constexpr int WORDS = ROWS * GPL, THREADS = TOPK * 32;
+  extern __shared__ uint4 xs[];  // TOPK x activation_bytes(G), then the ring [STAGES][WORDS][THREADS]
+  uint4* ring = xs + TOPK * G * QUADS;
+  __shared__ float partial[2][TOPK][ROWS];
+  const int lane = threadIdx.x & 31, k = threadIdx.x >> 5;
+  const int batches = (H + ROWS - 1) / ROWS;
+  const int iters = int(blockIdx.x) < batches ? (batches - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+  const int e = int(experts[k]);
+  const uint64_t policy = evict_first();
+  RowMeta<ROWS, GPL> meta[STAGES];
+  auto issue = [&](RowMeta<ROWS, GPL>& m, int n, int stage) {  // the CTA's n-th batch
+    const int batch = blockIdx.x + n * gridDim.x;
+    if (n < iters)  // CTA-uniform
+      copy_rows<ROWS, GPL, THREADS>(ring + stage * WORDS * THREADS, m, blocks, scales, bias, e * H + batch * ROWS,
+                                    e * H + H - 1, lane, G, policy);
+    commit_copies();
+  };
+#pragma unroll
+  for (int d = 0; d < STAGES - 1; ++d) issue(meta[d], d, d);
+  wait_previous();  // gate/up's activations
+  uint4* mine = xs + k * G * QUADS;
+  const uint4* hq = reinterpret_cast<const uint4*>(h) + k * G * 4;
+  for (int i = lane; i < G * 4; i += 32) mine[quad(i / 4, i % 4)] = hq[i];
+  __syncwarp();
+  let_next();
+  const float scale = weights[k] * exp2i(14 - paired_shift), bias_scale = exp2i(paired_shift - 14);
+  for (int it = 0; it < iters; it += STAGES) {
+#pragma unroll
+    for (int d = 0; d < STAGES; ++d) {
+      const int fill = (d + STAGES - 1) % STAGES;
+      issue(meta[fill], it + d + STAGES - 1, fill);
+      if (it + d >= iters) break;  // CTA-uniform
+      wait_copies<STAGES - 1>();
+      float acc[ROWS];
+#pragma unroll
+      for (int j = 0; j < ROWS; ++j)
+        acc[j] = staged_row_dot<0, ROWS, GPL, THREADS>(ring + d * WORDS * THREADS, meta[d], j, mine, lane, G,
+                                                       bias_scale);
+      const float sum = lane_sums<ROWS>(acc, lane);
+      sum_slots<ROWS, TOPK>(partial, scale * sum, it + d, true, blockIdx.x + (it + d) * gridDim.x, k, lane, H, out);
+    }
+  }
+}
+
+template <int STAGES, int MIN_CTAS>
+auto gate_up_async_mode(int64_t mode) {
+  return mode == 1 ? gate_up_async_kernel<STAGES, MIN_CTAS, 1> : gate_up_async_kernel<STAGES, MIN_CTAS, 0>;
+}
+
+template <int STAGES>
+auto gate_up_async_for(int64_t mode, int64_t ctas1) {
+  return ctas1 >= 3 ? gate_up_async_mode<STAGES, 3>(mode) : gate_up_async_mode<STAGES, 2>(mode);
+}
+
 // gate/up as `mode` asks (0: whole, 1: loads only, 2: decode only), registers capped for `ctas1` CTAs per SM (up to
 // 3; offline: COLS 1 needs 95 registers uncapped, 79 at 3 CTAs; COLS 2 146, 127 at 2 CTAs, spills at 3)
 template <int DEPTH1, int COLS, int MIN_CTAS>
@@ -73,21 +289,37 @@ template <int DEPTH1, int DEPTH2>
 void moe_config(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor b1, torch::Tensor w2,
                 torch::Tensor s2, torch::Tensor b2, torch::Tensor experts, torch::Tensor weights, torch::Tensor h,
                 torch::Tensor out, double alpha, double limit, int64_t paired_shift, int64_t ctas1, int64_t ctas2,
-                int64_t rows, int64_t cols, int64_t parts, bool pdl, int64_t mode) {
+                int64_t rows, int64_t cols, int64_t stages, int64_t stages2, int64_t parts, bool pdl, int64_t mode) {
   constexpr int TOPK = 4;
   const int I = w1.size(1) / 2, G = w1.size(2), H = w2.size(1);
   const int sms = multiprocessors();
   auto gate_up = cols == 2 ? gate_up_for<DEPTH1, 2>(mode, ctas1) : gate_up_for<DEPTH1, 1>(mode, ctas1);
   const int units = TOPK * I / cols;
   const int64_t gate_up_ctas = std::min<int64_t>(sms * ctas1, (units + WARPS - 1) / WARPS);
-  if (parts & 1)
+  if ((parts & 1) && stages) {
+    auto async = stages == 2 ? gate_up_async_for<2>(mode, ctas1) : stages == 3 ? gate_up_async_for<3>(mode, ctas1)
+                                                                  : gate_up_async_for<4>(mode, ctas1);
+    const int smem = ring_bytes(activation_bytes(G), stages, 2 * 3, WARPS * 32);
+    launch(async, dim3(gate_up_ctas), dim3(WARPS * 32), smem, pdl,
+           (const __nv_bfloat16*)x.data_ptr(), (const uint4*)w1.data_ptr(), (const uint8_t*)s1.data_ptr(),
+           (const __nv_bfloat16*)b1.data_ptr(), (const int64_t*)experts.data_ptr(), (__half*)h.data_ptr(), I, G,
+           units, float(alpha), float(limit), int(paired_shift));
+  } else if (parts & 1)
     launch(gate_up, dim3(gate_up_ctas), dim3(WARPS * 32), activation_bytes(G), pdl,
            (const __nv_bfloat16*)x.data_ptr(), (const uint4*)w1.data_ptr(), (const uint8_t*)s1.data_ptr(),
            (const __nv_bfloat16*)b1.data_ptr(), (const int64_t*)experts.data_ptr(), (__half*)h.data_ptr(), I, G,
            units, float(alpha), float(limit), int(paired_shift));
   auto down = rows == 2 ? down_by_expert_kernel<DEPTH2, 2, TOPK> : down_by_expert_kernel<DEPTH2, 4, TOPK>;
   const int64_t down_ctas = std::min<int64_t>(sms * ctas2, (H + rows - 1) / rows);
-  if (parts & 2)
+  if ((parts & 2) && stages2) {
+    auto async = rows == 2 ? (stages2 == 2 ? down_async_kernel<2, 2> : down_async_kernel<3, 2>)
+                           : (stages2 == 2 ? down_async_kernel<2, 4> : down_async_kernel<3, 4>);
+    const int smem = ring_bytes(TOPK * activation_bytes(G), stages2, rows * 3, TOPK * 32);
+    launch(async, dim3(down_ctas), dim3(TOPK * 32), smem, pdl, (const __half*)h.data_ptr(),
+           (const uint4*)w2.data_ptr(), (const uint8_t*)s2.data_ptr(),
+           (const __nv_bfloat16*)b2.data_ptr(), (const int64_t*)experts.data_ptr(), routing_weights(weights),
+           (__nv_bfloat16*)out.data_ptr(), H, G, int(paired_shift));
+  } else if (parts & 2)
     launch(down, dim3(down_ctas), dim3(TOPK * 32), TOPK * activation_bytes(G), pdl,
            (const __half*)h.data_ptr(), (const uint4*)w2.data_ptr(), (const uint8_t*)s2.data_ptr(),
            (const __nv_bfloat16*)b2.data_ptr(), (const int64_t*)experts.data_ptr(), routing_weights(weights),
@@ -97,14 +329,18 @@ void moe_config(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tens
 void moe(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor b1, torch::Tensor w2, torch::Tensor s2,
          torch::Tensor b2, torch::Tensor experts, torch::Tensor weights, torch::Tensor h, torch::Tensor out,
          double alpha, double limit, int64_t paired_shift, int64_t depth1, int64_t depth2, int64_t ctas1,
-         int64_t ctas2, int64_t rows, int64_t cols, int64_t parts, bool pdl, int64_t mode) {
+         int64_t ctas2, int64_t rows, int64_t cols, int64_t stages, int64_t stages2, int64_t parts, bool pdl,
+         int64_t mode) {
   TORCH_CHECK(w1.size(2) <= 96 && w2.size(2) <= 96, "the probe's kernels take 3 groups a lane: K <= 3072");
+  TORCH_CHECK(stages == 0 || (stages >= 2 && stages <= 4 && cols == 1 && mode != 2),
+              "gate/up's shared-memory ring: 2 to 4 stages, one column a unit, no decode-only mode");
+  TORCH_CHECK(stages2 == 0 || stages2 == 2 || stages2 == 3, "down's shared-memory ring: 2 or 3 stages");
   TORCH_CHECK(rows == 2 || rows == 4, "down rows per batch: 2 or 4");
   TORCH_CHECK((cols == 1 || cols == 2) && w1.size(1) / 2 % cols == 0, "gate/up columns per unit: 1 or 2, dividing I");
 #define CASE(A, B) \
   if (depth1 == A && depth2 == B) \
     return moe_config<A, B>(x, w1, s1, b1, w2, s2, b2, experts, weights, h, out, alpha, limit, paired_shift, ctas1, \
-                            ctas2, rows, cols, parts, pdl, mode);
+                            ctas2, rows, cols, stages, stages2, parts, pdl, mode);
   CASE(1, 1) CASE(1, 2)
   TORCH_CHECK(false, "no such config");
 }
@@ -181,7 +417,8 @@ void moe_fp8(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor 
 CPP = ("void moe(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor b1, torch::Tensor w2, "
        "torch::Tensor s2, torch::Tensor b2, torch::Tensor experts, torch::Tensor weights, torch::Tensor h, "
        "torch::Tensor out, double alpha, double limit, int64_t paired_shift, int64_t depth1, int64_t depth2, "
-       "int64_t ctas1, int64_t ctas2, int64_t rows, int64_t cols, int64_t parts, bool pdl, int64_t mode);\n"
+       "int64_t ctas1, int64_t ctas2, int64_t rows, int64_t cols, int64_t stages, int64_t stages2, int64_t parts, "
+       "bool pdl, int64_t mode);\n"
        "void moe_fp8(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor w2, torch::Tensor s2, "
        "torch::Tensor experts, torch::Tensor weights, torch::Tensor h, torch::Tensor out, int64_t depth1, "
        "int64_t depth2, int64_t ctas1, int64_t ctas2, int64_t rows, int64_t parts, bool pdl);\n"
@@ -194,10 +431,15 @@ PROBED = ("gpt-oss-20b", "qwen3-30b-a3b-fp8", "qwen3-30b-a3b-mxfp4")
 
 
 def parse_config(text: str) -> tuple[int, ...]:
-    """DEPTH1,DEPTH2,CTAS1,CTAS2[,ROWS[,COLS]] -> the six ints `moe` takes before its parts (ROWS 2, COLS 1 when
-    left out; `moe_fp8` takes the first five)."""
+    """DEPTH1,DEPTH2,CTAS1,CTAS2[,ROWS[,COLS[,STAGES1[,STAGES2]]]] -> the eight ints `moe` takes before its parts
+    (ROWS 2, COLS 1, STAGES1 and STAGES2 0 when left out; `moe_fp8` takes the first five)."""
     values = tuple(map(int, text.split(",")))
-    return values + (2, 1)[len(values) - 4:]
+    return values + (2, 1, 0, 0)[len(values) - 4:]
+
+
+def register_ring(config: tuple[int, ...]) -> tuple[int, ...]:
+    """The config with gate/up's weights through registers (STAGES1 0): its decode-only mode has no loads to stage."""
+    return config[:6] + (0,) + config[7:]
 
 
 def main() -> None:
@@ -206,9 +448,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--ncu", action="store_true", help="a few plain calls of the first config, for a profiler")
     parser.add_argument("--configs", nargs="+", default=["1,1,2,3,4", "1,2,2,3,2"],
-                        help="DEPTH1,DEPTH2,CTAS1,CTAS2[,ROWS[,COLS]]: units in flight per warp and CTAs per SM "
-                             "(gate/up, down), the down kernel's rows per batch (2 or 4; default 2), gate/up's "
-                             "columns per unit (1 or 2; default 1)")
+                        help="DEPTH1,DEPTH2,CTAS1,CTAS2[,ROWS[,COLS[,STAGES1[,STAGES2]]]]: units in flight per warp "
+                             "and CTAs per SM (gate/up, down), the down kernel's rows per batch (2 or 4; default 2), "
+                             "gate/up's columns per unit (1 or 2; default 1), gate/up's and down's weights through a "
+                             "shared-memory ring of STAGES units (gate/up 2-4, down 2-3; default 0: registers)")
     args = parser.parse_args()
     module = load_inline("probe_cuda_rows", CPP, cuda_sources=CUDA, functions=["moe", "moe_fp8", "moe_silu"],
                          extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-lineinfo", "-Xptxas=-v"],
@@ -245,7 +488,7 @@ def main() -> None:
         config = parse_config(args.configs[0])
         for mode in (0, 1, 2) if gpt_oss else (0,):
             for g, d in layers:
-                probe(g, d, config, parts=3 if mode == 0 else 1, mode=mode)
+                probe(g, d, register_ring(config) if mode == 2 else config, parts=3 if mode == 0 else 1, mode=mode)
         torch.cuda.synchronize()
         return
     expected = reference(x, index, weights, *layers[0], gpt_oss, activation)
@@ -270,7 +513,8 @@ def main() -> None:
               f"down alone {second:6.1f}; err {err:.1e}", flush=True)
         if gpt_oss:
             loads = graph_time_us([lambda g=g, d=d: probe(g, d, config, parts=1, mode=1) for g, d in layers])
-            decode = graph_time_us([lambda g=g, d=d: probe(g, d, config, parts=1, mode=2) for g, d in layers])
+            decode = graph_time_us([lambda g=g, d=d: probe(g, d, register_ring(config), parts=1, mode=2)
+                                    for g, d in layers])
             print(f"    gate/up loads only {loads:6.1f} us, decode only {decode:6.1f} us", flush=True)
 
 
