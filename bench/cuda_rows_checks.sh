@@ -9,7 +9,7 @@
 #     bash bench/cuda_rows_checks.sh fp8 silu library
 #     bash bench/cuda_rows_checks.sh steps              # a decode step with and without them (gpt-oss-20b, 4 layers)
 #     bash bench/cuda_rows_checks.sh verify             # the M = 1 and 16 table (MXFP4 and FP8 shapes)
-#     bash bench/cuda_rows_checks.sh staged             # gpt-oss-20b's weights through shared-memory rings (cp.async)
+#     bash bench/cuda_rows_checks.sh staged             # weights through shared-memory rings (cp.async), both formats
 set -u
 quiet() { grep -v "^ptxas\|^    [0-9]* bytes\|^\[\|Compiling\|registers\|^SKIPPED\|^PASSED"; }
 nvidia-smi --query-gpu=name --format=csv,noheader
@@ -35,9 +35,13 @@ for part in "${parts[@]}"; do
           --configs 1,1,2,3,4 1,1,2,1,4 1,2,2,1,2 1,1,3,2,4 1,1,2,2,4 2>&1 | quiet | tail -12 ;;
     staged)
       echo "## probe, gpt-oss-20b: the register rings against shared-memory rings (STAGES1 gate/up, STAGES2 down)"
-      DFLASH_CUDA_ROWS=0 timeout 400 python3 bench/probe_cuda_rows.py --layers 4 \
+      DFLASH_CUDA_ROWS=0 timeout 330 python3 bench/probe_cuda_rows.py --layers 4 \
           --configs 1,1,2,3,4 1,1,2,3,4,1,2 1,1,2,3,4,1,3 1,1,2,3,4,1,4 1,1,3,3,4,1,2 1,1,2,3,2,1,3,3 \
-          1,1,2,2,4,1,3,2 1,1,2,3,2,1,0,3 2>&1 | quiet | tail -18 ;;
+          1,1,2,2,4,1,3,2 1,1,2,3,2,1,0,3 2>&1 | quiet | tail -18
+      echo "## probe, qwen3-30b-a3b-fp8: the same"
+      DFLASH_CUDA_ROWS=0 timeout 200 python3 bench/probe_cuda_rows.py --shape qwen3-30b-a3b-fp8 \
+          --configs 1,2,2,2,2 1,2,2,2,2,1,2 1,2,2,2,2,1,3 1,2,2,2,2,1,0,2 1,2,2,2,2,1,3,3 1,2,2,2,2,1,2,2 2>&1 \
+          | quiet | tail -8 ;;
     library)
       echo "## library, one token: CUDA row kernels (fused) vs Triton (baseline)"
       DFLASH_CUDA_ROWS=1 timeout 300 python3 bench/moe_kernels.py --no-tune --tokens 1 --against-triton \

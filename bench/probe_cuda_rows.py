@@ -22,10 +22,10 @@ per SM) and keep DEPTH units' loads in flight.
 - SiLU MXFP4 (`--shape qwen3-30b-a3b-mxfp4`, `moe_silu`): the library's `mxfp4_layer<8, false>` launches (gate
   rows then up rows, no biases, fp32 activations; 2 groups a lane in gate/up, 1 in down) with the config's
   DEPTH2, CTAS1, CTAS2 and ROWS (DEPTH1 is 1).
-- weights through shared memory (a config's STAGES1 for gate/up, 2-4, STAGES2 for down, 2-3): each thread copies
-  its own words of a unit's rows into its own slots of a STAGES-deep ring by cp.async and reads back only those (no
-  barrier), so STAGES - 1 units stay in flight while a warp decodes one, where the register ring (DEPTH 1) has none
-  in flight while it decodes.
+- weights through shared memory (a config's STAGES1 for gate/up, STAGES2 for down: 2 or 3, and 4 for gpt-oss's
+  gate/up; gpt-oss and FP8): each thread copies its own words of a unit's rows into its own slots of a STAGES-deep
+  ring by cp.async and reads back only those (no barrier), so STAGES - 1 units stay in flight while a warp decodes
+  one, where the register ring (DEPTH 1) has none in flight while it decodes.
 - `--configs` DEPTH1,DEPTH2,CTAS1,CTAS2[,ROWS[,COLS[,STAGES1[,STAGES2]]]] (gate/up, down; ROWS 2 or 4, default 2;
   COLS 1 or 2, default 1; STAGES 0 or as above, default 0; gate/up's registers capped for CTAS1 CTAs per SM, up to
   3); each also
@@ -60,11 +60,12 @@ HEADER = Path(__file__).resolve().parents[1] / "csrc" / "moe_rows_cuda.cuh"  # t
 CUDA = HEADER.read_text().replace("#pragma once\n", "") + r"""
 constexpr int WARPS = 8;
 
-// ---- gate/up with its weights in flight through shared memory (cp.async), not registers (config's STAGES > 0) ----
-// Each lane copies its own 16-byte words of a unit's two rows into its own slots of a STAGES-deep ring (cp.async.cg,
+// ---- weights in flight through shared memory (cp.async), not registers (a config's STAGES1 / STAGES2 > 0) ----
+// Each thread copies its own 16-byte words of a unit's rows into its own slots of a STAGES-deep ring (cp.async.cg,
 // evict-first) and reads back only those, so no barrier or mbarrier orders them: STAGES - 1 units stay in flight
-// while the warp decodes one, at no register cost (the register ring holds none while it decodes). Units past the
-// warp's last are not loaded. gpt-oss's layout (interleaved rows, biases, clamped SwiGLU, fp16 out), COLS 1.
+// while the warp decodes one, at no register cost (the register rings at depth 1 hold none while a warp decodes).
+// A ring is [STAGES][WORDS][THREADS] 16-byte words after the activations; units past a warp's (CTA's) last are not
+// loaded. The MXFP4 kernels take gpt-oss's layout (COLS 1), the FP8 ones Qwen3-FP8's, as the register kernels.
 __device__ __forceinline__ void copy_async16(uint4* to, const uint4* from, uint64_t policy) {
   const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(to));
   asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(address), "l"(from), "l"(policy)
@@ -74,19 +75,42 @@ __device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_
 template <int PENDING>
 __device__ __forceinline__ void wait_copies() { asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory"); }
 
-template <int ROWS, int GPL>
-struct RowMeta {  // what a unit's loads leave in registers: its groups' exponents, lane j's row-j bias
-  uint8_t e[ROWS][GPL];
-  float bias;
-};
+__device__ __forceinline__ uint64_t evict_first() {
+  uint64_t policy;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
 
 // bytes of a kernel's shared memory: `activations` bytes, then a ring of `stages` x `words` 16-byte words a thread
 inline int ring_bytes(int activations, int stages, int words, int threads) {
   return activations + stages * words * threads * 16;
 }
 
+// The loop of a staged kernel: its units 0 .. iters - 1 (iters uniform over the warp, or the CTA where `step`
+// holds a barrier), unit n in stage n % STAGES; `issue(stage, n)` copies unit n (units from STAGES - 1 on, here;
+// 0 .. STAGES - 2 before) and commits a group even past the last unit, so that STAGES - 1 groups pending means
+// unit n's have landed before `step(stage, n)` reads them
+template <int STAGES, typename Issue, typename Step>
+__device__ __forceinline__ void staged_loop(int iters, Issue issue, Step step) {
+  for (int it = 0; it < iters; it += STAGES) {
+#pragma unroll
+    for (int d = 0; d < STAGES; ++d) {
+      issue((d + STAGES - 1) % STAGES, it + d + STAGES - 1);
+      if (it + d >= iters) break;
+      wait_copies<STAGES - 1>();
+      step(d, it + d);
+    }
+  }
+}
+
+template <int ROWS, int GPL>
+struct RowMeta {  // what an MXFP4 unit's copies leave in registers: its groups' exponents, lane j's row-j bias
+  uint8_t e[ROWS][GPL];
+  float bias;
+};
+
 // Rows first, first + 1, ... (clamped to last) of the [rows, G] views of blocks and scales into this thread's slots
-// of `stage` (a ring of THREADS-wide words after the activations) and `m`; one commit group
+// of `stage` and `m`
 template <int ROWS, int GPL, int THREADS>
 __device__ __forceinline__ void copy_rows(uint4* stage, RowMeta<ROWS, GPL>& m, const uint4* blocks,
                                           const uint8_t* scales, const __nv_bfloat16* bias, int first, int last,
@@ -98,7 +122,7 @@ __device__ __forceinline__ void copy_rows(uint4* stage, RowMeta<ROWS, GPL>& m, c
     for (int i = 0; i < GPL; ++i) {
       const int g = lane + 32 * i, word = min(first + r, last) * G + g;
       if (g < G) copy_async16(stage + (r * GPL + i) * THREADS + threadIdx.x, blocks + word, policy);
-      m.e[r][i] = g < G ? __ldcs(scales + word) : uint8_t(0);
+      m.e[r][i] = g < G ? __ldcs(scales + word) : uint8_t(0);  // past G: any words, exponent 0 (finite codes)
     }
 }
 
@@ -113,19 +137,14 @@ __device__ __forceinline__ float staged_row_dot(const uint4* stage, const RowMet
   });
 }
 
-__device__ __forceinline__ uint64_t evict_first() {
-  uint64_t policy;
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  return policy;
-}
-
+// gate/up (gate_up_kernel's gpt-oss path, COLS 1) through the ring
 template <int STAGES, int MIN_CTAS, int MODE, int GPL = 3>
 __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) gate_up_async_kernel(
     const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ blocks, const uint8_t* __restrict__ scales,
     const __nv_bfloat16* __restrict__ bias, const int64_t* __restrict__ experts, __half* __restrict__ h, int I, int G,
     int units, float alpha, float limit, int paired_shift) {
   constexpr int ROWS = 2, WORDS = ROWS * GPL, THREADS = WARPS * 32;
-  extern __shared__ uint4 xs[];  // the activations' quads, then the ring [STAGES][WORDS][THREADS]
+  extern __shared__ uint4 xs[];  // the activations' quads, then the ring
   uint4* ring = xs + G * QUADS;
   __shared__ float warp_max[WARPS];
   __shared__ int expert_rows[8];
@@ -138,20 +157,18 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) gate_up_async_kernel(
   const uint64_t policy = evict_first();
   RowMeta<ROWS, GPL> meta[STAGES];
   Unit in_ring[STAGES], next{first / I, first % I};
-  int issued = 0;
-  auto issue = [&](RowMeta<ROWS, GPL>& m, Unit& unit, int stage) {
-    unit = next;
+  auto issue = [&](int stage, int n) {  // called for n = 0, 1, ... in order: `next` is unit n
+    in_ring[stage] = next;
     const int row = expert_rows[min(next.slot, slots - 1)] + 2 * next.column;
-    if (issued < iters)  // warp-uniform
-      copy_rows<ROWS, GPL, THREADS>(ring + stage * WORDS * THREADS, m, blocks, scales, bias, row, row + 1, lane, G,
-                                    policy);
+    if (n < iters)
+      copy_rows<ROWS, GPL, THREADS>(ring + stage * WORDS * THREADS, meta[stage], blocks, scales, bias, row, row + 1,
+                                    lane, G, policy);
     commit_copies();
-    ++issued;
     next.advance(stride, I);
   };
 #pragma unroll
-  for (int d = 0; d < STAGES - 1; ++d) issue(meta[d], in_ring[d], d);
-  // activations: fp16 times 2^shift, pairs in the decode's order (as gate_up_kernel)
+  for (int d = 0; d < STAGES - 1; ++d) issue(d, d);
+  // activations: fp16 times 2^shift, pairs in the decode's order (gate_up_kernel's lines)
   const int K = G * 32;
   const uint4* x8 = reinterpret_cast<const uint4*>(x);
   float m = 0.f;
@@ -186,39 +203,30 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) gate_up_async_kernel(
   __syncthreads();
   let_next();
   const float unscale = exp2i(14 - shift), bias_scale = exp2i(shift - 14), out_scale = exp2i(paired_shift);
-  for (int it = 0; it < iters; it += STAGES) {
+  staged_loop<STAGES>(iters, issue, [&](int d, int) {
+    float dots[ROWS];
 #pragma unroll
-    for (int d = 0; d < STAGES; ++d) {
-      constexpr int AHEAD = STAGES - 1;
-      const int fill = (d + AHEAD) % STAGES;
-      issue(meta[fill], in_ring[fill], fill);
-      if (it + d >= iters) break;  // warp-uniform
-      wait_copies<AHEAD>();
-      float dots[ROWS];
-#pragma unroll
-      for (int j = 0; j < ROWS; ++j)
-        dots[j] = staged_row_dot<MODE, ROWS, GPL, THREADS>(ring + d * WORDS * THREADS, meta[d], j, xs, lane, G,
-                                                           bias_scale);
-      const float sum = lane_sums<ROWS>(dots, lane), up_sum = __shfl_down_sync(0xffffffffu, sum, 16);
-      if (lane == 0) {
-        const float gate = fminf(sum * unscale, limit), up = fminf(fmaxf(up_sum * unscale, -limit), limit);
-        const float act = (up + 1.f) * __fdividef(gate, 1.f + __expf(-gate * alpha));
-        h[in_ring[d].slot * I + paired_column(in_ring[d].column)] = __float2half_rn(act * out_scale);
-      }
+    for (int j = 0; j < ROWS; ++j)
+      dots[j] = staged_row_dot<MODE, ROWS, GPL, THREADS>(ring + d * WORDS * THREADS, meta[d], j, xs, lane, G,
+                                                         bias_scale);
+    const float sum = lane_sums<ROWS>(dots, lane), up_sum = __shfl_down_sync(0xffffffffu, sum, 16);
+    if (lane == 0) {
+      const float gate = fminf(sum * unscale, limit), up = fminf(fmaxf(up_sum * unscale, -limit), limit);
+      const float act = (up + 1.f) * __fdividef(gate, 1.f + __expf(-gate * alpha));
+      h[in_ring[d].slot * I + paired_column(in_ring[d].column)] = __float2half_rn(act * out_scale);
     }
-  }
+  });
 }
 
-// down by expert (as down_by_expert_kernel: a warp per routed expert, ROWS output rows a batch, slots summed in
-// order) with its weights through a per-thread shared-memory ring of STAGES batches; its first STAGES - 1 batches
-// are copied before it waits for gate/up
+// down by expert (down_by_expert_kernel, fp16 activations) through the ring; its first STAGES - 1 batches are
+// copied before it waits for gate/up
 template <int STAGES, int ROWS, int TOPK = 4, int GPL = 3>
 __global__ void __launch_bounds__(TOPK * 32) down_async_kernel(
     const __half* __restrict__ h, const uint4* __restrict__ blocks, const uint8_t* __restrict__ scales,
     const __nv_bfloat16* __restrict__ bias, const int64_t* __restrict__ experts, RoutingWeights weights,
     __nv_bfloat16* __restrict__ out, int H, int G, int paired_shift) {
   constexpr int WORDS = ROWS * GPL, THREADS = TOPK * 32;
-  extern __shared__ uint4 xs[];  // TOPK x activation_bytes(G), then the ring [STAGES][WORDS][THREADS]
+  extern __shared__ uint4 xs[];  // TOPK x activation_bytes(G), then the ring
   uint4* ring = xs + TOPK * G * QUADS;
   __shared__ float partial[2][TOPK][ROWS];
   const int lane = threadIdx.x & 31, k = threadIdx.x >> 5;
@@ -227,15 +235,14 @@ __global__ void __launch_bounds__(TOPK * 32) down_async_kernel(
   const int e = int(experts[k]);
   const uint64_t policy = evict_first();
   RowMeta<ROWS, GPL> meta[STAGES];
-  auto issue = [&](RowMeta<ROWS, GPL>& m, int n, int stage) {  // the CTA's n-th batch
-    const int batch = blockIdx.x + n * gridDim.x;
-    if (n < iters)  // CTA-uniform
-      copy_rows<ROWS, GPL, THREADS>(ring + stage * WORDS * THREADS, m, blocks, scales, bias, e * H + batch * ROWS,
-                                    e * H + H - 1, lane, G, policy);
+  auto issue = [&](int stage, int n) {  // the CTA's n-th batch
+    if (n < iters)
+      copy_rows<ROWS, GPL, THREADS>(ring + stage * WORDS * THREADS, meta[stage], blocks, scales, bias,
+                                    e * H + (blockIdx.x + n * gridDim.x) * ROWS, e * H + H - 1, lane, G, policy);
     commit_copies();
   };
 #pragma unroll
-  for (int d = 0; d < STAGES - 1; ++d) issue(meta[d], d, d);
+  for (int d = 0; d < STAGES - 1; ++d) issue(d, d);
   wait_previous();  // gate/up's activations
   uint4* mine = xs + k * G * QUADS;
   const uint4* hq = reinterpret_cast<const uint4*>(h) + k * G * 4;
@@ -243,22 +250,150 @@ __global__ void __launch_bounds__(TOPK * 32) down_async_kernel(
   __syncwarp();
   let_next();
   const float scale = weights[k] * exp2i(14 - paired_shift), bias_scale = exp2i(paired_shift - 14);
-  for (int it = 0; it < iters; it += STAGES) {
+  staged_loop<STAGES>(iters, issue, [&](int d, int n) {
+    float acc[ROWS];
 #pragma unroll
-    for (int d = 0; d < STAGES; ++d) {
-      const int fill = (d + STAGES - 1) % STAGES;
-      issue(meta[fill], it + d + STAGES - 1, fill);
-      if (it + d >= iters) break;  // CTA-uniform
-      wait_copies<STAGES - 1>();
-      float acc[ROWS];
+    for (int j = 0; j < ROWS; ++j)
+      acc[j] = staged_row_dot<0, ROWS, GPL, THREADS>(ring + d * WORDS * THREADS, meta[d], j, mine, lane, G,
+                                                     bias_scale);
+    const float sum = lane_sums<ROWS>(acc, lane);
+    sum_slots<ROWS, TOPK>(partial, scale * sum, n, true, blockIdx.x + n * gridDim.x, k, lane, H, out);
+  });
+}
+
+template <int ROWS, int CPL>
+struct ChunkScales {  // what an FP8 unit's copies leave in registers: each chunk's block scale
+  float s[ROWS][CPL];
+};
+
+// FP8 rows rows[0 .. ROWS - 1] (chunks lane + 32 i) into this thread's slots of `stage`, scales[r] each row's
+// block-row of scales. Slots past C are never copied: `clear_past_row` zeroes them once (e4m3 NaN bytes times a
+// scale of 0 would still be NaN)
+template <int ROWS, int CPL, int THREADS>
+__device__ __forceinline__ void copy_rows8(uint4* stage, ChunkScales<ROWS, CPL>& m, const uint4* const* rows,
+                                           const float* const* scales, int lane, int C, uint64_t policy) {
 #pragma unroll
-      for (int j = 0; j < ROWS; ++j)
-        acc[j] = staged_row_dot<0, ROWS, GPL, THREADS>(ring + d * WORDS * THREADS, meta[d], j, mine, lane, G,
-                                                       bias_scale);
-      const float sum = lane_sums<ROWS>(acc, lane);
-      sum_slots<ROWS, TOPK>(partial, scale * sum, it + d, true, blockIdx.x + (it + d) * gridDim.x, k, lane, H, out);
+  for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) {
+      const int c = lane + 32 * i;
+      if (c < C) copy_async16(stage + (r * CPL + i) * THREADS + threadIdx.x, rows[r] + c, policy);
+      m.s[r][i] = c < C ? __ldg(scales[r] + c / 8) : 0.f;
     }
-  }
+}
+
+template <int STAGES, int WORDS_PER_ROW, int ROWS, int THREADS>
+__device__ __forceinline__ void clear_past_row(uint4* ring, int lane, int C) {
+#pragma unroll
+  for (int i = 0; i < STAGES * ROWS * WORDS_PER_ROW; ++i)
+    if (lane + 32 * (i % WORDS_PER_ROW) >= C) ring[i * THREADS + threadIdx.x] = make_uint4(0, 0, 0, 0);
+}
+
+template <int ROWS, int CPL, int THREADS>
+__device__ __forceinline__ float staged_row_dot8(const uint4* stage, const ChunkScales<ROWS, CPL>& m, int j,
+                                                 const uint4* xs, int lane, int C) {
+  return lane_dot<CPL>([&](int i) {
+    const int c = min(lane + 32 * i, C - 1);
+    return chunk_dot8(stage[(j * CPL + i) * THREADS + threadIdx.x], xs[quad8(c, 0)], xs[quad8(c, 1)]) * m.s[j][i];
+  });
+}
+
+// FP8 gate/up (fp8_gate_up_kernel) through the ring
+template <int STAGES, int CPL>
+__global__ void __launch_bounds__(WARPS * 32) fp8_gate_up_async_kernel(
+    const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ blocks, const float* __restrict__ scales,
+    const int64_t* __restrict__ experts, float* __restrict__ h, int I, int C, int units) {
+  constexpr int ROWS = 2, WORDS = ROWS * CPL, THREADS = WARPS * 32;
+  extern __shared__ uint4 xs[];  // C x 2 quads, then the ring
+  uint4* ring = xs + C * 2;
+  __shared__ float warp_max[WARPS];
+  __shared__ int64_t experts_of[16];
+  const PersistentWarp me(WARPS, units);
+  const int lane = me.lane, stride = me.stride, first = me.first, iters = me.iters;
+  const int slots = units / I, scale_columns = (C + 7) / 8, scale_rows = (2 * I + 127) / 128;
+  wait_previous();
+  if (threadIdx.x < slots) experts_of[threadIdx.x] = experts[threadIdx.x];
+  __syncthreads();
+  const uint64_t policy = evict_first();
+  clear_past_row<STAGES, CPL, ROWS, THREADS>(ring, lane, C);
+  ChunkScales<ROWS, CPL> meta[STAGES];
+  Unit in_ring[STAGES], next{first / I, first % I};
+  auto issue = [&](int stage, int n) {  // called for n = 0, 1, ... in order: `next` is unit n
+    in_ring[stage] = next;
+    if (n < iters) {
+      const int64_t e = experts_of[next.slot], gate = e * 2 * I + next.column, up = gate + I;
+      const uint4* r[2] = {blocks + gate * C, blocks + up * C};
+      const float* base = scales + e * scale_rows * scale_columns;
+      const float* s[2] = {base + (next.column / 128) * scale_columns,
+                           base + ((I + next.column) / 128) * scale_columns};
+      copy_rows8<ROWS, CPL, THREADS>(ring + stage * WORDS * THREADS, meta[stage], r, s, lane, C, policy);
+    }
+    commit_copies();
+    next.advance(stride, I);
+  };
+#pragma unroll
+  for (int d = 0; d < STAGES - 1; ++d) issue(d, d);
+  const float unscale = stage8(x, C * 16, xs, threadIdx.x, THREADS, warp_max, false);
+  __syncthreads();
+  let_next();
+  staged_loop<STAGES>(iters, issue, [&](int d, int) {
+    float dots[ROWS];
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j)
+      dots[j] = staged_row_dot8<ROWS, CPL, THREADS>(ring + d * WORDS * THREADS, meta[d], j, xs, lane, C);
+    const float sum = lane_sums<ROWS>(dots, lane), up_sum = __shfl_down_sync(0xffffffffu, sum, 16);
+    const float gate = sum * unscale, up = up_sum * unscale;
+    if (lane == 0) h[(int64_t)in_ring[d].slot * I + in_ring[d].column] = __fdividef(gate, 1.f + __expf(-gate)) * up;
+  });
+}
+
+// FP8 down by expert (fp8_down_kernel) through the ring
+template <int STAGES, int ROWS, int TOPK, int CPL>
+__global__ void __launch_bounds__(TOPK * 32) fp8_down_async_kernel(
+    const float* __restrict__ h, const uint4* __restrict__ blocks, const float* __restrict__ scales,
+    const int64_t* __restrict__ experts, RoutingWeights weights, __nv_bfloat16* __restrict__ out, int H, int C) {
+  constexpr int WORDS = ROWS * CPL, THREADS = TOPK * 32;
+  extern __shared__ uint4 xs[];  // TOPK x C x 2 quads, then the ring
+  uint4* ring = xs + TOPK * C * 2;
+  __shared__ float partial[2][TOPK][ROWS];
+  const int lane = threadIdx.x & 31, k = threadIdx.x >> 5;
+  const int batches = (H + ROWS - 1) / ROWS;
+  const int iters = int(blockIdx.x) < batches ? (batches - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+  const int scale_columns = (C + 7) / 8, scale_rows = (H + 127) / 128;
+  const int64_t e = experts[k];
+  const uint64_t policy = evict_first();
+  clear_past_row<STAGES, CPL, ROWS, THREADS>(ring, lane, C);
+  ChunkScales<ROWS, CPL> meta[STAGES];
+  auto issue = [&](int stage, int n) {  // the CTA's n-th batch
+    if (n < iters) {
+      const uint4* r[ROWS];
+      const float* s[ROWS];
+#pragma unroll
+      for (int j = 0; j < ROWS; ++j) {
+        const int row = min((int(blockIdx.x) + n * int(gridDim.x)) * ROWS + j, H - 1);
+        r[j] = blocks + (e * H + row) * C;
+        s[j] = scales + (e * scale_rows + row / 128) * scale_columns;
+      }
+      copy_rows8<ROWS, CPL, THREADS>(ring + stage * WORDS * THREADS, meta[stage], r, s, lane, C, policy);
+    }
+    commit_copies();
+  };
+#pragma unroll
+  for (int d = 0; d < STAGES - 1; ++d) issue(d, d);
+  wait_previous();  // gate/up's activations
+  uint4* mine = xs + k * C * 2;
+  const float unscale = stage8(h + (int64_t)k * C * 16, C * 16, mine, lane, 32, nullptr, true);
+  __syncwarp();
+  let_next();
+  const float scale = weights[k] * unscale;
+  staged_loop<STAGES>(iters, issue, [&](int d, int n) {
+    float acc[ROWS];
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j)
+      acc[j] = staged_row_dot8<ROWS, CPL, THREADS>(ring + d * WORDS * THREADS, meta[d], j, mine, lane, C);
+    const float sum = lane_sums<ROWS>(acc, lane);
+    sum_slots<ROWS, TOPK>(partial, scale * sum, n, true, blockIdx.x + n * gridDim.x, k, lane, H, out);
+  });
 }
 
 template <int STAGES, int MIN_CTAS>
@@ -384,18 +519,22 @@ void moe_silu(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor
 template <int DEPTH1, int DEPTH2, int ROWS>
 void moe_fp8_config(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor w2, torch::Tensor s2,
                     torch::Tensor experts, torch::Tensor weights, torch::Tensor h, torch::Tensor out, int64_t ctas1,
-                    int64_t ctas2, int64_t parts, bool pdl) {
+                    int64_t ctas2, int64_t stages1, int64_t stages2, int64_t parts, bool pdl) {
   constexpr int TOPK = 8;
   const int I = w1.size(1) / 2, C1 = w1.size(2) / 16, H = w2.size(1), C2 = w2.size(2) / 16;
   const int sms = multiprocessors();
   const int64_t gate_up_ctas = std::min<int64_t>(sms * ctas1, (TOPK * I + WARPS - 1) / WARPS);
+  auto gate_up = stages1 == 0 ? fp8_gate_up_kernel<WARPS, DEPTH1, 4>
+                 : stages1 == 2 ? fp8_gate_up_async_kernel<2, 4> : fp8_gate_up_async_kernel<3, 4>;
   if (parts & 1)
-    launch(fp8_gate_up_kernel<WARPS, DEPTH1, 4>, dim3(gate_up_ctas), dim3(WARPS * 32), C1 * 2 * 16, pdl,
+    launch(gate_up, dim3(gate_up_ctas), dim3(WARPS * 32), ring_bytes(C1 * 2 * 16, stages1, 2 * 4, WARPS * 32), pdl,
            (const __nv_bfloat16*)x.data_ptr(), (const uint4*)w1.data_ptr(), (const float*)s1.data_ptr(),
            (const int64_t*)experts.data_ptr(), (float*)h.data_ptr(), I, C1, TOPK * I);
   const int64_t down_ctas = std::min<int64_t>(sms * ctas2, (H + ROWS - 1) / ROWS);
+  auto down = stages2 == 0 ? fp8_down_kernel<DEPTH2, ROWS, TOPK, 2>
+              : stages2 == 2 ? fp8_down_async_kernel<2, ROWS, TOPK, 2> : fp8_down_async_kernel<3, ROWS, TOPK, 2>;
   if (parts & 2)
-    launch(fp8_down_kernel<DEPTH2, ROWS, TOPK, 2>, dim3(down_ctas), dim3(TOPK * 32), TOPK * C2 * 2 * 16, pdl,
+    launch(down, dim3(down_ctas), dim3(TOPK * 32), ring_bytes(TOPK * C2 * 2 * 16, stages2, ROWS * 2, TOPK * 32), pdl,
            (const float*)h.data_ptr(), (const uint4*)w2.data_ptr(), (const float*)s2.data_ptr(),
            (const int64_t*)experts.data_ptr(), routing_weights(weights), (__nv_bfloat16*)out.data_ptr(), H,
            C2);
@@ -403,12 +542,16 @@ void moe_fp8_config(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::
 
 void moe_fp8(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor w2, torch::Tensor s2,
              torch::Tensor experts, torch::Tensor weights, torch::Tensor h, torch::Tensor out, int64_t depth1,
-             int64_t depth2, int64_t ctas1, int64_t ctas2, int64_t rows, int64_t parts, bool pdl) {
+             int64_t depth2, int64_t ctas1, int64_t ctas2, int64_t rows, int64_t stages1, int64_t stages2,
+             int64_t parts, bool pdl) {
   TORCH_CHECK(w1.size(2) <= 16 * 32 * 4 && w2.size(2) <= 16 * 32 * 2 && experts.numel() == 8,
               "the FP8 probe takes K <= 2048, I <= 1024 and top-8");
+  TORCH_CHECK(stages1 >= 0 && stages1 <= 3 && stages1 != 1 && stages2 >= 0 && stages2 <= 3 && stages2 != 1,
+              "the FP8 shared-memory rings: 2 or 3 stages (0: registers)");
 #define CASE8(A, B, R) \
   if (depth1 == A && depth2 == B && rows == R) \
-    return moe_fp8_config<A, B, R>(x, w1, s1, w2, s2, experts, weights, h, out, ctas1, ctas2, parts, pdl);
+    return moe_fp8_config<A, B, R>(x, w1, s1, w2, s2, experts, weights, h, out, ctas1, ctas2, stages1, stages2, \
+                                   parts, pdl);
   CASE8(1, 1, 2) CASE8(1, 1, 4) CASE8(2, 1, 2) CASE8(1, 2, 2) CASE8(2, 2, 2)
   TORCH_CHECK(false, "no such FP8 config (depth1, depth2, rows)");
 }
@@ -421,7 +564,8 @@ CPP = ("void moe(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Ten
        "bool pdl, int64_t mode);\n"
        "void moe_fp8(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor w2, torch::Tensor s2, "
        "torch::Tensor experts, torch::Tensor weights, torch::Tensor h, torch::Tensor out, int64_t depth1, "
-       "int64_t depth2, int64_t ctas1, int64_t ctas2, int64_t rows, int64_t parts, bool pdl);\n"
+       "int64_t depth2, int64_t ctas1, int64_t ctas2, int64_t rows, int64_t stages1, int64_t stages2, int64_t parts, "
+       "bool pdl);\n"
        "void moe_silu(torch::Tensor x, torch::Tensor w1, torch::Tensor s1, torch::Tensor w2, torch::Tensor s2, "
        "torch::Tensor experts, torch::Tensor weights, torch::Tensor h, torch::Tensor out, int64_t depth2, "
        "int64_t ctas1, int64_t ctas2, int64_t rows, int64_t parts, bool pdl);")
@@ -451,7 +595,7 @@ def main() -> None:
                         help="DEPTH1,DEPTH2,CTAS1,CTAS2[,ROWS[,COLS[,STAGES1[,STAGES2]]]]: units in flight per warp "
                              "and CTAs per SM (gate/up, down), the down kernel's rows per batch (2 or 4; default 2), "
                              "gate/up's columns per unit (1 or 2; default 1), gate/up's and down's weights through a "
-                             "shared-memory ring of STAGES units (gate/up 2-4, down 2-3; default 0: registers)")
+                             "shared-memory ring of STAGES units (2-3, gpt-oss's gate/up 2-4; default 0: registers)")
     args = parser.parse_args()
     module = load_inline("probe_cuda_rows", CPP, cuda_sources=CUDA, functions=["moe", "moe_fp8", "moe_silu"],
                          extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-lineinfo", "-Xptxas=-v"],
@@ -477,7 +621,7 @@ def main() -> None:
                             *config[1:5], parts, pdl)
         else:
             module.moe_fp8(x, gate_up.data, gate_up.scales, down.data, down.scales, flat_index, flat_weights, h, out,
-                           *config[:5], parts, pdl)
+                           *config[:5], *config[6:8], parts, pdl)
         return out
 
     def library(gate_up, down):
