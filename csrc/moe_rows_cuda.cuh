@@ -230,6 +230,45 @@ __device__ __forceinline__ float row_dot(const Loads<ROWS, GPL>& l, int j, const
   });
 }
 
+// The token's activations (G groups of 32 bf16) into `xs` as fp16 pairs in the decode's order, times 2^shift (the
+// largest magnitude in [2^14, 2^15)), by a CTA of WARPS warps (`warp_max` a float each); returns shift. The caller
+// syncs the CTA before reading xs.
+template <int WARPS>
+__device__ __forceinline__ int stage_token(const __nv_bfloat16* __restrict__ x, int G, uint4* xs, float* warp_max) {
+  const int K = G * 32;
+  const uint4* x8 = reinterpret_cast<const uint4*>(x);
+  float m = 0.f;
+  for (int wd = threadIdx.x; wd < K / 8; wd += WARPS * 32) {
+    uint4 raw = x8[wd];
+    const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float2 f = __bfloat1622float2(v[j]);
+      m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
+    }
+  }
+  for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
+  __syncthreads();
+  m = 0.f;
+  for (int i = 0; i < WARPS; ++i) m = fmaxf(m, warp_max[i]);
+  const int shift = min(14 - (((__float_as_int(m) >> 23) & 255) - 127), 100);
+  const float scale = exp2i(shift);
+  for (int wd = threadIdx.x; wd < K / 8; wd += WARPS * 32) {
+    uint4 raw = x8[wd];
+    const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw);
+    float f[8];
+    for (int j = 0; j < 8; ++j) f[j] = __bfloat162float(v[j]) * scale;
+    __half2 a = __floats2half2_rn(f[0], f[2]), b = __floats2half2_rn(f[4], f[6]);
+    __half2 c = __floats2half2_rn(f[1], f[3]), d = __floats2half2_rn(f[5], f[7]);
+    uint4 q;
+    q.x = *reinterpret_cast<uint32_t*>(&a); q.y = *reinterpret_cast<uint32_t*>(&b);
+    q.z = *reinterpret_cast<uint32_t*>(&c); q.w = *reinterpret_cast<uint32_t*>(&d);
+    xs[quad(wd / 4, wd % 4)] = q;
+  }
+  return shift;
+}
+
 // Persistent warps: warp w of the grid takes units w, w + W, w + 2W, ... (W the grid's warps), DEPTH units' loads in
 // flight (a ring of registers indexed at compile time: the unit loop is unrolled DEPTH times, with no break, so the
 // shuffles stay convergent; units past the end load the last one again and store nothing).
@@ -249,7 +288,7 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) gate_up_kernel(
   __shared__ float warp_max[WARPS];
   __shared__ int expert_rows[8];
   const PersistentWarp me(WARPS, units);
-  const int lane = me.lane, warp = me.warp, stride = me.stride, first = me.first, iters = me.iters;
+  const int lane = me.lane, stride = me.stride, first = me.first, iters = me.iters;
   wait_previous();
   constexpr int ROWS = 2 * COLS;
   const int per_slot = I / COLS, slots = units / per_slot;
@@ -271,38 +310,7 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) gate_up_kernel(
     issue(ring[d], next);
     next.advance(stride, per_slot);
   }
-  // activations: fp16 times 2^shift (largest magnitude in [2^14, 2^15)), pairs in the decode's order
-  const int K = G * 32;
-  const uint4* x8 = reinterpret_cast<const uint4*>(x);
-  float m = 0.f;
-  for (int wd = threadIdx.x; wd < K / 8; wd += WARPS * 32) {
-    uint4 raw = x8[wd];
-    const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      float2 f = __bfloat1622float2(v[j]);
-      m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
-    }
-  }
-  for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  if (lane == 0) warp_max[warp] = m;
-  __syncthreads();
-  m = 0.f;
-  for (int i = 0; i < WARPS; ++i) m = fmaxf(m, warp_max[i]);
-  const int shift = min(14 - (((__float_as_int(m) >> 23) & 255) - 127), 100);
-  const float scale = exp2i(shift);
-  for (int wd = threadIdx.x; wd < K / 8; wd += WARPS * 32) {
-    uint4 raw = x8[wd];
-    const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw);
-    float f[8];
-    for (int j = 0; j < 8; ++j) f[j] = __bfloat162float(v[j]) * scale;
-    __half2 a = __floats2half2_rn(f[0], f[2]), b = __floats2half2_rn(f[4], f[6]);
-    __half2 c = __floats2half2_rn(f[1], f[3]), d = __floats2half2_rn(f[5], f[7]);
-    uint4 q;
-    q.x = *reinterpret_cast<uint32_t*>(&a); q.y = *reinterpret_cast<uint32_t*>(&b);
-    q.z = *reinterpret_cast<uint32_t*>(&c); q.w = *reinterpret_cast<uint32_t*>(&d);
-    xs[quad(wd / 4, wd % 4)] = q;
-  }
+  const int shift = stage_token<WARPS>(x, G, xs, warp_max);
   __syncthreads();
   let_next();
   const float unscale = exp2i(14 - shift), bias_scale = exp2i(shift - 14);
