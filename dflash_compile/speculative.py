@@ -96,12 +96,12 @@ def _left_aligned(chunks: list[tuple[torch.Tensor | None, torch.Tensor]]):
 
 
 def _min_tokens(min_new_tokens: int | None, min_length: int | None, prompt: int) -> int:
-    """New tokens before which a row's EOS is held back, as generate takes its two settings: `min_new_tokens`, and
-    `min_length` counting the (padded) prompt."""
+    """New tokens before which a row's EOS is held back, as generate takes its two settings: `min_new_tokens`, else
+    `min_length` counting the (padded) prompt (generate replaces min_length by min_new_tokens where both are set)."""
     for name, value in (("min_new_tokens", min_new_tokens), ("min_length", min_length)):
         if value is not None and (not isinstance(value, int) or value < 0):
             raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    return max(min_new_tokens or 0, (min_length or 0) - prompt)
+    return min_new_tokens if min_new_tokens is not None else max((min_length or 0) - prompt, 0)
 
 
 def _token_ids(setting) -> set[int]:
@@ -109,6 +109,12 @@ def _token_ids(setting) -> set[int]:
     if setting is None:
         return set()
     return {int(t) for t in (setting if isinstance(setting, (list, tuple, set)) else [setting])}
+
+
+def _first_id(eos_token_id) -> int:
+    """generate's pad id where none is set: the first EOS id in the order given (0 without one: no row finishes)."""
+    ids = [] if eos_token_id is None else torch.as_tensor(eos_token_id).flatten().tolist()
+    return int(ids[0]) if ids else 0
 
 
 def _forced_ids(forced_eos_token_id, forced_bos_token_id, suppress_tokens,
@@ -646,7 +652,7 @@ class SpeculativeDecoder:
         ngram_size = check_ngram_size(setting["no_repeat_ngram_size"])
         pad_token_id = setting["pad_token_id"]
         if pad_token_id is None:
-            pad_token_id = min(eos) if eos else 0
+            pad_token_id = _first_id(setting["eos_token_id"])
         batch, prompt = input_ids.shape
         self._check_lengths(prompt, max_new_tokens)
         pad = _left_padding(input_ids, attention_mask)

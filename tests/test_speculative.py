@@ -203,6 +203,20 @@ def test_rows_stop_at_their_own_eos(tiny, random_drafter):
         assert torch.equal(out, expected)
 
 
+def test_finished_rows_are_padded_with_the_first_eos_id_where_no_pad_id_is_set(tiny):
+    """Without a pad id, generate pads a finished row with the first of the EOS ids as given, here the larger."""
+    model = tiny("qwen3_moe")
+    model.generation_config.pad_token_id = None
+    ids, mask = prompts(3)
+    free_run = reference(model, ids, mask)
+    eos = int(free_run[0, ids.shape[1] + 5])  # row 0's 6th new token
+    first = 127 if eos != 127 else 126
+    expected = reference(model, ids, mask, eos_token_id=[first, eos])
+    assert (expected[0, ids.shape[1] + 6:] == first).all() and expected.shape[1] > ids.shape[1] + 6
+    fast = _generates_with_partial_drafts(model, ids, mask, expected, compile=False, eos_token_id=[first, eos])
+    assert fast.last_stats.new_tokens[0] == 6
+
+
 def test_plain_decoding_without_drafter(tiny):
     model = tiny("olmoe")
     ids, mask = prompts(2)
@@ -591,11 +605,13 @@ def test_repetition_penalty_as_generate_applies_it(tiny, family, compile):
 
 @pytest.mark.parametrize("family, compile, setting", [("gpt_oss", True, dict(min_new_tokens=12)),
                                                      ("qwen3_moe", False, dict(min_length=29)),
+                                                     ("qwen3_moe", False, dict(min_new_tokens=6, min_length=29)),
                                                      ("deepseek_v3", False, dict(min_new_tokens=12))])
 def test_a_minimum_length_holds_eos_back_as_generate_does(tiny, family, compile, setting):
     """An EOS that row 0 emits as its 4th new token waits until each row's 12th new token (min_new_tokens) or its
     20th after the 9-token padded prompt (min_length), at every verified position, drafts accepted up to a miss:
-    token-identical to model.generate with the setting, given to generate or read from the generation_config."""
+    token-identical to model.generate with the setting, given to generate or read from the generation_config. With
+    both set, min_new_tokens decides (generate replaces min_length by it): the EOS waits for the 6th token only."""
     model = tiny(family)
     ids, mask = prompts(3)
     eos = int(reference(model, ids, mask)[0, ids.shape[1] + 3])
