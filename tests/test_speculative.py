@@ -40,10 +40,14 @@ PADDED_DECODE_WRONG = ("minimax", "minimax_m3_vl", "inkling", "unlimited_ocr", "
 
 def reference(model, ids, mask, new_tokens=NEW_TOKENS, **kwargs):
     """`model.generate`'s greedy tokens, or for a family in PADDED_DECODE_WRONG each row's alone (a row done at its
-    EOS padded after it, as a batch pads it)."""
+    EOS padded after it, as a batch pads it: the pad id, else the first EOS id)."""
     if getattr(spec_for_model(model), "name", None) in PADDED_DECODE_WRONG and not mask.all():
         rows = [_generated_alone(model, row, real.bool(), new_tokens, **kwargs) for row, real in zip(ids, mask)]
-        width, pad = max(row.shape[1] for row in rows), model.generation_config.pad_token_id
+        settings = model.generation_config.to_dict() | kwargs
+        pad = settings.get("pad_token_id")
+        if pad is None:
+            pad = torch.as_tensor(settings.get("eos_token_id") or 0).flatten()[0].item()
+        width = max(row.shape[1] for row in rows)
         return torch.cat([torch.nn.functional.pad(row, (0, width - row.shape[1]), value=pad) for row in rows])
     with torch.no_grad():
         return model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens, **kwargs)
