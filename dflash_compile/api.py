@@ -32,14 +32,15 @@ class OptimizedModel:
     def last_stats(self) -> GenerationStats:
         return self.decoder.last_stats
 
-    def generate(self, input_ids, attention_mask=None, max_new_tokens: int = 20, **kwargs) -> torch.Tensor:
-        """Greedy: the tokens `model.generate(input_ids, attention_mask=..., do_sample=False, ...)` returns.
+    def generate(self, input_ids, attention_mask=None, max_new_tokens: int | None = None, **kwargs) -> torch.Tensor:
+        """Greedy: the tokens `model.generate(input_ids, attention_mask=..., do_sample=False, ...)` returns, as many
+        as it gives (`max_new_tokens`, else `max_length`, else the generation_config's, else 20).
         With do_sample=True (temperature, top_h, top_k, top_p, min_p, typical_p, epsilon_cutoff, eta_cutoff,
         generator, argmax_drafts): samples distributed exactly as the target's own `generate(do_sample=True, ...)`;
         `repetition_penalty`, `min_new_tokens`, `min_length`, `sequence_bias`, `bad_words_ids`, `suppress_tokens`,
         `begin_suppress_tokens`, `no_repeat_ngram_size`, `forced_bos_token_id`, `forced_eos_token_id` and
         `exponential_decay_length_penalty` as generate applies them. Other `model.generate` settings (beams,
-        max_length, ...) are refused by name."""
+        contrastive search, ...) are refused by name."""
         supported = inspect.signature(self.decoder.generate).parameters
         unsupported = sorted(set(kwargs) - set(supported))
         if unsupported:

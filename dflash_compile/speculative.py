@@ -104,6 +104,19 @@ def _min_tokens(min_new_tokens: int | None, min_length: int | None, prompt: int)
     return min_new_tokens if min_new_tokens is not None else max((min_length or 0) - prompt, 0)
 
 
+def _new_tokens(max_new_tokens: int | None, max_length: int | None, prompt: int, max_positions: int | None) -> int:
+    """How many new tokens generate gives a row: `max_new_tokens` where set, else `max_length` less the (padded)
+    prompt, else transformers' default of 20 (fewer where the model's positions end first)."""
+    if max_new_tokens is not None:
+        return max_new_tokens
+    if max_length is not None:
+        if max_length <= prompt:
+            raise ValueError(f"max_length {max_length} leaves no new token after a prompt of {prompt} tokens; set "
+                             "max_new_tokens")
+        return max_length - prompt
+    return min(DEFAULT_NEW_TOKENS, max_positions - prompt) if max_positions else DEFAULT_NEW_TOKENS
+
+
 def _token_ids(setting) -> set[int]:
     """A generate setting of one token id or several (eos_token_id, forced_eos_token_id, ...) as a set."""
     if setting is None:
@@ -143,6 +156,7 @@ def _length_penalty(setting) -> tuple[int, float] | None:
     return setting[0], float(setting[1])
 
 
+DEFAULT_NEW_TOKENS = 20  # transformers' generate without max_new_tokens or max_length
 STEP_GRAPHS = 64  # compiled verify steps kept per decoder code object before Dynamo falls back to eager
 DRAFTER_BACKEND = "inductor"  # the drafter's calls: Inductor alone (no experts to rewrite)
 SMALLEST_CACHE = 16
@@ -598,7 +612,7 @@ class SpeculativeDecoder:
         return Sampler(chain, generator, argmax_drafts)
 
     @_in_inference_mode
-    def generate(self, input_ids, attention_mask=None, max_new_tokens: int = 20, eos_token_id=None,
+    def generate(self, input_ids, attention_mask=None, max_new_tokens: int | None = None, eos_token_id=None,
                  pad_token_id=None, do_sample: bool = False, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, generator: torch.Generator | None = None,
                  argmax_drafts: bool = False, streamer=None, repetition_penalty: float | None = None,
@@ -607,8 +621,11 @@ class SpeculativeDecoder:
                  begin_suppress_tokens: list[int] | None = None, bad_words_ids: list[list[int]] | None = None,
                  no_repeat_ngram_size: int | None = None, sequence_bias=None, top_h: float | None = None,
                  typical_p: float | None = None, eta_cutoff: float | None = None, forced_bos_token_id=None,
-                 forced_eos_token_id=None, exponential_decay_length_penalty=None) -> torch.Tensor:
-        """Greedy: the same tensor as `model.generate(..., do_sample=False)`. Sampled (`do_sample=True`): tokens
+                 forced_eos_token_id=None, exponential_decay_length_penalty=None,
+                 max_length: int | None = None) -> torch.Tensor:
+        """Greedy: the same tensor as `model.generate(..., do_sample=False)`, as many new tokens as generate gives:
+        `max_new_tokens`, else `max_length` counting the (padded) prompt, each the argument else the
+        generation_config's, else 20. Sampled (`do_sample=True`): tokens
         distributed exactly as the target's own sampling with the same temperature / top-h / top-k / top-p / min-p /
         typical-p / epsilon and eta cutoffs. Either with
         transformers' `repetition_penalty` (default: the generation_config's), applied to every verified position
@@ -633,7 +650,8 @@ class SpeculativeDecoder:
                      begin_suppress_tokens=begin_suppress_tokens, no_repeat_ngram_size=no_repeat_ngram_size,
                      eos_token_id=eos_token_id, pad_token_id=pad_token_id, forced_bos_token_id=forced_bos_token_id,
                      forced_eos_token_id=forced_eos_token_id,
-                     exponential_decay_length_penalty=exponential_decay_length_penalty)
+                     exponential_decay_length_penalty=exponential_decay_length_penalty,
+                     max_new_tokens=max_new_tokens, max_length=max_length)
         # each processor's setting as generate takes it: the argument, else the generation_config's
         setting = {name: getattr(generation_config, name) if value is None else value for name, value in given.items()}
         penalty = setting["repetition_penalty"]
@@ -654,6 +672,7 @@ class SpeculativeDecoder:
         if pad_token_id is None:
             pad_token_id = _first_id(setting["eos_token_id"])
         batch, prompt = input_ids.shape
+        max_new_tokens = _new_tokens(setting["max_new_tokens"], setting["max_length"], prompt, self.max_positions)
         self._check_lengths(prompt, max_new_tokens)
         pad = _left_padding(input_ids, attention_mask)
         device, dtype = input_ids.device, self.model.dtype

@@ -221,6 +221,26 @@ def test_finished_rows_are_padded_with_the_first_eos_id_where_no_pad_id_is_set(t
     assert fast.last_stats.new_tokens[0] == 6
 
 
+def test_as_many_new_tokens_as_generate_gives(tiny):
+    """generate's count of new tokens: max_new_tokens (the call's, else the generation_config's, which wins over a
+    max_length the call gives), else max_length (likewise) less the padded prompt, else 20; a max_length the prompt
+    fills is refused."""
+    model = tiny("qwen3_moe")
+    ids, mask = prompts(2)
+    fast = dflash_compile.optimize(model, adaptive=False, compile=False)
+    for generation_config, kwargs, new in [({}, {}, 20), ({}, dict(max_length=12), 3),
+                                           (dict(max_new_tokens=7), dict(max_length=12), 7),
+                                           (dict(max_length=15), {}, 6)]:
+        model.generation_config.update(**dict(max_new_tokens=None, max_length=None) | generation_config)
+        with torch.no_grad():
+            expected = model.generate(ids, attention_mask=mask, do_sample=False, **kwargs)
+        assert expected.shape[1] == ids.shape[1] + new
+        assert torch.equal(fast.generate(ids, attention_mask=mask, **kwargs), expected)
+    with pytest.raises(ValueError, match="max_length 9 leaves no new token after a prompt of 9 tokens; set "
+                                         "max_new_tokens"):
+        fast.generate(ids, attention_mask=mask, max_length=9)
+
+
 def test_plain_decoding_without_drafter(tiny):
     model = tiny("olmoe")
     ids, mask = prompts(2)
@@ -325,10 +345,10 @@ def test_bad_options_are_refused_before_anything_changes(tiny, monkeypatch):
 
 def test_prompts_the_embedding_cannot_read_are_refused(tiny):
     fast = dflash_compile.optimize(tiny("qwen3_moe"), adaptive=False, compile=False)
-    with pytest.raises(ValueError, match=r"generate does not take \['max_length', 'num_beams'\]; it takes input_ids, "
-                                         r"attention_mask and \[.*'max_new_tokens'.*'temperature'.*\] \(greedy or "
-                                         r"sampled decoding\): run model.generate for the others"):
-        fast.generate(torch.ones(1, 3, dtype=torch.long), num_beams=4, max_length=20)
+    with pytest.raises(ValueError, match=r"generate does not take \['num_beams', 'penalty_alpha'\]; it takes "
+                                         r"input_ids, attention_mask and \[.*'max_new_tokens'.*'temperature'.*\] "
+                                         r"\(greedy or sampled decoding\): run model.generate for the others"):
+        fast.generate(torch.ones(1, 3, dtype=torch.long), num_beams=4, penalty_alpha=0.6)
     with pytest.raises(ValueError, match=r"input_ids must hold integer token ids, got torch.float32; a tokenizer's "
                                          r"return_tensors='pt' gives them"):
         fast.generate(torch.ones(1, 3))
