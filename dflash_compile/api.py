@@ -34,7 +34,8 @@ class OptimizedModel:
 
     def generate(self, input_ids, attention_mask=None, max_new_tokens: int | None = None, **kwargs) -> torch.Tensor:
         """Greedy: the tokens `model.generate(input_ids, attention_mask=..., do_sample=False, ...)` returns, as many
-        as it gives (`max_new_tokens`, else `max_length`, else the generation_config's, else 20).
+        as it gives (`max_new_tokens`, else `max_length` counting the padded prompt, each the argument else the
+        generation_config's, else 20).
         With do_sample=True (temperature, top_h, top_k, top_p, min_p, typical_p, epsilon_cutoff, eta_cutoff,
         generator, argmax_drafts): samples distributed exactly as the target's own `generate(do_sample=True, ...)`;
         `repetition_penalty`, `min_new_tokens`, `min_length`, `sequence_bias`, `bad_words_ids`, `suppress_tokens`,
