@@ -2,7 +2,8 @@
 each family's tiny model (`testing.save_tiny_model`, loaded by `from_pretrained`), over random batches, left
 padding, prompt lengths, new-token counts, oracle drafts (block size, corruption) and adaptive widths; optionally
 random logits-processor settings (`--processors`), offloaded experts (`--offload`: budget, policy, prefetch, CPU
-compute, cache manager), compiled steps (`--compile`) and bf16 weights (`--dtype bfloat16`). Each mismatch prints a
+compute, cache manager), compiled steps (`--compile`), bf16 weights (`--dtype bfloat16`) and the image-text-to-text
+releases (`--releases`). Each mismatch prints a
 line with what it takes to repeat it. The tests pin the cases found so far; this looks for new ones.
 
     python bench/identity_sweep.py --seed 1                          # every family, eager steps, float32
@@ -24,11 +25,13 @@ import tempfile
 from pathlib import Path
 
 import torch
+import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import dflash_compile  # noqa: E402
 from dflash_compile.offload import plan_offload  # noqa: E402
-from dflash_compile.testing import OracleDrafter, load_tiny_model, save_tiny_model  # noqa: E402
+from dflash_compile.testing import (MULTIMODAL, OracleDrafter, load_tiny_model, save_tiny_model,  # noqa: E402
+                                    tiny_multimodal_config)
 from tests.conftest import FAMILIES  # noqa: E402
 from tests.test_speculative import reference  # noqa: E402
 
@@ -74,6 +77,21 @@ def random_offload(rng: random.Random, model) -> dict:
                 offload_cpu_compute=rng.choice(["off", "auto", "always"]) if manager == "host" else "off")
 
 
+def save(family: str, directory: Path, release: bool) -> Path:
+    """`family`'s tiny causal LM, or (`release`) its tiny image-text-to-text release, written to `directory`."""
+    if not release:
+        return save_tiny_model(family, directory)
+    torch.manual_seed(0)
+    transformers.AutoModelForImageTextToText.from_config(tiny_multimodal_config(family)).save_pretrained(directory)
+    return directory
+
+
+def load(family: str, directory: Path, dtype: torch.dtype, release: bool):
+    if not release:
+        return load_tiny_model(family, dtype, directory)
+    return transformers.AutoModelForImageTextToText.from_pretrained(directory, dtype=dtype).eval()
+
+
 def trial(model, rng: random.Random, args) -> str | None:
     """One random generation; a line describing it where the tokens part from generate's, else None."""
     ids, mask, seed = random_prompts(rng)
@@ -96,25 +114,29 @@ def trial(model, rng: random.Random, args) -> str | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--families", nargs="+", default=FAMILIES)
+    parser.add_argument("--families", nargs="+", help="default: every family's causal LM, or with --releases "
+                                                         "every image-text-to-text release")
+    parser.add_argument("--releases", action="store_true", help="the families' tiny image-text-to-text releases "
+                                                                 "(`testing.MULTIMODAL`), text prompts")
     parser.add_argument("--trials", type=int, default=2, help="generations per family")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--processors", action="store_true", help="random logits-processor settings")
     parser.add_argument("--offload", action="store_true", help="offloaded experts (TRITON_INTERPRET=1 on a CPU)")
     parser.add_argument("--compile", action="store_true", help="compiled steps (slower: a compile per shape)")
     args = parser.parse_args()
+    families = args.families or (list(MULTIMODAL) if args.releases else FAMILIES)
     rng, parted = random.Random(args.seed), 0
     with tempfile.TemporaryDirectory() as directory:
-        for family in args.families:
-            saved = save_tiny_model(family, Path(directory) / family)
+        for family in families:
+            saved = save(family, Path(directory) / family, args.releases)
             for _ in range(args.trials):
-                model = load_tiny_model(family, getattr(torch, args.dtype), saved)  # fresh: offload changes it
+                model = load(family, saved, getattr(torch, args.dtype), args.releases)  # fresh: offload changes it
                 case = trial(model, rng, args)
                 if case:
                     parted += 1
                     print(f"PARTED {family}: {case}", flush=True)
             print(f"done {family}", flush=True)
-    print(f"{parted} of {len(args.families) * args.trials} generations parted from model.generate")
+    print(f"{parted} of {len(families) * args.trials} generations parted from model.generate")
 
 
 if __name__ == "__main__":
