@@ -1,10 +1,10 @@
 """Randomized token-identity sweep (not a timing): `optimize(model, drafter).generate` against `model.generate` on
 each family's tiny model (`testing.save_tiny_model`, loaded by `from_pretrained`), over random batches, left
 padding, prompt lengths, new-token counts, oracle drafts (block size, corruption) and adaptive widths; optionally
-random logits-processor settings (`--processors`), offloaded experts (`--offload`: budget, policy, prefetch, CPU
-compute, cache manager), compiled steps (`--compile`), bf16 weights (`--dtype bfloat16`) and the image-text-to-text
-releases (`--releases`). Each mismatch prints a
-line with what it takes to repeat it. The tests pin the cases found so far; this looks for new ones.
+random logits-processor settings (`--processors`), a DFlash drafter of random weights (`--drafter random`),
+offloaded experts (`--offload`: budget, policy, prefetch, CPU compute, cache manager), compiled steps (`--compile`),
+bf16 weights (`--dtype bfloat16`) and the image-text-to-text releases (`--releases`). Each mismatch prints a line
+with what it takes to repeat it. The tests pin the cases found so far; this looks for new ones.
 
     python bench/identity_sweep.py --seed 1                          # every family, eager steps, float32
     python bench/identity_sweep.py --seed 2 --processors --trials 3
@@ -30,8 +30,9 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import dflash_compile  # noqa: E402
 from dflash_compile.offload import plan_offload  # noqa: E402
-from dflash_compile.testing import (MULTIMODAL, OracleDrafter, load_tiny_model, save_tiny_model,  # noqa: E402
-                                    tiny_multimodal_config)
+from dflash_compile.drafter import save_drafter  # noqa: E402
+from dflash_compile.testing import (MULTIMODAL, OracleDrafter, load_tiny_model, random_drafter_weights,  # noqa: E402
+                                    save_tiny_model, tiny_drafter_config, tiny_multimodal_config)
 from tests.conftest import FAMILIES  # noqa: E402
 from tests.test_speculative import reference  # noqa: E402
 
@@ -105,7 +106,11 @@ def trial(model, rng: random.Random, args) -> str | None:
         expected = reference(model, ids, mask, new_tokens=new, **settings)
     except ValueError:
         return None  # settings transformers refuses (a forced EOS it also suppresses, ...)
-    drafter = OracleDrafter(expected, mask, block, corruption=corruption, vocab_size=128, seed=seed)
+    if args.drafter == "oracle":
+        drafter = OracleDrafter(expected, mask, block, corruption=corruption, vocab_size=128, seed=seed)
+    else:  # a DFlash drafter's network, random weights: its forward, context features and cache, drafts rejected
+        config = tiny_drafter_config(model.config, block_size=block)
+        drafter = save_drafter(tempfile.mkdtemp(dir=args.scratch), config, random_drafter_weights(config, seed))
     fast = dflash_compile.optimize(model, drafter, adaptive=adaptive, compile=args.compile, **options)
     out = fast.generate(ids, attention_mask=mask, max_new_tokens=new, **settings)
     return None if out.shape == expected.shape and torch.equal(out, expected) else case
@@ -123,10 +128,13 @@ def main() -> None:
     parser.add_argument("--processors", action="store_true", help="random logits-processor settings")
     parser.add_argument("--offload", action="store_true", help="offloaded experts (TRITON_INTERPRET=1 on a CPU)")
     parser.add_argument("--compile", action="store_true", help="compiled steps (slower: a compile per shape)")
+    parser.add_argument("--drafter", choices=["oracle", "random"], default="oracle",
+                        help="generate's own tokens with random corruption, or a DFlash drafter of random weights")
     args = parser.parse_args()
     families = args.families or (list(MULTIMODAL) if args.releases else FAMILIES)
     rng, parted = random.Random(args.seed), 0
     with tempfile.TemporaryDirectory() as directory:
+        args.scratch = directory
         for family in families:
             saved = save(family, Path(directory) / family, args.releases)
             for _ in range(args.trials):
