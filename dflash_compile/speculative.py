@@ -124,6 +124,20 @@ def _token_ids(setting) -> set[int]:
     return {int(t) for t in (setting if isinstance(setting, (list, tuple, set)) else [setting])}
 
 
+def _inferred_mask(input_ids: torch.Tensor, pad_token_id, eos: set[int]) -> torch.Tensor | None:
+    """generate's attention mask where none is given: the pad id's tokens are padding where the pad id is set, is no
+    EOS id and occurs in the prompt; else None (every token real). Pad tokens after a row's first real one, which
+    generate would mask too, are refused: the verify steps take left padding only."""
+    if pad_token_id is None or int(pad_token_id) in eos or not bool((input_ids == pad_token_id).any()):
+        return None
+    real = input_ids != pad_token_id
+    if not torch.equal(real, real.cummax(dim=1).values) or not bool(real.any(dim=1).all()):
+        raise ValueError(f"without an attention_mask, generate reads the pad token id {int(pad_token_id)} as padding, "
+                         "and this prompt holds it after a row's first real token (or in every place of a row): "
+                         "pass attention_mask (left padding)")
+    return real.long()
+
+
 def _first_id(eos_token_id) -> int:
     """generate's pad id where none is set: the first EOS id in the order given (0 without one: no row finishes)."""
     ids = [] if eos_token_id is None else torch.as_tensor(eos_token_id).flatten().tolist()
@@ -669,6 +683,8 @@ class SpeculativeDecoder:
         banned_first = begin_suppressed(setting["begin_suppress_tokens"])
         ngram_size = check_ngram_size(setting["no_repeat_ngram_size"])
         pad_token_id = setting["pad_token_id"]
+        if attention_mask is None:
+            attention_mask = _inferred_mask(input_ids, pad_token_id, eos)
         if pad_token_id is None:
             pad_token_id = _first_id(setting["eos_token_id"])
         batch, prompt = input_ids.shape

@@ -221,6 +221,27 @@ def test_finished_rows_are_padded_with_the_first_eos_id_where_no_pad_id_is_set(t
     assert fast.last_stats.new_tokens[0] == 6
 
 
+def test_without_a_mask_the_pad_ids_tokens_are_padding_as_generate_reads_them(tiny):
+    """Without an attention_mask, generate reads the pad id's tokens as padding where the pad id is set, is no EOS id
+    and occurs in the prompt: a left-padded batch then gives the tokens it gives with its mask. A pad token after a
+    row's first real one, which generate would mask too, is refused with the fix."""
+    model = tiny("qwen3_moe")
+    model.generation_config.pad_token_id = 0
+    ids, mask = prompts(3)
+    expected = reference(model, ids, mask)
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS), expected)
+    fast = dflash_compile.optimize(model, OracleDrafter(expected, mask, 4, corruption=0.3, vocab_size=128),
+                                   adaptive=False, compile=False)
+    assert torch.equal(fast.generate(ids, max_new_tokens=NEW_TOKENS), expected)
+    inside = ids.clone()
+    inside[0, 4] = 0
+    with pytest.raises(ValueError, match="without an attention_mask, generate reads the pad token id 0 as padding, "
+                                         "and this prompt holds it after a row's first real token .* pass "
+                                         r"attention_mask \(left padding\)"):
+        fast.generate(inside, max_new_tokens=NEW_TOKENS)
+
+
 def test_as_many_new_tokens_as_generate_gives(tiny):
     """generate's count of new tokens: max_new_tokens (the call's, else the generation_config's, which wins over a
     max_length the call gives), else max_length (likewise) less the padded prompt, else 20; a max_length the prompt
