@@ -93,8 +93,9 @@ def load(family: str, directory: Path, dtype: torch.dtype, release: bool):
     return transformers.AutoModelForImageTextToText.from_pretrained(directory, dtype=dtype).eval()
 
 
-def trial(model, rng: random.Random, args) -> str | None:
-    """One random generation; a line describing it where the tokens part from generate's, else None."""
+def trial(model, rng: random.Random, args, scratch: str) -> str | None:
+    """One random generation (a random drafter saved under `scratch`); a line describing it where the tokens part
+    from generate's, else None."""
     ids, mask, seed = random_prompts(rng)
     new, block = rng.randint(1, 30), rng.randint(2, 8)
     corruption, adaptive = rng.choice([0.0, 0.2, 0.5, 1.0]), rng.random() < 0.5
@@ -110,7 +111,7 @@ def trial(model, rng: random.Random, args) -> str | None:
         drafter = OracleDrafter(expected, mask, block, corruption=corruption, vocab_size=128, seed=seed)
     else:  # a DFlash drafter's network, random weights: its forward, context features and cache, drafts rejected
         config = tiny_drafter_config(model.config, block_size=block)
-        drafter = save_drafter(tempfile.mkdtemp(dir=args.scratch), config, random_drafter_weights(config, seed))
+        drafter = save_drafter(tempfile.mkdtemp(dir=scratch), config, random_drafter_weights(config, seed))
     fast = dflash_compile.optimize(model, drafter, adaptive=adaptive, compile=args.compile, **options)
     out = fast.generate(ids, attention_mask=mask, max_new_tokens=new, **settings)
     return None if out.shape == expected.shape and torch.equal(out, expected) else case
@@ -134,12 +135,11 @@ def main() -> None:
     families = args.families or (list(MULTIMODAL) if args.releases else FAMILIES)
     rng, parted = random.Random(args.seed), 0
     with tempfile.TemporaryDirectory() as directory:
-        args.scratch = directory
         for family in families:
             saved = save(family, Path(directory) / family, args.releases)
             for _ in range(args.trials):
                 model = load(family, saved, getattr(torch, args.dtype), args.releases)  # fresh: offload changes it
-                case = trial(model, rng, args)
+                case = trial(model, rng, args, directory)
                 if case:
                     parted += 1
                     print(f"PARTED {family}: {case}", flush=True)

@@ -64,7 +64,11 @@ class GenerationStats:
         return sum(self.new_tokens) / self.seconds if self.seconds else 0.0
 
 
-def _left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+def _left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                  read_from: int | None = None) -> torch.Tensor:
+    """Each row's count of padding tokens [b] from `attention_mask` (None: none), refused unless it pads on the left
+    and leaves a row at least one token. `read_from`: the pad id whose tokens the mask was read from, where no
+    attention_mask was given (the refusal then says so)."""
     if attention_mask is None:
         return torch.zeros(input_ids.shape[0], dtype=torch.int64, device=input_ids.device)
     if attention_mask.shape != input_ids.shape:
@@ -72,11 +76,16 @@ def _left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) 
                          f"{list(input_ids.shape)}")
     mask = attention_mask.bool()
     pad = (~mask).sum(dim=1)
-    left_aligned = torch.arange(mask.shape[1], device=mask.device)[None, :] >= pad[:, None]
-    if not torch.equal(mask, left_aligned):
+    left_aligned = torch.equal(mask, torch.arange(mask.shape[1], device=mask.device)[None, :] >= pad[:, None])
+    empty_row = bool((pad == mask.shape[1]).any())
+    if read_from is not None and (empty_row or not left_aligned):
+        raise ValueError(f"without an attention_mask, generate reads the pad token id {read_from} as padding, and "
+                         "this prompt holds it after a row's first real token (or in every place of a row): pass "
+                         "attention_mask (left padding)")
+    if not left_aligned:
         raise ValueError("attention_mask must be left padding (zeros then ones per row); set "
                          "tokenizer.padding_side = 'left'")
-    if bool((pad == mask.shape[1]).any()):
+    if empty_row:
         raise ValueError("a row of attention_mask is all zeros: every prompt needs at least one token")
     return pad.to(torch.int64)
 
@@ -117,31 +126,28 @@ def _new_tokens(max_new_tokens: int | None, max_length: int | None, prompt: int,
     return min(DEFAULT_NEW_TOKENS, max_positions - prompt) if max_positions else DEFAULT_NEW_TOKENS
 
 
-def _token_ids(setting) -> set[int]:
-    """A generate setting of one token id or several (eos_token_id, forced_eos_token_id, ...) as a set."""
+def _id_list(setting) -> list[int]:
+    """A generate setting of one token id or several (eos_token_id, forced_eos_token_id, ...), in the order given."""
     if setting is None:
-        return set()
-    return {int(t) for t in (setting if isinstance(setting, (list, tuple, set)) else [setting])}
+        return []
+    return [int(t) for t in (setting if isinstance(setting, (list, tuple, set)) else [setting])]
 
 
-def _inferred_mask(input_ids: torch.Tensor, pad_token_id, eos: set[int]) -> torch.Tensor | None:
-    """generate's attention mask where none is given: the pad id's tokens are padding where the pad id is set, is no
-    EOS id and occurs in the prompt; else None (every token real). Pad tokens after a row's first real one, which
-    generate would mask too, are refused: the verify steps take left padding only."""
-    if pad_token_id is None or int(pad_token_id) in eos or not bool((input_ids == pad_token_id).any()):
-        return None
-    real = input_ids != pad_token_id
-    if not torch.equal(real, real.cummax(dim=1).values) or not bool(real.any(dim=1).all()):
-        raise ValueError(f"without an attention_mask, generate reads the pad token id {int(pad_token_id)} as padding, "
-                         "and this prompt holds it after a row's first real token (or in every place of a row): "
-                         "pass attention_mask (left padding)")
-    return real.long()
+def _token_ids(setting) -> set[int]:
+    """A generate setting of one token id or several as a set."""
+    return set(_id_list(setting))
+
+
+def _pads_the_prompt(input_ids: torch.Tensor, pad_token_id, eos: set[int]) -> bool:
+    """Whether generate, given no attention_mask, reads the pad id's tokens as padding: the pad id is set, is no EOS
+    id and occurs in the prompt (the verify steps then take them as left padding, `_left_padding`)."""
+    return pad_token_id is not None and int(pad_token_id) not in eos and bool((input_ids == pad_token_id).any())
 
 
 def _first_id(eos_token_id) -> int:
     """generate's pad id where none is set: the first EOS id in the order given (0 without one: no row finishes)."""
-    ids = [] if eos_token_id is None else torch.as_tensor(eos_token_id).flatten().tolist()
-    return int(ids[0]) if ids else 0
+    ids = _id_list(eos_token_id)
+    return ids[0] if ids else 0
 
 
 def _forced_ids(forced_eos_token_id, forced_bos_token_id, suppress_tokens,
@@ -683,14 +689,15 @@ class SpeculativeDecoder:
         banned_first = begin_suppressed(setting["begin_suppress_tokens"])
         ngram_size = check_ngram_size(setting["no_repeat_ngram_size"])
         pad_token_id = setting["pad_token_id"]
-        if attention_mask is None:
-            attention_mask = _inferred_mask(input_ids, pad_token_id, eos)
+        inferred = attention_mask is None and _pads_the_prompt(input_ids, pad_token_id, eos)
+        if inferred:
+            attention_mask = (input_ids != pad_token_id).long()
         if pad_token_id is None:
             pad_token_id = _first_id(setting["eos_token_id"])
         batch, prompt = input_ids.shape
         max_new_tokens = _new_tokens(setting["max_new_tokens"], setting["max_length"], prompt, self.max_positions)
         self._check_lengths(prompt, max_new_tokens)
-        pad = _left_padding(input_ids, attention_mask)
+        pad = _left_padding(input_ids, attention_mask, read_from=int(pad_token_id) if inferred else None)
         device, dtype = input_ids.device, self.model.dtype
         max_len = cache_capacity(prompt + max_new_tokens + self.block_size)
         room = self._check_memory(prompt, max_new_tokens, batch, max_len, dtype, device)
